@@ -1,0 +1,26 @@
+"""`disagg <command>`: one subcommand per role; each module adds its parser and a run()."""
+
+import argparse
+import sys
+
+from disagg import __version__, presets_cmd
+
+COMMANDS = {"presets": presets_cmd}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"disagg {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    for name, module in COMMANDS.items():
+        module.add_parser(sub.add_parser(name, help=module.HELP, description=module.HELP))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command].run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

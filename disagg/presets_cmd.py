@@ -1,0 +1,78 @@
+"""`disagg presets`: the model presets with per-component KV sizes."""
+
+import argparse
+import json
+
+from kvpool.errors import SpecError
+from kvpool.geometry import Component, bytes_per_request, bytes_per_token, components, segments
+from kvpool.presets import PRESETS
+from kvpool.spec import MLASpec, ModelSpec
+
+HELP = "list model presets with bytes per token (and per request for state components)"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--json", action="store_true", help="print one JSON object keyed by preset (TP 1 figures)")
+    p.add_argument("--tp", type=int, default=8, help="TP size for the per-shard column (default 8)")
+
+
+def _layers(model: ModelSpec, c: Component) -> int:
+    group = {Component.FULL: model.full, Component.SWA: model.swa,
+             Component.NSA: model.nsa, Component.MAMBA: model.linear}[c]
+    return len(group.layers)
+
+
+def describe(model: ModelSpec) -> dict:
+    """The JSON entry of one preset: whole-model (TP 1) figures per component."""
+    comps = []
+    for c in components(model):
+        if c is Component.AUX:
+            continue  # disagg's own metadata, not model geometry
+        entry = {"kind": c.value, "num_layers": _layers(model, c)}
+        if c.per_request:
+            entry["bytes_per_request"] = bytes_per_request(model, c)
+            for part in ("conv", "temporal"):
+                entry[f"{part}_bytes_per_request"] = sum(
+                    s.nbytes for s in segments(model, c, 1) if s.part == part)
+        else:
+            entry["bytes_per_token"] = bytes_per_token(model, c)
+        if c is Component.FULL:
+            entry["attention"] = "mla" if isinstance(model.full, MLASpec) else "mha"
+        if c is Component.SWA:
+            entry["window"] = model.swa.window
+        comps.append(entry)
+    return {"layers": model.num_layers, "page_size": model.default_page_size, "components": comps}
+
+
+def _shard(model: ModelSpec, c: Component, tp: int) -> str:
+    try:
+        fn = bytes_per_request if c.per_request else bytes_per_token
+        return f"{fn(model, c, tp):,}"
+    except SpecError:
+        return "indivisible"
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.tp < 1:
+        raise SystemExit("--tp must be >= 1")
+    if args.json:
+        print(json.dumps({name: describe(m) for name, m in PRESETS.items()}, indent=2))
+        return 0
+    tp = args.tp
+    header = f"{'preset':<20} {'layers':>6} {'page':>4}  {'component':<10} {'n':>3} {'window':>6} " \
+             f"{'B/token':>12} {f'B/token TP{tp}':>13} {'B/request':>13} {f'B/request TP{tp}':>15}"
+    print(header)
+    print("-" * len(header))
+    for name, model in PRESETS.items():
+        first = True
+        for entry in describe(model)["components"]:
+            c = Component(entry["kind"])
+            kind = f"{c.value}({entry['attention']})" if "attention" in entry else c.value
+            lead = f"{name:<20} {model.num_layers:>6} {model.default_page_size:>4}" if first else " " * 32
+            per_tok = f"{entry['bytes_per_token']:,}" if not c.per_request else "-"
+            per_req = f"{entry['bytes_per_request']:,}" if c.per_request else "-"
+            print(f"{lead}  {kind:<10} {entry['num_layers']:>3} {entry.get('window', '-'):>6} "
+                  f"{per_tok:>12} {(_shard(model, c, tp) if not c.per_request else '-'):>13} "
+                  f"{per_req:>13} {(_shard(model, c, tp) if c.per_request else '-'):>15}")
+            first = False
+    return 0

@@ -1,0 +1,111 @@
+"""One frozen PoolConfig per pool: model geometry, page size, TP shard, capacity, layout.
+
+Capacity is given either in tokens (`max_tokens`, full-attention tokens) or as a byte budget
+(`byte_budget`, everything the pool allocates). Either way `sizes()` resolves it to item counts:
+
+    full pages    = tokens / page_size          (NSA shares the full page indices)
+    swa pages     = full pages * swa_ratio      (at least one window per request)
+    state slots   = max_requests                (Mamba state, AUX row)
+
+and a byte budget B solves  B = (full_pages + 1) * (full_row + nsa_row)
+                              + (swa_pages + 1) * swa_row + (max_requests + 1) * (mamba_row + aux_row)
+(+1: the sentinel item of every component).
+"""
+
+from dataclasses import dataclass
+
+from kvpool.geometry import Component, components, segments
+from kvpool.layout import Layout, pack
+from kvpool.errors import SpecError
+from kvpool.spec import ModelSpec, check_page_size
+
+
+@dataclass(frozen=True)
+class PoolSizes:
+    full_pages: int
+    swa_pages: int
+    state_slots: int
+
+    def num_items(self, component: Component) -> int:
+        """Items a component's buffers hold, the sentinel item 0 included."""
+        if component in (Component.FULL, Component.NSA):
+            return self.full_pages + 1
+        if component is Component.SWA:
+            return self.swa_pages + 1
+        return self.state_slots + 1
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    model: ModelSpec
+    page_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+    max_tokens: int | None = None
+    byte_budget: int | None = None
+    max_requests: int = 16
+    swa_ratio: float = 0.5
+    layout: Layout = Layout.PAGE_MAJOR
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        check_page_size(self.page_size)
+        if not isinstance(self.tp_size, int) or self.tp_size < 1:
+            raise SpecError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        if not 0 <= self.tp_rank < self.tp_size:
+            raise SpecError(f"tp_rank {self.tp_rank} outside [0, {self.tp_size})")
+        if (self.max_tokens is None) == (self.byte_budget is None):
+            raise SpecError("give exactly one of max_tokens and byte_budget")
+        for name in ("max_tokens", "byte_budget"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value <= 0):
+                raise SpecError(f"{name} must be a positive int, got {value!r}")
+        if not isinstance(self.max_requests, int) or self.max_requests < 1:
+            raise SpecError(f"max_requests must be a positive int, got {self.max_requests!r}")
+        if not 0 < self.swa_ratio <= 1:
+            raise SpecError(f"swa_ratio must lie in (0, 1], got {self.swa_ratio!r}")
+        object.__setattr__(self, "layout", Layout(self.layout))  # accept "page_major" too
+        for c in self.components:  # TP divisibility, dtypes
+            segments(self.model, c, self.page_size, self.tp_size)
+        self.sizes()  # capacity fits
+
+    @property
+    def components(self) -> tuple[Component, ...]:
+        return components(self.model)
+
+    def row_bytes(self, component: Component) -> int:
+        """Bytes one item of `component` occupies on this shard (layout padding included)."""
+        segs = segments(self.model, component, self.page_size, self.tp_size)
+        return pack(segs, self.layout).row_bytes
+
+    def swa_window_pages(self) -> int:
+        """Most SWA pages one request's window can span (one extra for misalignment)."""
+        assert self.model.swa is not None and self.model.swa.window is not None
+        return -(-self.model.swa.window // self.page_size) + 1
+
+    def sizes(self) -> PoolSizes:
+        rows = {c: self.row_bytes(c) for c in self.components}
+        per_page = rows.get(Component.FULL, 0) + rows.get(Component.NSA, 0)
+        swa_row = rows.get(Component.SWA, 0)
+        per_request = rows.get(Component.MAMBA, 0) + rows[Component.AUX]
+        has_paged = Component.FULL in rows or Component.SWA in rows
+        if self.max_tokens is not None:
+            full_pages = self.max_tokens // self.page_size
+        else:
+            fixed = (self.max_requests + 1) * per_request + per_page + swa_row
+            left = self.byte_budget - fixed
+            if left < 0:
+                raise SpecError(
+                    f"byte budget {self.byte_budget} too small: {fixed} bytes go to "
+                    f"{self.max_requests} request slots and sentinels alone"
+                )
+            full_pages = int(left // (per_page + self.swa_ratio * swa_row)) if has_paged else 0
+        swa_pages = int(full_pages * self.swa_ratio) if Component.SWA in rows else 0
+        if has_paged and full_pages < 1:
+            raise SpecError(f"capacity holds no page of {self.page_size} tokens")
+        if Component.SWA in rows and swa_pages < self.swa_window_pages():
+            raise SpecError(
+                f"swa pool of {swa_pages} pages cannot hold one window of "
+                f"{self.model.swa.window} tokens ({self.swa_window_pages()} pages); raise capacity or swa_ratio"
+            )
+        return PoolSizes(full_pages=full_pages, swa_pages=swa_pages, state_slots=self.max_requests)

@@ -1,0 +1,107 @@
+"""From a ModelSpec to the byte segments one TP shard stores per page (or per request slot).
+
+A segment is one (layer, part) tensor of one item: e.g. layer 3's K for one page is
+[page_size, kv_heads / tp, k_dim] bf16. The layout module packs segments into buffers.
+"""
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from kvpool.aux_record import AUX_ROW_BYTES
+from kvpool.dtypes import itemsize
+from kvpool.errors import SpecError
+from kvpool.spec import AttentionSpec, MLASpec, ModelSpec
+
+
+class Component(str, Enum):
+    FULL = "full"    # indexed by full page
+    SWA = "swa"      # indexed by SWA page (translated from full pages)
+    NSA = "nsa"      # indexed by full page
+    MAMBA = "mamba"  # indexed by request state slot
+    AUX = "aux"      # indexed by request aux row
+
+    @property
+    def per_request(self) -> bool:
+        return self in (Component.MAMBA, Component.AUX)
+
+
+@dataclass(frozen=True)
+class Segment:
+    layer: int                 # model layer index; -1 for AUX
+    part: str                  # "k", "v", "latent", "key", "scale", "conv", "temporal", "row"
+    shape: tuple[int, ...]     # per item (page or slot)
+    dtype: str
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)
+
+
+def _split(what: str, value: int, tp_size: int) -> int:
+    if value % tp_size:
+        raise SpecError(f"{what} ({value}) not divisible by TP size {tp_size}")
+    return value // tp_size
+
+
+def components(model: ModelSpec) -> tuple[Component, ...]:
+    present = [Component.FULL if model.full else None, Component.SWA if model.swa else None,
+               Component.NSA if model.nsa else None, Component.MAMBA if model.linear else None,
+               Component.AUX]
+    return tuple(c for c in present if c is not None)
+
+
+def segments(model: ModelSpec, component: Component, page_size: int, tp_size: int = 1) -> list[Segment]:
+    """Segments of one item of `component` on one of `tp_size` shards."""
+    if component is Component.FULL and isinstance(model.full, MLASpec):
+        mla = model.full
+        return [Segment(l, "latent", (page_size, mla.latent_dim), mla.dtype) for l in mla.layers]
+    if component in (Component.FULL, Component.SWA):
+        attn = model.full if component is Component.FULL else model.swa
+        if not isinstance(attn, AttentionSpec):
+            raise SpecError(f"{model.name} has no {component.value} layers")
+        heads = _split(f"{model.name}: {component.value} kv_heads", attn.kv_heads, tp_size)
+        out = []
+        for l in attn.layers:
+            out.append(Segment(l, "k", (page_size, heads, attn.k_dim), attn.dtype))
+            out.append(Segment(l, "v", (page_size, heads, attn.v_dim), attn.dtype))
+        return out
+    if component is Component.NSA:
+        nsa = model.nsa
+        if nsa is None:
+            raise SpecError(f"{model.name} has no nsa indexer")
+        scales = nsa.key_dim // nsa.scale_block
+        out = []
+        for l in nsa.layers:
+            out.append(Segment(l, "key", (page_size, nsa.key_dim), nsa.key_dtype))
+            out.append(Segment(l, "scale", (page_size, scales), nsa.scale_dtype))
+        return out
+    if component is Component.MAMBA:
+        lin = model.linear
+        if lin is None:
+            raise SpecError(f"{model.name} has no linear-state layers")
+        conv_dim = _split(f"{model.name}: conv_dim", lin.conv_dim, tp_size)
+        heads = _split(f"{model.name}: temporal heads", lin.temporal_heads, tp_size)
+        out = []
+        for l in lin.layers:
+            out.append(Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype))
+            out.append(Segment(l, "temporal", (heads, lin.temporal_d1, lin.temporal_d2), lin.temporal_dtype))
+        return out
+    if component is Component.AUX:
+        return [Segment(-1, "row", (AUX_ROW_BYTES,), "uint8")]
+    raise SpecError(f"unknown component {component!r}")
+
+
+def item_bytes(model: ModelSpec, component: Component, page_size: int, tp_size: int = 1) -> int:
+    """Payload bytes of one item (page or slot), without layout padding."""
+    return sum(s.nbytes for s in segments(model, component, page_size, tp_size))
+
+
+def bytes_per_token(model: ModelSpec, component: Component, tp_size: int = 1) -> int:
+    assert not component.per_request
+    return item_bytes(model, component, 1, tp_size)
+
+
+def bytes_per_request(model: ModelSpec, component: Component, tp_size: int = 1) -> int:
+    assert component.per_request
+    return item_bytes(model, component, 1, tp_size)

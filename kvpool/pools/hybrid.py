@@ -1,0 +1,195 @@
+"""HybridPool: every component of a model on one TP shard, and the request lifecycle.
+
+    alloc_request(n) -> RequestKV ──extend()/evict_swa()──> ... ──free_request()
+                              └──retract() -> KVCopy ──restore()──> RequestKV
+
+Every allocation checks all allocators before taking anything, so a request either gets
+everything it needs or nothing (OutOfSpace names the component that is short).
+"""
+
+import numpy as np
+import torch
+
+from kvpool.allocator.paged import PagedAllocator, num_pages_for
+from kvpool.allocator.slots import SlotAllocator, StateSlotAllocator
+from kvpool.allocator.swa import SWAAllocator
+from kvpool.config import PoolConfig
+from kvpool.cpu_copy import KVCopy
+from kvpool.errors import AllocatorError, LayoutMismatch, OutOfSpace
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet, SENTINEL, as_indices
+from kvpool.pools.aux import AuxPool
+from kvpool.pools.base import ComponentPool, KVPool
+from kvpool.pools.full import FullPool
+from kvpool.pools.mamba import MambaPool
+from kvpool.pools.nsa import NSAPool
+from kvpool.pools.swa import SWAPool, window_first_page
+from kvpool.request import RequestKV
+from kvpool.storage import BufferDescriptor
+
+
+class HybridPool(KVPool):
+    def __init__(self, config: PoolConfig):
+        self.config = config
+        self.page_size = config.page_size
+        self.sizes = sizes = config.sizes()
+        comps = config.components
+        self.pages = PagedAllocator(sizes.full_pages, config.page_size, "full pages")
+        self.swa_allocator = (
+            SWAAllocator(self.pages, PagedAllocator(sizes.swa_pages, config.page_size, "swa pages"))
+            if Component.SWA in comps else None
+        )
+        self.state_slots = StateSlotAllocator(sizes.state_slots, "mamba slots") if Component.MAMBA in comps else None
+        self.aux_rows = StateSlotAllocator(sizes.state_slots, "aux rows")
+        self.pools: dict[Component, ComponentPool] = {}
+        for c in comps:
+            n = sizes.num_items(c)
+            self.pools[c] = {
+                Component.FULL: lambda: FullPool(config, n),
+                Component.SWA: lambda: SWAPool(config, n, self.swa_allocator),
+                Component.NSA: lambda: NSAPool(config, n),
+                Component.MAMBA: lambda: MambaPool(config, n),
+                Component.AUX: lambda: AuxPool(config, n),
+            }[c]()
+
+    @property
+    def aux(self) -> AuxPool:
+        return self.pools[Component.AUX]
+
+    # ---- request lifecycle ------------------------------------------------------------
+    def alloc_request(self, num_tokens: int, swa_window_only: bool = False) -> RequestKV:
+        """Allocate a request of `num_tokens` tokens. With `swa_window_only`, SWA pages back
+        only the window (what a decode side receives); otherwise every page (prefill)."""
+        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+            raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
+        n_pages = num_pages_for(num_tokens, self.page_size)
+        first = window_first_page(num_tokens, self.config.model.swa.window, self.page_size) \
+            if self.swa_allocator is not None and swa_window_only else 0
+        return self._alloc(int(num_tokens), np.arange(first, n_pages, dtype=np.int32))
+
+    def _alloc(self, num_tokens: int, swa_positions: np.ndarray) -> RequestKV:
+        n_pages = num_pages_for(num_tokens, self.page_size)
+        needs: list[tuple[SlotAllocator, int]] = [(self.pages, n_pages), (self.aux_rows, 1)]
+        if self.swa_allocator is not None:
+            needs.append((self.swa_allocator.swa, len(swa_positions)))
+        if self.state_slots is not None:
+            needs.append((self.state_slots, 1))
+        for allocator, n in needs:
+            if n > allocator.num_free:
+                raise OutOfSpace(allocator.name, n, allocator.num_free)
+        if self.swa_allocator is not None:
+            pages = self.swa_allocator.alloc(n_pages, swa_positions)
+        else:
+            pages = self.pages.alloc(n_pages)
+        slot = int(self.state_slots.alloc(1)[0]) if self.state_slots is not None else SENTINEL
+        row = int(self.aux_rows.alloc(1)[0])
+        return RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row)
+
+    def extend(self, req: RequestKV, new_num_tokens: int) -> None:
+        """Grow `req` to `new_num_tokens`; new pages get SWA pages and pages that left the
+        window give theirs back. Nothing changes when space is short."""
+        self._check_live(req)
+        if new_num_tokens < req.num_tokens:
+            raise AllocatorError(f"cannot shrink a request from {req.num_tokens} to {new_num_tokens} tokens")
+        n_new = num_pages_for(new_num_tokens, self.page_size) - req.num_pages
+        if n_new > self.pages.available_pages():
+            raise OutOfSpace(self.pages.name, n_new, self.pages.available_pages())
+        if self.swa_allocator is not None:
+            swa = self.swa_allocator
+            leaving = self._out_of_window(req.full_pages, new_num_tokens)
+            freeable = int((swa.translate(leaving) != SENTINEL).sum())
+            if n_new > swa.swa.available_pages() + freeable:
+                raise OutOfSpace(swa.swa.name, n_new, swa.swa.available_pages() + freeable)
+            swa.evict(leaving)
+            new_pages = swa.alloc(n_new, np.arange(n_new, dtype=np.int32))
+        else:
+            new_pages = self.pages.alloc(n_new)
+        req.full_pages = as_indices(np.concatenate([req.full_pages, new_pages]))
+        req.num_tokens = int(new_num_tokens)
+
+    def evict_swa(self, req: RequestKV) -> int:
+        """Free the SWA pages of `req` that hold no token in its window; returns how many."""
+        self._check_live(req)
+        if self.swa_allocator is None:
+            return 0
+        return self.swa_allocator.evict(self._out_of_window(req.full_pages, req.num_tokens))
+
+    def free_request(self, req: RequestKV) -> None:
+        self._check_live(req)
+        if self.swa_allocator is not None:
+            self.swa_allocator.free(req.full_pages)
+        else:
+            self.pages.free(req.full_pages)
+        if self.state_slots is not None:
+            self.state_slots.free(np.array([req.state_slot], dtype=np.int32))
+        self.aux_rows.free(np.array([req.aux_row], dtype=np.int32))
+        req.freed = True
+
+    def retract(self, req: RequestKV) -> KVCopy:
+        """Copy `req` to CPU memory and free it (preemption)."""
+        copy = self.get_cpu_copy(req)
+        self.free_request(req)
+        return copy
+
+    def restore(self, copy: KVCopy) -> RequestKV:
+        """Allocate a request shaped like `copy` (same tokens, same SWA pages backed) and load it."""
+        swa_part = copy.components.get(Component.SWA)
+        positions = swa_part.positions if swa_part is not None else np.zeros(0, dtype=np.int32)
+        req = self._alloc(copy.num_tokens, positions)
+        try:
+            self.load_cpu_copy(req, copy)
+        except Exception:
+            self.free_request(req)
+            raise
+        return req
+
+    def _out_of_window(self, full_pages: np.ndarray, num_tokens: int) -> np.ndarray:
+        return full_pages[: window_first_page(num_tokens, self.config.model.swa.window, self.page_size)]
+
+    def _check_live(self, req: RequestKV) -> None:
+        if req.freed:
+            raise AllocatorError("request was already freed")
+
+    # ---- the pool interface -------------------------------------------------------------
+    def buffer_descriptors(self) -> list[BufferDescriptor]:
+        return [d for pool in self.pools.values() for d in pool.buffer_descriptors()]
+
+    def index_set(self, req: RequestKV) -> IndexSet:
+        self._check_live(req)
+        return IndexSet.merge(pool.index_set(req) for pool in self.pools.values())
+
+    def get_cpu_copy(self, req: RequestKV) -> KVCopy:
+        self._check_live(req)
+        parts = [pool.get_cpu_copy(req) for pool in self.pools.values()]
+        return KVCopy(req.num_tokens, {c: p for part in parts for c, p in part.components.items()})
+
+    def load_cpu_copy(self, req: RequestKV, copy: KVCopy) -> None:
+        self._check_live(req)
+        extra = set(copy.components) - set(self.pools)
+        if extra:
+            raise LayoutMismatch(f"copy has components this pool lacks: {sorted(c.value for c in extra)}")
+        items = {c: pool.check_copy(req, copy) for c, pool in self.pools.items()}  # all or nothing
+        for c, pool in self.pools.items():
+            pool.storage.scatter(items[c], copy.components[c].buffers)
+
+    def layer_view(self, layer: int, part: str) -> torch.Tensor:
+        for pool in self.pools.values():
+            if pool.storage.has(layer, part):
+                return pool.layer_view(layer, part)
+        raise LayoutMismatch(f"no component holds layer {layer} part {part!r}")
+
+    # ---- accounting ---------------------------------------------------------------------
+    def available(self) -> dict[str, int]:
+        """Free capacity per allocator: tokens for page pools, slots otherwise."""
+        out = {"full_tokens": self.pages.available_size(), "aux_rows": self.aux_rows.available_size()}
+        if self.swa_allocator is not None:
+            out["swa_tokens"] = self.swa_allocator.swa.available_size()
+        if self.state_slots is not None:
+            out["mamba_slots"] = self.state_slots.available_size()
+        return out
+
+    def check_integrity(self) -> None:
+        (self.swa_allocator or self.pages).check_integrity()
+        if self.state_slots is not None:
+            self.state_slots.check_integrity()
+        self.aux_rows.check_integrity()

@@ -1,0 +1,167 @@
+"""Typed description of a model's KV geometry (whole model, before any TP split).
+
+A model is a list of layer indices grouped by kind. Each group has one geometry, so a
+component pool can store one page of all its layers as one contiguous row:
+
+    layer:  0    1    2    3    4    5  ...
+    kind:   swa  full swa  full swa  full     (gpt-oss: even = SWA, odd = full)
+            \_ SWA component: layers 0,2,4,..   \_ FULL component: layers 1,3,5,..
+
+An NSA indexer rides on (a subset of) the full layers and shares their page indices; a
+linear-attention (Mamba/GDN) layer keeps one constant-size state per request.
+"""
+
+from dataclasses import dataclass, field
+
+from kvpool.dtypes import torch_dtype
+from kvpool.errors import SpecError
+
+
+def _check_layers(what: str, layers: tuple[int, ...]) -> None:
+    if not layers:
+        raise SpecError(f"{what}: needs at least one layer")
+    if len(set(layers)) != len(layers):
+        raise SpecError(f"{what}: duplicate layer indices")
+    if min(layers) < 0:
+        raise SpecError(f"{what}: negative layer index")
+
+
+def _check_positive(what: str, **values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, int) or value <= 0:
+            raise SpecError(f"{what}: {name} must be a positive int, got {value!r}")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """MHA/GQA layers: K [kv_heads, k_dim] and V [kv_heads, v_dim] per token. Heads split by TP.
+    With `window` set these are sliding-window layers (only the last `window` tokens matter)."""
+
+    layers: tuple[int, ...]
+    kv_heads: int
+    k_dim: int
+    v_dim: int
+    dtype: str = "bfloat16"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        what = "swa" if self.window is not None else "full attention"
+        _check_layers(what, self.layers)
+        _check_positive(what, kv_heads=self.kv_heads, k_dim=self.k_dim, v_dim=self.v_dim)
+        if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
+            raise SpecError(f"swa: window must be a positive int, got {self.window!r}")
+        torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention: one latent [latent_dim] per token and layer, replicated
+    across TP ranks (DeepSeek: kv_lora_rank 512 + rope 64 = 576)."""
+
+    layers: tuple[int, ...]
+    latent_dim: int
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        _check_layers("mla", self.layers)
+        _check_positive("mla", latent_dim=self.latent_dim)
+        torch_dtype(self.dtype)
+
+
+@dataclass(frozen=True)
+class NSAIndexerSpec:
+    """NSA indexer key cache: per token and layer `key_dim` quantized keys plus one scale per
+    `scale_block` values, paged like the full layers it rides on. Replicated across TP."""
+
+    layers: tuple[int, ...]
+    key_dim: int = 128
+    key_dtype: str = "float8_e4m3fn"
+    scale_block: int = 128
+    scale_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_layers("nsa", self.layers)
+        _check_positive("nsa", key_dim=self.key_dim, scale_block=self.scale_block)
+        if self.key_dim % self.scale_block:
+            raise SpecError(f"nsa: key_dim {self.key_dim} not a multiple of scale_block {self.scale_block}")
+        torch_dtype(self.key_dtype)
+        torch_dtype(self.scale_dtype)
+
+
+@dataclass(frozen=True)
+class LinearStateSpec:
+    """Mamba2 / gated-delta-net layers: per request a conv state [conv_dim, conv_width] and a
+    temporal (SSM / recurrent) state [heads, d1, d2]. conv_dim and heads split by TP."""
+
+    layers: tuple[int, ...]
+    conv_dim: int
+    conv_width: int
+    temporal_heads: int
+    temporal_d1: int
+    temporal_d2: int
+    conv_dtype: str = "bfloat16"
+    temporal_dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        _check_layers("linear state", self.layers)
+        _check_positive(
+            "linear state", conv_dim=self.conv_dim, conv_width=self.conv_width,
+            temporal_heads=self.temporal_heads, temporal_d1=self.temporal_d1,
+            temporal_d2=self.temporal_d2,
+        )
+        torch_dtype(self.conv_dtype)
+        torch_dtype(self.temporal_dtype)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """KV geometry of one model. Layers not named by any group carry no KV (MLP-only)."""
+
+    name: str
+    num_layers: int
+    full: AttentionSpec | MLASpec | None = None
+    swa: AttentionSpec | None = None
+    nsa: NSAIndexerSpec | None = None
+    linear: LinearStateSpec | None = None
+    default_page_size: int = 16
+    notes: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        _check_positive(self.name, num_layers=self.num_layers)
+        if self.full is None and self.swa is None:
+            raise SpecError(f"{self.name}: a model needs full or swa attention layers (pages index every component)")
+        if isinstance(self.full, AttentionSpec) and self.full.window is not None:
+            raise SpecError(f"{self.name}: full attention layers cannot have a window")
+        if self.swa is not None and self.swa.window is None:
+            raise SpecError(f"{self.name}: swa layers need a window")
+        seen: dict[int, str] = {}
+        for kind, group in (("full", self.full), ("swa", self.swa), ("linear", self.linear)):
+            for layer in group.layers if group is not None else ():
+                if layer >= self.num_layers:
+                    raise SpecError(f"{self.name}: {kind} layer {layer} >= num_layers {self.num_layers}")
+                if layer in seen:
+                    raise SpecError(f"{self.name}: layer {layer} is both {seen[layer]} and {kind}")
+                seen[layer] = kind
+        if self.nsa is not None:
+            full_layers = set(self.full.layers) if self.full is not None else set()
+            stray = sorted(set(self.nsa.layers) - full_layers)
+            if stray:
+                raise SpecError(f"{self.name}: nsa indexer on non-full layers {stray}")
+        check_page_size(self.default_page_size)
+
+    def layer_kinds(self) -> tuple[str, ...]:
+        """Per layer: 'full', 'mla', 'swa', 'linear' or 'none' (no KV)."""
+        kinds = ["none"] * self.num_layers
+        if self.full is not None:
+            name = "mla" if isinstance(self.full, MLASpec) else "full"
+            for layer in self.full.layers:
+                kinds[layer] = name
+        for kind, group in (("swa", self.swa), ("linear", self.linear)):
+            for layer in group.layers if group is not None else ():
+                kinds[layer] = kind
+        return tuple(kinds)
+
+
+def check_page_size(page_size: int) -> None:
+    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
+        raise SpecError(f"page size must be a positive power of two, got {page_size!r}")
