@@ -1,4 +1,4 @@
-"""Typed description of a model's KV geometry (whole model, before any TP split).
+r"""Typed description of a model's KV geometry (whole model, before any TP split).
 
 A model is a list of layer indices grouped by kind. Each group has one geometry, so a
 component pool can store one page of all its layers as one contiguous row:

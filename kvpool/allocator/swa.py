@@ -1,4 +1,4 @@
-"""SWA allocator: full pages plus a smaller SWA page pool, tied by a full->SWA page mapping.
+r"""SWA allocator: full pages plus a smaller SWA page pool, tied by a full->SWA page mapping.
 
     request pages (positions)   0    1    2    3    4    5
     full pages                  17   4    9    30   2    11

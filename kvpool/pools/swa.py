@@ -1,4 +1,4 @@
-"""SWA pool: K/V of the sliding-window layers in its own, smaller page pool.
+r"""SWA pool: K/V of the sliding-window layers in its own, smaller page pool.
 
 Window math for a request of L tokens, window W, page size P (s = max(0, L - W)):
 
