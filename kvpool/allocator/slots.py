@@ -54,15 +54,28 @@ class SlotAllocator(Allocator):
             bad = lo if lo < 1 else hi
             kind = "the padding sentinel" if bad == 0 else "not from this allocator"
             raise AllocatorError(f"{self.name}.{what}: index {bad} is {kind} (valid: 1..{self.capacity})")
-        if len(np.unique(ids)) != len(ids):
-            raise AllocatorError(f"{self.name}.{what}: duplicate indices in one call")
         already = ids[self._is_free[ids]]
         if len(already):
             raise AllocatorError(f"{self.name}.{what}: index {int(already[0])} is not allocated (double free?)")
+        if self._has_duplicates(ids):
+            raise AllocatorError(f"{self.name}.{what}: duplicate indices in one call")
         return ids
 
+    def _has_duplicates(self, ids: np.ndarray) -> bool:
+        """For ids all currently allocated. Few ids: sort them. Many (relative to capacity):
+        mark them free in the bitmap and count, O(capacity) without a sort, then undo."""
+        if len(ids) * 32 < self.capacity:
+            return len(np.unique(ids)) != len(ids)
+        self._is_free[ids] = True
+        distinct = np.count_nonzero(self._is_free) - self._top
+        self._is_free[ids] = False
+        return distinct != len(ids)
+
     def free(self, indices: np.ndarray) -> None:
-        ids = self.check_owned(indices)
+        self._release(self.check_owned(indices))
+
+    def _release(self, ids: np.ndarray) -> None:
+        """Push validated ids (see check_owned) back on the free stack."""
         n = len(ids)
         self._stack[self._top : self._top + n] = ids[::-1]
         self._top += n

@@ -15,7 +15,7 @@ import numpy as np
 from kvpool.allocator.base import Allocator
 from kvpool.allocator.paged import PagedAllocator
 from kvpool.errors import AllocatorError, OutOfSpace
-from kvpool.indices import INDEX_DTYPE, SENTINEL, as_indices
+from kvpool.indices import INDEX_DTYPE, SENTINEL
 
 
 class SWAAllocator(Allocator):
@@ -49,25 +49,25 @@ class SWAAllocator(Allocator):
             raise AllocatorError(f"translate: full pages must lie in [0, {self.full.num_pages}]")
         return self._mapping[pages]
 
-    def alloc(self, num_pages: int, swa_positions: np.ndarray) -> np.ndarray:
-        """`num_pages` full pages; SWA pages back those at `swa_positions` (indices into the
-        new pages). Takes nothing unless both pools have room."""
-        positions = as_indices(swa_positions, "swa positions")
-        if len(positions) and (positions.min() < 0 or positions.max() >= num_pages
-                               or len(np.unique(positions)) != len(positions)):
-            raise AllocatorError(f"swa positions must be distinct and in [0, {num_pages})")
-        if len(positions) > self.swa.available_pages():
-            raise OutOfSpace("swa pages", len(positions), self.swa.available_pages())
+    def alloc(self, num_pages: int, swa_first: int) -> np.ndarray:
+        """`num_pages` full pages; SWA pages back positions [swa_first, num_pages) of them
+        (earlier positions are out of the window already). Takes nothing unless both pools
+        have room."""
+        if not 0 <= swa_first <= num_pages:
+            raise AllocatorError(f"swa_first {swa_first} outside [0, {num_pages}]")
+        n_swa = num_pages - swa_first
+        if n_swa > self.swa.num_free:
+            raise OutOfSpace(self.swa.name, n_swa, self.swa.num_free)
         full_pages = self.full.alloc(num_pages)
-        self._mapping[full_pages[positions]] = self.swa.alloc(len(positions))
+        self._mapping[full_pages[swa_first:]] = self.swa.alloc(n_swa)
         return full_pages
 
     def free(self, indices: np.ndarray) -> None:
         """Free full pages together with whatever SWA pages still back them."""
         full_pages = self.full.check_owned(indices)
         swa_pages = self._mapping[full_pages]
-        self.full.free(full_pages)
-        self.swa.free(swa_pages[swa_pages != SENTINEL])
+        self.full._release(full_pages)
+        self.swa._release(swa_pages[swa_pages != SENTINEL])  # distinct and allocated by invariant
         self._mapping[full_pages] = SENTINEL
 
     def evict(self, full_pages: np.ndarray) -> int:
@@ -76,7 +76,7 @@ class SWAAllocator(Allocator):
         pages = self.full.check_owned(full_pages, "evict")
         swa_pages = self._mapping[pages]
         live = swa_pages != SENTINEL
-        self.swa.free(swa_pages[live])
+        self.swa._release(swa_pages[live])
         self._mapping[pages[live]] = SENTINEL
         return int(live.sum())
 

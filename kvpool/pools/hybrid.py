@@ -17,7 +17,7 @@ from kvpool.config import PoolConfig
 from kvpool.cpu_copy import KVCopy
 from kvpool.errors import AllocatorError, LayoutMismatch, OutOfSpace
 from kvpool.geometry import Component
-from kvpool.indices import IndexSet, SENTINEL, as_indices
+from kvpool.indices import IndexSet, SENTINEL
 from kvpool.pools.aux import AuxPool
 from kvpool.pools.base import ComponentPool, KVPool
 from kvpool.pools.full import FullPool
@@ -62,28 +62,29 @@ class HybridPool(KVPool):
         only the window (what a decode side receives); otherwise every page (prefill)."""
         if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
             raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
-        n_pages = num_pages_for(num_tokens, self.page_size)
-        first = window_first_page(num_tokens, self.config.model.swa.window, self.page_size) \
-            if self.swa_allocator is not None and swa_window_only else 0
-        return self._alloc(int(num_tokens), np.arange(first, n_pages, dtype=np.int32))
+        first = self._window_first(num_tokens) if swa_window_only else 0
+        return self._alloc(int(num_tokens), first)
 
-    def _alloc(self, num_tokens: int, swa_positions: np.ndarray) -> RequestKV:
+    def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
+        """Allocate; SWA pages back positions [swa_first, num_pages)."""
         n_pages = num_pages_for(num_tokens, self.page_size)
+        swa_first = swa_first if self.swa_allocator is not None else 0
         needs: list[tuple[SlotAllocator, int]] = [(self.pages, n_pages), (self.aux_rows, 1)]
         if self.swa_allocator is not None:
-            needs.append((self.swa_allocator.swa, len(swa_positions)))
+            needs.append((self.swa_allocator.swa, n_pages - swa_first))
         if self.state_slots is not None:
             needs.append((self.state_slots, 1))
         for allocator, n in needs:
             if n > allocator.num_free:
                 raise OutOfSpace(allocator.name, n, allocator.num_free)
         if self.swa_allocator is not None:
-            pages = self.swa_allocator.alloc(n_pages, swa_positions)
+            pages = self.swa_allocator.alloc(n_pages, swa_first)
         else:
             pages = self.pages.alloc(n_pages)
         slot = int(self.state_slots.alloc(1)[0]) if self.state_slots is not None else SENTINEL
         row = int(self.aux_rows.alloc(1)[0])
-        return RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row)
+        return RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row,
+                         swa_evicted=swa_first)
 
     def extend(self, req: RequestKV, new_num_tokens: int) -> None:
         """Grow `req` to `new_num_tokens`; new pages get SWA pages and pages that left the
@@ -92,19 +93,25 @@ class HybridPool(KVPool):
         if new_num_tokens < req.num_tokens:
             raise AllocatorError(f"cannot shrink a request from {req.num_tokens} to {new_num_tokens} tokens")
         n_new = num_pages_for(new_num_tokens, self.page_size) - req.num_pages
+        if n_new == 0 and self._window_first(new_num_tokens) <= req.swa_evicted:
+            req.num_tokens = int(new_num_tokens)  # same pages, nothing left the window
+            return
         if n_new > self.pages.available_pages():
             raise OutOfSpace(self.pages.name, n_new, self.pages.available_pages())
         if self.swa_allocator is not None:
             swa = self.swa_allocator
-            leaving = self._out_of_window(req.full_pages, new_num_tokens)
-            freeable = int((swa.translate(leaving) != SENTINEL).sum())
-            if n_new > swa.swa.available_pages() + freeable:
-                raise OutOfSpace(swa.swa.name, n_new, swa.swa.available_pages() + freeable)
-            swa.evict(leaving)
-            new_pages = swa.alloc(n_new, np.arange(n_new, dtype=np.int32))
+            first = self._window_first(new_num_tokens)
+            # New pages already out of the window (growth by more than a window) get none.
+            new_swa_first = min(n_new, max(0, first - req.num_pages))
+            freeable = max(0, min(first, req.num_pages) - req.swa_evicted)
+            if n_new - new_swa_first > swa.swa.num_free + freeable:
+                raise OutOfSpace(swa.swa.name, n_new - new_swa_first, swa.swa.num_free + freeable)
+            self._evict_before(req, min(first, req.num_pages))
+            new_pages = swa.alloc(n_new, swa_first=new_swa_first)
+            req.swa_evicted = max(req.swa_evicted, first)
         else:
             new_pages = self.pages.alloc(n_new)
-        req.full_pages = as_indices(np.concatenate([req.full_pages, new_pages]))
+        req._append_pages(new_pages)
         req.num_tokens = int(new_num_tokens)
 
     def evict_swa(self, req: RequestKV) -> int:
@@ -112,7 +119,7 @@ class HybridPool(KVPool):
         self._check_live(req)
         if self.swa_allocator is None:
             return 0
-        return self.swa_allocator.evict(self._out_of_window(req.full_pages, req.num_tokens))
+        return self._evict_before(req, self._window_first(req.num_tokens))
 
     def free_request(self, req: RequestKV) -> None:
         self._check_live(req)
@@ -134,8 +141,11 @@ class HybridPool(KVPool):
     def restore(self, copy: KVCopy) -> RequestKV:
         """Allocate a request shaped like `copy` (same tokens, same SWA pages backed) and load it."""
         swa_part = copy.components.get(Component.SWA)
-        positions = swa_part.positions if swa_part is not None else np.zeros(0, dtype=np.int32)
-        req = self._alloc(copy.num_tokens, positions)
+        n_pages = num_pages_for(copy.num_tokens, self.page_size)
+        first = n_pages - len(swa_part.positions) if swa_part is not None else 0
+        if swa_part is not None and not np.array_equal(swa_part.positions, np.arange(first, n_pages)):
+            raise LayoutMismatch("copy's SWA pages are not a suffix of the request")
+        req = self._alloc(copy.num_tokens, first)
         try:
             self.load_cpu_copy(req, copy)
         except Exception:
@@ -143,8 +153,19 @@ class HybridPool(KVPool):
             raise
         return req
 
-    def _out_of_window(self, full_pages: np.ndarray, num_tokens: int) -> np.ndarray:
-        return full_pages[: window_first_page(num_tokens, self.config.model.swa.window, self.page_size)]
+    def _window_first(self, num_tokens: int) -> int:
+        if self.swa_allocator is None:
+            return 0
+        return window_first_page(num_tokens, self.config.model.swa.window, self.page_size)
+
+    def _evict_before(self, req: RequestKV, first: int) -> int:
+        """Evict SWA pages at positions [req.swa_evicted, first): O(pages evicted), not
+        O(request length), so per-token decode growth stays cheap."""
+        if first <= req.swa_evicted:
+            return 0
+        freed = self.swa_allocator.evict(req.full_pages[req.swa_evicted:first])
+        req.swa_evicted = first
+        return freed
 
     def _check_live(self, req: RequestKV) -> None:
         if req.freed:

@@ -66,7 +66,7 @@ def test_paged_and_token_allocators_count_tokens():
 
 def test_swa_translate_is_pure_and_padding_maps_to_sentinel():
     swa = SWAAllocator(PagedAllocator(16, 4, "full"), PagedAllocator(8, 4, "swa"))
-    pages = swa.alloc(4, np.array([2, 3], dtype=np.int32))
+    pages = swa.alloc(4, swa_first=2)
     t = swa.translate(pages)
     assert (t[:2] == 0).all() and (t[2:] != 0).all()
     padded = np.concatenate([pages, np.zeros(3, dtype=np.int32)])
@@ -74,6 +74,8 @@ def test_swa_translate_is_pure_and_padding_maps_to_sentinel():
     # the same input after a change to the mapping gives the new answer (no memo)
     swa.evict(pages[2:3])
     assert swa.translate(pages)[2] == 0 and swa.translate(pages)[3] == t[3]
+    with pytest.raises(AllocatorError, match="swa_first"):
+        swa.alloc(2, swa_first=3)
     with pytest.raises(AllocatorError, match="full pages must lie"):
         swa.translate(np.array([17], dtype=np.int32))
     swa.check_integrity()
@@ -82,14 +84,14 @@ def test_swa_translate_is_pure_and_padding_maps_to_sentinel():
 def test_swa_alloc_is_all_or_nothing():
     swa = SWAAllocator(PagedAllocator(16, 4, "full"), PagedAllocator(2, 4, "swa"))
     with pytest.raises(OutOfSpace, match="swa"):
-        swa.alloc(4, np.arange(4, dtype=np.int32))
+        swa.alloc(4, swa_first=0)
     assert swa.full.num_free == 16 and swa.swa.num_free == 2
     swa.check_integrity()
 
 
 def test_swa_free_releases_backing_pages_and_rejects_foreign():
     swa = SWAAllocator(PagedAllocator(8, 4, "full"), PagedAllocator(8, 4, "swa"))
-    pages = swa.alloc(3, np.arange(3, dtype=np.int32))
+    pages = swa.alloc(3, swa_first=0)
     swa.evict(pages[:1])
     swa.free(pages)
     assert swa.full.num_free == 8 and swa.swa.num_free == 8
@@ -166,13 +168,13 @@ class SWAMachine(RuleBasedStateMachine):
     @rule(tokens=st.integers(1, 40), window_only=st.booleans())
     def allocate(self, tokens, window_only):
         n = -(-tokens // self.PAGE)
-        positions = np.arange(self._first(tokens) if window_only else 0, n, dtype=np.int32)
-        if n > self.swa.full.num_free or len(positions) > self.swa.swa.num_free:
+        first = self._first(tokens) if window_only else 0
+        if n > self.swa.full.num_free or n - first > self.swa.swa.num_free:
             with pytest.raises(OutOfSpace):
-                self.swa.alloc(n, positions)
+                self.swa.alloc(n, first)
             return
-        pages = self.swa.alloc(n, positions)
-        assert ((self.swa.translate(pages) != 0) == np.isin(np.arange(n), positions)).all()
+        pages = self.swa.alloc(n, first)
+        assert ((self.swa.translate(pages) != 0) == (np.arange(n) >= first)).all()
         self.reqs.append((pages, tokens))
 
     @precondition(lambda self: self.reqs)
@@ -185,7 +187,7 @@ class SWAMachine(RuleBasedStateMachine):
         self.swa.evict(pages[: self._first(new_tokens)])
         if n_new > self.swa.full.num_free or n_new > self.swa.swa.num_free:
             return
-        pages = np.concatenate([pages, self.swa.alloc(n_new, np.arange(n_new, dtype=np.int32))])
+        pages = np.concatenate([pages, self.swa.alloc(n_new, 0)])
         self.reqs[k] = (pages, new_tokens)
         backed = self.swa.translate(pages) != 0
         assert not backed[: self._first(new_tokens)].any(), "an out-of-window page kept its SWA page"

@@ -62,6 +62,7 @@ class HybridLifecycle(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
         self.pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=160, max_requests=4))
+        assert self.pool.config.model.swa.window == 6 and self.pool.page_size == 4
         self.initial = self.pool.available()
         self.live = []      # (req, written)
         self.parked = []    # KVCopy
@@ -87,6 +88,8 @@ class HybridLifecycle(RuleBasedStateMachine):
             self.pool.extend(req, req.num_tokens + extra)
         except OutOfSpace:
             pass
+        else:  # extend evicts everything out of the window
+            assert req.swa_evicted == max(0, req.num_tokens - 6) // 4
         self.live[i % len(self.live)] = (req, self._fill(req))
 
     @precondition(lambda self: self.live)
@@ -120,6 +123,10 @@ class HybridLifecycle(RuleBasedStateMachine):
     @invariant()
     def integrity(self):
         self.pool.check_integrity()
+        for req, _ in self.live:  # SWA pages back exactly positions >= the eviction frontier
+            backed = self.pool.swa_allocator.translate(req.full_pages) != 0
+            assert (backed == (np.arange(req.num_pages) >= req.swa_evicted)).all()
+            assert req.swa_evicted <= max(0, req.num_tokens - 6) // 4
 
     def teardown(self):
         for req, _ in self.live:

@@ -70,3 +70,26 @@ def test_extend_without_space_changes_nothing():
     assert req.num_tokens == 60 and np.array_equal(req.full_pages, pages_before)
     assert np.array_equal(pool.swa_allocator.mapping, mapping_before)
     pool.check_integrity()
+
+
+def test_index_arrays_handed_out_stay_valid_while_a_request_grows():
+    pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=1024, max_requests=2))
+    req = pool.alloc_request(5)
+    early = req.full_pages
+    snapshot = early.copy()
+    for n in range(6, 400, 3):
+        pool.extend(req, n)
+    assert np.array_equal(early, snapshot)
+    assert np.array_equal(req.full_pages[: len(snapshot)], snapshot)
+    assert len(np.unique(req.full_pages)) == req.num_pages == 100
+    assert not req.full_pages.flags.writeable
+    pool.check_integrity()
+
+
+def test_swa_frontier_matches_the_mapping():
+    pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=512, max_requests=2))
+    req = pool.alloc_request(50)
+    for n in (51, 60, 61, 90, 200):
+        pool.extend(req, n)
+        backed = pool.swa_allocator.translate(req.full_pages) != 0
+        assert not backed[: req.swa_evicted].any() and backed[req.swa_evicted:].all()
