@@ -14,6 +14,8 @@ and a byte budget B solves  B = (full_pages + 1) * (full_row + nsa_row)
 
 from dataclasses import dataclass
 
+import torch
+
 from kvpool.geometry import Component, components, segments
 from kvpool.layout import Layout, pack
 from kvpool.errors import SpecError
@@ -46,7 +48,7 @@ class PoolConfig:
     max_requests: int = 16
     swa_ratio: float = 0.5
     layout: Layout = Layout.PAGE_MAJOR
-    device: str = "cpu"
+    device: str = "auto"   # "auto": cuda when torch sees a GPU, else cpu
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -65,6 +67,8 @@ class PoolConfig:
         if not 0 < self.swa_ratio <= 1:
             raise SpecError(f"swa_ratio must lie in (0, 1], got {self.swa_ratio!r}")
         object.__setattr__(self, "layout", Layout(self.layout))  # accept "page_major" too
+        if self.device == "auto":
+            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
         for c in self.components:  # TP divisibility, dtypes
             segments(self.model, c, self.page_size, self.tp_size)
         self.sizes()  # capacity fits
