@@ -1,0 +1,169 @@
+#!/usr/bin/env python3
+"""Transfer benchmark: our data path next to the raw engine ceiling, in one run.
+
+(a) ceiling: the raw engine writing one contiguous block of the same byte count between the
+    same two processes, measured right before each row (so drift hits both alike);
+(b) our path (KVSender -> peer_server process) for page sizes 1, 16, 64, both layouts, with
+    randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only);
+(c) planning time alone for 32k and 128k tokens at page 1 for a 60-layer K/V preset.
+
+    .venv/bin/python scripts/bench_transfer.py [--quick] [--json] [--preset gpt-oss-120b]
+"""
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import numpy as np
+import torch
+
+from kvpool import HybridPool, Layout, PoolConfig, get_preset
+from kvpool.spec import AttentionSpec, ModelSpec
+from transfer.config import Mode, TransferConfig
+from transfer.engine import MooncakeEngine
+from transfer.peer_client import PeerProcess
+from transfer.peer_server import digest_request
+from transfer.plan import build_plan
+from transfer.sender import KVSender
+
+
+def shuffle_free_pages(pool: HybridPool, seed: int) -> None:
+    """Random page order on the free stacks: every allocation is randomly fragmented."""
+    rng = np.random.default_rng(seed)
+    for alloc in (pool.pages, getattr(pool.swa_allocator, "swa", None)):
+        if alloc is not None:
+            rng.shuffle(alloc._stack[:alloc.num_free])
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of `repeats` calls after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t)
+    return statistics.median(samples)
+
+
+def bench_layout(args, engine: MooncakeEngine, peer: PeerProcess, layout: Layout, page_size: int,
+                 token_counts: list[int]) -> list[dict]:
+    model = get_preset(args.preset)
+    capacity = int(max(token_counts) * 2.5)
+    cfg = TransferConfig(mode=Mode(args.mode))
+    rows = []
+    # one peer process serves the whole run, reconfigured per (layout, page size)
+    target = peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
+                            staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20)
+    pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout, device="cpu"))
+    shuffle_free_pages(pool, 1)
+    peer.fragment(2)
+    for p in pool.pools.values():
+        for b in p.storage.buffers:
+            b.random_(0, 256)
+    with KVSender(engine, pool, cfg) as sender:
+        for tokens in token_counts:
+            req = pool.alloc_request(tokens)
+            rid, dst = peer.alloc(tokens)
+            src = pool.index_set(req)
+            slots = peer.expect(1, rid, want_slots=2)
+            plan = sender.plan(target, src, dst)
+            # ceiling: one contiguous block of the same size, pool buffer -> pool buffer
+            s_buf = max(pool.buffer_descriptors(), key=lambda d: d.nbytes)
+            d_buf = max(target.descriptors, key=lambda d: d.nbytes)
+            n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
+            one = [np.array([v], dtype=np.int64) for v in (s_buf.ptr, d_buf.ptr, n)]
+            t_ceiling = timed(lambda: engine.write(target.session_id, *one), max(3, args.repeats))
+            reports = []
+            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel)), args.repeats)
+            digest_ok = peer.digest(rid).per_component == digest_request(pool, req)
+            rep = reports[-1]
+            ceiling = n / t_ceiling / 1e9
+            gbps = rep.nbytes / t_ours / 1e9
+            rows.append({"layout": layout.value, "page_size": page_size, "tokens": tokens, "mode": rep.mode.value,
+                         "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
+                         "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
+                         "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),
+                         "plan_ms": round(rep.plan_ms, 2), "verified": digest_ok})
+            peer.release(1)
+            peer.free(rid)
+            pool.free_request(req)
+            if not args.json:
+                print_row(rows[-1], flush=True)
+    return rows
+
+
+def planning(tokens_list: list[int], repeats: int) -> list[dict]:
+    """build_plan alone on meta-device pools (no memory) with synthetic non-overlapping addresses."""
+    model = ModelSpec("dense-60", 60, full=AttentionSpec(tuple(range(60)), 8, 128, 128))
+    out = []
+    for layout in Layout:
+        for tokens in tokens_list:
+            pools = [HybridPool(PoolConfig(model, 1, max_tokens=2 * tokens, max_requests=2, layout=layout,
+                                           device="meta")) for _ in range(2)]
+            sets, descs = [], []
+            for i, pool in enumerate(pools):
+                shuffle_free_pages(pool, i)
+                sets.append(pool.index_set(pool.alloc_request(tokens)))
+                addr, placed = (i + 1) << 44, []
+                for d in pool.buffer_descriptors():
+                    placed.append(dataclasses.replace(d, ptr=addr))
+                    addr += d.nbytes + 4096
+                descs.append(placed)
+            plan = build_plan(sets[0], sets[1], descs[0], descs[1])
+            t = timed(lambda: build_plan(sets[0], sets[1], descs[0], descs[1]), repeats)
+            out.append({"layout": layout.value, "tokens": tokens, "page_size": 1, "layers": 60,
+                        "ranges": plan.num_ranges, "ms": round(t * 1e3, 2)})
+    return out
+
+
+def print_row(r: dict, flush: bool = False) -> None:
+    print(f"{r['layout']:<12} {r['page_size']:>4} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
+          f"{r['plan_ranges']:>8} {r['gbps']:>6.2f} {r['ceiling_gbps']:>7.2f} {r['ratio']:>6.2f} "
+          f"{r['ms']:>8.1f} {'yes' if r['verified'] else 'NO'}", flush=flush)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt-oss-120b")
+    ap.add_argument("--quick", action="store_true", help="2k tokens only, fewer repeats (under a minute)")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
+    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--repeats", type=int, default=None)
+    args = ap.parse_args()
+    args.repeats = args.repeats or (1 if args.quick else 3)
+    torch.set_num_threads(1)  # as the peer server: copies must not crowd out the engine's TCP threads
+    token_counts = [2048] if args.quick else [2048, 32768]
+    engine = MooncakeEngine()
+    if not args.json:
+        print(f"preset {args.preset}; ceiling = raw engine, one contiguous block of the same bytes, same processes")
+        print(f"{'layout':<12} {'page':>4} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
+              f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
+    rows = []
+    page_sizes = [int(p) for p in args.page_sizes.split(",")]
+    with PeerProcess(args.preset, page_sizes[0], 4096) as peer:
+        for layout in Layout:
+            for page_size in page_sizes:
+                rows += bench_layout(args, engine, peer, layout, page_size, token_counts)
+    plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
+    result = {"preset": args.preset, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
+              "rows": rows, "planning": plan_rows}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print("\nplanning (60 layers x K/V, page 1):")
+        for p in plan_rows:
+            print(f"  {p['layout']:<12} {p['tokens']:>7} tokens {p['ranges']:>9} ranges {p['ms']:>8.2f} ms")
+    return 0 if all(r["verified"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

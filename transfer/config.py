@@ -1,0 +1,33 @@
+"""TransferConfig: one frozen set of knobs for the data path."""
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class Mode(str, Enum):
+    AUTO = "auto"       # pick per request with the cost model (transfer.cost)
+    DIRECT = "direct"   # one engine range per (run of pages, buffer)
+    STAGED = "staged"   # gather -> one large write per chunk -> scatter on the receiver
+
+
+@dataclass(frozen=True)
+class TransferConfig:
+    mode: Mode = Mode.AUTO
+    # cost model (defaults measured with Mooncake TCP on a 2-vCPU machine; see mooncake-notes)
+    per_range_us: float = 28.0      # engine cost per separate byte range
+    link_gbps: float = 2.2          # one large write
+    copy_gbps: float = 8.0          # gather/scatter memory copy (CPU; far more on GPU)
+    per_chunk_us: float = 400.0     # notice + ack round trip per staged chunk
+    # staging regions: slots x slot_bytes on each side, registered once and reused
+    staging_slots: int = 4
+    staging_slot_bytes: int = 16 << 20
+    chunk_timeout_s: float = 30.0   # staged: longest wait for a receiver slot
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
+        for name in ("staging_slots", "staging_slot_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        for name in ("per_range_us", "link_gbps", "copy_gbps", "per_chunk_us", "chunk_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")

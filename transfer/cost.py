@@ -1,0 +1,30 @@
+"""Direct or staged? A two-term cost model per request.
+
+    direct = ranges x per_range + bytes / link
+    staged = bytes / link + bytes / copy + chunks x per_chunk     (gather and scatter overlap
+                                                                   the write; count them once)
+"""
+
+from transfer.config import Mode, TransferConfig
+from transfer.plan import TransferPlan
+
+
+def estimate(plan: TransferPlan, config: TransferConfig, slot_bytes: int) -> dict[Mode, float]:
+    nbytes = sum(c.nbytes for c in plan.body)
+    ranges = sum(c.num_ranges for c in plan.body)
+    chunks = -(-nbytes // slot_bytes) if slot_bytes else 0
+    link, copy = config.link_gbps * 1e9, config.copy_gbps * 1e9
+    return {
+        Mode.DIRECT: ranges * config.per_range_us * 1e-6 + nbytes / link,
+        Mode.STAGED: nbytes / link + nbytes / copy + chunks * config.per_chunk_us * 1e-6,
+    }
+
+
+def choose_mode(plan: TransferPlan, config: TransferConfig, slot_bytes: int, staging_available: bool) -> Mode:
+    """The configured mode, or for AUTO the cheaper estimate (direct when no staging slots)."""
+    if config.mode is not Mode.AUTO:
+        return config.mode
+    if not staging_available or not plan.body:
+        return Mode.DIRECT
+    cost = estimate(plan, config, slot_bytes)
+    return Mode.STAGED if cost[Mode.STAGED] < cost[Mode.DIRECT] else Mode.DIRECT

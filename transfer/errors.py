@@ -1,0 +1,78 @@
+"""The one exception tree for transfer and protocol errors.
+
+    DisaggError
+     +-- TransferError                  moving bytes failed or would be unsafe
+     |    +-- EngineError               a Mooncake call returned non-zero (code, peer, nbytes)
+     |    |    +-- EngineInitError      initialize() failed
+     |    |    +-- RegistrationError    (un)registering memory failed
+     |    |    +-- WriteFailed          a batched write failed (peer died, queue full, bad dst)
+     |    |    +-- PeerUnreachable      the session health probe failed
+     |    +-- PlanError                 refused before a single byte is written
+     |    |    +-- OutOfBounds          a range or index outside what the peer registered
+     |    |    +-- IndexMismatch        per-request components of different lengths
+     |    |    +-- LayoutIncompatible   the two sides' buffers do not pair up
+     |    +-- StagingError              bad chunk notice, staging timeout or misuse
+     +-- ProtocolError                  control-plane messages (disagg.protocol extends it)
+
+Engine return codes become typed exceptions at the wrapper boundary (transfer.engine); nothing
+above it sees a bare integer code.
+"""
+
+
+class DisaggError(Exception):
+    """Root of every error disagg raises on purpose."""
+
+
+class TransferError(DisaggError):
+    pass
+
+
+class EngineError(TransferError):
+    def __init__(self, op: str, code: int, peer: str | None = None, nbytes: int = 0, detail: str = ""):
+        where = f" to {peer}" if peer else ""
+        size = f" ({nbytes} bytes)" if nbytes else ""
+        super().__init__(f"{op}{where}{size} failed with code {code}{': ' + detail if detail else ''}")
+        self.op = op
+        self.code = code
+        self.peer = peer
+        self.nbytes = nbytes
+
+
+class EngineInitError(EngineError):
+    pass
+
+
+class RegistrationError(EngineError):
+    pass
+
+
+class WriteFailed(EngineError):
+    pass
+
+
+class PeerUnreachable(EngineError):
+    pass
+
+
+class PlanError(TransferError):
+    pass
+
+
+class OutOfBounds(PlanError):
+    pass
+
+
+class IndexMismatch(PlanError):
+    pass
+
+
+class LayoutIncompatible(PlanError):
+    pass
+
+
+class StagingError(TransferError):
+    pass
+
+
+class ProtocolError(DisaggError):
+    pass

@@ -1,0 +1,155 @@
+"""KVSender: the prefill side of one transfer: plan, choose direct or staged, write, AUX last."""
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from kvpool.pools.hybrid import HybridPool
+from transfer.config import Mode, TransferConfig
+from transfer.cost import choose_mode
+from transfer.engine import MooncakeEngine
+from transfer.errors import StagingError
+from transfer.peer import PeerTarget
+from transfer.plan import Ranges, TransferPlan, build_plan
+from transfer.staging import Chunk, ChunkLanded, StagingArea, chunk_plan, gather
+
+log = logging.getLogger(__name__)
+
+
+class ChunkChannel(Protocol):
+    """How a staged sender talks to the receiver (the control plane, or transfer.pair_channel)."""
+
+    def notify(self, notice: ChunkLanded) -> None: ...
+
+    def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
+        """Block until the receiver reports chunk `index` (and every earlier one) scattered."""
+
+    def end(self, transfer_id: int) -> None:
+        """The transfer is over (done or failed): drop its chunk state."""
+
+
+@dataclass(frozen=True)
+class TransferReport:
+    mode: Mode
+    nbytes: int
+    ranges: int        # engine ranges submitted
+    chunks: int        # staged chunks (0 for direct)
+    plan_ms: float
+    seconds: float     # whole send, planning included
+
+
+class KVSender:
+    def __init__(self, engine: MooncakeEngine, pool: HybridPool, config: TransferConfig):
+        self.engine, self.pool, self.config = engine, pool, config
+        self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes, pool.config.device)
+        self._registered = engine.register([(d.ptr, d.nbytes) for d in pool.buffer_descriptors()]
+                                           + [(self.staging.ptr, self.staging.nbytes)])
+        self.buffers = {c: p.storage.buffers for c, p in pool.pools.items()}
+
+    def close(self) -> None:
+        """Unregister what this object registered (its staging area, and the pool's buffers
+        unless someone registered them before). Call before the pool's memory is freed."""
+        if self._registered:
+            self.engine.unregister(self._registered)
+            self._registered = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def plan(self, peer: PeerTarget, src: IndexSet, dst: IndexSet) -> TransferPlan:
+        return build_plan(src, dst, self.pool.buffer_descriptors(), list(peer.descriptors),
+                          local_regions=list(self.engine.registered().items()), peer_regions=peer.regions())
+
+    def send(self, peer: PeerTarget, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
+             remote_slots: list[int] | None = None, channel: ChunkChannel | None = None) -> TransferReport:
+        """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
+        staging slots leased to this transfer) and a `channel`. Raises a TransferError; the
+        receiver must treat the request as failed then."""
+        t0 = time.perf_counter()
+        plan = self.plan(peer, src, dst)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        slot_bytes = min(self.staging.slot_bytes, peer.staging_slot_bytes or self.staging.slot_bytes)
+        can_stage = bool(remote_slots) and channel is not None and peer.staging_ptr != 0
+        mode = choose_mode(plan, self.config, slot_bytes, can_stage)
+        if mode is Mode.STAGED and not can_stage:
+            raise StagingError("staged mode needs receiver staging slots and a chunk channel")
+        ranges = chunks = 0
+        if mode is Mode.DIRECT:
+            body = plan.body_ranges()
+            self.engine.write(peer.session_id, body.src, body.dst, body.length)
+            ranges = len(body)
+        else:
+            chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel)
+            ranges = chunks
+        if plan.aux is not None:  # last: its arrival means the body has landed
+            aux: Ranges = plan.aux.ranges
+            self.engine.write(peer.session_id, aux.src, aux.dst, aux.length)
+            ranges += len(aux)
+        return TransferReport(mode, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0)
+
+    def _send_staged(self, peer: PeerTarget, plan: TransferPlan, slot_bytes: int, transfer_id: int,
+                     remote_slots: list[int], channel: ChunkChannel) -> int:
+        """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits."""
+        chunks = chunk_plan(plan, slot_bytes)
+        local_slots = self.staging.lease.acquire(self.config.staging_slots, timeout=self.config.chunk_timeout_s)
+        if not local_slots:
+            raise StagingError("no local staging slot freed up in time")
+        free: queue.Queue = queue.Queue()
+        for s in local_slots:
+            free.put(s)
+        ready: queue.Queue = queue.Queue()
+        errors: list[BaseException] = []
+        writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer",
+                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors))
+        writer.start()
+        try:
+            for chunk in chunks:
+                slot = free.get()
+                if slot is None:  # the writer failed
+                    break
+                gather(chunk, plan, self.buffers, self.staging.slot(slot))
+                ready.put((slot, chunk))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            ready.put(None)
+            writer.join()
+            self.staging.lease.release(local_slots)
+            channel.end(transfer_id)
+        if errors:
+            raise errors[0]
+        return len(chunks)
+
+    def _write_chunks(self, peer: PeerTarget, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
+                      channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list) -> None:
+        n_remote = len(remote_slots)
+        timeout = self.config.chunk_timeout_s
+        try:
+            for i in range(len(chunks)):
+                item = ready.get()
+                if item is None:
+                    return
+                slot, chunk = item
+                if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
+                    channel.wait_done(transfer_id, i - n_remote, timeout)
+                remote = remote_slots[i % n_remote]
+                self.engine.write(peer.session_id, np.array([self.staging.slot_ptr(slot)], dtype=np.int64),
+                                  np.array([peer.slot_ptr(remote)], dtype=np.int64),
+                                  np.array([chunk.nbytes], dtype=np.int64))
+                channel.notify(ChunkLanded(transfer_id, i, remote, list(chunk.pieces)))
+                free.put(slot)
+            if chunks:
+                channel.wait_done(transfer_id, len(chunks) - 1, timeout)
+        except BaseException as exc:
+            errors.append(exc)
+            free.put(None)  # wake the gatherer

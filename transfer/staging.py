@@ -1,0 +1,198 @@
+"""Staging for fragmented transfers: gather -> one large write per chunk -> scatter.
+
+    sender pool pages  --gather (index_select)-->  sender slot   --one engine range-->
+    receiver slot      --scatter (index_copy_)-->  receiver pool pages
+
+A plan's (component, buffer) streams are packed into chunks of at most one slot:
+
+    chunk 0: | full buf0 items 0..k | full buf0 items k..n | swa buf0 items 0..m |  <- pieces
+    chunk 1: | swa buf0 items m..  | ...
+
+Each ChunkLanded notice names its pieces (component, buffer, first item, count, byte offset),
+so the receiver can validate a notice against its own index set before copying a byte.
+Slots on both sides are leased per transfer (SlotLease) and always returned.
+"""
+
+import threading
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+import torch
+
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.errors import StagingError
+from transfer.plan import TransferPlan
+
+
+class Piece(msgspec.Struct, frozen=True, array_like=True):
+    component: str   # Component value
+    buffer: int      # index among the component's buffers
+    first: int       # first item in the component's aligned index array
+    count: int       # items
+    offset: int      # byte offset inside the slot
+
+
+class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
+    """Sender -> receiver: chunk `index` of transfer `transfer_id` is in receiver slot `slot`."""
+    transfer_id: int
+    index: int
+    slot: int
+    pieces: list[Piece]
+
+
+class ChunkDone(msgspec.Struct, tag=True, frozen=True):
+    """Receiver -> sender: chunk `index` was scattered; its slot may be reused."""
+    transfer_id: int
+    index: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    pieces: tuple[Piece, ...]
+    nbytes: int
+
+
+def chunk_plan(plan: TransferPlan, slot_bytes: int) -> list[Chunk]:
+    """Pack the plan's body streams into chunks of <= slot_bytes (loops over streams and
+    chunks, never over items)."""
+    chunks: list[Chunk] = []
+    pieces: list[Piece] = []
+    used = 0
+    for cp in plan.body:
+        n_items = len(cp.src_idx)
+        for b, buf in enumerate(cp.src_bufs):
+            item = buf.item_bytes
+            if item > slot_bytes:
+                raise StagingError(f"{cp.component.value} item of {item} bytes exceeds staging slot of {slot_bytes}")
+            first = 0
+            while first < n_items:
+                k = min(n_items - first, (slot_bytes - used) // item)
+                if k == 0:
+                    chunks.append(Chunk(tuple(pieces), used))
+                    pieces, used = [], 0
+                    continue
+                pieces.append(Piece(cp.component.value, b, first, k, used))
+                used = min(slot_bytes, _align(used + k * item))
+                first += k
+    if pieces:
+        chunks.append(Chunk(tuple(pieces), used))
+    return chunks
+
+
+PIECE_ALIGN = 16  # piece offsets in a slot, so every piece can be viewed as int64 rows
+
+
+def _align(n: int) -> int:
+    return (n + PIECE_ALIGN - 1) // PIECE_ALIGN * PIECE_ALIGN
+
+
+def _rows(t: torch.Tensor, item_bytes: int) -> torch.Tensor:
+    """View uint8 rows as the widest integer type dividing the row: torch's index_copy_ moves
+    uint8 rows at ~1 GB/s and int64 rows at ~4.5 GB/s on the same CPU."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        if item_bytes % dtype.itemsize == 0 and t.data_ptr() % dtype.itemsize == 0:
+            return t.view(dtype)
+    return t
+
+
+class StagingArea:
+    """num_slots x slot_bytes of one uint8 buffer on `device`, registered once and reused."""
+
+    def __init__(self, num_slots: int, slot_bytes: int, device: str | torch.device):
+        self.num_slots = num_slots
+        self.slot_bytes = slot_bytes
+        self.buffer = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.lease = SlotLease(num_slots)
+
+    @property
+    def ptr(self) -> int:
+        return self.buffer.data_ptr()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    def slot_ptr(self, slot: int) -> int:
+        return self.ptr + slot * self.slot_bytes
+
+    def slot(self, slot: int) -> torch.Tensor:
+        return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+
+
+class SlotLease:
+    """Thread-safe pool of slot numbers: a transfer takes some and gives them back."""
+
+    def __init__(self, num_slots: int):
+        self._free = list(range(num_slots))
+        self._cond = threading.Condition()
+
+    def acquire(self, n: int, timeout: float | None = 0.0) -> list[int]:
+        """Up to `n` slots (at least one); [] if none frees up within `timeout` seconds."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
+                return []
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
+    def release(self, slots: list[int]) -> None:
+        with self._cond:
+            if set(slots) & set(self._free):
+                raise StagingError(f"slots {sorted(set(slots) & set(self._free))} released twice")
+            self._free.extend(slots)
+            self._cond.notify_all()
+
+    def available(self) -> int:
+        with self._cond:
+            return len(self._free)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+
+
+def gather(chunk: Chunk, plan: TransferPlan, buffers: dict[Component, list[torch.Tensor]],
+           slot: torch.Tensor) -> None:
+    """Copy the chunk's source items into `slot` (one index_select per piece)."""
+    by_comp = {cp.component: cp for cp in plan.body}
+    for p in chunk.pieces:
+        c = Component(p.component)
+        buf = buffers[c][p.buffer]
+        idx = torch.from_numpy(np.array(by_comp[c].src_idx[p.first:p.first + p.count], dtype=np.int64)).to(buf.device)
+        out = slot[p.offset:p.offset + p.count * buf.shape[1]].view(p.count, buf.shape[1])
+        torch.index_select(_rows(buf, buf.shape[1]), 0, idx, out=_rows(out, buf.shape[1]))
+    _sync(slot.device)
+
+
+def scatter(notice: ChunkLanded, dst: IndexSet, buffers: dict[Component, list[torch.Tensor]],
+            area: StagingArea) -> None:
+    """Receiver entry point: after `notice`'s bytes have landed in `area`, copy them into the
+    pool items `dst` names. Every field of the (untrusted) notice is validated first; nothing
+    is written unless all pieces are valid."""
+    if not 0 <= notice.slot < area.num_slots:
+        raise StagingError(f"chunk {notice.index}: slot {notice.slot} outside [0, {area.num_slots})")
+    plan = []
+    for p in notice.pieces:
+        try:
+            c = Component(p.component)
+        except ValueError:
+            raise StagingError(f"chunk {notice.index}: unknown component {p.component!r}") from None
+        if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
+            raise StagingError(f"chunk {notice.index}: no {p.component} buffer {p.buffer} here")
+        buf = buffers[c][p.buffer]
+        idx = dst[c]
+        if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
+            raise StagingError(f"chunk {notice.index}: items [{p.first}, {p.first + p.count}) outside "
+                               f"{len(idx)} {p.component} destination indices")
+        end = p.offset + p.count * buf.shape[1]
+        if p.offset < 0 or end > area.slot_bytes:
+            raise StagingError(f"chunk {notice.index}: bytes [{p.offset}, {end}) outside the slot")
+        plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
+    slot = area.slot(notice.slot)
+    for buf, items, start, end in plan:
+        index = torch.from_numpy(items.astype(np.int64)).to(buf.device)
+        src = slot[start:end].view(len(items), buf.shape[1])
+        _rows(buf, buf.shape[1]).index_copy_(0, index, _rows(src, buf.shape[1]))
+    _sync(area.buffer.device)
