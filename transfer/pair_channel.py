@@ -43,7 +43,12 @@ class PairChannel:
     def recv_notice(self, timeout: float) -> ChunkLanded:
         if not self.socket.poll(int(timeout * 1000)):
             raise StagingError(f"no chunk notice within {timeout} s")
-        match _decoder.decode(self.socket.recv()):
+        raw = self.socket.recv()
+        try:
+            message = _decoder.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise StagingError(f"undecodable chunk notice: {exc}") from None
+        match message:
             case ChunkLanded() as notice:
                 return notice
             case other:

@@ -98,6 +98,7 @@ class PeerProcess:
                 self.proc.wait()
         self.sock.close(linger=0)
         self.channel.socket.close(linger=0)
+        self.proc.stdout.close()
 
     def __enter__(self) -> "PeerProcess":
         return self

@@ -12,6 +12,7 @@ Free, Available, Stop. Chunk notices arrive on a PAIR socket, served by a thread
 import argparse
 import hashlib
 import json
+import logging
 import sys
 import threading
 
@@ -24,11 +25,13 @@ from kvpool import Component, HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
 from transfer.config import TransferConfig
 from transfer.engine import MooncakeEngine
-from transfer.errors import DisaggError
+from transfer.errors import DisaggError, StagingError
 from transfer.pair_channel import PairChannel
 from transfer.receiver import KVReceiver
 from transfer.wire import (Alloc, Allocated, Available, Command, Configure, Counts, Digest, Digests, Error, Expect, Free,
                            Fragment, Hello, Ok, Release, Reply, Stop, target_to_wire)
+
+log = logging.getLogger("transfer.peer_server")
 
 
 class PeerServer:
@@ -67,10 +70,15 @@ class PeerServer:
         while not self.stopping.is_set():
             if not self.channel.socket.poll(100):
                 continue
-            notice = self.channel.recv_notice(0.1)
-            with self.lock:
-                dst, slots = self.expect[notice.transfer_id]
-            self.channel.send_done(self.receiver.on_chunk(notice, dst, slots))
+            try:
+                notice = self.channel.recv_notice(0.1)
+                with self.lock:
+                    expected = self.expect.get(notice.transfer_id)
+                if expected is None:
+                    raise StagingError(f"chunk for unknown transfer {notice.transfer_id}")
+                self.channel.send_done(self.receiver.on_chunk(notice, *expected))
+            except (StagingError, msgspec.DecodeError) as exc:  # untrusted input: refuse, keep serving
+                log.warning("chunk refused: %s", exc)
 
     def handle(self, cmd: Command) -> Reply:
         match cmd:
