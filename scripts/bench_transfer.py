@@ -61,8 +61,10 @@ def bench_layout(args, engine: MooncakeEngine, peer: PeerProcess, layout: Layout
     rows = []
     # one peer process serves the whole run, reconfigured per (layout, page size)
     target = peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
-                            staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20)
-    pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout, device="cpu"))
+                            staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20,
+                            device=args.device)
+    pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout,
+                                 device=args.device))
     shuffle_free_pages(pool, 1)
     peer.fragment(2)
     for p in pool.pools.values():
@@ -138,13 +140,14 @@ def main() -> int:
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)  # as the peer server: copies must not crowd out the engine's TCP threads
     token_counts = [2048] if args.quick else [2048, 32768]
     engine = MooncakeEngine()
     if not args.json:
-        print(f"preset {args.preset}; ceiling = raw engine, one contiguous block of the same bytes, same processes")
+        print(f"preset {args.preset} on {args.device}; ceiling = raw engine, one contiguous block of the same bytes, same processes")
         print(f"{'layout':<12} {'page':>4} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
               f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
     rows = []
@@ -154,7 +157,7 @@ def main() -> int:
             for page_size in page_sizes:
                 rows += bench_layout(args, engine, peer, layout, page_size, token_counts)
     plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
-    result = {"preset": args.preset, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
+    result = {"preset": args.preset, "device": args.device, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
               "rows": rows, "planning": plan_rows}
     if args.json:
         print(json.dumps(result, indent=2))

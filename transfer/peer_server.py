@@ -156,8 +156,8 @@ def digest_outside(pool: HybridPool, req) -> str:
     h = hashlib.sha256()
     iset = pool.index_set(req)
     for c, p in pool.pools.items():
-        mask = np.ones(p.storage.num_items, dtype=bool)
-        mask[iset[c]] = False
+        mask = torch.ones(p.storage.num_items, dtype=torch.bool, device=p.storage.device)
+        mask[torch.from_numpy(iset[c].astype(np.int64)).to(p.storage.device)] = False
         for buf in p.storage.buffers:
             h.update(buf[mask].cpu().numpy().tobytes())
     return h.hexdigest()

@@ -1,6 +1,7 @@
 """Real Mooncake engine over TCP on loopback between this process (sender) and a peer
 server process (receiver)."""
 
+import os
 import threading
 
 import numpy as np
@@ -15,10 +16,14 @@ from transfer.peer_server import digest_request
 from transfer.sender import KVSender
 
 
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")  # both sides' pools and staging areas
+
+
 def _setup(peer, preset, page, layout, tokens=2048, fragment=True):
     target = peer.configure(preset, page, tokens, layout=layout.value, max_requests=4,
-                            staging_slots=4, staging_slot_mib=1)
-    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout))
+                            staging_slots=4, staging_slot_mib=1, device=DEVICE)
+    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout,
+                                 device=DEVICE))
     if fragment:
         np.random.default_rng(0).shuffle(pool.pages._stack[:pool.pages.num_free])
         peer.fragment(1)
@@ -138,7 +143,7 @@ def test_dead_peer_fails_writes_and_probe():
     engine = MooncakeEngine("127.0.0.1")
     with PeerProcess("tiny-full", 4, 1024) as victim:
         target = victim.target()
-        pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=1024, max_requests=2))
+        pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=1024, max_requests=2, device=DEVICE))
         with KVSender(engine, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
             req = pool.alloc_request(100)
             rid, dst = victim.alloc(100)
