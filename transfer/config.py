@@ -21,6 +21,7 @@ class TransferConfig:
     # staging regions: slots x slot_bytes on each side, registered once and reused
     staging_slots: int = 4
     staging_slot_bytes: int = 16 << 20
+    staging_device: str | None = None  # None: the pool's device; "cpu" stages a GPU pool via host memory
     chunk_timeout_s: float = 30.0   # staged: longest wait for a receiver slot
 
     def __post_init__(self) -> None:

@@ -14,7 +14,8 @@ from transfer.staging import ChunkDone, ChunkLanded, StagingArea, scatter
 class KVReceiver:
     def __init__(self, engine: MooncakeEngine, pool: HybridPool, config: TransferConfig):
         self.engine, self.pool, self.config = engine, pool, config
-        self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes, pool.config.device)
+        self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes,
+                                   config.staging_device or pool.config.device)
         self._registered = engine.register([(d.ptr, d.nbytes) for d in pool.buffer_descriptors()]
                                            + [(self.staging.ptr, self.staging.nbytes)])
         self.buffers: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}

@@ -157,13 +157,19 @@ def gather(chunk: Chunk, plan: TransferPlan, buffers: dict[Component, list[torch
            slot: torch.Tensor) -> None:
     """Copy the chunk's source items into `slot` (one index_select per piece)."""
     by_comp = {cp.component: cp for cp in plan.body}
+    devices = {slot.device}
     for p in chunk.pieces:
         c = Component(p.component)
         buf = buffers[c][p.buffer]
         idx = torch.from_numpy(np.array(by_comp[c].src_idx[p.first:p.first + p.count], dtype=np.int64)).to(buf.device)
         out = slot[p.offset:p.offset + p.count * buf.shape[1]].view(p.count, buf.shape[1])
-        torch.index_select(_rows(buf, buf.shape[1]), 0, idx, out=_rows(out, buf.shape[1]))
-    _sync(slot.device)
+        if out.device == buf.device:  # one kernel straight into the slot
+            torch.index_select(_rows(buf, buf.shape[1]), 0, idx, out=_rows(out, buf.shape[1]))
+        else:  # e.g. a host staging area for a GPU pool
+            out.copy_(buf.index_select(0, idx))
+        devices.add(buf.device)
+    for device in devices:
+        _sync(device)
 
 
 def scatter(notice: ChunkLanded, dst: IndexSet, buffers: dict[Component, list[torch.Tensor]],
@@ -193,6 +199,7 @@ def scatter(notice: ChunkLanded, dst: IndexSet, buffers: dict[Component, list[to
     slot = area.slot(notice.slot)
     for buf, items, start, end in plan:
         index = torch.from_numpy(items.astype(np.int64)).to(buf.device)
-        src = slot[start:end].view(len(items), buf.shape[1])
+        src = slot[start:end].view(len(items), buf.shape[1]).to(buf.device)
         _rows(buf, buf.shape[1]).index_copy_(0, index, _rows(src, buf.shape[1]))
-    _sync(area.buffer.device)
+    for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
+        _sync(device)

@@ -172,3 +172,18 @@ def test_staged_failure_releases_every_slot(engine, peer):
     assert peer.available().staging_free == 4
     # and the peer keeps serving
     assert _send(engine, peer, target, pool, 100, Mode.STAGED).mode is Mode.STAGED
+
+
+def test_staging_area_on_another_device_than_the_pool(engine, peer):
+    """Host staging for the pool's device (on a CPU machine both are the CPU: the path still
+    runs through the separate-device branch check)."""
+    target, pool = _setup(peer, "tiny-hybrid", 4, Layout.LAYER_MAJOR)
+    with KVSender(engine, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20,
+                                               staging_device="cpu")) as sender:
+        assert sender.staging.buffer.device.type == "cpu"
+        req = pool.alloc_request(77)
+        rid, dst = peer.alloc(77)
+        slots = peer.expect(9, rid, want_slots=2)
+        sender.send(target, pool.index_set(req), dst, 9, slots, peer.channel)
+        peer.release(9)
+        assert peer.digest(rid).per_component == digest_request(pool, req)
