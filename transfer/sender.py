@@ -14,7 +14,7 @@ from kvpool.indices import IndexSet
 from kvpool.pools.hybrid import HybridPool
 from transfer.config import Mode, TransferConfig
 from transfer.cost import choose_mode
-from transfer.engine import MooncakeEngine
+from transfer.endpoint import PoolEndpoint
 from transfer.errors import StagingError
 from transfer.peer import PeerTarget
 from transfer.plan import Ranges, TransferPlan, build_plan
@@ -45,27 +45,8 @@ class TransferReport:
     seconds: float     # whole send, planning included
 
 
-class KVSender:
-    def __init__(self, engine: MooncakeEngine, pool: HybridPool, config: TransferConfig):
-        self.engine, self.pool, self.config = engine, pool, config
-        self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes,
-                                   config.staging_device or pool.config.device)
-        self._registered = engine.register([(d.ptr, d.nbytes) for d in pool.buffer_descriptors()]
-                                           + [(self.staging.ptr, self.staging.nbytes)])
-        self.buffers = {c: p.storage.buffers for c, p in pool.pools.items()}
-
-    def close(self) -> None:
-        """Unregister what this object registered (its staging area, and the pool's buffers
-        unless someone registered them before). Call before the pool's memory is freed."""
-        if self._registered:
-            self.engine.unregister(self._registered)
-            self._registered = []
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
+class KVSender(PoolEndpoint):
+    """Registers its pool and a staging area at construction; close() (or `with`) undoes it."""
 
     def plan(self, peer: PeerTarget, src: IndexSet, dst: IndexSet) -> TransferPlan:
         return build_plan(src, dst, self.pool.buffer_descriptors(), list(peer.descriptors),

@@ -5,18 +5,15 @@ import torch
 
 from kvpool.aux_record import AUX_DTYPE
 from kvpool.geometry import Component
-from kvpool.pools.base import ComponentPool
+from kvpool.pools.base import RequestSlotPool
 from kvpool.request import RequestKV
 
 
-class AuxPool(ComponentPool):
+class AuxPool(RequestSlotPool):
     component = Component.AUX
 
-    def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros(1, dtype=np.int32), np.array([req.aux_row], dtype=np.int32)
-
-    def transfer_indices(self, req: RequestKV) -> np.ndarray:
-        return np.array([req.aux_row], dtype=np.int32)
+    def slot(self, req: RequestKV) -> int:
+        return req.aux_row
 
     def write(self, row: int, room: int, num_tokens: int, first_token: int, digest: bytes) -> None:
         record = np.zeros(1, dtype=AUX_DTYPE)

@@ -91,3 +91,27 @@ class ComponentPool(KVPool):
 
     def layer_view(self, layer: int, part: str) -> torch.Tensor:
         return self.storage.view(layer, part)
+
+
+class FullPagePool(ComponentPool):
+    """A component indexed by the request's full pages (FULL, NSA)."""
+
+    def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
+        return np.arange(req.num_pages, dtype=np.int32), req.full_pages
+
+    def transfer_indices(self, req: RequestKV) -> np.ndarray:
+        return req.full_pages
+
+
+class RequestSlotPool(ComponentPool):
+    """A component with one item per request (MAMBA state slot, AUX row)."""
+
+    @abstractmethod
+    def slot(self, req: RequestKV) -> int:
+        """The request's item in this pool."""
+
+    def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros(1, dtype=np.int32), np.array([self.slot(req)], dtype=np.int32)
+
+    def transfer_indices(self, req: RequestKV) -> np.ndarray:
+        return np.array([self.slot(req)], dtype=np.int32)

@@ -1,17 +1,12 @@
 """MAMBA pool: conv and temporal state of every linear layer, one slot per request."""
 
-import numpy as np
-
 from kvpool.geometry import Component
-from kvpool.pools.base import ComponentPool
+from kvpool.pools.base import RequestSlotPool
 from kvpool.request import RequestKV
 
 
-class MambaPool(ComponentPool):
+class MambaPool(RequestSlotPool):
     component = Component.MAMBA
 
-    def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros(1, dtype=np.int32), np.array([req.state_slot], dtype=np.int32)
-
-    def transfer_indices(self, req: RequestKV) -> np.ndarray:
-        return np.array([req.state_slot], dtype=np.int32)
+    def slot(self, req: RequestKV) -> int:
+        return req.state_slot

@@ -2,18 +2,9 @@
 One page of one layer holds [page_size, key_dim] keys followed by [page_size, key_dim/128]
 scales."""
 
-import numpy as np
-
 from kvpool.geometry import Component
-from kvpool.pools.base import ComponentPool
-from kvpool.request import RequestKV
+from kvpool.pools.base import FullPagePool
 
 
-class NSAPool(ComponentPool):
+class NSAPool(FullPagePool):
     component = Component.NSA
-
-    def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
-        return np.arange(req.num_pages, dtype=np.int32), req.full_pages
-
-    def transfer_indices(self, req: RequestKV) -> np.ndarray:
-        return req.full_pages
