@@ -1,0 +1,100 @@
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from disagg import protocol as P
+from kvpool import Component, HybridPool, Layout, PoolConfig, get_preset
+from transfer.errors import ProtocolError
+from transfer.staging import ChunkDone, ChunkLanded, Piece
+
+LAYOUT = P.LayoutInfo(16, "page_major", {"full": [[None, None, 4096]], "aux": [[None, None, 64]]})
+SAMPLES = [
+    P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://10.0.0.1:5000", "10.0.0.1:1234", 42, LAYOUT),
+    P.Lookup(P.PROTOCOL_VERSION, 0),
+    P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", "h:2", 1, LAYOUT)),
+    P.RegisterDecode(P.PROTOCOL_VERSION, 9, "10.0.0.2:77", LAYOUT,
+                     [P.WireBuffer(1 << 40, 4096 * 10, 4096, "full", None, None)], 1 << 41, 4, 1 << 20),
+    P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
+    P.TransferDone(123, 42, True, "", 1 << 20, "direct", 17, 3.5),
+    P.Abort(123, "client cancelled"),
+    P.Heartbeat(42),
+    P.Registered(42),
+    P.Refused("layout differs"),
+    ChunkLanded(123, 0, 1, [Piece("full", 0, 0, 3, 0)]),
+    ChunkDone(123, 0),
+]
+
+
+@pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips_through_its_socket_decoder(msg):
+    unions = {"bootstrap-req": P.BootstrapRequest, "bootstrap-rep": P.BootstrapReply,
+              "to-prefill": P.ToPrefill, "to-decode": P.ToDecode}
+    homes = [name for name, u in unions.items() if type(msg) in u.__args__]
+    assert homes, f"{type(msg).__name__} belongs to no socket"
+    for name in homes:
+        assert P.Decoder(unions[name], name).decode(P.encoder.encode(msg)) == msg
+
+
+@given(st.binary(max_size=300))
+def test_random_frames_never_escape_as_anything_but_protocol_error(frame):
+    for union in (P.BootstrapRequest, P.BootstrapReply, P.ToPrefill, P.ToDecode):
+        try:
+            P.Decoder(union, "x").decode(frame)
+        except ProtocolError:
+            pass
+
+
+def test_oversized_and_wrong_type_frames():
+    d = P.Decoder(P.ToPrefill, "control")
+    with pytest.raises(ProtocolError, match="exceeds"):
+        d.decode(b"\0" * (P.MAX_FRAME_BYTES + 1))
+    with pytest.raises(ProtocolError, match="undecodable"):
+        d.decode(P.encoder.encode(P.Lookup(1)))  # a bootstrap message on the control socket
+    with pytest.raises(ProtocolError, match="undecodable"):
+        d.decode(msgspec.msgpack.encode({"type": "TransferRequest", "room": "x"}))
+
+
+def test_version_check():
+    P.check_version(P.PROTOCOL_VERSION)
+    with pytest.raises(ProtocolError, match="protocol version 99"):
+        P.check_version(99)
+
+
+def test_indices_travel_as_raw_int32_and_junk_is_refused():
+    pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2))
+    iset = pool.index_set(pool.alloc_request(30))
+    raw = P.indices_to_wire(iset)
+    assert all(isinstance(v, bytes) for v in raw.values())
+    back = P.indices_from_wire(raw)
+    for c in iset.components():
+        assert back[c].dtype == np.int32 and np.array_equal(back[c], iset[c]) and not back[c].flags.writeable
+    with pytest.raises(ProtocolError, match="whole number"):
+        P.indices_from_wire({"full": b"\1\2\3"})
+    with pytest.raises(ProtocolError, match="unknown component"):
+        P.indices_from_wire({"kv": b""})
+
+
+def test_layout_difference_names_it():
+    a = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2))
+    b = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 8, max_tokens=256, max_requests=2))
+    c = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2, layout=Layout.LAYER_MAJOR))
+    d = HybridPool(PoolConfig(get_preset("tiny-mamba"), 4, max_tokens=256, max_requests=2))
+    info = lambda p: P.layout_info(p.page_size, p.config.layout.value, p.buffer_descriptors())  # noqa: E731
+    assert P.layout_difference(info(a), info(a)) is None
+    assert "page size 4 vs 8" in P.layout_difference(info(a), info(b))
+    assert "pool layout page_major vs layer_major" in P.layout_difference(info(a), info(c))
+    assert "components" in P.layout_difference(info(a), info(d))
+    e = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, tp_size=2))
+    f = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
+    assert "B/item" in P.layout_difference(info(e), info(f))
+
+
+def test_wire_buffers_are_validated():
+    good = P.WireBuffer(4096, 8192, 4096, "full", 0, "k")
+    assert P.from_wire([good])[0].component is Component.FULL
+    for bad in (P.WireBuffer(0, 8192, 4096, "full", 0, "k"), P.WireBuffer(4096, 8000, 4096, "full", 0, "k"),
+                P.WireBuffer(4096, 8192, 4096, "kv", 0, "k")):
+        with pytest.raises(ProtocolError):
+            P.from_wire([bad])
