@@ -3,9 +3,9 @@
 import argparse
 import sys
 
-from disagg import __version__, presets_cmd
+from disagg import __version__, bootstrap_cmd, presets_cmd
 
-COMMANDS = {"presets": presets_cmd}
+COMMANDS = {"presets": presets_cmd, "bootstrap": bootstrap_cmd}
 
 
 def build_parser() -> argparse.ArgumentParser:

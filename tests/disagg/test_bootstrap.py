@@ -1,0 +1,106 @@
+"""The bootstrap over real ZMQ sockets: registration, lookup, epochs, and hostile frames."""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
+from disagg.protocol import PROTOCOL_VERSION, LayoutInfo, Lookup, RegisterPrefill, encoder
+from transfer.errors import ProtocolError
+
+LAYOUT = LayoutInfo(16, "page_major", {"full": [[None, None, 4096]]})
+
+
+def _info(rank=0, epoch=1, size=2, version=PROTOCOL_VERSION):
+    return RegisterPrefill(version, rank, size, f"tcp://127.0.0.1:{7000 + rank}", f"127.0.0.1:{8000 + rank}", epoch, LAYOUT)
+
+
+@pytest.fixture()
+def server():
+    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*")).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture()
+def client(server):
+    c = BootstrapClient(server.endpoint)
+    yield c
+    c.close()
+
+
+def test_register_and_lookup(client):
+    client.register(_info(0))
+    client.register(_info(1))
+    assert client.lookup(PROTOCOL_VERSION, 1).control_endpoint == "tcp://127.0.0.1:7001"
+    with pytest.raises(ProtocolError, match="no prefill rank 5"):
+        client.lookup(PROTOCOL_VERSION, 5)
+
+
+def test_restarted_prefill_replaces_its_rank_and_stale_epochs_are_refused(client):
+    client.register(_info(0, epoch=1))
+    client.register(_info(0, epoch=2))
+    assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
+    with pytest.raises(ProtocolError, match="older than registered 2"):
+        client.register(_info(0, epoch=1))
+    assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
+
+
+def test_wrong_version_and_bad_rank_are_refused(client):
+    with pytest.raises(ProtocolError, match="protocol version 99"):
+        client.register(_info(version=99))
+    with pytest.raises(ProtocolError, match="protocol version 0"):
+        client.lookup(0)
+    with pytest.raises(ProtocolError, match="tp_rank 3 outside"):
+        client.register(_info(rank=3, size=2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(frame=st.binary(max_size=200))
+def test_random_frames_get_a_refusal_and_the_server_keeps_serving(frame):
+    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*")).start()
+    try:
+        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(s.endpoint)
+        sock.send(frame)
+        assert sock.poll(5000), "no reply to a junk frame"
+        sock.recv()
+        sock.close()
+        client = BootstrapClient(s.endpoint)
+        client.register(_info(0))
+        assert client.lookup(PROTOCOL_VERSION, 0).session_id == "127.0.0.1:8000"
+        client.close()
+    finally:
+        s.stop()
+
+
+def test_client_times_out_instead_of_hanging():
+    ctx = zmq.Context.instance()
+    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    client = BootstrapClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
+    with pytest.raises(ProtocolError, match="did not answer"):
+        client.lookup(PROTOCOL_VERSION)
+    client.close()
+    silent.close(linger=0)
+
+
+def test_standalone_process_serves_and_stops_on_sigint():
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "bootstrap", "--bind", "tcp://127.0.0.1:18998"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        client = BootstrapClient("tcp://127.0.0.1:18998", timeout_s=30)
+        client.register(_info(0))
+        assert client.lookup(PROTOCOL_VERSION).epoch == 1
+        client.close()
+    finally:
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+        proc.stdout.close()
