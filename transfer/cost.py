@@ -21,10 +21,12 @@ def estimate(plan: TransferPlan, config: TransferConfig, slot_bytes: int) -> dic
 
 
 def choose_mode(plan: TransferPlan, config: TransferConfig, slot_bytes: int, staging_available: bool) -> Mode:
-    """The configured mode, or for AUTO the cheaper estimate (direct when no staging slots)."""
-    if config.mode is not Mode.AUTO:
-        return config.mode
-    if not staging_available or not plan.body:
+    """DIRECT when configured or when the receiver lent no staging slots (all in use by other
+    transfers: a request never fails for want of a slot); STAGED when configured; for AUTO the
+    cheaper estimate."""
+    if config.mode is Mode.DIRECT or not staging_available or not plan.body:
         return Mode.DIRECT
+    if config.mode is Mode.STAGED:
+        return Mode.STAGED
     cost = estimate(plan, config, slot_bytes)
     return Mode.STAGED if cost[Mode.STAGED] < cost[Mode.DIRECT] else Mode.DIRECT

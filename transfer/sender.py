@@ -63,8 +63,6 @@ class KVSender(PoolEndpoint):
         slot_bytes = min(self.staging.slot_bytes, peer.staging_slot_bytes or self.staging.slot_bytes)
         can_stage = bool(remote_slots) and channel is not None and peer.staging_ptr != 0
         mode = choose_mode(plan, self.config, slot_bytes, can_stage)
-        if mode is Mode.STAGED and not can_stage:
-            raise StagingError("staged mode needs receiver staging slots and a chunk channel")
         ranges = chunks = 0
         if mode is Mode.DIRECT:
             body = plan.body_ranges()

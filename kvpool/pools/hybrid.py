@@ -4,8 +4,12 @@
                               └──retract() -> KVCopy ──restore()──> RequestKV
 
 Every allocation checks all allocators before taking anything, so a request either gets
-everything it needs or nothing (OutOfSpace names the component that is short).
+everything it needs or nothing (OutOfSpace names the component that is short). The lifecycle
+methods hold one lock: servers call them from many threads, and allocators are not
+thread-safe on their own.
 """
+
+import threading
 
 import numpy as np
 import torch
@@ -30,6 +34,7 @@ from kvpool.storage import BufferDescriptor
 
 class HybridPool(KVPool):
     def __init__(self, config: PoolConfig):
+        self._lock = threading.RLock()
         self.config = config
         self.page_size = config.page_size
         self.sizes = sizes = config.sizes()
@@ -60,10 +65,11 @@ class HybridPool(KVPool):
     def alloc_request(self, num_tokens: int, swa_window_only: bool = False) -> RequestKV:
         """Allocate a request of `num_tokens` tokens. With `swa_window_only`, SWA pages back
         only the window (what a decode side receives); otherwise every page (prefill)."""
-        if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
-            raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
-        first = self._window_first(num_tokens) if swa_window_only else 0
-        return self._alloc(int(num_tokens), first)
+        with self._lock:
+            if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+                raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
+            first = self._window_first(num_tokens) if swa_window_only else 0
+            return self._alloc(int(num_tokens), first)
 
     def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
         """Allocate; SWA pages back positions [swa_first, num_pages)."""
@@ -89,69 +95,74 @@ class HybridPool(KVPool):
     def extend(self, req: RequestKV, new_num_tokens: int) -> None:
         """Grow `req` to `new_num_tokens`; new pages get SWA pages and pages that left the
         window give theirs back. Nothing changes when space is short."""
-        self._check_live(req)
-        if new_num_tokens < req.num_tokens:
-            raise AllocatorError(f"cannot shrink a request from {req.num_tokens} to {new_num_tokens} tokens")
-        n_new = num_pages_for(new_num_tokens, self.page_size) - req.num_pages
-        if n_new == 0 and self._window_first(new_num_tokens) <= req.swa_evicted:
-            req.num_tokens = int(new_num_tokens)  # same pages, nothing left the window
-            return
-        if n_new > self.pages.available_pages():
-            raise OutOfSpace(self.pages.name, n_new, self.pages.available_pages())
-        if self.swa_allocator is not None:
-            swa = self.swa_allocator
-            first = self._window_first(new_num_tokens)
-            # New pages already out of the window (growth by more than a window) get none.
-            new_swa_first = min(n_new, max(0, first - req.num_pages))
-            freeable = max(0, min(first, req.num_pages) - req.swa_evicted)
-            if n_new - new_swa_first > swa.swa.num_free + freeable:
-                raise OutOfSpace(swa.swa.name, n_new - new_swa_first, swa.swa.num_free + freeable)
-            self._evict_before(req, min(first, req.num_pages))
-            new_pages = swa.alloc(n_new, swa_first=new_swa_first)
-            req.swa_evicted = max(req.swa_evicted, first)
-        else:
-            new_pages = self.pages.alloc(n_new)
-        req._append_pages(new_pages)
-        req.num_tokens = int(new_num_tokens)
+        with self._lock:
+            self._check_live(req)
+            if new_num_tokens < req.num_tokens:
+                raise AllocatorError(f"cannot shrink a request from {req.num_tokens} to {new_num_tokens} tokens")
+            n_new = num_pages_for(new_num_tokens, self.page_size) - req.num_pages
+            if n_new == 0 and self._window_first(new_num_tokens) <= req.swa_evicted:
+                req.num_tokens = int(new_num_tokens)  # same pages, nothing left the window
+                return
+            if n_new > self.pages.available_pages():
+                raise OutOfSpace(self.pages.name, n_new, self.pages.available_pages())
+            if self.swa_allocator is not None:
+                swa = self.swa_allocator
+                first = self._window_first(new_num_tokens)
+                # New pages already out of the window (growth by more than a window) get none.
+                new_swa_first = min(n_new, max(0, first - req.num_pages))
+                freeable = max(0, min(first, req.num_pages) - req.swa_evicted)
+                if n_new - new_swa_first > swa.swa.num_free + freeable:
+                    raise OutOfSpace(swa.swa.name, n_new - new_swa_first, swa.swa.num_free + freeable)
+                self._evict_before(req, min(first, req.num_pages))
+                new_pages = swa.alloc(n_new, swa_first=new_swa_first)
+                req.swa_evicted = max(req.swa_evicted, first)
+            else:
+                new_pages = self.pages.alloc(n_new)
+            req._append_pages(new_pages)
+            req.num_tokens = int(new_num_tokens)
 
     def evict_swa(self, req: RequestKV) -> int:
         """Free the SWA pages of `req` that hold no token in its window; returns how many."""
-        self._check_live(req)
-        if self.swa_allocator is None:
-            return 0
-        return self._evict_before(req, self._window_first(req.num_tokens))
+        with self._lock:
+            self._check_live(req)
+            if self.swa_allocator is None:
+                return 0
+            return self._evict_before(req, self._window_first(req.num_tokens))
 
     def free_request(self, req: RequestKV) -> None:
-        self._check_live(req)
-        if self.swa_allocator is not None:
-            self.swa_allocator.free(req.full_pages)
-        else:
-            self.pages.free(req.full_pages)
-        if self.state_slots is not None:
-            self.state_slots.free(np.array([req.state_slot], dtype=np.int32))
-        self.aux_rows.free(np.array([req.aux_row], dtype=np.int32))
-        req.freed = True
+        with self._lock:
+            self._check_live(req)
+            if self.swa_allocator is not None:
+                self.swa_allocator.free(req.full_pages)
+            else:
+                self.pages.free(req.full_pages)
+            if self.state_slots is not None:
+                self.state_slots.free(np.array([req.state_slot], dtype=np.int32))
+            self.aux_rows.free(np.array([req.aux_row], dtype=np.int32))
+            req.freed = True
 
     def retract(self, req: RequestKV) -> KVCopy:
         """Copy `req` to CPU memory and free it (preemption)."""
-        copy = self.get_cpu_copy(req)
-        self.free_request(req)
-        return copy
+        with self._lock:
+            copy = self.get_cpu_copy(req)
+            self.free_request(req)
+            return copy
 
     def restore(self, copy: KVCopy) -> RequestKV:
         """Allocate a request shaped like `copy` (same tokens, same SWA pages backed) and load it."""
-        swa_part = copy.components.get(Component.SWA)
-        n_pages = num_pages_for(copy.num_tokens, self.page_size)
-        first = n_pages - len(swa_part.positions) if swa_part is not None else 0
-        if swa_part is not None and not np.array_equal(swa_part.positions, np.arange(first, n_pages)):
-            raise LayoutMismatch("copy's SWA pages are not a suffix of the request")
-        req = self._alloc(copy.num_tokens, first)
-        try:
-            self.load_cpu_copy(req, copy)
-        except Exception:
-            self.free_request(req)
-            raise
-        return req
+        with self._lock:
+            swa_part = copy.components.get(Component.SWA)
+            n_pages = num_pages_for(copy.num_tokens, self.page_size)
+            first = n_pages - len(swa_part.positions) if swa_part is not None else 0
+            if swa_part is not None and not np.array_equal(swa_part.positions, np.arange(first, n_pages)):
+                raise LayoutMismatch("copy's SWA pages are not a suffix of the request")
+            req = self._alloc(copy.num_tokens, first)
+            try:
+                self.load_cpu_copy(req, copy)
+            except Exception:
+                self.free_request(req)
+                raise
+            return req
 
     def _window_first(self, num_tokens: int) -> int:
         if self.swa_allocator is None:
@@ -176,22 +187,25 @@ class HybridPool(KVPool):
         return [d for pool in self.pools.values() for d in pool.buffer_descriptors()]
 
     def index_set(self, req: RequestKV) -> IndexSet:
-        self._check_live(req)
-        return IndexSet.merge(pool.index_set(req) for pool in self.pools.values())
+        with self._lock:
+            self._check_live(req)
+            return IndexSet.merge(pool.index_set(req) for pool in self.pools.values())
 
     def get_cpu_copy(self, req: RequestKV) -> KVCopy:
-        self._check_live(req)
-        parts = [pool.get_cpu_copy(req) for pool in self.pools.values()]
-        return KVCopy(req.num_tokens, {c: p for part in parts for c, p in part.components.items()})
+        with self._lock:
+            self._check_live(req)
+            parts = [pool.get_cpu_copy(req) for pool in self.pools.values()]
+            return KVCopy(req.num_tokens, {c: p for part in parts for c, p in part.components.items()})
 
     def load_cpu_copy(self, req: RequestKV, copy: KVCopy) -> None:
-        self._check_live(req)
-        extra = set(copy.components) - set(self.pools)
-        if extra:
-            raise LayoutMismatch(f"copy has components this pool lacks: {sorted(c.value for c in extra)}")
-        items = {c: pool.check_copy(req, copy) for c, pool in self.pools.items()}  # all or nothing
-        for c, pool in self.pools.items():
-            pool.storage.scatter(items[c], copy.components[c].buffers)
+        with self._lock:
+            self._check_live(req)
+            extra = set(copy.components) - set(self.pools)
+            if extra:
+                raise LayoutMismatch(f"copy has components this pool lacks: {sorted(c.value for c in extra)}")
+            items = {c: pool.check_copy(req, copy) for c, pool in self.pools.items()}  # all or nothing
+            for c, pool in self.pools.items():
+                pool.storage.scatter(items[c], copy.components[c].buffers)
 
     def layer_view(self, layer: int, part: str) -> torch.Tensor:
         for pool in self.pools.values():
@@ -202,15 +216,17 @@ class HybridPool(KVPool):
     # ---- accounting ---------------------------------------------------------------------
     def available(self) -> dict[str, int]:
         """Free capacity per allocator: tokens for page pools, slots otherwise."""
-        out = {"full_tokens": self.pages.available_size(), "aux_rows": self.aux_rows.available_size()}
-        if self.swa_allocator is not None:
-            out["swa_tokens"] = self.swa_allocator.swa.available_size()
-        if self.state_slots is not None:
-            out["mamba_slots"] = self.state_slots.available_size()
-        return out
+        with self._lock:
+            out = {"full_tokens": self.pages.available_size(), "aux_rows": self.aux_rows.available_size()}
+            if self.swa_allocator is not None:
+                out["swa_tokens"] = self.swa_allocator.swa.available_size()
+            if self.state_slots is not None:
+                out["mamba_slots"] = self.state_slots.available_size()
+            return out
 
     def check_integrity(self) -> None:
-        (self.swa_allocator or self.pages).check_integrity()
-        if self.state_slots is not None:
-            self.state_slots.check_integrity()
-        self.aux_rows.check_integrity()
+        with self._lock:
+            (self.swa_allocator or self.pages).check_integrity()
+            if self.state_slots is not None:
+                self.state_slots.check_integrity()
+            self.aux_rows.check_integrity()

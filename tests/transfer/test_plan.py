@@ -200,3 +200,4 @@ def test_cost_model_picks_what_the_measurements_say():
         assert choose_mode(plan, cfg, cfg.staging_slot_bytes, staging_available=False) is Mode.DIRECT
         forced = TransferConfig(mode=Mode.STAGED)
         assert choose_mode(plan, forced, cfg.staging_slot_bytes, staging_available=True) is Mode.STAGED
+        assert choose_mode(plan, forced, cfg.staging_slot_bytes, staging_available=False) is Mode.DIRECT
