@@ -3,9 +3,10 @@
 import argparse
 import sys
 
-from disagg import __version__, bootstrap_cmd, presets_cmd
+from disagg import __version__, bench, bootstrap_cmd, decode_cmd, demo, prefill_cmd, presets_cmd, router_cmd
 
-COMMANDS = {"presets": presets_cmd, "bootstrap": bootstrap_cmd}
+COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
+            "bench": bench, "demo": demo, "presets": presets_cmd}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,66 @@
+"""`disagg decode`: a decode worker (pool, engine, control sockets to prefill peers, HTTP)."""
+
+import argparse
+import logging
+import signal
+import threading
+
+import numpy as np
+import torch
+
+from disagg.decode_server import DecodeConfig, DecodeServer
+from disagg.http_api import ApiServer, require
+from disagg.metrics import WorkerMetrics
+from disagg.worker_flags import add_pool_flags, announce, pool_settings, transfer_config
+
+HELP = "run a decode worker"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_pool_flags(p)
+    p.add_argument("--bootstrap-addr", default="tcp://127.0.0.1:8998", help="default bootstrap to look prefill up")
+    p.add_argument("--slots-per-transfer", type=int, default=2, help="staging slots lent to one transfer")
+
+
+def config_from(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(pool=pool_settings(args), host=args.host, bootstrap_addr=args.bootstrap_addr,
+                        transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
+                        request_timeout_s=args.request_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    server = DecodeServer(config_from(args))
+    metrics = WorkerMetrics("decode")
+
+    def decode(body: dict) -> dict:
+        room = require(body, "room", int)
+        tokens = np.asarray(require(body, "token_ids", list), dtype=np.int64)
+        max_new = int(body.get("max_new_tokens", 1))
+        metrics.inflight.labels("decode").inc()
+        try:
+            out = server.decode(room, tokens, max_new, body.get("bootstrap"))
+        finally:
+            metrics.inflight.labels("decode").dec()
+            metrics.observe_pool(server.pool.available())
+        if out["state"] == "SUCCESS":
+            metrics.requests.labels("decode", "success").inc()
+            metrics.bytes.labels("decode").inc(out["bytes"])
+            for phase in ("bootstrap", "wait", "verify", "decode"):
+                if f"{phase}_ms" in out:
+                    metrics.latency.labels("decode", phase).observe(out[f"{phase}_ms"] / 1e3)
+        else:
+            metrics.failure(out["reason"])
+        return out
+
+    metrics.observe_pool(server.pool.available())
+    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready, metrics.registry).start()
+    announce(role="decode", http=f"http://{args.host}:{api.port}", session=server.engine.session_id)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    api.stop()
+    server.close()
+    return 0

@@ -1,0 +1,98 @@
+"""A small JSON-over-HTTP server for every long-running process: /health, /ready, /metrics
+and the process's own POST routes. Bad requests get a 4xx with a reason; a failing handler
+gets a 500 with its message; the server keeps serving either way."""
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+
+from transfer.errors import DisaggError
+
+log = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 16 << 20
+Route = Callable[[dict], dict]
+
+
+class BadRequest(DisaggError):
+    pass
+
+
+class ApiServer:
+    def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
+                 registry: CollectorRegistry):
+        self.routes, self.ready, self.registry = routes, ready, registry
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, fmt, *args):  # route through logging, not stderr
+                log.debug("%s " + fmt, self.address_string(), *args)
+
+            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def _json(self, code: int, obj: dict) -> None:
+                self._send(code, json.dumps(obj).encode())
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._json(200, {"status": "ok"})
+                elif self.path == "/ready":
+                    ok = api.ready()
+                    self._json(200 if ok else 503, {"ready": ok})
+                elif self.path == "/metrics":
+                    self._send(200, generate_latest(api.registry), CONTENT_TYPE_LATEST)
+                else:
+                    self._json(404, {"error": f"no route {self.path}"})
+
+            def do_POST(self):
+                route = api.routes.get(self.path)
+                if route is None:
+                    return self._json(404, {"error": f"no route {self.path}"})
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                    if not 0 <= length <= MAX_BODY_BYTES:
+                        raise BadRequest(f"body of {length} bytes refused")
+                    body = json.loads(self.rfile.read(length) or b"{}")
+                    if not isinstance(body, dict):
+                        raise BadRequest("body must be a JSON object")
+                    self._json(200, route(body))
+                except (BadRequest, ValueError, KeyError, TypeError) as exc:
+                    self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
+                except DisaggError as exc:
+                    self._json(409, {"error": f"{type(exc).__name__}: {exc}"})
+                except Exception as exc:  # a handler bug must not take the server down
+                    log.exception("handler for %s failed", self.path)
+                    self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+
+    def start(self) -> "ApiServer":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def require(body: dict, key: str, kind: type):
+    if key not in body:
+        raise BadRequest(f"missing field {key!r}")
+    value = body[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise BadRequest(f"field {key!r} must be {kind.__name__}")
+    return value

@@ -1,0 +1,31 @@
+"""Prometheus metrics of one worker process (its own registry, so tests can run many)."""
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class WorkerMetrics:
+    def __init__(self, role: str):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("disagg_requests_total", "requests by outcome", ["role", "outcome"], registry=r)
+        self.failures = Counter("disagg_failures_total", "failed requests by reason", ["role", "reason"], registry=r)
+        self.bytes = Counter("disagg_transfer_bytes_total", "KV bytes moved", ["role"], registry=r)
+        self.transfers = Counter("disagg_transfers_total", "transfers by mode", ["role", "mode"], registry=r)
+        self.latency = Histogram("disagg_phase_seconds", "latency per phase", ["role", "phase"],
+                                 buckets=LATENCY_BUCKETS, registry=r)
+        self.ranges = Histogram("disagg_transfer_ranges", "engine ranges per transfer", ["role"],
+                                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
+        self.pool_free = Gauge("disagg_pool_free", "free pool capacity", ["role", "allocator"], registry=r)
+        self.inflight = Gauge("disagg_requests_inflight", "requests being served (queue depth)", ["role"], registry=r)
+        self.role = role
+
+    def observe_pool(self, available: dict[str, int]) -> None:
+        for name, value in available.items():
+            self.pool_free.labels(self.role, name).set(value)
+
+    def failure(self, reason: str) -> None:
+        """Count a failure under a coarse reason (the first word: bounded label cardinality)."""
+        self.requests.labels(self.role, "failed").inc()
+        self.failures.labels(self.role, reason.split(":")[0].split(" ")[0][:40] or "unknown").inc()

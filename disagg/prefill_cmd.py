@@ -1,0 +1,75 @@
+"""`disagg prefill`: a prefill worker (pool, engine, control socket, bootstrap, HTTP)."""
+
+import argparse
+import logging
+import signal
+import threading
+
+import numpy as np
+import torch
+
+from disagg.http_api import ApiServer, require
+from disagg.metrics import WorkerMetrics
+from disagg.prefill_server import PrefillConfig, PrefillServer
+from disagg.worker_flags import add_pool_flags, announce, pool_settings, transfer_config
+
+HELP = "run a prefill worker"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_pool_flags(p)
+    p.add_argument("--control-port", type=int, default=0, help="control ROUTER port (0: any free port)")
+    p.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998",
+                   help="run the bootstrap server here ('none': use --bootstrap-addr)")
+    p.add_argument("--bootstrap-addr", default=None, help="an external bootstrap to register with")
+    p.add_argument("--tp-rank", type=int, default=0)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--transfer-workers", type=int, default=4, help="parallel transfers")
+
+
+def config_from(args: argparse.Namespace) -> PrefillConfig:
+    return PrefillConfig(pool=pool_settings(args), host=args.host, control_port=args.control_port,
+                         bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
+                         bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
+                         transfer_workers=args.transfer_workers, transfer=transfer_config(args),
+                         request_timeout_s=args.request_timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    torch.set_num_threads(args.torch_threads)
+    server = PrefillServer(config_from(args))
+    metrics = WorkerMetrics("prefill")
+
+    def prefill(body: dict) -> dict:
+        room = require(body, "room", int)
+        tokens = np.asarray(require(body, "token_ids", list), dtype=np.int64)
+        metrics.inflight.labels("prefill").inc()
+        try:
+            out = server.prefill(room, tokens)
+        finally:
+            metrics.inflight.labels("prefill").dec()
+            metrics.observe_pool(server.available())
+        if out["state"] == "SUCCESS":
+            metrics.requests.labels("prefill", "success").inc()
+            metrics.bytes.labels("prefill").inc(out["bytes"])
+            metrics.transfers.labels("prefill", out["mode"]).inc()
+            metrics.ranges.labels("prefill").observe(out["ranges"])
+            metrics.latency.labels("prefill", "transfer").observe(out["transfer_ms"] / 1e3)
+        else:
+            metrics.failure(out["reason"])
+        if "prefill_ms" in out:
+            metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
+        return out
+
+    metrics.observe_pool(server.available())
+    api = ApiServer(args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry).start()
+    announce(role="prefill", http=f"http://{args.host}:{api.port}", bootstrap=server.bootstrap_endpoint,
+             control=server.control_endpoint, session=server.engine.session_id)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    api.stop()
+    server.close()
+    return 0

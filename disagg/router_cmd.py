@@ -1,0 +1,49 @@
+"""`disagg router`: the HTTP front (POST /generate) over prefill/decode pairs."""
+
+import argparse
+import logging
+import signal
+import threading
+
+from disagg.http_api import ApiServer
+from disagg.metrics import WorkerMetrics
+from disagg.router import Pair, Router, RouterConfig
+from disagg.worker_flags import announce
+
+HELP = "run the router in front of prefill/decode pairs"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", action="append", required=True, type=Pair.parse,
+                   help="PREFILL_URL,DECODE_URL,BOOTSTRAP (repeat for more pairs)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    router = Router(config_from(args))
+    metrics = WorkerMetrics("router")
+
+    def generate(body: dict) -> dict:
+        out = router.generate(body)
+        if out["ok"]:
+            metrics.requests.labels("router", "success").inc()
+            metrics.latency.labels("router", "total").observe(out["timings_ms"]["total"] / 1e3)
+        else:
+            metrics.failure(out["reason"])
+        return out
+
+    api = ApiServer(args.host, args.port, {"/generate": generate}, lambda: True, metrics.registry).start()
+    announce(role="router", http=f"http://{args.host}:{api.port}")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop.wait()
+    api.stop()
+    return 0

@@ -1,0 +1,53 @@
+"""Flags shared by `disagg prefill` and `disagg decode`, and their frozen configs."""
+
+import argparse
+import json
+import os
+
+from disagg.prefill_server import PoolSettings
+from kvpool.layout import Layout
+from kvpool.presets import PRESETS
+from transfer.config import Mode, TransferConfig
+
+
+def _env(name: str, default):
+    return os.environ.get(name, default)
+
+
+def add_pool_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("pool")
+    g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=list(PRESETS),
+                   help="model geometry (env DISAGG_PRESET)")
+    g.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
+    cap = g.add_mutually_exclusive_group()
+    cap.add_argument("--max-tokens", type=int, default=None, help="pool capacity in full-attention tokens")
+    cap.add_argument("--pool-bytes", type=int, default=None, help="pool capacity as a byte budget")
+    g.add_argument("--max-requests", type=int, default=64, help="request slots (Mamba state, AUX rows)")
+    g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout])
+    g.add_argument("--device", default=_env("DISAGG_DEVICE", "auto"), help="cpu, cuda, cuda:N or auto")
+    g = p.add_argument_group("transfer")
+    g.add_argument("--host", default=_env("DISAGG_HOST", "127.0.0.1"), help="address to bind and advertise "
+                   "(env DISAGG_HOST; the pod IP on Kubernetes)")
+    g.add_argument("--http-port", type=int, default=int(_env("DISAGG_HTTP_PORT", "0")), help="0: any free port")
+    g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
+    g.add_argument("--staging-slots", type=int, default=4)
+    g.add_argument("--staging-slot-mib", type=int, default=16)
+    g.add_argument("--request-timeout", type=float, default=30.0, help="seconds per request")
+    g.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads (1 leaves cores to the engine's TCP threads)")
+
+
+def pool_settings(args: argparse.Namespace) -> PoolSettings:
+    max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
+    return PoolSettings(args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
+                        args.layout, args.device)
+
+
+def transfer_config(args: argparse.Namespace) -> TransferConfig:
+    return TransferConfig(mode=Mode(args.transfer_mode), staging_slots=args.staging_slots,
+                          staging_slot_bytes=args.staging_slot_mib << 20)
+
+
+def announce(**endpoints) -> None:
+    """One JSON line on stdout once the process is ready (for launchers such as `disagg demo`)."""
+    print(json.dumps(endpoints), flush=True)
