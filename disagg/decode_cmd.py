@@ -43,7 +43,6 @@ def run(args: argparse.Namespace) -> int:
             out = server.decode(room, tokens, max_new, body.get("bootstrap"))
         finally:
             metrics.inflight.labels("decode").dec()
-            metrics.observe_pool(server.pool.available())
         if out["state"] == "SUCCESS":
             metrics.requests.labels("decode", "success").inc()
             metrics.bytes.labels("decode").inc(out["bytes"])
@@ -54,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    metrics.observe_pool(server.pool.available())
-    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready, metrics.registry).start()
+    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready, metrics.registry,
+                    lambda: metrics.observe_pool(server.pool.available())).start()
     announce(role="decode", http=f"http://{args.host}:{api.port}", session=server.engine.session_id)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())

@@ -24,8 +24,9 @@ class BadRequest(DisaggError):
 
 class ApiServer:
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
-                 registry: CollectorRegistry):
+                 registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None):
         self.routes, self.ready, self.registry = routes, ready, registry
+        self.before_scrape = before_scrape
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,6 +52,8 @@ class ApiServer:
                     ok = api.ready()
                     self._json(200 if ok else 503, {"ready": ok})
                 elif self.path == "/metrics":
+                    if api.before_scrape is not None:
+                        api.before_scrape()  # gauges read at scrape time, never stale
                     self._send(200, generate_latest(api.registry), CONTENT_TYPE_LATEST)
                 else:
                     self._json(404, {"error": f"no route {self.path}"})

@@ -49,7 +49,6 @@ def run(args: argparse.Namespace) -> int:
             out = server.prefill(room, tokens)
         finally:
             metrics.inflight.labels("prefill").dec()
-            metrics.observe_pool(server.available())
         if out["state"] == "SUCCESS":
             metrics.requests.labels("prefill", "success").inc()
             metrics.bytes.labels("prefill").inc(out["bytes"])
@@ -62,8 +61,8 @@ def run(args: argparse.Namespace) -> int:
             metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
         return out
 
-    metrics.observe_pool(server.available())
-    api = ApiServer(args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry).start()
+    api = ApiServer(args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry,
+                    lambda: metrics.observe_pool(server.available())).start()
     announce(role="prefill", http=f"http://{args.host}:{api.port}", bootstrap=server.bootstrap_endpoint,
              control=server.control_endpoint, session=server.engine.session_id)
     stop = threading.Event()

@@ -172,28 +172,38 @@ class PrefillServer:
         self._workers.submit(self._transfer, r)
 
     def _transfer(self, r: _Request) -> None:
+        """Send, free the request's slots, then end its state and tell decode: once anyone sees
+        the outcome, the slots are already back."""
         peer = self._peers.get(r.peer)
-        done = TransferDone(r.room, self.epoch, False, "decode peer gone")
+        ok, reason, report = False, "", None
         try:
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
             r.state.advance(KVPoll.TRANSFERRING)
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.req), r.dst, r.room, r.slots, peer.relay)
-            ms = (time.perf_counter() - t0) * 1e3
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "ranges": report.ranges,
-                        "transfer_ms": ms}
-            done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)
-            r.state.complete(r.room)
+                        "transfer_ms": (time.perf_counter() - t0) * 1e3}
+            ok = True
         except (DisaggError, KVPoolError) as exc:
-            done = TransferDone(r.room, self.epoch, False, f"{type(exc).__name__}: {exc}")
-            r.state.fail(done.reason)
+            reason = f"{type(exc).__name__}: {exc}"
             log.warning("room %d: transfer failed: %s", r.room, exc)
         finally:
-            if r.peer is not None:
-                self._outbox.put(r.peer, encoder.encode(done))
             with self._lock:
                 self._free(r)
+            if ok:
+                try:
+                    r.state.complete(r.room)
+                except ProtocolError:  # a deadline or an abort ended it meanwhile
+                    ok, reason = False, r.state.reason
+            else:
+                r.state.fail(reason or "transfer failed")
+            done = TransferDone(r.room, self.epoch, ok, reason)
+            if ok:
+                done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges,
+                                    r.report["transfer_ms"])
+            if r.peer is not None:
+                self._outbox.put(r.peer, encoder.encode(done))
 
     def _free(self, r: _Request) -> None:
         if r.req is not None and not r.freed:
