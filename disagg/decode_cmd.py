@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready, metrics.registry,
+    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
                     lambda: metrics.observe_pool(server.pool.available())).start()
     announce(role="decode", http=f"http://{args.host}:{api.port}", session=server.engine.session_id)
     stop = threading.Event()

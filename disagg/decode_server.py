@@ -64,6 +64,7 @@ class _Request:
     dst: IndexSet
     slots: list[int]
     done: TransferDone | None = None
+    kv_ready_at: float = 0.0   # wall clock when TransferDone arrived
 
 
 class DecodeServer:
@@ -152,7 +153,8 @@ class DecodeServer:
                 done = r.done
                 return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
                         "output_tokens": output, "bytes": done.nbytes, "mode": done.mode,
-                        "ranges": done.ranges, "transfer_ms": done.transfer_ms, **timings}
+                        "ranges": done.ranges, "transfer_ms": done.transfer_ms, "kv_ready_at": r.kv_ready_at,
+                        **timings}
             return {"room": room, "state": "FAILED", "verified": False, "reason": state.reason, **timings}
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
@@ -222,6 +224,7 @@ class DecodeServer:
                     return None
                 if msg.ok:
                     r.done = msg
+                    r.kv_ready_at = time.time()
                     try:
                         r.state.complete(room)
                     except ProtocolError as exc:
@@ -231,6 +234,17 @@ class DecodeServer:
             case Heartbeat():
                 return None
         return None
+
+    def bootstrap_reachable(self, timeout_s: float = 1.0) -> bool:
+        """For /ready: the default bootstrap answers and knows a prefill rank."""
+        client = BootstrapClient(self.config.bootstrap_addr, timeout_s, context=self._ctx)
+        try:
+            client.lookup(PROTOCOL_VERSION)
+            return True
+        except ProtocolError:
+            return False
+        finally:
+            client.close()
 
     def close(self) -> None:
         self._stop.set()

@@ -24,7 +24,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-addr", default=None, help="an external bootstrap to register with")
     p.add_argument("--tp-rank", type=int, default=0)
     p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--transfer-workers", type=int, default=4, help="parallel transfers")
+    p.add_argument("--transfer-workers", type=int, default=4, help="parallel transfers per decode peer")
 
 
 def config_from(args: argparse.Namespace) -> PrefillConfig:

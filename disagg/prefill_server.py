@@ -4,9 +4,10 @@
                                                               +--> transfer worker --> TransferDone
     control ROUTER <-- TransferRequest (room, dst indices) ---+        (KVSender.send, AUX last)
 
-One I/O thread owns the ZMQ sockets (control ROUTER, outbox PULL); transfers run on a thread
-pool so requests to one decode peer do not queue behind each other; the engine's per-peer
-budget keeps the total in flight within Mooncake's limits. A transfer starts once both the
+One I/O thread owns the ZMQ sockets (control ROUTER, outbox PULL). Transfers run on worker
+pools sharded by destination: each decode peer has its own `transfer_workers` threads, so
+requests to one peer do not queue behind each other and a slow or dead peer stalls only its
+own shard; the engine's per-peer budget keeps what is in flight within Mooncake's limits. A transfer starts once both the
 local prefill and the decode's destination indices are there, in either order.
 """
 
@@ -64,7 +65,7 @@ class PrefillConfig:
     bootstrap_addr: str | None = None       # where to register (default: our own bootstrap)
     tp_rank: int = 0
     tp_size: int = 1
-    transfer_workers: int = 4
+    transfer_workers: int = 4               # per decode peer
     transfer: TransferConfig = field(default_factory=TransferConfig)
     request_timeout_s: float = 30.0
 
@@ -90,6 +91,7 @@ class _DecodePeer:
     target: PeerTarget
     epoch: int
     relay: ChunkRelay
+    workers: ThreadPoolExecutor   # this destination's shard: a slow peer stalls only itself
 
 
 class PrefillServer:
@@ -112,7 +114,6 @@ class PrefillServer:
         self._lock = threading.Lock()
         self._requests: dict[int, _Request] = {}
         self._peers: dict[bytes, _DecodePeer] = {}
-        self._workers = ThreadPoolExecutor(config.transfer_workers, thread_name_prefix="kv-transfer")
         self._stop = threading.Event()
         self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self._ctx).start() \
             if config.bootstrap_bind else None
@@ -146,6 +147,7 @@ class PrefillServer:
             req = self.pool.alloc_request(len(r.tokens))
             self.plugin.prefill(self.pool, req, r.tokens, room)
             r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
+            r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
             with self._lock:  # only now may a transfer see it: never ship half-computed KV
                 r.state.advance(KVPoll.WAITING_FOR_INPUT)
                 r.req, req = req, None
@@ -168,8 +170,11 @@ class PrefillServer:
         with self._lock:
             if r.req is None or r.dst is None or r.submitted or r.state.poll().terminal:
                 return
+            peer = self._peers.get(r.peer)
+            if peer is None:
+                return
             r.submitted = True
-        self._workers.submit(self._transfer, r)
+        peer.workers.submit(self._transfer, r)
 
     def _transfer(self, r: _Request) -> None:
         """Send, free the request's slots, then end its state and tell decode: once anyone sees
@@ -248,7 +253,12 @@ class PrefillServer:
                                         msg.staging_slots, msg.staging_slot_bytes)
                 except ProtocolError as exc:
                     return Refused(str(exc))
-                self._peers[identity] = _DecodePeer(target, msg.epoch, ChunkRelay(self._outbox, identity))
+                with self._lock:
+                    old = self._peers.get(identity)
+                    workers = old.workers if old is not None else ThreadPoolExecutor(
+                        self.config.transfer_workers, thread_name_prefix=f"kv-transfer-{msg.session_id}")
+                    self._peers[identity] = _DecodePeer(target, msg.epoch, ChunkRelay(self._outbox, identity),
+                                                        workers)
                 log.info("decode %s registered (epoch %d)", msg.session_id, msg.epoch)
                 return Registered(self.epoch)
             case TransferRequest(room=room):
@@ -309,7 +319,8 @@ class PrefillServer:
     def close(self) -> None:
         self._stop.set()
         self._io.join()
-        self._workers.shutdown(wait=True)
+        for peer in self._peers.values():
+            peer.workers.shutdown(wait=True)
         if self.bootstrap is not None:
             self.bootstrap.stop()
         self.sender.close()

@@ -1,5 +1,7 @@
 """Router: HTTP POST /generate -> pick a prefill/decode pair (round robin), assign a unique
-room, call both sides concurrently, merge their outcome and per-phase timings."""
+room, call both sides concurrently, merge their outcome and per-phase timings. "control" is
+the hand-off overhead: from prefill done to KV ready on decode, minus the transfer itself
+(wall clocks of two hosts: exact on one host, as good as their clock sync across hosts)."""
 
 import itertools
 import json
@@ -87,12 +89,15 @@ class Router:
                                                                      "bootstrap": pair.bootstrap}, timeout)
         pre, dec = p.result(), d.result()
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
+        control = None  # prefill done -> KV ready on decode, minus the transfer itself
+        if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
+            control = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3 - pre["transfer_ms"]
         return {
             "room": room, "ok": ok, "prompt_tokens": len(tokens), "output_tokens": dec.get("output_tokens", []),
             "verified": bool(dec.get("verified")), "bytes": dec.get("bytes", 0), "mode": dec.get("mode"),
             "reason": "" if ok else (dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
                            "transfer": pre.get("transfer_ms"), "wait": dec.get("wait_ms"),
-                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"),
+                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"), "control": control,
                            "total": (time.perf_counter() - t0) * 1e3},
         }

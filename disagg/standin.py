@@ -4,7 +4,7 @@ tested and benchmarked. A real engine implements the same EnginePlugin interface
 Every byte of a token's KV is a function of (token id, position, layer, component, byte):
 
     seed[t]  = mix(token_ids[t], t, layer, component)          uint32 per token
-    byte[t,i] = top byte of (seed[t] + i * 0x9E3779B1)          i = byte index in the segment
+    word[t,j] = seed[t] * (2j + 1) + j * 0x9E3779B1 (uint32)    j = 4-byte word in the segment
 
 so a misplaced page, a stale page or a swapped layer changes the bytes. Linear-state slots
 take the seed of the whole prompt. Loops run over layers and parts, never over tokens.
@@ -59,9 +59,10 @@ def _mix(*parts: np.ndarray | int) -> np.ndarray:
 
 
 def _bytes_for(seeds: np.ndarray, nbytes: int) -> np.ndarray:
-    """uint8 [len(seeds), nbytes]."""
-    idx = np.arange(nbytes, dtype=np.uint32) * np.uint32(0x9E3779B1)
-    return ((seeds[:, None] + idx[None, :]) >> np.uint32(24)).astype(np.uint8)
+    """uint8 [len(seeds), nbytes], four bytes per arithmetic op."""
+    j = np.arange(-(-nbytes // 4), dtype=np.uint32)
+    words = seeds[:, None] * (2 * j + 1)[None, :] + (j * np.uint32(0x9E3779B1))[None, :]
+    return words.view(np.uint8)[:, :nbytes]
 
 
 def prompt_digest(token_ids: np.ndarray) -> bytes:
