@@ -4,6 +4,7 @@ import argparse
 import logging
 import os
 
+from disagg.process import setup_logging
 from disagg.bootstrap import BootstrapConfig, BootstrapServer
 
 HELP = "run the bootstrap server that introduces decode workers to prefill ranks"
@@ -19,7 +20,7 @@ def config_from(args: argparse.Namespace) -> BootstrapConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     server = BootstrapServer(config_from(args))
     logging.getLogger("disagg.bootstrap").info("serving on %s", server.endpoint)
     try:

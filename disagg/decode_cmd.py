@@ -1,14 +1,12 @@
 """`disagg decode`: a decode worker (pool, engine, control sockets to prefill peers, HTTP)."""
 
 import argparse
-import logging
-import signal
-import threading
 
 import numpy as np
 import torch
 
 from disagg.decode_server import DecodeConfig, DecodeServer
+from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
 from disagg.worker_flags import add_pool_flags, announce, pool_settings, transfer_config
@@ -29,7 +27,7 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     torch.set_num_threads(args.torch_threads)
     server = DecodeServer(config_from(args))
     metrics = WorkerMetrics("decode")
@@ -56,10 +54,7 @@ def run(args: argparse.Namespace) -> int:
     api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
                     lambda: metrics.observe_pool(server.pool.available())).start()
     announce(role="decode", http=f"http://{args.host}:{api.port}", session=server.engine.session_id)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     api.stop()
     server.close()
     return 0

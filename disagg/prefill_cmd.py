@@ -1,13 +1,11 @@
 """`disagg prefill`: a prefill worker (pool, engine, control socket, bootstrap, HTTP)."""
 
 import argparse
-import logging
-import signal
-import threading
 
 import numpy as np
 import torch
 
+from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
@@ -36,7 +34,7 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     torch.set_num_threads(args.torch_threads)
     server = PrefillServer(config_from(args))
     metrics = WorkerMetrics("prefill")
@@ -65,10 +63,7 @@ def run(args: argparse.Namespace) -> int:
                     lambda: metrics.observe_pool(server.available())).start()
     announce(role="prefill", http=f"http://{args.host}:{api.port}", bootstrap=server.bootstrap_endpoint,
              control=server.control_endpoint, session=server.engine.session_id)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     api.stop()
     server.close()
     return 0

@@ -19,18 +19,10 @@ from kvpool.indices import IndexSet
 from kvpool.storage import BufferDescriptor
 from transfer.errors import ProtocolError
 from transfer.staging import ChunkDone, ChunkLanded
+from transfer.wire import WireBuffer, descriptors_from_wire, descriptors_to_wire
 
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 << 20   # larger frames are refused before decoding
-
-
-class WireBuffer(msgspec.Struct, frozen=True, array_like=True):
-    ptr: int
-    nbytes: int
-    item_bytes: int
-    component: str
-    layer: int | None
-    part: str | None
 
 
 class LayoutInfo(msgspec.Struct, frozen=True):
@@ -138,21 +130,8 @@ def check_version(version: int) -> None:
 
 
 # ---- conversions ----------------------------------------------------------------------------
-def to_wire(descs: list[BufferDescriptor]) -> list[WireBuffer]:
-    return [WireBuffer(d.ptr, d.nbytes, d.item_bytes, d.component.value, d.layer, d.part) for d in descs]
-
-
-def from_wire(bufs: list[WireBuffer]) -> list[BufferDescriptor]:
-    out = []
-    for b in bufs:
-        try:
-            component = Component(b.component)
-        except ValueError:
-            raise ProtocolError(f"unknown component {b.component!r}") from None
-        if b.ptr <= 0 or b.nbytes <= 0 or b.item_bytes <= 0 or b.nbytes % b.item_bytes:
-            raise ProtocolError(f"bad buffer descriptor {b}")
-        out.append(BufferDescriptor(b.ptr, b.nbytes, b.item_bytes, component, b.layer, b.part))
-    return out
+to_wire = descriptors_to_wire
+from_wire = descriptors_from_wire
 
 
 def layout_info(page_size: int, layout: str, descs: list[BufferDescriptor]) -> LayoutInfo:

@@ -1,10 +1,8 @@
 """`disagg router`: the HTTP front (POST /generate) over prefill/decode pairs."""
 
 import argparse
-import logging
-import signal
-import threading
 
+from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer
 from disagg.metrics import WorkerMetrics
 from disagg.router import Pair, Router, RouterConfig
@@ -26,7 +24,7 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    setup_logging()
     router = Router(config_from(args))
     metrics = WorkerMetrics("router")
 
@@ -41,9 +39,6 @@ def run(args: argparse.Namespace) -> int:
 
     api = ApiServer(args.host, args.port, {"/generate": generate}, lambda: True, metrics.registry).start()
     announce(role="router", http=f"http://{args.host}:{api.port}")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    stop.wait()
+    wait_for_signal()
     api.stop()
     return 0

@@ -1,9 +1,11 @@
-"""Messages of the peer server's command socket (transfer.peer_server), one decoder each way."""
+"""Messages of the peer server's command socket (transfer.peer_server), one decoder each way,
+and the wire form of buffer descriptors (shared with the control plane)."""
 
 import msgspec
 
 from kvpool.geometry import Component
 from kvpool.storage import BufferDescriptor
+from transfer.errors import ProtocolError
 from transfer.peer import PeerTarget
 
 
@@ -63,7 +65,8 @@ class Stop(msgspec.Struct, tag=True, frozen=True):
 Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Stop
 
 
-class WireDescriptor(msgspec.Struct, frozen=True, array_like=True):
+class WireBuffer(msgspec.Struct, frozen=True, array_like=True):
+    """A BufferDescriptor on the wire (also used by the control plane, disagg.protocol)."""
     ptr: int
     nbytes: int
     item_bytes: int
@@ -72,9 +75,27 @@ class WireDescriptor(msgspec.Struct, frozen=True, array_like=True):
     part: str | None
 
 
+def descriptors_to_wire(descs) -> list[WireBuffer]:
+    return [WireBuffer(d.ptr, d.nbytes, d.item_bytes, d.component.value, d.layer, d.part) for d in descs]
+
+
+def descriptors_from_wire(bufs: list[WireBuffer]) -> list[BufferDescriptor]:
+    """Untrusted input: unknown components and impossible sizes raise ProtocolError."""
+    out = []
+    for b in bufs:
+        try:
+            component = Component(b.component)
+        except ValueError:
+            raise ProtocolError(f"unknown component {b.component!r}") from None
+        if b.ptr <= 0 or b.nbytes <= 0 or b.item_bytes <= 0 or b.nbytes % b.item_bytes:
+            raise ProtocolError(f"bad buffer descriptor {b}")
+        out.append(BufferDescriptor(b.ptr, b.nbytes, b.item_bytes, component, b.layer, b.part))
+    return out
+
+
 class Target(msgspec.Struct, tag=True, frozen=True):
     session_id: str
-    descriptors: list[WireDescriptor]
+    descriptors: list[WireBuffer]
     staging_ptr: int
     staging_slots: int
     staging_slot_bytes: int
@@ -107,11 +128,10 @@ Reply = Target | Allocated | Digests | Counts | Ok | Error
 
 
 def target_to_wire(t: PeerTarget) -> Target:
-    return Target(t.session_id, [WireDescriptor(d.ptr, d.nbytes, d.item_bytes, d.component.value, d.layer, d.part)
-                                 for d in t.descriptors], t.staging_ptr, t.staging_slots, t.staging_slot_bytes)
+    return Target(t.session_id, descriptors_to_wire(t.descriptors), t.staging_ptr, t.staging_slots,
+                  t.staging_slot_bytes)
 
 
 def target_from_wire(t: Target) -> PeerTarget:
-    descs = tuple(BufferDescriptor(d.ptr, d.nbytes, d.item_bytes, Component(d.component), d.layer, d.part)
-                  for d in t.descriptors)
-    return PeerTarget(t.session_id, descs, t.staging_ptr, t.staging_slots, t.staging_slot_bytes)
+    return PeerTarget(t.session_id, tuple(descriptors_from_wire(t.descriptors)), t.staging_ptr, t.staging_slots,
+                      t.staging_slot_bytes)

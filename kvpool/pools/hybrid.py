@@ -157,11 +157,13 @@ class HybridPool(KVPool):
             if swa_part is not None and not np.array_equal(swa_part.positions, np.arange(first, n_pages)):
                 raise LayoutMismatch("copy's SWA pages are not a suffix of the request")
             req = self._alloc(copy.num_tokens, first)
+            loaded = False
             try:
                 self.load_cpu_copy(req, copy)
-            except Exception:
-                self.free_request(req)
-                raise
+                loaded = True
+            finally:
+                if not loaded:  # the copy did not fit: give the fresh allocation back
+                    self.free_request(req)
             return req
 
     def _window_first(self, num_tokens: int) -> int:
