@@ -9,7 +9,7 @@ from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
-from disagg.worker_flags import add_pool_flags, announce, pool_settings, transfer_config
+from disagg.worker_flags import add_pool_flags, announce, http_url, pool_settings, transfer_config
 
 HELP = "run a decode worker"
 
@@ -51,9 +51,9 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    api = ApiServer(args.host, args.http_port, {"/decode": decode}, lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode}, lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
                     lambda: metrics.observe_pool(server.pool.available())).start()
-    announce(role="decode", http=f"http://{args.host}:{api.port}", session=server.engine.session_id)
+    announce(role="decode", http=http_url(args, api.port), session=server.engine.session_id)
     wait_for_signal()
     api.stop()
     server.close()

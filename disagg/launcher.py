@@ -15,11 +15,12 @@ class Launcher:
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, *args: str) -> dict:
-        """Run `python -m disagg ARGS`; return the JSON line it prints once ready."""
+    def start(self, *args: str, prefix: tuple[str, ...] = ()) -> dict:
+        """Run `[PREFIX...] python -m disagg ARGS` (a prefix such as `ip netns exec NS`); return
+        the JSON line it prints once ready."""
         env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
                    GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"))
-        proc = subprocess.Popen([sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL if os.environ.get("DISAGG_QUIET", "1") == "1" else None,
                                 text=True, env=env)
         self.procs.append(proc)

@@ -9,7 +9,7 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
-from disagg.worker_flags import add_pool_flags, announce, pool_settings, transfer_config
+from disagg.worker_flags import add_pool_flags, announce, http_url, pool_settings, transfer_config
 
 HELP = "run a prefill worker"
 
@@ -59,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
             metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
         return out
 
-    api = ApiServer(args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry,
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry,
                     lambda: metrics.observe_pool(server.available())).start()
-    announce(role="prefill", http=f"http://{args.host}:{api.port}", bootstrap=server.bootstrap_endpoint,
+    announce(role="prefill", http=http_url(args, api.port), bootstrap=server.bootstrap_endpoint,
              control=server.control_endpoint, session=server.engine.session_id)
     wait_for_signal()
     api.stop()

@@ -57,7 +57,7 @@ class Router:
         if not config.pairs:
             raise ValueError("a router needs at least one prefill/decode pair")
         self.config = config
-        self._next = itertools.cycle(config.pairs)
+        self._next = itertools.cycle(enumerate(config.pairs))
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(64, thread_name_prefix="router")
 
@@ -79,7 +79,7 @@ class Router:
         if not isinstance(max_new, int) or not 1 <= max_new <= 4096:
             raise BadRequest("max_new_tokens must be an int in [1, 4096]")
         with self._lock:
-            pair = next(self._next)
+            pair_index, pair = next(self._next)
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         timeout = self.config.timeout_s
@@ -93,7 +93,7 @@ class Router:
         if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
             control = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3 - pre["transfer_ms"]
         return {
-            "room": room, "ok": ok, "prompt_tokens": len(tokens), "output_tokens": dec.get("output_tokens", []),
+            "room": room, "pair": pair_index, "ok": ok, "prompt_tokens": len(tokens), "output_tokens": dec.get("output_tokens", []),
             "verified": bool(dec.get("verified")), "bytes": dec.get("bytes", 0), "mode": dec.get("mode"),
             "reason": "" if ok else (dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),

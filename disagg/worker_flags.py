@@ -28,6 +28,9 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transfer")
     g.add_argument("--host", default=_env("DISAGG_HOST", "127.0.0.1"), help="address to bind and advertise "
                    "(env DISAGG_HOST; the pod IP on Kubernetes)")
+    g.add_argument("--http-host", default=_env("DISAGG_HTTP_HOST", None),
+                   help="address for /health, /ready, /metrics and the API (env DISAGG_HTTP_HOST; default "
+                        "--host; 0.0.0.0 for Kubernetes probes)")
     g.add_argument("--http-port", type=int, default=int(_env("DISAGG_HTTP_PORT", "0")), help="0: any free port")
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
     g.add_argument("--staging-slots", type=int, default=4)
@@ -46,6 +49,12 @@ def pool_settings(args: argparse.Namespace) -> PoolSettings:
 def transfer_config(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(mode=Mode(args.transfer_mode), staging_slots=args.staging_slots,
                           staging_slot_bytes=args.staging_slot_mib << 20)
+
+
+def http_url(args: argparse.Namespace, port: int) -> str:
+    """The URL others reach our API at (the advertised host when bound to every address)."""
+    host = args.http_host or args.host
+    return f"http://{args.host if host == '0.0.0.0' else host}:{port}"
 
 
 def announce(**endpoints) -> None:
