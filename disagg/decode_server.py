@@ -7,7 +7,9 @@
 One I/O thread owns every DEALER (one per prefill peer) and the outbox; other threads ask it
 to connect or send through the outbox. ChunkLanded notices are scattered on the I/O thread
 only while their room is live; TransferDone completes exactly its own room, from the epoch
-of the prefill it registered with.
+of the prefill it registered with. A request that fails after its TransferRequest went out
+is not freed until prefill confirms it stopped writing (TransferDone) or a cap passes: a
+late write can never land in pages that another request owns.
 """
 
 import logging
@@ -45,6 +47,10 @@ class DecodeConfig:
     slots_per_transfer: int = 2
     request_timeout_s: float = 30.0
     register_timeout_s: float = 10.0
+    # A failed request whose TransferRequest went out keeps its pages until that prefill says
+    # TransferDone (it stopped writing), or at the latest this long: beyond Mooncake's own
+    # 30 s retention of in-flight slices.
+    quarantine_s: float = 60.0
 
 
 @dataclass(eq=False)
@@ -65,6 +71,8 @@ class _Request:
     slots: list[int]
     done: TransferDone | None = None
     kv_ready_at: float = 0.0   # wall clock when TransferDone arrived
+    sent: bool = False         # TransferRequest went out: prefill may be writing into req
+    released: threading.Event = field(default_factory=threading.Event)  # prefill said TransferDone
 
 
 class DecodeServer:
@@ -83,6 +91,7 @@ class DecodeServer:
         self._peers: dict[str, _Peer] = {}             # control endpoint -> peer
         self._dealers: dict[str, zmq.Socket] = {}      # I/O thread only
         self._requests: dict[int, _Request] = {}
+        self._quarantine: dict[int, tuple[_Request, float]] = {}   # room -> (request, give up at)
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
         self._stop = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="decode-io", daemon=True)
@@ -136,6 +145,7 @@ class DecodeServer:
                 self._requests[room] = r
             state.advance(KVPoll.WAITING_FOR_INPUT)
             t1 = time.perf_counter()
+            r.sent = True
             self._outbox.put(b"send", peer.info.control_endpoint.encode(), encoder.encode(
                 TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), slots)))
             state.advance(KVPoll.TRANSFERRING)
@@ -164,16 +174,48 @@ class DecodeServer:
                     **timings}
         finally:
             if r is not None:
-                with self._lock:
-                    self._requests.pop(room, None)
-                self.pool.free_request(r.req)
-                self.receiver.release_slots(r.slots)
+                self._finish(r)
+
+    def _finish(self, r: _Request) -> None:
+        """Free now, unless prefill may still be writing into the request's pages: a failed
+        request whose TransferRequest went out waits in quarantine for prefill's TransferDone."""
+        with self._lock:
+            self._requests.pop(r.room, None)
+            if r.sent and r.state.poll() is not KVPoll.SUCCESS and not r.released.is_set():
+                self._quarantine[r.room] = (r, time.monotonic() + self.config.quarantine_s)
+                return
+        self._release(r)
+
+    def _release(self, r: _Request) -> None:
+        self.pool.free_request(r.req)
+        self.receiver.release_slots(r.slots)
+
+    def _sweep_quarantine(self, room: int | None = None) -> None:
+        """Release quarantined requests whose prefill ended (room given) or whose cap passed."""
+        now = time.monotonic()
+        with self._lock:
+            done = [room] if room in self._quarantine else []
+            done += [k for k, (_, until) in self._quarantine.items() if until <= now and k != room]
+            items = [self._quarantine.pop(k) for k in done]
+        for r, until in items:
+            if until <= now:
+                log.warning("room %d: released from quarantine after %.0f s without word from prefill",
+                            r.room, self.config.quarantine_s)
+            self._release(r)
+
+    def quarantined(self) -> int:
+        with self._lock:
+            return len(self._quarantine)
 
     # ---- the control sockets (I/O thread) -----------------------------------------------------
     def _io_loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._outbox.pull, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
         while not self._stop.is_set():
+            if time.monotonic() >= next_sweep:
+                self._sweep_quarantine()
+                next_sweep = time.monotonic() + 1.0
             events = dict(poller.poll(100))
             for endpoint, sock in list(self._dealers.items()):
                 while sock in events and sock.poll(0):
@@ -220,8 +262,13 @@ class DecodeServer:
             case TransferDone(room=room, prefill_epoch=epoch):
                 with self._lock:
                     r = self._requests.get(room)
+                    parked = self._quarantine.get(room)
+                if parked is not None and parked[0].endpoint == endpoint:
+                    self._sweep_quarantine(room)  # prefill stopped writing: the pages are ours again
+                    return None
                 if r is None or r.endpoint != endpoint or peer is None or epoch != peer.epoch:
                     return None
+                r.released.set()
                 if msg.ok:
                     r.done = msg
                     r.kv_ready_at = time.time()

@@ -293,9 +293,12 @@ class PrefillServer:
             case Abort(room=room, reason=why):
                 with self._lock:
                     r = self._requests.get(room)
+                    running = r is not None and r.submitted
                 if r is not None and r.peer == identity:
                     r.state.fail(f"aborted by decode: {why}")
-                return None
+                if not running:  # no transfer will write: decode may free at once
+                    return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+                return None  # the running transfer's worker reports when it stops
             case Heartbeat():
                 return Heartbeat(self.epoch)
         return None

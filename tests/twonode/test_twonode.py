@@ -46,3 +46,61 @@ def test_2p2d_behind_one_router(hosts4):
         results = run_requests(router["http"], [40 + 97 * i for i in range(12)])
     assert all(r["ok"] and r["verified"] for r in results), [r.get("reason") for r in results]
     assert {r["pair"] for r in results} == {0, 1}
+
+
+def _pool_free(http: str) -> dict:
+    import re
+    import urllib.request
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', text)}
+
+
+def _inflight(http: str) -> float:
+    import re
+    import urllib.request
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', resp.read().decode())
+    return float(m.group(1)) if m else 0.0
+
+
+def _eventually(check, timeout: float, what: str) -> None:
+    import time
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.2)  # polling a condition with a deadline, not synchronising on time
+
+
+def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts4):
+    import threading
+    deadline_s = 6.0
+    with Launcher() as launcher:
+        prefill, decode = start_pair(launcher, hosts4, 1, 2, "gpt-oss-20b",
+                                     ("--max-tokens", "65536", "--request-timeout", str(deadline_s)))
+        router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
+        before = (_pool_free(prefill["http"]), _pool_free(decode["http"]))
+        assert all(r["ok"] for r in run_requests(router["http"], [1000, 2000]))  # warm: sessions exist
+
+        results: list[dict] = []
+        batch = threading.Thread(target=lambda: results.extend(run_requests(router["http"], [3000 + i for i in range(8)])))
+        batch.start()
+        _eventually(lambda: _inflight(prefill["http"]) > 0, 30, "prefill has requests in flight")
+        hosts4.link(1, "down")
+        try:
+            during = run_requests(router["http"], [1500, 2500])  # sent while the data link is down
+        finally:
+            hosts4.link(1, "up")
+        batch.join()
+        failed = [r for r in results + during if not r["ok"]]
+        assert failed, "the cut affected no request"
+        assert all(r["timings_ms"]["total"] < (deadline_s + 6) * 1e3 for r in failed), \
+            [r["timings_ms"]["total"] for r in failed]
+        assert all(not r["verified"] for r in failed)
+        assert all(r["ok"] for r in during) is False
+        # the link is back: new requests succeed, and every slot comes back on both sides
+        after = run_requests(router["http"], [700, 1800, 2600])
+        assert all(r["ok"] and r["verified"] for r in after), [r.get("reason") for r in after]
+        _eventually(lambda: (_pool_free(prefill["http"]), _pool_free(decode["http"])) == before, 90,
+                    "both pools back to their initial free counts")
