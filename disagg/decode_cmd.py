@@ -21,7 +21,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(pool=pool_settings(args), host=args.host, bootstrap_addr=args.bootstrap_addr,
+    return DecodeConfig(pool=pool_settings(args), host=args.host, protocol=args.protocol,
+                         rdma_devices=args.rdma_devices, bootstrap_addr=args.bootstrap_addr,
                         transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
                         request_timeout_s=args.request_timeout)
 

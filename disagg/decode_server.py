@@ -42,6 +42,8 @@ log = logging.getLogger(__name__)
 class DecodeConfig:
     pool: PoolSettings = PoolSettings()
     host: str = "127.0.0.1"
+    protocol: str = "tcp"                   # Mooncake transport: tcp or rdma
+    rdma_devices: str = ""                  # NIC names for rdma ("" = all)
     bootstrap_addr: str = "tcp://127.0.0.1:8998"
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slots_per_transfer: int = 2
@@ -80,7 +82,7 @@ class DecodeServer:
         self.config = config
         self.plugin = plugin or StandInEngine()
         self.pool = HybridPool(config.pool.pool_config())
-        self.engine = MooncakeEngine(config.host)
+        self.engine = MooncakeEngine(config.host, config.protocol, config.rdma_devices)
         self.receiver = KVReceiver(self.engine, self.pool, config.transfer)
         self.epoch = time.time_ns()
         self.layout = layout_info(self.pool.page_size, self.pool.config.layout.value, self.pool.buffer_descriptors())

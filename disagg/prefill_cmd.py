@@ -26,7 +26,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(pool=pool_settings(args), host=args.host, control_port=args.control_port,
+    return PrefillConfig(pool=pool_settings(args), host=args.host, protocol=args.protocol,
+                         rdma_devices=args.rdma_devices, control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
                          transfer_workers=args.transfer_workers, transfer=transfer_config(args),

@@ -59,7 +59,9 @@ class PoolSettings:
 @dataclass(frozen=True)
 class PrefillConfig:
     pool: PoolSettings = PoolSettings()
-    host: str = "127.0.0.1"                 # bound and advertised (control socket, Mooncake)
+    host: str = "127.0.0.1"
+    protocol: str = "tcp"                   # Mooncake transport: tcp or rdma
+    rdma_devices: str = ""                  # NIC names for rdma ("" = all)                 # bound and advertised (control socket, Mooncake)
     control_port: int = 0                   # 0: any free port
     bootstrap_bind: str | None = "tcp://127.0.0.1:8998"   # run the bootstrap here (None: external)
     bootstrap_addr: str | None = None       # where to register (default: our own bootstrap)
@@ -99,7 +101,7 @@ class PrefillServer:
         self.config = config
         self.plugin = plugin or StandInEngine()
         self.pool = HybridPool(config.pool.pool_config())
-        self.engine = MooncakeEngine(config.host)
+        self.engine = MooncakeEngine(config.host, config.protocol, config.rdma_devices)
         self.sender = KVSender(self.engine, self.pool, config.transfer)
         self.epoch = time.time_ns()
         self.layout = layout_info(self.pool.page_size, self.pool.config.layout.value, self.pool.buffer_descriptors())

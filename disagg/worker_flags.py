@@ -32,6 +32,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="address for /health, /ready, /metrics and the API (env DISAGG_HTTP_HOST; default "
                         "--host; 0.0.0.0 for Kubernetes probes)")
     g.add_argument("--http-port", type=int, default=int(_env("DISAGG_HTTP_PORT", "0")), help="0: any free port")
+    g.add_argument("--protocol", default=_env("DISAGG_PROTOCOL", "tcp"), choices=["tcp", "rdma"],
+                   help="Mooncake transport (env DISAGG_PROTOCOL)")
+    g.add_argument("--rdma-devices", default=_env("DISAGG_RDMA_DEVICES", ""),
+                   help="comma-separated RDMA NICs, e.g. mlx5_0,mlx5_1 (env DISAGG_RDMA_DEVICES; empty: all)")
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
     g.add_argument("--staging-slots", type=int, default=4)
     g.add_argument("--staging-slot-mib", type=int, default=16)

@@ -1,0 +1,103 @@
+"""Kubernetes manifests: every overlay renders, validates against the Kubernetes schema
+offline, and every container command parses with disagg's own CLI."""
+
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+
+from disagg.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "deploy" / "k8s"))
+from render import render  # noqa: E402
+
+OVERLAYS = ["base", "overlays/tcp", "overlays/rdma", "overlays/scale-out", "preflight"]
+K8S_VERSION = "1.30"
+
+
+def _containers(obj: dict) -> list[dict]:
+    return obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+
+
+@pytest.fixture(scope="module", params=OVERLAYS)
+def rendered(request) -> tuple[str, list[dict]]:
+    return request.param, render(ROOT / "deploy" / "k8s" / request.param)
+
+
+def test_every_object_validates_against_the_schema(rendered):
+    _, objects = rendered
+    assert objects
+    for obj in objects:
+        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+
+
+def test_every_container_command_parses_with_the_cli(rendered):
+    _, objects = rendered
+    parser = build_parser()
+    for obj in objects:
+        for c in _containers(obj):
+            assert c["image"].split(":")[0].endswith("disagg"), c["image"]
+            try:
+                args = parser.parse_args(c["args"])
+            except SystemExit:
+                pytest.fail(f"{obj['metadata']['name']}: `disagg {shlex.join(c['args'])}` does not parse")
+            assert args.command == c["args"][0]
+
+
+def test_workers_are_wired_for_a_cluster(rendered):
+    name, objects = rendered
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    if name == "preflight":
+        job = by[("Job", "disagg-preflight")]
+        assert "--router" in _containers(job)[0]["args"]
+        return
+    config = by[("ConfigMap", "disagg-config")]["data"]
+    for role in ("prefill", "decode"):
+        sts = by[("StatefulSet", f"disagg-{role}")]
+        spec = sts["spec"]["template"]["spec"]
+        (c,) = spec["containers"]
+        env = {e["name"]: e for e in c.get("env", [])}
+        assert env["DISAGG_HOST"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+        ports = {p["name"] for p in c["ports"]}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] in ports
+        assert c["readinessProbe"]["httpGet"]["path"] == "/ready" and c["livenessProbe"]["httpGet"]["path"] == "/health"
+        shm = [v for v in spec["volumes"] if v["name"] == "dshm"][0]
+        assert shm["emptyDir"]["medium"] == "Memory"
+        assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+        assert spec["terminationGracePeriodSeconds"] >= 10
+        assert sts["spec"]["serviceName"] in {n for k, n in by if k == "Service"}
+    assert config["DISAGG_HTTP_HOST"] == "0.0.0.0"
+    # the router's pairs name pods that exist behind headless services
+    router = by[("Deployment", "disagg-router")]
+    pairs = [a for i, a in enumerate(_containers(router)[0]["args"]) if _containers(router)[0]["args"][i - 1] == "--pair"]
+    assert pairs
+    for pair in pairs:
+        for host in re.findall(r"//([a-z0-9-]+)\.([a-z0-9-]+):", pair):
+            pod, service = host
+            sts = by[("StatefulSet", service)]
+            ordinal = int(pod.rsplit("-", 1)[1])
+            assert pod.startswith(service) and ordinal < sts["spec"]["replicas"], pair
+    if name == "overlays/rdma":
+        assert config["DISAGG_PROTOCOL"] == "rdma" and config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_RDMA_DEVICES"]
+        for role in ("prefill", "decode"):
+            (c,) = _containers(by[("StatefulSet", f"disagg-{role}")])
+            assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+            assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
+    if name == "overlays/scale-out":
+        assert len(pairs) == 2 and by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_dockerfiles_copy_what_exists_and_run_disagg(dockerfile):
+    text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
+    for src in re.findall(r"^COPY (\S+)", text, re.M):
+        assert (ROOT / src).exists(), src
+    assert 'ENTRYPOINT ["disagg"]' in text
+    extra = re.search(r'"\.\[(mooncake-[a-z0-9]+)\]"', text).group(1)
+    assert extra in (ROOT / "pyproject.toml").read_text()
