@@ -18,13 +18,17 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     add_pool_flags(p)
     p.add_argument("--bootstrap-addr", default="tcp://127.0.0.1:8998", help="default bootstrap to look prefill up")
     p.add_argument("--slots-per-transfer", type=int, default=2, help="staging slots lent to one transfer")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to prefill")
+    p.add_argument("--quarantine", type=float, default=60.0,
+                   help="longest hold of a failed request's pages while prefill may still write")
 
 
 def config_from(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(pool=pool_settings(args), host=args.host, protocol=args.protocol,
                          rdma_devices=args.rdma_devices, bootstrap_addr=args.bootstrap_addr,
                         transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
-                        request_timeout_s=args.request_timeout)
+                        request_timeout_s=args.request_timeout, heartbeat_interval_s=args.heartbeat_interval,
+                        dead_after_s=args.dead_after, quarantine_s=args.quarantine)
 
 
 def run(args: argparse.Namespace) -> int:

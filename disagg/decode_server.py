@@ -53,6 +53,8 @@ class DecodeConfig:
     # TransferDone (it stopped writing), or at the latest this long: beyond Mooncake's own
     # 30 s retention of in-flight slices.
     quarantine_s: float = 60.0
+    heartbeat_interval_s: float = 1.0     # to every registered prefill
+    dead_after_s: float = 5.0             # silence after which a prefill's requests fail
 
 
 @dataclass(eq=False)
@@ -61,6 +63,7 @@ class _Peer:
     registered: threading.Event = field(default_factory=threading.Event)
     refused: str = ""
     epoch: int = 0
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 @dataclass(eq=False)
@@ -214,10 +217,15 @@ class DecodeServer:
         poller = zmq.Poller()
         poller.register(self._outbox.pull, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
+        next_beat = time.monotonic() + self.config.heartbeat_interval_s
         while not self._stop.is_set():
-            if time.monotonic() >= next_sweep:
+            now = time.monotonic()
+            if now >= next_sweep:
                 self._sweep_quarantine()
-                next_sweep = time.monotonic() + 1.0
+                next_sweep = now + 1.0
+            if now >= next_beat:
+                self._heartbeat(now)
+                next_beat = now + self.config.heartbeat_interval_s
             events = dict(poller.poll(100))
             for endpoint, sock in list(self._dealers.items()):
                 while sock in events and sock.poll(0):
@@ -237,6 +245,31 @@ class DecodeServer:
                 if sock is not None:
                     sock.send(payload)
 
+    def _heartbeat(self, now: float) -> None:
+        """Beat every registered prefill; declare one dead after dead_after_s of silence."""
+        beat = encoder.encode(Heartbeat(self.epoch))
+        for endpoint, peer in list(self._peers.items()):
+            if not peer.registered.is_set() or peer.refused:
+                continue
+            if now - peer.last_seen > self.config.dead_after_s:
+                self._peer_lost(endpoint, f"prefill {endpoint} silent for {self.config.dead_after_s:.0f} s")
+                continue
+            sock = self._dealers.get(endpoint)
+            if sock is not None:
+                sock.send(beat)
+
+    def _peer_lost(self, endpoint: str, reason: str) -> None:
+        """Fail exactly the requests with this prefill; the next request looks it up and
+        registers again (a restarted prefill has a new epoch and maybe a new address)."""
+        with self._lock:
+            self._peers.pop(endpoint, None)
+            for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
+                del self._lookups[key]
+            victims = [r for r in self._requests.values() if r.endpoint == endpoint]
+        log.warning("%s: failing %d request(s)", reason, len(victims))
+        for r in victims:
+            r.state.fail(reason)  # pages stay quarantined until the cap: a frozen peer may resume
+
     def _handle(self, endpoint: str, frame: bytes):
         try:
             msg = self._decoder.decode(frame)
@@ -244,6 +277,8 @@ class DecodeServer:
             log.warning("frame from %s refused: %s", endpoint, exc)
             return None
         peer = self._peers.get(endpoint)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
         match msg:
             case Registered(epoch=epoch) if peer is not None:
                 peer.epoch = epoch
@@ -251,6 +286,8 @@ class DecodeServer:
             case Refused(reason=reason) if peer is not None and not peer.registered.is_set():
                 peer.refused = reason
                 peer.registered.set()
+            case Refused(reason=reason) if peer is not None:
+                self._peer_lost(endpoint, f"prefill {endpoint} dropped us: {reason}")
             case ChunkLanded(transfer_id=room):
                 with self._lock:
                     r = self._requests.get(room)

@@ -31,7 +31,7 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
                          transfer_workers=args.transfer_workers, transfer=transfer_config(args),
-                         request_timeout_s=args.request_timeout)
+                         request_timeout_s=args.request_timeout, dead_after_s=args.dead_after)
 
 
 def run(args: argparse.Namespace) -> int:

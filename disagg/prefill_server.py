@@ -70,6 +70,7 @@ class PrefillConfig:
     transfer_workers: int = 4               # per decode peer
     transfer: TransferConfig = field(default_factory=TransferConfig)
     request_timeout_s: float = 30.0
+    dead_after_s: float = 5.0               # decode silence (no heartbeat) that fails its requests
 
 
 @dataclass(eq=False)
@@ -94,6 +95,7 @@ class _DecodePeer:
     epoch: int
     relay: ChunkRelay
     workers: ThreadPoolExecutor   # this destination's shard: a slow peer stalls only itself
+    last_seen: float = field(default_factory=time.monotonic)
 
 
 class PrefillServer:
@@ -244,6 +246,9 @@ class PrefillServer:
         except ProtocolError as exc:
             log.warning("control frame refused: %s", exc)
             return Refused(str(exc))
+        known = self._peers.get(identity)
+        if known is not None:
+            known.last_seen = time.monotonic()
         match msg:
             case RegisterDecode():
                 try:
@@ -302,12 +307,24 @@ class PrefillServer:
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
                 return None  # the running transfer's worker reports when it stops
             case Heartbeat():
+                if known is None:  # we dropped it (it went silent): it must register again
+                    return Refused("unknown decode: register again")
                 return Heartbeat(self.epoch)
         return None
 
     def _sweep(self) -> None:
-        """Drop transfer requests whose prefill never came within the deadline."""
+        """Drop transfer requests whose prefill never came within the deadline; fail exactly
+        the requests of decode peers that went silent (no heartbeat for dead_after_s)."""
         now = time.monotonic()
+        with self._lock:
+            dead = {i for i, p in self._peers.items() if now - p.last_seen > self.config.dead_after_s}
+            for identity in dead:
+                log.warning("decode %s silent for %.0f s: dropping it", self._peers[identity].target.session_id,
+                            self.config.dead_after_s)
+                self._peers.pop(identity).workers.shutdown(wait=False)
+            lost = [r for r in self._requests.values() if r.peer in dead]
+        for r in lost:
+            r.state.fail("decode peer silent")
         with self._lock:
             stale = [r for r in self._requests.values()
                      if r.tokens is None and now - r.created > self.config.request_timeout_s]

@@ -40,6 +40,8 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--staging-slots", type=int, default=4)
     g.add_argument("--staging-slot-mib", type=int, default=16)
     g.add_argument("--request-timeout", type=float, default=30.0, help="seconds per request")
+    g.add_argument("--dead-after", type=float, default=5.0,
+                   help="seconds of silence from a peer after which its requests fail")
     g.add_argument("--torch-threads", type=int, default=1,
                    help="torch intra-op threads (1 leaves cores to the engine's TCP threads)")
 

@@ -1,0 +1,68 @@
+"""Dead-peer detection: a prefill that goes silent fails exactly its requests on decode within
+the bound; their pages stay quarantined (the peer may only be frozen) until the cap."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from disagg.decode_server import DecodeConfig, DecodeServer
+from disagg.prefill_server import PoolSettings, PrefillConfig, PrefillServer
+from disagg.standin import StandInEngine
+
+pytestmark = pytest.mark.slow
+
+
+class StuckEngine(StandInEngine):
+    """A prefill that blocks until released, so the request stays in flight."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def prefill(self, pool, req, token_ids, room):
+        self.entered.set()
+        self.release.wait(30)
+        return super().prefill(pool, req, token_ids, room)
+
+
+def _eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.05)  # polling a condition with a deadline
+
+
+def test_silent_prefill_fails_its_requests_within_the_bound():
+    pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
+    stuck = StuckEngine()
+    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", request_timeout_s=30), stuck)
+    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, request_timeout_s=30,
+                                       heartbeat_interval_s=0.2, dead_after_s=1.5, quarantine_s=2.0))
+    initial = decode.pool.available()
+    tokens = np.arange(100)
+    prefill_thread = threading.Thread(target=prefill.prefill, args=(7, tokens), daemon=True)
+    result: dict = {}
+    decode_thread = threading.Thread(target=lambda: result.update(decode.decode(7, tokens, 2)))
+    try:
+        prefill_thread.start()
+        assert stuck.entered.wait(10)
+        decode_thread.start()
+        _eventually(lambda: 7 in prefill._requests and prefill._requests[7].dst is not None, 10,
+                    "prefill holds decode's TransferRequest")
+        t0 = time.monotonic()
+        prefill._stop.set()  # the prefill's control plane goes silent (no replies, no heartbeats)
+        prefill._io.join()
+        decode_thread.join(30)
+        elapsed = time.monotonic() - t0
+        assert result["state"] == "FAILED" and "silent" in result["reason"], result
+        assert elapsed < 1.5 + 0.2 + 2.0, elapsed  # dead_after + one beat + margin
+        assert decode.quarantined() == 1  # a frozen prefill might still write: pages are held
+        _eventually(lambda: decode.pool.available() == initial, 10, "quarantine released after the cap")
+        assert decode.quarantined() == 0
+    finally:
+        stuck.release.set()
+        prefill_thread.join(30)
+        decode_thread.join(30)
+        prefill.close()
+        decode.close()
