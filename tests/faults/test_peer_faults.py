@@ -1,0 +1,129 @@
+"""Real processes, real faults: a peer killed or frozen mid-flight fails exactly its requests
+within the bound, the survivor keeps serving without a restart, and every slot comes back."""
+
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from disagg.launcher import Launcher
+from disagg.router import post_json
+
+pytestmark = pytest.mark.slow
+
+DEAD_AFTER = 2.0
+COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--device", "cpu", "--max-requests", "16",
+          "--request-timeout", "15", "--dead-after", str(DEAD_AFTER)]
+
+
+def _metrics(http: str) -> str:
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def pool_free(http: str) -> dict:
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', _metrics(http))}
+
+
+def inflight(http: str) -> float:
+    m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', _metrics(http))
+    return float(m.group(1)) if m else 0.0
+
+
+def eventually(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(0.1)  # polling a condition with a deadline
+
+
+def requests(router: str, lengths: list[int]) -> list[dict]:
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        return list(pool.map(lambda n: post_json(router + "/generate", {"prompt_len": n, "seed": n}, 60), lengths))
+
+
+def start_router(launcher: Launcher, prefill: dict, decode: dict) -> str:
+    return launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"]
+
+
+def _proc(launcher: Launcher, index: int):
+    return launcher.procs[index]
+
+
+def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves():
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"])
+        router = start_router(launcher, prefill, decode)
+        initial = pool_free(prefill["http"])
+        assert all(r["ok"] for r in requests(router, [500]))
+        results: list[dict] = []
+        batch = threading.Thread(target=lambda: results.extend(requests(router, [3000 + i for i in range(6)])))
+        batch.start()
+        eventually(lambda: inflight(prefill["http"]) > 0, 30, "requests in flight on prefill")
+        _proc(launcher, 1).send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        batch.join(60)
+        assert any(not r["ok"] for r in results)
+        eventually(lambda: pool_free(prefill["http"]) == initial, DEAD_AFTER + 15, "prefill slots back")
+        assert time.monotonic() - t0 < DEAD_AFTER + 15
+        decode2 = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"])
+        router2 = start_router(launcher, prefill, decode2)
+        assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
+        assert pool_free(prefill["http"]) == initial
+
+
+def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefill():
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        router = start_router(launcher, prefill, decode)
+        initial = pool_free(decode["http"])
+        assert all(r["ok"] for r in requests(router, [500]))
+        results: list[dict] = []
+        batch = threading.Thread(target=lambda: results.extend(requests(router, [3000 + i for i in range(6)])))
+        batch.start()
+        eventually(lambda: inflight(decode["http"]) > 0, 30, "requests in flight on decode")
+        _proc(launcher, 0).send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        batch.join(60)
+        failed = [r for r in results if not r["ok"]]
+        assert failed and all(not r["verified"] for r in failed)
+        eventually(lambda: pool_free(decode["http"]) == initial, DEAD_AFTER + 3 + 15, "decode slots back")
+        assert time.monotonic() - t0 < DEAD_AFTER + 3 + 15
+        # the survivor is not restarted: a new prefill (new epoch, new bootstrap) serves through it
+        prefill2 = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        router2 = start_router(launcher, prefill2, decode)
+        assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
+        assert pool_free(decode["http"]) == initial
+
+
+def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers():
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        router = start_router(launcher, prefill, decode)
+        initial = pool_free(prefill["http"]), pool_free(decode["http"])
+        assert all(r["ok"] for r in requests(router, [500]))
+        results: list[dict] = []
+        batch = threading.Thread(target=lambda: results.extend(requests(router, [3000 + i for i in range(4)])))
+        batch.start()
+        eventually(lambda: inflight(prefill["http"]) > 0, 30, "requests in flight on prefill")
+        os.kill(_proc(launcher, 1).pid, signal.SIGSTOP)
+        try:
+            eventually(lambda: pool_free(prefill["http"]) == initial[0], DEAD_AFTER + 20,
+                       "prefill frees the frozen decode's requests")
+        finally:
+            os.kill(_proc(launcher, 1).pid, signal.SIGCONT)
+        batch.join(60)
+        # thawed: it learns it was dropped, registers again, serves
+        eventually(lambda: all(r["ok"] and r["verified"] for r in requests(router, [200, 1500])), 30,
+                   "the thawed decode serves again")
+        eventually(lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial, 30,
+                   "both pools back to their initial free counts")
