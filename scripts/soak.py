@@ -1,0 +1,149 @@
+#!/usr/bin/env python3
+"""Soak: a prefill/decode pair under mixed load with random kills, for a given duration.
+
+Load threads keep posting requests of random length through the router; every few seconds
+one side (alternating) is killed with SIGKILL mid-flight. The load then pauses until what was
+in flight has ended, the survivor's pool must be back at its initial free counts (a leak
+otherwise), the victim restarts with a new router, and the load resumes; at the end both
+pools must be back. Every successful request is verified on decode, so
+a corrupted byte shows up as ok-but-unverified, counted separately.
+
+    .venv/bin/python scripts/soak.py --duration 600 [--json]
+"""
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.request
+
+from disagg.launcher import Launcher
+from disagg.router import post_json
+
+COMMON = ["--device", "cpu", "--max-requests", "32", "--request-timeout", "15", "--dead-after", "2"]
+
+
+def pool_free(http: str) -> dict:
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', text)}
+
+
+def wait_for(check, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--duration", type=float, default=600)
+    ap.add_argument("--preset", default="tiny-hybrid")
+    ap.add_argument("--max-tokens", default="65536")
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--kill-every", default="8:20", help="MIN:MAX seconds between kills")
+    ap.add_argument("--prompt-len", default="16:3000")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    rng = random.Random(args.seed)
+    kmin, kmax = (float(x) for x in args.kill_every.split(":"))
+    pmin, pmax = (int(x) for x in args.prompt_len.split(":"))
+    common = ["--preset", args.preset, "--max-tokens", args.max_tokens, *COMMON]
+    stats = {"requests": 0, "ok": 0, "failed": 0, "corrupted": 0, "kills": {"prefill": 0, "decode": 0},
+             "leaks": [], "failures": {}}
+    lock = threading.Lock()
+    state: dict = {}
+    stop = threading.Event()
+    running = threading.Event()  # cleared while a kill is being checked: the load pauses
+    running.set()
+    inflight = [0]
+
+    def load(worker: int) -> None:
+        local = random.Random(args.seed * 1000 + worker)
+        while not stop.is_set():
+            running.wait()
+            n = local.randint(pmin, pmax)
+            with lock:
+                inflight[0] += 1
+            r = post_json(state["router"] + "/generate", {"prompt_len": n, "seed": local.randrange(1 << 30)}, 60)
+            with lock:
+                inflight[0] -= 1
+                stats["requests"] += 1
+                if r.get("ok") and r.get("verified"):
+                    stats["ok"] += 1
+                elif r.get("ok"):
+                    stats["corrupted"] += 1
+                else:
+                    stats["failed"] += 1
+                    key = re.sub(r"\d+", "N", str(r.get("reason", "?")))[:90]
+                    stats["failures"][key] = stats["failures"].get(key, 0) + 1
+
+    with Launcher() as launcher:
+        procs: dict = {}
+
+        def start(role: str) -> dict:
+            if role == "prefill":
+                ready = launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*")
+            else:
+                ready = launcher.start("decode", *common, "--quarantine", "3",
+                                       "--bootstrap-addr", state["prefill"]["bootstrap"])
+            procs[role] = launcher.procs[-1]
+            return ready
+
+        def new_router() -> None:
+            p, d = state["prefill"], state["decode"]
+            state["router"] = launcher.start("router", "--pair", f"{p['http']},{d['http']},{p['bootstrap']}")["http"]
+
+        state["prefill"] = start("prefill")
+        state["decode"] = start("decode")
+        new_router()
+        initial = {role: pool_free(state[role]["http"]) for role in ("prefill", "decode")}
+        threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(args.concurrency)]
+        for t in threads:
+            t.start()
+        end = time.monotonic() + args.duration
+        victim = "decode"
+        while time.monotonic() < end:
+            time.sleep(min(rng.uniform(kmin, kmax), max(0.0, end - time.monotonic())))  # load runs meanwhile
+            if time.monotonic() >= end:
+                break
+            survivor = "prefill" if victim == "decode" else "decode"
+            os.kill(procs[victim].pid, signal.SIGKILL)
+            stats["kills"][victim] += 1
+            # pause the load, let what is in flight end (fail or finish), then the survivor must
+            # have given back every slot the killed peer's requests held
+            running.clear()
+            wait_for(lambda: inflight[0] == 0, 120)
+            if not wait_for(lambda: pool_free(state[survivor]["http"]) == initial[survivor], 30):
+                stats["leaks"].append({"after_killing": victim, "survivor": survivor,
+                                       "free": pool_free(state[survivor]["http"]), "initial": initial[survivor]})
+            state[victim] = start(victim)
+            initial[victim] = pool_free(state[victim]["http"])
+            new_router()
+            running.set()
+            victim = survivor
+        stop.set()
+        for t in threads:
+            t.join(90)
+        for role in ("prefill", "decode"):
+            if not wait_for(lambda: pool_free(state[role]["http"]) == initial[role], 30):
+                stats["leaks"].append({"at_end": role, "free": pool_free(state[role]["http"]), "initial": initial[role]})
+    stats["duration_s"] = args.duration
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(json.dumps(stats, indent=2))
+    return 0 if not stats["leaks"] and stats["corrupted"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
