@@ -185,7 +185,8 @@ class DecodeServer:
         """Free now, unless prefill may still be writing into the request's pages: a failed
         request whose TransferRequest went out waits in quarantine for prefill's TransferDone."""
         with self._lock:
-            self._requests.pop(r.room, None)
+            if self._requests.get(r.room) is r:  # a duplicate room must not evict the live one
+                del self._requests[r.room]
             if r.sent and r.state.poll() is not KVPoll.SUCCESS and not r.released.is_set():
                 self._quarantine[r.room] = (r, time.monotonic() + self.config.quarantine_s)
                 return

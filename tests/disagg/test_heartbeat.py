@@ -66,3 +66,33 @@ def test_silent_prefill_fails_its_requests_within_the_bound():
         decode_thread.join(30)
         prefill.close()
         decode.close()
+
+
+def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone():
+    pool = PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu")
+    stuck = StuckEngine()
+    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", request_timeout_s=30), stuck)
+    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, request_timeout_s=30))
+    initial = decode.pool.available()
+    tokens = np.arange(64)
+    first: dict = {}
+    prefill_thread = threading.Thread(target=prefill.prefill, args=(9, tokens), daemon=True)
+    decode_thread = threading.Thread(target=lambda: first.update(decode.decode(9, tokens, 2)))
+    try:
+        prefill_thread.start()
+        assert stuck.entered.wait(10)
+        decode_thread.start()
+        _eventually(lambda: 9 in decode._requests, 10, "the first request is live on decode")
+        second = decode.decode(9, tokens, 2)
+        assert second["state"] == "FAILED" and "duplicate room 9" in second["reason"]
+        assert 9 in decode._requests  # the live one is still there
+        stuck.release.set()
+        decode_thread.join(30)
+        assert first["state"] == "SUCCESS" and first["verified"]
+        assert decode.pool.available() == initial and decode.quarantined() == 0
+    finally:
+        stuck.release.set()
+        prefill_thread.join(30)
+        decode_thread.join(30)
+        prefill.close()
+        decode.close()
