@@ -215,7 +215,7 @@ class DecodeServer:
 
     # ---- the control sockets (I/O thread) -----------------------------------------------------
     def _io_loop(self) -> None:
-        poller = zmq.Poller()
+        poller = self._poller = zmq.Poller()
         poller.register(self._outbox.pull, zmq.POLLIN)
         next_sweep = time.monotonic() + 1.0
         next_beat = time.monotonic() + self.config.heartbeat_interval_s
@@ -229,7 +229,7 @@ class DecodeServer:
                 next_beat = now + self.config.heartbeat_interval_s
             events = dict(poller.poll(100))
             for endpoint, sock in list(self._dealers.items()):
-                while sock in events and sock.poll(0):
+                while self._dealers.get(endpoint) is sock and sock in events and sock.poll(0):
                     reply = self._handle(endpoint, sock.recv())
                     if reply is not None:
                         sock.send(encoder.encode(reply))
@@ -260,8 +260,9 @@ class DecodeServer:
                 sock.send(beat)
 
     def _peer_lost(self, endpoint: str, reason: str) -> None:
-        """Fail exactly the requests with this prefill; the next request looks it up and
-        registers again (a restarted prefill has a new epoch and maybe a new address)."""
+        """(I/O thread.) Fail exactly the requests with this prefill and close its socket; the
+        next request looks it up and registers again (a restarted prefill has a new epoch and
+        maybe a new address)."""
         with self._lock:
             self._peers.pop(endpoint, None)
             for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
@@ -270,6 +271,10 @@ class DecodeServer:
         log.warning("%s: failing %d request(s)", reason, len(victims))
         for r in victims:
             r.state.fail(reason)  # pages stay quarantined until the cap: a frozen peer may resume
+        sock = self._dealers.pop(endpoint, None)  # I/O thread: a new registration connects afresh
+        if sock is not None:
+            self._poller.unregister(sock)
+            sock.close(linger=0)
 
     def _handle(self, endpoint: str, frame: bytes):
         try:
