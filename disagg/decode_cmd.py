@@ -9,7 +9,8 @@ from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
-from disagg.worker_flags import add_pool_flags, announce, http_url, pool_settings, transfer_config
+from disagg.worker_flags import add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config
+from transfer.errors import Overloaded
 
 HELP = "run a decode worker"
 
@@ -27,8 +28,9 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(pool=pool_settings(args), host=args.host, protocol=args.protocol,
                          rdma_devices=args.rdma_devices, bootstrap_addr=args.bootstrap_addr,
                         transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
-                        request_timeout_s=args.request_timeout, heartbeat_interval_s=args.heartbeat_interval,
-                        dead_after_s=args.dead_after, quarantine_s=args.quarantine)
+                        deadlines=deadlines(args), heartbeat_interval_s=args.heartbeat_interval,
+                        dead_after_s=args.dead_after, quarantine_s=args.quarantine, queue_wait_s=args.queue_wait,
+                        max_waiting=args.max_waiting)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -44,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         metrics.inflight.labels("decode").inc()
         try:
             out = server.decode(room, tokens, max_new, body.get("bootstrap"))
+        except Overloaded:
+            metrics.failure("overloaded")
+            raise
         finally:
             metrics.inflight.labels("decode").dec()
         if out["state"] == "SUCCESS":
@@ -56,8 +61,12 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode}, lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
-                    lambda: metrics.observe_pool(server.pool.available())).start()
+    def abort(body: dict) -> dict:
+        return server.abort(require(body, "room", int), str(body.get("reason", "no reason given"))[:500])
+
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort},
+                    lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
+                    lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight).start()
     announce(role="decode", http=http_url(args, api.port), session=server.engine.session_id)
     wait_for_signal()
     api.stop()

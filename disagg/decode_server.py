@@ -1,15 +1,13 @@
-"""DecodeServer: the decode side of the control plane.
+"""DecodeServer: the decode side of the control plane (request path; the control sockets are
+in decode_control).
 
     HTTP /decode (room, tokens) -> bootstrap lookup -> register once per prefill peer
-        -> alloc (SWA window only) + staging slots -> TransferRequest -> ... TransferDone
-        -> verify every byte (plugin) -> decode N tokens -> free
+        -> admit: alloc (SWA window only) + staging slots -> TransferRequest
+        -> TransferStarted -> ... TransferDone -> verify every byte (plugin) -> decode N -> free
 
-One I/O thread owns every DEALER (one per prefill peer) and the outbox; other threads ask it
-to connect or send through the outbox. ChunkLanded notices are scattered on the I/O thread
-only while their room is live; TransferDone completes exactly its own room, from the epoch
-of the prefill it registered with. A request that fails after its TransferRequest went out
-is not freed until prefill confirms it stopped writing (TransferDone) or a cap passes: a
-late write can never land in pages that another request owns.
+Each phase has its own deadline (kv_state). A request that fails after its TransferRequest
+went out tells prefill (Abort) and is not freed until prefill confirms it stopped writing
+(TransferDone) or a cap passes: a late write can never land in pages another request owns.
 """
 
 import logging
@@ -20,20 +18,21 @@ from dataclasses import dataclass, field
 import numpy as np
 import zmq
 
+from disagg.admission import Admission, empty_pool_fit
 from disagg.bootstrap import BootstrapClient
-from disagg.kv_state import KVPoll, TransferState
+from disagg.decode_control import DecodeControl, DecodeRequest, PrefillPeer
+from disagg.kv_state import Deadlines, KVPoll, TransferState
 from disagg.outbox import Outbox
-from disagg.prefill_server import PoolSettings
-from disagg.protocol import (PROTOCOL_VERSION, Abort, Decoder, Heartbeat, RegisterDecode, RegisterPrefill,
-                             Registered, Refused, ToDecode, TransferDone, TransferRequest, encoder,
+from disagg.pool_settings import PoolSettings
+from disagg.protocol import (PROTOCOL_VERSION, Abort, Decoder, RegisterDecode, ToDecode, TransferRequest, encoder,
                              indices_to_wire, layout_difference, layout_info, to_wire)
 from disagg.standin import EnginePlugin, StandInEngine, VerifyError
-from kvpool import HybridPool, IndexSet, KVPoolError, RequestKV
+from disagg.tombstones import Tombstones
+from kvpool import HybridPool, KVPoolError
 from transfer.config import TransferConfig
 from transfer.engine import MooncakeEngine
-from transfer.errors import DisaggError, ProtocolError, StagingError
+from transfer.errors import DisaggError, Overloaded, ProtocolError
 from transfer.receiver import KVReceiver
-from transfer.staging import ChunkLanded
 
 log = logging.getLogger(__name__)
 
@@ -47,67 +46,48 @@ class DecodeConfig:
     bootstrap_addr: str = "tcp://127.0.0.1:8998"
     transfer: TransferConfig = field(default_factory=TransferConfig)
     slots_per_transfer: int = 2
-    request_timeout_s: float = 30.0
-    register_timeout_s: float = 10.0
+    deadlines: Deadlines = field(default_factory=Deadlines)
     # A failed request whose TransferRequest went out keeps its pages until that prefill says
     # TransferDone (it stopped writing), or at the latest this long: beyond Mooncake's own
     # 30 s retention of in-flight slices.
     quarantine_s: float = 60.0
     heartbeat_interval_s: float = 1.0     # to every registered prefill
     dead_after_s: float = 5.0             # silence after which a prefill's requests fail
+    queue_wait_s: float = 5.0             # longest wait for pool space before refusing
+    max_waiting: int = 64                 # requests waiting for pool space; more are refused at once
 
 
-@dataclass(eq=False)
-class _Peer:
-    info: RegisterPrefill
-    registered: threading.Event = field(default_factory=threading.Event)
-    refused: str = ""
-    epoch: int = 0
-    last_seen: float = field(default_factory=time.monotonic)
-
-
-@dataclass(eq=False)
-class _Request:
-    room: int
-    state: TransferState
-    endpoint: str
-    req: RequestKV
-    dst: IndexSet
-    slots: list[int]
-    done: TransferDone | None = None
-    kv_ready_at: float = 0.0   # wall clock when TransferDone arrived
-    sent: bool = False         # TransferRequest went out: prefill may be writing into req
-    released: threading.Event = field(default_factory=threading.Event)  # prefill said TransferDone
-
-
-class DecodeServer:
+class DecodeServer(DecodeControl):
     def __init__(self, config: DecodeConfig, plugin: EnginePlugin | None = None):
         self.config = config
         self.plugin = plugin or StandInEngine()
         self.pool = HybridPool(config.pool.pool_config())
+        self.admission = Admission(empty_pool_fit(self.pool, True), config.max_waiting, config.queue_wait_s)
         self.engine = MooncakeEngine(config.host, config.protocol, config.rdma_devices)
         self.receiver = KVReceiver(self.engine, self.pool, config.transfer)
+        self.faults = self.receiver.faults
         self.epoch = time.time_ns()
         self.layout = layout_info(self.pool.page_size, self.pool.config.layout.value, self.pool.buffer_descriptors())
         self._ctx = zmq.Context()
         self._outbox = Outbox(self._ctx)
         self._decoder = Decoder(ToDecode, "decode control")
         self._lock = threading.Lock()
-        self._peers: dict[str, _Peer] = {}             # control endpoint -> peer
+        self._peers: dict[str, PrefillPeer] = {}       # control endpoint -> peer
         self._dealers: dict[str, zmq.Socket] = {}      # I/O thread only
-        self._requests: dict[int, _Request] = {}
-        self._quarantine: dict[int, tuple[_Request, float]] = {}   # room -> (request, give up at)
-        self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
+        self._requests: dict[int, DecodeRequest] = {}
+        self._quarantine: dict[int, tuple[DecodeRequest, float]] = {}   # room -> (request, give up at)
+        self._lookups = {}
+        self._ended = Tombstones(ttl_s=config.deadlines.bootstrap_s + config.deadlines.waiting_s)
         self._stop = threading.Event()
         self._io = threading.Thread(target=self._io_loop, name="decode-io", daemon=True)
         self._io.start()
         self.ready = True
 
     # ---- the request path (HTTP handler threads) ---------------------------------------------
-    def _peer_for(self, bootstrap: str, tp_rank: int = 0) -> _Peer:
+    def _peer_for(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> PrefillPeer:
         info = self._lookups.get((bootstrap, tp_rank))
         if info is None:
-            client = BootstrapClient(bootstrap, context=self._ctx)
+            client = BootstrapClient(bootstrap, max(0.05, deadline - time.monotonic()), context=self._ctx)
             try:
                 info = client.lookup(PROTOCOL_VERSION, tp_rank)
             finally:
@@ -120,50 +100,66 @@ class DecodeServer:
             peer = self._peers.get(info.control_endpoint)
             fresh = peer is None or peer.info.epoch != info.epoch
             if fresh:
-                peer = self._peers[info.control_endpoint] = _Peer(info)
+                peer = self._peers[info.control_endpoint] = PrefillPeer(info)
         if fresh:
             register = RegisterDecode(PROTOCOL_VERSION, self.epoch, self.engine.session_id, self.layout,
                                       to_wire(self.pool.buffer_descriptors()), self.receiver.staging.ptr,
                                       self.receiver.staging.num_slots, self.receiver.staging.slot_bytes)
             self._outbox.put(b"connect", info.control_endpoint.encode(), encoder.encode(register))
-        if not peer.registered.wait(self.config.register_timeout_s):
-            raise ProtocolError(f"prefill {info.control_endpoint} did not answer the registration")
+        if not peer.registered.wait(max(0.0, deadline - time.monotonic())):
+            raise ProtocolError(f"prefill {info.control_endpoint} did not answer the registration in time")
         if peer.refused:
             raise ProtocolError(f"prefill refused registration: {peer.refused}")
         return peer
 
+    def _admit(self, r: DecodeRequest, num_tokens: int, deadline: float) -> None:
+        def alloc():
+            if self.faults.hit("decode.alloc"):
+                raise KVPoolError("injected fault at decode.alloc")
+            return self.pool.alloc_request(num_tokens, swa_window_only=True)
+        req = self.admission.admit(num_tokens, alloc, deadline)
+        with self._lock:
+            r.req, r.dst = req, self.pool.index_set(req)
+            r.slots = self.receiver.reserve_slots(self.config.slots_per_transfer)
+
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
+        """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
+        timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
         t0 = time.perf_counter()
         tokens = np.asarray(token_ids, dtype=np.int64)
         timings: dict = {}
         state = TransferState(room)
-        r = None
+        r = DecodeRequest(room, state)
+        with self._lock:
+            if room in self._requests:  # refused; the live request with this room goes on
+                return {"room": room, "state": "FAILED", "verified": False,
+                        "reason": f"ProtocolError: duplicate room {room}"}
+            self._requests[room] = r
+            ended = self._ended.reason(room)
         try:
-            peer = self._peer_for(bootstrap or self.config.bootstrap_addr)
+            if ended:
+                state.fail(ended)
+            deadline = time.monotonic() + self.config.deadlines.bootstrap_s
+            peer = self._peer_for(bootstrap or self.config.bootstrap_addr, deadline)
+            r.endpoint = peer.info.control_endpoint
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
-            req = self.pool.alloc_request(len(tokens), swa_window_only=True)
-            slots = self.receiver.reserve_slots(self.config.slots_per_transfer)
-            r = _Request(room, state, peer.info.control_endpoint, req, self.pool.index_set(req), slots)
-            with self._lock:
-                if room in self._requests:
-                    raise ProtocolError(f"duplicate room {room}")
-                self._requests[room] = r
-            state.advance(KVPoll.WAITING_FOR_INPUT)
+            self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
-            r.sent = True
-            self._outbox.put(b"send", peer.info.control_endpoint.encode(), encoder.encode(
-                TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), slots)))
-            state.advance(KVPoll.TRANSFERRING)
-            final = state.wait(self.config.request_timeout_s)
-            if not final.terminal and state.fail(f"deadline {self.config.request_timeout_s} s passed waiting for KV"):
-                self._outbox.put(b"send", r.endpoint.encode(), encoder.encode(Abort(room, state.reason)))
+            with self._lock:  # an abort may have come meanwhile: then nothing goes out
+                if not state.poll().terminal:
+                    state.advance(KVPoll.WAITING_FOR_INPUT)
+                    r.sent = True
+            if r.sent:
+                self._outbox.put(b"send", r.endpoint.encode(), encoder.encode(
+                    TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), r.slots)))
+            state.wait_phased(self.config.deadlines, "decode")
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if state.poll() is KVPoll.SUCCESS:
                 t2 = time.perf_counter()
-                digests = self.plugin.verify(self.pool, req, tokens, room)
+                digests = self.plugin.verify(self.pool, r.req, tokens, room)
                 timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
                 t3 = time.perf_counter()
-                output = self.plugin.decode(self.pool, req, tokens, max_new_tokens)
+                output = self.plugin.decode(self.pool, r.req, tokens, max_new_tokens)
                 timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
                 done = r.done
                 return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
@@ -174,158 +170,49 @@ class DecodeServer:
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
         except (DisaggError, KVPoolError) as exc:
-            state.fail(str(exc))
+            state.fail(f"{type(exc).__name__}: {exc}")
+            if isinstance(exc, (Overloaded, ValueError)):
+                raise  # HTTP 503 / 400, after the cleanup below
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"{type(exc).__name__}: {exc}",
                     **timings}
         finally:
-            if r is not None:
-                self._finish(r)
+            self._finish(r)
 
-    def _finish(self, r: _Request) -> None:
+    def abort(self, room: int, reason: str) -> dict:
+        """Abort a room (router, client or operator): it fails now, prefill is told, and its
+        pages come back once prefill confirms. An unknown room is remembered as aborted."""
+        why = f"aborted: {reason}"
+        with self._lock:
+            r = self._requests.get(room)
+            if r is None:
+                self._ended.bury(room, why)
+                return {"room": room, "aborted": False, "known": False}
+        return {"room": room, "aborted": r.state.fail(why), "known": True}
+
+    def _finish(self, r: DecodeRequest) -> None:
         """Free now, unless prefill may still be writing into the request's pages: a failed
-        request whose TransferRequest went out waits in quarantine for prefill's TransferDone."""
+        request whose TransferRequest went out tells prefill and waits in quarantine for its
+        TransferDone."""
         with self._lock:
             if self._requests.get(r.room) is r:  # a duplicate room must not evict the live one
                 del self._requests[r.room]
-            if r.sent and r.state.poll() is not KVPoll.SUCCESS and not r.released.is_set():
+            hold = r.sent and r.state.poll() is not KVPoll.SUCCESS and not r.released.is_set()
+            if hold:
                 self._quarantine[r.room] = (r, time.monotonic() + self.config.quarantine_s)
-                return
-        self._release(r)
-
-    def _release(self, r: _Request) -> None:
-        self.pool.free_request(r.req)
-        self.receiver.release_slots(r.slots)
-
-    def _sweep_quarantine(self, room: int | None = None) -> None:
-        """Release quarantined requests whose prefill ended (room given) or whose cap passed."""
-        now = time.monotonic()
-        with self._lock:
-            done = [room] if room in self._quarantine else []
-            done += [k for k, (_, until) in self._quarantine.items() if until <= now and k != room]
-            items = [self._quarantine.pop(k) for k in done]
-        for r, until in items:
-            if until <= now:
-                log.warning("room %d: released from quarantine after %.0f s without word from prefill",
-                            r.room, self.config.quarantine_s)
+        if hold:
+            self._outbox.put(b"send", r.endpoint.encode(), encoder.encode(Abort(r.room, r.state.reason)))
+        else:
             self._release(r)
+
+    def _release(self, r: DecodeRequest) -> None:
+        if r.req is not None:
+            self.pool.free_request(r.req)
+        self.receiver.release_slots(r.slots)
+        self.admission.released()
 
     def quarantined(self) -> int:
         with self._lock:
             return len(self._quarantine)
-
-    # ---- the control sockets (I/O thread) -----------------------------------------------------
-    def _io_loop(self) -> None:
-        poller = self._poller = zmq.Poller()
-        poller.register(self._outbox.pull, zmq.POLLIN)
-        next_sweep = time.monotonic() + 1.0
-        next_beat = time.monotonic() + self.config.heartbeat_interval_s
-        while not self._stop.is_set():
-            now = time.monotonic()
-            if now >= next_sweep:
-                self._sweep_quarantine()
-                next_sweep = now + 1.0
-            if now >= next_beat:
-                self._heartbeat(now)
-                next_beat = now + self.config.heartbeat_interval_s
-            events = dict(poller.poll(100))
-            for endpoint, sock in list(self._dealers.items()):
-                while self._dealers.get(endpoint) is sock and sock in events and sock.poll(0):
-                    reply = self._handle(endpoint, sock.recv())
-                    if reply is not None:
-                        sock.send(encoder.encode(reply))
-            while self._outbox.pull.poll(0):
-                kind, endpoint, payload = self._outbox.pull.recv_multipart()
-                endpoint = endpoint.decode()
-                if kind == b"connect" and endpoint not in self._dealers:
-                    sock = self._ctx.socket(zmq.DEALER)
-                    sock.setsockopt(zmq.LINGER, 0)
-                    sock.connect(endpoint)
-                    self._dealers[endpoint] = sock
-                    poller.register(sock, zmq.POLLIN)
-                sock = self._dealers.get(endpoint)
-                if sock is not None:
-                    sock.send(payload)
-
-    def _heartbeat(self, now: float) -> None:
-        """Beat every registered prefill; declare one dead after dead_after_s of silence."""
-        beat = encoder.encode(Heartbeat(self.epoch))
-        for endpoint, peer in list(self._peers.items()):
-            if not peer.registered.is_set() or peer.refused:
-                continue
-            if now - peer.last_seen > self.config.dead_after_s:
-                self._peer_lost(endpoint, f"prefill {endpoint} silent for {self.config.dead_after_s:.0f} s")
-                continue
-            sock = self._dealers.get(endpoint)
-            if sock is not None:
-                sock.send(beat)
-
-    def _peer_lost(self, endpoint: str, reason: str) -> None:
-        """(I/O thread.) Fail exactly the requests with this prefill and close its socket; the
-        next request looks it up and registers again (a restarted prefill has a new epoch and
-        maybe a new address)."""
-        with self._lock:
-            self._peers.pop(endpoint, None)
-            for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
-                del self._lookups[key]
-            victims = [r for r in self._requests.values() if r.endpoint == endpoint]
-        log.warning("%s: failing %d request(s)", reason, len(victims))
-        for r in victims:
-            r.state.fail(reason)  # pages stay quarantined until the cap: a frozen peer may resume
-        sock = self._dealers.pop(endpoint, None)  # I/O thread: a new registration connects afresh
-        if sock is not None:
-            self._poller.unregister(sock)
-            sock.close(linger=0)
-
-    def _handle(self, endpoint: str, frame: bytes):
-        try:
-            msg = self._decoder.decode(frame)
-        except ProtocolError as exc:
-            log.warning("frame from %s refused: %s", endpoint, exc)
-            return None
-        peer = self._peers.get(endpoint)
-        if peer is not None:
-            peer.last_seen = time.monotonic()
-        match msg:
-            case Registered(epoch=epoch) if peer is not None:
-                peer.epoch = epoch
-                peer.registered.set()
-            case Refused(reason=reason) if peer is not None and not peer.registered.is_set():
-                peer.refused = reason
-                peer.registered.set()
-            case Refused(reason=reason) if peer is not None:
-                self._peer_lost(endpoint, f"prefill {endpoint} dropped us: {reason}")
-            case ChunkLanded(transfer_id=room):
-                with self._lock:
-                    r = self._requests.get(room)
-                if r is None or r.endpoint != endpoint or r.state.poll().terminal:
-                    return None  # not ours (any more): never scatter into freed pages
-                try:
-                    return self.receiver.on_chunk(msg, r.dst, r.slots)
-                except StagingError as exc:
-                    if r.state.fail(f"bad chunk: {exc}"):
-                        return Abort(room, r.state.reason)
-            case TransferDone(room=room, prefill_epoch=epoch):
-                with self._lock:
-                    r = self._requests.get(room)
-                    parked = self._quarantine.get(room)
-                if parked is not None and parked[0].endpoint == endpoint:
-                    self._sweep_quarantine(room)  # prefill stopped writing: the pages are ours again
-                    return None
-                if r is None or r.endpoint != endpoint or peer is None or epoch != peer.epoch:
-                    return None
-                r.released.set()
-                if msg.ok:
-                    r.done = msg
-                    r.kv_ready_at = time.time()
-                    try:
-                        r.state.complete(room)
-                    except ProtocolError as exc:
-                        log.warning("room %d: %s", room, exc)
-                else:
-                    r.state.fail(f"prefill: {msg.reason}")
-            case Heartbeat():
-                return None
-        return None
 
     def bootstrap_reachable(self, timeout_s: float = 1.0) -> bool:
         """For /ready: the default bootstrap answers and knows a prefill rank."""

@@ -1,16 +1,23 @@
 """A small JSON-over-HTTP server for every long-running process: /health, /ready, /metrics
 and the process's own POST routes. Bad requests get a 4xx with a reason; a failing handler
-gets a 500 with its message; the server keeps serving either way."""
+gets a 500 with its message; the server keeps serving either way.
+
+    400 bad input    409 refused by the protocol    499 cancelled (client went away)
+    503 overloaded: more than `max_inflight` POSTs at once, or the pool stayed full
+        (Retry-After: 1); refused at once, never queued without bound
+"""
 
 import json
 import logging
+import select
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from transfer.errors import DisaggError
+from transfer.errors import Cancelled, DisaggError, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -22,11 +29,29 @@ class BadRequest(DisaggError):
     pass
 
 
+_call = threading.local()
+
+
+def client_gone() -> bool:
+    """In a POST handler: whether the client closed its connection (a cancel)."""
+    conn = getattr(_call, "connection", None)
+    if conn is None:
+        return False
+    try:
+        readable, _, _ = select.select([conn], [], [], 0)
+        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
 class ApiServer:
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
-                 registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None):
+                 registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None,
+                 max_inflight: int = 0):
         self.routes, self.ready, self.registry = routes, ready, registry
         self.before_scrape = before_scrape
+        self.max_inflight = max_inflight     # 0: no limit
+        self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
         api = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -36,11 +61,16 @@ class ApiServer:
                 log.debug("%s " + fmt, self.address_string(), *args)
 
             def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
-                self.send_response(code)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                try:
+                    self.send_response(code)
+                    self.send_header("Content-Type", ctype)
+                    self.send_header("Content-Length", str(len(body)))
+                    if code == 503:
+                        self.send_header("Retry-After", "1")
+                    self.end_headers()
+                    self.wfile.write(body)
+                except OSError:  # the client went away: nothing to tell it
+                    self.close_connection = True
 
             def _json(self, code: int, obj: dict) -> None:
                 self._send(code, json.dumps(obj).encode())
@@ -62,6 +92,10 @@ class ApiServer:
                 route = api.routes.get(self.path)
                 if route is None:
                     return self._json(404, {"error": f"no route {self.path}"})
+                if api._slots is not None and not api._slots.acquire(blocking=False):
+                    self.close_connection = True   # the body is left unread
+                    return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
+                _call.connection = self.connection
                 try:
                     length = int(self.headers.get("Content-Length", "0"))
                     if not 0 <= length <= MAX_BODY_BYTES:
@@ -72,11 +106,19 @@ class ApiServer:
                     self._json(200, route(body))
                 except (BadRequest, ValueError, KeyError, TypeError) as exc:
                     self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
+                except Overloaded as exc:
+                    self._json(503, {"error": f"Overloaded: {exc}"})
+                except Cancelled as exc:
+                    self._json(499, {"error": f"Cancelled: {exc}"})
                 except DisaggError as exc:
                     self._json(409, {"error": f"{type(exc).__name__}: {exc}"})
                 except Exception as exc:  # a handler bug must not take the server down
                     log.exception("handler for %s failed", self.path)
                     self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
+                finally:
+                    _call.connection = None
+                    if api._slots is not None:
+                        api._slots.release()
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True

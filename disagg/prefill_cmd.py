@@ -9,7 +9,8 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.http_api import ApiServer, require
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
-from disagg.worker_flags import add_pool_flags, announce, http_url, pool_settings, transfer_config
+from transfer.errors import Overloaded
+from disagg.worker_flags import add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config
 
 HELP = "run a prefill worker"
 
@@ -31,7 +32,8 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
                          transfer_workers=args.transfer_workers, transfer=transfer_config(args),
-                         request_timeout_s=args.request_timeout, dead_after_s=args.dead_after)
+                         deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
+                         max_waiting=args.max_waiting)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,6 +48,9 @@ def run(args: argparse.Namespace) -> int:
         metrics.inflight.labels("prefill").inc()
         try:
             out = server.prefill(room, tokens)
+        except Overloaded:
+            metrics.failure("overloaded")
+            raise
         finally:
             metrics.inflight.labels("prefill").dec()
         if out["state"] == "SUCCESS":
@@ -60,8 +65,12 @@ def run(args: argparse.Namespace) -> int:
             metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
         return out
 
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill}, lambda: server.ready, metrics.registry,
-                    lambda: metrics.observe_pool(server.available())).start()
+    def abort(body: dict) -> dict:
+        return server.abort(require(body, "room", int), str(body.get("reason", "no reason given"))[:500])
+
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort},
+                    lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
+                    max_inflight=args.max_inflight).start()
     announce(role="prefill", http=http_url(args, api.port), bootstrap=server.bootstrap_endpoint,
              control=server.control_endpoint, session=server.engine.session_id)
     wait_for_signal()

@@ -4,7 +4,7 @@
         RegisterPrefill | Lookup          ->  Registered | PrefillInfo | Refused
     control (decode DEALER -> prefill ROUTER, one connection per peer pair)
         to prefill: RegisterDecode | TransferRequest | ChunkDone | Abort | Heartbeat
-        to decode:  Registered | Refused | ChunkLanded | TransferDone | Heartbeat
+        to decode:  Registered | Refused | TransferStarted | ChunkLanded | TransferDone | Heartbeat
 
 Every handshake carries PROTOCOL_VERSION; index arrays travel as raw little-endian int32
 bytes. Everything decoded here is untrusted: `decode_*` raise ProtocolError with a reason,
@@ -72,6 +72,12 @@ class TransferRequest(msgspec.Struct, tag=True, frozen=True):
     slots: list[int]            # decode staging slots leased to this transfer ([]: direct only)
 
 
+class TransferStarted(msgspec.Struct, tag=True, frozen=True):
+    """Prefill began writing the room's KV (decode: WAITING_FOR_INPUT -> TRANSFERRING)."""
+    room: int
+    prefill_epoch: int
+
+
 class TransferDone(msgspec.Struct, tag=True, frozen=True):
     room: int
     prefill_epoch: int
@@ -103,7 +109,7 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
 BootstrapRequest = RegisterPrefill | Lookup
 BootstrapReply = Registered | PrefillInfo | Refused
 ToPrefill = RegisterDecode | TransferRequest | ChunkDone | Abort | Heartbeat
-ToDecode = Registered | Refused | ChunkLanded | TransferDone | Heartbeat
+ToDecode = Registered | Refused | TransferStarted | ChunkLanded | TransferDone | Heartbeat
 
 encoder = msgspec.msgpack.Encoder()
 

@@ -3,10 +3,11 @@
 import argparse
 
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer
+from disagg.http_api import ApiServer, client_gone
 from disagg.metrics import WorkerMetrics
 from disagg.router import Pair, Router, RouterConfig
 from disagg.worker_flags import announce
+from transfer.errors import Overloaded
 
 HELP = "run the router in front of prefill/decode pairs"
 
@@ -17,10 +18,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    p.add_argument("--max-inflight", type=int, default=256, help="concurrent requests (more: 503 at once)")
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout)
+    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout, max_inflight=args.max_inflight)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -29,7 +31,11 @@ def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics("router")
 
     def generate(body: dict) -> dict:
-        out = router.generate(body)
+        try:
+            out = router.generate(body, client_gone)
+        except Overloaded:
+            metrics.failure("overloaded")
+            raise
         if out["ok"]:
             metrics.requests.labels("router", "success").inc()
             metrics.latency.labels("router", "total").observe(out["timings_ms"]["total"] / 1e3)
@@ -37,8 +43,10 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    api = ApiServer(args.host, args.port, {"/generate": generate}, lambda: True, metrics.registry).start()
+    api = ApiServer(args.host, args.port, {"/generate": generate, "/abort": router.abort}, lambda: True,
+                    metrics.registry).start()
     announce(role="router", http=f"http://{args.host}:{api.port}")
     wait_for_signal()
     api.stop()
+    router.close()
     return 0

@@ -4,10 +4,12 @@ import argparse
 import json
 import os
 
-from disagg.prefill_server import PoolSettings
+from disagg.kv_state import Deadlines
+from disagg.pool_settings import PoolSettings
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
 from transfer.config import Mode, TransferConfig
+from transfer.faults import POINTS, FaultPlan
 
 
 def _env(name: str, default):
@@ -39,7 +41,22 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
     g.add_argument("--staging-slots", type=int, default=4)
     g.add_argument("--staging-slot-mib", type=int, default=16)
-    g.add_argument("--request-timeout", type=float, default=30.0, help="seconds per request")
+    g = p.add_argument_group("deadlines and admission")
+    g.add_argument("--bootstrap-timeout", type=float, default=10.0,
+                   help="seconds to introduce the two sides for a request (decode: lookup, registration, pool "
+                        "space; prefill: decode's TransferRequest)")
+    g.add_argument("--waiting-timeout", type=float, default=30.0,
+                   help="seconds waiting for the input (prefill: its KV computed; decode: the transfer to start)")
+    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for the transfer itself")
+    g.add_argument("--queue-wait", type=float, default=5.0,
+                   help="seconds a request may wait for pool space before a 503")
+    g.add_argument("--max-waiting", type=int, default=64, help="requests waiting for pool space (more: 503 at once)")
+    g.add_argument("--max-inflight", type=int, default=256, help="concurrent API requests (more: 503 at once)")
+    g = p.add_argument_group("fault injection (testing)")
+    g.add_argument("--inject-faults", default=_env("DISAGG_INJECT_FAULTS", ""), metavar="POINT=RATE,...",
+                   help="fail on purpose at these points with these probabilities (env DISAGG_INJECT_FAULTS); "
+                        "points: " + ", ".join(POINTS))
+    g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults")
     g.add_argument("--dead-after", type=float, default=5.0,
                    help="seconds of silence from a peer after which its requests fail")
     g.add_argument("--torch-threads", type=int, default=1,
@@ -54,7 +71,12 @@ def pool_settings(args: argparse.Namespace) -> PoolSettings:
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig:
     return TransferConfig(mode=Mode(args.transfer_mode), staging_slots=args.staging_slots,
-                          staging_slot_bytes=args.staging_slot_mib << 20)
+                          staging_slot_bytes=args.staging_slot_mib << 20,
+                          faults=FaultPlan.parse(args.inject_faults, args.fault_seed))
+
+
+def deadlines(args: argparse.Namespace) -> Deadlines:
+    return Deadlines(args.bootstrap_timeout, args.waiting_timeout, args.transfer_timeout)
 
 
 def http_url(args: argparse.Namespace, port: int) -> str:

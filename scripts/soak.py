@@ -25,7 +25,7 @@ import urllib.request
 from disagg.launcher import Launcher
 from disagg.router import post_json
 
-COMMON = ["--device", "cpu", "--max-requests", "32", "--request-timeout", "15", "--dead-after", "2"]
+COMMON = ["--device", "cpu", "--max-requests", "32", "--bootstrap-timeout", "15", "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", "2"]
 
 
 def pool_free(http: str) -> dict:

@@ -1,7 +1,9 @@
 """TransferConfig: one frozen set of knobs for the data path."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
+
+from transfer.faults import FaultPlan
 
 
 class Mode(str, Enum):
@@ -23,6 +25,7 @@ class TransferConfig:
     staging_slot_bytes: int = 16 << 20
     staging_device: str | None = None  # None: the pool's device; "cpu" stages a GPU pool via host memory
     chunk_timeout_s: float = 30.0   # staged: longest wait for a receiver slot
+    faults: FaultPlan = field(default_factory=FaultPlan)   # injected failures (tests, soak); none by default
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))

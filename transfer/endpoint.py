@@ -4,6 +4,7 @@ receiver are both one; close() unregisters what this endpoint registered."""
 from kvpool.geometry import Component
 from kvpool.pools.hybrid import HybridPool
 from transfer.config import TransferConfig
+from transfer.faults import FaultInjector
 from transfer.engine import MooncakeEngine
 from transfer.staging import StagingArea
 
@@ -16,6 +17,7 @@ class PoolEndpoint:
         self._registered = engine.register([(d.ptr, d.nbytes) for d in pool.buffer_descriptors()]
                                            + [(self.staging.ptr, self.staging.nbytes)])
         self.buffers: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}
+        self.faults = FaultInjector(config.faults)
 
     def close(self) -> None:
         """Unregister what this endpoint registered (its staging area, and the pool's buffers

@@ -12,7 +12,10 @@
      |    |    +-- IndexMismatch        per-request components of different lengths
      |    |    +-- LayoutIncompatible   the two sides' buffers do not pair up
      |    +-- StagingError              bad chunk notice, staging timeout or misuse
+     |    +-- InjectedFault             a failure injected on purpose (transfer.faults)
      +-- ProtocolError                  control-plane messages (disagg.protocol extends it)
+     +-- Overloaded                     admission refused: queue or pool full (HTTP 503)
+     +-- Cancelled                      the request was aborted (client, router or peer)
 
 Engine return codes become typed exceptions at the wrapper boundary (transfer.engine); nothing
 above it sees a bare integer code.
@@ -75,4 +78,16 @@ class StagingError(TransferError):
 
 
 class ProtocolError(DisaggError):
+    pass
+
+
+class InjectedFault(TransferError):
+    pass
+
+
+class Overloaded(DisaggError):
+    pass
+
+
+class Cancelled(DisaggError):
     pass

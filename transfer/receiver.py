@@ -27,5 +27,7 @@ class KVReceiver(PoolEndpoint):
         """Scatter a landed chunk into `dst`; `slots` are the ones leased to this transfer."""
         if notice.slot not in slots:
             raise StagingError(f"chunk {notice.index} names slot {notice.slot}, not leased to this transfer")
+        if self.faults.hit("recv.chunk"):
+            raise StagingError(f"injected fault at recv.chunk (chunk {notice.index})")
         scatter(notice, dst, self.buffers, self.staging)
         return ChunkDone(notice.transfer_id, notice.index)

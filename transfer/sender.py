@@ -5,6 +5,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
@@ -15,7 +16,7 @@ from kvpool.pools.hybrid import HybridPool
 from transfer.config import Mode, TransferConfig
 from transfer.cost import choose_mode
 from transfer.endpoint import PoolEndpoint
-from transfer.errors import StagingError
+from transfer.errors import Cancelled, StagingError
 from transfer.peer import PeerTarget
 from transfer.plan import Ranges, TransferPlan, build_plan
 from transfer.staging import Chunk, ChunkLanded, StagingArea, chunk_plan, gather
@@ -53,11 +54,14 @@ class KVSender(PoolEndpoint):
                           local_regions=list(self.engine.registered().items()), peer_regions=peer.regions())
 
     def send(self, peer: PeerTarget, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
-             remote_slots: list[int] | None = None, channel: ChunkChannel | None = None) -> TransferReport:
+             remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
+             stopped: Callable[[], bool] | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
-        staging slots leased to this transfer) and a `channel`. Raises a TransferError; the
-        receiver must treat the request as failed then."""
+        staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
+        every write: true (the request was aborted) ends the send with Cancelled. Raises a
+        TransferError or Cancelled; the receiver must treat the request as failed then."""
         t0 = time.perf_counter()
+        stopped = stopped or (lambda: False)
         plan = self.plan(peer, src, dst)
         plan_ms = (time.perf_counter() - t0) * 1e3
         slot_bytes = min(self.staging.slot_bytes, peer.staging_slot_bytes or self.staging.slot_bytes)
@@ -66,19 +70,26 @@ class KVSender(PoolEndpoint):
         ranges = chunks = 0
         if mode is Mode.DIRECT:
             body = plan.body_ranges()
+            self._before_write(stopped)
             self.engine.write(peer.session_id, body.src, body.dst, body.length)
             ranges = len(body)
         else:
-            chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel)
+            chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel, stopped)
             ranges = chunks
         if plan.aux is not None:  # last: its arrival means the body has landed
             aux: Ranges = plan.aux.ranges
+            self._before_write(stopped)
             self.engine.write(peer.session_id, aux.src, aux.dst, aux.length)
             ranges += len(aux)
         return TransferReport(mode, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0)
 
+    def _before_write(self, stopped: Callable[[], bool]) -> None:
+        if stopped():
+            raise Cancelled("send stopped: the request was aborted")
+        self.faults.check("send.write")
+
     def _send_staged(self, peer: PeerTarget, plan: TransferPlan, slot_bytes: int, transfer_id: int,
-                     remote_slots: list[int], channel: ChunkChannel) -> int:
+                     remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool]) -> int:
         """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits."""
         chunks = chunk_plan(plan, slot_bytes)
         local_slots = self.staging.lease.acquire(self.config.staging_slots, timeout=self.config.chunk_timeout_s)
@@ -90,7 +101,7 @@ class KVSender(PoolEndpoint):
         ready: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
         writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer",
-                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors))
+                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors, stopped))
         writer.start()
         try:
             for chunk in chunks:
@@ -111,7 +122,8 @@ class KVSender(PoolEndpoint):
         return len(chunks)
 
     def _write_chunks(self, peer: PeerTarget, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
-                      channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list) -> None:
+                      channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list,
+                      stopped: Callable[[], bool]) -> None:
         n_remote = len(remote_slots)
         timeout = self.config.chunk_timeout_s
         try:
@@ -123,6 +135,7 @@ class KVSender(PoolEndpoint):
                 if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
                     channel.wait_done(transfer_id, i - n_remote, timeout)
                 remote = remote_slots[i % n_remote]
+                self._before_write(stopped)
                 self.engine.write(peer.session_id, np.array([self.staging.slot_ptr(slot)], dtype=np.int64),
                                   np.array([peer.slot_ptr(remote)], dtype=np.int64),
                                   np.array([chunk.nbytes], dtype=np.int64))

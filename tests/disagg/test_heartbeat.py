@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 
 from disagg.decode_server import DecodeConfig, DecodeServer
-from disagg.prefill_server import PoolSettings, PrefillConfig, PrefillServer
+from disagg.pool_settings import PoolSettings
+from disagg.prefill_server import PrefillConfig, PrefillServer
 from disagg.standin import StandInEngine
 
 pytestmark = pytest.mark.slow
@@ -36,8 +37,8 @@ def _eventually(check, timeout: float, what: str) -> None:
 def test_silent_prefill_fails_its_requests_within_the_bound():
     pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
-    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", request_timeout_s=30), stuck)
-    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, request_timeout_s=30,
+    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
+    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint,
                                        heartbeat_interval_s=0.2, dead_after_s=1.5, quarantine_s=2.0))
     initial = decode.pool.available()
     tokens = np.arange(100)
@@ -71,8 +72,8 @@ def test_silent_prefill_fails_its_requests_within_the_bound():
 def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone():
     pool = PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
-    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", request_timeout_s=30), stuck)
-    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, request_timeout_s=30))
+    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
+    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint))
     initial = decode.pool.available()
     tokens = np.arange(64)
     first: dict = {}

@@ -17,6 +17,7 @@ SAMPLES = [
     P.RegisterDecode(P.PROTOCOL_VERSION, 9, "10.0.0.2:77", LAYOUT,
                      [P.WireBuffer(1 << 40, 4096 * 10, 4096, "full", None, None)], 1 << 41, 4, 1 << 20),
     P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
+    P.TransferStarted(123, 42),
     P.TransferDone(123, 42, True, "", 1 << 20, "direct", 17, 3.5),
     P.Abort(123, "client cancelled"),
     P.Heartbeat(42),

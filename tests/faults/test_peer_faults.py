@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 
 DEAD_AFTER = 2.0
 COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--device", "cpu", "--max-requests", "16",
-          "--request-timeout", "15", "--dead-after", str(DEAD_AFTER)]
+          "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", str(DEAD_AFTER)]
 
 
 def _metrics(http: str) -> str:

@@ -12,7 +12,7 @@ pytestmark = [pytest.mark.twonode, pytest.mark.slow]
 
 def start_pair(launcher: Launcher, hosts, p: int, d: int, preset: str, extra=()) -> tuple[dict, dict]:
     common = ["--preset", preset, "--max-tokens", "8192", "--device", "cpu", "--max-requests", "16",
-              "--staging-slot-mib", "1", "--request-timeout", "20", *extra]
+              "--staging-slot-mib", "1", "--transfer-timeout", "20", *extra]
     prefill = launcher.start("prefill", *common, "--host", hosts.data(p), "--http-host", hosts.front(p),
                              "--bootstrap-bind", f"tcp://{hosts.data(p)}:*", prefix=hosts.prefix(p))
     decode = launcher.start("decode", *common, "--host", hosts.data(d), "--http-host", hosts.front(d),
@@ -78,7 +78,7 @@ def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts
     deadline_s = 6.0
     with Launcher() as launcher:
         prefill, decode = start_pair(launcher, hosts4, 1, 2, "gpt-oss-20b",
-                                     ("--max-tokens", "65536", "--request-timeout", str(deadline_s)))
+                                     ("--max-tokens", "65536", *(f"--{phase}-timeout={deadline_s}" for phase in ("bootstrap", "waiting", "transfer"))))
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         before = (_pool_free(prefill["http"]), _pool_free(decode["http"]))
         assert all(r["ok"] for r in run_requests(router["http"], [1000, 2000]))  # warm: sessions exist

@@ -1,0 +1,186 @@
+"""The prefill's control socket: one I/O thread owns the ROUTER (one DEALER per decode peer)
+and the outbox's PULL end; everything else sends through the outbox.
+
+    RegisterDecode   -> Registered | Refused        (version, layout, buffers checked)
+    TransferRequest  -> (a transfer, later)  | TransferDone(fail) when refused or already ended
+    ChunkDone        -> the staged sender's credit
+    Abort            -> the request fails; TransferDone(fail) at once if nothing is writing
+    Heartbeat        -> Heartbeat | Refused (a peer we dropped must register again)
+
+Once a second, a sweep drops decode peers silent for dead_after_s (failing exactly their
+requests) and TransferRequests whose prefill never came.
+"""
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import zmq
+
+from disagg.chunk_relay import ChunkRelay
+from disagg.kv_state import KVPoll, TransferState
+from disagg.protocol import (Abort, Heartbeat, RegisterDecode, Registered, Refused, TransferDone, TransferRequest,
+                             check_version, encoder, from_wire, indices_from_wire, layout_difference)
+from kvpool import IndexSet, RequestKV
+from transfer.errors import ProtocolError
+from transfer.peer import PeerTarget
+from transfer.staging import ChunkDone
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class PrefillRequest:
+    room: int
+    state: TransferState
+    created: float = field(default_factory=time.monotonic)
+    tokens: np.ndarray | None = None        # None: decode's TransferRequest came first
+    req: RequestKV | None = None
+    dst: IndexSet | None = None
+    peer: bytes | None = None
+    slots: list[int] = field(default_factory=list)
+    submitted: bool = False
+    freed: bool = False
+    timings: dict = field(default_factory=dict)
+    report: dict = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class DecodePeer:
+    target: PeerTarget
+    epoch: int
+    relay: ChunkRelay
+    workers: ThreadPoolExecutor   # this destination's shard: a slow peer stalls only itself
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+class PrefillControl:
+    """Mixed into PrefillServer (its attributes: _router, _outbox, _decoder, _lock, _requests,
+    _peers, _ended, _stop, config, epoch, layout)."""
+
+    def _io_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox.pull, zmq.POLLIN)
+        next_sweep = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            events = dict(poller.poll(100))
+            while self._router in events and self._router.poll(0):
+                frames = self._router.recv_multipart()
+                if len(frames) != 2:
+                    continue  # not a DEALER frame of ours
+                reply = self._handle(frames[0], frames[1])
+                if reply is not None:
+                    self._router.send_multipart([frames[0], encoder.encode(reply)])
+            while self._outbox.pull.poll(0):
+                self._router.send_multipart(self._outbox.pull.recv_multipart())
+            if time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + 1.0
+
+    def _handle(self, identity: bytes, frame: bytes):
+        try:
+            msg = self._decoder.decode(frame)
+        except ProtocolError as exc:
+            log.warning("control frame refused: %s", exc)
+            return Refused(str(exc))
+        known = self._peers.get(identity)
+        if known is not None:
+            known.last_seen = time.monotonic()
+        match msg:
+            case RegisterDecode():
+                return self._register(identity, msg)
+            case TransferRequest():
+                return self._transfer_request(identity, msg)
+            case ChunkDone(transfer_id=room, index=index):
+                if known is not None:
+                    known.relay.on_done(room, index)
+            case Abort(room=room, reason=why):
+                with self._lock:
+                    r = self._requests.get(room)
+                    ours = r is not None and r.peer == identity
+                    orphan = ours and r.tokens is None
+                if ours:
+                    r.state.fail(f"aborted by decode: {why}")
+                if orphan:
+                    self._end(r)        # tells decode
+                elif not ours:          # nothing of this peer's is writing: decode may free at once
+                    return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+                # else the prefill thread or the running transfer's worker reports when it stops
+            case Heartbeat():
+                if known is None:  # we dropped it (it went silent): it must register again
+                    return Refused("unknown decode: register again")
+                return Heartbeat(self.epoch)
+        return None
+
+    def _register(self, identity: bytes, msg: RegisterDecode):
+        try:
+            check_version(msg.version)
+            diff = layout_difference(self.layout, msg.layout)
+            if diff:
+                raise ProtocolError(f"layout mismatch: {diff}")
+            target = PeerTarget(msg.session_id, tuple(from_wire(msg.buffers)), msg.staging_ptr,
+                                msg.staging_slots, msg.staging_slot_bytes)
+        except ProtocolError as exc:
+            return Refused(str(exc))
+        with self._lock:
+            old = self._peers.get(identity)
+            workers = old.workers if old is not None else ThreadPoolExecutor(
+                self.config.transfer_workers, thread_name_prefix=f"kv-transfer-{msg.session_id}")
+            self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self._outbox, identity), workers)
+        log.info("decode %s registered (epoch %d)", msg.session_id, msg.epoch)
+        return Registered(self.epoch)
+
+    def _transfer_request(self, identity: bytes, msg: TransferRequest):
+        room, peer = msg.room, self._peers.get(identity)
+        reason = None
+        if peer is None:
+            reason = "decode is not registered"
+        elif msg.decode_epoch != peer.epoch:
+            reason = f"decode epoch {msg.decode_epoch} is not the registered {peer.epoch}"
+        if reason is None:
+            try:
+                dst = indices_from_wire(msg.indices)
+            except ProtocolError as exc:
+                reason = str(exc)
+        if reason is not None:
+            return TransferDone(room, self.epoch, False, reason)
+        with self._lock:
+            r = self._requests.get(room)
+            if r is None:
+                ended = self._ended.reason(room)
+                if ended is not None:  # this room already ended here: decode must not wait for it
+                    return TransferDone(room, self.epoch, False, ended)
+                r = self._requests[room] = PrefillRequest(room, TransferState(room))
+            elif r.dst is not None:
+                log.warning("room %d: second TransferRequest ignored", room)
+                return None
+            r.dst, r.peer, r.slots = dst, identity, list(msg.slots)
+        try:
+            r.state.advance(KVPoll.WAITING_FOR_INPUT)
+        except ProtocolError:
+            pass  # already ended (the prefill thread will tell decode) or already past it
+        self._maybe_submit(r)
+        return None
+
+    def _sweep(self) -> None:
+        """Fail exactly the requests of decode peers that went silent (no heartbeat for
+        dead_after_s); drop TransferRequests whose prefill never came within waiting_s."""
+        now = time.monotonic()
+        with self._lock:
+            dead = {i for i, p in self._peers.items() if now - p.last_seen > self.config.dead_after_s}
+            for identity in dead:
+                log.warning("decode %s silent for %.0f s: dropping it", self._peers[identity].target.session_id,
+                            self.config.dead_after_s)
+                self._peers.pop(identity).workers.shutdown(wait=False)
+            lost = [r for r in self._requests.values() if r.peer in dead]
+            stale = [r for r in self._requests.values()
+                     if r.tokens is None and now - r.created > self.config.deadlines.waiting_s]
+        for r in lost:
+            r.state.fail("decode peer silent")
+        for r in stale:
+            r.state.fail("prefill never arrived")
+        for r in set(stale) | {r for r in lost if r.tokens is None}:
+            self._end(r)
