@@ -43,6 +43,7 @@ class PrefillRequest:
     slots: list[int] = field(default_factory=list)
     submitted: bool = False
     freed: bool = False
+    told: bool = False                      # decode has its TransferDone(fail) already
     timings: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
 
@@ -100,15 +101,14 @@ class PrefillControl:
             case Abort(room=room, reason=why):
                 with self._lock:
                     r = self._requests.get(room)
-                    ours = r is not None and r.peer == identity
-                    orphan = ours and r.tokens is None
-                if ours:
-                    r.state.fail(f"aborted by decode: {why}")
-                if orphan:
-                    self._end(r)        # tells decode
-                elif not ours:          # nothing of this peer's is writing: decode may free at once
+                if r is None or r.peer != identity:   # nothing of this peer's writes there
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
-                # else the prefill thread or the running transfer's worker reports when it stops
+                tell = self._fail_now(r, f"aborted by decode: {why}")
+                if r.tokens is None:
+                    self._end(r)   # an orphan: no prefill thread will
+                if tell is not None:
+                    return TransferDone(room, self.epoch, False, r.state.reason)
+                # else the running transfer's worker reports once it stopped writing
             case Heartbeat():
                 if known is None:  # we dropped it (it went silent): it must register again
                     return Refused("unknown decode: register again")
@@ -181,6 +181,8 @@ class PrefillControl:
         for r in lost:
             r.state.fail("decode peer silent")
         for r in stale:
-            r.state.fail("prefill never arrived")
+            tell = self._fail_now(r, "prefill never arrived")
+            if tell is not None:
+                self._outbox.put(tell, encoder.encode(TransferDone(r.room, self.epoch, False, r.state.reason)))
         for r in set(stale) | {r for r in lost if r.tokens is None}:
             self._end(r)

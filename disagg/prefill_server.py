@@ -145,35 +145,50 @@ class PrefillServer(PrefillControl):
     def _end(self, r: PrefillRequest) -> None:
         """Forget a finished request; free it unless its transfer worker will; make sure decode
         hears a failure (now, or through a tombstone when its TransferRequest comes later)."""
-        tell = None
         with self._lock:
             if self._requests.get(r.room) is r:
                 del self._requests[r.room]
-            if not r.submitted:
-                self._free(r)
-                if r.state.poll() is KVPoll.FAILED:
-                    if r.peer is not None:
-                        tell = r.peer
-                    else:
-                        self._ended.bury(r.room, r.state.reason)
-        if tell is not None:
-            self._outbox.put(tell, encoder.encode(TransferDone(r.room, self.epoch, False, r.state.reason)))
+            if r.submitted:
+                return  # the worker frees and reports
+            self._free(r)
+            if r.state.poll() is not KVPoll.FAILED:
+                return
+            if r.peer is None:
+                self._ended.bury(r.room, r.state.reason)
+                return
+            if r.told:
+                return
+            r.told = True
+        self._outbox.put(r.peer, encoder.encode(TransferDone(r.room, self.epoch, False, r.state.reason)))
+
+    def _fail_now(self, r: PrefillRequest, why: str) -> bytes | None:
+        """Fail `r`. If no transfer runs for it (and none will: it is terminal now), returns the
+        decode to tell at once with TransferDone(fail); its pages are safe to free there."""
+        with self._lock:
+            r.state.fail(why)
+            if r.submitted or r.told or r.peer is None:
+                return None
+            r.told = True
+            return r.peer
 
     def abort(self, room: int, reason: str) -> dict:
-        """Abort a room (router, client or operator). Its transfer stops before its next write,
-        decode is told, the slots come back. An unknown room is remembered as aborted."""
+        """Abort a room (router, client or operator). Decode hears it at once, a running
+        transfer stops before its next write, the slots come back. An unknown room is
+        remembered as aborted."""
         why = f"aborted: {reason}"
         with self._lock:
             r = self._requests.get(room)
             if r is None:
                 self._ended.bury(room, why)
                 return {"room": room, "aborted": False, "known": False}
-            orphan = r.tokens is None   # only decode's TransferRequest is here: no prefill thread
-        ended = r.state.fail(why)
-        if orphan:
+        ended = r.state.poll() is not KVPoll.FAILED
+        tell = self._fail_now(r, why)
+        if tell is not None:
+            self._outbox.put(tell, encoder.encode(TransferDone(room, self.epoch, False, r.state.reason)))
+        if r.tokens is None:  # only decode's TransferRequest was here: no prefill thread will end it
             self._ended.bury(room, why)
             self._end(r)
-        return {"room": room, "aborted": ended, "known": True}
+        return {"room": room, "aborted": ended and r.state.poll() is KVPoll.FAILED, "known": True}
 
     def _maybe_submit(self, r: PrefillRequest) -> None:
         with self._lock:

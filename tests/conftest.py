@@ -2,6 +2,7 @@
 are deselected (not skipped) where no CUDA device exists."""
 
 import os
+import time
 
 import pytest
 import torch
@@ -24,3 +25,17 @@ def device() -> str:
     if dev.startswith("cuda") and not torch.cuda.is_available():
         raise RuntimeError(f"DISAGG_TEST_DEVICE={dev} but torch sees no CUDA device")
     return dev
+
+
+def _eventually(check, timeout: float, what: str, interval: float = 0.05) -> None:
+    """Poll `check` until it is true; fail with `what` after `timeout` seconds. (Waiting for a
+    condition with a deadline: the one place tests sleep, and never instead of a condition.)"""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
+        time.sleep(interval)
+
+
+@pytest.fixture(scope="session")
+def eventually():
+    return _eventually

@@ -10,31 +10,11 @@ import pytest
 from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.pool_settings import PoolSettings
 from disagg.prefill_server import PrefillConfig, PrefillServer
-from disagg.standin import StandInEngine
 
 pytestmark = pytest.mark.slow
 
 
-class StuckEngine(StandInEngine):
-    """A prefill that blocks until released, so the request stays in flight."""
-
-    def __init__(self):
-        self.entered, self.release = threading.Event(), threading.Event()
-
-    def prefill(self, pool, req, token_ids, room):
-        self.entered.set()
-        self.release.wait(30)
-        return super().prefill(pool, req, token_ids, room)
-
-
-def _eventually(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.05)  # polling a condition with a deadline
-
-
-def test_silent_prefill_fails_its_requests_within_the_bound():
+def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEngine):
     pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
@@ -49,7 +29,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound():
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        _eventually(lambda: 7 in prefill._requests and prefill._requests[7].dst is not None, 10,
+        eventually(lambda: 7 in prefill._requests and prefill._requests[7].dst is not None, 10,
                     "prefill holds decode's TransferRequest")
         t0 = time.monotonic()
         prefill._stop.set()  # the prefill's control plane goes silent (no replies, no heartbeats)
@@ -59,7 +39,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound():
         assert result["state"] == "FAILED" and "silent" in result["reason"], result
         assert elapsed < 1.5 + 0.2 + 2.0, elapsed  # dead_after + one beat + margin
         assert decode.quarantined() == 1  # a frozen prefill might still write: pages are held
-        _eventually(lambda: decode.pool.available() == initial, 10, "quarantine released after the cap")
+        eventually(lambda: decode.pool.available() == initial, 10, "quarantine released after the cap")
         assert decode.quarantined() == 0
     finally:
         stuck.release.set()
@@ -69,7 +49,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound():
         decode.close()
 
 
-def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone():
+def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone(eventually, StuckEngine):
     pool = PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
@@ -83,7 +63,7 @@ def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone():
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        _eventually(lambda: 9 in decode._requests, 10, "the first request is live on decode")
+        eventually(lambda: 9 in decode._requests, 10, "the first request is live on decode")
         second = decode.decode(9, tokens, 2)
         assert second["state"] == "FAILED" and "duplicate room 9" in second["reason"]
         assert 9 in decode._requests  # the live one is still there

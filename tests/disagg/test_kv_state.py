@@ -60,3 +60,29 @@ def test_wait_wakes_on_completion_from_another_thread():
     t.start()
     assert s.wait(10) is KVPoll.SUCCESS
     t.join()
+
+
+def test_each_phase_has_its_own_deadline_counted_from_entering_it():
+    from disagg.kv_state import Deadlines
+    s = TransferState(3)
+    deadlines = Deadlines(bootstrap_s=30, waiting_s=0.05, transfer_s=30)
+    s.advance(KVPoll.WAITING_FOR_INPUT)
+    assert s.wait_phased(deadlines, "decode") is KVPoll.FAILED
+    assert s.reason == ("decode: WAITING_FOR_INPUT deadline of 0.05 s passed "
+                        "(prefill never started the transfer)")
+
+
+def test_moving_on_restarts_the_clock_and_an_end_wakes_the_waiter():
+    from disagg.kv_state import Deadlines
+    s = TransferState(4)
+    deadlines = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)
+    ended = threading.Thread(target=lambda: (s.advance(KVPoll.TRANSFERRING), s.complete(4)))
+    ended.start()
+    assert s.wait_phased(deadlines, "prefill") is KVPoll.SUCCESS
+    ended.join()
+
+
+def test_deadlines_must_be_positive():
+    from disagg.kv_state import Deadlines
+    with pytest.raises(ValueError, match="waiting_s"):
+        Deadlines(waiting_s=0)

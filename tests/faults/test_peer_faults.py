@@ -36,13 +36,6 @@ def inflight(http: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def eventually(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.1)  # polling a condition with a deadline
-
-
 def requests(router: str, lengths: list[int]) -> list[dict]:
     with ThreadPoolExecutor(len(lengths)) as pool:
         return list(pool.map(lambda n: post_json(router + "/generate", {"prompt_len": n, "seed": n}, 60), lengths))
@@ -56,7 +49,7 @@ def _proc(launcher: Launcher, index: int):
     return launcher.procs[index]
 
 
-def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves():
+def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves(eventually):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
         decode = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"])
@@ -79,7 +72,7 @@ def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves():
         assert pool_free(prefill["http"]) == initial
 
 
-def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefill():
+def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefill(eventually):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
         decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
@@ -104,7 +97,7 @@ def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefil
         assert pool_free(decode["http"]) == initial
 
 
-def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers():
+def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
         decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])

@@ -9,7 +9,9 @@ import pytest
 
 from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
 from transfer.config import Mode, TransferConfig
-from transfer.errors import OutOfBounds, PeerUnreachable, RegistrationError, StagingError, WriteFailed
+from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
+                             WriteFailed)
+from transfer.faults import FaultPlan
 from transfer.engine import MooncakeEngine
 from transfer.peer_client import PeerProcess
 from transfer.peer_server import digest_request
@@ -187,3 +189,43 @@ def test_staging_area_on_another_device_than_the_pool(engine, peer):
         sender.send(target, pool.index_set(req), dst, 9, slots, peer.channel)
         peer.release(9)
         assert peer.digest(rid).per_component == digest_request(pool, req)
+
+
+@pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
+def test_a_stopped_send_ends_before_its_next_write(engine, peer, mode):
+    """An aborted request: the sender asks `stopped()` before each write, raises Cancelled,
+    writes nothing more (never the AUX row that would mark the KV complete), frees its slots."""
+    target, pool = _setup(peer, "tiny-hybrid", 1, Layout.PAGE_MAJOR)
+    req = pool.alloc_request(900)
+    rid, dst = peer.alloc(900)
+    before = peer.digest(rid, outside=True)
+    slots = peer.expect(7, rid, want_slots=2)
+    asked = []
+
+    def stopped():  # the request is aborted once the first write went out
+        asked.append(1)
+        return len(asked) > 1
+
+    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 16)
+    with KVSender(engine, pool, config) as sender:
+        with pytest.raises(Cancelled, match="aborted"):
+            sender.send(target, pool.index_set(req), dst, 7, slots, peer.channel, stopped=stopped)
+        assert sender.staging.lease.available() == config.staging_slots
+    peer.release(7)
+    after = peer.digest(rid, outside=True)
+    assert after.outside == before.outside, "a write landed outside the request"
+    assert after.per_component["aux"] == before.per_component["aux"], "AUX written"
+    assert len(asked) == 2
+
+
+def test_an_injected_write_fault_fails_the_send_with_a_typed_error(engine, peer):
+    target, pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
+    req = pool.alloc_request(64)
+    rid, dst = peer.alloc(64)
+    config = TransferConfig(mode=Mode.DIRECT, faults=FaultPlan({"send.write": 1.0}))
+    with KVSender(engine, pool, config) as sender:
+        with pytest.raises(InjectedFault, match="send.write"):
+            sender.send(target, pool.index_set(req), dst)
+        assert sender.faults.fired == {"send.write": 1}
+    peer.free(rid)
+    assert _send(engine, peer, target, pool, 64, Mode.DIRECT).mode is Mode.DIRECT

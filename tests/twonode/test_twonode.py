@@ -65,15 +65,7 @@ def _inflight(http: str) -> float:
     return float(m.group(1)) if m else 0.0
 
 
-def _eventually(check, timeout: float, what: str) -> None:
-    import time
-    deadline = time.monotonic() + timeout
-    while not check():
-        assert time.monotonic() < deadline, f"not within {timeout} s: {what}"
-        time.sleep(0.2)  # polling a condition with a deadline, not synchronising on time
-
-
-def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts4):
+def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts4, eventually):
     import threading
     deadline_s = 6.0
     with Launcher() as launcher:
@@ -86,7 +78,7 @@ def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts
         results: list[dict] = []
         batch = threading.Thread(target=lambda: results.extend(run_requests(router["http"], [3000 + i for i in range(8)])))
         batch.start()
-        _eventually(lambda: _inflight(prefill["http"]) > 0, 30, "prefill has requests in flight")
+        eventually(lambda: _inflight(prefill["http"]) > 0, 30, "prefill has requests in flight")
         hosts4.link(1, "down")
         try:
             during = run_requests(router["http"], [1500, 2500])  # sent while the data link is down
@@ -102,5 +94,5 @@ def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts
         # the link is back: new requests succeed, and every slot comes back on both sides
         after = run_requests(router["http"], [700, 1800, 2600])
         assert all(r["ok"] and r["verified"] for r in after), [r.get("reason") for r in after]
-        _eventually(lambda: (_pool_free(prefill["http"]), _pool_free(decode["http"])) == before, 90,
+        eventually(lambda: (_pool_free(prefill["http"]), _pool_free(decode["http"])) == before, 90,
                     "both pools back to their initial free counts")

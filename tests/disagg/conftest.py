@@ -1,0 +1,22 @@
+import threading
+
+import pytest
+
+from disagg.standin import StandInEngine
+
+
+class StuckEngine(StandInEngine):
+    """A prefill that blocks until released, so the request stays in flight."""
+
+    def __init__(self):
+        self.entered, self.release = threading.Event(), threading.Event()
+
+    def prefill(self, pool, req, token_ids, room):
+        self.entered.set()
+        self.release.wait(30)
+        return super().prefill(pool, req, token_ids, room)
+
+
+@pytest.fixture(name="StuckEngine")
+def stuck_engine_class():
+    return StuckEngine

@@ -1,0 +1,113 @@
+"""Abort in both directions, on real servers in this process (real ZMQ, real Mooncake on
+loopback): the other side hears it at once, not at its deadline, and every slot comes back."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from disagg.decode_server import DecodeConfig, DecodeServer
+from disagg.kv_state import Deadlines
+from disagg.pool_settings import PoolSettings
+
+pytestmark = pytest.mark.slow
+LONG = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)   # an abort must not wait for these
+
+
+@pytest.fixture
+def pair(StuckEngine):
+    from disagg.prefill_server import PrefillConfig, PrefillServer
+    pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
+    stuck = StuckEngine()
+    prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", deadlines=LONG), stuck)
+    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, deadlines=LONG))
+    initial = prefill.pool.available(), decode.pool.available()
+    threads: list[threading.Thread] = []
+
+    def run(fn, *args) -> dict:
+        out: dict = {}
+        t = threading.Thread(target=lambda: out.update(fn(*args)), daemon=True)
+        threads.append(t)
+        t.start()
+        return out
+    yield prefill, decode, stuck, run, initial
+    stuck.release.set()
+    for t in threads:
+        t.join(30)
+    prefill.close()
+    decode.close()
+
+
+def _both_back(prefill, decode, initial) -> bool:
+    return (prefill.pool.available(), decode.pool.available()) == initial and decode.quarantined() == 0
+
+
+def test_prefill_side_abort_reaches_decode_at_once(pair, eventually):
+    prefill, decode, stuck, run, initial = pair
+    tokens = np.arange(300)
+    pre = run(prefill.prefill, 11, tokens)
+    assert stuck.entered.wait(10)
+    dec = run(decode.decode, 11, tokens, 2)
+    eventually(lambda: 11 in prefill._requests and prefill._requests[11].dst is not None, 10,
+                "prefill holds decode's TransferRequest")
+    t0 = time.monotonic()
+    assert prefill.abort(11, "operator") == {"room": 11, "aborted": True, "known": True}
+    eventually(lambda: dec.get("state") == "FAILED", 5, "decode hears the abort")
+    assert "aborted: operator" in dec["reason"] and time.monotonic() - t0 < 5
+    stuck.release.set()   # the engine returns; nothing is transferred
+    eventually(lambda: pre.get("state") == "FAILED", 10, "prefill ends the request")
+    eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")
+
+
+def test_decode_side_abort_stops_prefill_and_frees_both(pair, eventually):
+    prefill, decode, stuck, run, initial = pair
+    tokens = np.arange(300)
+    pre = run(prefill.prefill, 12, tokens)
+    assert stuck.entered.wait(10)
+    dec = run(decode.decode, 12, tokens, 2)
+    eventually(lambda: 12 in prefill._requests and prefill._requests[12].dst is not None, 10,
+                "prefill holds decode's TransferRequest")
+    assert decode.abort(12, "client went away")["aborted"]
+    eventually(lambda: dec.get("state") == "FAILED", 5, "decode fails")
+    # decode's pages are back once prefill confirmed: prefill's TransferDone answers the Abort at once
+    eventually(lambda: decode.pool.available() == initial[1] and decode.quarantined() == 0, 5,
+                "decode pages back without waiting for the quarantine cap")
+    assert prefill._requests[12].state.reason == "aborted by decode: aborted: client went away"
+    stuck.release.set()
+    eventually(lambda: pre.get("state") == "FAILED", 10, "prefill ends the request")
+    eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")
+
+
+def test_an_abort_before_the_request_arrives_fails_it_on_arrival(pair, eventually):
+    prefill, decode, stuck, run, initial = pair
+    stuck.release.set()
+    assert prefill.abort(13, "router gave up") == {"room": 13, "aborted": False, "known": False}
+    assert decode.abort(13, "router gave up")["known"] is False
+    t0 = time.monotonic()
+    out = decode.decode(13, np.arange(50), 1)
+    assert out["state"] == "FAILED" and "aborted: router gave up" in out["reason"]
+    out = prefill.prefill(13, np.arange(50))
+    assert out["state"] == "FAILED" and "aborted: router gave up" in out["reason"]
+    assert time.monotonic() - t0 < 5 and _both_back(prefill, decode, initial)
+
+
+def test_a_late_transfer_request_for_an_ended_room_is_answered_at_once(pair, eventually):
+    """Prefill failed the room before decode's TransferRequest came (the upstream trap: decode
+    waited for its own 300 s timeout). The tombstone answers it with TransferDone(fail)."""
+    prefill, decode, stuck, run, initial = pair
+    stuck.release.set()
+    prefill.abort(14, "prefill engine failed")
+    pre = prefill.prefill(14, np.arange(80))
+    assert pre["state"] == "FAILED"
+    t0 = time.monotonic()
+    out = decode.decode(14, np.arange(80), 1)
+    assert out["state"] == "FAILED" and "prefill engine failed" in out["reason"]
+    assert time.monotonic() - t0 < 5
+    eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")
+    # and the pair still serves
+    tokens = np.arange(120)
+    pre = run(prefill.prefill, 15, tokens)
+    dec = decode.decode(15, tokens, 2)
+    assert dec["state"] == "SUCCESS" and dec["verified"]
+    eventually(lambda: pre.get("state") == "SUCCESS", 10, "prefill done")

@@ -1,0 +1,59 @@
+"""Admission: a full pool means a bounded wait, then a clear refusal; never a deadlock."""
+
+import threading
+
+import pytest
+
+from disagg.admission import Admission, TooLarge, empty_pool_fit
+from kvpool import HybridPool, PoolConfig, get_preset
+from transfer.errors import Overloaded
+
+
+@pytest.fixture
+def pool():
+    return HybridPool(PoolConfig(get_preset("tiny-full"), 16, max_tokens=256, max_requests=8, device="cpu"))
+
+
+def test_a_waiting_request_gets_the_space_another_frees(pool):
+    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    held = adm.admit(256, lambda: pool.alloc_request(256))
+    got: list = []
+    waiter = threading.Thread(target=lambda: got.append(adm.admit(100, lambda: pool.alloc_request(100))))
+    waiter.start()
+    with adm._freed:  # the waiter is parked on the condition before we free
+        assert adm._freed.wait_for(lambda: adm.waiting == 1, 10)
+    pool.free_request(held)
+    adm.released()
+    waiter.join(10)
+    assert len(got) == 1 and pool.available()["full_tokens"] == 256 - 112
+    assert adm.waiting == 0
+
+
+def test_the_wait_is_bounded_and_the_refusal_says_why(pool):
+    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=0.05)
+    adm.admit(256, lambda: pool.alloc_request(256))
+    with pytest.raises(Overloaded, match="pool full for 0.05 s: full.*need"):
+        adm.admit(16, lambda: pool.alloc_request(16))
+    assert adm.waiting == 0 and pool.available()["full_tokens"] == 0
+
+
+def test_more_waiters_than_allowed_are_refused_at_once(pool):
+    adm = Admission(empty_pool_fit(pool, False), max_waiting=0, wait_s=30)
+    adm.admit(256, lambda: pool.alloc_request(256))
+    with pytest.raises(Overloaded, match="0 requests already waiting"):
+        adm.admit(16, lambda: pool.alloc_request(16))
+
+
+def test_a_request_larger_than_the_empty_pool_is_refused_without_waiting(pool):
+    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    with pytest.raises(TooLarge, match="300 tokens does not fit"):
+        adm.admit(300, lambda: pool.alloc_request(300))
+    assert pool.available()["full_tokens"] == 256
+
+
+def test_a_caller_deadline_shortens_the_wait(pool):
+    import time
+    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    adm.admit(256, lambda: pool.alloc_request(256))
+    with pytest.raises(Overloaded):
+        adm.admit(16, lambda: pool.alloc_request(16), deadline=time.monotonic() + 0.05)
