@@ -2,47 +2,20 @@
 within the bound, the survivor keeps serving without a restart, and every slot comes back."""
 
 import os
-import re
 import signal
 import threading
 import time
-import urllib.request
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from disagg.launcher import Launcher
-from disagg.router import post_json
+from fault_stack import inflight, pool_free, requests, start_router
 
 pytestmark = pytest.mark.slow
 
 DEAD_AFTER = 2.0
 COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--device", "cpu", "--max-requests", "16",
           "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", str(DEAD_AFTER)]
-
-
-def _metrics(http: str) -> str:
-    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
-        return resp.read().decode()
-
-
-def pool_free(http: str) -> dict:
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', _metrics(http))}
-
-
-def inflight(http: str) -> float:
-    m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', _metrics(http))
-    return float(m.group(1)) if m else 0.0
-
-
-def requests(router: str, lengths: list[int]) -> list[dict]:
-    with ThreadPoolExecutor(len(lengths)) as pool:
-        return list(pool.map(lambda n: post_json(router + "/generate", {"prompt_len": n, "seed": n}, 60), lengths))
-
-
-def start_router(launcher: Launcher, prefill: dict, decode: dict) -> str:
-    return launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"]
 
 
 def _proc(launcher: Launcher, index: int):

@@ -1,0 +1,32 @@
+"""What the fault tests read from running workers (their /metrics) and how they load them."""
+
+import re
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+from disagg.launcher import Launcher
+from disagg.router import post_json
+
+
+def _metrics(http: str) -> str:
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def pool_free(http: str) -> dict:
+    return {m.group(1): float(m.group(2))
+            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', _metrics(http))}
+
+
+def inflight(http: str) -> float:
+    m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', _metrics(http))
+    return float(m.group(1)) if m else 0.0
+
+
+def requests(router: str, lengths: list[int]) -> list[dict]:
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        return list(pool.map(lambda n: post_json(router + "/generate", {"prompt_len": n, "seed": n}, 60), lengths))
+
+
+def start_router(launcher: Launcher, prefill: dict, decode: dict) -> str:
+    return launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"]
