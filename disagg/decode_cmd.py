@@ -2,12 +2,11 @@
 
 import argparse
 
-import numpy as np
 import torch
 
 from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, require
+from disagg.http_api import ApiServer, BadRequest, require, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.worker_flags import add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config
 from transfer.errors import Overloaded
@@ -41,8 +40,10 @@ def run(args: argparse.Namespace) -> int:
 
     def decode(body: dict) -> dict:
         room = require(body, "room", int)
-        tokens = np.asarray(require(body, "token_ids", list), dtype=np.int64)
-        max_new = int(body.get("max_new_tokens", 1))
+        tokens = require_tokens(body)
+        max_new = body.get("max_new_tokens", 1)
+        if type(max_new) is not int or not 1 <= max_new <= 4096:
+            raise BadRequest("max_new_tokens must be an int in [1, 4096]")
         metrics.inflight.labels("decode").inc()
         try:
             out = server.decode(room, tokens, max_new, body.get("bootstrap"))

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from transfer.errors import Cancelled, DisaggError, Overloaded
@@ -104,7 +105,7 @@ class ApiServer:
                     if not isinstance(body, dict):
                         raise BadRequest("body must be a JSON object")
                     self._json(200, route(body))
-                except (BadRequest, ValueError, KeyError, TypeError) as exc:
+                except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
                     self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
                 except Overloaded as exc:
                     self._json(503, {"error": f"Overloaded: {exc}"})
@@ -141,3 +142,16 @@ def require(body: dict, key: str, kind: type):
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise BadRequest(f"field {key!r} must be {kind.__name__}")
     return value
+
+
+def require_tokens(body: dict, key: str = "token_ids", max_tokens: int = 1 << 20) -> np.ndarray:
+    """A non-empty 1-D list of token ids in [0, 2^31) as an int64 array, or BadRequest."""
+    value = require(body, key, list)
+    if not 0 < len(value) <= max_tokens:
+        raise BadRequest(f"{key} must hold 1 to {max_tokens} tokens")
+    if not all(type(t) is int for t in value):
+        raise BadRequest(f"{key} must be a list of ints")
+    tokens = np.asarray(value, dtype=np.int64)
+    if tokens.min() < 0 or tokens.max() >= 1 << 31:
+        raise BadRequest(f"{key} must be in [0, 2^31)")
+    return tokens

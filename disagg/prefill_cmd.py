@@ -2,11 +2,10 @@
 
 import argparse
 
-import numpy as np
 import torch
 
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, require
+from disagg.http_api import ApiServer, require, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
 from transfer.errors import Overloaded
@@ -44,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
 
     def prefill(body: dict) -> dict:
         room = require(body, "room", int)
-        tokens = np.asarray(require(body, "token_ids", list), dtype=np.int64)
+        tokens = require_tokens(body)
         metrics.inflight.labels("prefill").inc()
         try:
             out = server.prefill(room, tokens)

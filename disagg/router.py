@@ -67,8 +67,8 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
 def _prompt(body: dict, max_tokens: int) -> list[int]:
     if "token_ids" in body:
         tokens = body["token_ids"]
-        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            raise BadRequest("token_ids must be a list of ints")
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in tokens):
+            raise BadRequest("token_ids must be a list of ints in [0, 2^31)")
         if len(tokens) > max_tokens:
             raise BadRequest(f"at most {max_tokens} prompt tokens")
     elif "prompt_len" in body:
