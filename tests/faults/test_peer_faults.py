@@ -93,3 +93,55 @@ def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually
                    "the thawed decode serves again")
         eventually(lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial, 30,
                    "both pools back to their initial free counts")
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_restart_prefill_under_load(eventually):
+    """Load never stops: prefill is killed and restarted on the same addresses (as a pod would
+    be). Requests in flight at the kill fail within the bound; once decode has noticed (dead
+    peer or new epoch), every request succeeds again; nothing was restarted but prefill."""
+    http_port, bootstrap_port = _free_port(), _free_port()
+    prefill_args = [*COMMON, "--http-port", str(http_port), "--bootstrap-bind", f"tcp://127.0.0.1:{bootstrap_port}"]
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *prefill_args)
+        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        router = start_router(launcher, prefill, decode)
+        initial = pool_free(prefill["http"]), pool_free(decode["http"])
+        stop = threading.Event()
+        log: list[tuple[float, float, dict]] = []   # (sent, done, result)
+
+        def load(seed: int) -> None:
+            i = 0
+            while not stop.is_set():
+                sent = time.monotonic()
+                out = requests(router, [200 + (seed * 997 + i * 131) % 2500])[0]
+                log.append((sent, time.monotonic(), out))
+                i += 1
+        threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        eventually(lambda: sum(r["ok"] for _, _, r in log) >= 10, 60, "load is flowing")
+        killed = time.monotonic()
+        _proc(launcher, 0).send_signal(signal.SIGKILL)
+        _proc(launcher, 0).wait()
+        launcher.start("prefill", *prefill_args)
+        restarted = time.monotonic()
+        settled = restarted + DEAD_AFTER + 2    # decode has noticed the old one is gone by then
+        eventually(lambda: sum(r["ok"] for s, _, r in log if s > settled) >= 10, 90,
+                   "requests succeed through the restarted prefill")
+        stop.set()
+        for t in threads:
+            t.join(60)
+        assert all(r["verified"] for _, _, r in log if r["ok"])
+        affected = [(s, d, r) for s, d, r in log if not r["ok"]]
+        assert affected, "the kill affected no request"
+        assert all(s < settled for s, _, _ in affected), [r["reason"] for s, _, r in affected if s >= settled]
+        assert all(d - max(s, killed) < DEAD_AFTER + 15 + 5 for s, d, _ in affected)   # within the bound
+        eventually(lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial, 30,
+                   "both pools back (the new prefill's and the surviving decode's)")
