@@ -6,9 +6,11 @@ one side (alternating) is killed with SIGKILL mid-flight. The load then pauses u
 in flight has ended, the survivor's pool must be back at its initial free counts (a leak
 otherwise), the victim restarts with a new router, and the load resumes; at the end both
 pools must be back. Every successful request is verified on decode, so
-a corrupted byte shows up as ok-but-unverified, counted separately.
+a corrupted byte shows up as ok-but-unverified, counted separately. Optionally a share of the
+requests is cancelled by its client (router POST /abort) and failures are injected.
 
-    .venv/bin/python scripts/soak.py --duration 600 [--json]
+    .venv/bin/python scripts/soak.py --duration 600 [--cancel-rate 0.05]
+        [--inject-faults send.write=0.01,decode.alloc=0.01] [--json]
 """
 
 import argparse
@@ -52,13 +54,17 @@ def main() -> int:
     ap.add_argument("--kill-every", default="8:20", help="MIN:MAX seconds between kills")
     ap.add_argument("--prompt-len", default="16:3000")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests the client aborts")
+    ap.add_argument("--inject-faults", default="", help="POINT=RATE,... for both workers (transfer/faults.py)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     kmin, kmax = (float(x) for x in args.kill_every.split(":"))
     pmin, pmax = (int(x) for x in args.prompt_len.split(":"))
     common = ["--preset", args.preset, "--max-tokens", args.max_tokens, *COMMON]
-    stats = {"requests": 0, "ok": 0, "failed": 0, "corrupted": 0, "kills": {"prefill": 0, "decode": 0},
+    if args.inject_faults:
+        common += ["--inject-faults", args.inject_faults, "--fault-seed", str(args.seed)]
+    stats = {"requests": 0, "ok": 0, "failed": 0, "cancelled": 0, "corrupted": 0, "kills": {"prefill": 0, "decode": 0},
              "leaks": [], "failures": {}}
     lock = threading.Lock()
     state: dict = {}
@@ -74,7 +80,16 @@ def main() -> int:
             n = local.randint(pmin, pmax)
             with lock:
                 inflight[0] += 1
-            r = post_json(state["router"] + "/generate", {"prompt_len": n, "seed": local.randrange(1 << 30)}, 60)
+            body = {"prompt_len": n, "seed": local.randrange(1 << 30)}
+            cancel = None
+            if local.random() < args.cancel_rate:   # the client gives up after 0-300 ms
+                body["request_id"] = f"soak-{worker}-{local.randrange(1 << 40)}"
+                cancel = threading.Timer(local.uniform(0, 0.3), post_json,
+                                         (state["router"] + "/abort", {"request_id": body["request_id"]}, 10))
+                cancel.start()
+            r = post_json(state["router"] + "/generate", body, 60)
+            if cancel is not None:
+                cancel.cancel()
             with lock:
                 inflight[0] -= 1
                 stats["requests"] += 1
@@ -82,6 +97,8 @@ def main() -> int:
                     stats["ok"] += 1
                 elif r.get("ok"):
                     stats["corrupted"] += 1
+                elif r.get("reason") == "cancelled by the client":
+                    stats["cancelled"] += 1
                 else:
                     stats["failed"] += 1
                     key = re.sub(r"\d+", "N", str(r.get("reason", "?")))[:90]
