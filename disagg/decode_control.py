@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from disagg.kv_state import KVPoll, TransferState
-from disagg.protocol import (Heartbeat, RegisterPrefill, Registered, Refused, TransferDone, TransferStarted,
+from disagg.protocol import (Abort, Heartbeat, RegisterPrefill, Registered, Refused, TransferDone, TransferStarted,
                              encoder)
 from kvpool import IndexSet, RequestKV
 from transfer.errors import ProtocolError, StagingError
@@ -90,12 +90,19 @@ class DecodeControl:
                     sock.send(payload)
 
     def _sweep_quarantine(self, room: int | None = None) -> None:
-        """Release quarantined requests whose prefill ended (room given) or whose cap passed."""
+        """Release quarantined requests whose prefill ended (room given) or whose cap passed;
+        ask again (Abort) about the others: an Abort or its TransferDone may have been lost,
+        and prefill answers an Abort for a room it no longer has at once."""
         now = time.monotonic()
         with self._lock:
             done = [room] if room in self._quarantine else []
             done += [k for k, (_, until) in self._quarantine.items() if until <= now and k != room]
             items = [self._quarantine.pop(k) for k in done]
+            ask = [r for r, _ in self._quarantine.values()] if room is None else []
+        for r in ask:
+            sock = self._dealers.get(r.endpoint)
+            if sock is not None:
+                sock.send(encoder.encode(Abort(r.room, r.state.reason)))
         for r, until in items:
             if until <= now:
                 log.warning("room %d: released from quarantine after %.0f s without word from prefill",

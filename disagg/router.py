@@ -24,7 +24,7 @@ import numpy as np
 from disagg.http_api import BadRequest
 from transfer.errors import Cancelled, Overloaded
 
-POLL_S = 0.05   # how often a waiting request looks for a client cancel
+POLL_S = 0.1   # how often a waiting request looks for a client cancel
 
 
 @dataclass(frozen=True)
