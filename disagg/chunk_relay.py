@@ -7,7 +7,7 @@ import threading
 
 from disagg.outbox import Outbox
 from disagg.protocol import encoder
-from transfer.errors import StagingError
+from transfer.errors import AckTimeout
 from transfer.staging import ChunkLanded
 
 
@@ -33,7 +33,7 @@ class ChunkRelay:
     def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
         with self._cond:
             if not self._cond.wait_for(lambda: self._done.get(transfer_id, -1) >= index, timeout=timeout):
-                raise StagingError(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
+                raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
 
     def end(self, transfer_id: int) -> None:
         with self._cond:

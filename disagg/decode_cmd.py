@@ -6,7 +6,7 @@ import torch
 
 from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, BadRequest, require, require_tokens
+from disagg.http_api import ApiServer, BadRequest, require_room, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.worker_flags import add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config
 from transfer.errors import Overloaded
@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics("decode")
 
     def decode(body: dict) -> dict:
-        room = require(body, "room", int)
+        room = require_room(body)
         tokens = require_tokens(body)
         max_new = body.get("max_new_tokens", 1)
         if type(max_new) is not int or not 1 <= max_new <= 4096:
@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         return out
 
     def abort(body: dict) -> dict:
-        return server.abort(require(body, "room", int), str(body.get("reason", "no reason given"))[:500])
+        return server.abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort},
                     lambda: server.ready and server.bootstrap_reachable(), metrics.registry,

@@ -65,7 +65,10 @@ class DecodeControl:
         while not self._stop.is_set():
             now = time.monotonic()
             if now >= next_sweep:
-                self._sweep_quarantine()
+                try:
+                    self._sweep_quarantine()
+                except Exception:
+                    log.exception("quarantine sweep failed")
                 next_sweep = now + 1.0
             if now >= next_beat:
                 self._heartbeat(now)
@@ -73,7 +76,11 @@ class DecodeControl:
             events = dict(poller.poll(100))
             for endpoint, sock in list(self._dealers.items()):
                 while self._dealers.get(endpoint) is sock and sock in events and sock.poll(0):
-                    reply = self._handle(endpoint, sock.recv())
+                    try:
+                        reply = self._handle(endpoint, sock.recv())
+                    except Exception:  # a bug or a hostile frame must not stop the control plane
+                        log.exception("frame from %s failed", endpoint)
+                        reply = None
                     if reply is not None:
                         sock.send(encoder.encode(reply))
             while self._outbox.pull.poll(0):

@@ -131,7 +131,7 @@ class DecodeServer(DecodeControl):
         state = TransferState(room)
         r = DecodeRequest(room, state)
         with self._lock:
-            if room in self._requests:  # refused; the live request with this room goes on
+            if room in self._requests or room in self._quarantine:  # refused; the one with this room goes on
                 return {"room": room, "state": "FAILED", "verified": False,
                         "reason": f"ProtocolError: duplicate room {room}"}
             self._requests[room] = r
@@ -145,13 +145,13 @@ class DecodeServer(DecodeControl):
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
+            request = encoder.encode(TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), r.slots))
             with self._lock:  # an abort may have come meanwhile: then nothing goes out
                 if not state.poll().terminal:
                     state.advance(KVPoll.WAITING_FOR_INPUT)
                     r.sent = True
             if r.sent:
-                self._outbox.put(b"send", r.endpoint.encode(), encoder.encode(
-                    TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), r.slots)))
+                self._outbox.put(b"send", r.endpoint.encode(), request)
             state.wait_phased(self.config.deadlines, "decode")
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if state.poll() is KVPoll.SUCCESS:

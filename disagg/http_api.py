@@ -48,10 +48,11 @@ def client_gone() -> bool:
 class ApiServer:
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
                  registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None,
-                 max_inflight: int = 0):
+                 max_inflight: int = 0, unlimited: tuple[str, ...] = ("/abort",)):
         self.routes, self.ready, self.registry = routes, ready, registry
         self.before_scrape = before_scrape
         self.max_inflight = max_inflight     # 0: no limit
+        self.unlimited = unlimited           # routes never refused for load (an abort frees load)
         self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
         api = self
 
@@ -93,7 +94,8 @@ class ApiServer:
                 route = api.routes.get(self.path)
                 if route is None:
                     return self._json(404, {"error": f"no route {self.path}"})
-                if api._slots is not None and not api._slots.acquire(blocking=False):
+                limited = api._slots is not None and self.path not in api.unlimited
+                if limited and not api._slots.acquire(blocking=False):
                     self.close_connection = True   # the body is left unread
                     return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
                 _call.connection = self.connection
@@ -118,7 +120,7 @@ class ApiServer:
                     self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
                 finally:
                     _call.connection = None
-                    if api._slots is not None:
+                    if limited:
                         api._slots.release()
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
@@ -142,6 +144,13 @@ def require(body: dict, key: str, kind: type):
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise BadRequest(f"field {key!r} must be {kind.__name__}")
     return value
+
+
+def require_room(body: dict) -> int:
+    room = require(body, "room", int)
+    if not 0 <= room < 1 << 63:
+        raise BadRequest("room must be in [0, 2^63)")
+    return room
 
 
 def require_tokens(body: dict, key: str = "token_ids", max_tokens: int = 1 << 20) -> np.ndarray:

@@ -5,7 +5,7 @@ import argparse
 import torch
 
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, require, require_tokens
+from disagg.http_api import ApiServer, require_room, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
 from transfer.errors import Overloaded
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics("prefill")
 
     def prefill(body: dict) -> dict:
-        room = require(body, "room", int)
+        room = require_room(body)
         tokens = require_tokens(body)
         metrics.inflight.labels("prefill").inc()
         try:
@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
         return out
 
     def abort(body: dict) -> dict:
-        return server.abort(require(body, "room", int), str(body.get("reason", "no reason given"))[:500])
+        return server.abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),

@@ -72,7 +72,11 @@ class PrefillControl:
                 frames = self._router.recv_multipart()
                 if len(frames) != 2:
                     continue  # not a DEALER frame of ours
-                reply = self._handle(frames[0], frames[1])
+                try:
+                    reply = self._handle(frames[0], frames[1])
+                except Exception:  # a bug or a hostile frame must not stop the control plane
+                    log.exception("control frame from %r failed", frames[0])
+                    reply = Refused("internal error handling the frame")
                 if reply is not None:
                     self._router.send_multipart([frames[0], encoder.encode(reply)])
             while self._outbox.pull.poll(0):
@@ -101,8 +105,10 @@ class PrefillControl:
             case Abort(room=room, reason=why):
                 with self._lock:
                     r = self._requests.get(room)
-                if r is None or r.peer != identity:   # nothing of this peer's writes there
+                if r is None or (r.peer != identity and not r.submitted):   # nothing writes for this room
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+                if r.peer != identity:
+                    return None   # a transfer runs for another connection: decode asks again later
                 tell = self._fail_now(r, f"aborted by decode: {why}")
                 if r.tokens is None:
                     self._end(r)   # an orphan: no prefill thread will

@@ -146,10 +146,10 @@ class PrefillServer(PrefillControl):
         """Forget a finished request; free it unless its transfer worker will; make sure decode
         hears a failure (now, or through a tombstone when its TransferRequest comes later)."""
         with self._lock:
+            if r.submitted:
+                return  # the worker frees, forgets and reports once it stopped writing
             if self._requests.get(r.room) is r:
                 del self._requests[r.room]
-            if r.submitted:
-                return  # the worker frees and reports
             self._free(r)
             if r.state.poll() is not KVPoll.FAILED:
                 return
@@ -198,7 +198,7 @@ class PrefillServer(PrefillControl):
             if peer is None:
                 return
             r.submitted = True
-        peer.workers.submit(self._transfer, r)
+            peer.workers.submit(self._transfer, r)   # under the lock: the sweep cannot shut it down between
 
     def _transfer(self, r: PrefillRequest) -> None:
         """Send, free the request's slots, then end its state and tell decode: once anyone sees
@@ -220,8 +220,10 @@ class PrefillServer(PrefillControl):
             reason = f"{type(exc).__name__}: {exc}"
             log.warning("room %d: transfer failed: %s", r.room, exc)
         finally:
-            with self._lock:
+            with self._lock:  # writes are over: only now may an Abort for the room be answered at once
                 self._free(r)
+                if self._requests.get(r.room) is r:
+                    del self._requests[r.room]
             if ok:
                 try:
                     r.state.complete(r.room)

@@ -160,8 +160,8 @@ def layout_difference(ours: LayoutInfo, theirs: LayoutInfo) -> str | None:
         if len(a) != len(b):
             return f"{c}: {len(a)} buffers vs {len(b)}"
         for x, y in zip(a, b):
-            if list(x) != list(y):
-                return f"{c}: buffer (layer {x[0]}, {x[1]}, {x[2]} B/item) vs (layer {y[0]}, {y[1]}, {y[2]} B/item)"
+            if list(x) != list(y):  # [layer, part, bytes per item]; theirs may be malformed: no indexing
+                return f"{c}: buffer {list(x)} vs {list(y)} ([layer, part, bytes per item])"
     return None
 
 

@@ -12,6 +12,7 @@
      |    |    +-- IndexMismatch        per-request components of different lengths
      |    |    +-- LayoutIncompatible   the two sides' buffers do not pair up
      |    +-- StagingError              bad chunk notice, staging timeout or misuse
+     |    |    +-- AckTimeout           no ChunkDone for a staged chunk in time
      |    +-- InjectedFault             a failure injected on purpose (transfer.faults)
      +-- ProtocolError                  control-plane messages (disagg.protocol extends it)
      +-- Overloaded                     admission refused: queue or pool full (HTTP 503)
@@ -74,6 +75,10 @@ class LayoutIncompatible(PlanError):
 
 
 class StagingError(TransferError):
+    pass
+
+
+class AckTimeout(StagingError):
     pass
 
 

@@ -4,7 +4,7 @@ point-to-point use (benchmarks, tests); the control plane carries the same messa
 import msgspec
 import zmq
 
-from transfer.errors import StagingError
+from transfer.errors import AckTimeout, StagingError
 from transfer.staging import ChunkDone, ChunkLanded
 
 _decoder = msgspec.msgpack.Decoder(ChunkLanded | ChunkDone)
@@ -25,8 +25,10 @@ class PairChannel:
     def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
         while self._done.get(transfer_id, -1) < index:
             if not self.socket.poll(int(timeout * 1000)):
-                raise StagingError(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
+                raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
             match _decoder.decode(self.socket.recv()):
+                case ChunkDone(transfer_id=t) if t not in self._sent:
+                    continue  # a late ack of a transfer that already ended (failed or aborted)
                 case ChunkDone(transfer_id=t, index=i) if i < self._sent.get(t, 0):
                     self._done[t] = max(i, self._done.get(t, -1))
                 case ChunkDone(transfer_id=t, index=i):

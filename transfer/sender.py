@@ -16,7 +16,7 @@ from kvpool.pools.hybrid import HybridPool
 from transfer.config import Mode, TransferConfig
 from transfer.cost import choose_mode
 from transfer.endpoint import PoolEndpoint
-from transfer.errors import Cancelled, StagingError
+from transfer.errors import AckTimeout, Cancelled, StagingError
 from transfer.peer import PeerTarget
 from transfer.plan import Ranges, TransferPlan, build_plan
 from transfer.staging import Chunk, ChunkLanded, StagingArea, chunk_plan, gather
@@ -88,6 +88,21 @@ class KVSender(PoolEndpoint):
             raise Cancelled("send stopped: the request was aborted")
         self.faults.check("send.write")
 
+    @staticmethod
+    def _await_ack(channel: ChunkChannel, transfer_id: int, index: int, timeout: float,
+                   stopped: Callable[[], bool]) -> None:
+        """channel.wait_done in short slices: an aborted request (whose receiver stopped
+        acking) ends the wait now, not after the whole chunk timeout."""
+        give_up = time.monotonic() + timeout
+        while True:
+            try:
+                return channel.wait_done(transfer_id, index, min(0.2, max(0.0, give_up - time.monotonic())))
+            except AckTimeout:
+                if stopped():
+                    raise Cancelled("send stopped while waiting for an ack: the request was aborted") from None
+                if time.monotonic() >= give_up:
+                    raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
+
     def _send_staged(self, peer: PeerTarget, plan: TransferPlan, slot_bytes: int, transfer_id: int,
                      remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool]) -> int:
         """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits."""
@@ -133,7 +148,7 @@ class KVSender(PoolEndpoint):
                     return
                 slot, chunk = item
                 if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
-                    channel.wait_done(transfer_id, i - n_remote, timeout)
+                    self._await_ack(channel, transfer_id, i - n_remote, timeout, stopped)
                 remote = remote_slots[i % n_remote]
                 self._before_write(stopped)
                 self.engine.write(peer.session_id, np.array([self.staging.slot_ptr(slot)], dtype=np.int64),
@@ -142,7 +157,7 @@ class KVSender(PoolEndpoint):
                 channel.notify(ChunkLanded(transfer_id, i, remote, list(chunk.pieces)))
                 free.put(slot)
             if chunks:
-                channel.wait_done(transfer_id, len(chunks) - 1, timeout)
+                self._await_ack(channel, transfer_id, len(chunks) - 1, timeout, stopped)
         except BaseException as exc:
             errors.append(exc)
             free.put(None)  # wake the gatherer

@@ -111,3 +111,35 @@ def test_a_late_transfer_request_for_an_ended_room_is_answered_at_once(pair, eve
     dec = decode.decode(15, tokens, 2)
     assert dec["state"] == "SUCCESS" and dec["verified"]
     eventually(lambda: pre.get("state") == "SUCCESS", 10, "prefill done")
+
+
+def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair, eventually):
+    """Decode aborts while prefill's transfer is inside a write (held here by a gate in front of
+    the real send). However often decode asks again, prefill must not confirm until the write
+    is over, and decode must not reuse the pages or the room until then."""
+    prefill, decode, stuck, run, initial = pair
+    stuck.release.set()
+    gate, inside = threading.Event(), threading.Event()
+    real_send = prefill.sender.send
+
+    def gated_send(*args, **kwargs):
+        inside.set()
+        assert gate.wait(30)
+        return real_send(*args, **kwargs)
+    prefill.sender.send = gated_send
+    tokens = np.arange(400)
+    pre = run(prefill.prefill, 21, tokens)
+    dec = run(decode.decode, 21, tokens, 2)
+    assert inside.wait(10)
+    decode.abort(21, "client went away")
+    eventually(lambda: dec.get("state") == "FAILED" and pre.get("state") == "FAILED", 5,
+               "both sides ended the request")
+    held_until = time.monotonic() + 2.5     # two re-asks of the quarantine sweep
+    while time.monotonic() < held_until:
+        assert decode.quarantined() == 1 and decode.pool.available() != initial[1], \
+            "decode released pages that a running transfer may still write"
+        time.sleep(0.1)   # watching that nothing happens for a while
+    again = decode.decode(21, tokens, 2)
+    assert again["state"] == "FAILED" and "duplicate room 21" in again["reason"]
+    gate.set()   # the write ends; the send sees the abort before its next write
+    eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back once the transfer stopped")

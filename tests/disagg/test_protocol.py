@@ -89,7 +89,7 @@ def test_layout_difference_names_it():
     assert "components" in P.layout_difference(info(a), info(d))
     e = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, tp_size=2))
     f = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
-    assert "B/item" in P.layout_difference(info(e), info(f))
+    assert "bytes per item" in P.layout_difference(info(e), info(f))
 
 
 def test_wire_buffers_are_validated():

@@ -134,6 +134,32 @@ def test_control_socket(stack, frames, register):
         sock.close()
 
 
+@pytest.mark.parametrize("role,path,body", [
+    ("decode", "/decode", {"room": 1 << 64, "token_ids": [1]}),      # beyond int64: once killed the I/O thread
+    ("prefill", "/prefill", {"room": -1, "token_ids": [1]}),
+    ("decode", "/abort", {"room": 1 << 63}),
+    ("prefill", "/prefill", {"room": 5, "token_ids": [[1, 2], [3, 4]]}),
+    ("decode", "/decode", {"room": 5, "token_ids": [1 << 40]}),
+])
+def test_out_of_range_fields_are_refused(stack, role, path, body):
+    assert _post_raw(stack[role]["http"] + path, json.dumps(body).encode()) == 400
+
+
+def test_a_malformed_layout_in_a_registration_is_refused(stack):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(stack["prefill"]["control"])
+    try:
+        layout = _layout(stack)
+        bad = P.LayoutInfo(layout.page_size, layout.layout, {c: [[]] * len(v) for c, v in layout.components.items()})
+        sock.send(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, "127.0.0.1:9", bad, [], 0, 0, 0)))
+        assert sock.poll(10_000)
+        reply = P.Decoder(P.ToDecode, "t").decode(sock.recv())
+        assert isinstance(reply, P.Refused) and "layout mismatch" in reply.reason
+    finally:
+        sock.close()
+
+
 def test_after_the_fuzzing_both_pools_are_back(stack, eventually):
     eventually(lambda: (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
                and inflight(stack["prefill"]["http"]) == 0 and inflight(stack["decode"]["http"]) == 0, 30,

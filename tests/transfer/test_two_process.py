@@ -229,3 +229,24 @@ def test_an_injected_write_fault_fails_the_send_with_a_typed_error(engine, peer)
         assert sender.faults.fired == {"send.write": 1}
     peer.free(rid)
     assert _send(engine, peer, target, pool, 64, Mode.DIRECT).mode is Mode.DIRECT
+
+
+def test_an_aborted_staged_send_stops_waiting_for_acks(engine, peer):
+    """The receiver stops acking an aborted transfer: the sender must not sit out the whole
+    chunk timeout (30 s here) holding its pages and a transfer worker."""
+    import time
+    target, pool = _setup(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
+    req = pool.alloc_request(600)
+    rid, dst = peer.alloc(600)
+    slots = peer.expect(8, rid, want_slots=2)
+    peer.release(8)   # the receiver forgot it: no acks will come
+    aborted_at = time.monotonic() + 0.5
+    config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16, chunk_timeout_s=30.0)
+    with KVSender(engine, pool, config) as sender:
+        with pytest.raises(Cancelled, match="waiting for an ack"):
+            sender.send(target, pool.index_set(req), dst, 8, slots, peer.channel,
+                        stopped=lambda: time.monotonic() > aborted_at)
+        assert time.monotonic() - aborted_at < 5
+        assert sender.staging.lease.available() == config.staging_slots
+    peer.free(rid)
+    pool.free_request(req)
