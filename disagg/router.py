@@ -9,6 +9,7 @@ slots come back now, not at its deadline); a client that disconnects, or names i
 get 503 (Overloaded), as does a request that a side refused as overloaded.
 """
 
+import http.client
 import itertools
 import json
 import secrets
@@ -60,7 +61,8 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
     except urllib.error.HTTPError as exc:
         return {"state": "FAILED", "status": exc.code,
                 "reason": f"HTTP {exc.code}: {exc.read()[:500].decode(errors='replace')}"}
-    except (urllib.error.URLError, TimeoutError, ConnectionError, ValueError) as exc:
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
         return {"state": "FAILED", "reason": f"{url}: {exc}"}
 
 
