@@ -76,13 +76,16 @@ class PrefillControl:
                     reply = self._handle(frames[0], frames[1])
                 except Exception:  # a bug or a hostile frame must not stop the control plane
                     log.exception("control frame from %r failed", frames[0])
-                    reply = Refused("internal error handling the frame")
+                    reply = None   # (a Refused would make a registered decode drop the connection)
                 if reply is not None:
                     self._router.send_multipart([frames[0], encoder.encode(reply)])
             while self._outbox.pull.poll(0):
                 self._router.send_multipart(self._outbox.pull.recv_multipart())
             if time.monotonic() >= next_sweep:
-                self._sweep()
+                try:
+                    self._sweep()
+                except Exception:
+                    log.exception("sweep failed")
                 next_sweep = time.monotonic() + 1.0
 
     def _handle(self, identity: bytes, frame: bytes):
@@ -105,10 +108,16 @@ class PrefillControl:
             case Abort(room=room, reason=why):
                 with self._lock:
                     r = self._requests.get(room)
-                if r is None or (r.peer != identity and not r.submitted):   # nothing writes for this room
+                if r is None:   # nothing writes for this room
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
-                if r.peer != identity:
-                    return None   # a transfer runs for another connection: decode asks again later
+                if r.peer != identity:   # the same decode on a new connection (it re-registered)
+                    with self._lock:
+                        r.state.fail(f"aborted by decode: {why}")   # terminal: it will never be submitted
+                        running = r.submitted
+                    if r.tokens is None:
+                        self._end(r)
+                    # a running transfer reports to its own connection; decode asks again later
+                    return None if running else TransferDone(room, self.epoch, False, r.state.reason)
                 tell = self._fail_now(r, f"aborted by decode: {why}")
                 if r.tokens is None:
                     self._end(r)   # an orphan: no prefill thread will

@@ -197,8 +197,12 @@ class PrefillServer(PrefillControl):
             peer = self._peers.get(r.peer)
             if peer is None:
                 return
+            try:  # under the lock: the sweep cannot shut the shard down in between
+                peer.workers.submit(self._transfer, r)
+            except RuntimeError as exc:  # shut down (closing) or no thread to be had
+                r.state.fail(f"transfer workers unavailable: {exc}")
+                return
             r.submitted = True
-            peer.workers.submit(self._transfer, r)   # under the lock: the sweep cannot shut it down between
 
     def _transfer(self, r: PrefillRequest) -> None:
         """Send, free the request's slots, then end its state and tell decode: once anyone sees
@@ -221,9 +225,11 @@ class PrefillServer(PrefillControl):
             log.warning("room %d: transfer failed: %s", r.room, exc)
         finally:
             with self._lock:  # writes are over: only now may an Abort for the room be answered at once
-                self._free(r)
-                if self._requests.get(r.room) is r:
-                    del self._requests[r.room]
+                try:
+                    self._free(r)
+                finally:
+                    if self._requests.get(r.room) is r:
+                        del self._requests[r.room]
             if ok:
                 try:
                     r.state.complete(r.room)

@@ -59,8 +59,11 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
     except urllib.error.HTTPError as exc:
-        return {"state": "FAILED", "status": exc.code,
-                "reason": f"HTTP {exc.code}: {exc.read()[:500].decode(errors='replace')}"}
+        try:
+            detail = exc.read()[:500].decode(errors="replace")
+        except (http.client.HTTPException, OSError) as cut:
+            detail = f"(answer cut short: {cut})"
+        return {"state": "FAILED", "status": exc.code, "reason": f"HTTP {exc.code}: {detail}"}
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
         return {"state": "FAILED", "reason": f"{url}: {exc}"}

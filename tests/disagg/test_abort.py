@@ -143,3 +143,32 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
     assert again["state"] == "FAILED" and "duplicate room 21" in again["reason"]
     gate.set()   # the write ends; the send sees the abort before its next write
     eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back once the transfer stopped")
+
+
+def test_an_abort_from_a_new_connection_stops_a_transfer_not_yet_started(pair, eventually):
+    """Decode re-registered on a new socket (it lost the old one) and asks about a room of the
+    old connection. Prefill may confirm at once only because it also fails the room, so its
+    engine finishing later can never start a transfer into pages decode has freed."""
+    import zmq
+    from disagg.protocol import Abort, Decoder, ToDecode, TransferDone, encoder
+    prefill, decode, stuck, run, initial = pair
+    tokens = np.arange(300)
+    pre = run(prefill.prefill, 31, tokens)
+    assert stuck.entered.wait(10)
+    dec = run(decode.decode, 31, tokens, 2)
+    eventually(lambda: 31 in prefill._requests and prefill._requests[31].dst is not None, 10,
+               "prefill holds decode's TransferRequest")
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(prefill.control_endpoint)
+    try:
+        sock.send(encoder.encode(Abort(31, "asked again on a new connection")))
+        assert sock.poll(10_000)
+        reply = Decoder(ToDecode, "t").decode(sock.recv())
+        assert isinstance(reply, TransferDone) and not reply.ok and reply.room == 31
+    finally:
+        sock.close()
+    stuck.release.set()   # the engine finishes: no transfer may start now
+    eventually(lambda: pre.get("state") == "FAILED" and dec.get("state") == "FAILED", 10, "both sides failed")
+    assert "bytes" not in pre and "aborted by decode" in pre["reason"]
+    eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")
