@@ -10,16 +10,14 @@ from typing import Protocol
 
 import numpy as np
 
-from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from kvpool.pools.hybrid import HybridPool
-from transfer.config import Mode, TransferConfig
+from transfer.config import Mode
 from transfer.cost import choose_mode
 from transfer.endpoint import PoolEndpoint
 from transfer.errors import AckTimeout, Cancelled, StagingError
 from transfer.peer import PeerTarget
 from transfer.plan import Ranges, TransferPlan, build_plan
-from transfer.staging import Chunk, ChunkLanded, StagingArea, chunk_plan, gather
+from transfer.staging import Chunk, ChunkLanded, chunk_plan, gather
 
 log = logging.getLogger(__name__)
 
