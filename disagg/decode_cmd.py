@@ -6,7 +6,7 @@ import torch
 
 from disagg.decode_server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, BadRequest, require_room, require_tokens
+from disagg.http_api import ApiServer, abort_route, optional_int, require_room, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.worker_flags import add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config
 from transfer.errors import Overloaded
@@ -41,9 +41,7 @@ def run(args: argparse.Namespace) -> int:
     def decode(body: dict) -> dict:
         room = require_room(body)
         tokens = require_tokens(body)
-        max_new = body.get("max_new_tokens", 1)
-        if type(max_new) is not int or not 1 <= max_new <= 4096:
-            raise BadRequest("max_new_tokens must be an int in [1, 4096]")
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         metrics.inflight.labels("decode").inc()
         try:
             out = server.decode(room, tokens, max_new, body.get("bootstrap"))
@@ -62,10 +60,7 @@ def run(args: argparse.Namespace) -> int:
             metrics.failure(out["reason"])
         return out
 
-    def abort(body: dict) -> dict:
-        return server.abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
-
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort},
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},
                     lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
                     lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight).start()
     announce(role="decode", http=http_url(args, api.port), session=server.engine.session_id)

@@ -146,6 +146,18 @@ def require(body: dict, key: str, kind: type):
     return value
 
 
+def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(key, default)
+    if type(value) is not int or not lo <= value <= hi:
+        raise BadRequest(f"{key} must be an int in [{lo}, {hi}]")
+    return value
+
+
+def abort_route(abort: Callable[[int, str], dict]) -> Route:
+    """POST /abort {room, reason?} for a worker."""
+    return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
+
+
 def require_room(body: dict) -> int:
     room = require(body, "room", int)
     if not 0 <= room < 1 << 63:

@@ -5,7 +5,7 @@ import argparse
 import torch
 
 from disagg.process import setup_logging, wait_for_signal
-from disagg.http_api import ApiServer, require_room, require_tokens
+from disagg.http_api import ApiServer, abort_route, require_room, require_tokens
 from disagg.metrics import WorkerMetrics
 from disagg.prefill_server import PrefillConfig, PrefillServer
 from transfer.errors import Overloaded
@@ -64,10 +64,7 @@ def run(args: argparse.Namespace) -> int:
             metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
         return out
 
-    def abort(body: dict) -> dict:
-        return server.abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
-
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort},
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
                     max_inflight=args.max_inflight).start()
     announce(role="prefill", http=http_url(args, api.port), bootstrap=server.bootstrap_endpoint,

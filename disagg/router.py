@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.http_api import BadRequest
+from disagg.http_api import BadRequest, optional_int
 from transfer.errors import Cancelled, Overloaded
 
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
@@ -114,9 +114,7 @@ class Router:
 
     def generate(self, body: dict, client_gone=lambda: False) -> dict:
         tokens = _prompt(body, self.config.max_prompt_tokens)
-        max_new = body.get("max_new_tokens", 1)
-        if not isinstance(max_new, int) or isinstance(max_new, bool) or not 1 <= max_new <= 4096:
-            raise BadRequest("max_new_tokens must be an int in [1, 4096]")
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
             raise BadRequest("request_id must be a string of 1 to 128 characters")

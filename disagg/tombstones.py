@@ -27,10 +27,3 @@ class Tombstones:
         with self._lock:
             entry = self._rooms.get(room)
             return entry[0] if entry is not None and entry[1] > time.monotonic() else None
-
-    def revive(self, room: int) -> None:
-        with self._lock:
-            self._rooms.pop(room, None)
-
-    def __len__(self) -> int:
-        return len(self._rooms)

@@ -39,18 +39,26 @@ def pair(StuckEngine):
     decode.close()
 
 
+def _stuck_in_prefill(pair, eventually, room: int) -> tuple[dict, dict]:
+    """Start both sides of `room`; return once prefill's engine is busy with it and decode's
+    TransferRequest has arrived. The results fill in when each side ends."""
+    prefill, decode, stuck, run, _ = pair
+    tokens = np.arange(300)
+    pre = run(prefill.prefill, room, tokens)
+    assert stuck.entered.wait(10)
+    dec = run(decode.decode, room, tokens, 2)
+    eventually(lambda: room in prefill._requests and prefill._requests[room].dst is not None, 10,
+               "prefill holds decode's TransferRequest")
+    return pre, dec
+
+
 def _both_back(prefill, decode, initial) -> bool:
     return (prefill.pool.available(), decode.pool.available()) == initial and decode.quarantined() == 0
 
 
 def test_prefill_side_abort_reaches_decode_at_once(pair, eventually):
     prefill, decode, stuck, run, initial = pair
-    tokens = np.arange(300)
-    pre = run(prefill.prefill, 11, tokens)
-    assert stuck.entered.wait(10)
-    dec = run(decode.decode, 11, tokens, 2)
-    eventually(lambda: 11 in prefill._requests and prefill._requests[11].dst is not None, 10,
-                "prefill holds decode's TransferRequest")
+    pre, dec = _stuck_in_prefill(pair, eventually, 11)
     t0 = time.monotonic()
     assert prefill.abort(11, "operator") == {"room": 11, "aborted": True, "known": True}
     eventually(lambda: dec.get("state") == "FAILED", 5, "decode hears the abort")
@@ -62,12 +70,7 @@ def test_prefill_side_abort_reaches_decode_at_once(pair, eventually):
 
 def test_decode_side_abort_stops_prefill_and_frees_both(pair, eventually):
     prefill, decode, stuck, run, initial = pair
-    tokens = np.arange(300)
-    pre = run(prefill.prefill, 12, tokens)
-    assert stuck.entered.wait(10)
-    dec = run(decode.decode, 12, tokens, 2)
-    eventually(lambda: 12 in prefill._requests and prefill._requests[12].dst is not None, 10,
-                "prefill holds decode's TransferRequest")
+    pre, dec = _stuck_in_prefill(pair, eventually, 12)
     assert decode.abort(12, "client went away")["aborted"]
     eventually(lambda: dec.get("state") == "FAILED", 5, "decode fails")
     # decode's pages are back once prefill confirmed: prefill's TransferDone answers the Abort at once
@@ -127,6 +130,15 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
         assert gate.wait(30)
         return real_send(*args, **kwargs)
     prefill.sender.send = gated_send
+    from disagg.protocol import Abort, Decoder, ToPrefill
+    aborts: list[Abort] = []   # every Abort that reaches prefill's control socket
+    real_handle, decoder = prefill._handle, Decoder(ToPrefill, "test")
+
+    def counting_handle(identity, frame):
+        if isinstance(msg := decoder.decode(frame), Abort):
+            aborts.append(msg)
+        return real_handle(identity, frame)
+    prefill._handle = counting_handle
     tokens = np.arange(400)
     pre = run(prefill.prefill, 21, tokens)
     dec = run(decode.decode, 21, tokens, 2)
@@ -134,11 +146,13 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
     decode.abort(21, "client went away")
     eventually(lambda: dec.get("state") == "FAILED" and pre.get("state") == "FAILED", 5,
                "both sides ended the request")
-    held_until = time.monotonic() + 2.5     # two re-asks of the quarantine sweep
-    while time.monotonic() < held_until:
+    asks_before = len(aborts)
+
+    def still_held_after_two_more_asks() -> bool:
         assert decode.quarantined() == 1 and decode.pool.available() != initial[1], \
             "decode released pages that a running transfer may still write"
-        time.sleep(0.1)   # watching that nothing happens for a while
+        return len(aborts) >= asks_before + 2
+    eventually(still_held_after_two_more_asks, 10, "decode asked prefill again, twice")
     again = decode.decode(21, tokens, 2)
     assert again["state"] == "FAILED" and "duplicate room 21" in again["reason"]
     gate.set()   # the write ends; the send sees the abort before its next write
@@ -152,12 +166,7 @@ def test_an_abort_from_a_new_connection_stops_a_transfer_not_yet_started(pair, e
     import zmq
     from disagg.protocol import Abort, Decoder, ToDecode, TransferDone, encoder
     prefill, decode, stuck, run, initial = pair
-    tokens = np.arange(300)
-    pre = run(prefill.prefill, 31, tokens)
-    assert stuck.entered.wait(10)
-    dec = run(decode.decode, 31, tokens, 2)
-    eventually(lambda: 31 in prefill._requests and prefill._requests[31].dst is not None, 10,
-               "prefill holds decode's TransferRequest")
+    pre, dec = _stuck_in_prefill(pair, eventually, 31)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.control_endpoint)
