@@ -3,10 +3,15 @@
 import argparse
 import sys
 
-from disagg import __version__, bench, bootstrap_cmd, decode_cmd, demo, prefill_cmd, presets_cmd, router_cmd
+from disagg import __version__
+from disagg.bootstrap import cmd as bootstrap_cmd
+from disagg.decode import cmd as decode_cmd
+from disagg.prefill import cmd as prefill_cmd
+from disagg.router import cmd as router_cmd
+from disagg.tools import bench, demo, presets
 
 COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
-            "bench": bench, "demo": demo, "presets": presets_cmd}
+            "bench": bench, "demo": demo, "presets": presets}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,7 +23,20 @@ class Component(str, Enum):
 
     @property
     def per_request(self) -> bool:
+        """Indexed by a per-request slot (one item per request), not by page."""
         return self in (Component.MAMBA, Component.AUX)
+
+    # ---- transfer rules: the planner asks the component, never lists components itself ----
+    @property
+    def truncatable(self) -> bool:
+        """The two sides' index arrays may differ in length (a window kept on one side, all
+        pages on the other): the transfer truncates to the shorter. Others must match."""
+        return self in (Component.SWA, Component.NSA)
+
+    @property
+    def sent_last(self) -> bool:
+        """Written after everything else has landed: its arrival marks the request complete."""
+        return self is Component.AUX
 
 
 @dataclass(frozen=True)

@@ -1,22 +1,22 @@
 #!/usr/bin/env python3
 """Transfer benchmark: our data path next to the raw engine ceiling, in one run.
 
-(a) ceiling: the raw engine writing one contiguous block of the same byte count between the
-    same two processes, measured right before each row (so drift hits both alike);
-(b) our path (KVSender -> peer_server process) for page sizes 1, 16, 64, both layouts, with
+(a) ceiling: the raw transport link writing one contiguous block of the same byte count
+    between the same two processes, measured right before each row (so drift hits both alike);
+(b) our path (KVSender -> harness peer server process) for page sizes 1, 16, 64, both layouts, with
     randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only);
 (c) planning time alone for 32k and 128k tokens at page 1 for a 60-layer K/V preset.
 
-    .venv/bin/python scripts/bench_transfer.py [--quick] [--json] [--preset gpt-oss-120b]
+    .venv/bin/python scripts/bench_transfer.py [--quick] [--json] [--preset gpt-oss-120b] [--transport mooncake]
 """
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
 os.environ.setdefault("GLOG_minloglevel", "2")
@@ -24,14 +24,17 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import numpy as np
 import torch
 
-from kvpool import HybridPool, Layout, PoolConfig, get_preset
-from kvpool.spec import AttentionSpec, ModelSpec
-from transfer.config import Mode, TransferConfig
-from transfer.engine import MooncakeEngine
-from transfer.peer_client import PeerProcess
-from transfer.peer_server import digest_request
-from transfer.plan import build_plan
-from transfer.sender import KVSender
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # the harness package
+
+from harness.peer_client import PeerProcess  # noqa: E402
+from harness.peer_server import digest_request  # noqa: E402
+from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
+from kvpool.spec import AttentionSpec, ModelSpec  # noqa: E402
+from transfer.buffers import buffers_of  # noqa: E402
+from transfer.config import Mode, TransferConfig  # noqa: E402
+from transfer.plan import build_plan  # noqa: E402
+from transfer.sender import KVSender  # noqa: E402
+from transfer.transports import Ranges, Transport, TransportSettings, create  # noqa: E402
 
 
 def shuffle_free_pages(pool: HybridPool, seed: int) -> None:
@@ -63,21 +66,21 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bench_layout(args, engine: MooncakeEngine, peer: PeerProcess, layout: Layout, page_size: int,
+def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, page_size: int,
                  token_counts: list[int]) -> list[dict]:
     model = get_preset(args.preset)
     capacity = int(max(token_counts) * 2.5)
     cfg = TransferConfig(mode=Mode(args.mode))
     rows = []
     # one peer process serves the whole run, reconfigured per (layout, page size)
-    target = peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
-                            staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20,
-                            device=args.device)
+    peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
+                   staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20, device=args.device)
     pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout,
                                  device=args.device))
     shuffle_free_pages(pool, 1)
     peer.fragment(2)
-    with KVSender(engine, pool, cfg) as sender:
+    with KVSender(transport, pool, cfg) as sender:
+        target = peer.connect(sender)
         for tokens in token_counts:
             req = pool.alloc_request(tokens)
             fill_random(pool, req, seed=tokens)
@@ -86,11 +89,11 @@ def bench_layout(args, engine: MooncakeEngine, peer: PeerProcess, layout: Layout
             slots = peer.expect(1, rid, want_slots=2)
             plan = sender.plan(target, src, dst)
             # ceiling: one contiguous block of the same size, pool buffer -> pool buffer
-            s_buf = max(pool.buffer_descriptors(), key=lambda d: d.nbytes)
-            d_buf = max(target.descriptors, key=lambda d: d.nbytes)
+            s_buf = max(sender.buffers, key=lambda b: b.nbytes)
+            d_buf = max(target.buffers, key=lambda b: b.nbytes)
             n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
-            one = [np.array([v], dtype=np.int64) for v in (s_buf.ptr, d_buf.ptr, n)]
-            t_ceiling = timed(lambda: engine.write(target.session_id, *one), max(3, args.repeats))
+            one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
+            t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
             reports = []
             t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel)), args.repeats)
             digest_ok = peer.digest(rid).per_component == digest_request(pool, req)
@@ -111,7 +114,7 @@ def bench_layout(args, engine: MooncakeEngine, peer: PeerProcess, layout: Layout
 
 
 def planning(tokens_list: list[int], repeats: int) -> list[dict]:
-    """build_plan alone on meta-device pools (no memory) with synthetic non-overlapping addresses."""
+    """build_plan alone on meta-device pools (no memory: plans name regions and offsets)."""
     model = ModelSpec("dense-60", 60, full=AttentionSpec(tuple(range(60)), 8, 128, 128))
     out = []
     for layout in Layout:
@@ -122,11 +125,7 @@ def planning(tokens_list: list[int], repeats: int) -> list[dict]:
             for i, pool in enumerate(pools):
                 shuffle_free_pages(pool, i)
                 sets.append(pool.index_set(pool.alloc_request(tokens)))
-                addr, placed = (i + 1) << 44, []
-                for d in pool.buffer_descriptors():
-                    placed.append(dataclasses.replace(d, ptr=addr))
-                    addr += d.nbytes + 4096
-                descs.append(placed)
+                descs.append(buffers_of(pool.buffer_descriptors()))
             plan = build_plan(sets[0], sets[1], descs[0], descs[1])
             t = timed(lambda: build_plan(sets[0], sets[1], descs[0], descs[1]), repeats)
             out.append({"layout": layout.value, "tokens": tokens, "page_size": 1, "layers": 60,
@@ -149,23 +148,25 @@ def main() -> int:
     ap.add_argument("--page-sizes", default="1,16,64")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
+    ap.add_argument("--transport", default="mooncake", help="the transport under test (both sides)")
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)  # as the peer server: copies must not crowd out the engine's TCP threads
     token_counts = [2048] if args.quick else [2048, 32768]
-    engine = MooncakeEngine()
+    [transport] = create([args.transport], TransportSettings("127.0.0.1"))
     if not args.json:
-        print(f"preset {args.preset} on {args.device}; ceiling = raw engine, one contiguous block of the same bytes, same processes")
+        print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
+              "block of the same bytes, same processes")
         print(f"{'layout':<12} {'page':>4} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
               f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
     rows = []
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
-    with PeerProcess(args.preset, page_sizes[0], 4096) as peer:
+    with PeerProcess(args.preset, page_sizes[0], 4096, transport=args.transport) as peer:
         for layout in Layout:
             for page_size in page_sizes:
-                rows += bench_layout(args, engine, peer, layout, page_size, token_counts)
+                rows += bench_layout(args, transport, peer, layout, page_size, token_counts)
     plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
-    result = {"preset": args.preset, "device": args.device, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
+    result = {"preset": args.preset, "device": args.device, "transport": args.transport, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
               "rows": rows, "planning": plan_rows}
     if args.json:
         print(json.dumps(result, indent=2))

@@ -24,8 +24,8 @@ import threading
 import time
 import urllib.request
 
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 
 COMMON = ["--device", "cpu", "--max-requests", "32", "--bootstrap-timeout", "15", "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", "2"]
 

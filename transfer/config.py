@@ -8,16 +8,14 @@ from transfer.faults import FaultPlan
 
 class Mode(str, Enum):
     AUTO = "auto"       # pick per request with the cost model (transfer.cost)
-    DIRECT = "direct"   # one engine range per (run of pages, buffer)
+    DIRECT = "direct"   # one transport range per (run of pages, buffer)
     STAGED = "staged"   # gather -> one large write per chunk -> scatter on the receiver
 
 
 @dataclass(frozen=True)
 class TransferConfig:
     mode: Mode = Mode.AUTO
-    # cost model (defaults measured with Mooncake TCP on a 2-vCPU machine; see mooncake-notes)
-    per_range_us: float = 28.0      # engine cost per separate byte range
-    link_gbps: float = 2.2          # one large write
+    # cost model: the link's own figures come from its transport (Link.cost); these are ours
     copy_gbps: float = 8.0          # gather/scatter memory copy (CPU; far more on GPU)
     per_chunk_us: float = 400.0     # notice + ack round trip per staged chunk
     # staging regions: slots x slot_bytes on each side, registered once and reused
@@ -32,6 +30,6 @@ class TransferConfig:
         for name in ("staging_slots", "staging_slot_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("per_range_us", "link_gbps", "copy_gbps", "per_chunk_us", "chunk_timeout_s"):
+        for name in ("copy_gbps", "per_chunk_us", "chunk_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

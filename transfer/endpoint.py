@@ -1,30 +1,69 @@
-"""PoolEndpoint: a pool registered with an engine, plus its staging area. The sender and the
-receiver are both one; close() unregisters what this endpoint registered."""
+"""PoolEndpoint: a pool and its staging area exposed to one or more transports. The sender and
+the receiver are both one; close() unregisters what this endpoint exposed.
+
+    region 0 .. n-1   the pool's buffers, in pool.buffer_descriptors() order
+    region n          the staging area (num_slots x slot_bytes)
+"""
+
+from collections.abc import Sequence
+
+import msgspec
 
 from kvpool.geometry import Component
 from kvpool.pools.hybrid import HybridPool
+from transfer.buffers import Buffer, buffers_of
 from transfer.config import TransferConfig
 from transfer.faults import FaultInjector
-from transfer.engine import MooncakeEngine
 from transfer.staging import StagingArea
+from transfer.transports.base import Exposure, Offer, Transport
+
+
+class StagingInfo(msgspec.Struct, frozen=True, array_like=True):
+    """A receiver's staging area as a sender addresses it (it travels in the registration)."""
+    region: int
+    slots: int
+    slot_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.region < 0 or self.slots < 1 or self.slot_bytes < 1:
+            raise ValueError(f"bad staging area (region {self.region}, {self.slots} x {self.slot_bytes} B)")
 
 
 class PoolEndpoint:
-    def __init__(self, engine: MooncakeEngine, pool: HybridPool, config: TransferConfig):
-        self.engine, self.pool, self.config = engine, pool, config
+    def __init__(self, transports: Transport | Sequence[Transport], pool: HybridPool, config: TransferConfig):
+        self.transports = [transports] if isinstance(transports, Transport) else list(transports)
+        if not self.transports:
+            raise ValueError("an endpoint needs at least one transport")
+        self.pool, self.config = pool, config
         self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes,
                                    config.staging_device or pool.config.device)
-        self._registered = engine.register([(d.ptr, d.nbytes) for d in pool.buffer_descriptors()]
-                                           + [(self.staging.ptr, self.staging.nbytes)])
-        self.buffers: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}
+        descs = pool.buffer_descriptors()
+        self.buffers: list[Buffer] = buffers_of(descs)   # the pool as peers address it
+        self.staging_region = len(descs)
+        regions = [(d.ptr, d.nbytes) for d in descs] + [(self.staging.ptr, self.staging.nbytes)]
+        self.exposures: dict[str, Exposure] = {}
+        try:
+            for t in self.transports:
+                self.exposures[t.kind] = t.expose(regions)
+        except BaseException:
+            self.close()
+            raise
+        # torch tensors per component, for gather and scatter
+        self.tensors: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}
         self.faults = FaultInjector(config.faults)
 
+    def offers(self) -> list[Offer]:
+        """How peers can reach this endpoint, in our order of preference."""
+        return [self.exposures[t.kind].offer() for t in self.transports]
+
+    def staging_info(self) -> StagingInfo:
+        return StagingInfo(self.staging_region, self.staging.num_slots, self.staging.slot_bytes)
+
     def close(self) -> None:
-        """Unregister what this endpoint registered (its staging area, and the pool's buffers
-        unless someone registered them before). Call before the pool's memory is freed."""
-        if self._registered:
-            self.engine.unregister(self._registered)
-            self._registered = []
+        """Unregister what this endpoint exposed. Call before the pool's memory is freed."""
+        exposures, self.exposures = self.exposures, {}
+        for e in exposures.values():
+            e.close()
 
     def __enter__(self):
         return self

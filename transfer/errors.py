@@ -1,8 +1,10 @@
-"""The one exception tree for transfer and protocol errors.
+"""The data path's exceptions and the root of the one exception tree (drawn whole in
+disagg/errors.py, which adds the control plane's branch).
 
     DisaggError
      +-- TransferError                  moving bytes failed or would be unsafe
-     |    +-- EngineError               a Mooncake call returned non-zero (code, peer, nbytes)
+     |    +-- TransportError            no common transport, or a malformed offer
+     |    +-- EngineError               a transport call returned non-zero (code, peer, nbytes)
      |    |    +-- EngineInitError      initialize() failed
      |    |    +-- RegistrationError    (un)registering memory failed
      |    |    +-- WriteFailed          a batched write failed (peer died, queue full, bad dst)
@@ -14,12 +16,11 @@
      |    +-- StagingError              bad chunk notice, staging timeout or misuse
      |    |    +-- AckTimeout           no ChunkDone for a staged chunk in time
      |    +-- InjectedFault             a failure injected on purpose (transfer.faults)
-     +-- ProtocolError                  control-plane messages (disagg.protocol extends it)
-     +-- Overloaded                     admission refused: queue or pool full (HTTP 503)
-     +-- Cancelled                      the request was aborted (client, router or peer)
+     +-- Cancelled                      the request was aborted (client, router or peer): a
+                                        send stops before its next write
 
-Engine return codes become typed exceptions at the wrapper boundary (transfer.engine); nothing
-above it sees a bare integer code.
+Transport return codes become typed exceptions inside the transport (transfer.transports);
+nothing above it sees a bare integer code.
 """
 
 
@@ -28,6 +29,10 @@ class DisaggError(Exception):
 
 
 class TransferError(DisaggError):
+    pass
+
+
+class TransportError(TransferError):
     pass
 
 
@@ -82,15 +87,7 @@ class AckTimeout(StagingError):
     pass
 
 
-class ProtocolError(DisaggError):
-    pass
-
-
 class InjectedFault(TransferError):
-    pass
-
-
-class Overloaded(DisaggError):
     pass
 
 

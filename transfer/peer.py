@@ -1,23 +1,17 @@
-"""What a sender knows of a receiver: its session, buffers and staging area."""
+"""What a sender knows of one receiver: a connected link, its buffers, its staging area."""
 
 from dataclasses import dataclass
 
-from kvpool.storage import BufferDescriptor
+from transfer.buffers import Buffer
+from transfer.endpoint import StagingInfo
+from transfer.transports.base import Link
 
 
 @dataclass(frozen=True)
-class PeerTarget:
-    session_id: str                          # Mooncake session "host:port"
-    descriptors: tuple[BufferDescriptor, ...]  # the receiver's pool buffers
-    staging_ptr: int = 0                     # the receiver's staging area (0: none)
-    staging_slots: int = 0
-    staging_slot_bytes: int = 0
+class RemotePool:
+    link: Link                           # the transport picked for this peer, connected
+    buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
+    staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
 
-    def regions(self) -> list[tuple[int, int]]:
-        out = [(d.ptr, d.nbytes) for d in self.descriptors]
-        if self.staging_ptr:
-            out.append((self.staging_ptr, self.staging_slots * self.staging_slot_bytes))
-        return out
-
-    def slot_ptr(self, slot: int) -> int:
-        return self.staging_ptr + slot * self.staging_slot_bytes
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.staging.slot_bytes

@@ -3,8 +3,11 @@
     src pages  [5, 6, 7, 20, 21, 9]      align -> same length (per component rules)
     dst pages  [3, 4, 5,  8,  9, 1]      group -> runs contiguous on BOTH sides:
     runs       (5->3, 3)  (20->8, 2)  (9->1, 1)
-    expand     runs x buffers -> ranges: addr = ptr + start * item_bytes, len = count * item_bytes
-    check      every range inside a buffer of the right side, every index inside its buffer
+    expand     runs x buffers -> ranges: (region, start * item_bytes), len = count * item_bytes
+    check      every index inside its buffer on both sides (so every range is inside it)
+
+Buffers are numbered regions (transfer.buffers): ranges carry offsets, never addresses; the
+link resolves them and checks them again against what each side exposed.
 
 With page-major pools a component has one buffer, so one range per run moves that run's pages
 of every layer; layer-major pools multiply the range count by the number of buffers.
@@ -18,21 +21,19 @@ import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from kvpool.storage import BufferDescriptor
+from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
+from transfer.transports.base import Ranges
 
 log = logging.getLogger(__name__)
-
-# Components whose index arrays may differ in length between the sides (truncated to the
-# shorter, with a warning); FULL must match exactly, per-request components hold one index.
-TRUNCATABLE = (Component.SWA, Component.NSA)
 
 
 def align(src: np.ndarray, dst: np.ndarray, component: Component) -> tuple[np.ndarray, np.ndarray]:
     """Equal-length (src, dst) for one component. Never mutates its inputs: the result is new
-    read-only arrays. Mismatches FULL/MAMBA/AUX cannot have raise IndexMismatch."""
+    read-only arrays. A length mismatch of a component that is not truncatable raises
+    IndexMismatch."""
     if len(src) != len(dst):
-        if component not in TRUNCATABLE:
+        if not component.truncatable:
             raise IndexMismatch(
                 f"{component.value}: {len(src)} source vs {len(dst)} destination indices must match exactly")
         log.warning("%s: %d source vs %d destination indices; truncating to %d",
@@ -69,90 +70,42 @@ def group_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
     return Runs(src[starts], dst[starts], count)
 
 
-@dataclass(frozen=True)
-class Ranges:
-    src: np.ndarray     # int64 [n] source addresses
-    dst: np.ndarray     # int64 [n] destination addresses
-    length: np.ndarray  # int64 [n] bytes
-
-    def __len__(self) -> int:
-        return len(self.length)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.length.sum())
-
-    @staticmethod
-    def concat(parts: list["Ranges"]) -> "Ranges":
-        if not parts:
-            empty = np.zeros(0, dtype=np.int64)
-            return Ranges(empty, empty, empty)
-        return Ranges(*(np.concatenate([getattr(p, f) for p in parts]) for f in ("src", "dst", "length")))
+def pair_buffers(component: Component, src: list[Buffer], dst: list[Buffer]) -> None:
+    """Raises LayoutIncompatible naming the first difference (transfer.buffers' one check)."""
+    diff = component_difference(component, src, dst)
+    if diff:
+        raise LayoutIncompatible(diff)
 
 
-def pair_buffers(component: Component, src: list[BufferDescriptor], dst: list[BufferDescriptor]) -> None:
-    """The two sides' buffers of a component must pair up one to one: same count, and per
-    position the same layer, part and item size. Raises LayoutIncompatible naming the first
-    difference."""
-    if len(src) != len(dst):
-        raise LayoutIncompatible(
-            f"{component.value}: {len(src)} source buffers vs {len(dst)} destination buffers "
-            "(page-major vs layer-major, or a different layer set)")
-    for i, (s, d) in enumerate(zip(src, dst)):
-        if (s.layer, s.part, s.item_bytes) != (d.layer, d.part, d.item_bytes):
-            raise LayoutIncompatible(
-                f"{component.value} buffer {i}: source (layer {s.layer}, {s.part}, {s.item_bytes} B/item) vs "
-                f"destination (layer {d.layer}, {d.part}, {d.item_bytes} B/item)")
-
-
-def check_indices(component: Component, side: str, idx: np.ndarray, bufs: list[BufferDescriptor]) -> None:
+def check_indices(component: Component, side: str, idx: np.ndarray, bufs: list[Buffer]) -> None:
     """Every index names a real item of every buffer (1 <= i < num_items; 0 is the sentinel)."""
     if len(idx) == 0:
         return
-    num_items = min(b.nbytes // b.item_bytes for b in bufs)
+    num_items = min(b.num_items for b in bufs)
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 1 or hi >= num_items:
         raise OutOfBounds(f"{component.value}: {side} index {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
 
 
-def expand(runs: Runs, src: list[BufferDescriptor], dst: list[BufferDescriptor]) -> Ranges:
+def expand(runs: Runs, src: list[Buffer], dst: list[Buffer]) -> Ranges:
     """runs x buffers -> ranges, buffer-major ([buffer 0 runs..., buffer 1 runs..., ...]).
-    Each buffer's block of ranges is checked against that buffer's own bounds."""
-    src_ptr = np.array([b.ptr for b in src], dtype=np.int64)[:, None]
-    dst_ptr = np.array([b.ptr for b in dst], dtype=np.int64)[:, None]
+    Each buffer's block of ranges is checked against that buffer's own size."""
+    n_runs = len(runs)
     item = np.array([b.item_bytes for b in src], dtype=np.int64)[:, None]
-    src_addr = src_ptr + runs.src_start[None, :] * item   # [n_buffers, n_runs]
-    dst_addr = dst_ptr + runs.dst_start[None, :] * item
-    length = np.broadcast_to(runs.count[None, :] * item, src_addr.shape)
-    if len(runs):
-        for side, addr, bufs in (("source", src_addr, src), ("destination", dst_addr, dst)):
-            lo = addr.min(axis=1)
-            hi = (addr + length).max(axis=1)
-            start = np.array([b.ptr for b in bufs], dtype=np.int64)
-            end = start + np.array([b.nbytes for b in bufs], dtype=np.int64)
-            bad = np.flatnonzero((lo < start) | (hi > end))
+    src_off = runs.src_start[None, :] * item   # [n_buffers, n_runs]
+    dst_off = runs.dst_start[None, :] * item
+    length = np.broadcast_to(runs.count[None, :] * item, src_off.shape)
+    if n_runs:
+        for side, off, bufs in (("source", src_off, src), ("destination", dst_off, dst)):
+            hi = (off + length).max(axis=1)
+            bad = np.flatnonzero((off.min(axis=1) < 0) | (hi > np.array([b.nbytes for b in bufs], dtype=np.int64)))
             if len(bad):
                 b = bufs[int(bad[0])]
-                raise OutOfBounds(f"{b.component.value} {side} buffer (layer {b.layer}, {b.part}): "
-                                  f"ranges [{int(lo[bad[0]]):#x}, {int(hi[bad[0]]):#x}) exceed it")
-    return Ranges(src_addr.ravel(), dst_addr.ravel(), length.ravel())
-
-
-def check_ranges(side: str, addr: np.ndarray, length: np.ndarray, regions: list[tuple[int, int]]) -> None:
-    """Every [addr, addr + length) must lie inside one registered (ptr, nbytes) region."""
-    if len(addr) == 0:
-        return
-    if not regions:
-        raise OutOfBounds(f"{side}: no registered buffers")
-    order = sorted(regions)
-    starts = np.array([p for p, _ in order], dtype=np.int64)
-    ends = starts + np.array([n for _, n in order], dtype=np.int64)
-    i = np.searchsorted(starts, addr, side="right") - 1
-    ok = (i >= 0) & (length > 0)
-    ok &= addr + length <= ends[np.maximum(i, 0)]
-    if not ok.all():
-        bad = int(np.flatnonzero(~ok)[0])
-        raise OutOfBounds(f"{side}: range {int(addr[bad]):#x}+{int(length[bad])} lies outside every registered buffer")
+                raise OutOfBounds(f"{Component(b.component).value} {side} buffer (layer {b.layer}, {b.part}): "
+                                  f"ranges up to byte {int(hi[bad[0]])} exceed its {b.nbytes}")
+    src_region = np.repeat(np.array([b.region for b in src], dtype=np.int64), n_runs)
+    dst_region = np.repeat(np.array([b.region for b in dst], dtype=np.int64), n_runs)
+    return Ranges(src_region, src_off.ravel(), dst_region, dst_off.ravel(), length.ravel())
 
 
 @dataclass(frozen=True)
@@ -160,8 +113,8 @@ class ComponentPlan:
     component: Component
     src_idx: np.ndarray          # int64, aligned
     dst_idx: np.ndarray          # int64, aligned
-    src_bufs: tuple[BufferDescriptor, ...]
-    dst_bufs: tuple[BufferDescriptor, ...]
+    src_bufs: tuple[Buffer, ...]
+    dst_bufs: tuple[Buffer, ...]
     runs: Runs
 
     @property
@@ -174,14 +127,14 @@ class ComponentPlan:
 
     @functools.cached_property
     def ranges(self) -> Ranges:
-        """Engine ranges, built on first use: a staged transfer never needs them."""
+        """Transport ranges, built on first use: a staged transfer never needs them."""
         return expand(self.runs, list(self.src_bufs), list(self.dst_bufs))
 
 
 @dataclass(frozen=True)
 class TransferPlan:
-    """What moves for one request. `body` goes first; `aux` (the AUX row) last, so its
-    arrival on the receiver means everything else has landed."""
+    """What moves for one request. `body` goes first; `aux` (the component sent last: the AUX
+    row) after it, so its arrival on the receiver means everything else has landed."""
 
     body: tuple[ComponentPlan, ...]
     aux: ComponentPlan | None
@@ -202,41 +155,25 @@ class TransferPlan:
         return Ranges.concat([c.ranges for c in self.body])
 
 
-def _by_component(descs: list[BufferDescriptor]) -> dict[Component, list[BufferDescriptor]]:
-    out: dict[Component, list[BufferDescriptor]] = {}
-    for d in descs:
-        out.setdefault(Component(d.component), []).append(d)
-    return out
-
-
-def build_plan(src_set: IndexSet, dst_set: IndexSet, src_descs: list[BufferDescriptor],
-               dst_descs: list[BufferDescriptor], local_regions: list[tuple[int, int]] | None = None,
-               peer_regions: list[tuple[int, int]] | None = None) -> TransferPlan:
+def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer]) -> TransferPlan:
     """Plan moving every component of `src_set` (local pool) into `dst_set` (the peer's pool).
-    `*_regions` are the (ptr, nbytes) ranges registered with the engine on each side; every
-    buffer must lie inside one. Raises a PlanError, before anything is sent, on any mismatch
-    or out-of-bounds index."""
-    src_by, dst_by = _by_component(src_descs), _by_component(dst_descs)
+    Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index."""
+    src_by, dst_by = by_component(src_bufs), by_component(dst_bufs)
     missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
     extra = [c.value for c in dst_set.components() if c not in src_set]
     if missing or extra:
         raise LayoutIncompatible(f"component sets differ: destination lacks {missing}, source lacks {extra}")
-    for side, descs, regions in (("source", src_descs, local_regions), ("destination", dst_descs, peer_regions)):
-        if regions is not None:
-            check_ranges(f"{side} buffers", np.array([d.ptr for d in descs], dtype=np.int64),
-                         np.array([d.nbytes for d in descs], dtype=np.int64), regions)
-    body, aux = [], None
+    body, last = [], []
     for c in src_set.components():
         sb, db = src_by.get(c, []), dst_by[c]
         pair_buffers(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)
-        # Indices inside every buffer's item range + buffers inside registered regions =>
-        # every range inside its buffer (expand() checks that again when it builds ranges).
+        # Indices inside every buffer's item range => every range inside its buffer (expand()
+        # checks that again when it builds ranges; the link checks against the regions).
         check_indices(c, "source", s_idx, sb)
         check_indices(c, "destination", d_idx, db)
         plan = ComponentPlan(c, s_idx, d_idx, tuple(sb), tuple(db), group_runs(s_idx, d_idx))
-        if c is Component.AUX:
-            aux = plan
-        else:
-            body.append(plan)
-    return TransferPlan(tuple(body), aux)
+        (last if c.sent_last else body).append(plan)
+    if len(last) > 1:
+        raise LayoutIncompatible(f"more than one component to send last: {[p.component.value for p in last]}")
+    return TransferPlan(tuple(body), last[0] if last else None)

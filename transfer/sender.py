@@ -1,57 +1,56 @@
-"""KVSender: the prefill side of one transfer: plan, choose direct or staged, write, AUX last."""
+"""KVSender: the prefill side of one transfer: connect to a receiver over the first transport
+both sides have, then per request plan, choose direct or staged, write, AUX last."""
 
 import logging
 import queue
 import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from collections.abc import Callable
-from typing import Protocol
-
-import numpy as np
 
 from kvpool.indices import IndexSet
+from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
 from transfer.cost import choose_mode
-from transfer.endpoint import PoolEndpoint
-from transfer.errors import AckTimeout, Cancelled, StagingError
-from transfer.peer import PeerTarget
-from transfer.plan import Ranges, TransferPlan, build_plan
-from transfer.staging import Chunk, ChunkLanded, chunk_plan, gather
+from transfer.endpoint import PoolEndpoint, StagingInfo
+from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError
+from transfer.peer import RemotePool
+from transfer.plan import TransferPlan, build_plan
+from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
+from transfer.transports import Offer, Ranges, pick
 
 log = logging.getLogger(__name__)
-
-
-class ChunkChannel(Protocol):
-    """How a staged sender talks to the receiver (the control plane, or transfer.pair_channel)."""
-
-    def notify(self, notice: ChunkLanded) -> None: ...
-
-    def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
-        """Block until the receiver reports chunk `index` (and every earlier one) scattered."""
-
-    def end(self, transfer_id: int) -> None:
-        """The transfer is over (done or failed): drop its chunk state."""
 
 
 @dataclass(frozen=True)
 class TransferReport:
     mode: Mode
+    transport: str     # the link's transport kind
     nbytes: int
-    ranges: int        # engine ranges submitted
+    ranges: int        # transport ranges submitted
     chunks: int        # staged chunks (0 for direct)
     plan_ms: float
     seconds: float     # whole send, planning included
 
 
 class KVSender(PoolEndpoint):
-    """Registers its pool and a staging area at construction; close() (or `with`) undoes it."""
+    """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
 
-    def plan(self, peer: PeerTarget, src: IndexSet, dst: IndexSet) -> TransferPlan:
-        return build_plan(src, dst, self.pool.buffer_descriptors(), list(peer.descriptors),
-                          local_regions=list(self.engine.registered().items()), peer_regions=peer.regions())
+    def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer],
+                staging: StagingInfo | None = None) -> RemotePool:
+        """A receiver that offers `offers` (its order of preference) for `buffers`: refused
+        with the first difference unless its buffers pair up with ours, then connected over
+        the first transport we share. The caller closes `.link` when the peer goes away."""
+        diff = layout_difference(self.buffers, buffers)
+        if diff:
+            raise LayoutIncompatible(diff)
+        offer, transport = pick(offers, self.transports)
+        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging)
 
-    def send(self, peer: PeerTarget, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
+    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet) -> TransferPlan:
+        return build_plan(src, dst, self.buffers, list(peer.buffers))
+
+    def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
              remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
              stopped: Callable[[], bool] | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
@@ -62,14 +61,14 @@ class KVSender(PoolEndpoint):
         stopped = stopped or (lambda: False)
         plan = self.plan(peer, src, dst)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        slot_bytes = min(self.staging.slot_bytes, peer.staging_slot_bytes or self.staging.slot_bytes)
-        can_stage = bool(remote_slots) and channel is not None and peer.staging_ptr != 0
-        mode = choose_mode(plan, self.config, slot_bytes, can_stage)
+        slot_bytes = min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
+        can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
+        mode = choose_mode(plan, peer.link.cost, self.config, slot_bytes, can_stage)
         ranges = chunks = 0
         if mode is Mode.DIRECT:
             body = plan.body_ranges()
             self._before_write(stopped)
-            self.engine.write(peer.session_id, body.src, body.dst, body.length)
+            peer.link.write(body)
             ranges = len(body)
         else:
             chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel, stopped)
@@ -77,9 +76,9 @@ class KVSender(PoolEndpoint):
         if plan.aux is not None:  # last: its arrival means the body has landed
             aux: Ranges = plan.aux.ranges
             self._before_write(stopped)
-            self.engine.write(peer.session_id, aux.src, aux.dst, aux.length)
+            peer.link.write(aux)
             ranges += len(aux)
-        return TransferReport(mode, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0)
+        return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0)
 
     def _before_write(self, stopped: Callable[[], bool]) -> None:
         if stopped():
@@ -101,7 +100,7 @@ class KVSender(PoolEndpoint):
                 if time.monotonic() >= give_up:
                     raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
 
-    def _send_staged(self, peer: PeerTarget, plan: TransferPlan, slot_bytes: int, transfer_id: int,
+    def _send_staged(self, peer: RemotePool, plan: TransferPlan, slot_bytes: int, transfer_id: int,
                      remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool]) -> int:
         """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits."""
         chunks = chunk_plan(plan, slot_bytes)
@@ -121,7 +120,7 @@ class KVSender(PoolEndpoint):
                 slot = free.get()
                 if slot is None:  # the writer failed
                     break
-                gather(chunk, plan, self.buffers, self.staging.slot(slot))
+                gather(chunk, plan, self.tensors, self.staging.slot(slot))
                 ready.put((slot, chunk))
         except BaseException as exc:
             errors.append(exc)
@@ -134,7 +133,7 @@ class KVSender(PoolEndpoint):
             raise errors[0]
         return len(chunks)
 
-    def _write_chunks(self, peer: PeerTarget, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
+    def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
                       channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list,
                       stopped: Callable[[], bool]) -> None:
         n_remote = len(remote_slots)
@@ -149,10 +148,9 @@ class KVSender(PoolEndpoint):
                     self._await_ack(channel, transfer_id, i - n_remote, timeout, stopped)
                 remote = remote_slots[i % n_remote]
                 self._before_write(stopped)
-                self.engine.write(peer.session_id, np.array([self.staging.slot_ptr(slot)], dtype=np.int64),
-                                  np.array([peer.slot_ptr(remote)], dtype=np.int64),
-                                  np.array([chunk.nbytes], dtype=np.int64))
-                channel.notify(ChunkLanded(transfer_id, i, remote, list(chunk.pieces)))
+                peer.link.write(Ranges.one(self.staging_region, self.staging.slot_offset(slot),
+                                           peer.staging.region, peer.slot_offset(remote), chunk.nbytes))
+                channel.notify(transfer_id, i, remote, list(chunk.pieces))
                 free.put(slot)
             if chunks:
                 self._await_ack(channel, transfer_id, len(chunks) - 1, timeout, stopped)

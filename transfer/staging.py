@@ -1,6 +1,6 @@
 """Staging for fragmented transfers: gather -> one large write per chunk -> scatter.
 
-    sender pool pages  --gather (index_select)-->  sender slot   --one engine range-->
+    sender pool pages  --gather (index_select)-->  sender slot   --one transport range-->
     receiver slot      --scatter (index_copy_)-->  receiver pool pages
 
 A plan's (component, buffer) streams are packed into chunks of at most one slot:
@@ -8,13 +8,15 @@ A plan's (component, buffer) streams are packed into chunks of at most one slot:
     chunk 0: | full buf0 items 0..k | full buf0 items k..n | swa buf0 items 0..m |  <- pieces
     chunk 1: | swa buf0 items m..  | ...
 
-Each ChunkLanded notice names its pieces (component, buffer, first item, count, byte offset),
-so the receiver can validate a notice against its own index set before copying a byte.
-Slots on both sides are leased per transfer (SlotLease) and always returned.
+Each chunk notice (the control plane's ChunkLanded) names its pieces (component, buffer,
+first item, count, byte offset), so the receiver can validate a notice against its own index
+set before copying a byte. Slots on both sides are leased per transfer (SlotLease) and
+always returned.
 """
 
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import numpy as np
@@ -22,7 +24,7 @@ import torch
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from transfer.errors import StagingError
+from transfer.errors import AckTimeout, StagingError
 from transfer.plan import TransferPlan
 
 
@@ -34,18 +36,62 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
     offset: int      # byte offset inside the slot
 
 
-class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
-    """Sender -> receiver: chunk `index` of transfer `transfer_id` is in receiver slot `slot`."""
-    transfer_id: int
-    index: int
-    slot: int
-    pieces: list[Piece]
+class ChunkChannel(Protocol):
+    """How a staged sender tells the receiver about chunks and hears back (the control plane
+    carries these as ChunkLanded / ChunkDone messages)."""
+
+    def notify(self, transfer_id: int, index: int, slot: int, pieces: list[Piece]) -> None:
+        """Chunk `index` of the transfer has landed in receiver slot `slot`."""
+
+    def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
+        """Block until the receiver reports chunk `index` (and every earlier one) scattered;
+        AckTimeout after `timeout` seconds."""
+
+    def end(self, transfer_id: int) -> None:
+        """The transfer is over (done or failed): drop its chunk state."""
 
 
-class ChunkDone(msgspec.Struct, tag=True, frozen=True):
-    """Receiver -> sender: chunk `index` was scattered; its slot may be reused."""
-    transfer_id: int
-    index: int
+class AckLedger:
+    """Which chunks of which transfers a sender notified and which the receiver acknowledged
+    (thread-safe). Every ChunkChannel keeps one: an ack for an unknown transfer or an unsent
+    chunk is dropped, never counted."""
+
+    def __init__(self) -> None:
+        self._sent: dict[int, int] = {}   # transfer id -> chunks notified
+        self._done: dict[int, int] = {}   # transfer id -> highest chunk acknowledged
+        self._cond = threading.Condition()
+
+    def sent(self, transfer_id: int, index: int) -> None:
+        with self._cond:
+            self._sent[transfer_id] = max(self._sent.get(transfer_id, 0), index + 1)
+
+    def acked(self, transfer_id: int, index: int) -> bool:
+        """Record an ack; False (and nothing recorded) unless that chunk was sent."""
+        with self._cond:
+            if index >= self._sent.get(transfer_id, 0):
+                return False
+            self._done[transfer_id] = max(index, self._done.get(transfer_id, -1))
+            self._cond.notify_all()
+            return True
+
+    def done(self, transfer_id: int, index: int) -> bool:
+        with self._cond:
+            return self._done.get(transfer_id, -1) >= index
+
+    def knows(self, transfer_id: int) -> bool:
+        with self._cond:
+            return transfer_id in self._sent
+
+    def wait(self, transfer_id: int, index: int, timeout: float) -> None:
+        """Block until chunk `index` (and every earlier one) is acknowledged, else AckTimeout."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done.get(transfer_id, -1) >= index, timeout=timeout):
+                raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
+
+    def end(self, transfer_id: int) -> None:
+        with self._cond:
+            self._sent.pop(transfer_id, None)
+            self._done.pop(transfer_id, None)
 
 
 @dataclass(frozen=True)
@@ -114,8 +160,8 @@ class StagingArea:
     def nbytes(self) -> int:
         return self.buffer.numel()
 
-    def slot_ptr(self, slot: int) -> int:
-        return self.ptr + slot * self.slot_bytes
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.slot_bytes
 
     def slot(self, slot: int) -> torch.Tensor:
         return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
@@ -172,34 +218,34 @@ def gather(chunk: Chunk, plan: TransferPlan, buffers: dict[Component, list[torch
         _sync(device)
 
 
-def scatter(notice: ChunkLanded, dst: IndexSet, buffers: dict[Component, list[torch.Tensor]],
-            area: StagingArea) -> None:
-    """Receiver entry point: after `notice`'s bytes have landed in `area`, copy them into the
-    pool items `dst` names. Every field of the (untrusted) notice is validated first; nothing
-    is written unless all pieces are valid."""
-    if not 0 <= notice.slot < area.num_slots:
-        raise StagingError(f"chunk {notice.index}: slot {notice.slot} outside [0, {area.num_slots})")
+def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
+            buffers: dict[Component, list[torch.Tensor]], area: StagingArea) -> None:
+    """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
+    pieces into the pool items `dst` names. Every field of the (untrusted) notice is validated
+    first; nothing is written unless all pieces are valid."""
+    if not 0 <= slot < area.num_slots:
+        raise StagingError(f"chunk {index}: slot {slot} outside [0, {area.num_slots})")
     plan = []
-    for p in notice.pieces:
+    for p in pieces:
         try:
             c = Component(p.component)
         except ValueError:
-            raise StagingError(f"chunk {notice.index}: unknown component {p.component!r}") from None
+            raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
         if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
-            raise StagingError(f"chunk {notice.index}: no {p.component} buffer {p.buffer} here")
+            raise StagingError(f"chunk {index}: no {p.component} buffer {p.buffer} here")
         buf = buffers[c][p.buffer]
         idx = dst[c]
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
-            raise StagingError(f"chunk {notice.index}: items [{p.first}, {p.first + p.count}) outside "
+            raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
                                f"{len(idx)} {p.component} destination indices")
         end = p.offset + p.count * buf.shape[1]
         if p.offset < 0 or end > area.slot_bytes:
-            raise StagingError(f"chunk {notice.index}: bytes [{p.offset}, {end}) outside the slot")
+            raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
         plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
-    slot = area.slot(notice.slot)
+    data = area.slot(slot)
     for buf, items, start, end in plan:
-        index = torch.from_numpy(items.astype(np.int64)).to(buf.device)
-        src = slot[start:end].view(len(items), buf.shape[1]).to(buf.device)
-        _rows(buf, buf.shape[1]).index_copy_(0, index, _rows(src, buf.shape[1]))
+        rows = torch.from_numpy(items.astype(np.int64)).to(buf.device)
+        src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
+        _rows(buf, buf.shape[1]).index_copy_(0, rows, _rows(src, buf.shape[1]))
     for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
         _sync(device)

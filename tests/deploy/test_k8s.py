@@ -83,7 +83,7 @@ def test_workers_are_wired_for_a_cluster(rendered):
             ordinal = int(pod.rsplit("-", 1)[1])
             assert pod.startswith(service) and ordinal < sts["spec"]["replicas"], pair
     if name == "overlays/rdma":
-        assert config["DISAGG_PROTOCOL"] == "rdma" and config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_RDMA_DEVICES"]
+        assert config["DISAGG_MOONCAKE_PROTOCOL"] == "rdma" and config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_RDMA_DEVICES"]
         for role in ("prefill", "decode"):
             (c,) = _containers(by[("StatefulSet", f"disagg-{role}")])
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]

@@ -2,7 +2,7 @@ import threading
 
 import pytest
 
-from disagg.standin import StandInEngine
+from disagg.engine.standin import StandInEngine
 
 
 class StuckEngine(StandInEngine):

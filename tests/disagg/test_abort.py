@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from disagg.decode_server import DecodeConfig, DecodeServer
-from disagg.kv_state import Deadlines
-from disagg.pool_settings import PoolSettings
+from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.control.phases import Deadlines
+from disagg.worker.pool_settings import PoolSettings
 
 pytestmark = pytest.mark.slow
 LONG = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)   # an abort must not wait for these
@@ -17,7 +17,7 @@ LONG = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)   # an abort must 
 
 @pytest.fixture
 def pair(StuckEngine):
-    from disagg.prefill_server import PrefillConfig, PrefillServer
+    from disagg.prefill.server import PrefillConfig, PrefillServer
     pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", deadlines=LONG), stuck)
@@ -130,7 +130,7 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
         assert gate.wait(30)
         return real_send(*args, **kwargs)
     prefill.sender.send = gated_send
-    from disagg.protocol import Abort, Decoder, ToPrefill
+    from disagg.control.messages import Abort, Decoder, ToPrefill
     aborts: list[Abort] = []   # every Abort that reaches prefill's control socket
     real_handle, decoder = prefill._handle, Decoder(ToPrefill, "test")
 
@@ -164,7 +164,7 @@ def test_an_abort_from_a_new_connection_stops_a_transfer_not_yet_started(pair, e
     old connection. Prefill may confirm at once only because it also fails the room, so its
     engine finishing later can never start a transfer into pages decode has freed."""
     import zmq
-    from disagg.protocol import Abort, Decoder, ToDecode, TransferDone, encoder
+    from disagg.control.messages import Abort, Decoder, ToDecode, TransferDone, encoder
     prefill, decode, stuck, run, initial = pair
     pre, dec = _stuck_in_prefill(pair, eventually, 31)
     sock = zmq.Context.instance().socket(zmq.DEALER)

@@ -4,9 +4,9 @@ import threading
 
 import pytest
 
-from disagg.admission import Admission, TooLarge, empty_pool_fit
+from disagg.control.admission import Admission, TooLarge, empty_pool_fit
 from kvpool import HybridPool, PoolConfig, get_preset
-from transfer.errors import Overloaded
+from disagg.errors import Overloaded
 
 
 @pytest.fixture

@@ -10,15 +10,16 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from disagg.bootstrap import BootstrapClient, BootstrapConfig, BootstrapServer
-from disagg.protocol import PROTOCOL_VERSION, LayoutInfo, Lookup, RegisterPrefill, encoder
-from transfer.errors import ProtocolError
+from disagg.bootstrap.server import BootstrapClient, BootstrapConfig, BootstrapServer
+from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, Lookup, RegisterPrefill, encoder
+from transfer.buffers import Buffer
+from disagg.errors import ProtocolError
 
-LAYOUT = LayoutInfo(16, "page_major", {"full": [[None, None, 4096]]})
+LAYOUT = LayoutInfo(16, "page_major", [Buffer(0, 4096 * 8, 4096, "full", None, None)])
 
 
 def _info(rank=0, epoch=1, size=2, version=PROTOCOL_VERSION):
-    return RegisterPrefill(version, rank, size, f"tcp://127.0.0.1:{7000 + rank}", f"127.0.0.1:{8000 + rank}", epoch, LAYOUT)
+    return RegisterPrefill(version, rank, size, f"tcp://127.0.0.1:{7000 + rank}", epoch, LAYOUT)
 
 
 @pytest.fixture()
@@ -75,7 +76,7 @@ def test_random_frames_get_a_refusal_and_the_server_keeps_serving(frame):
         sock.close()
         client = BootstrapClient(s.endpoint)
         client.register(_info(0))
-        assert client.lookup(PROTOCOL_VERSION, 0).session_id == "127.0.0.1:8000"
+        assert client.lookup(PROTOCOL_VERSION, 0).control_endpoint == "tcp://127.0.0.1:7000"
         client.close()
     finally:
         s.stop()

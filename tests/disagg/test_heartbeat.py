@@ -7,9 +7,9 @@ import time
 import numpy as np
 import pytest
 
-from disagg.decode_server import DecodeConfig, DecodeServer
-from disagg.pool_settings import PoolSettings
-from disagg.prefill_server import PrefillConfig, PrefillServer
+from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.worker.pool_settings import PoolSettings
+from disagg.prefill.server import PrefillConfig, PrefillServer
 
 pytestmark = pytest.mark.slow
 

@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg.kv_state import InvalidTransition, KVPoll, TransferState
+from disagg.control.phases import InvalidTransition, KVPoll, TransferState
 
 
 def test_happy_path():
@@ -63,7 +63,7 @@ def test_wait_wakes_on_completion_from_another_thread():
 
 
 def test_each_phase_has_its_own_deadline_counted_from_entering_it():
-    from disagg.kv_state import Deadlines
+    from disagg.control.phases import Deadlines
     s = TransferState(3)
     deadlines = Deadlines(bootstrap_s=30, waiting_s=0.05, transfer_s=30)
     s.advance(KVPoll.WAITING_FOR_INPUT)
@@ -73,7 +73,7 @@ def test_each_phase_has_its_own_deadline_counted_from_entering_it():
 
 
 def test_moving_on_restarts_the_clock_and_an_end_wakes_the_waiter():
-    from disagg.kv_state import Deadlines
+    from disagg.control.phases import Deadlines
     s = TransferState(4)
     deadlines = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)
     ended = threading.Thread(target=lambda: (s.advance(KVPoll.TRANSFERRING), s.complete(4)))
@@ -83,6 +83,6 @@ def test_moving_on_restarts_the_clock_and_an_end_wakes_the_waiter():
 
 
 def test_deadlines_must_be_positive():
-    from disagg.kv_state import Deadlines
+    from disagg.control.phases import Deadlines
     with pytest.raises(ValueError, match="waiting_s"):
         Deadlines(waiting_s=0)

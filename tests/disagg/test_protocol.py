@@ -4,27 +4,33 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg import protocol as P
-from kvpool import Component, HybridPool, Layout, PoolConfig, get_preset
-from transfer.errors import ProtocolError
-from transfer.staging import ChunkDone, ChunkLanded, Piece
+from disagg.control import messages as P
+from disagg.errors import ProtocolError
+from kvpool import HybridPool, Layout, PoolConfig, get_preset
+from transfer.buffers import Buffer, buffers_of
+from transfer.endpoint import StagingInfo
+from transfer.staging import Piece
+from transfer.transports import Offer
 
-LAYOUT = P.LayoutInfo(16, "page_major", {"full": [[None, None, 4096]], "aux": [[None, None, 64]]})
+LAYOUT = P.LayoutInfo(16, "page_major", [Buffer(0, 4096 * 10, 4096, "full", None, None),
+                                         Buffer(1, 64 * 4, 64, "aux", None, None)])
 SAMPLES = [
-    P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://10.0.0.1:5000", "10.0.0.1:1234", 42, LAYOUT),
+    P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://10.0.0.1:5000", 42, LAYOUT),
     P.Lookup(P.PROTOCOL_VERSION, 0),
-    P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", "h:2", 1, LAYOUT)),
-    P.RegisterDecode(P.PROTOCOL_VERSION, 9, "10.0.0.2:77", LAYOUT,
-                     [P.WireBuffer(1 << 40, 4096 * 10, 4096, "full", None, None)], 1 << 41, 4, 1 << 20),
+    P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", 1, LAYOUT)),
+    P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [Offer("mooncake", "10.0.0.2", b"opaque")],
+                     StagingInfo(2, 4, 1 << 20)),
+    P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [], None),
     P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
     P.TransferStarted(123, 42),
     P.TransferDone(123, 42, True, "", 1 << 20, "direct", 17, 3.5),
     P.Abort(123, "client cancelled"),
     P.Heartbeat(42),
     P.Registered(42),
+    P.Registered(42, "mooncake"),
     P.Refused("layout differs"),
-    ChunkLanded(123, 0, 1, [Piece("full", 0, 0, 3, 0)]),
-    ChunkDone(123, 0),
+    P.ChunkLanded(123, 0, 1, [Piece("full", 0, 0, 3, 0)]),
+    P.ChunkDone(123, 0),
 ]
 
 
@@ -82,20 +88,24 @@ def test_layout_difference_names_it():
     b = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 8, max_tokens=256, max_requests=2))
     c = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2, layout=Layout.LAYER_MAJOR))
     d = HybridPool(PoolConfig(get_preset("tiny-mamba"), 4, max_tokens=256, max_requests=2))
-    info = lambda p: P.layout_info(p.page_size, p.config.layout.value, p.buffer_descriptors())  # noqa: E731
+    info = lambda p: P.LayoutInfo(p.page_size, p.config.layout.value, buffers_of(p.buffer_descriptors()))  # noqa: E731
     assert P.layout_difference(info(a), info(a)) is None
     assert "page size 4 vs 8" in P.layout_difference(info(a), info(b))
     assert "pool layout page_major vs layer_major" in P.layout_difference(info(a), info(c))
-    assert "components" in P.layout_difference(info(a), info(d))
+    assert "component sets differ" in P.layout_difference(info(a), info(d))
     e = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, tp_size=2))
     f = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
-    assert "bytes per item" in P.layout_difference(info(e), info(f))
+    assert "B/item" in P.layout_difference(info(e), info(f))
 
 
-def test_wire_buffers_are_validated():
-    good = P.WireBuffer(4096, 8192, 4096, "full", 0, "k")
-    assert P.from_wire([good])[0].component is Component.FULL
-    for bad in (P.WireBuffer(0, 8192, 4096, "full", 0, "k"), P.WireBuffer(4096, 8000, 4096, "full", 0, "k"),
-                P.WireBuffer(4096, 8192, 4096, "kv", 0, "k")):
-        with pytest.raises(ProtocolError):
-            P.from_wire([bad])
+def test_buffers_and_staging_in_a_registration_are_validated_when_decoded():
+    d = P.Decoder(P.ToPrefill, "control")
+    good = P.RegisterDecode(P.PROTOCOL_VERSION, 1, LAYOUT, [], StagingInfo(2, 4, 4096))
+    assert d.decode(P.encoder.encode(good)) == good
+    raw = msgspec.msgpack.decode(P.encoder.encode(good))
+    for field, bad in (("layout", [16, "page_major", [[0, 8000, 4096, "full", None, None]]]),
+                       ("layout", [16, "page_major", [[0, 8192, 4096, "kv", None, None]]]),
+                       ("layout", [16, "page_major", [[-1, 8192, 4096, "full", None, None]]]),
+                       ("staging", [2, 0, 4096])):
+        with pytest.raises(ProtocolError, match="undecodable"):
+            d.decode(msgspec.msgpack.encode({**raw, field: bad}))

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from disagg.router import post_json
+from disagg.router.router import post_json
 
 
 @pytest.mark.parametrize("answer", [

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from disagg.standin import StandInEngine, VerifyError
+from disagg.engine.standin import StandInEngine, VerifyError
 from kvpool import Component, HybridPool, PoolConfig, get_preset
 
 

@@ -4,8 +4,8 @@ import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 
 
 def _metrics(http: str) -> str:

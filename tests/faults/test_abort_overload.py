@@ -12,8 +12,8 @@ import urllib.parse
 
 import pytest
 
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 from fault_stack import inflight, pool_free
 
 pytestmark = pytest.mark.slow

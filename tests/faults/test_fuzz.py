@@ -13,9 +13,9 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from disagg import protocol as P
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.control import messages as P
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 from fault_stack import inflight, pool_free
 
 pytestmark = pytest.mark.slow
@@ -85,12 +85,23 @@ def test_raw_bytes_on_http_ports(stack, data, target):
 
 def _layout(stack) -> P.LayoutInfo:
     ctx = zmq.Context.instance()
-    from disagg.bootstrap import BootstrapClient
+    from disagg.bootstrap.server import BootstrapClient
     client = BootstrapClient(stack["prefill"]["bootstrap"], context=ctx)
     try:
         return client.lookup(P.PROTOCOL_VERSION).layout
     finally:
         client.close()
+
+
+def _fake_decode(layout: P.LayoutInfo, layout_override: P.LayoutInfo | None = None) -> P.RegisterDecode:
+    """A registration from a decode that does not exist: the prefill's own layout, a Mooncake
+    offer naming a closed port and made-up regions (prefill connects lazily; writes fail)."""
+    import msgspec
+    from transfer.transports import Offer
+    from transfer.transports.mooncake import _Blob
+    blob = _Blob("127.0.0.1:9", [((1 << 40) + (i << 34), b.nbytes) for i, b in enumerate(layout.buffers)])
+    return P.RegisterDecode(P.PROTOCOL_VERSION, 1, layout_override or layout,
+                            [Offer("mooncake", "127.0.0.1", msgspec.msgpack.encode(blob))], None)
 
 
 room_ids = st.integers(0, (1 << 62) - 1)
@@ -110,15 +121,14 @@ messages = st.one_of(
 @given(frames=st.lists(messages.map(P.encoder.encode) | st.binary(max_size=200), min_size=1, max_size=6),
        register=st.booleans())
 def test_control_socket(stack, frames, register):
-    """A fake decode (registered with the prefill's own layout but no buffers, or not at all)
+    """A fake decode (registered with the prefill's own layout and a dead transport, or not at all)
     sends hostile frames; prefill answers each with a refusal or nothing, never writes."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack["prefill"]["control"])
     try:
         if register:
-            sock.send(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, "127.0.0.1:9", _layout(stack), [],
-                                                        0, 0, 0)))
+            sock.send(P.encoder.encode(_fake_decode(_layout(stack))))
             assert sock.poll(10_000)
             assert isinstance(P.Decoder(P.ToDecode, "t").decode(sock.recv()), (P.Registered, P.Refused))
         decoder = P.Decoder(P.ToDecode, "test")
@@ -151,8 +161,10 @@ def test_a_malformed_layout_in_a_registration_is_refused(stack):
     sock.connect(stack["prefill"]["control"])
     try:
         layout = _layout(stack)
-        bad = P.LayoutInfo(layout.page_size, layout.layout, {c: [[]] * len(v) for c, v in layout.components.items()})
-        sock.send(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, "127.0.0.1:9", bad, [], 0, 0, 0)))
+        from msgspec.structs import replace
+        bad = P.LayoutInfo(layout.page_size, layout.layout,
+                           [replace(b, item_bytes=2 * b.item_bytes, nbytes=2 * b.nbytes) for b in layout.buffers])
+        sock.send(P.encoder.encode(_fake_decode(layout, bad)))
         assert sock.poll(10_000)
         reply = P.Decoder(P.ToDecode, "t").decode(sock.recv())
         assert isinstance(reply, P.Refused) and "layout mismatch" in reply.reason

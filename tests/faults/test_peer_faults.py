@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from disagg.launcher import Launcher
+from disagg.tools.launcher import Launcher
 from fault_stack import inflight, pool_free, requests, start_router
 
 pytestmark = pytest.mark.slow

@@ -10,9 +10,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
-from disagg.launcher import Launcher
-from disagg.protocol import PROTOCOL_VERSION, Decoder, RegisterDecode, Refused, ToDecode, encoder
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.control.messages import PROTOCOL_VERSION, Decoder, RegisterDecode, Refused, ToDecode, encoder
+from disagg.router.router import post_json
 
 pytestmark = pytest.mark.slow
 
@@ -79,13 +79,15 @@ def test_hostile_control_frames_are_refused_and_the_pair_keeps_serving(stack):
         assert sock.poll(10_000)
         reply = decoder.decode(sock.recv())
         assert isinstance(reply, Refused) and "undecodable" in reply.reason
-        from disagg.protocol import LayoutInfo
-        sock.send(encoder.encode(RegisterDecode(99, 1, "127.0.0.1:1", LayoutInfo(4, "page_major", {}), [], 0, 0, 0)))
+        from disagg.control.messages import LayoutInfo
+        sock.send(encoder.encode(RegisterDecode(99, 1, LayoutInfo(4, "page_major", []), [], None)))
         assert sock.poll(10_000)
         reply = decoder.decode(sock.recv())
         assert isinstance(reply, Refused) and "protocol version 99" in reply.reason
-        sock.send(encoder.encode(RegisterDecode(PROTOCOL_VERSION, 1, "127.0.0.1:1",
-                                                LayoutInfo(4, "page_major", {"full": [[1, "k", 8]]}), [], 0, 0, 0)))
+        from transfer.buffers import Buffer
+        sock.send(encoder.encode(RegisterDecode(PROTOCOL_VERSION, 1,
+                                                LayoutInfo(4, "page_major", [Buffer(0, 64, 8, "full", 1, "k")]), [],
+                                                None)))
         assert sock.poll(10_000)
         reply = decoder.decode(sock.recv())
         assert isinstance(reply, Refused) and "layout mismatch" in reply.reason

@@ -6,8 +6,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 
 pytestmark = pytest.mark.slow
 

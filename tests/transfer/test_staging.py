@@ -6,7 +6,7 @@ import torch
 
 from kvpool import Component, HybridPool, PoolConfig, get_preset
 from transfer.errors import StagingError
-from transfer.staging import ChunkLanded, Piece, StagingArea, SlotLease, scatter
+from transfer.staging import Piece, StagingArea, SlotLease, scatter
 
 
 @pytest.fixture()
@@ -26,27 +26,27 @@ def _snapshot(pool):
 def test_valid_notice_lands_in_the_named_items(receiver):
     pool, dst, buffers, area = receiver
     item = buffers[Component.FULL][0].shape[1]
-    scatter(ChunkLanded(1, 0, 1, [Piece("full", 0, 2, 3, 0)]), dst, buffers, area)
+    scatter(0, 1, [Piece("full", 0, 2, 3, 0)], dst, buffers, area)
     got = pool.pools[Component.FULL].storage.gather(dst[Component.FULL][2:5])[0]
     assert torch.equal(got.flatten(), area.slot(1)[: 3 * item])
 
 
-@pytest.mark.parametrize("notice,message", [
-    (ChunkLanded(1, 0, 2, [Piece("full", 0, 0, 1, 0)]), "slot 2 outside"),
-    (ChunkLanded(1, 0, -1, [Piece("full", 0, 0, 1, 0)]), "slot -1 outside"),
-    (ChunkLanded(1, 0, 0, [Piece("bogus", 0, 0, 1, 0)]), "unknown component"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 7, 0, 1, 0)]), "no full buffer 7"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 0, 3, 100, 0)]), "outside 5 full destination"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 0, -1, 1, 0)]), "outside"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 0, 0, 0, 0)]), "outside"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 0, 0, 1, 4000)]), "outside the slot"),
-    (ChunkLanded(1, 0, 0, [Piece("full", 0, 0, 1, 0), Piece("swa", 0, 0, 9, 0)]), "swa destination"),
+@pytest.mark.parametrize("notice,message", [   # (slot, pieces)
+    ((2, [Piece("full", 0, 0, 1, 0)]), "slot 2 outside"),
+    ((-1, [Piece("full", 0, 0, 1, 0)]), "slot -1 outside"),
+    ((0, [Piece("bogus", 0, 0, 1, 0)]), "unknown component"),
+    ((0, [Piece("full", 7, 0, 1, 0)]), "no full buffer 7"),
+    ((0, [Piece("full", 0, 3, 100, 0)]), "outside 5 full destination"),
+    ((0, [Piece("full", 0, -1, 1, 0)]), "outside"),
+    ((0, [Piece("full", 0, 0, 0, 0)]), "outside"),
+    ((0, [Piece("full", 0, 0, 1, 4000)]), "outside the slot"),
+    ((0, [Piece("full", 0, 0, 1, 0), Piece("swa", 0, 0, 9, 0)]), "swa destination"),
 ])
 def test_bad_notices_are_refused_before_any_write(receiver, notice, message):
     pool, dst, buffers, area = receiver
     before = _snapshot(pool)
     with pytest.raises(StagingError, match=message):
-        scatter(notice, dst, buffers, area)
+        scatter(0, *notice, dst, buffers, area)
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
 
 

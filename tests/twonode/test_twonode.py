@@ -4,8 +4,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from disagg.launcher import Launcher
-from disagg.router import post_json
+from disagg.tools.launcher import Launcher
+from disagg.router.router import post_json
 
 pytestmark = [pytest.mark.twonode, pytest.mark.slow]
 
@@ -31,7 +31,7 @@ def run_requests(router: str, lengths: list[int]) -> list[dict]:
 def test_1p1d_across_namespaces(hosts4, preset, extra):
     with Launcher() as launcher:
         prefill, decode = start_pair(launcher, hosts4, 1, 2, preset, extra)
-        assert prefill["session"].startswith(hosts4.data(1)) and decode["session"].startswith(hosts4.data(2))
+        assert prefill["transports"] == {"mooncake": hosts4.data(1)} and decode["transports"] == {"mooncake": hosts4.data(2)}
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         results = run_requests(router["http"], [5, 60, 333, 1200, 2000, 17])
     for r in results:

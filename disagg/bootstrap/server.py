@@ -1,0 +1,117 @@
+"""Bootstrap: prefill ranks register, decode looks them up. A REP socket; every frame gets a
+reply (Refused with a reason for anything invalid) and the server keeps serving.
+
+A re-registration of the same TP rank replaces the old entry only with a newer epoch (a
+restarted prefill); an older epoch is refused, so a stale process cannot take a rank back.
+"""
+
+import logging
+import threading
+from dataclasses import dataclass
+
+import zmq
+
+from disagg.control.messages import (BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo, RegisterPrefill,
+                             Registered, Refused, check_version, encoder)
+from disagg.errors import ProtocolError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    bind: str = "tcp://0.0.0.0:8998"
+
+
+class BootstrapServer:
+    def __init__(self, config: BootstrapConfig, context: zmq.Context | None = None):
+        self.config = config
+        self._ctx = context or zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.REP)
+        self._sock.bind(config.bind)
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._decoder = Decoder(BootstrapRequest, "bootstrap")
+        self.ranks: dict[int, RegisterPrefill] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def handle(self, frame: bytes) -> BootstrapReply:
+        try:
+            msg = self._decoder.decode(frame)
+            match msg:
+                case RegisterPrefill(version=v, tp_rank=rank, tp_size=size, epoch=epoch):
+                    check_version(v)
+                    if not 0 <= rank < size:
+                        raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
+                    old = self.ranks.get(rank)
+                    if old is not None and epoch < old.epoch:
+                        raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch}")
+                    if old is not None and old.tp_size != size and epoch == old.epoch:
+                        raise ProtocolError(f"rank {rank}: tp_size {size} differs from {old.tp_size}")
+                    self.ranks[rank] = msg
+                    log.info("prefill rank %d registered (epoch %d, %s)", rank, epoch, msg.control_endpoint)
+                    return Registered(epoch)
+                case Lookup(version=v, tp_rank=rank):
+                    check_version(v)
+                    info = self.ranks.get(rank)
+                    if info is None:
+                        raise ProtocolError(f"no prefill rank {rank} registered")
+                    return PrefillInfo(info)
+        except ProtocolError as exc:
+            log.warning("bootstrap request refused: %s", exc)
+            return Refused(str(exc))
+        return Refused("unexpected message")
+
+    def serve_forever(self, poll_ms: int = 100) -> None:
+        while not self._stop.is_set():
+            if self._sock.poll(poll_ms):
+                self._sock.send(encoder.encode(self.handle(self._sock.recv())))
+
+    def start(self) -> "BootstrapServer":
+        self._thread = threading.Thread(target=self.serve_forever, name="bootstrap", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._sock.close(linger=0)
+
+
+class BootstrapClient:
+    """REQ client with a timeout; a lost reply resets the socket (REQ cannot resend)."""
+
+    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None):
+        self.endpoint, self.timeout_s = endpoint, timeout_s
+        self._ctx = context or zmq.Context.instance()
+        self._decoder = Decoder(BootstrapReply, "bootstrap reply")
+        self._sock = self._connect()
+
+    def _connect(self) -> zmq.Socket:
+        sock = self._ctx.socket(zmq.REQ)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(self.endpoint)
+        return sock
+
+    def call(self, msg: BootstrapRequest) -> BootstrapReply:
+        self._sock.send(encoder.encode(msg))
+        if not self._sock.poll(int(self.timeout_s * 1000)):
+            self._sock.close()
+            self._sock = self._connect()
+            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s} s")
+        reply = self._decoder.decode(self._sock.recv())
+        if isinstance(reply, Refused):
+            raise ProtocolError(f"bootstrap refused: {reply.reason}")
+        return reply
+
+    def register(self, info: RegisterPrefill) -> None:
+        self.call(info)
+
+    def lookup(self, version: int, tp_rank: int = 0) -> RegisterPrefill:
+        reply = self.call(Lookup(version, tp_rank))
+        assert isinstance(reply, PrefillInfo)
+        return reply.info
+
+    def close(self) -> None:
+        self._sock.close()

@@ -1,0 +1,179 @@
+"""Wire messages: msgspec Structs (msgpack), one tagged union and one decoder per socket.
+
+    bootstrap (REQ -> REP, in the prefill worker or `disagg bootstrap`)
+        RegisterPrefill | Lookup          ->  Registered | PrefillInfo | Refused
+    control (decode DEALER -> prefill ROUTER, one connection per peer pair)
+        to prefill: RegisterDecode | TransferRequest | ChunkDone | Abort | Heartbeat
+        to decode:  Registered | Refused | TransferStarted | ChunkLanded | TransferDone | Heartbeat
+
+Every handshake carries PROTOCOL_VERSION; index arrays travel as raw little-endian int32
+bytes; buffers as (region, size), never addresses; how to reach a side's memory as transport
+offers (opaque to the control plane). Everything decoded here is untrusted: decoders raise
+ProtocolError with a reason (typed fields, Buffer and StagingInfo check themselves), and the
+receivers validate sizes and ranges before they use a value.
+"""
+
+import msgspec
+import numpy as np
+
+from disagg.errors import ProtocolError
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.buffers import Buffer, layout_difference as buffer_difference
+from transfer.endpoint import StagingInfo
+from transfer.staging import Piece
+from transfer.transports import Offer
+
+PROTOCOL_VERSION = 2
+MAX_FRAME_BYTES = 64 << 20   # larger frames are refused before decoding
+
+
+class LayoutInfo(msgspec.Struct, frozen=True):
+    """What must match between the two sides for a transfer to be meaningful."""
+    page_size: int
+    layout: str                 # page_major | layer_major
+    buffers: list[Buffer]       # the pool's buffers, region i = buffer i
+
+
+# ---- bootstrap ------------------------------------------------------------------------------
+class RegisterPrefill(msgspec.Struct, tag=True, frozen=True):
+    version: int
+    tp_rank: int
+    tp_size: int
+    control_endpoint: str     # tcp://host:port of the prefill rank's ROUTER
+    epoch: int                # instance epoch: new on every start
+    layout: LayoutInfo
+
+
+class Lookup(msgspec.Struct, tag=True, frozen=True):
+    version: int
+    tp_rank: int = 0
+
+
+class PrefillInfo(msgspec.Struct, tag=True, frozen=True):
+    info: RegisterPrefill
+
+
+# ---- control --------------------------------------------------------------------------------
+class RegisterDecode(msgspec.Struct, tag=True, frozen=True):
+    version: int
+    epoch: int
+    layout: LayoutInfo
+    transports: list[Offer]          # how to reach decode's regions, in its order of preference
+    staging: StagingInfo | None      # decode's staging area (None: direct writes only)
+
+
+class TransferRequest(msgspec.Struct, tag=True, frozen=True):
+    room: int
+    decode_epoch: int
+    num_tokens: int
+    indices: dict[str, bytes]   # component -> raw int32 destination indices
+    slots: list[int]            # decode staging slots leased to this transfer ([]: direct only)
+
+
+class TransferStarted(msgspec.Struct, tag=True, frozen=True):
+    """Prefill began writing the room's KV (decode: WAITING_FOR_INPUT -> TRANSFERRING)."""
+    room: int
+    prefill_epoch: int
+
+
+class TransferDone(msgspec.Struct, tag=True, frozen=True):
+    room: int
+    prefill_epoch: int
+    ok: bool
+    reason: str = ""
+    nbytes: int = 0
+    mode: str = ""
+    ranges: int = 0
+    transfer_ms: float = 0.0
+
+
+class Abort(msgspec.Struct, tag=True, frozen=True):
+    room: int
+    reason: str
+
+
+class Heartbeat(msgspec.Struct, tag=True, frozen=True):
+    epoch: int
+
+
+class Registered(msgspec.Struct, tag=True, frozen=True):
+    epoch: int
+    transport: str = ""      # to RegisterDecode: the transport prefill picked
+
+
+class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
+    """Prefill -> decode: staged chunk `index` of room `transfer_id` is in decode slot `slot`."""
+    transfer_id: int
+    index: int
+    slot: int
+    pieces: list[Piece]
+
+
+class ChunkDone(msgspec.Struct, tag=True, frozen=True):
+    """Decode -> prefill: chunk `index` was scattered; its slot may be reused."""
+    transfer_id: int
+    index: int
+
+
+class Refused(msgspec.Struct, tag=True, frozen=True):
+    reason: str
+
+
+BootstrapRequest = RegisterPrefill | Lookup
+BootstrapReply = Registered | PrefillInfo | Refused
+ToPrefill = RegisterDecode | TransferRequest | ChunkDone | Abort | Heartbeat
+ToDecode = Registered | Refused | TransferStarted | ChunkLanded | TransferDone | Heartbeat
+
+encoder = msgspec.msgpack.Encoder()
+
+
+class Decoder:
+    """One typed decoder per socket; refuses oversized or undecodable frames with a reason."""
+
+    def __init__(self, union, what: str):
+        self._decoder = msgspec.msgpack.Decoder(union)
+        self.what = what
+
+    def decode(self, frame: bytes):
+        if len(frame) > MAX_FRAME_BYTES:
+            raise ProtocolError(f"{self.what}: frame of {len(frame)} bytes exceeds {MAX_FRAME_BYTES}")
+        try:
+            return self._decoder.decode(frame)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"{self.what}: undecodable frame ({exc})") from None
+
+
+def check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version} != ours ({PROTOCOL_VERSION})")
+
+
+# ---- conversions ----------------------------------------------------------------------------
+def layout_difference(ours: LayoutInfo, theirs: LayoutInfo) -> str | None:
+    """None if a transfer between the two layouts is meaningful, else the first difference
+    (the buffers by transfer.buffers' one check)."""
+    if ours.page_size != theirs.page_size:
+        return f"page size {ours.page_size} vs {theirs.page_size}"
+    if ours.layout != theirs.layout:
+        return f"pool layout {ours.layout} vs {theirs.layout}"
+    return buffer_difference(ours.buffers, theirs.buffers)
+
+
+def indices_to_wire(iset: IndexSet) -> dict[str, bytes]:
+    return {c.value: np.ascontiguousarray(iset[c], dtype="<i4").tobytes() for c in iset.components()}
+
+
+def indices_from_wire(raw: dict[str, bytes]) -> IndexSet:
+    out = {}
+    for name, data in raw.items():
+        try:
+            component = Component(name)
+        except ValueError:
+            raise ProtocolError(f"unknown component {name!r} in indices") from None
+        if len(data) % 4:
+            raise ProtocolError(f"{name}: {len(data)} bytes is not a whole number of int32 indices")
+        arr = np.frombuffer(data, dtype="<i4").astype(np.int32)
+        arr.setflags(write=False)
+        out[component] = arr
+    return IndexSet(out)

@@ -1,0 +1,71 @@
+"""`disagg decode`: a decode worker (pool, engine, control sockets to prefill peers, HTTP)."""
+
+import argparse
+
+import torch
+
+from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.process import setup_logging, wait_for_signal
+from disagg.api.server import ApiServer, abort_route, optional_int, require_room, require_tokens
+from disagg.api.metrics import WorkerMetrics
+from disagg.worker.flags import (add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config,
+                                 transport_settings, transports)
+from disagg.errors import Overloaded
+
+HELP = "run a decode worker"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    add_pool_flags(p)
+    p.add_argument("--bootstrap-addr", default="tcp://127.0.0.1:8998", help="default bootstrap to look prefill up")
+    p.add_argument("--slots-per-transfer", type=int, default=2, help="staging slots lent to one transfer")
+    p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to prefill")
+    p.add_argument("--quarantine", type=float, default=60.0,
+                   help="longest hold of a failed request's pages while prefill may still write")
+
+
+def config_from(args: argparse.Namespace) -> DecodeConfig:
+    return DecodeConfig(pool=pool_settings(args), host=args.host, transports=transports(args),
+                        transport_settings=transport_settings(args), bootstrap_addr=args.bootstrap_addr,
+                        transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
+                        deadlines=deadlines(args), heartbeat_interval_s=args.heartbeat_interval,
+                        dead_after_s=args.dead_after, quarantine_s=args.quarantine, queue_wait_s=args.queue_wait,
+                        max_waiting=args.max_waiting)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging()
+    torch.set_num_threads(args.torch_threads)
+    server = DecodeServer(config_from(args))
+    metrics = WorkerMetrics("decode")
+
+    def decode(body: dict) -> dict:
+        room = require_room(body)
+        tokens = require_tokens(body)
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
+        metrics.inflight.labels("decode").inc()
+        try:
+            out = server.decode(room, tokens, max_new, body.get("bootstrap"))
+        except Overloaded:
+            metrics.failure("overloaded")
+            raise
+        finally:
+            metrics.inflight.labels("decode").dec()
+        if out["state"] == "SUCCESS":
+            metrics.requests.labels("decode", "success").inc()
+            metrics.bytes.labels("decode").inc(out["bytes"])
+            for phase in ("bootstrap", "wait", "verify", "decode"):
+                if f"{phase}_ms" in out:
+                    metrics.latency.labels("decode", phase).observe(out[f"{phase}_ms"] / 1e3)
+        else:
+            metrics.failure(out["reason"])
+        return out
+
+    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},
+                    lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
+                    lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight).start()
+    announce(role="decode", http=http_url(args, api.port), transports={t.kind: t.host for t in server.receiver.transports})
+    wait_for_signal()
+    api.stop()
+    server.close()
+    return 0

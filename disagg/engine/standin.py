@@ -1,0 +1,173 @@
+"""The stand-in engine: deterministic KV with no model weights, so the whole path can be run,
+tested and benchmarked. A real engine implements the same EnginePlugin interface.
+
+Every byte of a token's KV is a function of (token id, position, layer, component, byte):
+
+    seed[t]  = mix(token_ids[t], t, layer, component)          uint32 per token
+    word[t,j] = seed[t] * (2j + 1) + j * 0x9E3779B1 (uint32)    j = 4-byte word in the segment
+
+so a misplaced page, a stale page or a swapped layer changes the bytes. Linear-state slots
+take the seed of the whole prompt. Loops run over layers and parts, never over tokens.
+"""
+
+import hashlib
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from disagg.errors import VerifyError
+from kvpool import Component, HybridPool, RequestKV
+from kvpool.indices import SENTINEL
+from kvpool.pools.swa import window_first_page
+
+_COMPONENT_SALT = {Component.FULL: 0x1234567, Component.SWA: 0x2345671, Component.NSA: 0x3456712,
+                   Component.MAMBA: 0x4567123}
+
+
+@dataclass(frozen=True)
+class PrefillResult:
+    first_token: int
+    digest: bytes   # 32 bytes over the prompt; written to the AUX row
+
+
+class EnginePlugin(Protocol):
+    """What disagg needs from an inference engine."""
+
+    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
+        """Compute the prompt's KV into `req` and its AUX row."""
+
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
+        """Check what arrived on decode; return a digest per component or raise VerifyError."""
+
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:
+        """Generate tokens, appending KV (and evicting out-of-window SWA pages)."""
+
+
+def _mix(*parts: np.ndarray | int) -> np.ndarray:
+    h = np.uint64(0xCBF29CE484222325)
+    out = np.full(np.broadcast(*[np.asarray(p) for p in parts]).shape, h, dtype=np.uint64)
+    for p in parts:
+        out ^= np.asarray(p, dtype=np.uint64)
+        out *= np.uint64(0x100000001B3)
+        out ^= out >> np.uint64(29)
+    return (out & np.uint64(0xFFFFFFFF)).astype(np.uint32)
+
+
+def _bytes_for(seeds: np.ndarray, nbytes: int) -> np.ndarray:
+    """uint8 [len(seeds), nbytes], four bytes per arithmetic op."""
+    j = np.arange(-(-nbytes // 4), dtype=np.uint32)
+    words = seeds[:, None] * (2 * j + 1)[None, :] + (j * np.uint32(0x9E3779B1))[None, :]
+    return words.view(np.uint8)[:, :nbytes]
+
+
+def prompt_digest(token_ids: np.ndarray) -> bytes:
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+def first_token(token_ids: np.ndarray) -> int:
+    return int(_mix(int(prompt_digest(token_ids)[0]), len(token_ids))[()] % 50000)
+
+
+class StandInEngine:
+    def _token_rows(self, pool: HybridPool, c: Component, req: RequestKV, positions: np.ndarray):
+        """(item index, slot within page) per position, for component c."""
+        pages = req.full_pages[positions // pool.page_size]
+        if c is Component.SWA:
+            pages = pool.swa_allocator.translate(pages)
+        return pages, positions % pool.page_size
+
+    def _expected(self, layer: int, c: Component, token_ids: np.ndarray, positions: np.ndarray, nbytes: int):
+        seeds = _mix(token_ids[positions].astype(np.uint64), positions, layer, _COMPONENT_SALT[c])
+        return _bytes_for(seeds, nbytes)
+
+    def _paged_parts(self, pool: HybridPool, c: Component):
+        for pl in pool.pools[c].storage.packed.placements:
+            yield pl.segment.layer, pl.segment.part, pool.layer_view(pl.segment.layer, pl.segment.part)
+
+    def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
+        for c in (Component.FULL, Component.SWA, Component.NSA):
+            if c not in pool.pools:
+                continue
+            pos = positions
+            if c is Component.SWA:  # only pages that still hold an SWA page
+                backed = pool.swa_allocator.translate(req.full_pages[pos // pool.page_size]) != SENTINEL
+                pos = pos[backed]
+            items, slots = self._token_rows(pool, c, req, pos)
+            it = torch.from_numpy(items.astype(np.int64))
+            sl = torch.from_numpy(slots.astype(np.int64))
+            for layer, part, view in self._paged_parts(pool, c):
+                per_token = view[0, 0].numel() * view.element_size()
+                data = torch.from_numpy(self._expected(layer, c, token_ids, pos, per_token))
+                raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
+                raw = raw.reshape(view.shape[0], view.shape[1], per_token)
+                raw[it.to(raw.device), sl.to(raw.device)] = data.to(raw.device)
+
+    def _state_bytes(self, pool: HybridPool, token_ids: np.ndarray):
+        seed = _mix(int.from_bytes(prompt_digest(token_ids)[:4], "little"), len(token_ids))
+        for pl in pool.pools[Component.MAMBA].storage.packed.placements:
+            s = _mix(seed, pl.segment.layer, 1 if pl.segment.part == "conv" else 2, _COMPONENT_SALT[Component.MAMBA])
+            yield pl.segment.layer, pl.segment.part, _bytes_for(np.atleast_1d(s), pl.segment.nbytes)[0]
+
+    # ---- EnginePlugin ---------------------------------------------------------------------
+    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        self._write_tokens(pool, req, token_ids, np.arange(len(token_ids)))
+        if Component.MAMBA in pool.pools:
+            for layer, part, data in self._state_bytes(pool, token_ids):
+                view = pool.layer_view(layer, part)[req.state_slot]
+                view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
+        result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
+        pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
+        return result
+
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
+        token_ids = np.asarray(token_ids, dtype=np.int64)
+        n = len(token_ids)
+        aux = pool.aux.read(req.aux_row)
+        if int(aux["room"]) != room:
+            raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
+        if int(aux["num_tokens"]) != n or bytes(aux["digest"]) != prompt_digest(token_ids):
+            raise VerifyError("aux row describes another prompt")
+        if int(aux["first_token"]) != first_token(token_ids):
+            raise VerifyError("aux row first token differs")
+        digests = {}
+        for c in (Component.FULL, Component.SWA, Component.NSA):
+            if c not in pool.pools:
+                continue
+            first = window_first_page(n, pool.config.model.swa.window, pool.page_size) if c is Component.SWA else 0
+            pos = np.arange(first * pool.page_size, n)
+            items, slots = self._token_rows(pool, c, req, pos)
+            it, sl = torch.from_numpy(items.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
+            h = hashlib.sha256()
+            for layer, part, view in self._paged_parts(pool, c):
+                per_token = view[0, 0].numel() * view.element_size()
+                raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
+                got = raw.reshape(view.shape[0], view.shape[1], per_token)[it.to(raw.device), sl.to(raw.device)].cpu().numpy()
+                want = self._expected(layer, c, token_ids, pos, per_token)
+                if not np.array_equal(got, want):
+                    bad = int(np.flatnonzero((got != want).any(axis=1))[0])
+                    raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(pos[bad])} differs")
+                h.update(got.tobytes())
+            digests[c.value] = h.hexdigest()
+        if Component.MAMBA in pool.pools:
+            h = hashlib.sha256()
+            for layer, part, want in self._state_bytes(pool, token_ids):
+                got = pool.layer_view(layer, part)[req.state_slot].reshape(-1).view(torch.uint8).cpu().numpy()
+                if not np.array_equal(got, want):
+                    raise VerifyError(f"mamba layer {layer} {part} differs")
+                h.update(got.tobytes())
+            digests[Component.MAMBA.value] = h.hexdigest()
+        return digests
+
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:
+        tokens = list(np.asarray(token_ids, dtype=np.int64))
+        out = [first_token(np.asarray(token_ids))]
+        for _ in range(max_new_tokens - 1):
+            tokens.append(out[-1])
+            pool.extend(req, len(tokens))  # allocates pages, evicts out-of-window SWA pages
+            arr = np.asarray(tokens, dtype=np.int64)
+            self._write_tokens(pool, req, arr, np.array([len(arr) - 1]))
+            out.append(int(_mix(out[-1], len(arr))[()] % 50000))
+        return out

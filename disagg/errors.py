@@ -1,0 +1,50 @@
+"""The one exception tree, whole. The data path's branch lives in transfer/errors.py (transfer
+must not import disagg); the control plane's branch lives here.
+
+    DisaggError                              (transfer.errors)
+     +-- TransferError                       moving bytes failed or would be unsafe
+     |    +-- TransportError                 no common transport, or a malformed offer
+     |    +-- EngineError                    a transport call returned non-zero
+     |    |    +-- EngineInitError, RegistrationError, WriteFailed, PeerUnreachable
+     |    +-- PlanError                      refused before a single byte is written
+     |    |    +-- OutOfBounds, IndexMismatch, LayoutIncompatible
+     |    +-- StagingError                   bad chunk notice, staging timeout or misuse
+     |    |    +-- AckTimeout
+     |    +-- InjectedFault                  a failure injected on purpose (transfer.faults)
+     +-- Cancelled                           the request was aborted (client, router or peer)
+     +-- ProtocolError                       a control-plane message refused, or a peer silent
+     |    +-- InvalidTransition              a request phase may only move forward
+     +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
+     +-- BadRequest                          invalid API input (HTTP 400)
+     +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
+     +-- VerifyError                         decode found bytes that are not the prompt's KV
+"""
+
+from transfer.errors import Cancelled, DisaggError, TransferError
+
+__all__ = ["BadRequest", "Cancelled", "DisaggError", "InvalidTransition", "Overloaded", "ProtocolError",
+           "TooLarge", "TransferError", "VerifyError"]
+
+
+class ProtocolError(DisaggError):
+    pass
+
+
+class InvalidTransition(ProtocolError):
+    pass
+
+
+class Overloaded(DisaggError):
+    pass
+
+
+class BadRequest(DisaggError):
+    pass
+
+
+class TooLarge(DisaggError, ValueError):
+    """The request needs more than the whole pool holds."""
+
+
+class VerifyError(DisaggError):
+    pass

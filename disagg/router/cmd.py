@@ -1,0 +1,52 @@
+"""`disagg router`: the HTTP front (POST /generate) over prefill/decode pairs."""
+
+import argparse
+
+from disagg.process import setup_logging, wait_for_signal
+from disagg.api.server import ApiServer, client_gone
+from disagg.api.metrics import WorkerMetrics
+from disagg.router.router import Pair, Router, RouterConfig
+from disagg.worker.flags import announce
+from disagg.errors import Overloaded
+
+HELP = "run the router in front of prefill/decode pairs"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--pair", action="append", required=True, type=Pair.parse,
+                   help="PREFILL_URL,DECODE_URL,BOOTSTRAP (repeat for more pairs)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
+    p.add_argument("--max-inflight", type=int, default=256, help="concurrent requests (more: 503 at once)")
+
+
+def config_from(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout, max_inflight=args.max_inflight)
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging()
+    router = Router(config_from(args))
+    metrics = WorkerMetrics("router")
+
+    def generate(body: dict) -> dict:
+        try:
+            out = router.generate(body, client_gone)
+        except Overloaded:
+            metrics.failure("overloaded")
+            raise
+        if out["ok"]:
+            metrics.requests.labels("router", "success").inc()
+            metrics.latency.labels("router", "total").observe(out["timings_ms"]["total"] / 1e3)
+        else:
+            metrics.failure(out["reason"])
+        return out
+
+    api = ApiServer(args.host, args.port, {"/generate": generate, "/abort": router.abort}, lambda: True,
+                    metrics.registry).start()
+    announce(role="router", http=f"http://{args.host}:{api.port}")
+    wait_for_signal()
+    api.stop()
+    router.close()
+    return 0

@@ -1,0 +1,191 @@
+"""Router: HTTP POST /generate -> pick a prefill/decode pair (round robin), assign a unique
+room, call both sides concurrently, merge their outcome and per-phase timings. "control" is
+the hand-off overhead: from prefill done to KV ready on decode, minus the transfer itself
+(wall clocks of two hosts: exact on one host, as good as their clock sync across hosts).
+
+Aborts: when one side fails while the other still works, the other is aborted at once (its
+slots come back now, not at its deadline); a client that disconnects, or names its
+`request_id` in POST /abort, aborts both. At most `max_inflight` requests run at once; more
+get 503 (Overloaded), as does a request that a side refused as overloaded.
+"""
+
+import http.client
+import itertools
+import json
+import secrets
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.api.server import BadRequest, optional_int
+from disagg.errors import Cancelled, Overloaded
+
+POLL_S = 0.1   # how often a waiting request looks for a client cancel
+
+
+@dataclass(frozen=True)
+class Pair:
+    prefill_url: str
+    decode_url: str
+    bootstrap: str
+
+    @staticmethod
+    def parse(text: str) -> "Pair":
+        parts = text.split(",")
+        if len(parts) != 3:
+            raise ValueError(f"--pair wants PREFILL_URL,DECODE_URL,BOOTSTRAP, got {text!r}")
+        return Pair(*parts)
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    pairs: tuple[Pair, ...]
+    host: str = "127.0.0.1"
+    port: int = 0
+    timeout_s: float = 60.0
+    max_prompt_tokens: int = 1 << 20
+    max_inflight: int = 256
+
+
+def post_json(url: str, body: dict, timeout: float) -> dict:
+    """POST, never raise: a failure comes back as {"state": "FAILED", "reason", "status"}."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = exc.read()[:500].decode(errors="replace")
+        except (http.client.HTTPException, OSError) as cut:
+            detail = f"(answer cut short: {cut})"
+        return {"state": "FAILED", "status": exc.code, "reason": f"HTTP {exc.code}: {detail}"}
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
+        return {"state": "FAILED", "reason": f"{url}: {exc}"}
+
+
+def _prompt(body: dict, max_tokens: int) -> list[int]:
+    if "token_ids" in body:
+        tokens = body["token_ids"]
+        if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in tokens):
+            raise BadRequest("token_ids must be a list of ints in [0, 2^31)")
+        if len(tokens) > max_tokens:
+            raise BadRequest(f"at most {max_tokens} prompt tokens")
+    elif "prompt_len" in body:
+        n, seed = body["prompt_len"], body.get("seed")
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= max_tokens:
+            raise BadRequest(f"prompt_len must be an int in [1, {max_tokens}]")
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+            raise BadRequest("seed must be a non-negative int")
+        tokens = np.random.default_rng(seed).integers(0, 50000, n).tolist()
+    else:
+        raise BadRequest("give token_ids or prompt_len")
+    if not tokens:
+        raise BadRequest("empty prompt")
+    return tokens
+
+
+class Router:
+    def __init__(self, config: RouterConfig):
+        if not config.pairs:
+            raise ValueError("a router needs at least one prefill/decode pair")
+        self.config = config
+        self._next = itertools.cycle(enumerate(config.pairs))
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(config.max_inflight)
+        self._calls = ThreadPoolExecutor(2 * config.max_inflight, thread_name_prefix="router")  # never queues
+        self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
+        self._live: dict[str, threading.Event] = {}   # request_id -> cancel
+
+    def abort(self, body: dict) -> dict:
+        request_id = body.get("request_id")
+        if not isinstance(request_id, str):
+            raise BadRequest("request_id must be a string")
+        with self._lock:
+            cancel = self._live.get(request_id)
+        if cancel is not None:
+            cancel.set()
+        return {"request_id": request_id, "aborted": cancel is not None}
+
+    def generate(self, body: dict, client_gone=lambda: False) -> dict:
+        tokens = _prompt(body, self.config.max_prompt_tokens)
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
+        request_id = body.get("request_id")
+        if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
+            raise BadRequest("request_id must be a string of 1 to 128 characters")
+        if not self._slots.acquire(blocking=False):
+            raise Overloaded(f"{self.config.max_inflight} requests in flight")
+        cancel = threading.Event()
+        try:
+            if request_id is not None:
+                with self._lock:
+                    if request_id in self._live:
+                        raise BadRequest(f"request_id {request_id!r} is already in flight")
+                    self._live[request_id] = cancel
+            return self._run(tokens, max_new, cancel, client_gone)
+        finally:
+            if request_id is not None:
+                with self._lock:
+                    if self._live.get(request_id) is cancel:
+                        del self._live[request_id]
+            self._slots.release()
+
+    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone) -> dict:
+        with self._lock:
+            pair_index, pair = next(self._next)
+        room = secrets.randbits(62)
+        t0 = time.perf_counter()
+        timeout = self.config.timeout_s
+        sides = {
+            self._calls.submit(post_json, pair.prefill_url + "/prefill", {"room": room, "token_ids": tokens},
+                               timeout): ("prefill", pair.prefill_url),
+            self._calls.submit(post_json, pair.decode_url + "/decode",
+                               {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
+                                "bootstrap": pair.bootstrap}, timeout): ("decode", pair.decode_url),
+        }
+        results: dict[str, dict] = {}
+        pending, why = set(sides), None
+        while pending:
+            done, pending = wait(pending, POLL_S, FIRST_COMPLETED)
+            for f in done:
+                name = sides[f][0]
+                results[name] = f.result()
+                if why is None and results[name].get("state") != "SUCCESS":
+                    why = f"{name} failed: {results[name].get('reason', '')[:200]}"
+            if why is None and (cancel.is_set() or client_gone()):
+                why = "cancelled by the client"
+            if why is not None and pending:   # the other side stops now instead of at its deadline
+                for f in pending:
+                    self._aborts.submit(post_json, sides[f][1] + "/abort", {"room": room, "reason": why}, 5.0)
+                break
+        for f in pending:
+            results[sides[f][0]] = f.result()
+        cancelled = why == "cancelled by the client"
+        if cancelled and client_gone():
+            raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
+        pre, dec = results["prefill"], results["decode"]
+        if 503 in (pre.get("status"), dec.get("status")):
+            raise Overloaded(dec.get("reason") if dec.get("status") == 503 else pre.get("reason"))
+        ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
+        control = None  # prefill done -> KV ready on decode, minus the transfer itself
+        if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
+            control = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3 - pre["transfer_ms"]
+        return {
+            "room": room, "pair": pair_index, "ok": ok, "prompt_tokens": len(tokens),
+            "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
+            "bytes": dec.get("bytes", 0), "mode": dec.get("mode"),
+            "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
+            "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
+                           "transfer": pre.get("transfer_ms"), "wait": dec.get("wait_ms"),
+                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"), "control": control,
+                           "total": (time.perf_counter() - t0) * 1e3},
+        }
+
+    def close(self) -> None:
+        self._calls.shutdown(wait=False, cancel_futures=True)
+        self._aborts.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,41 @@
+"""`disagg demo`: bootstrap + prefill + decode + router on loopback, a bench workload through
+them, a summary; exit code 0 only if every request was verified."""
+
+import argparse
+import json
+
+from disagg.tools.bench import add_workload_flags, print_summary, run_workload
+from disagg.tools.launcher import Launcher
+
+HELP = "start a local prefill/decode pair and router, run a workload, verify every request"
+
+
+def add_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny-hybrid")
+    p.add_argument("--page-size", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=65536, help="pool capacity per side")
+    p.add_argument("--transfer-mode", default="auto", choices=["auto", "direct", "staged"])
+    p.add_argument("--device", default="cpu", help="pool device on both sides")
+    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    add_workload_flags(p)
+    p.set_defaults(requests=48, concurrency=4, prompt_len="64:2048", max_new_tokens=8)
+
+
+def run(args: argparse.Namespace) -> int:
+    pool = ["--preset", args.preset, "--max-tokens", str(args.max_tokens), "--device", args.device,
+            "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
+    if args.page_size:
+        pool += ["--page-size", str(args.page_size)]
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *pool, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *pool, "--bootstrap-addr", prefill["bootstrap"])
+        router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
+        if not args.json:
+            print(f"prefill {prefill['http']}  decode {decode['http']}  router {router['http']}  preset {args.preset}")
+        summary = run_workload(router["http"], args)
+    summary["preset"] = args.preset
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print_summary(summary)
+    return 0 if summary["failed"] == 0 and summary["verified"] == summary["requests"] else 1

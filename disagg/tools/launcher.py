@@ -1,0 +1,50 @@
+"""Start disagg processes and wait for their ready line; stop them all, whatever happens."""
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+
+from disagg.errors import DisaggError
+
+
+class Launcher:
+    def __init__(self, start_timeout_s: float = 120.0):
+        self.start_timeout_s = start_timeout_s
+        self.procs: list[subprocess.Popen] = []
+
+    def start(self, *args: str, prefix: tuple[str, ...] = ()) -> dict:
+        """Run `[PREFIX...] python -m disagg ARGS` (a prefix such as `ip netns exec NS`); return
+        the JSON line it prints once ready."""
+        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
+                   GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"))
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL if os.environ.get("DISAGG_QUIET", "1") == "1" else None,
+                                text=True, env=env)
+        self.procs.append(proc)
+        ready, _, _ = select.select([proc.stdout], [], [], self.start_timeout_s)
+        line = proc.stdout.readline() if ready else ""
+        if not line:
+            raise DisaggError(f"`disagg {args[0]}` did not become ready (exit code {proc.poll()})")
+        return json.loads(line)
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            proc.stdout.close()
+        self.procs.clear()
+
+    def __enter__(self) -> "Launcher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,105 @@
+"""A fake transport for tests: exposed regions live in a table of this process, a write is a
+plain host memory copy. It proves the transport seam (the sender, receiver and control plane
+run over it unchanged) and injects faults at unit level; it is never used instead of a real
+transport where a test is about moving bytes between processes.
+
+The offer's blob is only a key into the table, never an address: like a transport that maps
+the peer's memory elsewhere, the link resolves (region, offset) itself. Host memory only.
+"""
+
+import ctypes
+import itertools
+import threading
+
+import numpy as np
+
+from transfer.errors import PeerUnreachable, TransportError, WriteFailed
+from transfer.transports import TRANSPORTS, LinkCost, Offer, Ranges, Transport
+from transfer.transports.base import Exposure, Link, PendingWrite, check_ranges
+
+KIND = "memory"
+_exposed: dict[int, "MemoryExposure"] = {}
+_ids = itertools.count(1)
+_lock = threading.Lock()
+
+
+class _Done(PendingWrite):
+    def __init__(self, nbytes: int):
+        self.nbytes = nbytes
+
+    def poll(self) -> bool:
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+
+class MemoryExposure(Exposure):
+    def __init__(self, regions):
+        self.bases = np.array([int(p) for p, _ in regions], dtype=np.int64)
+        self.sizes = np.array([int(n) for _, n in regions], dtype=np.int64)
+        with _lock:
+            self.key = next(_ids)
+            _exposed[self.key] = self
+
+    def offer(self) -> Offer:
+        return Offer(KIND, "this-process", self.key.to_bytes(8, "little"))
+
+    def close(self) -> None:
+        with _lock:
+            _exposed.pop(self.key, None)
+
+
+class MemoryLink(Link):
+    kind = KIND
+    cost = LinkCost(per_range_us=1.0, link_gbps=10.0)
+
+    def __init__(self, local: MemoryExposure, key: int, fail_writes: bool):
+        self._local, self._key, self.peer, self.fail_writes = local, key, f"memory:{key}", fail_writes
+
+    def _peer(self) -> MemoryExposure:
+        with _lock:
+            peer = _exposed.get(self._key)
+        if peer is None:
+            raise PeerUnreachable("probe", -1, self.peer, detail="the peer closed its regions")
+        return peer
+
+    def write_async(self, ranges: Ranges) -> PendingWrite:
+        peer = self._peer()
+        check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
+        check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, peer.sizes)
+        if self.fail_writes:
+            raise WriteFailed("write", -1, self.peer, ranges.nbytes, detail="injected by the memory transport")
+        src = self._local.bases[ranges.src_region] + ranges.src_off
+        dst = peer.bases[ranges.dst_region] + ranges.dst_off
+        for s, d, n in zip(src.tolist(), dst.tolist(), ranges.length.tolist()):
+            ctypes.memmove(d, s, n)
+        return _Done(ranges.nbytes)
+
+    def probe(self) -> None:
+        self._peer()
+
+    def close(self) -> None:
+        pass
+
+
+class MemoryTransport(Transport):
+    kind = KIND
+    host = "this-process"
+
+    def __init__(self, fail_writes: bool = False):
+        self.fail_writes = fail_writes
+
+    def expose(self, regions) -> MemoryExposure:
+        return MemoryExposure(regions)
+
+    def connect(self, offer: Offer, local: Exposure) -> MemoryLink:
+        if offer.kind != KIND or len(offer.blob) != 8 or not isinstance(local, MemoryExposure):
+            raise TransportError("malformed memory offer")
+        return MemoryLink(local, int.from_bytes(offer.blob, "little"), self.fail_writes)
+
+
+def register() -> None:
+    """Make --transport memory available in this process (not part of --transport auto)."""
+    if KIND not in TRANSPORTS.names():
+        TRANSPORTS.add(KIND, lambda settings: MemoryTransport(), auto=False)

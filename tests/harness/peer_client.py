@@ -1,0 +1,170 @@
+"""Drive a receiver: PeerProcess (harness.peer_server in a child process, a real transport
+between the two) and LocalPeer (the same receiver in this process, behind any transport, e.g.
+the fake memory transport). Both have the same methods, so a test runs against either."""
+
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import zmq
+
+from harness.pair_channel import PairChannel
+from harness.peer_server import PeerCore
+from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fragment, Free,
+                          Hello, Release, Reply, Stop, Target)
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.errors import AckTimeout, StagingError, TransferError
+from transfer.peer import RemotePool
+from transfer.sender import KVSender
+from transfer.transports import Transport
+
+HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)   # tests/: where `harness` imports from
+
+
+class _Driver:
+    """The typed commands, over whatever call() does."""
+
+    def call(self, cmd, timeout: float = 60.0) -> Reply:
+        raise NotImplementedError
+
+    def _ok(self, cmd, timeout: float = 60.0) -> Reply:
+        reply = self.call(cmd, timeout)
+        if isinstance(reply, Error):
+            raise TransferError(f"peer server: {reply.message}")
+        return reply
+
+    def configure(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
+                  max_requests: int = 8, swa_ratio: float = 0.5, device: str = "cpu",
+                  staging_slots: int = 4, staging_slot_mib: int = 16) -> Target:
+        """Rebuild the server's pool (every old request is dropped); returns the new target."""
+        self._ok(Configure(preset, page_size, tokens, layout, max_requests, swa_ratio, device,
+                           staging_slots, staging_slot_mib << 20))
+        return self.target()
+
+    def target(self) -> Target:
+        return self._ok(Hello())
+
+    def connect(self, sender: KVSender) -> RemotePool:
+        t = self.target()
+        return sender.connect(t.offers, t.buffers, t.staging)
+
+    def alloc(self, num_tokens: int, window_only: bool = True) -> tuple[int, IndexSet]:
+        reply = self._ok(Alloc(num_tokens, window_only))
+        return reply.id, IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in reply.arrays.items()})
+
+    def fragment(self, seed: int) -> None:
+        self._ok(Fragment(seed))
+
+    def expect(self, transfer_id: int, req: int, want_slots: int = 0) -> list[int]:
+        reply: Allocated = self._ok(Expect(transfer_id, req, want_slots))
+        return np.frombuffer(reply.arrays["slots"], dtype=np.int32).tolist()
+
+    def release(self, transfer_id: int) -> None:
+        self._ok(Release(transfer_id))
+
+    def digest(self, req: int, outside: bool = False) -> Digests:
+        return self._ok(Digest(req, outside))
+
+    def free(self, req: int) -> None:
+        self._ok(Free(req))
+
+    def available(self) -> Counts:
+        return self._ok(Available())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class PeerProcess(_Driver):
+    def __init__(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
+                 device: str = "cpu", staging_slots: int = 4, staging_slot_mib: int = 16,
+                 max_requests: int = 8, swa_ratio: float = 0.5, env: dict | None = None,
+                 start_timeout: float = 60.0, transport: str = "mooncake"):
+        cmd = [sys.executable, "-m", "harness.peer_server", "--preset", preset, "--page-size", str(page_size),
+               "--tokens", str(tokens), "--layout", layout, "--device", device, "--transport", transport,
+               "--staging-slots", str(staging_slots), "--staging-slot-mib", str(staging_slot_mib),
+               "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio)]
+        env = dict(env if env is not None else os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HARNESS_ROOT, env.get("PYTHONPATH")]))
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
+        line = self.proc.stdout.readline() if ready else ""
+        if not line:
+            self.proc.kill()
+            raise TransferError(f"peer server did not start (exit code {self.proc.poll()})")
+        endpoints = json.loads(line)
+        ctx = zmq.Context.instance()
+        self.sock = ctx.socket(zmq.REQ)
+        self.sock.connect(endpoints["command"])
+        self.channel = PairChannel(ctx.socket(zmq.PAIR))
+        self.channel.socket.connect(endpoints["chunks"])
+        self._enc = msgspec.msgpack.Encoder()
+        self._dec = msgspec.msgpack.Decoder(Reply)
+
+    def call(self, cmd, timeout: float = 60.0) -> Reply:
+        self.sock.send(self._enc.encode(cmd))
+        if not self.sock.poll(int(timeout * 1000)):
+            raise TransferError(f"peer server did not answer {type(cmd).__name__} within {timeout} s")
+        return self._dec.decode(self.sock.recv())
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.call(Stop(), timeout=10)
+                self.proc.wait(timeout=10)
+            except (TransferError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close(linger=0)
+        self.channel.socket.close(linger=0)
+        self.proc.stdout.close()
+
+
+class LocalChannel:
+    """A ChunkChannel that scatters on notify (in the sender's thread), acks at once; a chunk
+    the receiver refuses is never acked, as with the real channel."""
+
+    def __init__(self, core: PeerCore):
+        self._core = core
+        self._done: dict[int, int] = {}
+        self._cond = threading.Condition()
+
+    def notify(self, transfer_id: int, index: int, slot: int, pieces) -> None:
+        try:
+            self._core.on_chunk(transfer_id, index, slot, pieces)
+        except StagingError:
+            return
+        with self._cond:
+            self._done[transfer_id] = max(index, self._done.get(transfer_id, -1))
+            self._cond.notify_all()
+
+    def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._done.get(transfer_id, -1) >= index, timeout):
+                raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
+
+    def end(self, transfer_id: int) -> None:
+        with self._cond:
+            self._done.pop(transfer_id, None)
+
+
+class LocalPeer(_Driver):
+    def __init__(self, transport: Transport, preset: str, page_size: int, tokens: int, **kw):
+        self.core = PeerCore(transport, Configure(preset, page_size, tokens, **kw))
+        self.channel = LocalChannel(self.core)
+
+    def call(self, cmd, timeout: float = 60.0) -> Reply:
+        return self.core.call(cmd)
+
+    def close(self) -> None:
+        self.core.receiver.close()

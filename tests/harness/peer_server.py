@@ -1,0 +1,213 @@
+"""A standalone receiver: a pool, a transport, a command socket and a chunk channel.
+Benchmarks and tests drive real transfers into it from another process.
+
+    python -m harness.peer_server --preset gpt-oss-120b --page-size 16 --tokens 65536   (cwd: tests/)
+
+Once ready it prints one JSON line with the endpoints it bound ({"command": ..., "chunks": ...}).
+PeerCore is the receiver's state and command handling without sockets (harness.local_peer
+runs it in-process behind the fake memory transport).
+"""
+
+import argparse
+import hashlib
+import json
+import logging
+import sys
+import threading
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from harness.pair_channel import PairChannel
+from harness.wire import (Alloc, Allocated, Available, Command, Configure, Counts, Digest, Digests, Error, Expect, Free,
+                          Fragment, Hello, Ok, Release, Reply, Stop, Target)
+from kvpool import HybridPool, Layout, PoolConfig, get_preset
+from kvpool.indices import IndexSet
+from transfer.config import TransferConfig
+
+from transfer.errors import DisaggError, StagingError
+from transfer.receiver import KVReceiver
+from transfer.transports import Transport, TransportSettings, create
+
+log = logging.getLogger("harness.peer_server")
+
+
+class PeerCore:
+    """A receiver's pool and requests, driven by Commands."""
+
+    def __init__(self, transport: Transport, configure: Configure):
+        self.transport = transport
+        self.pool: HybridPool | None = None
+        self.receiver: KVReceiver | None = None
+        self.lock = threading.Lock()
+        self.configure(configure)
+
+    def configure(self, c: Configure) -> None:
+        if self.receiver is not None:
+            self.receiver.close()  # unregister before the old pool's memory goes away
+        self.receiver = self.pool = None
+        self.requests: dict[int, object] = {}
+        self.expect: dict[int, tuple[IndexSet, list[int]]] = {}
+        self.next_req = 1
+        self.pool = HybridPool(PoolConfig(get_preset(c.preset), c.page_size, max_tokens=c.tokens,
+                                          max_requests=c.max_requests, layout=Layout(c.layout),
+                                          device=c.device, swa_ratio=c.swa_ratio))
+        self.receiver = KVReceiver(self.transport, self.pool, TransferConfig(
+            staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes))
+
+    def on_chunk(self, transfer_id: int, index: int, slot: int, pieces) -> None:
+        with self.lock:
+            expected = self.expect.get(transfer_id)
+        if expected is None:
+            raise StagingError(f"chunk for unknown transfer {transfer_id}")
+        self.receiver.on_chunk(index, slot, pieces, *expected)
+
+    def handle(self, cmd: Command) -> Reply:
+        match cmd:
+            case Configure() as c:
+                with self.lock:
+                    self.configure(c)
+                return Ok()
+            case Hello():
+                r = self.receiver
+                return Target(r.offers(), r.buffers, r.staging_info())
+            case Alloc(num_tokens=n, window_only=w):
+                req = self.pool.alloc_request(n, swa_window_only=w)
+                rid, self.next_req = self.next_req, self.next_req + 1
+                self.requests[rid] = req
+                iset = self.pool.index_set(req)
+                return Allocated(rid, {c.value: iset[c].tobytes() for c in iset.components()})
+            case Fragment(seed=seed):
+                rng = np.random.default_rng(seed)
+                for alloc in (self.pool.pages, getattr(self.pool.swa_allocator, "swa", None)):
+                    if alloc is not None:
+                        rng.shuffle(alloc._stack[:alloc.num_free])
+                return Ok()
+            case Expect(transfer_id=t, req=rid, want_slots=k):
+                slots = self.receiver.reserve_slots(k) if k else []
+                with self.lock:
+                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots)
+                return Allocated(t, {"slots": np.array(slots, dtype=np.int32).tobytes()})
+            case Release(transfer_id=t):
+                with self.lock:
+                    _, slots = self.expect.pop(t)
+                self.receiver.release_slots(slots)
+                return Ok()
+            case Digest(req=rid, outside=outside):
+                req = self.requests[rid]
+                return Digests(digest_request(self.pool, req), digest_outside(self.pool, req) if outside else None)
+            case Free(req=rid):
+                self.pool.free_request(self.requests.pop(rid))
+                return Ok()
+            case Available():
+                self.pool.check_integrity()
+                return Counts(self.pool.available(), self.receiver.staging.lease.available())
+        return Error(f"unknown command {type(cmd).__name__}")
+
+    def call(self, cmd: Command) -> Reply:
+        try:
+            return self.handle(cmd)
+        except (DisaggError, KeyError, ValueError) as exc:
+            return Error(f"{type(exc).__name__}: {exc}")
+
+
+class PeerServer:
+    def __init__(self, args: argparse.Namespace):
+        [transport] = create([args.transport], TransportSettings(args.host))
+        self.core = PeerCore(transport, Configure(args.preset, args.page_size, args.tokens, args.layout,
+                                                  args.max_requests, args.swa_ratio, args.device,
+                                                  args.staging_slots, args.staging_slot_mib << 20))
+        ctx = zmq.Context.instance()
+        self.commands = ctx.socket(zmq.REP)
+        self.commands.bind(args.command)
+        self.channel = PairChannel(ctx.socket(zmq.PAIR))
+        self.channel.socket.bind(args.chunks)
+        self.stopping = threading.Event()
+        # Ready: tell the parent where we listen (binding "tcp://host:*" picks free ports).
+        print(json.dumps({"command": self.commands.getsockopt_string(zmq.LAST_ENDPOINT),
+                          "chunks": self.channel.socket.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
+
+    def serve_chunks(self) -> None:
+        from harness.wire import ChunkDone
+        while not self.stopping.is_set():
+            if not self.channel.socket.poll(100):
+                continue
+            try:
+                n = self.channel.recv_notice(0.1)
+                self.core.on_chunk(n.transfer_id, n.index, n.slot, n.pieces)
+                self.channel.send_done(ChunkDone(n.transfer_id, n.index))
+            except StagingError as exc:  # untrusted input: refuse, keep serving
+                log.warning("chunk refused: %s", exc)
+
+    def run(self) -> None:
+        chunk_thread = threading.Thread(target=self.serve_chunks, daemon=True)
+        chunk_thread.start()
+        decoder = msgspec.msgpack.Decoder(Command)
+        encoder = msgspec.msgpack.Encoder()
+        while not self.stopping.is_set():
+            raw = self.commands.recv()
+            try:
+                cmd = decoder.decode(raw)
+            except msgspec.DecodeError as exc:
+                self.commands.send(encoder.encode(Error(f"DecodeError: {exc}")))
+                continue
+            if isinstance(cmd, Stop):
+                self.stopping.set()
+                reply = Ok()
+            else:
+                reply = self.core.call(cmd)
+            self.commands.send(encoder.encode(reply))
+        chunk_thread.join()
+
+
+def digest_request(pool: HybridPool, req) -> dict[str, str]:
+    """sha256 per component of the items a transfer of `req` moves, in index order."""
+    iset = pool.index_set(req)
+    out = {}
+    for c in iset.components():
+        h = hashlib.sha256()
+        for t in pool.pools[c].storage.gather(iset[c]):
+            h.update(t.cpu().numpy().tobytes())
+        out[c.value] = h.hexdigest()
+    return out
+
+
+def digest_outside(pool: HybridPool, req) -> str:
+    """sha256 over every pool item `req` does not hold: proves nothing else was written."""
+    h = hashlib.sha256()
+    iset = pool.index_set(req)
+    for c, p in pool.pools.items():
+        mask = torch.ones(p.storage.num_items, dtype=torch.bool, device=p.storage.device)
+        mask[torch.from_numpy(iset[c].astype(np.int64)).to(p.storage.device)] = False
+        for buf in p.storage.buffers:
+            h.update(buf[mask].cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--tokens", type=int, required=True, help="pool capacity in tokens")
+    ap.add_argument("--max-requests", type=int, default=8)
+    ap.add_argument("--swa-ratio", type=float, default=0.5)
+    ap.add_argument("--layout", default="page_major", choices=[l.value for l in Layout])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--transport", default="mooncake")
+    ap.add_argument("--staging-slots", type=int, default=4)
+    ap.add_argument("--staging-slot-mib", type=int, default=16)
+    ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
+    ap.add_argument("--chunks", default="tcp://127.0.0.1:*", help="chunk channel (PAIR) to bind")
+    ap.add_argument("--torch-threads", type=int, default=1,
+                    help="torch intra-op threads (1: gather/scatter copies leave the transport's threads a core)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    PeerServer(args).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""Messages of the peer server's two sockets (harness.peer_server), one union and one decoder
+each: the command socket (REQ/REP) and the chunk channel (PAIR)."""
+
+import msgspec
+
+from transfer.buffers import Buffer
+from transfer.endpoint import StagingInfo
+from transfer.staging import Piece
+from transfer.transports import Offer
+
+
+# ---- command socket: client -> server ------------------------------------------------------
+class Configure(msgspec.Struct, tag=True, frozen=True):
+    """(Re)build the server's pool and receiver; drops every request of the old pool."""
+    preset: str
+    page_size: int
+    tokens: int
+    layout: str = "page_major"
+    max_requests: int = 8
+    swa_ratio: float = 0.5
+    device: str = "cpu"
+    staging_slots: int = 4
+    staging_slot_bytes: int = 16 << 20
+
+
+class Hello(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Alloc(msgspec.Struct, tag=True, frozen=True):
+    num_tokens: int
+    window_only: bool = True
+
+
+class Fragment(msgspec.Struct, tag=True, frozen=True):
+    seed: int
+
+
+class Expect(msgspec.Struct, tag=True, frozen=True):
+    transfer_id: int
+    req: int
+    want_slots: int = 0
+
+
+class Release(msgspec.Struct, tag=True, frozen=True):
+    transfer_id: int
+
+
+class Digest(msgspec.Struct, tag=True, frozen=True):
+    req: int
+    outside: bool = False   # also hash every item the request does not hold (slow on big pools)
+
+
+class Free(msgspec.Struct, tag=True, frozen=True):
+    req: int
+
+
+class Available(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Stop(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Stop
+
+
+# ---- command socket: server -> client ------------------------------------------------------
+class Target(msgspec.Struct, tag=True, frozen=True):
+    """What a sender needs to connect to the server's pool."""
+    offers: list[Offer]
+    buffers: list[Buffer]
+    staging: StagingInfo
+
+
+class Allocated(msgspec.Struct, tag=True, frozen=True):
+    id: int
+    arrays: dict[str, bytes]   # raw int32
+
+
+class Digests(msgspec.Struct, tag=True, frozen=True):
+    per_component: dict[str, str]
+    outside: str | None
+
+
+class Counts(msgspec.Struct, tag=True, frozen=True):
+    available: dict[str, int]
+    staging_free: int
+
+
+class Ok(msgspec.Struct, tag=True, frozen=True):
+    pass
+
+
+class Error(msgspec.Struct, tag=True, frozen=True):
+    message: str
+
+
+Reply = Target | Allocated | Digests | Counts | Ok | Error
+
+
+# ---- chunk channel ------------------------------------------------------------------------
+class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
+    transfer_id: int
+    index: int
+    slot: int
+    pieces: list[Piece]
+
+
+class ChunkDone(msgspec.Struct, tag=True, frozen=True):
+    transfer_id: int
+    index: int
+
+
+Chunks = ChunkLanded | ChunkDone

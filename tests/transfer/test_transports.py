@@ -1,0 +1,60 @@
+"""The transport registry and the per-peer choice of transport (no bytes move here)."""
+
+import msgspec
+import pytest
+
+from harness import memory
+from kvpool import HybridPool, PoolConfig, get_preset
+from transfer.buffers import Buffer
+from transfer.config import TransferConfig
+from transfer.errors import LayoutIncompatible, TransportError
+from transfer.sender import KVSender
+from transfer.transports import TRANSPORTS, Offer, TransportSettings, pick, resolve
+
+
+def test_auto_and_names_resolve_and_unknown_names_are_refused():
+    assert resolve("auto")[0] == "mooncake"
+    assert "memory" not in resolve("auto")          # a test transport never joins auto
+    assert resolve("mooncake") == ("mooncake",)
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known: auto, mooncake"):
+        resolve("carrier-pigeon")
+    with pytest.raises(ValueError, match="tcp or rdma"):
+        TransportSettings(mooncake_protocol="udp")
+
+
+def test_the_first_offer_we_can_reach_wins_in_the_offerers_order():
+    ours = [memory.MemoryTransport()]
+    offers = [Offer("cuda_ipc", "gpu-host", b""), Offer("memory", "this-process", b"x"),
+              Offer("mooncake", "10.0.0.1", b"y")]
+    offer, transport = pick(offers, ours)
+    assert offer.kind == "memory" and transport is ours[0]
+    with pytest.raises(TransportError, match=r"no common transport: peer offers \['cuda_ipc'\], we have \['memory'\]"):
+        pick(offers[:1], ours)
+
+
+def test_sender_connects_over_the_shared_transport_and_refuses_other_layouts():
+    model = get_preset("tiny-hybrid")
+    a = HybridPool(PoolConfig(model, 4, max_tokens=256, max_requests=2))
+    b = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=2))   # sizes may differ, shapes not
+    with KVSender(memory.MemoryTransport(), a, TransferConfig()) as sender, \
+            KVSender(memory.MemoryTransport(), b, TransferConfig()) as receiver:
+        offers = [Offer("mooncake", "elsewhere", b"")] + receiver.offers()
+        remote = sender.connect(offers, receiver.buffers, receiver.staging_info())
+        assert remote.link.kind == "memory" and remote.staging.region == len(receiver.buffers)
+        remote.link.probe()
+        other = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
+        with KVSender(memory.MemoryTransport(), other, TransferConfig()) as stranger:
+            with pytest.raises(LayoutIncompatible, match="lacks"):
+                sender.connect(stranger.offers(), stranger.buffers)
+
+
+def test_offers_and_buffers_are_validated_when_decoded():
+    """Hostile registrations: a buffer of impossible size or an unknown component does not decode."""
+    dec = msgspec.msgpack.Decoder(list[Buffer])
+    good = msgspec.msgpack.encode([Buffer(0, 4096, 1024, "full", None, None)])
+    assert dec.decode(good)[0].num_items == 4
+    for bad in ([0, 4096, 1000, "full", None, None], [0, 4096, 1024, "bogus", None, None],
+                [-1, 4096, 1024, "full", None, None], [0, 0, 1024, "full", None, None]):
+        with pytest.raises(msgspec.ValidationError):
+            dec.decode(msgspec.msgpack.encode([bad]))
+    assert "memory" in TRANSPORTS.names()   # registered by the conftest, for the conformance tests

@@ -1,0 +1,149 @@
+"""The transport interface: how bytes get from this process's memory into a peer's.
+
+    Transport                       one per process and kind (Mooncake, later CUDA IPC, ...)
+      expose(regions) -> Exposure   register local memory as numbered regions
+        Exposure.offer() -> Offer   what a peer needs to reach them: kind, host, opaque blob
+      connect(offer, exposure) -> Link
+        Link.write_async(ranges)    (local region, offset) -> (peer region, offset), length
+          -> PendingWrite           pollable; wait() sleeps, never spins
+        Link.probe(), Link.close()
+        Link.cost                   the per-range / per-byte figures the planner's
+                                    direct-vs-staged choice needs
+
+Offsets into numbered regions travel, never addresses: a transport that maps the peer's
+memory at another address (CUDA IPC) works unchanged. A link checks every range against
+the region sizes the peer offered before it writes.
+"""
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import msgspec
+import numpy as np
+
+from transfer.errors import OutOfBounds
+
+
+class Offer(msgspec.Struct, frozen=True, array_like=True):
+    """One way to reach a side's exposed regions (it travels in the registration)."""
+    kind: str        # transport name in the registry
+    host: str        # host identity: same-host transports only connect where this matches
+    blob: bytes      # the transport's own reachability data (opaque to everyone else)
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    per_range_us: float   # cost of each separate byte range
+    link_gbps: float      # one large write
+
+
+@dataclass(frozen=True)
+class Ranges:
+    """Byte ranges to write, vectorized: range i copies length[i] bytes from local region
+    src_region[i] at src_off[i] to peer region dst_region[i] at dst_off[i]."""
+    src_region: np.ndarray   # int64 [n]
+    src_off: np.ndarray      # int64 [n]
+    dst_region: np.ndarray   # int64 [n]
+    dst_off: np.ndarray      # int64 [n]
+    length: np.ndarray       # int64 [n] bytes
+
+    def __len__(self) -> int:
+        return len(self.length)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.length.sum()) if len(self.length) else 0
+
+    @staticmethod
+    def one(src_region: int, src_off: int, dst_region: int, dst_off: int, length: int) -> "Ranges":
+        return Ranges(*(np.array([v], dtype=np.int64) for v in (src_region, src_off, dst_region, dst_off, length)))
+
+    @staticmethod
+    def concat(parts: Sequence["Ranges"]) -> "Ranges":
+        if not parts:
+            empty = np.zeros(0, dtype=np.int64)
+            return Ranges(empty, empty, empty, empty, empty)
+        return Ranges(*(np.concatenate([getattr(p, f) for p in parts])
+                        for f in ("src_region", "src_off", "dst_region", "dst_off", "length")))
+
+
+def check_ranges(side: str, region: np.ndarray, off: np.ndarray, length: np.ndarray, sizes: np.ndarray) -> None:
+    """Every [off, off + length) lies inside region `region` of a table of `sizes` (vectorized)."""
+    if len(length) == 0:
+        return
+    if len(sizes) == 0:
+        raise OutOfBounds(f"{side}: no exposed regions")
+    ok = (region >= 0) & (region < len(sizes)) & (off >= 0) & (length > 0)
+    ok &= off + length <= sizes[np.clip(region, 0, len(sizes) - 1)]
+    if not ok.all():
+        i = int(np.flatnonzero(~ok)[0])
+        raise OutOfBounds(f"{side}: range of {int(length[i])} bytes at region {int(region[i])} offset "
+                          f"{int(off[i])} lies outside the {len(sizes)} exposed regions")
+
+
+class PendingWrite(ABC):
+    nbytes: int
+
+    @abstractmethod
+    def poll(self) -> bool:
+        """True once every range has landed; raises a TransferError after a failure."""
+
+    @abstractmethod
+    def wait(self, timeout: float | None = None) -> None:
+        """Block (sleeping, never spinning) until landed; raises on failure or timeout."""
+
+
+class Exposure(ABC):
+    """Local memory registered with a transport as numbered regions."""
+    sizes: np.ndarray   # int64 [n_regions]
+
+    @abstractmethod
+    def offer(self) -> Offer: ...
+
+    @abstractmethod
+    def close(self) -> None:
+        """Unregister (before the memory is freed)."""
+
+
+class Link(ABC):
+    """A connection from one local exposure to one peer's offered regions."""
+    kind: str
+    peer: str           # a printable name of the peer
+    cost: LinkCost
+
+    @abstractmethod
+    def write_async(self, ranges: Ranges) -> PendingWrite:
+        """Start writing; returns at once. Raises OutOfBounds before a byte moves if any
+        range lies outside the regions on either side."""
+
+    def write(self, ranges: Ranges, timeout: float | None = None) -> None:
+        self.write_async(ranges).wait(timeout)
+
+    @abstractmethod
+    def probe(self) -> None:
+        """Raise PeerUnreachable unless the peer's side of the transport answers."""
+
+    @abstractmethod
+    def close(self) -> None: ...
+
+
+class Transport(ABC):
+    kind: str
+    host: str
+
+    @abstractmethod
+    def expose(self, regions: Sequence[tuple[int, int]]) -> Exposure:
+        """Register (ptr, nbytes) regions, numbered in order."""
+
+    def can_reach(self, offer: Offer) -> bool:
+        """Whether connect(offer) can work from here (same kind; same host where it matters)."""
+        return offer.kind == self.kind
+
+    @abstractmethod
+    def connect(self, offer: Offer, local: Exposure) -> Link:
+        """A link from `local` to the regions `offer` describes; raises TransferError if the
+        offer is malformed or the peer cannot be reached."""
+
+    def close(self) -> None:
+        pass
