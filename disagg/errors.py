@@ -13,7 +13,6 @@ must not import disagg); the control plane's branch lives here.
      |    +-- InjectedFault                  a failure injected on purpose (transfer.faults)
      +-- Cancelled                           the request was aborted (client, router or peer)
      +-- ProtocolError                       a control-plane message refused, or a peer silent
-     |    +-- InvalidTransition              a request phase may only move forward
      +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
      +-- BadRequest                          invalid API input (HTTP 400)
      +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
@@ -22,15 +21,11 @@ must not import disagg); the control plane's branch lives here.
 
 from transfer.errors import Cancelled, DisaggError, TransferError
 
-__all__ = ["BadRequest", "Cancelled", "DisaggError", "InvalidTransition", "Overloaded", "ProtocolError",
+__all__ = ["BadRequest", "Cancelled", "DisaggError", "Overloaded", "ProtocolError",
            "TooLarge", "TransferError", "VerifyError"]
 
 
 class ProtocolError(DisaggError):
-    pass
-
-
-class InvalidTransition(ProtocolError):
     pass
 
 

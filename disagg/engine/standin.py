@@ -1,5 +1,5 @@
 """The stand-in engine: deterministic KV with no model weights, so the whole path can be run,
-tested and benchmarked. A real engine implements the same EnginePlugin interface.
+tested and benchmarked. A real model engine implements the same interface (engine/base.py).
 
 Every byte of a token's KV is a function of (token id, position, layer, component, byte):
 
@@ -11,12 +11,11 @@ take the seed of the whole prompt. Loops run over layers and parts, never over t
 """
 
 import hashlib
-from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
 
+from disagg.engine.base import PrefillResult
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.indices import SENTINEL
@@ -24,25 +23,6 @@ from kvpool.pools.swa import window_first_page
 
 _COMPONENT_SALT = {Component.FULL: 0x1234567, Component.SWA: 0x2345671, Component.NSA: 0x3456712,
                    Component.MAMBA: 0x4567123}
-
-
-@dataclass(frozen=True)
-class PrefillResult:
-    first_token: int
-    digest: bytes   # 32 bytes over the prompt; written to the AUX row
-
-
-class EnginePlugin(Protocol):
-    """What disagg needs from an inference engine."""
-
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
-        """Compute the prompt's KV into `req` and its AUX row."""
-
-    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
-        """Check what arrived on decode; return a digest per component or raise VerifyError."""
-
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:
-        """Generate tokens, appending KV (and evicting out-of-window SWA pages)."""
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -110,7 +90,7 @@ class StandInEngine:
             s = _mix(seed, pl.segment.layer, 1 if pl.segment.part == "conv" else 2, _COMPONENT_SALT[Component.MAMBA])
             yield pl.segment.layer, pl.segment.part, _bytes_for(np.atleast_1d(s), pl.segment.nbytes)[0]
 
-    # ---- EnginePlugin ---------------------------------------------------------------------
+    # ---- ModelEngine ---------------------------------------------------------------------
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         self._write_tokens(pool, req, token_ids, np.arange(len(token_ids)))

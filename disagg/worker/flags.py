@@ -4,7 +4,7 @@ import argparse
 import json
 import os
 
-from disagg.control.phases import Deadlines
+from disagg.control.deadlines import Deadlines
 from disagg.worker.pool_settings import PoolSettings
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS

@@ -29,11 +29,11 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        eventually(lambda: 7 in prefill._requests and prefill._requests[7].dst is not None, 10,
-                    "prefill holds decode's TransferRequest")
+        eventually(lambda: (r := prefill.requests.get(7)) is not None and r.dst is not None, 10,
+                   "prefill holds decode's TransferRequest")
         t0 = time.monotonic()
         prefill._stop.set()  # the prefill's control plane goes silent (no replies, no heartbeats)
-        prefill._io.join()
+        prefill._loop_thread.join()
         decode_thread.join(30)
         elapsed = time.monotonic() - t0
         assert result["state"] == "FAILED" and "silent" in result["reason"], result
@@ -63,10 +63,10 @@ def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone(eventuall
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        eventually(lambda: 9 in decode._requests, 10, "the first request is live on decode")
+        eventually(lambda: decode.requests.get(9) is not None, 10, "the first request is live on decode")
         second = decode.decode(9, tokens, 2)
         assert second["state"] == "FAILED" and "duplicate room 9" in second["reason"]
-        assert 9 in decode._requests  # the live one is still there
+        assert decode.requests.get(9) is not None  # the live one is still there
         stuck.release.set()
         decode_thread.join(30)
         assert first["state"] == "SUCCESS" and first["verified"]

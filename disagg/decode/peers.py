@@ -1,0 +1,112 @@
+"""The prefill peers of one decode: bootstrap lookups (cached), one registration per prefill
+epoch, and liveness. Request threads look peers up and wait for their registration; the loop
+thread records answers and heartbeats and drops silent peers (under one lock)."""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from disagg.bootstrap.server import BootstrapClient
+from disagg.control.liveness import Liveness
+from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, RegisterPrefill, layout_difference
+from disagg.errors import ProtocolError
+
+
+@dataclass(eq=False)
+class PrefillPeer:
+    info: RegisterPrefill
+    registered: threading.Event = field(default_factory=threading.Event)   # answered (either way)
+    refused: str = ""
+    epoch: int = 0
+    transport: str = ""              # the transport prefill picked for us
+
+    @property
+    def endpoint(self) -> str:
+        return self.info.control_endpoint
+
+
+class PrefillPeers:
+    def __init__(self, ctx: zmq.Context, layout: LayoutInfo, dead_after_s: float):
+        self._ctx, self.layout = ctx, layout
+        self._lock = threading.Lock()
+        self._peers: dict[str, PrefillPeer] = {}              # control endpoint -> peer
+        self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
+        self._liveness = Liveness(dead_after_s)               # registered peers only
+
+    # ---- request threads ---------------------------------------------------------------------
+    def join(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> tuple[PrefillPeer, bool]:
+        """The peer behind `bootstrap` and whether it is new (then the caller registers)."""
+        with self._lock:
+            info = self._lookups.get((bootstrap, tp_rank))
+        if info is None:
+
+            client = BootstrapClient(bootstrap, max(0.05, deadline - time.monotonic()), context=self._ctx)
+            try:
+                info = client.lookup(PROTOCOL_VERSION, tp_rank)
+            finally:
+                client.close()
+            diff = layout_difference(self.layout, info.layout)
+            if diff:
+                raise ProtocolError(f"prefill layout differs: {diff}")
+        with self._lock:
+            self._lookups[(bootstrap, tp_rank)] = info
+            peer = self._peers.get(info.control_endpoint)
+            fresh = peer is None or peer.info.epoch != info.epoch
+            if fresh:
+                peer = self._peers[info.control_endpoint] = PrefillPeer(info)
+            return peer, fresh
+
+    @staticmethod
+    def wait_registered(peer: PrefillPeer, deadline: float) -> PrefillPeer:
+
+        if not peer.registered.wait(max(0.0, deadline - time.monotonic())):
+            raise ProtocolError(f"prefill {peer.endpoint} did not answer the registration in time")
+        if peer.refused:
+            raise ProtocolError(f"prefill refused registration: {peer.refused}")
+        return peer
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def registered(self, endpoint: str, epoch: int, transport: str) -> None:
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                return
+            peer.epoch, peer.transport = epoch, transport
+            self._liveness.heard(endpoint)
+        peer.registered.set()
+
+    def refused(self, endpoint: str, reason: str) -> bool:
+        """A Refused from `endpoint`: the answer to our registration (False), or, once
+        registered, the peer dropped us (True: the caller treats it as lost)."""
+        with self._lock:
+            peer = self._peers.get(endpoint)
+            if peer is None:
+                return False
+            if peer.registered.is_set():
+                return True
+            peer.refused = reason
+        peer.registered.set()
+        return False
+
+    def heard(self, endpoint: str) -> None:
+        with self._lock:
+            if self._liveness.known(endpoint):
+                self._liveness.heard(endpoint)
+
+    def silent(self) -> list[str]:
+        with self._lock:
+            return list(self._liveness.silent())
+
+    def registered_endpoints(self) -> list[str]:
+        with self._lock:
+            return [e for e in self._peers if self._liveness.known(e)]
+
+    def lost(self, endpoint: str) -> None:
+        """Forget the peer and its lookups: the next request looks it up and registers again."""
+        with self._lock:
+            self._peers.pop(endpoint, None)
+            self._liveness.forget(endpoint)
+            for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
+                del self._lookups[key]

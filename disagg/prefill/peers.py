@@ -1,0 +1,88 @@
+"""The decode peers of one prefill: registration (version, layout, a transport both sides
+have), one link and one transfer-worker shard per peer, and dropping silent peers.
+
+A shard is `transfer_workers` threads per decode peer, so a slow or dead peer stalls only its
+own transfers. Peers are added and dropped by the loop thread; transfer submission reads them
+from any thread (a dict read).
+"""
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from disagg.control.chunk_relay import ChunkRelay
+from disagg.control.io import RouterIO
+from disagg.control.liveness import Liveness
+from disagg.control.messages import LayoutInfo, RegisterDecode, Registered, Refused, check_version, layout_difference
+from disagg.errors import ProtocolError
+from transfer.errors import TransferError
+from transfer.peer import RemotePool
+from transfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class DecodePeer:
+    target: RemotePool            # the link over the transport picked for this peer
+    epoch: int
+    relay: ChunkRelay
+    workers: ThreadPoolExecutor   # this destination's shard
+
+    def close(self, wait: bool = False) -> None:
+        self.workers.shutdown(wait=wait)
+        self.target.link.close()
+
+
+class DecodePeers:
+    def __init__(self, sender: KVSender, layout: LayoutInfo, io: RouterIO, transfer_workers: int,
+                 dead_after_s: float, epoch: int):
+        self.sender, self.layout, self.io = sender, layout, io
+        self.transfer_workers, self.epoch = transfer_workers, epoch
+        self.liveness = Liveness(dead_after_s)
+        self._peers: dict[bytes, DecodePeer] = {}
+
+    def get(self, identity: bytes) -> DecodePeer | None:
+        return self._peers.get(identity)
+
+    def heard(self, identity: bytes) -> bool:
+        """A frame came from `identity`; whether it is a registered peer."""
+        if identity in self._peers:
+            self.liveness.heard(identity)
+            return True
+        return False
+
+    def register(self, identity: bytes, msg: RegisterDecode) -> Registered | Refused:
+        try:
+            check_version(msg.version)
+            diff = layout_difference(self.layout, msg.layout)
+            if diff:
+                raise ProtocolError(f"layout mismatch: {diff}")
+            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging)
+        except (ProtocolError, TransferError) as exc:
+            return Refused(str(exc))
+        old = self._peers.get(identity)
+        if old is not None:
+            old.target.link.close()   # a new registration (new epoch, new regions): a new link
+        workers = old.workers if old is not None else ThreadPoolExecutor(
+            self.transfer_workers, thread_name_prefix=f"kv-transfer-{target.link.peer}")
+        self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self.io, identity), workers)
+        self.liveness.heard(identity)
+        log.info("decode %s registered (epoch %d, %s)", target.link.peer, msg.epoch, target.link.kind)
+        return Registered(self.epoch, target.link.kind)
+
+    def drop_silent(self) -> set[bytes]:
+        """Drop peers silent for dead_after_s; returns their identities."""
+        gone = set(self.liveness.silent())
+        for identity in gone:
+            peer = self._peers.pop(identity, None)
+            if peer is not None:
+                log.warning("decode %s silent for %.0f s: dropping it", peer.target.link.peer,
+                            self.liveness.dead_after_s)
+                peer.close()
+        return gone
+
+    def close(self) -> None:
+        for peer in self._peers.values():
+            peer.close(wait=True)
+        self._peers.clear()

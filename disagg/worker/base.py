@@ -1,0 +1,65 @@
+"""What prefill and decode workers share: settings, the pool and its admission, the transfer
+endpoint over the configured transports, the layout they advertise, the model engine, the
+ZMQ context and the stop flag.
+
+    Worker(settings, KVSender | KVReceiver, model)
+      .pool       HybridPool                 .admission  bounded wait for pool space
+      .endpoint   the pool exposed to the transports (region i = buffer i, then staging)
+      .layout     LayoutInfo: page size, layout, buffers (what the other side checks)
+      .model      the model engine (stand-in by default)
+      .epoch      new on every start: a restarted worker is a new peer
+"""
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from disagg.control.admission import Admission, empty_pool_fit
+from disagg.control.messages import LayoutInfo
+from disagg.control.deadlines import Deadlines
+from disagg.engine.base import ModelEngine
+from disagg.engine.standin import StandInEngine
+from disagg.worker.pool_settings import PoolSettings
+from kvpool import HybridPool
+from transfer.config import TransferConfig
+from transfer.endpoint import PoolEndpoint
+from transfer.transports import TransportSettings, create
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    pool: PoolSettings = PoolSettings()
+    host: str = "127.0.0.1"                 # bound and advertised (control sockets)
+    transports: tuple[str, ...] = ("mooncake",)   # decode offers them in this order; prefill picks
+    transport_settings: TransportSettings = TransportSettings()
+    transfer: TransferConfig = field(default_factory=TransferConfig)
+    deadlines: Deadlines = field(default_factory=Deadlines)
+    dead_after_s: float = 5.0               # a peer silent this long fails its requests
+    queue_wait_s: float = 5.0               # longest wait for pool space before refusing
+    max_waiting: int = 64                   # requests waiting for pool space; more are refused at once
+
+
+class Worker:
+    def __init__(self, settings: WorkerSettings, endpoint_class: type[PoolEndpoint], model: ModelEngine | None,
+                 swa_window_only: bool):
+        self.model = model or StandInEngine()
+        self.pool = HybridPool(settings.pool.pool_config())
+        self.admission = Admission(empty_pool_fit(self.pool, swa_window_only), settings.max_waiting,
+                                   settings.queue_wait_s)
+        self.endpoint = endpoint_class(create(settings.transports, settings.transport_settings), self.pool,
+                                       settings.transfer)
+        self.faults = self.endpoint.faults
+        self.epoch = time.time_ns()
+        self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers)
+        self._ctx = zmq.Context()
+        self._stop = threading.Event()
+        self.ready = False
+
+    def close(self) -> None:
+        """After the subclass stopped its threads and closed its sockets."""
+        self.endpoint.close()
+        for t in self.endpoint.transports:
+            t.close()
+        self._ctx.term()

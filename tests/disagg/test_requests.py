@@ -1,0 +1,181 @@
+"""The two request tables on their own: every transition, its effects (pages freed, the peer
+told, a transfer started) happening exactly once, and the rooms they keep or forget."""
+
+import time
+
+import numpy as np
+import pytest
+
+from disagg.control.deadlines import Deadlines
+from disagg.control.messages import Abort, TransferDone
+from disagg.decode.requests import Phase as D, RequestTable as DecodeTable
+from disagg.errors import ProtocolError
+from disagg.prefill.requests import Phase as P, RequestTable as PrefillTable
+
+LONG = Deadlines(10, 10, 10)
+PEER, OTHER = b"decode-1", b"decode-2"
+
+
+class Effects:
+    """Records what a table asked for."""
+
+    def __init__(self, refuse: str | None = None):
+        self.freed, self.told, self.submitted, self.refuse = [], [], [], refuse
+
+    def free(self, kv) -> None:
+        self.freed.append(kv)
+
+    def tell(self, peer, msg) -> None:
+        self.told.append((peer, msg))
+
+    def submit(self, r):
+        self.submitted.append(r)
+        return self.refuse
+
+
+def prefill_table(deadlines=LONG, refuse=None):
+    fx = Effects(refuse)
+    return PrefillTable(epoch=5, deadlines=deadlines, free=fx.free, tell=fx.tell, submit=fx.submit), fx
+
+
+TOKENS = np.arange(8)
+
+
+@pytest.mark.parametrize("prompt_first", [True, False])
+def test_prefill_meets_both_halves_in_either_order_and_sends_once(prompt_first):
+    t, fx = prefill_table()
+    if prompt_first:
+        r = t.prompt(1, TOKENS)
+        assert r.phase is P.AWAITING_DECODE
+        assert t.destination(1, PEER, "dst", [0]) is None
+    else:
+        assert t.destination(1, PEER, "dst", [0]) is None
+        assert t.get(1).phase is P.ORPHANED
+        r = t.prompt(1, TOKENS)
+    assert r.phase is P.COMPUTING and not fx.submitted
+    t.computed(r, "kv")
+    assert r.phase is P.TRANSFERRING and fx.submitted == [r] and not fx.freed
+    done = TransferDone(1, 5, True, nbytes=10)
+    t.finished(r, True, done=done)
+    assert r.phase is P.DONE and fx.freed == ["kv"] and fx.told == [(PEER, done)] and t.get(1) is None
+
+
+def test_prefill_abort_while_computing_tells_decode_once_and_frees_when_the_kv_arrives():
+    t, fx = prefill_table()
+    r = t.prompt(2, TOKENS)
+    t.destination(2, PEER, "dst", [])
+    assert t.fail(r, "aborted: operator") and not t.fail(r, "again")
+    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(2, 5, False, "aborted: operator"))]
+    assert not fx.freed   # the computing thread still holds the pages
+    t.computed(r, "kv")
+    assert fx.freed == ["kv"] and not fx.submitted
+    # the room is buried: a late TransferRequest is answered at once, a late prompt fails
+    assert t.destination(2, PEER, "dst", []) == TransferDone(2, 5, False, "aborted: operator")
+    assert t.prompt(2, TOKENS).phase is P.FAILED
+
+
+def test_prefill_abort_during_a_transfer_waits_for_the_worker():
+    t, fx = prefill_table()
+    r = t.prompt(3, TOKENS)
+    t.destination(3, PEER, "dst", [])
+    t.computed(r, "kv")
+    assert t.fail(r, "aborted by decode: x")
+    assert r.phase is P.STOPPING and r.phase.ended and not fx.told and not fx.freed
+    assert t.get(3) is r   # still held: a worker writes into decode's pages
+    assert not t.fail(r, "asked again")   # a re-asked Abort is not confirmed early
+    t.finished(r, True, done=TransferDone(3, 5, True))   # the send finished anyway
+    assert r.phase is P.FAILED and fx.freed == ["kv"]
+    assert fx.told == [(PEER, TransferDone(3, 5, False, "aborted by decode: x"))]
+
+
+def test_prefill_refused_submission_and_failed_send_end_the_request():
+    t, fx = prefill_table(refuse="shut down")
+    r = t.prompt(4, TOKENS)
+    t.destination(4, PEER, "dst", [])
+    t.computed(r, "kv")
+    assert r.phase is P.FAILED and "transfer workers unavailable: shut down" in r.reason and fx.freed == ["kv"]
+    t, fx = prefill_table()
+    r = t.prompt(5, TOKENS)
+    t.destination(5, PEER, "dst", [])
+    t.computed(r, "kv")
+    t.finished(r, False, "WriteFailed: boom")
+    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(5, 5, False, "WriteFailed: boom"))]
+
+
+def test_prefill_duplicates_deadlines_and_sweeps():
+    t, fx = prefill_table(Deadlines(0.05, 10, 10))
+    r = t.prompt(6, TOKENS)
+    with pytest.raises(ProtocolError, match="duplicate room 6"):
+        t.prompt(6, TOKENS)
+    t0 = time.monotonic()
+    assert t.wait(r) is P.FAILED and time.monotonic() - t0 < 2
+    assert "AWAITING_DECODE deadline of 0.05 s passed (no TransferRequest from decode)" in r.reason
+    assert not fx.told   # decode never asked: its late TransferRequest meets the tombstone
+    t, fx = prefill_table(Deadlines(10, 5, 10))
+    t.destination(7, PEER, "dst", [])
+    t.destination(8, OTHER, "dst", [])
+    t.get(7).since -= 6   # an orphan that arrived 6 s ago, past the 5 s waiting deadline
+    t.sweep(lost_peers={OTHER})
+    assert t.get(7) is None and t.get(8) is None
+    assert {(p, m.reason) for p, m in fx.told} == {(PEER, "prefill never arrived"), (OTHER, "decode peer silent")}
+
+
+def decode_table(quarantine_s=60.0, deadlines=LONG):
+    fx = Effects()
+    return DecodeTable(deadlines, quarantine_s, free=fx.free, send=fx.tell), fx
+
+
+def test_decode_success_only_from_the_prefill_it_asked():
+    t, fx = decode_table()
+    r = t.open(1)
+    t.admitted(r, "kv", "dst", [0])
+    assert t.sending(r, "tcp://p:1", 9)
+    t.started(1, "tcp://p:1", 8)          # another epoch: ignored
+    assert r.phase is D.WAITING_FOR_INPUT
+    t.started(1, "tcp://p:1", 9)
+    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1") is r and t.receiving(1, "tcp://x:1") is None
+    t.done(TransferDone(1, 9, True), "tcp://x:1")   # another prefill: ignored
+    assert r.phase is D.TRANSFERRING
+    t.done(TransferDone(1, 9, True), "tcp://p:1")
+    assert t.wait(r) is D.SUCCESS and r.done.ok
+    t.finish(r)
+    assert fx.freed == [r] and t.get(1) is None and not fx.told
+
+
+def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
+    t, fx = decode_table()
+    r = t.open(2)
+    t.sending(r, "tcp://p:1", 9)
+    assert t.fail(r, "aborted: client") and r.phase is D.ABORTING and t.receiving(2, "tcp://p:1") is None
+    t.finish(r)
+    assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:1", Abort(2, "aborted: client"))] and not fx.freed
+    with pytest.raises(ProtocolError, match="duplicate room 2"):
+        t.open(2)   # the room stays taken while its pages are held
+    assert t.sweep() == [] and len(fx.told) == 2   # asked again
+    t.done(TransferDone(2, 9, False, "aborted"), "tcp://p:1")
+    assert fx.freed == [r] and t.quarantined() == 0 and t.open(2).phase is D.BOOTSTRAPPING
+
+
+def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
+    t, fx = decode_table(quarantine_s=0.0)
+    a, b, c = t.open(3), t.open(4), t.open(5)
+    t.sending(a, "tcp://p:1", 9)
+    t.sending(b, "tcp://q:1", 9)
+    assert t.peer_lost("tcp://p:1", "prefill silent") == 1
+    assert a.phase is D.ABORTING and b.phase is D.WAITING_FOR_INPUT
+    t.fail(c, "lookup failed")               # never sent: nothing can write into it
+    assert c.phase is D.FAILED and not t.sending(c, "tcp://p:1", 9)
+    t.finish(c)
+    t.finish(a)
+    assert fx.freed == [c] and t.quarantined() == 1
+    assert t.sweep() == [a] and fx.freed == [c, a] and t.quarantined() == 0   # cap passed
+
+
+def test_decode_abort_before_arrival_and_deadlines():
+    t, fx = decode_table(deadlines=Deadlines(10, 0.05, 10))
+    assert t.abort(6, "aborted: router gave up") is None
+    r = t.open(6)
+    assert r.phase is D.FAILED and r.reason == "aborted: router gave up"
+    r = t.open(7)
+    t.sending(r, "tcp://p:1", 1)
+    assert t.wait(r) is D.ABORTING and "WAITING_FOR_INPUT deadline" in r.reason
