@@ -26,6 +26,11 @@ class Component(str, Enum):
         """Indexed by a per-request slot (one item per request), not by page."""
         return self in (Component.MAMBA, Component.AUX)
 
+    @property
+    def metadata(self) -> bool:
+        """disagg's own record of the request (the AUX row), not model KV or state."""
+        return self is Component.AUX
+
     # ---- transfer rules: the planner asks the component, never lists components itself ----
     @property
     def truncatable(self) -> bool:
@@ -57,11 +62,15 @@ def _split(what: str, value: int, tp_size: int) -> int:
     return value // tp_size
 
 
+def layer_group(model: ModelSpec, component: Component):
+    """The model's layer group a component stores (None for the AUX row, or if absent)."""
+    return {Component.FULL: model.full, Component.SWA: model.swa, Component.NSA: model.nsa,
+            Component.MAMBA: model.linear}.get(component)
+
+
 def components(model: ModelSpec) -> tuple[Component, ...]:
-    present = [Component.FULL if model.full else None, Component.SWA if model.swa else None,
-               Component.NSA if model.nsa else None, Component.MAMBA if model.linear else None,
-               Component.AUX]
-    return tuple(c for c in present if c is not None)
+    """The components a pool of `model` holds, in Component order (AUX always)."""
+    return tuple(c for c in Component if c.metadata or layer_group(model, c))
 
 
 def segments(model: ModelSpec, component: Component, page_size: int, tp_size: int = 1) -> list[Segment]:

@@ -24,7 +24,8 @@ os.environ.setdefault("GLOG_minloglevel", "2")
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))   # the harness package
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
 
 from harness.peer_client import PeerProcess  # noqa: E402
 from harness.peer_server import digest_request  # noqa: E402

@@ -1,6 +1,10 @@
 """Prometheus metrics of one worker process (its own registry, so tests can run many)."""
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from disagg.errors import Overloaded
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -24,6 +28,34 @@ class WorkerMetrics:
     def observe_pool(self, available: dict[str, int]) -> None:
         for name, value in available.items():
             self.pool_free.labels(self.role, name).set(value)
+
+    def count(self, call: Callable[[], dict], succeeded: Callable[[dict], bool],
+              observe: Callable[[dict, bool], None] | None = None) -> dict:
+        """One API call: the in-flight gauge around it, an Overloaded refusal counted (and
+        raised on), the outcome counted (success, or failure by reason), then `observe(out,
+        ok)` for the role's own figures."""
+        self.inflight.labels(self.role).inc()
+        try:
+            out = call()
+        except Overloaded:
+            self.failure("overloaded")
+            raise
+        finally:
+            self.inflight.labels(self.role).dec()
+        ok = succeeded(out)
+        if ok:
+            self.requests.labels(self.role, "success").inc()
+        else:
+            self.failure(out.get("reason") or "unknown")
+        if observe is not None:
+            observe(out, ok)
+        return out
+
+    def seconds(self, phase: str, out: dict, key: str | None = None) -> None:
+        """Observe out[key or phase_ms] (milliseconds) as the phase's latency, if present."""
+        ms = out.get(key or f"{phase}_ms")
+        if ms is not None:
+            self.latency.labels(self.role, phase).observe(ms / 1e3)
 
     def failure(self, reason: str) -> None:
         """Count a failure under a coarse reason (the first word: bounded label cardinality)."""

@@ -67,14 +67,3 @@ class Admission:
         with self._freed:
             self._generation += 1
             self._freed.notify_all()
-
-
-def empty_pool_fit(pool, swa_window_only: bool) -> Callable[[int], bool]:
-    """fits_empty for a HybridPool, from its capacity now (call while it is empty)."""
-    free, page = pool.available(), pool.page_size
-
-    def fits(num_tokens: int) -> bool:
-        tokens = -(-num_tokens // page) * page
-        swa_ok = swa_window_only or tokens <= free.get("swa_tokens", tokens)
-        return tokens <= free["full_tokens"] and swa_ok
-    return fits

@@ -1,4 +1,5 @@
-"""`disagg decode`: a decode worker (pool, engine, control sockets to prefill peers, HTTP)."""
+"""`disagg decode`: a decode worker (pool, transports, model engine, control sockets to
+prefill peers, HTTP)."""
 
 import argparse
 
@@ -10,7 +11,6 @@ from disagg.api.server import ApiServer, abort_route, optional_int, require_room
 from disagg.api.metrics import WorkerMetrics
 from disagg.worker.flags import (add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config,
                                  transport_settings, transports)
-from disagg.errors import Overloaded
 
 HELP = "run a decode worker"
 
@@ -39,27 +39,17 @@ def run(args: argparse.Namespace) -> int:
     server = DecodeServer(config_from(args))
     metrics = WorkerMetrics("decode")
 
-    def decode(body: dict) -> dict:
-        room = require_room(body)
-        tokens = require_tokens(body)
-        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
-        metrics.inflight.labels("decode").inc()
-        try:
-            out = server.decode(room, tokens, max_new, body.get("bootstrap"))
-        except Overloaded:
-            metrics.failure("overloaded")
-            raise
-        finally:
-            metrics.inflight.labels("decode").dec()
-        if out["state"] == "SUCCESS":
-            metrics.requests.labels("decode", "success").inc()
+    def observe(out: dict, ok: bool) -> None:
+        if ok:
             metrics.bytes.labels("decode").inc(out["bytes"])
             for phase in ("bootstrap", "wait", "verify", "decode"):
-                if f"{phase}_ms" in out:
-                    metrics.latency.labels("decode", phase).observe(out[f"{phase}_ms"] / 1e3)
-        else:
-            metrics.failure(out["reason"])
-        return out
+                metrics.seconds(phase, out)
+
+    def decode(body: dict) -> dict:
+        room, tokens = require_room(body), require_tokens(body)
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
+        return metrics.count(lambda: server.decode(room, tokens, max_new, body.get("bootstrap")),
+                             lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},
                     lambda: server.ready and server.bootstrap_reachable(), metrics.registry,

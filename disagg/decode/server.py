@@ -125,15 +125,6 @@ class DecodeServer(Worker):
         finally:
             self.requests.finish(r)
 
-    def abort(self, room: int, reason: str) -> dict:
-        """Abort a room (router, client or operator): it fails now, prefill is told, and its
-        pages come back once prefill confirms. An unknown room is remembered as aborted."""
-        r = self.requests.get(room)
-        if r is None:
-            self.requests.abort(room, f"aborted: {reason}")
-            return {"room": room, "aborted": False, "known": False}
-        return {"room": room, "aborted": self.requests.fail(r, f"aborted: {reason}"), "known": True}
-
     def _free(self, r: DecodeRequest) -> None:
         """(The table's effect, under its lock.)"""
         if r.kv is not None:

@@ -11,6 +11,7 @@ take the seed of the whole prompt. Loops run over layers and parts, never over t
 """
 
 import hashlib
+import zlib
 
 import numpy as np
 import torch
@@ -18,11 +19,7 @@ import torch
 from disagg.engine.base import PrefillResult
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
-from kvpool.indices import SENTINEL
-from kvpool.pools.swa import window_first_page
-
-_COMPONENT_SALT = {Component.FULL: 0x1234567, Component.SWA: 0x2345671, Component.NSA: 0x3456712,
-                   Component.MAMBA: 0x4567123}
+from kvpool.positions import backed, kept_positions, paged_components, state_components, token_items
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -50,53 +47,59 @@ def first_token(token_ids: np.ndarray) -> int:
     return int(_mix(int(prompt_digest(token_ids)[0]), len(token_ids))[()] % 50000)
 
 
+def _salt(name: str) -> int:
+    """A per-component (or per-part) constant, derived from the name: no table to extend."""
+    return zlib.crc32(name.encode())
+
+
 class StandInEngine:
-    def _token_rows(self, pool: HybridPool, c: Component, req: RequestKV, positions: np.ndarray):
-        """(item index, slot within page) per position, for component c."""
-        pages = req.full_pages[positions // pool.page_size]
-        if c is Component.SWA:
-            pages = pool.swa_allocator.translate(pages)
-        return pages, positions % pool.page_size
+    """Loops over the pool's components as kvpool.positions describes them; it names none."""
 
     def _expected(self, layer: int, c: Component, token_ids: np.ndarray, positions: np.ndarray, nbytes: int):
-        seeds = _mix(token_ids[positions].astype(np.uint64), positions, layer, _COMPONENT_SALT[c])
+        seeds = _mix(token_ids[positions].astype(np.uint64), positions, layer, _salt(c.value))
         return _bytes_for(seeds, nbytes)
 
-    def _paged_parts(self, pool: HybridPool, c: Component):
+    def _parts(self, pool: HybridPool, c: Component):
         for pl in pool.pools[c].storage.packed.placements:
             yield pl.segment.layer, pl.segment.part, pool.layer_view(pl.segment.layer, pl.segment.part)
 
+    @staticmethod
+    def _token_bytes(view: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """[items, page_size, bytes per token] uint8 view of a paged layer view."""
+        per_token = view[0, 0].numel() * view.element_size()
+        raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
+        return raw.reshape(view.shape[0], view.shape[1], per_token), per_token
+
     def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
-        for c in (Component.FULL, Component.SWA, Component.NSA):
-            if c not in pool.pools:
-                continue
-            pos = positions
-            if c is Component.SWA:  # only pages that still hold an SWA page
-                backed = pool.swa_allocator.translate(req.full_pages[pos // pool.page_size]) != SENTINEL
-                pos = pos[backed]
-            items, slots = self._token_rows(pool, c, req, pos)
-            it = torch.from_numpy(items.astype(np.int64))
-            sl = torch.from_numpy(slots.astype(np.int64))
-            for layer, part, view in self._paged_parts(pool, c):
-                per_token = view[0, 0].numel() * view.element_size()
+        for c in paged_components(pool):
+            items, slots = token_items(pool, c, req, positions)
+            keep = backed(items)   # only positions whose page the component still holds
+            pos = positions[keep]
+            it = torch.from_numpy(items[keep].astype(np.int64))
+            sl = torch.from_numpy(slots[keep].astype(np.int64))
+            for layer, part, view in self._parts(pool, c):
+                raw, per_token = self._token_bytes(view)
                 data = torch.from_numpy(self._expected(layer, c, token_ids, pos, per_token))
-                raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
-                raw = raw.reshape(view.shape[0], view.shape[1], per_token)
                 raw[it.to(raw.device), sl.to(raw.device)] = data.to(raw.device)
 
-    def _state_bytes(self, pool: HybridPool, token_ids: np.ndarray):
+    def _state_bytes(self, pool: HybridPool, c: Component, token_ids: np.ndarray):
         seed = _mix(int.from_bytes(prompt_digest(token_ids)[:4], "little"), len(token_ids))
-        for pl in pool.pools[Component.MAMBA].storage.packed.placements:
-            s = _mix(seed, pl.segment.layer, 1 if pl.segment.part == "conv" else 2, _COMPONENT_SALT[Component.MAMBA])
+        for pl in pool.pools[c].storage.packed.placements:
+            s = _mix(seed, pl.segment.layer, _salt(pl.segment.part), _salt(c.value))
             yield pl.segment.layer, pl.segment.part, _bytes_for(np.atleast_1d(s), pl.segment.nbytes)[0]
+
+    @staticmethod
+    def _state_item(pool: HybridPool, c: Component, req: RequestKV) -> int:
+        return int(pool.index_set(req)[c][0])
 
     # ---- ModelEngine ---------------------------------------------------------------------
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         self._write_tokens(pool, req, token_ids, np.arange(len(token_ids)))
-        if Component.MAMBA in pool.pools:
-            for layer, part, data in self._state_bytes(pool, token_ids):
-                view = pool.layer_view(layer, part)[req.state_slot]
+        for c in state_components(pool):
+            item = self._state_item(pool, c, req)
+            for layer, part, data in self._state_bytes(pool, c, token_ids):
+                view = pool.layer_view(layer, part)[item]
                 view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
         pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
@@ -113,32 +116,29 @@ class StandInEngine:
         if int(aux["first_token"]) != first_token(token_ids):
             raise VerifyError("aux row first token differs")
         digests = {}
-        for c in (Component.FULL, Component.SWA, Component.NSA):
-            if c not in pool.pools:
-                continue
-            first = window_first_page(n, pool.config.model.swa.window, pool.page_size) if c is Component.SWA else 0
-            pos = np.arange(first * pool.page_size, n)
-            items, slots = self._token_rows(pool, c, req, pos)
+        for c in paged_components(pool):
+            pos = kept_positions(pool, c, n)   # what the receiver holds (SWA: the window)
+            items, slots = token_items(pool, c, req, pos)
             it, sl = torch.from_numpy(items.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
             h = hashlib.sha256()
-            for layer, part, view in self._paged_parts(pool, c):
-                per_token = view[0, 0].numel() * view.element_size()
-                raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
-                got = raw.reshape(view.shape[0], view.shape[1], per_token)[it.to(raw.device), sl.to(raw.device)].cpu().numpy()
+            for layer, part, view in self._parts(pool, c):
+                raw, per_token = self._token_bytes(view)
+                got = raw[it.to(raw.device), sl.to(raw.device)].cpu().numpy()
                 want = self._expected(layer, c, token_ids, pos, per_token)
                 if not np.array_equal(got, want):
                     bad = int(np.flatnonzero((got != want).any(axis=1))[0])
                     raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(pos[bad])} differs")
                 h.update(got.tobytes())
             digests[c.value] = h.hexdigest()
-        if Component.MAMBA in pool.pools:
+        for c in state_components(pool):
             h = hashlib.sha256()
-            for layer, part, want in self._state_bytes(pool, token_ids):
-                got = pool.layer_view(layer, part)[req.state_slot].reshape(-1).view(torch.uint8).cpu().numpy()
+            item = self._state_item(pool, c, req)
+            for layer, part, want in self._state_bytes(pool, c, token_ids):
+                got = pool.layer_view(layer, part)[item].reshape(-1).view(torch.uint8).cpu().numpy()
                 if not np.array_equal(got, want):
-                    raise VerifyError(f"mamba layer {layer} {part} differs")
+                    raise VerifyError(f"{c.value} layer {layer} {part} differs")
                 h.update(got.tobytes())
-            digests[Component.MAMBA.value] = h.hexdigest()
+            digests[c.value] = h.hexdigest()
         return digests
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:

@@ -1,4 +1,5 @@
-"""`disagg prefill`: a prefill worker (pool, engine, control socket, bootstrap, HTTP)."""
+"""`disagg prefill`: a prefill worker (pool, transports, model engine, control socket,
+bootstrap, HTTP)."""
 
 import argparse
 
@@ -8,7 +9,6 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, abort_route, require_room, require_tokens
 from disagg.api.metrics import WorkerMetrics
 from disagg.prefill.server import PrefillConfig, PrefillServer
-from disagg.errors import Overloaded
 from disagg.worker.flags import (add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config,
                                  transport_settings, transports)
 
@@ -42,28 +42,17 @@ def run(args: argparse.Namespace) -> int:
     server = PrefillServer(config_from(args))
     metrics = WorkerMetrics("prefill")
 
-    def prefill(body: dict) -> dict:
-        room = require_room(body)
-        tokens = require_tokens(body)
-        metrics.inflight.labels("prefill").inc()
-        try:
-            out = server.prefill(room, tokens)
-        except Overloaded:
-            metrics.failure("overloaded")
-            raise
-        finally:
-            metrics.inflight.labels("prefill").dec()
-        if out["state"] == "SUCCESS":
-            metrics.requests.labels("prefill", "success").inc()
+    def observe(out: dict, ok: bool) -> None:
+        if ok:
             metrics.bytes.labels("prefill").inc(out["bytes"])
             metrics.transfers.labels("prefill", out["mode"]).inc()
             metrics.ranges.labels("prefill").observe(out["ranges"])
-            metrics.latency.labels("prefill", "transfer").observe(out["transfer_ms"] / 1e3)
-        else:
-            metrics.failure(out["reason"])
-        if "prefill_ms" in out:
-            metrics.latency.labels("prefill", "prefill").observe(out["prefill_ms"] / 1e3)
-        return out
+            metrics.seconds("transfer", out)
+        metrics.seconds("prefill", out)
+
+    def prefill(body: dict) -> dict:
+        room, tokens = require_room(body), require_tokens(body)
+        return metrics.count(lambda: server.prefill(room, tokens), lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),

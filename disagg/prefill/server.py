@@ -103,16 +103,6 @@ class PrefillServer(Worker):
         return {"room": room, "state": "SUCCESS" if phase is Phase.DONE else "FAILED", "reason": r.reason,
                 **r.timings, **r.report}
 
-    def abort(self, room: int, reason: str) -> dict:
-        """Abort a room (router, client or operator): decode hears it at once, a running
-        transfer stops before its next write, the pages come back. An unknown room is
-        remembered as aborted."""
-        r = self.requests.get(room)
-        if r is None:
-            self.requests.abort(room, f"aborted: {reason}")
-            return {"room": room, "aborted": False, "known": False}
-        return {"room": room, "aborted": self.requests.fail(r, f"aborted: {reason}"), "known": True}
-
     # ---- effects the table asks for (under its lock) -----------------------------------------
     def _free(self, kv: RequestKV) -> None:
         self.pool.free_request(kv)

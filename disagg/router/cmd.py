@@ -7,7 +7,6 @@ from disagg.api.server import ApiServer, client_gone
 from disagg.api.metrics import WorkerMetrics
 from disagg.router.router import Pair, Router, RouterConfig
 from disagg.worker.flags import announce
-from disagg.errors import Overloaded
 
 HELP = "run the router in front of prefill/decode pairs"
 
@@ -30,18 +29,12 @@ def run(args: argparse.Namespace) -> int:
     router = Router(config_from(args))
     metrics = WorkerMetrics("router")
 
+    def observe(out: dict, ok: bool) -> None:
+        if ok:
+            metrics.seconds("total", out["timings_ms"], "total")
+
     def generate(body: dict) -> dict:
-        try:
-            out = router.generate(body, client_gone)
-        except Overloaded:
-            metrics.failure("overloaded")
-            raise
-        if out["ok"]:
-            metrics.requests.labels("router", "success").inc()
-            metrics.latency.labels("router", "total").observe(out["timings_ms"]["total"] / 1e3)
-        else:
-            metrics.failure(out["reason"])
-        return out
+        return metrics.count(lambda: router.generate(body, client_gone), lambda out: out["ok"], observe)
 
     api = ApiServer(args.host, args.port, {"/generate": generate, "/abort": router.abort}, lambda: True,
                     metrics.registry).start()

@@ -178,7 +178,7 @@ class Router:
         return {
             "room": room, "pair": pair_index, "ok": ok, "prompt_tokens": len(tokens),
             "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
-            "bytes": dec.get("bytes", 0), "mode": dec.get("mode"),
+            "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),
             "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
                            "transfer": pre.get("transfer_ms"), "wait": dec.get("wait_ms"),

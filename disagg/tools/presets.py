@@ -4,7 +4,7 @@ import argparse
 import json
 
 from kvpool.errors import SpecError
-from kvpool.geometry import Component, bytes_per_request, bytes_per_token, components, segments
+from kvpool.geometry import Component, bytes_per_request, bytes_per_token, components, layer_group, segments
 from kvpool.presets import PRESETS
 from kvpool.spec import MLASpec, ModelSpec
 
@@ -16,19 +16,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=8, help="TP size for the per-shard column (default 8)")
 
 
-def _layers(model: ModelSpec, c: Component) -> int:
-    group = {Component.FULL: model.full, Component.SWA: model.swa,
-             Component.NSA: model.nsa, Component.MAMBA: model.linear}[c]
-    return len(group.layers)
-
-
 def describe(model: ModelSpec) -> dict:
     """The JSON entry of one preset: whole-model (TP 1) figures per component."""
     comps = []
     for c in components(model):
-        if c is Component.AUX:
-            continue  # disagg's own metadata, not model geometry
-        entry = {"kind": c.value, "num_layers": _layers(model, c)}
+        if c.metadata:
+            continue  # disagg's own record, not model geometry
+        entry = {"kind": c.value, "num_layers": len(layer_group(model, c).layers)}
         if c.per_request:
             entry["bytes_per_request"] = bytes_per_request(model, c)
             for part in ("conv", "temporal"):

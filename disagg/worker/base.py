@@ -8,15 +8,17 @@ ZMQ context and the stop flag.
       .layout     LayoutInfo: page size, layout, buffers (what the other side checks)
       .model      the model engine (stand-in by default)
       .epoch      new on every start: a restarted worker is a new peer
+      .requests   the role's RequestTable (set by the subclass): abort() goes through it
 """
 
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import zmq
 
-from disagg.control.admission import Admission, empty_pool_fit
+from disagg.control.admission import Admission
 from disagg.control.messages import LayoutInfo
 from disagg.control.deadlines import Deadlines
 from disagg.engine.base import ModelEngine
@@ -46,7 +48,8 @@ class Worker:
                  swa_window_only: bool):
         self.model = model or StandInEngine()
         self.pool = HybridPool(settings.pool.pool_config())
-        self.admission = Admission(empty_pool_fit(self.pool, swa_window_only), settings.max_waiting,
+        self.admission = Admission(partial(self.pool.fits_when_empty, swa_window_only=swa_window_only),
+                                   settings.max_waiting,
                                    settings.queue_wait_s)
         self.endpoint = endpoint_class(create(settings.transports, settings.transport_settings), self.pool,
                                        settings.transfer)
@@ -56,6 +59,16 @@ class Worker:
         self._ctx = zmq.Context()
         self._stop = threading.Event()
         self.ready = False
+
+    def abort(self, room: int, reason: str) -> dict:
+        """Abort a room (router, client or operator): it fails now and the peer hears it; its
+        pages come back once nothing writes into them. An unknown room is remembered as aborted,
+        so a request for it that arrives later fails at once."""
+        r = self.requests.get(room)
+        if r is None:
+            self.requests.abort(room, f"aborted: {reason}")
+            return {"room": room, "aborted": False, "known": False}
+        return {"room": room, "aborted": self.requests.fail(r, f"aborted: {reason}"), "known": True}
 
     def close(self) -> None:
         """After the subclass stopped its threads and closed its sockets."""

@@ -71,16 +71,27 @@ class HybridPool(KVPool):
             first = self._window_first(num_tokens) if swa_window_only else 0
             return self._alloc(int(num_tokens), first)
 
-    def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
-        """Allocate; SWA pages back positions [swa_first, num_pages)."""
+    def _needs(self, num_tokens: int, swa_first: int) -> list[tuple[SlotAllocator, int]]:
+        """What a request takes from each allocator; SWA pages back [swa_first, num_pages)."""
         n_pages = num_pages_for(num_tokens, self.page_size)
-        swa_first = swa_first if self.swa_allocator is not None else 0
         needs: list[tuple[SlotAllocator, int]] = [(self.pages, n_pages), (self.aux_rows, 1)]
         if self.swa_allocator is not None:
             needs.append((self.swa_allocator.swa, n_pages - swa_first))
         if self.state_slots is not None:
             needs.append((self.state_slots, 1))
-        for allocator, n in needs:
+        return needs
+
+    def fits_when_empty(self, num_tokens: int, swa_window_only: bool = False) -> bool:
+        """Whether a request of `num_tokens` could be allocated at all (in the empty pool):
+        False means waiting for space is pointless."""
+        first = self._window_first(num_tokens) if swa_window_only else 0
+        return all(n <= allocator.capacity for allocator, n in self._needs(num_tokens, first))
+
+    def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
+        """Allocate; SWA pages back positions [swa_first, num_pages)."""
+        n_pages = num_pages_for(num_tokens, self.page_size)
+        swa_first = swa_first if self.swa_allocator is not None else 0
+        for allocator, n in self._needs(num_tokens, swa_first):
             if n > allocator.num_free:
                 raise OutOfSpace(allocator.name, n, allocator.num_free)
         if self.swa_allocator is not None:

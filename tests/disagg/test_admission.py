@@ -4,7 +4,7 @@ import threading
 
 import pytest
 
-from disagg.control.admission import Admission, TooLarge, empty_pool_fit
+from disagg.control.admission import Admission, TooLarge
 from kvpool import HybridPool, PoolConfig, get_preset
 from disagg.errors import Overloaded
 
@@ -15,7 +15,7 @@ def pool():
 
 
 def test_a_waiting_request_gets_the_space_another_frees(pool):
-    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    adm = Admission(pool.fits_when_empty, max_waiting=4, wait_s=30)
     held = adm.admit(256, lambda: pool.alloc_request(256))
     got: list = []
     waiter = threading.Thread(target=lambda: got.append(adm.admit(100, lambda: pool.alloc_request(100))))
@@ -30,7 +30,7 @@ def test_a_waiting_request_gets_the_space_another_frees(pool):
 
 
 def test_the_wait_is_bounded_and_the_refusal_says_why(pool):
-    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=0.05)
+    adm = Admission(pool.fits_when_empty, max_waiting=4, wait_s=0.05)
     adm.admit(256, lambda: pool.alloc_request(256))
     with pytest.raises(Overloaded, match="pool full for 0.05 s: full.*need"):
         adm.admit(16, lambda: pool.alloc_request(16))
@@ -38,14 +38,14 @@ def test_the_wait_is_bounded_and_the_refusal_says_why(pool):
 
 
 def test_more_waiters_than_allowed_are_refused_at_once(pool):
-    adm = Admission(empty_pool_fit(pool, False), max_waiting=0, wait_s=30)
+    adm = Admission(pool.fits_when_empty, max_waiting=0, wait_s=30)
     adm.admit(256, lambda: pool.alloc_request(256))
     with pytest.raises(Overloaded, match="0 requests already waiting"):
         adm.admit(16, lambda: pool.alloc_request(16))
 
 
 def test_a_request_larger_than_the_empty_pool_is_refused_without_waiting(pool):
-    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    adm = Admission(pool.fits_when_empty, max_waiting=4, wait_s=30)
     with pytest.raises(TooLarge, match="300 tokens does not fit"):
         adm.admit(300, lambda: pool.alloc_request(300))
     assert pool.available()["full_tokens"] == 256
@@ -53,7 +53,15 @@ def test_a_request_larger_than_the_empty_pool_is_refused_without_waiting(pool):
 
 def test_a_caller_deadline_shortens_the_wait(pool):
     import time
-    adm = Admission(empty_pool_fit(pool, False), max_waiting=4, wait_s=30)
+    adm = Admission(pool.fits_when_empty, max_waiting=4, wait_s=30)
     adm.admit(256, lambda: pool.alloc_request(256))
     with pytest.raises(Overloaded):
         adm.admit(16, lambda: pool.alloc_request(16), deadline=time.monotonic() + 0.05)
+
+
+def test_the_pool_says_what_could_ever_fit():
+    """Admission asks the pool (which knows its components), never lists them itself."""
+    swa = HybridPool(PoolConfig(get_preset("tiny-swa"), 4, max_tokens=256, max_requests=2, swa_ratio=0.25))
+    assert swa.fits_when_empty(256) is False                 # every SWA page of 256 tokens: too many
+    assert swa.fits_when_empty(256, swa_window_only=True)    # the window only: fits
+    assert swa.fits_when_empty(64) and not swa.fits_when_empty(257, swa_window_only=True)

@@ -25,7 +25,9 @@ from transfer.peer import RemotePool
 from transfer.sender import KVSender
 from transfer.transports import Transport
 
-HARNESS_ROOT = str(Path(__file__).resolve().parent.parent)   # tests/: where `harness` imports from
+TESTS = Path(__file__).resolve().parent.parent
+# The repo root first: tests/kvpool (a folder of tests) must not shadow the kvpool package.
+HARNESS_PATH = [str(TESTS.parent), str(TESTS)]
 
 
 class _Driver:
@@ -95,7 +97,7 @@ class PeerProcess(_Driver):
                "--staging-slots", str(staging_slots), "--staging-slot-mib", str(staging_slot_mib),
                "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio)]
         env = dict(env if env is not None else os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [HARNESS_ROOT, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
         ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
         line = self.proc.stdout.readline() if ready else ""

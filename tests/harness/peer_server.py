@@ -1,7 +1,7 @@
 """A standalone receiver: a pool, a transport, a command socket and a chunk channel.
 Benchmarks and tests drive real transfers into it from another process.
 
-    python -m harness.peer_server --preset gpt-oss-120b --page-size 16 --tokens 65536   (cwd: tests/)
+    PYTHONPATH=.:tests python -m harness.peer_server --preset gpt-oss-120b --page-size 16 --tokens 65536
 
 Once ready it prints one JSON line with the endpoints it bound ({"command": ..., "chunks": ...}).
 PeerCore is the receiver's state and command handling without sockets (harness.local_peer
@@ -21,8 +21,8 @@ import torch
 import zmq
 
 from harness.pair_channel import PairChannel
-from harness.wire import (Alloc, Allocated, Available, Command, Configure, Counts, Digest, Digests, Error, Expect, Free,
-                          Fragment, Hello, Ok, Release, Reply, Stop, Target)
+from harness.wire import (Alloc, Allocated, Available, ChunkDone, Command, Configure, Counts, Digest, Digests, Error,
+                          Expect, Free, Fragment, Hello, Ok, Release, Reply, Stop, Target)
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
 from transfer.config import TransferConfig
@@ -130,7 +130,6 @@ class PeerServer:
                           "chunks": self.channel.socket.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
 
     def serve_chunks(self) -> None:
-        from harness.wire import ChunkDone
         while not self.stopping.is_set():
             if not self.channel.socket.poll(100):
                 continue

@@ -1,11 +1,12 @@
 """Messages of the peer server's two sockets (harness.peer_server), one union and one decoder
-each: the command socket (REQ/REP) and the chunk channel (PAIR)."""
+each: the command socket (REQ/REP) and the chunk channel (PAIR), which carries the control
+plane's own chunk notices."""
 
 import msgspec
 
+from disagg.control.messages import ChunkDone, ChunkLanded
 from transfer.buffers import Buffer
 from transfer.endpoint import StagingInfo
-from transfer.staging import Piece
 from transfer.transports import Offer
 
 
@@ -101,16 +102,4 @@ Reply = Target | Allocated | Digests | Counts | Ok | Error
 
 
 # ---- chunk channel ------------------------------------------------------------------------
-class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
-    transfer_id: int
-    index: int
-    slot: int
-    pieces: list[Piece]
-
-
-class ChunkDone(msgspec.Struct, tag=True, frozen=True):
-    transfer_id: int
-    index: int
-
-
 Chunks = ChunkLanded | ChunkDone

@@ -53,6 +53,7 @@ def test_concurrent_requests_verify_and_slots_return(stack):
     for n, r in zip(lengths, results):
         assert r["ok"] and r["verified"], (n, r.get("reason"))
         assert len(r["output_tokens"]) == 5 and r["prompt_tokens"] == n
+        assert r["transport"] == "mooncake"   # the one both sides offer, picked at registration
     assert len({r["room"] for r in results}) == len(results)
     if stack["preset"] == "tiny-hybrid":
         assert any(r["mode"] == "staged" for r in results)

@@ -1,0 +1,47 @@
+"""Where a token's KV lives, per component: the component-specific rules a model engine needs
+to read or write one token (the SWA translation and window), kept next to the pools so that
+engines loop over components without naming them.
+
+    position p of a request -> full page req.full_pages[p // page_size], slot p % page_size
+    FULL, NSA   item = that full page
+    SWA         item = mapping[full page] (SENTINEL once the page left the window)
+"""
+
+import numpy as np
+
+from kvpool.geometry import Component
+from kvpool.indices import SENTINEL
+from kvpool.pools.swa import window_first_page
+
+
+def paged_components(pool) -> list[Component]:
+    """The components of `pool` that hold KV per token (per page), in pool order."""
+    return [c for c in pool.pools if not c.per_request]
+
+
+def state_components(pool) -> list[Component]:
+    """The components of `pool` that hold model state per request (not disagg's own record)."""
+    return [c for c in pool.pools if c.per_request and not c.metadata]
+
+
+def token_items(pool, c: Component, req, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(item, slot within the item) of each token position of paged component c; the item is
+    SENTINEL where c keeps no page for that position."""
+    pages = req.full_pages[positions // pool.page_size]
+    if c is Component.SWA:
+        pages = pool.swa_allocator.translate(pages)
+    return pages, positions % pool.page_size
+
+
+def kept_positions(pool, c: Component, num_tokens: int) -> np.ndarray:
+    """The positions of a request of `num_tokens` that a receiver holds for component c (SWA:
+    only the window's pages; others: every position)."""
+    first = 0
+    if c is Component.SWA:
+        first = window_first_page(num_tokens, pool.config.model.swa.window, pool.page_size) * pool.page_size
+    return np.arange(first, num_tokens)
+
+
+def backed(items: np.ndarray) -> np.ndarray:
+    """Mask of the positions whose item is a real page (not the sentinel)."""
+    return items != SENTINEL

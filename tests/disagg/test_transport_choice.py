@@ -1,0 +1,58 @@
+"""Per-peer transport choice through the real control plane (servers in this process, real
+ZMQ; Mooncake on loopback and the fake memory transport, which only works in one process):
+decode offers its transports in order of preference, prefill takes the first it has."""
+
+import numpy as np
+import pytest
+
+from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.prefill.server import PrefillConfig, PrefillServer
+from disagg.worker.pool_settings import PoolSettings
+from harness import memory
+
+pytestmark = pytest.mark.slow
+POOL = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
+
+
+@pytest.fixture
+def pair(request):
+    memory.register()
+    prefill_kinds, decode_kinds = request.param
+    prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*", transports=prefill_kinds))
+    decode = DecodeServer(DecodeConfig(pool=POOL, bootstrap_addr=prefill.bootstrap_endpoint, transports=decode_kinds))
+    yield prefill, decode
+    decode.close()
+    prefill.close()
+
+
+def _run(prefill, decode, room: int) -> tuple[dict, dict]:
+    import threading
+    tokens = np.arange(700)
+    pre: dict = {}
+    t = threading.Thread(target=lambda: pre.update(prefill.prefill(room, tokens)))
+    t.start()
+    dec = decode.decode(room, tokens, 2)
+    t.join(30)
+    return pre, dec
+
+
+@pytest.mark.parametrize("pair,picked", [
+    ((("mooncake",), ("memory", "mooncake")), "mooncake"),     # decode prefers memory; prefill lacks it
+    ((("mooncake", "memory"), ("memory", "mooncake")), "memory"),   # decode's preference wins
+    ((("memory", "mooncake"), ("mooncake", "memory")), "mooncake"),
+], indirect=["pair"])
+def test_prefill_takes_decodes_first_choice_it_can_reach(pair, picked):
+    prefill, decode = pair
+    pre, dec = _run(prefill, decode, 1)
+    assert dec["state"] == "SUCCESS" and dec["verified"] and dec["transport"] == picked, dec
+    assert pre["state"] == "SUCCESS" and pre["transport"] == picked
+
+
+@pytest.mark.parametrize("pair", [(("mooncake",), ("memory",))], indirect=True)
+def test_no_common_transport_is_refused_with_both_lists(pair):
+    prefill, decode = pair
+    before = prefill.pool.available(), decode.pool.available()
+    dec = decode.decode(2, np.arange(50), 1)
+    assert dec["state"] == "FAILED"
+    assert "no common transport: peer offers ['memory'], we have ['mooncake']" in dec["reason"]
+    assert (prefill.pool.available(), decode.pool.available()) == before
