@@ -19,7 +19,7 @@ class WorkerMetrics:
         self.transfers = Counter("disagg_transfers_total", "transfers by mode", ["role", "mode"], registry=r)
         self.latency = Histogram("disagg_phase_seconds", "latency per phase", ["role", "phase"],
                                  buckets=LATENCY_BUCKETS, registry=r)
-        self.ranges = Histogram("disagg_transfer_ranges", "engine ranges per transfer", ["role"],
+        self.ranges = Histogram("disagg_transfer_ranges", "transport ranges per transfer", ["role"],
                                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
         self.pool_free = Gauge("disagg_pool_free", "free pool capacity", ["role", "allocator"], registry=r)
         self.inflight = Gauge("disagg_requests_inflight", "requests being served (queue depth)", ["role"], registry=r)

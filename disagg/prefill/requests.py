@@ -220,10 +220,6 @@ class RequestTable:
                 elif r.phase is Phase.ORPHANED and now - r.since > self.deadlines.waiting_s:
                     self._fail(r, "prefill never arrived")
 
-    def __len__(self) -> int:
-        with self._lock:
-            return len(self._rooms)
-
 
 _MISSING = {Phase.AWAITING_DECODE: "no TransferRequest from decode", Phase.ORPHANED: "the prompt never came",
             Phase.COMPUTING: "KV not computed", Phase.TRANSFERRING: "send not finished"}

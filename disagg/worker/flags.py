@@ -64,7 +64,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dead-after", type=float, default=5.0,
                    help="seconds of silence from a peer after which its requests fail")
     g.add_argument("--torch-threads", type=int, default=1,
-                   help="torch intra-op threads (1 leaves cores to the engine's TCP threads)")
+                   help="torch intra-op threads (1 leaves cores to the transport's own threads)")
 
 
 def pool_settings(args: argparse.Namespace) -> PoolSettings:

@@ -43,9 +43,6 @@ class Registry:
             raise ValueError(f"transport {name!r} is registered already (or reserved)")
         self._creators[name] = (creator, auto)
 
-    def remove(self, name: str) -> None:
-        self._creators.pop(name, None)
-
     def names(self) -> list[str]:
         return list(self._creators)
 
