@@ -24,27 +24,27 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
     prefill = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=4, device=device))
     decode = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=4, device=device))
     np.random.default_rng(0).shuffle(prefill.pages._stack[:prefill.pages.num_free])
-    model = StandInEngine()
+    standin = StandInEngine()
     tokens = np.random.default_rng(1).integers(0, 50000, 53)
     preq = prefill.alloc_request(len(tokens))
-    result = model.prefill(prefill, preq, tokens, room=77)
+    result = standin.prefill(prefill, preq, tokens, room=77)
     dreq = decode.alloc_request(len(tokens), swa_window_only=True)
     _copy_request(prefill, preq, decode, dreq)
-    digests = model.verify(decode, dreq, tokens, room=77)
+    digests = standin.verify(decode, dreq, tokens, room=77)
     assert set(digests) == {c.value for c in decode.pools if c is not Component.AUX}
     with pytest.raises(VerifyError, match="room"):
-        model.verify(decode, dreq, tokens, room=78)
+        standin.verify(decode, dreq, tokens, room=78)
     with pytest.raises(VerifyError):
-        model.verify(decode, dreq, tokens[::-1].copy(), room=77)
+        standin.verify(decode, dreq, tokens[::-1].copy(), room=77)
     # flip one byte of one token of the full component
     view = decode.layer_view(model.full.layers[-1], "latent" if preset == "tiny-mla-nsa" else "v")
     page = int(dreq.full_pages[3])
     view[page].view(torch.uint8).reshape(-1)[5] ^= 1
     with pytest.raises(VerifyError, match="full layer"):
-        model.verify(decode, dreq, tokens, room=77)
+        standin.verify(decode, dreq, tokens, room=77)
     view[page].view(torch.uint8).reshape(-1)[5] ^= 1
-    assert model.verify(decode, dreq, tokens, room=77) == digests
-    new = model.decode(decode, dreq, tokens, max_new_tokens=9)
+    assert standin.verify(decode, dreq, tokens, room=77) == digests
+    new = standin.decode(decode, dreq, tokens, max_new_tokens=9)
     assert len(new) == 9 and new[0] == result.first_token and dreq.num_tokens == len(tokens) + 8
     decode.check_integrity()
 
