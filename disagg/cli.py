@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from disagg import __version__
+from disagg.errors import DisaggError
 from disagg.bootstrap import cmd as bootstrap_cmd
 from disagg.decode import cmd as decode_cmd
 from disagg.prefill import cmd as prefill_cmd
@@ -25,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return COMMANDS[args.command].run(args) or 0
+    try:
+        return COMMANDS[args.command].run(args) or 0
+    except DisaggError as exc:   # a setting that cannot work (a forced transport, ...): one line, no traceback
+        print(f"disagg {args.command}: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -75,7 +75,8 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
     rows = []
     # one peer process serves the whole run, reconfigured per (layout, page size)
     peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
-                   staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20, device=args.device)
+                   staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20,
+                   device=args.peer_device)
     pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout,
                                  device=args.device))
     shuffle_free_pages(pool, 1)
@@ -89,12 +90,24 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
             src = pool.index_set(req)
             slots = peer.expect(1, rid, want_slots=2)
             plan = sender.plan(target, src, dst)
-            # ceiling: one contiguous block of the same size, pool buffer -> pool buffer
-            s_buf = max(sender.buffers, key=lambda b: b.nbytes)
-            d_buf = max(target.buffers, key=lambda b: b.nbytes)
-            n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
-            one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
-            t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
+            if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
+                # ceiling: a p2p copy of one block of the same size between the two GPUs
+                n = plan.nbytes
+                a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
+                b = torch.empty(n, dtype=torch.uint8, device="cuda:1")
+
+                def p2p():
+                    b.copy_(a, non_blocking=True)
+                    torch.cuda.synchronize("cuda:0")
+                    torch.cuda.synchronize("cuda:1")
+                t_ceiling = timed(p2p, max(3, args.repeats))
+                del a, b
+            else:   # ceiling: the raw link, one contiguous block of the same size, pool buffer -> pool buffer
+                s_buf = max(sender.buffers, key=lambda b: b.nbytes)
+                d_buf = max(target.buffers, key=lambda b: b.nbytes)
+                n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
+                one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
+                t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
             reports = []
             t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel)), args.repeats)
             digest_ok = peer.digest(rid).per_component == digest_request(pool, req)
@@ -105,7 +118,8 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                          "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
                          "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
                          "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),
-                         "plan_ms": round(rep.plan_ms, 2), "verified": digest_ok})
+                         "plan_ms": round(rep.plan_ms, 2), "submit_ms": round(rep.submit_ms, 2),
+                         "wait_ms": round(rep.wait_ms, 2), "verified": digest_ok})
             peer.release(1)
             peer.free(rid)
             pool.free_request(req)
@@ -150,11 +164,31 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
     ap.add_argument("--transport", default="mooncake", help="the transport under test (both sides)")
+    ap.add_argument("--tokens", default=None, help="comma-separated token counts (default: 2048, and 32768 "
+                                                   "unless --quick)")
+    ap.add_argument("--layouts", default="page_major,layer_major")
+    ap.add_argument("--cuda-ipc-blocks", type=int, default=32, help="blocks the cuda-ipc copy kernel takes")
+    ap.add_argument("--mooncake-nvlink", action="store_true",
+                    help="Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK=1 on both sides)")
+    ap.add_argument("--peer-gpu", type=int, default=None,
+                    help="the receiver's GPU (CUDA_VISIBLE_DEVICES for its process; default: the second GPU "
+                         "where there is one); the sender uses --device")
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)  # as the peer server: copies must not crowd out the engine's TCP threads
-    token_counts = [2048] if args.quick else [2048, 32768]
-    [transport] = create([args.transport], TransportSettings("127.0.0.1"))
+    token_counts = [int(t) for t in args.tokens.split(",")] if args.tokens else ([2048] if args.quick else [2048, 32768])
+    if args.mooncake_nvlink:
+        os.environ["MC_INTRANODE_NVLINK"] = "1"
+    peer_env = dict(os.environ)
+    if args.device.startswith("cuda"):
+        gpus = torch.cuda.device_count()
+        peer_gpu = args.peer_gpu if args.peer_gpu is not None else (1 if gpus > 1 else 0)
+        peer_env["CUDA_VISIBLE_DEVICES"] = str(peer_gpu)   # the receiver sees only its GPU, as "cuda"
+        args.peer_device = "cuda"
+    else:
+        args.peer_device = args.device
+    [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device,
+                                                            cuda_ipc_blocks=args.cuda_ipc_blocks))
     if not args.json:
         print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
               "block of the same bytes, same processes")
@@ -162,12 +196,15 @@ def main() -> int:
               f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
     rows = []
     page_sizes = [int(p) for p in args.page_sizes.split(",")]
-    with PeerProcess(args.preset, page_sizes[0], 4096, transport=args.transport) as peer:
-        for layout in Layout:
+    with PeerProcess(args.preset, page_sizes[0], 4096, transport=args.transport, env=peer_env,
+                     device=args.peer_device) as peer:
+        for layout in (Layout(name) for name in args.layouts.split(",")):
             for page_size in page_sizes:
                 rows += bench_layout(args, transport, peer, layout, page_size, token_counts)
     plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
-    result = {"preset": args.preset, "device": args.device, "transport": args.transport, "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
+    result = {"preset": args.preset, "device": args.device, "transport": args.transport,
+              "cuda_ipc_blocks": args.cuda_ipc_blocks,
+              "mooncake_nvlink": args.mooncake_nvlink, "gpus": torch.cuda.device_count(), "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
               "rows": rows, "planning": plan_rows}
     if args.json:
         print(json.dumps(result, indent=2))

@@ -68,7 +68,7 @@ fi
 # --- Mooncake: the build that fits the machine (all provide the `mooncake` module).
 if ((has_gpu)); then
     cuda_major=$("$PY" -c "import torch; print((torch.version.cuda or '12').split('.')[0])")
-    if [ "$cuda_major" -ge 13 ]; then extra=mooncake-cuda13; else extra=mooncake-cuda; fi
+    if [ "$cuda_major" -ge 13 ]; then extra=mooncake-cuda13,cuda13; else extra=mooncake-cuda,cuda12; fi
 else
     extra=mooncake-cpu
 fi

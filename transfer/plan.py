@@ -23,7 +23,7 @@ from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
-from transfer.transports.base import Ranges
+from transfer.transports.base import Ranges, RunSet
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,15 @@ class ComponentPlan:
         """Transport ranges, built on first use: a staged transfer never needs them."""
         return expand(self.runs, list(self.src_bufs), list(self.dst_bufs))
 
+    @property
+    def runset(self) -> RunSet:
+        """The same ranges factorized (runs x buffer pairs); indices were bounds-checked
+        against every buffer when the plan was built."""
+        def regions(bufs):
+            return np.array([b.region for b in bufs], dtype=np.int64)
+        return RunSet(self.runs.src_start, self.runs.dst_start, self.runs.count, regions(self.src_bufs),
+                      regions(self.dst_bufs), np.array([b.item_bytes for b in self.src_bufs], dtype=np.int64))
+
 
 @dataclass(frozen=True)
 class TransferPlan:
@@ -153,6 +162,9 @@ class TransferPlan:
 
     def body_ranges(self) -> Ranges:
         return Ranges.concat([c.ranges for c in self.body])
+
+    def body_runsets(self) -> list[RunSet]:
+        return [c.runset for c in self.body]
 
 
 def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer]) -> TransferPlan:

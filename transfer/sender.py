@@ -31,6 +31,8 @@ class TransferReport:
     chunks: int        # staged chunks (0 for direct)
     plan_ms: float
     seconds: float     # whole send, planning included
+    submit_ms: float = 0.0   # direct: host time handing the writes to the link
+    wait_ms: float = 0.0     # direct: time blocked until the link reported them landed
 
 
 class KVSender(PoolEndpoint):
@@ -65,20 +67,31 @@ class KVSender(PoolEndpoint):
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
         mode = choose_mode(plan, peer.link.cost, self.config, slot_bytes, can_stage)
         ranges = chunks = 0
+        pending, waited = None, 0.0
+        t_submit = time.perf_counter()
         if mode is Mode.DIRECT:
-            body = plan.body_ranges()
+            body = plan.body_runsets()
             self._before_write(stopped)
-            peer.link.write(body)
-            ranges = len(body)
+            pending = peer.link.write_runs_async(body)
+            ranges = sum(len(r) for r in body)
+            if not peer.link.ordered:   # the AUX row may only start once the body landed
+                t = time.perf_counter()
+                pending.wait()
+                waited += time.perf_counter() - t
         else:
             chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel, stopped)
             ranges = chunks
         if plan.aux is not None:  # last: its arrival means the body has landed
-            aux: Ranges = plan.aux.ranges
             self._before_write(stopped)
-            peer.link.write(aux)
-            ranges += len(aux)
-        return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0)
+            pending = peer.link.write_runs_async([plan.aux.runset])   # (an ordered link: after the body)
+            ranges += len(plan.aux.runset)
+        t = time.perf_counter()
+        if pending is not None:
+            pending.wait()
+        waited += time.perf_counter() - t
+        submitted = (time.perf_counter() - t_submit - waited) * 1e3
+        return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0,
+                              submitted if mode is Mode.DIRECT else 0.0, waited * 1e3)
 
     def _before_write(self, stopped: Callable[[], bool]) -> None:
         if stopped():

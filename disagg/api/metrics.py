@@ -15,8 +15,10 @@ class WorkerMetrics:
         r = self.registry
         self.requests = Counter("disagg_requests_total", "requests by outcome", ["role", "outcome"], registry=r)
         self.failures = Counter("disagg_failures_total", "failed requests by reason", ["role", "reason"], registry=r)
-        self.bytes = Counter("disagg_transfer_bytes_total", "KV bytes moved", ["role"], registry=r)
-        self.transfers = Counter("disagg_transfers_total", "transfers by mode", ["role", "mode"], registry=r)
+        self.bytes = Counter("disagg_transfer_bytes_total", "KV bytes moved, by transport", ["role", "transport"],
+                             registry=r)
+        self.transfers = Counter("disagg_transfers_total", "transfers by mode and transport",
+                                 ["role", "mode", "transport"], registry=r)
         self.latency = Histogram("disagg_phase_seconds", "latency per phase", ["role", "phase"],
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ranges = Histogram("disagg_transfer_ranges", "transport ranges per transfer", ["role"],

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
 
     def observe(out: dict, ok: bool) -> None:
         if ok:
-            metrics.bytes.labels("decode").inc(out["bytes"])
+            metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
             for phase in ("bootstrap", "wait", "verify", "decode"):
                 metrics.seconds(phase, out)
 

@@ -44,8 +44,8 @@ def run(args: argparse.Namespace) -> int:
 
     def observe(out: dict, ok: bool) -> None:
         if ok:
-            metrics.bytes.labels("prefill").inc(out["bytes"])
-            metrics.transfers.labels("prefill", out["mode"]).inc()
+            metrics.bytes.labels("prefill", out["transport"]).inc(out["bytes"])
+            metrics.transfers.labels("prefill", out["mode"], out["transport"]).inc()
             metrics.ranges.labels("prefill").observe(out["ranges"])
             metrics.seconds("transfer", out)
         metrics.seconds("prefill", out)

@@ -109,6 +109,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "bytes": total_bytes, "gbps": round(total_bytes / wall / 1e9, 3) if wall else 0.0,
         "transfer_gbps": round(total_bytes / transfer_s / 1e9, 3) if transfer_s else 0.0,
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
+        "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "latency_ms": latency, "failures": failures,
     }
 
@@ -116,7 +117,7 @@ def summarize(results: list[dict], wall: float) -> dict:
 def print_summary(s: dict) -> None:
     print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  wall {s['wall_s']} s  "
           f"{s['requests_per_s']} req/s  {s['gbps']} GB/s aggregate  {s['transfer_gbps']} GB/s per transfer  "
-          f"modes {s['modes']}")
+          f"modes {s['modes']}  transports {s.get('transports', {})}")
     print("control = prefill done -> KV ready on decode, minus the transfer itself")
     print(f"{'phase':<10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
     for phase, q in s["latency_ms"].items():

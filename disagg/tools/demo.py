@@ -15,23 +15,36 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=65536, help="pool capacity per side")
     p.add_argument("--transfer-mode", default="auto", choices=["auto", "direct", "staged"])
-    p.add_argument("--device", default="cpu", help="pool device on both sides")
+    p.add_argument("--device", default="cpu", help="pool device: cpu, or cuda (prefill on the first GPU, decode on "
+                   "the second where there are two or more)")
+    p.add_argument("--transport", default="auto", help="how KV moves between the two (auto: cuda-ipc for CUDA pools "
+                   "on one host, else mooncake)")
     p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     add_workload_flags(p)
     p.set_defaults(requests=48, concurrency=4, prompt_len="64:2048", max_new_tokens=8)
 
 
+def devices(device: str) -> tuple[str, str]:
+    """Prefill's and decode's pool device: on CUDA, one GPU each where there are two or more."""
+    if device != "cuda":
+        return device, device
+    import torch
+    return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
+
+
 def run(args: argparse.Namespace) -> int:
-    pool = ["--preset", args.preset, "--max-tokens", str(args.max_tokens), "--device", args.device,
+    pool = ["--preset", args.preset, "--max-tokens", str(args.max_tokens), "--transport", args.transport,
             "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
     if args.page_size:
         pool += ["--page-size", str(args.page_size)]
+    prefill_device, decode_device = devices(args.device)
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *pool, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *pool, "--bootstrap-addr", prefill["bootstrap"])
+        prefill = launcher.start("prefill", *pool, "--device", prefill_device, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *pool, "--device", decode_device, "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         if not args.json:
-            print(f"prefill {prefill['http']}  decode {decode['http']}  router {router['http']}  preset {args.preset}")
+            print(f"prefill {prefill['http']} ({prefill_device})  decode {decode['http']} ({decode_device})  "
+                  f"router {router['http']}  preset {args.preset}")
         summary = run_workload(router["http"], args)
     summary["preset"] = args.preset
     if args.json:

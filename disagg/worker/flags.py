@@ -40,6 +40,9 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "the peers pick the first both have")
     g.add_argument("--mooncake-protocol", default=_env("DISAGG_MOONCAKE_PROTOCOL", "tcp"), choices=["tcp", "rdma"],
                    help="Mooncake's own protocol (env DISAGG_MOONCAKE_PROTOCOL)")
+    g.add_argument("--cuda-ipc-blocks", type=int, default=32,
+                   help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside "
+                        "compute")
     g.add_argument("--rdma-devices", default=_env("DISAGG_RDMA_DEVICES", ""),
                    help="comma-separated RDMA NICs, e.g. mlx5_0,mlx5_1 (env DISAGG_RDMA_DEVICES; empty: all)")
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
@@ -67,6 +70,14 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="torch intra-op threads (1 leaves cores to the transport's own threads)")
 
 
+def resolve_device(device: str) -> str:
+    """--device auto -> cuda where torch sees a GPU, else cpu (as the pool resolves it)."""
+    if device != "auto":
+        return device
+    import torch
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def pool_settings(args: argparse.Namespace) -> PoolSettings:
     max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
     return PoolSettings(args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
@@ -80,11 +91,12 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
 
 
 def transports(args: argparse.Namespace) -> tuple[str, ...]:
-    return resolve(args.transport)
+    return resolve(args.transport, transport_settings(args))
 
 
 def transport_settings(args: argparse.Namespace) -> TransportSettings:
-    return TransportSettings(args.host, args.mooncake_protocol, args.rdma_devices)
+    return TransportSettings(args.host, args.mooncake_protocol, args.rdma_devices, resolve_device(args.device),
+                             args.cuda_ipc_blocks)
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:

@@ -56,3 +56,36 @@ def test_no_common_transport_is_refused_with_both_lists(pair):
     assert dec["state"] == "FAILED"
     assert "no common transport: peer offers ['memory'], we have ['mooncake']" in dec["reason"]
     assert (prefill.pool.available(), decode.pool.available()) == before
+
+
+def test_a_link_is_closed_when_its_peer_registers_again_or_goes_silent(eventually):
+    """What a mapping transport must get right (cuda-ipc unmaps on close): one link per
+    registration, the old one closed on a new registration and when the peer goes silent."""
+    import zmq
+    from disagg.control.messages import (PROTOCOL_VERSION, Decoder, LayoutInfo, RegisterDecode, Registered,
+                                         ToDecode, encoder)
+    from kvpool import HybridPool
+    from transfer.config import TransferConfig
+    from transfer.receiver import KVReceiver
+    memory.register()
+    prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
+                                          dead_after_s=1.0))
+    ours = prefill.sender.transports[0]
+    receiver = KVReceiver(memory.MemoryTransport(), HybridPool(POOL.pool_config()), TransferConfig())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(prefill.control_endpoint)
+    try:
+        for epoch in (1, 2):   # a decode that registers again (a new epoch) on the same connection
+            layout = LayoutInfo(prefill.layout.page_size, prefill.layout.layout, receiver.buffers)
+            sock.send(encoder.encode(RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(),
+                                                    receiver.staging_info())))
+            assert sock.poll(10_000)
+            reply = Decoder(ToDecode, "t").decode(sock.recv())
+            assert isinstance(reply, Registered) and reply.transport == "memory"
+            assert (ours.opened, ours.closed) == (epoch, epoch - 1)
+        eventually(lambda: ours.closed == 2, 10, "the silent peer's link closed")
+    finally:
+        sock.close()
+        receiver.close()
+        prefill.close()

@@ -1,5 +1,6 @@
 """What the fault tests read from running workers (their /metrics) and how they load them."""
 
+import os
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -30,3 +31,14 @@ def requests(router: str, lengths: list[int]) -> list[dict]:
 
 def start_router(launcher: Launcher, prefill: dict, decode: dict) -> str:
     return launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"]
+
+
+def device_args(role: str) -> list[str]:
+    """--device for a worker of `role`: cpu, or on a GPU machine (DISAGG_TEST_DEVICE=cuda) the
+    first GPU for prefill and the second, where there is one, for decode."""
+    device = os.environ.get("DISAGG_TEST_DEVICE", "cpu")
+    if not device.startswith("cuda"):
+        return ["--device", device]
+    import torch
+    index = 1 if role == "decode" and torch.cuda.device_count() > 1 else 0
+    return ["--device", f"cuda:{index}"]

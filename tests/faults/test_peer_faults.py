@@ -9,13 +9,17 @@ import time
 import pytest
 
 from disagg.tools.launcher import Launcher
-from fault_stack import inflight, pool_free, requests, start_router
+from fault_stack import device_args, inflight, pool_free, requests, start_router
 
 pytestmark = pytest.mark.slow
 
 DEAD_AFTER = 2.0
-COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--device", "cpu", "--max-requests", "16",
+COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--max-requests", "16",
           "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", str(DEAD_AFTER)]
+# DISAGG_TEST_DEVICE=cuda (the GPU machine): prefill on the first GPU, decode on the second where
+# there is one; --transport auto then picks cuda-ipc (same host, pools on CUDA).
+PREFILL = [*COMMON, *device_args("prefill")]
+DECODE = [*COMMON, *device_args("decode")]
 
 
 def _proc(launcher: Launcher, index: int):
@@ -24,8 +28,8 @@ def _proc(launcher: Launcher, index: int):
 
 def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves(eventually):
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"])
+        prefill = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *DECODE, "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"])
         assert all(r["ok"] for r in requests(router, [500]))
@@ -39,7 +43,7 @@ def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves(eventually
         assert any(not r["ok"] for r in results)
         eventually(lambda: pool_free(prefill["http"]) == initial, DEAD_AFTER + 15, "prefill slots back")
         assert time.monotonic() - t0 < DEAD_AFTER + 15
-        decode2 = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"])
+        decode2 = launcher.start("decode", *DECODE, "--bootstrap-addr", prefill["bootstrap"])
         router2 = start_router(launcher, prefill, decode2)
         assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
         assert pool_free(prefill["http"]) == initial
@@ -47,8 +51,8 @@ def test_kill_decode_mid_flight_frees_prefill_and_a_new_decode_serves(eventually
 
 def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefill(eventually):
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        prefill = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *DECODE, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(decode["http"])
         assert all(r["ok"] for r in requests(router, [500]))
@@ -64,7 +68,7 @@ def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefil
         eventually(lambda: pool_free(decode["http"]) == initial, DEAD_AFTER + 3 + 15, "decode slots back")
         assert time.monotonic() - t0 < DEAD_AFTER + 3 + 15
         # the survivor is not restarted: a new prefill (new epoch, new bootstrap) serves through it
-        prefill2 = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        prefill2 = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
         router2 = start_router(launcher, prefill2, decode)
         assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
         assert pool_free(decode["http"]) == initial
@@ -72,8 +76,8 @@ def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefil
 
 def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually):
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        prefill = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *DECODE, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
         assert all(r["ok"] for r in requests(router, [500]))
@@ -107,10 +111,10 @@ def test_restart_prefill_under_load(eventually):
     be). Requests in flight at the kill fail within the bound; once decode has noticed (dead
     peer or new epoch), every request succeeds again; nothing was restarted but prefill."""
     http_port, bootstrap_port = _free_port(), _free_port()
-    prefill_args = [*COMMON, "--http-port", str(http_port), "--bootstrap-bind", f"tcp://127.0.0.1:{bootstrap_port}"]
+    prefill_args = [*PREFILL, "--http-port", str(http_port), "--bootstrap-bind", f"tcp://127.0.0.1:{bootstrap_port}"]
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *prefill_args)
-        decode = launcher.start("decode", *COMMON, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
+        decode = launcher.start("decode", *DECODE, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
         stop = threading.Event()

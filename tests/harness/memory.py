@@ -52,10 +52,13 @@ class MemoryExposure(Exposure):
 
 class MemoryLink(Link):
     kind = KIND
+    ordered = True    # a write is done when write_async returns
     cost = LinkCost(per_range_us=1.0, link_gbps=10.0)
 
-    def __init__(self, local: MemoryExposure, key: int, fail_writes: bool):
-        self._local, self._key, self.peer, self.fail_writes = local, key, f"memory:{key}", fail_writes
+    def __init__(self, transport: "MemoryTransport", local: MemoryExposure, key: int):
+        self._transport, self._local, self._key, self.peer = transport, local, key, f"memory:{key}"
+        self.fail_writes, self.closed = transport.fail_writes, False
+        transport.opened += 1
 
     def _peer(self) -> MemoryExposure:
         with _lock:
@@ -80,7 +83,9 @@ class MemoryLink(Link):
         self._peer()
 
     def close(self) -> None:
-        pass
+        if not self.closed:   # what a transport that maps the peer's memory would unmap
+            self.closed = True
+            self._transport.closed += 1
 
 
 class MemoryTransport(Transport):
@@ -89,6 +94,7 @@ class MemoryTransport(Transport):
 
     def __init__(self, fail_writes: bool = False):
         self.fail_writes = fail_writes
+        self.opened = self.closed = 0   # links, for bookkeeping tests
 
     def expose(self, regions) -> MemoryExposure:
         return MemoryExposure(regions)
@@ -96,7 +102,7 @@ class MemoryTransport(Transport):
     def connect(self, offer: Offer, local: Exposure) -> MemoryLink:
         if offer.kind != KIND or len(offer.blob) != 8 or not isinstance(local, MemoryExposure):
             raise TransportError("malformed memory offer")
-        return MemoryLink(local, int.from_bytes(offer.blob, "little"), self.fail_writes)
+        return MemoryLink(self, local, int.from_bytes(offer.blob, "little"))
 
 
 def register() -> None:

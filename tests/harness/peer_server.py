@@ -115,7 +115,7 @@ class PeerCore:
 
 class PeerServer:
     def __init__(self, args: argparse.Namespace):
-        [transport] = create([args.transport], TransportSettings(args.host))
+        [transport] = create([args.transport], TransportSettings(args.host, device=args.device))
         self.core = PeerCore(transport, Configure(args.preset, args.page_size, args.tokens, args.layout,
                                                   args.max_requests, args.swa_ratio, args.device,
                                                   args.staging_slots, args.staging_slot_mib << 20))

@@ -105,6 +105,11 @@ def test_expand_matches_a_reference_loop(layout):
             items += [(sr, so + k * item, dr, do + k * item, item) for k in range(n // item)]
         assert sorted(items) == sorted(want), cp.component
     assert plan.aux is not None and plan.components[-1] is plan.aux  # AUX last
+    for cp in plan.components:   # the factorized form links take is the same set of ranges
+        flat, rs = cp.ranges, cp.runset.flatten()
+        assert len(rs) == len(flat) == cp.num_ranges and cp.runset.nbytes == flat.nbytes
+        for f in ("src_region", "src_off", "dst_region", "dst_off", "length"):
+            assert np.array_equal(getattr(flat, f), getattr(rs, f)), (cp.component, f)
 
 
 def test_out_of_range_destination_index_is_refused():

@@ -13,10 +13,12 @@ from transfer.transports import TRANSPORTS, Offer, TransportSettings, pick, reso
 
 
 def test_auto_and_names_resolve_and_unknown_names_are_refused():
-    assert resolve("auto")[0] == "mooncake"
+    assert resolve("auto", TransportSettings(device="cpu")) == ("mooncake",)           # CPU pools
+    assert resolve("auto", TransportSettings(device="cuda:1")) == ("cuda-ipc", "mooncake")   # GPU first
+    assert resolve("auto", TransportSettings(device="cuda")) == ("cuda-ipc", "mooncake")
     assert "memory" not in resolve("auto")          # a test transport never joins auto
-    assert resolve("mooncake") == ("mooncake",)
-    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known: auto, mooncake"):
+    assert resolve("mooncake") == ("mooncake",) and resolve("cuda-ipc") == ("cuda-ipc",)
+    with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known: auto, cuda-ipc, mooncake"):
         resolve("carrier-pigeon")
     with pytest.raises(ValueError, match="tcp or rdma"):
         TransportSettings(mooncake_protocol="udp")
@@ -58,3 +60,34 @@ def test_offers_and_buffers_are_validated_when_decoded():
         with pytest.raises(msgspec.ValidationError):
             dec.decode(msgspec.msgpack.encode([bad]))
     assert "memory" in TRANSPORTS.names()   # registered by the conftest, for the conformance tests
+
+
+def test_cuda_ipc_reaches_only_its_own_host_and_says_why():
+    from transfer.transports.cuda_ipc import host_identity, reach_problem
+    here = host_identity()
+    assert here == host_identity() and "/" in here          # boot id / hostname, stable
+    assert reach_problem(Offer("cuda-ipc", here, b""), here) is None
+    assert "on another host" in reach_problem(Offer("cuda-ipc", "other-boot/other-host", b""), here)
+    assert reach_problem(Offer("mooncake", here, b""), here) == "not cuda-ipc"
+
+
+def test_a_forced_cuda_ipc_that_cannot_work_is_refused_by_name():
+    """Without a GPU the transport cannot start; with one, a CPU pool cannot be exposed."""
+    import torch
+    from transfer.transports import create
+    if not torch.cuda.is_available():
+        with pytest.raises(TransportError, match="cuda-ipc needs a CUDA device"):
+            create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+        return
+    [cuda] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+    pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, device="cpu"))
+    with pytest.raises(TransportError, match="is not CUDA device memory; it needs pools on CUDA"):
+        KVSender(cuda, pool, TransferConfig())
+
+
+def test_pick_names_why_a_shared_kind_could_not_be_used():
+    class SameHostOnly(memory.MemoryTransport):
+        def reach_problem(self, offer):
+            return None if offer.host == "here" else f"{offer.kind}: the peer is on another host"
+    with pytest.raises(TransportError, match=r"no common transport: .* \(memory: the peer is on another host\)"):
+        pick([Offer("memory", "there", b"")], [SameHostOnly()])

@@ -13,7 +13,8 @@ from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_pres
 from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
 from harness.peer_server import digest_request
-from transfer.errors import Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError, WriteFailed
+from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
+                             TransportError, WriteFailed)
 from transfer.faults import FaultPlan
 from transfer.sender import KVSender
 from transfer.transports import Ranges, TransportSettings, create
@@ -23,7 +24,8 @@ DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")  # both sides' pools and st
 
 
 def _device(peer):
-    return "cpu" if isinstance(peer, LocalPeer) else DEVICE   # the memory transport copies host memory
+    """The memory transport copies host memory; cuda-ipc needs CUDA pools (DISAGG_TEST_DEVICE=cuda)."""
+    return "cpu" if isinstance(peer, LocalPeer) else DEVICE
 
 
 def _setup(peer, preset, page, layout, tokens=2048, fragment=True):
@@ -204,8 +206,12 @@ def test_staging_area_on_another_device_than_the_pool(transport, peer):
     """Host staging for the pool's device (on a CPU machine both are the CPU: the path still
     runs through the separate-device branch check)."""
     pool = _setup(peer, "tiny-hybrid", 4, Layout.LAYER_MAJOR)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20,
-                                                  staging_device="cpu")) as sender:
+    config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20, staging_device="cpu")
+    if transport.kind == "cuda-ipc":   # a host staging area cannot be exposed to CUDA IPC: refused, named
+        with pytest.raises(TransportError, match="not CUDA device memory"):
+            KVSender(transport, pool, config)
+        return
+    with KVSender(transport, pool, config) as sender:
         target = peer.connect(sender)
         assert sender.staging.buffer.device.type == "cpu"
         req = pool.alloc_request(77)

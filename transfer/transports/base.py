@@ -6,6 +6,8 @@
       connect(offer, exposure) -> Link
         Link.write_async(ranges)    (local region, offset) -> (peer region, offset), length
           -> PendingWrite           pollable; wait() sleeps, never spins
+        Link.write_runs(runsets)    the same, factorized (runs x buffer pairs); a transport
+                                    that can expand on its own device overrides it
         Link.probe(), Link.close()
         Link.cost                   the per-range / per-byte figures the planner's
                                     direct-vs-staged choice needs
@@ -68,6 +70,42 @@ class Ranges:
                         for f in ("src_region", "src_off", "dst_region", "dst_off", "length")))
 
 
+@dataclass(frozen=True)
+class RunSet:
+    """Ranges factorized as the planner produces them: every run copied once per buffer pair.
+    Range (b, r) copies count[r] * item_bytes[b] bytes from local region src_region[b] at
+    src_start[r] * item_bytes[b] to peer region dst_region[b] at dst_start[r] * item_bytes[b].
+    A layer-major page-1 request is millions of ranges but only runs + buffers here."""
+    src_start: np.ndarray    # int64 [n_runs] items
+    dst_start: np.ndarray    # int64 [n_runs] items
+    count: np.ndarray        # int64 [n_runs] items
+    src_region: np.ndarray   # int64 [n_bufs]
+    dst_region: np.ndarray   # int64 [n_bufs]
+    item_bytes: np.ndarray   # int64 [n_bufs]
+
+    def __len__(self) -> int:
+        return len(self.count) * len(self.item_bytes)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.count.sum()) * int(self.item_bytes.sum())
+
+    def flatten(self) -> "Ranges":
+        """Buffer-major flat ranges ([buffer 0 runs..., buffer 1 runs..., ...])."""
+        n, item = len(self.count), self.item_bytes[:, None]
+        length = np.broadcast_to(self.count[None, :] * item, (len(self.item_bytes), n))
+        return Ranges(np.repeat(self.src_region, n), (self.src_start[None, :] * item).ravel(),
+                      np.repeat(self.dst_region, n), (self.dst_start[None, :] * item).ravel(), length.ravel())
+
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per buffer pair, the end of the furthest range on each side (bytes): bounds in O(runs)."""
+        if not len(self.count):
+            zero = np.zeros(len(self.item_bytes), dtype=np.int64)
+            return zero, zero
+        return ((self.src_start + self.count).max() * self.item_bytes,
+                (self.dst_start + self.count).max() * self.item_bytes)
+
+
 def check_ranges(side: str, region: np.ndarray, off: np.ndarray, length: np.ndarray, sizes: np.ndarray) -> None:
     """Every [off, off + length) lies inside region `region` of a table of `sizes` (vectorized)."""
     if len(length) == 0:
@@ -111,6 +149,7 @@ class Link(ABC):
     kind: str
     peer: str           # a printable name of the peer
     cost: LinkCost
+    ordered = False     # True: writes land in the order they were submitted (one stream)
 
     @abstractmethod
     def write_async(self, ranges: Ranges) -> PendingWrite:
@@ -119,6 +158,13 @@ class Link(ABC):
 
     def write(self, ranges: Ranges, timeout: float | None = None) -> None:
         self.write_async(ranges).wait(timeout)
+
+    def write_runs_async(self, runsets: Sequence[RunSet]) -> PendingWrite:
+        """Start writing factorized ranges; by default flattened on the host."""
+        return self.write_async(Ranges.concat([r.flatten() for r in runsets]))
+
+    def write_runs(self, runsets: Sequence[RunSet], timeout: float | None = None) -> None:
+        self.write_runs_async(runsets).wait(timeout)
 
     @abstractmethod
     def probe(self) -> None:
@@ -136,9 +182,13 @@ class Transport(ABC):
     def expose(self, regions: Sequence[tuple[int, int]]) -> Exposure:
         """Register (ptr, nbytes) regions, numbered in order."""
 
+    def reach_problem(self, offer: Offer) -> str | None:
+        """None if connect(offer) can work from here, else why not (another kind; for a
+        same-host transport, another host)."""
+        return None if offer.kind == self.kind else f"not {self.kind}"
+
     def can_reach(self, offer: Offer) -> bool:
-        """Whether connect(offer) can work from here (same kind; same host where it matters)."""
-        return offer.kind == self.kind
+        return self.reach_problem(offer) is None
 
     @abstractmethod
     def connect(self, offer: Offer, local: Exposure) -> Link:

@@ -143,6 +143,7 @@ class MooncakeExposure(Exposure):
 
 class MooncakeLink(Link):
     kind = KIND
+    ordered = False   # ranges of one write land in any order; a later write must wait
 
     def __init__(self, transport: "MooncakeTransport", local: MooncakeExposure, blob: _Blob):
         self._transport, self._local = transport, local

@@ -1,0 +1,260 @@
+"""The CUDA IPC transport: prefill writes straight into decode's pool on another GPU of the
+same host, over NVLink (or PCIe), with one copy kernel on the prefill GPU.
+
+    decode (owner)                               prefill (writer, GPU 0)
+      cuIpcGetMemHandle(allocation base)           cuIpcOpenMemHandle once per handle and link
+      offer: host id, pid, [(handle, offset        (lazy peer access), closed with the link
+              in allocation, nbytes)] per region   write_runs: runs + buffer table -> GPU,
+                                                   expand and split on the GPU, one kernel:
+                                                   each warp copies whole ranges, 16-byte
+                                                   vectors where aligned; long runs as
+                                                   cudaMemcpyAsync; a blocking event marks
+                                                   the end (no spinning host thread)
+
+Addresses never travel: the offer names allocations by IPC handle and offset, the writer maps
+them where its driver puts them. A mapping gives no liveness signal (a write after the owner
+exited still "succeeds"), so liveness comes from the control plane's heartbeats and epochs,
+and the owner never frees pages a writer may still hold (decode's quarantine). Only plain
+cudaMalloc memory can be exported: memory from expandable segments (VMM) is refused by name.
+The CUDA driver is reached through ctypes; the kernel is a CuPy RawKernel (NVRTC).
+"""
+
+import ctypes
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from functools import lru_cache
+
+import msgspec
+import numpy as np
+
+from transfer.errors import OutOfBounds, PeerUnreachable, TransportError
+from transfer.transports.base import (Exposure, Link, LinkCost, Offer, PendingWrite, Ranges, RunSet, Transport,
+                                      check_ranges)
+from transfer.transports.cuda_copy import RangeCopier, Uploads
+
+KIND = "cuda-ipc"
+COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full speed: always direct
+
+
+@lru_cache(maxsize=1)
+def host_identity() -> str:
+    """Same value in every process (and container) on one kernel: boot id plus hostname."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = "no-boot-id"
+    return f"{boot}/{socket.gethostname()}"
+
+
+def reach_problem(offer: Offer, host: str) -> str | None:
+    """None if a cuda-ipc offer can be opened from `host`, else why not."""
+    if offer.kind != KIND:
+        return f"not {KIND}"
+    if offer.host != host:
+        return f"{KIND}: the peer is on another host ({offer.host} vs {host})"
+    return None
+
+
+class _Region(msgspec.Struct, frozen=True, array_like=True):
+    handle: bytes    # cuIpcGetMemHandle of the allocation holding the region (64 bytes)
+    offset: int      # the region's start inside that allocation
+    nbytes: int
+
+
+class _Blob(msgspec.Struct, frozen=True, array_like=True):
+    pid: int
+    regions: list[_Region]
+
+
+_blob_decoder = msgspec.msgpack.Decoder(_Blob)
+
+
+class _Driver:
+    """The few CUDA driver calls IPC needs, through ctypes (libcuda ships with the driver)."""
+
+    class Handle(ctypes.Structure):
+        _fields_ = [("reserved", ctypes.c_ubyte * 64)]   # not c_char: that reads back cut at the first NUL
+
+    MEMORYTYPE_ATTRIBUTE, DEVICE = 2, 2          # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_DEVICE
+    LAZY_ENABLE_PEER_ACCESS = 1
+
+    def __init__(self) -> None:
+        try:
+            self.lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise TransportError(f"cuda-ipc needs the CUDA driver (libcuda.so.1): {exc}") from None
+
+    def _check(self, what: str, code: int) -> None:
+        if code != 0:
+            name = ctypes.c_char_p()
+            self.lib.cuGetErrorName(code, ctypes.byref(name))
+            raise TransportError(f"cuda-ipc: {what} failed: {(name.value or b'?').decode()} ({code})")
+
+    def is_device_memory(self, ptr: int) -> bool:
+        kind = ctypes.c_uint(0)
+        code = self.lib.cuPointerGetAttribute(ctypes.byref(kind), self.MEMORYTYPE_ATTRIBUTE, ctypes.c_uint64(ptr))
+        return code == 0 and kind.value == self.DEVICE
+
+    def allocation(self, ptr: int) -> tuple[int, int]:
+        base, size = ctypes.c_uint64(), ctypes.c_size_t()
+        self._check("cuMemGetAddressRange", self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
+                                                                            ctypes.c_uint64(ptr)))
+        return base.value, size.value
+
+    def export(self, base: int) -> bytes:
+        h = self.Handle()
+        code = self.lib.cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(base))
+        if code != 0:
+            raise TransportError(
+                f"cuda-ipc: memory at {base:#x} cannot be exported (code {code}): only plain cudaMalloc memory can; "
+                "memory from expandable segments cannot (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+        return bytes(h.reserved)
+
+    def open(self, handle: bytes) -> int:
+        h, ptr = self.Handle(), ctypes.c_uint64()
+        ctypes.memmove(ctypes.addressof(h), handle, 64)
+        self._check("cuIpcOpenMemHandle", self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h,
+                                                                          self.LAZY_ENABLE_PEER_ACCESS))
+        return ptr.value
+
+    def close(self, ptr: int) -> None:
+        self._check("cuIpcCloseMemHandle", self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)))
+
+
+class CudaWrite(PendingWrite):
+    def __init__(self, event, nbytes: int):
+        self._event, self.nbytes = event, nbytes
+
+    def poll(self) -> bool:
+        return self._event.query()
+
+    def wait(self, timeout: float | None = None) -> None:
+        self._event.synchronize()   # a blocking-sync event: the thread sleeps, it does not spin
+
+
+class CudaIpcExposure(Exposure):
+    def __init__(self, driver: _Driver, regions: Sequence[tuple[int, int]]):
+        self.bases = np.array([int(p) for p, _ in regions], dtype=np.int64)
+        self.sizes = np.array([int(n) for _, n in regions], dtype=np.int64)
+        out = []
+        for i, (ptr, nbytes) in enumerate((int(p), int(n)) for p, n in regions):
+            if not driver.is_device_memory(ptr):
+                raise TransportError(f"cuda-ipc: region {i} ({nbytes} bytes) is not CUDA device memory; "
+                                     "it needs pools on CUDA (--device cuda or cuda:N)")
+            base, size = driver.allocation(ptr)
+            if ptr + nbytes > base + size:
+                raise TransportError(f"cuda-ipc: region {i} spans more than one allocation")
+            out.append(_Region(driver.export(base), ptr - base, nbytes))
+        self._blob = msgspec.msgpack.encode(_Blob(os.getpid(), out))
+
+    def offer(self) -> Offer:
+        return Offer(KIND, host_identity(), self._blob)
+
+    def close(self) -> None:
+        pass   # nothing is registered: a handle lives as long as the allocation
+
+
+class CudaIpcLink(Link):
+    kind = KIND
+    cost = COST
+    ordered = True   # one stream: a later write starts after an earlier one landed
+
+    def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: _Blob):
+        import torch
+        self._t, self._local = transport, local
+        self.peer = f"pid {blob.pid} on this host"
+        self._mapped: dict[bytes, int] = {}
+        bases = []
+        torch.cuda.set_device(transport.device)
+        try:
+            for r in blob.regions:
+                if r.handle not in self._mapped:
+                    self._mapped[r.handle] = transport.driver.open(r.handle)
+                bases.append(self._mapped[r.handle] + r.offset)
+        except BaseException:
+            self.close()
+            raise
+        self._bases = np.array(bases, dtype=np.int64)
+        self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
+        self._stream = torch.cuda.Stream(transport.device)
+        self._upload = Uploads()
+        self._lock = threading.Lock()
+
+    def _launch(self, work) -> CudaWrite:
+        import torch
+        with self._lock:
+            total = self._t.copier.submit(work, self._stream, self._upload) if work else 0
+            event = torch.cuda.Event(blocking=True)
+            event.record(self._stream)
+        return CudaWrite(event, total)
+
+    def write_async(self, ranges: Ranges) -> CudaWrite:
+        check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
+        check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
+        zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
+        flat = RunSet(self._local.bases[ranges.src_region] + ranges.src_off, self._bases[ranges.dst_region] + ranges.dst_off,
+                      ranges.length, zero, zero, one)   # absolute addresses, items of one byte
+        return self._launch([(flat, zero, zero)])
+
+    def write_runs_async(self, runsets: Sequence[RunSet]) -> CudaWrite:
+        work = []
+        for rs in runsets:
+            if not len(rs):
+                continue
+            src_end, dst_end = rs.extents()
+            for side, region, end, sizes in (("source", rs.src_region, src_end, self._local.sizes),
+                                             (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes)):
+                bad = (region < 0) | (region >= len(sizes))
+                if bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
+                    raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
+            work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
+        return self._launch(work)
+
+    def probe(self) -> None:
+        if not self._mapped:
+            raise PeerUnreachable("probe", -1, self.peer, detail="no mapping")
+
+    def close(self) -> None:
+        """Unmap the peer's memory (after every write on our stream is done)."""
+        if getattr(self, "_stream", None) is not None:
+            self._stream.synchronize()
+        mapped, self._mapped = self._mapped, {}
+        for ptr in mapped.values():
+            self._t.driver.close(ptr)
+
+
+class CudaIpcTransport(Transport):
+    kind = KIND
+
+    def __init__(self, device: int | None = None, blocks: int = 32, threads: int = 512):
+        import torch
+        if not torch.cuda.is_available():
+            raise TransportError("cuda-ipc needs a CUDA device, and torch sees none")
+        self.device = torch.cuda.current_device() if device is None else device
+        self.host = host_identity()
+        self.driver = _Driver()
+        self.copier = RangeCopier(self.device, blocks, threads)
+        torch.cuda.init()
+
+    def reach_problem(self, offer: Offer) -> str | None:
+        return reach_problem(offer, self.host)
+
+    def expose(self, regions: Sequence[tuple[int, int]]) -> CudaIpcExposure:
+        import torch
+        torch.cuda.set_device(self.device)
+        return CudaIpcExposure(self.driver, regions)
+
+    def connect(self, offer: Offer, local: Exposure) -> CudaIpcLink:
+        problem = self.reach_problem(offer)
+        if problem or not isinstance(local, CudaIpcExposure):
+            raise TransportError(problem or f"{KIND} cannot write from a {type(local).__name__}")
+        try:
+            blob = _blob_decoder.decode(offer.blob)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise TransportError(f"malformed {KIND} offer: {exc}") from None
+        if any(len(r.handle) != 64 or r.offset < 0 or r.nbytes <= 0 for r in blob.regions):
+            raise TransportError(f"malformed {KIND} offer: bad region")
+        return CudaIpcLink(self, local, blob)
