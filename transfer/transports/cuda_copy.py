@@ -47,7 +47,8 @@ extern "C" __global__ void copy_ranges(const long long* __restrict__ src, const 
 """
 
 
-_HOST_EXPAND = 1 << 16         # up to this many ranges are expanded on the host
+_HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host (numpy), more on the GPU
+_FEW = 8                       # a write of this many ranges or fewer (the AUX row) is plain memcpys
 _streams: dict[int, object] = {}
 
 
@@ -87,14 +88,24 @@ class Uploads:
         return out
 
 
+def _flat(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    item = rs.item_bytes[:, None]
+    src = (src_base[:, None] + rs.src_start[None, :] * item).ravel()
+    dst = (dst_base[:, None] + rs.dst_start[None, :] * item).ravel()
+    return src, dst, np.broadcast_to(rs.count[None, :] * item, (len(rs.item_bytes), len(rs.count))).ravel()
+
+
+def _memcpys(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray, stream) -> None:
+    import cupy
+    for s, d, n in zip(*(a.tolist() for a in _flat(rs, src_base, dst_base))):
+        cupy.cuda.runtime.memcpyAsync(d, s, n, 4, stream.cuda_stream)   # 4: cudaMemcpyDefault (UVA)
+
+
 def _split(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray, stream) -> np.ndarray:
     """Flat [3, n] (src, dst, len) of a run set on the host: ranges of _MEMCPY_BYTES or more are
     handed to the copy engine now, the others are cut into pieces of at most _PIECE_BYTES."""
     import cupy
-    item = rs.item_bytes[:, None]
-    src = (src_base[:, None] + rs.src_start[None, :] * item).ravel()
-    dst = (dst_base[:, None] + rs.dst_start[None, :] * item).ravel()
-    length = np.broadcast_to(rs.count[None, :] * item, (len(rs.item_bytes), len(rs.count))).ravel()
+    src, dst, length = _flat(rs, src_base, dst_base)
     big = length >= _MEMCPY_BYTES
     for s, d, n in zip(src[big].tolist(), dst[big].tolist(), length[big].tolist()):
         cupy.cuda.runtime.memcpyAsync(d, s, n, 4, stream.cuda_stream)   # 4: cudaMemcpyDefault (UVA)
@@ -126,7 +137,9 @@ class RangeCopier:
             for rs, src_base, dst_base in work:
                 total += rs.nbytes
                 longest = int(rs.count.max()) * int(rs.item_bytes.max())
-                if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
+                if len(rs) <= _FEW:   # no upload, no kernel: a few copy-engine calls
+                    _memcpys(rs, src_base, dst_base, stream)
+                elif longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
                     parts.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base,
                                                   rs.item_bytes]), (len(rs.count), len(rs.item_bytes))))
                 else:
