@@ -7,7 +7,10 @@ Every byte of a token's KV is a function of (token id, position, layer, componen
     word[t,j] = seed[t] * (2j + 1) + j * 0x9E3779B1 (uint32)    j = 4-byte word in the segment
 
 so a misplaced page, a stale page or a swapped layer changes the bytes. Linear-state slots
-take the seed of the whole prompt. Loops run over layers and parts, never over tokens.
+take the seed of the whole prompt. Loops run over layers and parts, never over tokens. The
+per-token bytes are computed, written and checked with torch on the pool's device (on a GPU
+pool, nothing crosses to the host but a few checksums); numpy's _mix/_bytes_for are the
+reference the torch versions are tested against.
 """
 
 import hashlib
@@ -39,12 +42,45 @@ def _bytes_for(seeds: np.ndarray, nbytes: int) -> np.ndarray:
     return words.view(np.uint8)[:, :nbytes]
 
 
+_FNV = 0xCBF29CE484222325 - (1 << 64)      # the same 64-bit constants as int64 (two's complement)
+_LOW35 = (1 << 35) - 1                     # >> 29 on int64 keeps 35 bits: a logical shift
+
+
+def _mix_t(*parts) -> torch.Tensor:
+    """_mix on int64 tensors (any device): wrapping multiplies, logical shifts; uint32 values."""
+    shape = torch.broadcast_shapes(*[p.shape for p in parts if isinstance(p, torch.Tensor)])
+    device = next(p.device for p in parts if isinstance(p, torch.Tensor))
+    out = torch.full(shape, _FNV, dtype=torch.int64, device=device)
+    for p in parts:
+        out ^= p
+        out *= 0x100000001B3
+        out ^= (out >> 29) & _LOW35
+    return out & 0xFFFFFFFF
+
+
+def _bytes_for_t(seeds: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """_bytes_for on the seeds' device: uint8 [len(seeds), nbytes]."""
+    j = torch.arange(-(-nbytes // 4), dtype=torch.int64, device=seeds.device)
+    words = (seeds[:, None] * (2 * j + 1)[None, :] + (j * 0x9E3779B1)[None, :]) & 0xFFFFFFFF
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)   # exact, no overflow
+    return words.view(torch.uint8).reshape(len(seeds), -1)[:, :nbytes]
+
+
 def prompt_digest(token_ids: np.ndarray) -> bytes:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
 
 
 def first_token(token_ids: np.ndarray) -> int:
     return int(_mix(int(prompt_digest(token_ids)[0]), len(token_ids))[()] % 50000)
+
+
+def _checksum(rows: torch.Tensor, positions: torch.Tensor) -> bytes:
+    """Two int64 sums of uint8 rows computed where they live (position-weighted, so swapped
+    rows change it): what the per-component digest hashes instead of every byte."""
+    values = rows.to(torch.int64)
+    plain = int(values.sum())
+    weighted = int((values.sum(dim=1) * (positions + 1)).sum())
+    return plain.to_bytes(8, "little", signed=True) + weighted.to_bytes(16, "little", signed=True)
 
 
 def _salt(name: str) -> int:
@@ -55,9 +91,9 @@ def _salt(name: str) -> int:
 class StandInEngine:
     """Loops over the pool's components as kvpool.positions describes them; it names none."""
 
-    def _expected(self, layer: int, c: Component, token_ids: np.ndarray, positions: np.ndarray, nbytes: int):
-        seeds = _mix(token_ids[positions].astype(np.uint64), positions, layer, _salt(c.value))
-        return _bytes_for(seeds, nbytes)
+    def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int):
+        """uint8 [len(positions), nbytes] on the tensors' device."""
+        return _bytes_for_t(_mix_t(token_ids[positions], positions, layer, _salt(c.value)), nbytes)
 
     def _parts(self, pool: HybridPool, c: Component):
         for pl in pool.pools[c].storage.packed.placements:
@@ -71,16 +107,17 @@ class StandInEngine:
         return raw.reshape(view.shape[0], view.shape[1], per_token), per_token
 
     def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
+        device = pool.config.device
+        tokens = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device)
         for c in paged_components(pool):
             items, slots = token_items(pool, c, req, positions)
             keep = backed(items)   # only positions whose page the component still holds
-            pos = positions[keep]
-            it = torch.from_numpy(items[keep].astype(np.int64))
-            sl = torch.from_numpy(slots[keep].astype(np.int64))
+            pos = torch.from_numpy(positions[keep].astype(np.int64)).to(device)
+            it = torch.from_numpy(items[keep].astype(np.int64)).to(device)
+            sl = torch.from_numpy(slots[keep].astype(np.int64)).to(device)
             for layer, part, view in self._parts(pool, c):
                 raw, per_token = self._token_bytes(view)
-                data = torch.from_numpy(self._expected(layer, c, token_ids, pos, per_token))
-                raw[it.to(raw.device), sl.to(raw.device)] = data.to(raw.device)
+                raw[it, sl] = self._expected(layer, c, tokens, pos, per_token)
 
     def _state_bytes(self, pool: HybridPool, c: Component, token_ids: np.ndarray):
         seed = _mix(int.from_bytes(prompt_digest(token_ids)[:4], "little"), len(token_ids))
@@ -116,19 +153,23 @@ class StandInEngine:
         if int(aux["first_token"]) != first_token(token_ids):
             raise VerifyError("aux row first token differs")
         digests = {}
+        device = pool.config.device
+        tokens = torch.from_numpy(token_ids).to(device)
         for c in paged_components(pool):
-            pos = kept_positions(pool, c, n)   # what the receiver holds (SWA: the window)
-            items, slots = token_items(pool, c, req, pos)
-            it, sl = torch.from_numpy(items.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
+            positions = kept_positions(pool, c, n)   # what the receiver holds (SWA: the window)
+            items, slots = token_items(pool, c, req, positions)
+            pos = torch.from_numpy(positions.astype(np.int64)).to(device)
+            it = torch.from_numpy(items.astype(np.int64)).to(device)
+            sl = torch.from_numpy(slots.astype(np.int64)).to(device)
             h = hashlib.sha256()
             for layer, part, view in self._parts(pool, c):
                 raw, per_token = self._token_bytes(view)
-                got = raw[it.to(raw.device), sl.to(raw.device)].cpu().numpy()
-                want = self._expected(layer, c, token_ids, pos, per_token)
-                if not np.array_equal(got, want):
-                    bad = int(np.flatnonzero((got != want).any(axis=1))[0])
-                    raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(pos[bad])} differs")
-                h.update(got.tobytes())
+                got = raw[it, sl]
+                want = self._expected(layer, c, tokens, pos, per_token)
+                if not torch.equal(got, want):
+                    bad = int(torch.nonzero((got != want).any(dim=1))[0, 0])
+                    raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(positions[bad])} differs")
+                h.update(_checksum(got, pos))
             digests[c.value] = h.hexdigest()
         for c in state_components(pool):
             h = hashlib.sha256()

@@ -4,6 +4,8 @@ corruption, for every family."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disagg.engine.standin import StandInEngine, VerifyError
 from kvpool import Component, HybridPool, PoolConfig, get_preset
@@ -59,3 +61,17 @@ def test_fill_is_deterministic_across_pools_and_layouts():
         StandInEngine().prefill(a, req, tokens, room=1)
         digests.append(StandInEngine().verify(a, req, tokens, room=1))
     assert digests[0] == digests[1]
+
+
+@given(tokens=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=40), layer=st.integers(0, 200),
+       nbytes=st.integers(1, 70))
+@settings(max_examples=100, deadline=None)
+def test_device_arithmetic_matches_the_numpy_reference(tokens, layer, nbytes):
+    """The stand-in fills and checks KV with torch on the pool's device; its 64-bit wrapping
+    arithmetic and logical shifts must give numpy's uint64 bytes exactly."""
+    from disagg.engine.standin import _bytes_for, _bytes_for_t, _mix, _mix_t
+    ids = np.asarray(tokens, dtype=np.int64)
+    pos = np.arange(len(ids), dtype=np.int64)
+    want = _bytes_for(_mix(ids.astype(np.uint64), pos, layer, 0x9E3779B1), nbytes)
+    got = _bytes_for_t(_mix_t(torch.from_numpy(ids), torch.from_numpy(pos), layer, 0x9E3779B1), nbytes)
+    assert np.array_equal(got.numpy(), want)
