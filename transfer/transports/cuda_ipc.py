@@ -164,7 +164,7 @@ class CudaIpcLink(Link):
 
     def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: _Blob):
         import torch
-        self._t, self._local = transport, local
+        self._t, self._local, self._pid = transport, local, blob.pid
         self.peer = f"pid {blob.pid} on this host"
         self._mapped: dict[bytes, int] = {}
         bases = []
@@ -205,17 +205,24 @@ class CudaIpcLink(Link):
             if not len(rs):
                 continue
             src_end, dst_end = rs.extents()
+            negative = min(int(rs.src_start.min()), int(rs.dst_start.min()), int(rs.count.min())) < 0
             for side, region, end, sizes in (("source", rs.src_region, src_end, self._local.sizes),
                                              (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes)):
                 bad = (region < 0) | (region >= len(sizes))
-                if bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
+                if negative or bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
                     raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
             work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
         return self._launch(work)
 
     def probe(self) -> None:
-        if not self._mapped:
-            raise PeerUnreachable("probe", -1, self.peer, detail="no mapping")
+        """A mapping says nothing about its owner (writes after it exited still "succeed"):
+        ask whether the owning process exists (where PIDs are shared, as they must be here)."""
+        try:
+            os.kill(self._pid, 0)
+        except ProcessLookupError:
+            raise PeerUnreachable("probe", -1, self.peer, detail="the process that owns the memory is gone") from None
+        except PermissionError:
+            pass   # it exists, under another user
 
     def close(self) -> None:
         """Unmap the peer's memory (after every write on our stream is done)."""
