@@ -9,8 +9,7 @@ from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, abort_route, optional_int, require_room, require_tokens
 from disagg.api.metrics import WorkerMetrics
-from disagg.worker.flags import (add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config,
-                                 transport_settings, transports)
+from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 
 HELP = "run a decode worker"
 
@@ -25,12 +24,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(pool=pool_settings(args), host=args.host, transports=transports(args),
-                        transport_settings=transport_settings(args), bootstrap_addr=args.bootstrap_addr,
-                        transfer=transfer_config(args), slots_per_transfer=args.slots_per_transfer,
-                        deadlines=deadlines(args), heartbeat_interval_s=args.heartbeat_interval,
-                        dead_after_s=args.dead_after, quarantine_s=args.quarantine, queue_wait_s=args.queue_wait,
-                        max_waiting=args.max_waiting)
+    return DecodeConfig(**worker_settings(args), bootstrap_addr=args.bootstrap_addr,
+                        slots_per_transfer=args.slots_per_transfer, heartbeat_interval_s=args.heartbeat_interval,
+                        quarantine_s=args.quarantine)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,8 +9,7 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, abort_route, require_room, require_tokens
 from disagg.api.metrics import WorkerMetrics
 from disagg.prefill.server import PrefillConfig, PrefillServer
-from disagg.worker.flags import (add_pool_flags, announce, deadlines, http_url, pool_settings, transfer_config,
-                                 transport_settings, transports)
+from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 
 HELP = "run a prefill worker"
 
@@ -27,13 +26,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> PrefillConfig:
-    return PrefillConfig(pool=pool_settings(args), host=args.host, transports=transports(args),
-                         transport_settings=transport_settings(args), control_port=args.control_port,
+    return PrefillConfig(**worker_settings(args), control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
-                         transfer_workers=args.transfer_workers, transfer=transfer_config(args),
-                         deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
-                         max_waiting=args.max_waiting)
+                         transfer_workers=args.transfer_workers)
 
 
 def run(args: argparse.Namespace) -> int:

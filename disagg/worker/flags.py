@@ -103,6 +103,14 @@ def deadlines(args: argparse.Namespace) -> Deadlines:
     return Deadlines(args.bootstrap_timeout, args.waiting_timeout, args.transfer_timeout)
 
 
+def worker_settings(args: argparse.Namespace) -> dict:
+    """The fields of worker.base.WorkerSettings both roles take from the shared flags."""
+    return dict(pool=pool_settings(args), host=args.host, transports=transports(args),
+                transport_settings=transport_settings(args), transfer=transfer_config(args),
+                deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
+                max_waiting=args.max_waiting)
+
+
 def http_url(args: argparse.Namespace, port: int) -> str:
     """The URL others reach our API at (the advertised host when bound to every address)."""
     host = args.http_host or args.host
