@@ -105,6 +105,8 @@ class ApiServer:
                     self._json(200, route(body))
                 except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
                     self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
+                except RecursionError:   # e.g. 100,000 nested brackets
+                    self._json(400, {"error": "BadRequest: JSON nested too deeply"})
                 except Overloaded as exc:
                     self._json(503, {"error": f"Overloaded: {exc}"})
                 except Cancelled as exc:
@@ -152,6 +154,18 @@ def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
 def abort_route(abort: Callable[[int, str], dict]) -> Route:
     """POST /abort {room, reason?} for a worker."""
     return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
+
+
+def optional_endpoint(body: dict, key: str) -> str | None:
+    """A ZMQ tcp://HOST:PORT endpoint, or None; anything else is a BadRequest."""
+    value = body.get(key)
+    if value is None:
+        return None
+    host, sep, port = value.removeprefix("tcp://").rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not (isinstance(value, str) and value.startswith("tcp://") and sep and host and port.isdigit()
+            and 0 < int(port) < 65536 and len(value) <= 256 and not any(c.isspace() for c in value)):
+        raise BadRequest(f"{key} must be tcp://HOST:PORT")
+    return value
 
 
 def require_room(body: dict) -> int:

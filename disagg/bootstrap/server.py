@@ -3,10 +3,14 @@ reply (Refused with a reason for anything invalid) and the server keeps serving.
 
 A re-registration of the same TP rank replaces the old entry only with a newer epoch (a
 restarted prefill); an older epoch is refused, so a stale process cannot take a rank back.
+Epochs are start times (ns): one from more than EPOCH_SLACK_S in the future is refused, so
+no registration can hold a rank forever. No frame ends the loop: a message of more than one
+frame is refused, and anything else that goes wrong with one request is logged and refused.
 """
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 import zmq
@@ -16,6 +20,9 @@ from disagg.control.messages import (BootstrapReply, BootstrapRequest, Decoder, 
 from disagg.errors import ProtocolError
 
 log = logging.getLogger(__name__)
+
+MAX_TP_SIZE = 1024
+EPOCH_SLACK_S = 60.0   # clock skew allowed between a prefill host and the bootstrap's
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,12 @@ class BootstrapServer:
             match msg:
                 case RegisterPrefill(version=v, tp_rank=rank, tp_size=size, epoch=epoch):
                     check_version(v)
+                    if not 1 <= size <= MAX_TP_SIZE:
+                        raise ProtocolError(f"tp_size {size} outside [1, {MAX_TP_SIZE}]")
                     if not 0 <= rank < size:
                         raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
+                    if epoch > time.time_ns() + int(EPOCH_SLACK_S * 1e9):
+                        raise ProtocolError(f"epoch {epoch} is from the future (epochs are start times in ns)")
                     old = self.ranks.get(rank)
                     if old is not None and epoch < old.epoch:
                         raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch}")
@@ -64,8 +75,16 @@ class BootstrapServer:
 
     def serve_forever(self, poll_ms: int = 100) -> None:
         while not self._stop.is_set():
-            if self._sock.poll(poll_ms):
-                self._sock.send(encoder.encode(self.handle(self._sock.recv())))
+            if not self._sock.poll(poll_ms):
+                continue
+            frames = self._sock.recv_multipart()   # the whole message: REP must answer before the next
+            try:
+                reply = self.handle(frames[0]) if len(frames) == 1 else Refused(
+                    f"one frame per request, got {len(frames)}")
+            except Exception as exc:   # no request may end the loop
+                log.exception("bootstrap request failed")
+                reply = Refused(f"internal error: {type(exc).__name__}")
+            self._sock.send(encoder.encode(reply))
 
     def start(self) -> "BootstrapServer":
         self._thread = threading.Thread(target=self.serve_forever, name="bootstrap", daemon=True)
@@ -91,7 +110,11 @@ class BootstrapClient:
     def _connect(self) -> zmq.Socket:
         sock = self._ctx.socket(zmq.REQ)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(self.endpoint)
+        try:
+            sock.connect(self.endpoint)
+        except zmq.ZMQError as exc:
+            sock.close()
+            raise ProtocolError(f"bad bootstrap endpoint {self.endpoint!r}: {exc}") from None
         return sock
 
     def call(self, msg: BootstrapRequest) -> BootstrapReply:

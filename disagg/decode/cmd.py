@@ -7,7 +7,7 @@ import torch
 
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
-from disagg.api.server import ApiServer, abort_route, optional_int, require_room, require_tokens
+from disagg.api.server import ApiServer, abort_route, optional_endpoint, optional_int, require_room, require_tokens
 from disagg.api.metrics import WorkerMetrics
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 
@@ -44,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     def decode(body: dict) -> dict:
         room, tokens = require_room(body), require_tokens(body)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
-        return metrics.count(lambda: server.decode(room, tokens, max_new, body.get("bootstrap")),
+        bootstrap = optional_endpoint(body, "bootstrap")
+        return metrics.count(lambda: server.decode(room, tokens, max_new, bootstrap),
                              lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},

@@ -105,3 +105,30 @@ def test_standalone_process_serves_and_stops_on_sigint():
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         proc.stdout.close()
+
+
+def test_a_multipart_frame_cannot_stop_the_bootstrap(server, client):
+    """Issue 17, defect 3: `[b"", Lookup, b"x"]` from a DEALER killed the bootstrap's thread
+    ("Operation cannot be accomplished in current state"); it must be refused and serving go on."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send_multipart([b"", encoder.encode(Lookup(PROTOCOL_VERSION, 0)), b"x"])
+        assert sock.poll(5000), "no answer to a multi-part frame"
+        delimiter, reply = sock.recv_multipart()
+        assert delimiter == b"" and b"one frame" in reply
+    finally:
+        sock.close()
+    client.register(_info(0))
+    assert client.lookup(PROTOCOL_VERSION, 0).control_endpoint == "tcp://127.0.0.1:7000"
+
+
+def test_an_epoch_from_the_future_cannot_hold_a_rank_forever(client):
+    """Issue 17, defect 2: epoch 2^63-1 was accepted and no real prefill could win the rank back."""
+    import time
+    with pytest.raises(ProtocolError, match="from the future"):
+        client.register(_info(0, epoch=(1 << 63) - 1))
+    client.register(_info(0, epoch=time.time_ns()))   # a real prefill's epoch: now
+    with pytest.raises(ProtocolError, match="tp_size 100000 outside"):
+        client.register(_info(rank=5000, size=100_000))

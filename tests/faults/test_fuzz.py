@@ -150,6 +150,8 @@ def test_control_socket(stack, frames, register):
     ("decode", "/abort", {"room": 1 << 63}),
     ("prefill", "/prefill", {"room": 5, "token_ids": [[1, 2], [3, 4]]}),
     ("decode", "/decode", {"room": 5, "token_ids": [1 << 40]}),
+    ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "garbage"}),   # was a ZMQError: 500
+    ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "tcp://127.0.0.1:99999"}),
 ])
 def test_out_of_range_fields_are_refused(stack, role, path, body):
     assert _post_raw(stack[role]["http"] + path, json.dumps(body).encode()) == 400
@@ -176,4 +178,12 @@ def test_after_the_fuzzing_both_pools_are_back(stack, eventually):
     eventually(lambda: (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
                and inflight(stack["prefill"]["http"]) == 0 and inflight(stack["decode"]["http"]) == 0, 30,
                "both pools back to their initial free counts")
+    _serves_and_nothing_leaked(stack)
+
+
+@pytest.mark.parametrize("role,path", [("router", "/generate"), ("prefill", "/prefill"), ("decode", "/decode")])
+def test_deeply_nested_json_is_a_400_not_a_traceback(stack, role, path):
+    """Issue 17, defect 5: 100,000 nested brackets raised RecursionError (HTTP 500) everywhere."""
+    url = stack["router"] if role == "router" else stack[role]["http"]
+    assert _post_raw(url + path, b"[" * 100_000 + b"]" * 100_000) == 400
     _serves_and_nothing_leaked(stack)
