@@ -2,9 +2,18 @@
 and the process's own POST routes. Bad requests get a 4xx with a reason; a failing handler
 gets a 500 with its message; the server keeps serving either way.
 
-    400 bad input    409 refused by the protocol    499 cancelled (client went away)
-    503 overloaded: more than `max_inflight` POSTs at once, or the pool stayed full
-        (Retry-After: 1); refused at once, never queued without bound
+    400 bad input    404 no route    408 body not sent in time    409 refused by the protocol
+    499 cancelled (client went away)
+    503 overloaded: more than `max_inflight` POSTs at once, more than `max_connections` open
+        connections, or the pool stayed full (Retry-After: 1); refused at once, never queued
+
+Nobody can hold the server with connections that send slowly or not at all: a POST's body is
+read whole (within READ_TIMEOUT_S) before it takes an in-flight slot, every read of headers
+waits at most READ_TIMEOUT_S, an idle keep-alive connection is closed after it, and open
+connections are bounded. Why the standard library's server and not an ASGI server or
+aiohttp: every route blocks its thread for the whole request (it waits for a transfer), so
+an async server would hand each one to a thread pool anyway; with the bounds above the
+threads are bounded in number and in time, and there is no dependency to keep up with.
 """
 
 import json
@@ -12,41 +21,104 @@ import logging
 import select
 import socket
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-import numpy as np
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from disagg.api.fields import Route
 from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded
 
 log = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 16 << 20
-Route = Callable[[dict], dict]
-
-
-_call = threading.local()
+READ_TIMEOUT_S = 10.0    # for a request's headers (per read) and for its whole body
+PROBE_EVERY_S = 0.5      # how often a half-closed client is asked whether it still listens
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+_call = threading.local()  # the connection of the POST this thread serves
 
 
 def client_gone() -> bool:
-    """In a POST handler: whether the client closed its connection (a cancel)."""
-    conn = getattr(_call, "connection", None)
-    if conn is None:
+    """In a POST handler: whether the client closed its connection (a cancel).
+
+    A client that only half-closed (shut its sending side and still waits for the answer)
+    looks the same as a closed one until the server writes: so on end-of-stream an HTTP/1.1
+    client gets an interim `100 Continue` (which every HTTP/1.1 client must skip), and a
+    closed socket answers it with a reset that the next look sees. HTTP/1.0 has no interim
+    answers: there end-of-stream is a cancel."""
+    state = getattr(_call, "state", None)
+    if state is None:
         return False
+    conn, http11, probed = state
     try:
-        readable, _, _ = select.select([conn], [], [], 0)
-        return bool(readable) and conn.recv(1, socket.MSG_PEEK) == b""
+        poller = select.poll()    # not select.select: descriptors past 1024 are common here
+        poller.register(conn, select.POLLIN)
+        if not poller.poll(0):
+            return False          # nothing to read: still there
+        if conn.recv(1, socket.MSG_PEEK) != b"":
+            return False          # a pipelined next request: still there
+        if not http11:
+            return True
+        now = time.monotonic()
+        if now - probed >= PROBE_EVERY_S:
+            conn.sendall(_CONTINUE)
+            _call.state = (conn, http11, now)
+        return False
     except (OSError, ValueError):
-        return True
+        return True               # reset: gone
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most `max_connections` of them; one more is answered 503
+    and closed by the accepting thread."""
+    daemon_threads = True
+    request_queue_size = 1024   # listen backlog: a burst is accepted (or refused) in order, not dropped
+
+    def __init__(self, address, handler, max_connections: int):
+        self.max_connections, self._open, self._lock = max_connections, 0, threading.Lock()
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address):
+        with self._lock:
+            full = self._open >= self.max_connections
+            self._open += not full
+        if full:
+            body = json.dumps({"error": f"Overloaded: {self.max_connections} connections open"}).encode()
+            try:
+                request.settimeout(0.5)
+                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                                % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._release()
+            raise
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with self._lock:
+            self._open -= 1
 
 
 class ApiServer:
     def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
                  registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None,
-                 max_inflight: int = 0, unlimited: tuple[str, ...] = ("/abort",)):
+                 max_inflight: int = 0, unlimited: tuple[str, ...] = ("/abort",),
+                 health: Callable[[], dict] | None = None, max_connections: int = 0):
         self.routes, self.ready, self.registry = routes, ready, registry
         self.before_scrape = before_scrape
+        self.health = health or (lambda: {"status": "ok"})   # "status" other than "ok": 503
         self.max_inflight = max_inflight     # 0: no limit
         self.unlimited = unlimited           # routes never refused for load (an abort frees load)
         self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
@@ -54,6 +126,7 @@ class ApiServer:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = READ_TIMEOUT_S   # every read; an idle keep-alive connection ends after it
 
             def log_message(self, fmt, *args):  # route through logging, not stderr
                 log.debug("%s " + fmt, self.address_string(), *args)
@@ -65,6 +138,8 @@ class ApiServer:
                     self.send_header("Content-Length", str(len(body)))
                     if code == 503:
                         self.send_header("Retry-After", "1")
+                    if self.close_connection:
+                        self.send_header("Connection", "close")
                     self.end_headers()
                     self.wfile.write(body)
                 except OSError:  # the client went away: nothing to tell it
@@ -75,7 +150,8 @@ class ApiServer:
 
             def do_GET(self):
                 if self.path == "/health":
-                    self._json(200, {"status": "ok"})
+                    health = api.health()
+                    self._json(200 if health.get("status") == "ok" else 503, health)
                 elif self.path == "/ready":
                     ok = api.ready()
                     self._json(200 if ok else 503, {"ready": ok})
@@ -86,27 +162,58 @@ class ApiServer:
                 else:
                     self._json(404, {"error": f"no route {self.path}"})
 
+            def _body(self) -> bytes:
+                """The whole body, read within READ_TIMEOUT_S, or BadRequest/TimeoutError."""
+                if "Transfer-Encoding" in self.headers:
+                    raise BadRequest("send the body with a Content-Length, not a Transfer-Encoding")
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                except ValueError:
+                    raise BadRequest("Content-Length must be an integer") from None
+                if not 0 <= length <= MAX_BODY_BYTES:
+                    raise BadRequest(f"body of {length} bytes refused (at most {MAX_BODY_BYTES})")
+                deadline, parts, got = time.monotonic() + READ_TIMEOUT_S, [], 0
+                while got < length:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise TimeoutError
+                    self.connection.settimeout(left)
+                    part = self.rfile.read1(length - got)
+                    if not part:
+                        raise BadRequest(f"body cut short: {got} of {length} bytes")
+                    parts.append(part)
+                    got += len(part)
+                self.connection.settimeout(READ_TIMEOUT_S)
+                return b"".join(parts)
+
             def do_POST(self):
+                try:
+                    raw = self._body()
+                except TimeoutError:
+                    self.close_connection = True
+                    return self._json(408, {"error": f"body not sent within {READ_TIMEOUT_S:g} s"})
+                except (BadRequest, OSError) as exc:
+                    self.close_connection = True
+                    return self._json(400, {"error": f"BadRequest: {exc}"})
                 route = api.routes.get(self.path)
                 if route is None:
                     return self._json(404, {"error": f"no route {self.path}"})
-                limited = api._slots is not None and self.path not in api.unlimited
-                if limited and not api._slots.acquire(blocking=False):
-                    self.close_connection = True   # the body is left unread
-                    return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
-                _call.connection = self.connection
                 try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                    if not 0 <= length <= MAX_BODY_BYTES:
-                        raise BadRequest(f"body of {length} bytes refused")
-                    body = json.loads(self.rfile.read(length) or b"{}")
+                    body = json.loads(raw or b"{}")
                     if not isinstance(body, dict):
                         raise BadRequest("body must be a JSON object")
+                except (BadRequest, ValueError) as exc:
+                    return self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
+                except RecursionError:   # e.g. 100,000 nested brackets
+                    return self._json(400, {"error": "BadRequest: JSON nested too deeply"})
+                limited = api._slots is not None and self.path not in api.unlimited
+                if limited and not api._slots.acquire(blocking=False):
+                    return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
+                _call.state = (self.connection, self.request_version == "HTTP/1.1", float("-inf"))
+                try:
                     self._json(200, route(body))
                 except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
                     self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
-                except RecursionError:   # e.g. 100,000 nested brackets
-                    self._json(400, {"error": "BadRequest: JSON nested too deeply"})
                 except Overloaded as exc:
                     self._json(503, {"error": f"Overloaded: {exc}"})
                 except Cancelled as exc:
@@ -117,12 +224,12 @@ class ApiServer:
                     log.exception("handler for %s failed", self.path)
                     self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
                 finally:
-                    _call.connection = None
+                    _call.state = None
                     if limited:
                         api._slots.release()
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        max_connections = max_connections or max(64, 4 * max_inflight)
+        self.httpd = _Server((host, port), Handler, max_connections)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
 
@@ -133,56 +240,3 @@ class ApiServer:
     def stop(self) -> None:
         self.httpd.shutdown()
         self.httpd.server_close()
-
-
-def require(body: dict, key: str, kind: type):
-    if key not in body:
-        raise BadRequest(f"missing field {key!r}")
-    value = body[key]
-    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
-        raise BadRequest(f"field {key!r} must be {kind.__name__}")
-    return value
-
-
-def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
-    value = body.get(key, default)
-    if type(value) is not int or not lo <= value <= hi:
-        raise BadRequest(f"{key} must be an int in [{lo}, {hi}]")
-    return value
-
-
-def abort_route(abort: Callable[[int, str], dict]) -> Route:
-    """POST /abort {room, reason?} for a worker."""
-    return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
-
-
-def optional_endpoint(body: dict, key: str) -> str | None:
-    """A ZMQ tcp://HOST:PORT endpoint, or None; anything else is a BadRequest."""
-    value = body.get(key)
-    if value is None:
-        return None
-    host, sep, port = value.removeprefix("tcp://").rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not (isinstance(value, str) and value.startswith("tcp://") and sep and host and port.isdigit()
-            and 0 < int(port) < 65536 and len(value) <= 256 and not any(c.isspace() for c in value)):
-        raise BadRequest(f"{key} must be tcp://HOST:PORT")
-    return value
-
-
-def require_room(body: dict) -> int:
-    room = require(body, "room", int)
-    if not 0 <= room < 1 << 63:
-        raise BadRequest("room must be in [0, 2^63)")
-    return room
-
-
-def require_tokens(body: dict, key: str = "token_ids", max_tokens: int = 1 << 20) -> np.ndarray:
-    """A non-empty 1-D list of token ids in [0, 2^31) as an int64 array, or BadRequest."""
-    value = require(body, key, list)
-    if not 0 < len(value) <= max_tokens:
-        raise BadRequest(f"{key} must hold 1 to {max_tokens} tokens")
-    if not all(type(t) is int for t in value):
-        raise BadRequest(f"{key} must be a list of ints")
-    tokens = np.asarray(value, dtype=np.int64)
-    if tokens.min() < 0 or tokens.max() >= 1 << 31:
-        raise BadRequest(f"{key} must be in [0, 2^31)")
-    return tokens

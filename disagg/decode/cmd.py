@@ -7,7 +7,8 @@ import torch
 
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.process import setup_logging, wait_for_signal
-from disagg.api.server import ApiServer, abort_route, optional_endpoint, optional_int, require_room, require_tokens
+from disagg.api.fields import abort_route, optional_endpoint, optional_int, require_room, require_tokens
+from disagg.api.server import ApiServer
 from disagg.api.metrics import WorkerMetrics
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 

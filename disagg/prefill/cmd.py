@@ -6,7 +6,8 @@ import argparse
 import torch
 
 from disagg.process import setup_logging, wait_for_signal
-from disagg.api.server import ApiServer, abort_route, require_room, require_tokens
+from disagg.api.fields import abort_route, require_room, require_tokens
+from disagg.api.server import ApiServer
 from disagg.api.metrics import WorkerMetrics
 from disagg.prefill.server import PrefillConfig, PrefillServer
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings

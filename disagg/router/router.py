@@ -4,7 +4,8 @@ the hand-off overhead: from prefill done to KV ready on decode, minus the transf
 (wall clocks of two hosts: exact on one host, as good as their clock sync across hosts).
 
 Aborts: when one side fails while the other still works, the other is aborted at once (its
-slots come back now, not at its deadline); a client that disconnects, or names its
+slots come back now, not at its deadline) and the client is answered within ABORT_GRACE_S
+even if that side never answers (frozen); a client that disconnects, or names its
 `request_id` in POST /abort, aborts both. At most `max_inflight` requests run at once; more
 get 503 (Overloaded), as does a request that a side refused as overloaded.
 """
@@ -22,10 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.api.server import BadRequest, optional_int
-from disagg.errors import Cancelled, Overloaded
+from disagg.api.fields import optional_int
+from disagg.errors import BadRequest, Cancelled, Overloaded
 
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
+ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
 
 
 @dataclass(frozen=True)
@@ -163,8 +165,14 @@ class Router:
                 for f in pending:
                     self._aborts.submit(post_json, sides[f][1] + "/abort", {"room": room, "reason": why}, 5.0)
                 break
-        for f in pending:
-            results[sides[f][0]] = f.result()
+        if pending:   # aborted: its answer is awaited briefly, never for its whole deadline
+            done, pending = wait(pending, ABORT_GRACE_S)
+            for f in done:
+                results[sides[f][0]] = f.result()
+            for f in pending:   # frozen or unreachable: answer the client without it
+                name = sides[f][0]
+                results[name] = {"state": "FAILED", "reason": f"{name} gave no answer within "
+                                                              f"{ABORT_GRACE_S:g} s of being aborted"}
         cancelled = why == "cancelled by the client"
         if cancelled and client_gone():
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log

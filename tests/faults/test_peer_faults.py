@@ -99,6 +99,26 @@ def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually
                    "both pools back to their initial free counts")
 
 
+def test_a_client_is_answered_soon_after_one_side_failed_even_if_the_other_is_frozen():
+    """Issue 17, defect 6: with decode frozen, prefill failed its side within seconds but the
+    client was answered only when decode thawed: the router waited for the aborted side."""
+    quick = ["--bootstrap-timeout", "1", "--waiting-timeout", "2"]
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *PREFILL, *quick, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *DECODE, "--bootstrap-addr", prefill["bootstrap"])
+        router = start_router(launcher, prefill, decode)
+        assert all(r["ok"] for r in requests(router, [300]))
+        os.kill(_proc(launcher, 1).pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            [out] = requests(router, [300])
+            waited = time.monotonic() - t0
+        finally:
+            os.kill(_proc(launcher, 1).pid, signal.SIGCONT)
+        assert not out["ok"] and "gave no answer" in out["reason"], out
+        assert waited < 8, f"answered after {waited:.1f} s"
+
+
 def _free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -1,0 +1,63 @@
+"""Fields of a JSON request body: each helper returns the value or raises BadRequest (a 400
+naming the field and what would be accepted)."""
+
+from collections.abc import Callable
+
+import numpy as np
+
+from disagg.errors import BadRequest
+
+Route = Callable[[dict], dict]
+
+
+def require(body: dict, key: str, kind: type):
+    if key not in body:
+        raise BadRequest(f"missing field {key!r}")
+    value = body[key]
+    if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+        raise BadRequest(f"field {key!r} must be {kind.__name__}")
+    return value
+
+
+def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
+    value = body.get(key, default)
+    if type(value) is not int or not lo <= value <= hi:
+        raise BadRequest(f"{key} must be an int in [{lo}, {hi}]")
+    return value
+
+
+def abort_route(abort: Callable[[int, str], dict]) -> Route:
+    """POST /abort {room, reason?} for a worker."""
+    return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
+
+
+def optional_endpoint(body: dict, key: str) -> str | None:
+    """A ZMQ tcp://HOST:PORT endpoint, or None; anything else is a BadRequest."""
+    value = body.get(key)
+    if value is None:
+        return None
+    host, sep, port = value.removeprefix("tcp://").rpartition(":") if isinstance(value, str) else ("", "", "")
+    if not (isinstance(value, str) and value.startswith("tcp://") and sep and host and port.isdigit()
+            and 0 < int(port) < 65536 and len(value) <= 256 and not any(c.isspace() for c in value)):
+        raise BadRequest(f"{key} must be tcp://HOST:PORT")
+    return value
+
+
+def require_room(body: dict) -> int:
+    room = require(body, "room", int)
+    if not 0 <= room < 1 << 63:
+        raise BadRequest("room must be in [0, 2^63)")
+    return room
+
+
+def require_tokens(body: dict, key: str = "token_ids", max_tokens: int = 1 << 20) -> np.ndarray:
+    """A non-empty 1-D list of token ids in [0, 2^31) as an int64 array, or BadRequest."""
+    value = require(body, key, list)
+    if not 0 < len(value) <= max_tokens:
+        raise BadRequest(f"{key} must hold 1 to {max_tokens} tokens")
+    if not all(type(t) is int for t in value):
+        raise BadRequest(f"{key} must be a list of ints")
+    tokens = np.asarray(value, dtype=np.int64)
+    if tokens.min() < 0 or tokens.max() >= 1 << 31:
+        raise BadRequest(f"{key} must be in [0, 2^31)")
+    return tokens
