@@ -9,10 +9,10 @@ from disagg.bootstrap import cmd as bootstrap_cmd
 from disagg.decode import cmd as decode_cmd
 from disagg.prefill import cmd as prefill_cmd
 from disagg.router import cmd as router_cmd
-from disagg.tools import bench, demo, presets
+from disagg.tools import bench, demo, keygen, presets
 
 COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
-            "bench": bench, "demo": demo, "presets": presets}
+            "bench": bench, "demo": demo, "presets": presets, "keygen": keygen}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -17,11 +17,12 @@ must not import disagg); the control plane's branch lives here.
      +-- BadRequest                          invalid API input (HTTP 400)
      +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
      +-- VerifyError                         decode found bytes that are not the prompt's KV
+     +-- ConfigError                         a flag or file the process cannot start with
 """
 
 from transfer.errors import Cancelled, DisaggError, TransferError
 
-__all__ = ["BadRequest", "Cancelled", "DisaggError", "Overloaded", "ProtocolError",
+__all__ = ["BadRequest", "Cancelled", "ConfigError", "DisaggError", "Overloaded", "ProtocolError",
            "TooLarge", "TransferError", "VerifyError"]
 
 
@@ -43,3 +44,7 @@ class TooLarge(DisaggError, ValueError):
 
 class VerifyError(DisaggError):
     pass
+
+
+class ConfigError(DisaggError):
+    """Raised before anything starts; the CLI prints it as one line."""

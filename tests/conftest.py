@@ -6,6 +6,9 @@ import time
 
 import pytest
 import torch
+import zmq
+
+from disagg.control.auth import AuthKey, Gate
 
 
 def pytest_collection_modifyitems(config, items):
@@ -17,6 +20,31 @@ def pytest_collection_modifyitems(config, items):
     if drop:
         config.hook.pytest_deselected(items=drop)
         items[:] = keep
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deployment_key(tmp_path_factory) -> AuthKey:
+    """Every process a test starts holds this key (DISAGG_AUTH_KEY): the stacks run with auth on.
+    In-process servers built from a config default to no key."""
+    path = str(tmp_path_factory.mktemp("keys") / "deployment.key")
+    key = AuthKey.generate(path)
+    before = os.environ.get("DISAGG_AUTH_KEY")
+    os.environ["DISAGG_AUTH_KEY"] = path
+    yield key
+    if before is None:
+        os.environ.pop("DISAGG_AUTH_KEY", None)
+    else:
+        os.environ["DISAGG_AUTH_KEY"] = before
+
+
+@pytest.fixture(scope="session")
+def keyed(deployment_key):
+    """A gate holding the deployment's key, on a context of its own: `keyed.client(sock, name)`
+    lets a test's raw socket talk to the processes it started."""
+    gate = Gate(zmq.Context(), deployment_key, "test")
+    yield gate
+    gate.close()
+    gate.ctx.term()
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """Fields of a JSON request body: each helper returns the value or raises BadRequest (a 400
 naming the field and what would be accepted)."""
 
+import argparse
 from collections.abc import Callable
 
 import numpy as np
@@ -31,16 +32,20 @@ def abort_route(abort: Callable[[int, str], dict]) -> Route:
     return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])
 
 
-def optional_endpoint(body: dict, key: str) -> str | None:
-    """A ZMQ tcp://HOST:PORT endpoint, or None; anything else is a BadRequest."""
-    value = body.get(key)
-    if value is None:
-        return None
-    host, sep, port = value.removeprefix("tcp://").rpartition(":") if isinstance(value, str) else ("", "", "")
-    if not (isinstance(value, str) and value.startswith("tcp://") and sep and host and port.isdigit()
-            and 0 < int(port) < 65536 and len(value) <= 256 and not any(c.isspace() for c in value)):
-        raise BadRequest(f"{key} must be tcp://HOST:PORT")
-    return value
+def is_endpoint(value) -> bool:
+    """Whether `value` is a ZMQ tcp://HOST:PORT endpoint."""
+    if not isinstance(value, str) or not value.startswith("tcp://") or len(value) > 256:
+        return False
+    host, sep, port = value.removeprefix("tcp://").rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() for c in value))
+
+
+def named_endpoint(text: str) -> tuple[str, str]:
+    """A flag value [NAME=]tcp://HOST:PORT -> (name, endpoint); no name: ("", endpoint)."""
+    name, sep, endpoint = ("", "", text) if text.startswith("tcp://") else text.partition("=")
+    if not is_endpoint(endpoint) or (sep and not name.replace("-", "").replace("_", "").isalnum()):
+        raise argparse.ArgumentTypeError(f"{text!r}: want [NAME=]tcp://HOST:PORT (NAME: letters, digits, - or _)")
+    return name, endpoint
 
 
 def require_room(body: dict) -> int:

@@ -4,8 +4,11 @@ import argparse
 import logging
 import os
 
-from disagg.process import setup_logging
+import zmq
+
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
+from disagg.control.auth import Gate, add_auth_flags, key_of
+from disagg.process import setup_logging
 
 HELP = "run the bootstrap server that introduces decode workers to prefill ranks"
 
@@ -13,6 +16,7 @@ HELP = "run the bootstrap server that introduces decode workers to prefill ranks
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bind", default=os.environ.get("DISAGG_BOOTSTRAP_BIND", "tcp://0.0.0.0:8998"),
                    help="ZMQ endpoint to bind (env DISAGG_BOOTSTRAP_BIND; default tcp://0.0.0.0:8998)")
+    add_auth_flags(p)
 
 
 def config_from(args: argparse.Namespace) -> BootstrapConfig:
@@ -21,7 +25,8 @@ def config_from(args: argparse.Namespace) -> BootstrapConfig:
 
 def run(args: argparse.Namespace) -> int:
     setup_logging()
-    server = BootstrapServer(config_from(args))
+    gate = Gate(zmq.Context.instance(), key_of(args), "bootstrap")
+    server = BootstrapServer(config_from(args), gate)
     logging.getLogger("disagg.bootstrap.server").info("serving on %s", server.endpoint)
     try:
         server.serve_forever()
@@ -29,4 +34,5 @@ def run(args: argparse.Namespace) -> int:
         pass
     finally:
         server.stop()
+        gate.close()
     return 0

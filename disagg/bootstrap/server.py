@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import zmq
 
+from disagg.control.auth import Gate
 from disagg.control.messages import (BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo, RegisterPrefill,
                              Registered, Refused, check_version, encoder)
 from disagg.errors import ProtocolError
@@ -31,10 +32,9 @@ class BootstrapConfig:
 
 
 class BootstrapServer:
-    def __init__(self, config: BootstrapConfig, context: zmq.Context | None = None):
+    def __init__(self, config: BootstrapConfig, gate: Gate):
         self.config = config
-        self._ctx = context or zmq.Context.instance()
-        self._sock = self._ctx.socket(zmq.REP)
+        self._sock = gate.server(gate.ctx.socket(zmq.REP), "bootstrap")
         self._sock.bind(config.bind)
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = Decoder(BootstrapRequest, "bootstrap")
@@ -101,14 +101,14 @@ class BootstrapServer:
 class BootstrapClient:
     """REQ client with a timeout; a lost reply resets the socket (REQ cannot resend)."""
 
-    def __init__(self, endpoint: str, timeout_s: float = 5.0, context: zmq.Context | None = None):
+    def __init__(self, endpoint: str, gate: Gate, timeout_s: float = 5.0):
         self.endpoint, self.timeout_s = endpoint, timeout_s
-        self._ctx = context or zmq.Context.instance()
+        self._gate, self._ctx = gate, gate.ctx
         self._decoder = Decoder(BootstrapReply, "bootstrap reply")
         self._sock = self._connect()
 
     def _connect(self) -> zmq.Socket:
-        sock = self._ctx.socket(zmq.REQ)
+        sock = self._gate.client(self._ctx.socket(zmq.REQ), f"bootstrap client of {self.endpoint}")
         sock.setsockopt(zmq.LINGER, 0)
         try:
             sock.connect(self.endpoint)
@@ -122,7 +122,8 @@ class BootstrapClient:
         if not self._sock.poll(int(self.timeout_s * 1000)):
             self._sock.close()
             self._sock = self._connect()
-            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s} s")
+            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s:g} s (is it "
+                                f"running, and does it hold this deployment's auth key?)")
         reply = self._decoder.decode(self._sock.recv())
         if isinstance(reply, Refused):
             raise ProtocolError(f"bootstrap refused: {reply.reason}")

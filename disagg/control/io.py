@@ -13,6 +13,7 @@ from collections.abc import Iterator
 
 import zmq
 
+from disagg.control.auth import Gate
 from disagg.control.messages import Decoder, ToDecode, ToPrefill, encoder
 from disagg.control.outbox import Outbox
 from disagg.errors import ProtocolError
@@ -21,8 +22,9 @@ log = logging.getLogger(__name__)
 
 
 class RouterIO:
-    def __init__(self, ctx: zmq.Context, host: str, port: int = 0):
-        self._router = ctx.socket(zmq.ROUTER)
+    def __init__(self, gate: Gate, host: str, port: int = 0):
+        ctx = gate.ctx
+        self._router = gate.server(ctx.socket(zmq.ROUTER), "prefill control socket")
         if port:
             self._router.bind(f"tcp://{host}:{port}")
         else:
@@ -63,7 +65,8 @@ class RouterIO:
 
 
 class DealerIO:
-    def __init__(self, ctx: zmq.Context):
+    def __init__(self, gate: Gate):
+        self._gate, ctx = gate, gate.ctx
         self._ctx = ctx
         self._dealers: dict[str, zmq.Socket] = {}
         self._outbox = Outbox(ctx)
@@ -96,7 +99,7 @@ class DealerIO:
             kind, endpoint, payload = self._outbox.pull.recv_multipart()
             endpoint = endpoint.decode()
             if kind == b"connect" and endpoint not in self._dealers:
-                sock = self._ctx.socket(zmq.DEALER)
+                sock = self._gate.client(self._ctx.socket(zmq.DEALER), f"control link to prefill {endpoint}")
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(endpoint)
                 self._dealers[endpoint] = sock

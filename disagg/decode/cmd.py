@@ -6,8 +6,9 @@ import argparse
 import torch
 
 from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.errors import BadRequest
 from disagg.process import setup_logging, wait_for_signal
-from disagg.api.fields import abort_route, optional_endpoint, optional_int, require_room, require_tokens
+from disagg.api.fields import abort_route, named_endpoint, optional_int, require_room, require_tokens
 from disagg.api.server import ApiServer
 from disagg.api.metrics import WorkerMetrics
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
@@ -17,7 +18,10 @@ HELP = "run a decode worker"
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_pool_flags(p)
-    p.add_argument("--bootstrap-addr", default="tcp://127.0.0.1:8998", help="default bootstrap to look prefill up")
+    p.add_argument("--bootstrap-addr", action="append", type=named_endpoint, metavar="[NAME=]tcp://HOST:PORT",
+                   help="a bootstrap this decode may look prefill up at (repeat for more; the first is the "
+                        "default, also named 'default'; requests name one by NAME or by its address, never "
+                        "another; default tcp://127.0.0.1:8998)")
     p.add_argument("--slots-per-transfer", type=int, default=2, help="staging slots lent to one transfer")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to prefill")
     p.add_argument("--quarantine", type=float, default=60.0,
@@ -25,7 +29,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> DecodeConfig:
-    return DecodeConfig(**worker_settings(args), bootstrap_addr=args.bootstrap_addr,
+    entries = args.bootstrap_addr or [("", "tcp://127.0.0.1:8998")]
+    return DecodeConfig(**worker_settings(args), bootstrap_addr=entries[0][1],
+                        bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
                         slots_per_transfer=args.slots_per_transfer, heartbeat_interval_s=args.heartbeat_interval,
                         quarantine_s=args.quarantine)
 
@@ -45,7 +51,9 @@ def run(args: argparse.Namespace) -> int:
     def decode(body: dict) -> dict:
         room, tokens = require_room(body), require_tokens(body)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
-        bootstrap = optional_endpoint(body, "bootstrap")
+        bootstrap = body.get("bootstrap")
+        if bootstrap is not None and not (isinstance(bootstrap, str) and 0 < len(bootstrap) <= 256):
+            raise BadRequest("bootstrap must be the name or address of a bootstrap this decode is configured with")
         return metrics.count(lambda: server.decode(room, tokens, max_new, bootstrap),
                              lambda out: out["state"] == "SUCCESS", observe)
 

@@ -6,9 +6,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-import zmq
-
 from disagg.bootstrap.server import BootstrapClient
+from disagg.control.auth import Gate
 from disagg.control.liveness import Liveness
 from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, RegisterPrefill, layout_difference
 from disagg.errors import ProtocolError
@@ -28,8 +27,8 @@ class PrefillPeer:
 
 
 class PrefillPeers:
-    def __init__(self, ctx: zmq.Context, layout: LayoutInfo, dead_after_s: float):
-        self._ctx, self.layout = ctx, layout
+    def __init__(self, gate: Gate, layout: LayoutInfo, dead_after_s: float):
+        self._gate, self.layout = gate, layout
         self._lock = threading.Lock()
         self._peers: dict[str, PrefillPeer] = {}              # control endpoint -> peer
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
@@ -41,8 +40,7 @@ class PrefillPeers:
         with self._lock:
             info = self._lookups.get((bootstrap, tp_rank))
         if info is None:
-
-            client = BootstrapClient(bootstrap, max(0.05, deadline - time.monotonic()), context=self._ctx)
+            client = BootstrapClient(bootstrap, self._gate, max(0.05, deadline - time.monotonic()))
             try:
                 info = client.lookup(PROTOCOL_VERSION, tp_rank)
             finally:

@@ -28,7 +28,7 @@ from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, H
 from disagg.decode.peers import PrefillPeer, PrefillPeers
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable
 from disagg.engine.base import ModelEngine
-from disagg.errors import DisaggError, Overloaded, ProtocolError, VerifyError
+from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError
 from transfer.errors import StagingError
@@ -39,7 +39,8 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerSettings):
-    bootstrap_addr: str = "tcp://127.0.0.1:8998"
+    bootstrap_addr: str = "tcp://127.0.0.1:8998"   # the default bootstrap (also named "default")
+    bootstraps: tuple[tuple[str, str], ...] = ()  # (name, endpoint): the others a request may name
     slots_per_transfer: int = 2
     # A failed request whose TransferRequest went out keeps its pages until that prefill says
     # TransferDone (it stopped writing), or at the latest this long: beyond Mooncake's own
@@ -53,9 +54,9 @@ class DecodeServer(Worker):
         super().__init__(config, KVReceiver, model, swa_window_only=True)
         self.config = config
         self.receiver: KVReceiver = self.endpoint
-        self.io = DealerIO(self._ctx)
+        self.io = DealerIO(self.gate)
         self.requests = RequestTable(config.deadlines, config.quarantine_s, self._free, self.io.send)
-        self.peers = PrefillPeers(self._ctx, self.layout, config.dead_after_s)
+        self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self._loop_thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._loop_thread.start()
         self.ready = True
@@ -83,6 +84,7 @@ class DecodeServer(Worker):
         timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
         t0 = time.perf_counter()
         tokens = np.asarray(token_ids, dtype=np.int64)
+        bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)   # BadRequest before anything changes
         timings: dict = {}
         try:
             r = self.requests.open(room)
@@ -92,7 +94,7 @@ class DecodeServer(Worker):
             if r.phase.ended:   # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
-            peer = self._peer_for(bootstrap or self.config.bootstrap_addr, deadline)
+            peer = self._peer_for(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
@@ -135,9 +137,23 @@ class DecodeServer(Worker):
     def quarantined(self) -> int:
         return self.requests.quarantined()
 
+    def bootstrap_endpoint(self, name: str | None) -> str:
+        """The endpoint of a configured bootstrap, by name or by its endpoint; None: the default.
+        Never an address a request makes up: decode sends its registration (session, regions)
+        only to prefills that a bootstrap it was configured with names."""
+        known = {"default": self.config.bootstrap_addr, **dict(self.config.bootstraps)}
+        if name is None:
+            return self.config.bootstrap_addr
+        if name in known:
+            return known[name]
+        if name in known.values():
+            return name
+        raise BadRequest(f"bootstrap {name[:100]!r} is not one this decode is configured with (--bootstrap-addr); "
+                         f"known names: {', '.join(sorted(known))}")
+
     def bootstrap_reachable(self, timeout_s: float = 1.0) -> bool:
         """For /ready: the default bootstrap answers and knows a prefill rank."""
-        client = BootstrapClient(self.config.bootstrap_addr, timeout_s, context=self._ctx)
+        client = BootstrapClient(self.config.bootstrap_addr, self.gate, timeout_s)
         try:
             client.lookup(PROTOCOL_VERSION)
             return True

@@ -51,19 +51,19 @@ class PrefillServer(Worker):
         super().__init__(config, KVSender, model, swa_window_only=False)
         self.config = config
         self.sender: KVSender = self.endpoint
-        self.io = RouterIO(self._ctx, config.host, config.control_port)
+        self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
         self.requests = RequestTable(self.epoch, config.deadlines, self._free, self._tell, self._submit)
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
                                  self.epoch)
-        self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self._ctx).start() \
+        self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate).start() \
             if config.bootstrap_bind else None
         self.bootstrap_endpoint = config.bootstrap_addr or (self.bootstrap.endpoint if self.bootstrap else None)
         if self.bootstrap_endpoint is None:
             raise ValueError("give bootstrap_bind or bootstrap_addr")
         self._loop_thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._loop_thread.start()
-        client = BootstrapClient(self.bootstrap_endpoint, context=self._ctx)
+        client = BootstrapClient(self.bootstrap_endpoint, self.gate)
         try:
             client.register(RegisterPrefill(PROTOCOL_VERSION, config.tp_rank, config.tp_size, self.control_endpoint,
                                             self.epoch, self.layout))

@@ -1,4 +1,8 @@
-"""Start disagg processes and wait for their ready line; stop them all, whatever happens."""
+"""Start disagg processes and wait for their ready line; stop them all, whatever happens.
+
+The processes share one deployment key: DISAGG_AUTH_KEY from the environment, or (where the
+environment names none and does not ask for DISAGG_INSECURE=1) a new key in a private temporary
+folder that lives as long as the launcher."""
 
 import json
 import os
@@ -6,7 +10,9 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 
+from disagg.control.auth import AuthKey
 from disagg.errors import DisaggError
 
 
@@ -14,11 +20,17 @@ class Launcher:
     def __init__(self, start_timeout_s: float = 120.0):
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen] = []
+        self._keys: tempfile.TemporaryDirectory | None = None
+        self.auth_env: dict[str, str] = {}
+        if not os.environ.get("DISAGG_AUTH_KEY") and os.environ.get("DISAGG_INSECURE") != "1":
+            self._keys = tempfile.TemporaryDirectory(prefix="disagg-keys-")
+            AuthKey.generate(os.path.join(self._keys.name, "deployment.key"))
+            self.auth_env = {"DISAGG_AUTH_KEY": os.path.join(self._keys.name, "deployment.key")}
 
     def start(self, *args: str, prefix: tuple[str, ...] = ()) -> dict:
         """Run `[PREFIX...] python -m disagg ARGS` (a prefix such as `ip netns exec NS`); return
         the JSON line it prints once ready."""
-        env = dict(os.environ, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
+        env = dict(os.environ, **self.auth_env, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
                    GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"))
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.DEVNULL if os.environ.get("DISAGG_QUIET", "1") == "1" else None,
@@ -42,6 +54,9 @@ class Launcher:
                 proc.wait()
             proc.stdout.close()
         self.procs.clear()
+        if self._keys is not None:
+            self._keys.cleanup()
+            self._keys = None
 
     def __enter__(self) -> "Launcher":
         return self

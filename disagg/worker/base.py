@@ -8,6 +8,7 @@ ZMQ context and the stop flag.
       .layout     LayoutInfo: page size, layout, buffers (what the other side checks)
       .model      the model engine (stand-in by default)
       .epoch      new on every start: a restarted worker is a new peer
+      .gate       who may talk to its ZMQ sockets (control/auth.py)
       .requests   the role's RequestTable (set by the subclass): abort() goes through it
 """
 
@@ -19,6 +20,7 @@ from functools import partial
 import zmq
 
 from disagg.control.admission import Admission
+from disagg.control.auth import AuthKey, Gate
 from disagg.control.messages import LayoutInfo
 from disagg.control.deadlines import Deadlines
 from disagg.engine.base import ModelEngine
@@ -41,6 +43,7 @@ class WorkerSettings:
     dead_after_s: float = 5.0               # a peer silent this long fails its requests
     queue_wait_s: float = 5.0               # longest wait for pool space before refusing
     max_waiting: int = 64                   # requests waiting for pool space; more are refused at once
+    auth: AuthKey = AuthKey()               # the deployment's key (none: insecure, logged loudly)
 
 
 class Worker:
@@ -57,6 +60,7 @@ class Worker:
         self.epoch = time.time_ns()
         self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers)
         self._ctx = zmq.Context()
+        self.gate = Gate(self._ctx, settings.auth, type(self).__name__)
         self._stop = threading.Event()
         self.ready = False
 
@@ -75,4 +79,5 @@ class Worker:
         self.endpoint.close()
         for t in self.endpoint.transports:
             t.close()
+        self.gate.close()
         self._ctx.term()

@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 
+from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
 from disagg.worker.pool_settings import PoolSettings
 from kvpool.layout import Layout
@@ -59,6 +60,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="seconds a request may wait for pool space before a 503")
     g.add_argument("--max-waiting", type=int, default=64, help="requests waiting for pool space (more: 503 at once)")
     g.add_argument("--max-inflight", type=int, default=256, help="concurrent API requests (more: 503 at once)")
+    add_auth_flags(p)
     g = p.add_argument_group("fault injection (testing)")
     g.add_argument("--inject-faults", default=_env("DISAGG_INJECT_FAULTS", ""), metavar="POINT=RATE,...",
                    help="fail on purpose at these points with these probabilities (env DISAGG_INJECT_FAULTS); "
@@ -108,7 +110,7 @@ def worker_settings(args: argparse.Namespace) -> dict:
     return dict(pool=pool_settings(args), host=args.host, transports=transports(args),
                 transport_settings=transport_settings(args), transfer=transfer_config(args),
                 deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
-                max_waiting=args.max_waiting)
+                max_waiting=args.max_waiting, auth=key_of(args))
 
 
 def http_url(args: argparse.Namespace, port: int) -> str:

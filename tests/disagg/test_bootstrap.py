@@ -23,15 +23,15 @@ def _info(rank=0, epoch=1, size=2, version=PROTOCOL_VERSION):
 
 
 @pytest.fixture()
-def server():
-    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*")).start()
+def server(keyed):
+    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*"), keyed).start()
     yield s
     s.stop()
 
 
 @pytest.fixture()
-def client(server):
-    c = BootstrapClient(server.endpoint)
+def client(server, keyed):
+    c = BootstrapClient(server.endpoint, keyed)
     yield c
     c.close()
 
@@ -64,17 +64,17 @@ def test_wrong_version_and_bad_rank_are_refused(client):
 
 @settings(max_examples=60, deadline=None)
 @given(frame=st.binary(max_size=200))
-def test_random_frames_get_a_refusal_and_the_server_keeps_serving(frame):
-    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*")).start()
+def test_random_frames_get_a_refusal_and_the_server_keeps_serving(keyed, frame):
+    s = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*"), keyed).start()
     try:
-        sock = zmq.Context.instance().socket(zmq.REQ)
+        sock = keyed.client(keyed.ctx.socket(zmq.REQ), "test req")
         sock.setsockopt(zmq.LINGER, 0)
         sock.connect(s.endpoint)
         sock.send(frame)
         assert sock.poll(5000), "no reply to a junk frame"
         sock.recv()
         sock.close()
-        client = BootstrapClient(s.endpoint)
+        client = BootstrapClient(s.endpoint, keyed)
         client.register(_info(0))
         assert client.lookup(PROTOCOL_VERSION, 0).control_endpoint == "tcp://127.0.0.1:7000"
         client.close()
@@ -82,22 +82,22 @@ def test_random_frames_get_a_refusal_and_the_server_keeps_serving(frame):
         s.stop()
 
 
-def test_client_times_out_instead_of_hanging():
-    ctx = zmq.Context.instance()
-    silent = ctx.socket(zmq.ROUTER)  # accepts, never answers
+def test_client_times_out_instead_of_hanging(keyed):
+    ctx = keyed.ctx
+    silent = keyed.server(ctx.socket(zmq.ROUTER), "silent")  # accepts, never answers
     port = silent.bind_to_random_port("tcp://127.0.0.1")
-    client = BootstrapClient(f"tcp://127.0.0.1:{port}", timeout_s=0.3)
+    client = BootstrapClient(f"tcp://127.0.0.1:{port}", keyed, timeout_s=0.3)
     with pytest.raises(ProtocolError, match="did not answer"):
         client.lookup(PROTOCOL_VERSION)
     client.close()
     silent.close(linger=0)
 
 
-def test_standalone_process_serves_and_stops_on_sigint():
+def test_standalone_process_serves_and_stops_on_sigint(keyed):
     proc = subprocess.Popen([sys.executable, "-m", "disagg", "bootstrap", "--bind", "tcp://127.0.0.1:18998"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        client = BootstrapClient("tcp://127.0.0.1:18998", timeout_s=30)
+        client = BootstrapClient("tcp://127.0.0.1:18998", keyed, timeout_s=30)
         client.register(_info(0))
         assert client.lookup(PROTOCOL_VERSION).epoch == 1
         client.close()
@@ -107,10 +107,10 @@ def test_standalone_process_serves_and_stops_on_sigint():
         proc.stdout.close()
 
 
-def test_a_multipart_frame_cannot_stop_the_bootstrap(server, client):
+def test_a_multipart_frame_cannot_stop_the_bootstrap(server, client, keyed):
     """Issue 17, defect 3: `[b"", Lookup, b"x"]` from a DEALER killed the bootstrap's thread
     ("Operation cannot be accomplished in current state"); it must be refused and serving go on."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = keyed.client(keyed.ctx.socket(zmq.DEALER), "test dealer")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     try:

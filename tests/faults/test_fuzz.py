@@ -33,14 +33,14 @@ bodies = st.dictionaries(fields, values | small_ints | st.lists(small_ints, max_
 
 
 @pytest.fixture(scope="module")
-def stack():
+def stack(keyed):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, *QUICK, "--bootstrap-bind", "tcp://127.0.0.1:*")
         decode = launcher.start("decode", *COMMON, *QUICK, "--quarantine", "2",
                                 "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
-        yield {"prefill": prefill, "decode": decode, "router": router["http"], "initial": initial}
+        yield {"prefill": prefill, "decode": decode, "router": router["http"], "initial": initial, "gate": keyed}
 
 
 def _serves_and_nothing_leaked(stack) -> None:
@@ -84,9 +84,8 @@ def test_raw_bytes_on_http_ports(stack, data, target):
 
 
 def _layout(stack) -> P.LayoutInfo:
-    ctx = zmq.Context.instance()
     from disagg.bootstrap.server import BootstrapClient
-    client = BootstrapClient(stack["prefill"]["bootstrap"], context=ctx)
+    client = BootstrapClient(stack["prefill"]["bootstrap"], stack["gate"])
     try:
         return client.lookup(P.PROTOCOL_VERSION).layout
     finally:
@@ -123,7 +122,7 @@ messages = st.one_of(
 def test_control_socket(stack, frames, register):
     """A fake decode (registered with the prefill's own layout and a dead transport, or not at all)
     sends hostile frames; prefill answers each with a refusal or nothing, never writes."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = stack["gate"].client(stack["gate"].ctx.socket(zmq.DEALER), "fuzzing dealer")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack["prefill"]["control"])
     try:
@@ -158,7 +157,7 @@ def test_out_of_range_fields_are_refused(stack, role, path, body):
 
 
 def test_a_malformed_layout_in_a_registration_is_refused(stack):
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = stack["gate"].client(stack["gate"].ctx.socket(zmq.DEALER), "fuzzing dealer")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack["prefill"]["control"])
     try:

@@ -69,9 +69,8 @@ def test_health_ready_metrics(stack):
         assert "disagg_requests_total" in _get(stack[role]["http"] + "/metrics")
 
 
-def test_hostile_control_frames_are_refused_and_the_pair_keeps_serving(stack):
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+def test_hostile_control_frames_are_refused_and_the_pair_keeps_serving(stack, keyed):
+    sock = keyed.client(keyed.ctx.socket(zmq.DEALER), "hostile dealer")
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(stack["prefill"]["control"])
     decoder = Decoder(ToDecode, "test")
