@@ -1,8 +1,11 @@
 """Bootstrap: prefill ranks register, decode looks them up. A REP socket; every frame gets a
 reply (Refused with a reason for anything invalid) and the server keeps serving.
 
-A re-registration of the same TP rank replaces the old entry only with a newer epoch (a
-restarted prefill); an older epoch is refused, so a stale process cannot take a rank back.
+A registration is a lease: prefill renews it (the same registration again) every
+RENEW_S, and it is live for lease_s after the last renewal. A live rank is never taken over:
+a second instance of it is refused and told who holds it (LIVE_HOLDER). A newer epoch (a
+restarted prefill) replaces an entry whose lease ran out; an older epoch is always refused,
+so a stale process cannot take a rank back.
 Epochs are start times (ns): one from more than EPOCH_SLACK_S in the future is refused, so
 no registration can hold a rank forever. No frame ends the loop: a message of more than one
 frame is refused, and anything else that goes wrong with one request is logged and refused.
@@ -23,12 +26,14 @@ from disagg.errors import ProtocolError
 log = logging.getLogger(__name__)
 
 MAX_TP_SIZE = 1024
+LIVE_HOLDER = "held by a live prefill"   # in a refusal: wait for its lease to run out, or give up
 EPOCH_SLACK_S = 60.0   # clock skew allowed between a prefill host and the bootstrap's
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
     bind: str = "tcp://0.0.0.0:8998"
+    lease_s: float = 3.0    # a rank is live this long after its prefill last renewed it
 
 
 class BootstrapServer:
@@ -39,6 +44,7 @@ class BootstrapServer:
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = Decoder(BootstrapRequest, "bootstrap")
         self.ranks: dict[int, RegisterPrefill] = {}
+        self._renewed: dict[int, float] = {}   # rank -> monotonic time of its last registration
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -54,12 +60,20 @@ class BootstrapServer:
                         raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
                     if epoch > time.time_ns() + int(EPOCH_SLACK_S * 1e9):
                         raise ProtocolError(f"epoch {epoch} is from the future (epochs are start times in ns)")
-                    old = self.ranks.get(rank)
+                    old, now = self.ranks.get(rank), time.monotonic()
                     if old is not None and epoch < old.epoch:
                         raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch}")
-                    if old is not None and old.tp_size != size and epoch == old.epoch:
-                        raise ProtocolError(f"rank {rank}: tp_size {size} differs from {old.tp_size}")
-                    self.ranks[rank] = msg
+                    if old == msg:   # the holder renews its lease
+                        self._renewed[rank] = now
+                        return Registered(epoch)
+                    age = now - self._renewed.get(rank, float("-inf"))
+                    if old is not None and age < self.config.lease_s:
+                        log.warning("refused a second prefill for rank %d (%s): rank %d is held by %s", rank,
+                                    msg.control_endpoint, rank, old.control_endpoint)
+                        raise ProtocolError(f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch "
+                                            f"{old.epoch}, renewed {age:.1f} s ago); stop it first or give this "
+                                            f"one another --tp-rank")
+                    self.ranks[rank], self._renewed[rank] = msg, now
                     log.info("prefill rank %d registered (epoch %d, %s)", rank, epoch, msg.control_endpoint)
                     return Registered(epoch)
                 case Lookup(version=v, tp_rank=rank):
@@ -90,6 +104,10 @@ class BootstrapServer:
         self._thread = threading.Thread(target=self.serve_forever, name="bootstrap", daemon=True)
         self._thread.start()
         return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stop(self) -> None:
         self._stop.set()

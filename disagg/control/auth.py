@@ -110,6 +110,11 @@ class Gate:
             self._watch.add(sock, name)
         return sock
 
+    def threads(self) -> dict[str, bool]:
+        if self._zap is None:
+            return {}
+        return {"ZAP handler": self._zap.is_alive(), "handshake watch": self._watch._thread.is_alive()}
+
     def close(self) -> None:
         if self._zap is not None:
             self._zap.stop()
@@ -153,6 +158,9 @@ class _HandshakeWatch:
             for monitor, name in new:
                 poller.register(monitor, zmq.POLLIN)
                 names[monitor] = name
+            if not names:   # zmq polls nothing without waiting
+                self._stop.wait(0.1)
+                continue
             for monitor, _ in poller.poll(100):
                 event = recv_monitor_message(monitor)
                 if event["event"] == zmq.EVENT_MONITOR_STOPPED:   # the watched socket closed
@@ -162,7 +170,9 @@ class _HandshakeWatch:
                 else:
                     peer = event.get("endpoint", b"").decode(errors="replace")
                     self.note(names[monitor], f"{FAILURES[event['event']]} with {peer}")
-        for monitor in names:
+        with self._lock:
+            new, self._new = self._new, []
+        for monitor in [*names, *(m for m, _ in new)]:   # a context cannot end with one open
             monitor.close(linger=0)
 
     def stop(self) -> None:

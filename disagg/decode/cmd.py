@@ -59,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},
                     lambda: server.ready and server.bootstrap_reachable(), metrics.registry,
-                    lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight).start()
+                    lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight,
+                    health=server.health).start()
     announce(role="decode", http=http_url(args, api.port), transports={t.kind: t.host for t in server.receiver.transports})
     wait_for_signal()
     api.stop()

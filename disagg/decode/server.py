@@ -226,6 +226,10 @@ class DecodeServer(Worker):
                 self.requests.done(msg, endpoint)
         return None
 
+    def threads(self) -> dict[str, bool]:
+        """For /health: whether each thread this process cannot serve without is alive."""
+        return {**super().threads(), "loop": self._loop_thread.is_alive()}
+
     def close(self) -> None:
         self._stop.set()
         self._loop_thread.join()

@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
-                    max_inflight=args.max_inflight).start()
+                    max_inflight=args.max_inflight, health=server.health).start()
     announce(role="prefill", http=http_url(args, api.port), bootstrap=server.bootstrap_endpoint,
              control=server.control_endpoint, transports={t.kind: t.host for t in server.sender.transports})
     wait_for_signal()

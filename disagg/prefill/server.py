@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from disagg.bootstrap.server import BootstrapClient, BootstrapConfig, BootstrapServer
+from disagg.bootstrap.lease import BootstrapLease
+from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
 from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
 from disagg.control.io import RouterIO
@@ -63,12 +64,13 @@ class PrefillServer(Worker):
             raise ValueError("give bootstrap_bind or bootstrap_addr")
         self._loop_thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._loop_thread.start()
-        client = BootstrapClient(self.bootstrap_endpoint, self.gate)
+        self.lease = BootstrapLease(self.gate, self.bootstrap_endpoint, RegisterPrefill(
+            PROTOCOL_VERSION, config.tp_rank, config.tp_size, self.control_endpoint, self.epoch, self.layout))
         try:
-            client.register(RegisterPrefill(PROTOCOL_VERSION, config.tp_rank, config.tp_size, self.control_endpoint,
-                                            self.epoch, self.layout))
-        finally:
-            client.close()
+            self.lease.acquire()
+        except DisaggError:
+            self.close()
+            raise
         self.ready = True
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
@@ -211,7 +213,13 @@ class PrefillServer(Worker):
     def available(self) -> dict[str, int]:
         return self.pool.available()
 
+    def threads(self) -> dict[str, bool]:
+        """For /health: whether each thread this process cannot serve without is alive."""
+        return {**super().threads(), "loop": self._loop_thread.is_alive(), "bootstrap lease": self.lease.alive,
+                **({"bootstrap": self.bootstrap.alive} if self.bootstrap is not None else {})}
+
     def close(self) -> None:
+        self.lease.stop()
         self._stop.set()
         self._loop_thread.join()
         self.peers.close()

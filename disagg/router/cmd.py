@@ -2,6 +2,8 @@
 
 import argparse
 
+from disagg import __version__
+
 from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, client_gone
 from disagg.api.metrics import WorkerMetrics
@@ -37,7 +39,8 @@ def run(args: argparse.Namespace) -> int:
         return metrics.count(lambda: router.generate(body, client_gone), lambda out: out["ok"], observe)
 
     api = ApiServer(args.host, args.port, {"/generate": generate, "/abort": router.abort}, lambda: True,
-                    metrics.registry).start()
+                    metrics.registry, health=lambda: {"status": "ok", "role": "router", "version": __version__,
+                                                      "pairs": len(router.config.pairs)}).start()
     announce(role="router", http=f"http://{args.host}:{api.port}")
     wait_for_signal()
     api.stop()

@@ -19,6 +19,7 @@ from functools import partial
 
 import zmq
 
+from disagg import __version__
 from disagg.control.admission import Admission
 from disagg.control.auth import AuthKey, Gate
 from disagg.control.messages import LayoutInfo
@@ -49,6 +50,7 @@ class WorkerSettings:
 class Worker:
     def __init__(self, settings: WorkerSettings, endpoint_class: type[PoolEndpoint], model: ModelEngine | None,
                  swa_window_only: bool):
+        self.settings = settings
         self.model = model or StandInEngine()
         self.pool = HybridPool(settings.pool.pool_config())
         self.admission = Admission(partial(self.pool.fits_when_empty, swa_window_only=swa_window_only),
@@ -63,6 +65,20 @@ class Worker:
         self.gate = Gate(self._ctx, settings.auth, type(self).__name__)
         self._stop = threading.Event()
         self.ready = False
+
+    def threads(self) -> dict[str, bool]:
+        """Threads the process cannot serve without -> alive (the role adds its own)."""
+        return self.gate.threads()
+
+    def health(self) -> dict:
+        """/health: unhealthy (503, so an orchestrator restarts it) as soon as one of those died,
+        rather than serving half-alive; with what a person checking a process wants to see."""
+        dead = sorted(name for name, alive in self.threads().items() if not alive)
+        return {"status": "unhealthy" if dead else "ok", **({"dead_threads": dead} if dead else {}),
+                "role": type(self).__name__.removesuffix("Server").lower(), "version": __version__,
+                "epoch": self.epoch, "preset": self.settings.pool.preset, "device": str(self.pool.config.device),
+                "transports": [t.kind for t in self.endpoint.transports],
+                "auth": "curve" if self.gate.key.secure else "insecure"}
 
     def abort(self, room: int, reason: str) -> dict:
         """Abort a room (router, client or operator): it fails now and the peer hears it; its

@@ -44,10 +44,35 @@ def test_register_and_lookup(client):
         client.lookup(PROTOCOL_VERSION, 5)
 
 
-def test_restarted_prefill_replaces_its_rank_and_stale_epochs_are_refused(client):
-    client.register(_info(0, epoch=1))
+def test_restarted_prefill_replaces_its_rank_once_the_old_lease_ran_out(keyed, eventually):
+    """A live rank is never taken over (issue 16/17: a second prefill silently took rank 0);
+    its successor gets it once the holder stopped renewing; a stale epoch never does."""
+    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", lease_s=0.5), keyed).start()
+    client = BootstrapClient(server.endpoint, keyed)
+    try:
+        client.register(_info(0, epoch=1))
+        client.register(_info(0, epoch=1))   # a renewal
+        with pytest.raises(ProtocolError, match="held by a live prefill at tcp://127.0.0.1:7000"):
+            client.register(_info(0, epoch=2))
+        eventually(lambda: _registers(client, _info(0, epoch=2)), 10, "the successor takes the expired rank")
+        assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
+        with pytest.raises(ProtocolError, match="older than registered 2"):
+            client.register(_info(0, epoch=1))
+    finally:
+        client.close()
+        server.stop()
+
+
+def _registers(client, info) -> bool:
+    try:
+        client.register(info)
+        return True
+    except ProtocolError:
+        return False
+
+
+def test_stale_epochs_are_refused(client):
     client.register(_info(0, epoch=2))
-    assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
     with pytest.raises(ProtocolError, match="older than registered 2"):
         client.register(_info(0, epoch=1))
     assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2

@@ -64,7 +64,10 @@ def test_concurrent_requests_verify_and_slots_return(stack):
 
 def test_health_ready_metrics(stack):
     for role in ("prefill", "decode", "router"):
-        assert json.loads(_get(stack[role]["http"] + "/health")) == {"status": "ok"}
+        health = json.loads(_get(stack[role]["http"] + "/health"))
+        assert health["status"] == "ok" and health["role"] == role, health
+        if role != "router":
+            assert health["preset"] == stack["preset"] and health["auth"] == "curve" and health["device"] == "cpu"
         assert json.loads(_get(stack[role]["http"] + "/ready")) == {"ready": True}
         assert "disagg_requests_total" in _get(stack[role]["http"] + "/metrics")
 
