@@ -52,6 +52,18 @@ class DecodePeers:
             return True
         return False
 
+    def same_decode(self, identity: bytes, owner: bytes | None) -> bool:
+        """Whether `identity` speaks for the decode that owns a room: the owner's connection, or a
+        registered connection of the same decode process (same epoch: it re-registered on a
+        new socket). A room no decode has claimed yet may be ended by any registered decode."""
+        peer = self._peers.get(identity)
+        if identity == owner:
+            return True
+        if peer is None:
+            return False
+        holder = self._peers.get(owner) if owner is not None else None
+        return owner is None or holder is None or holder.epoch == peer.epoch
+
     def register(self, identity: bytes, msg: RegisterDecode) -> Registered | Refused:
         try:
             check_version(msg.version)

@@ -183,6 +183,9 @@ class PrefillServer(Worker):
                 r = self.requests.get(room)
                 if r is None:   # nothing writes for this room
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+                if not self.peers.same_decode(identity, r.peer):   # ownership: only its decode ends it
+                    log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
+                    return TransferDone(room, self.epoch, False, "not a room of yours: nothing done")
                 self.requests.fail(r, f"aborted by decode: {why}")
                 # The decode on the connection the room came from hears the end from the table;
                 # the same decode on a new connection (it re-registered) is answered here,

@@ -71,7 +71,14 @@ def test_workers_are_wired_for_a_cluster(rendered):
         assert sts["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
         assert spec["terminationGracePeriodSeconds"] >= 10
         assert sts["spec"]["serviceName"] in {n for k, n in by if k == "Service"}
+        # the deployment key: a Secret mounted read-only where DISAGG_AUTH_KEY points, never a flag
+        auth = [v for v in spec["volumes"] if v["name"] == "auth"][0]
+        assert auth["secret"]["secretName"] == "disagg-auth" and auth["secret"]["defaultMode"] == 0o400
+        mount = [m for m in c["volumeMounts"] if m["name"] == "auth"][0]
+        assert mount["readOnly"] and config["DISAGG_AUTH_KEY"].startswith(mount["mountPath"] + "/")
+        assert "--insecure" not in c["args"] and "--auth-key" not in c["args"]
     assert config["DISAGG_HTTP_HOST"] == "0.0.0.0"
+    _admits_only_who_needs_it(by)
     # the router's pairs name pods that exist behind headless services
     router = by[("Deployment", "disagg-router")]
     pairs = [a for i, a in enumerate(_containers(router)[0]["args"]) if _containers(router)[0]["args"][i - 1] == "--pair"]
@@ -91,6 +98,29 @@ def test_workers_are_wired_for_a_cluster(rendered):
             assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
     if name == "overlays/scale-out":
         assert len(pairs) == 2 and by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
+
+
+def _admits_only_who_needs_it(by: dict) -> None:
+    """NetworkPolicies: deny by default; each worker port open to the pods that use it."""
+    policies = [o["spec"] for (kind, _), o in by.items() if kind == "NetworkPolicy"]
+    deny = [p for p in policies if p["podSelector"] == {"matchLabels": {"app.kubernetes.io/part-of": "disagg"}}]
+    assert deny and "ingress" not in deny[0] and deny[0]["policyTypes"] == ["Ingress"]
+
+    def sources(role: str, port: int) -> set[str]:
+        names = set()
+        for p in policies:
+            sel = p["podSelector"]
+            if sel.get("matchLabels", {}).get("app.kubernetes.io/name") != f"disagg-{role}" and f"disagg-{role}" not in (
+                    sel.get("matchExpressions", [{}])[0].get("values", [])):
+                continue
+            for rule in p.get("ingress", []):
+                if any(q["port"] <= port <= q.get("endPort", q["port"]) for q in rule["ports"]):
+                    names |= {f["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                              for f in rule.get("from", []) if "podSelector" in f}
+        return names
+    assert sources("prefill", 9000) == sources("prefill", 8998) == {"disagg-decode", "disagg-prefill"}
+    assert sources("decode", 20000) == {"disagg-prefill"}        # Mooncake's ports: prefill writes, no one else
+    assert sources("decode", 8080) == sources("prefill", 8080) == {"disagg-router"}
 
 
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])

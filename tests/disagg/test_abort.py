@@ -1,12 +1,15 @@
 """Abort in both directions, on real servers in this process (real ZMQ, real Mooncake on
 loopback): the other side hears it at once, not at its deadline, and every slot comes back."""
 
+import contextlib
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from disagg.control.messages import (PROTOCOL_VERSION, Abort, Decoder, RegisterDecode, Registered, ToDecode,
+                                     TransferDone, encoder)
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.control.deadlines import Deadlines
 from disagg.worker.pool_settings import PoolSettings
@@ -159,24 +162,41 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
     eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back once the transfer stopped")
 
 
+@contextlib.contextmanager
+def _registered_socket(prefill, decode, epoch: int):
+    """A DEALER registered with prefill as a decode of `epoch` with decode's own pool; yields
+    (socket, ask) where ask(msg) sends and returns the decoded reply."""
+    import zmq
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(prefill.control_endpoint)
+
+    def ask(msg):
+        sock.send(encoder.encode(msg))
+        assert sock.poll(10_000)
+        return Decoder(ToDecode, "t").decode(sock.recv())
+    try:
+        assert isinstance(ask(RegisterDecode(PROTOCOL_VERSION, epoch, decode.layout, decode.receiver.offers(),
+                                             decode.receiver.staging_info())), Registered)
+        yield sock, ask
+    finally:
+        sock.close()
+
+
 def test_an_abort_from_a_new_connection_stops_a_transfer_not_yet_started(pair, eventually):
     """Decode re-registered on a new socket (it lost the old one) and asks about a room of the
     old connection. Prefill may confirm at once only because it also fails the room, so its
     engine finishing later can never start a transfer into pages decode has freed."""
-    import zmq
-    from disagg.control.messages import Abort, Decoder, ToDecode, TransferDone, encoder
     prefill, decode, stuck, run, initial = pair
     pre, dec = _stuck_in_prefill(pair, eventually, 31)
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(prefill.control_endpoint)
-    try:
-        sock.send(encoder.encode(Abort(31, "asked again on a new connection")))
-        assert sock.poll(10_000)
-        reply = Decoder(ToDecode, "t").decode(sock.recv())
+    # another decode (its own epoch) may not end the room: ownership, not just a known number
+    with _registered_socket(prefill, decode, decode.epoch + 1) as (sock, ask):
+        reply = ask(Abort(31, "someone else's room"))
+        assert isinstance(reply, TransferDone) and not reply.ok and "not a room of yours" in reply.reason
+    assert prefill.requests.get(31) is not None and not prefill.requests.get(31).phase.ended
+    with _registered_socket(prefill, decode, decode.epoch) as (sock, ask):   # the same decode, a new socket
+        reply = ask(Abort(31, "asked again on a new connection"))
         assert isinstance(reply, TransferDone) and not reply.ok and reply.room == 31
-    finally:
-        sock.close()
     stuck.release.set()   # the engine finishes: no transfer may start now
     eventually(lambda: pre.get("state") == "FAILED" and dec.get("state") == "FAILED", 10, "both sides failed")
     assert "bytes" not in pre and "aborted by decode" in pre["reason"]

@@ -117,7 +117,8 @@ messages = st.one_of(
 
 
 @FUZZ
-@given(frames=st.lists(messages.map(P.encoder.encode) | st.binary(max_size=200), min_size=1, max_size=6),
+@given(frames=st.lists(st.lists(messages.map(P.encoder.encode) | st.binary(max_size=200), min_size=1, max_size=3),
+                       min_size=1, max_size=6),
        register=st.booleans())
 def test_control_socket(stack, frames, register):
     """A fake decode (registered with the prefill's own layout and a dead transport, or not at all)
@@ -131,8 +132,8 @@ def test_control_socket(stack, frames, register):
             assert sock.poll(10_000)
             assert isinstance(P.Decoder(P.ToDecode, "t").decode(sock.recv()), (P.Registered, P.Refused))
         decoder = P.Decoder(P.ToDecode, "test")
-        for frame in frames:
-            sock.send(frame)
+        for parts in frames:   # single frames and multi-part messages
+            sock.send_multipart(parts)
         sock.send(P.encoder.encode(P.Heartbeat(1)))  # the socket still answers after all that
         while True:
             assert sock.poll(10_000), "prefill stopped answering"

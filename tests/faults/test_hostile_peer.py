@@ -9,6 +9,8 @@ import urllib.request
 import msgspec
 import pytest
 import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from disagg.bootstrap.server import BootstrapClient
 from disagg.control import messages as P
@@ -109,6 +111,29 @@ def test_requests_name_a_configured_bootstrap_by_name_or_address(stack):
     for name in ("main", "default", stack["prefill"]["bootstrap"]):
         status, out = _decode_with(stack, name)
         assert status == 200 and out["state"] == "FAILED" and "not one" not in out.get("reason", ""), out
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(batch=st.lists(st.lists(st.binary(max_size=120), min_size=1, max_size=3), min_size=50, max_size=80))
+def test_fuzzed_frames_from_a_peer_without_credentials_get_nothing(stack, batch):
+    """Random single and multi-part frames at the bootstrap and the control socket from a peer
+    without the key: not one answer, and the stack serves on."""
+    ctx = zmq.Context.instance()
+    socks = []
+    for endpoint in (stack["prefill"]["bootstrap"], stack["prefill"]["control"]):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(endpoint)
+        socks.append(sock)
+    try:
+        for parts in batch:
+            for sock in socks:
+                sock.send_multipart(parts)
+        assert not any(sock.poll(1000) for sock in socks), "a peer without credentials was answered"
+    finally:
+        for sock in socks:
+            sock.close()
+    _serves(stack)
 
 
 def test_nothing_leaked(stack, eventually):

@@ -67,8 +67,9 @@ def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefil
         assert failed and all(not r["verified"] for r in failed)
         eventually(lambda: pool_free(decode["http"]) == initial, DEAD_AFTER + 3 + 15, "decode slots back")
         assert time.monotonic() - t0 < DEAD_AFTER + 3 + 15
-        # the survivor is not restarted: a new prefill (new epoch, new bootstrap) serves through it
-        prefill2 = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        # the survivor is not restarted: a new prefill (new epoch) on the bootstrap address decode
+        # was configured with serves through it
+        prefill2 = launcher.start("prefill", *PREFILL, "--bootstrap-bind", prefill["bootstrap"])
         router2 = start_router(launcher, prefill2, decode)
         assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
         assert pool_free(decode["http"]) == initial
