@@ -108,8 +108,9 @@ def main() -> int:
         procs: dict = {}
 
         def start(role: str) -> dict:
-            if role == "prefill":
-                ready = launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*")
+            if role == "prefill":   # a restart binds the bootstrap address decode was configured with
+                bind = state["prefill"]["bootstrap"] if "prefill" in state else "tcp://127.0.0.1:*"
+                ready = launcher.start("prefill", *common, "--bootstrap-bind", bind)
             else:
                 ready = launcher.start("decode", *common, "--quarantine", "3",
                                        "--bootstrap-addr", state["prefill"]["bootstrap"])
@@ -124,6 +125,8 @@ def main() -> int:
         state["decode"] = start("decode")
         new_router()
         initial = {role: pool_free(state[role]["http"]) for role in ("prefill", "decode")}
+        with urllib.request.urlopen(state["decode"]["http"] + "/health", timeout=10) as resp:
+            stats["auth"] = json.loads(resp.read())["auth"]   # curve: the launcher gave the pair a key
         threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(args.concurrency)]
         for t in threads:
             t.start()
