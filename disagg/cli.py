@@ -1,6 +1,7 @@
 """`disagg <command>`: one subcommand per role; each module adds its parser and a run()."""
 
 import argparse
+import os
 import sys
 
 from disagg import __version__
@@ -31,6 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     except DisaggError as exc:   # a setting that cannot work (a forced transport, ...): one line, no traceback
         print(f"disagg {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:      # `disagg presets | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+        return 0
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from disagg.api.fields import Route
-from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded
+from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded
 
 log = logging.getLogger(__name__)
 
@@ -229,7 +229,11 @@ class ApiServer:
                         api._slots.release()
 
         max_connections = max_connections or max(64, 4 * max_inflight)
-        self.httpd = _Server((host, port), Handler, max_connections)
+        try:
+            self.httpd = _Server((host, port), Handler, max_connections)
+        except OSError as exc:
+            raise ConfigError(f"HTTP {host}:{port}: cannot bind ({exc.strerror}); choose another port or 0 for "
+                              f"any free one") from None
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
 

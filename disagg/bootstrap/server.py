@@ -21,7 +21,7 @@ import zmq
 from disagg.control.auth import Gate
 from disagg.control.messages import (BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo, RegisterPrefill,
                              Registered, Refused, check_version, encoder)
-from disagg.errors import ProtocolError
+from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,13 @@ class BootstrapServer:
     def __init__(self, config: BootstrapConfig, gate: Gate):
         self.config = config
         self._sock = gate.server(gate.ctx.socket(zmq.REP), "bootstrap")
-        self._sock.bind(config.bind)
+        try:
+            self._sock.bind(config.bind)
+        except zmq.ZMQError as exc:
+            self._sock.close(linger=0)
+            raise ConfigError(f"bootstrap {config.bind}: cannot bind ({exc}); if another prefill runs its bootstrap "
+                              f"there, register with it instead: --bootstrap-bind none --bootstrap-addr "
+                              f"tcp://HOST:PORT") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = Decoder(BootstrapRequest, "bootstrap")
         self.ranks: dict[int, RegisterPrefill] = {}

@@ -16,7 +16,7 @@ import zmq
 from disagg.control.auth import Gate
 from disagg.control.messages import Decoder, ToDecode, ToPrefill, encoder
 from disagg.control.outbox import Outbox
-from disagg.errors import ProtocolError
+from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
@@ -25,10 +25,15 @@ class RouterIO:
     def __init__(self, gate: Gate, host: str, port: int = 0):
         ctx = gate.ctx
         self._router = gate.server(ctx.socket(zmq.ROUTER), "prefill control socket")
-        if port:
-            self._router.bind(f"tcp://{host}:{port}")
-        else:
-            port = self._router.bind_to_random_port(f"tcp://{host}")
+        try:
+            if port:
+                self._router.bind(f"tcp://{host}:{port}")
+            else:
+                port = self._router.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            self._router.close(linger=0)
+            raise ConfigError(f"control socket tcp://{host}:{port or '*'}: cannot bind ({exc}); check --host "
+                              f"and --control-port") from None
         self.endpoint = f"tcp://{host}:{port}"
         self._outbox = Outbox(ctx)
         self._decoder = Decoder(ToPrefill, "prefill control")

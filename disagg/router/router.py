@@ -10,6 +10,7 @@ even if that side never answers (frozen); a client that disconnects, or names it
 get 503 (Overloaded), as does a request that a side refused as overloaded.
 """
 
+import argparse
 import http.client
 import itertools
 import json
@@ -17,6 +18,7 @@ import secrets
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -38,9 +40,19 @@ class Pair:
 
     @staticmethod
     def parse(text: str) -> "Pair":
+        """--pair PREFILL_URL,DECODE_URL,BOOTSTRAP (a name decode knows, or its address)."""
         parts = text.split(",")
-        if len(parts) != 3:
-            raise ValueError(f"--pair wants PREFILL_URL,DECODE_URL,BOOTSTRAP, got {text!r}")
+        if len(parts) != 3 or not all(parts):
+            raise argparse.ArgumentTypeError(f"want PREFILL_URL,DECODE_URL,BOOTSTRAP (e.g. http://10.0.0.5:8080,"
+                                             f"http://10.0.0.6:8080,main), got {text!r}")
+        for url in parts[:2]:
+            try:
+                parsed = urllib.parse.urlsplit(url)
+                port = parsed.port
+            except ValueError:
+                port = None
+            if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
+                raise argparse.ArgumentTypeError(f"{url!r} is not http://HOST:PORT")
         return Pair(*parts)
 
 

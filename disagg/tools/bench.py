@@ -11,6 +11,7 @@ import numpy as np
 from tqdm import tqdm
 
 from disagg.router.router import post_json
+from disagg.worker.checks import positive_int
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
 PHASES = ("total", "bootstrap", "prefill", "transfer", "control", "wait", "verify", "decode")
@@ -23,13 +24,23 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=4)
-    p.add_argument("--prompt-len", default="128:1024", help="N or MIN:MAX (uniform)")
-    p.add_argument("--max-new-tokens", type=int, default=4)
+    p.add_argument("--requests", type=positive_int, default=32, help="requests in all")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once")
+    p.add_argument("--prompt-len", type=prompt_lengths, default="128:1024",
+                   help="prompt tokens: N or MIN:MAX (uniform), plain integers")
+    p.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens decode generates per request")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of latency and throughput")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
+
+
+def prompt_lengths(spec: str) -> str:
+    """--prompt-len N or MIN:MAX with 1 <= MIN <= MAX, plain integers (checked when parsed)."""
+    lo, sep, hi = spec.partition(":")
+    if not (lo.isdigit() and (hi.isdigit() or not sep) and 1 <= int(lo) <= int(hi or lo)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX, plain integers "
+                                         f"(e.g. 2048 or 128:4096)")
+    return spec
 
 
 def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:

@@ -11,6 +11,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+from collections import deque
 
 from disagg.control.auth import AuthKey
 from disagg.errors import DisaggError
@@ -32,14 +34,25 @@ class Launcher:
         the JSON line it prints once ready."""
         env = dict(os.environ, **self.auth_env, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
                    GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"))
+        quiet = os.environ.get("DISAGG_QUIET", "1") == "1"   # 0: the children's logs go to our stderr
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.DEVNULL if os.environ.get("DISAGG_QUIET", "1") == "1" else None,
-                                text=True, env=env)
+                                stderr=subprocess.PIPE if quiet else None, text=True, env=env)
         self.procs.append(proc)
+        tail: deque[str] = deque(maxlen=3)   # its last log lines, to explain a failed start
+        drain = threading.Thread(target=tail.extend, args=(proc.stderr,), daemon=True) if quiet else None
+        if drain is not None:
+            drain.start()
         ready, _, _ = select.select([proc.stdout], [], [], self.start_timeout_s)
         line = proc.stdout.readline() if ready else ""
-        if not line:
-            raise DisaggError(f"`disagg {args[0]}` did not become ready (exit code {proc.poll()})")
+        if not line:   # its stdout ended (it exits) or it took too long (it is stopped)
+            if not ready:
+                proc.kill()
+            code = proc.wait()
+            state = f"exit code {code}" if ready else f"still starting after {self.start_timeout_s:g} s"
+            if drain is not None:
+                drain.join(5)   # it exited: its stderr ends
+            said = (": " + " | ".join(l.strip() for l in tail)) if tail else ""
+            raise DisaggError(f"`disagg {args[0]}` did not become ready ({state}){said}")
         return json.loads(line)
 
     def stop(self) -> None:

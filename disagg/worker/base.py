@@ -27,7 +27,9 @@ from disagg.control.deadlines import Deadlines
 from disagg.engine.base import ModelEngine
 from disagg.engine.standin import StandInEngine
 from disagg.worker.pool_settings import PoolSettings
+from disagg.errors import ConfigError
 from kvpool import HybridPool
+from kvpool.errors import SpecError
 from transfer.config import TransferConfig
 from transfer.endpoint import PoolEndpoint
 from transfer.transports import TransportSettings, create
@@ -52,7 +54,11 @@ class Worker:
                  swa_window_only: bool):
         self.settings = settings
         self.model = model or StandInEngine()
-        self.pool = HybridPool(settings.pool.pool_config())
+        try:
+            self.pool = HybridPool(settings.pool.pool_config())
+        except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
+            raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
+                              f"--max-tokens or --pool-bytes, --max-requests)") from None
         self.admission = Admission(partial(self.pool.fits_when_empty, swa_window_only=swa_window_only),
                                    settings.max_waiting,
                                    settings.queue_wait_s)

@@ -6,6 +6,7 @@ import os
 
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
+from disagg.worker.checks import cuda_device, positive_int, power_of_two
 from disagg.worker.pool_settings import PoolSettings
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
@@ -22,11 +23,12 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pool")
     g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=list(PRESETS),
                    help="model geometry (env DISAGG_PRESET)")
-    g.add_argument("--page-size", type=int, default=None, help="tokens per page (default: the preset's)")
+    g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page, a power of two "
+                   "(default: the preset's)")
     cap = g.add_mutually_exclusive_group()
-    cap.add_argument("--max-tokens", type=int, default=None, help="pool capacity in full-attention tokens")
-    cap.add_argument("--pool-bytes", type=int, default=None, help="pool capacity as a byte budget")
-    g.add_argument("--max-requests", type=int, default=64, help="request slots (Mamba state, AUX rows)")
+    cap.add_argument("--max-tokens", type=positive_int, default=None, help="pool capacity in full-attention tokens")
+    cap.add_argument("--pool-bytes", type=positive_int, default=None, help="pool capacity as a byte budget")
+    g.add_argument("--max-requests", type=positive_int, default=64, help="request slots (Mamba state, AUX rows)")
     g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout])
     g.add_argument("--device", default=_env("DISAGG_DEVICE", "auto"), help="cpu, cuda, cuda:N or auto")
     g = p.add_argument_group("transfer")
@@ -75,6 +77,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
 def resolve_device(device: str) -> str:
     """--device auto -> cuda where torch sees a GPU, else cpu (as the pool resolves it)."""
     if device != "auto":
+        cuda_device(device)
         return device
     import torch
     return "cuda" if torch.cuda.is_available() else "cpu"

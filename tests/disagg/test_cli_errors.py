@@ -1,0 +1,64 @@
+"""Mistakes a user makes get one line naming the flag and what would work, a non-zero exit,
+and no traceback (issue 16), through the real console script."""
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DISAGG = str(Path(sys.executable).with_name("disagg"))
+POOL = ["--preset", "tiny-full", "--max-tokens", "1024", "--bootstrap-bind", "none",
+        "--bootstrap-addr", "tcp://127.0.0.1:9"]
+
+
+def _run(*args: str, shell: str | None = None) -> subprocess.CompletedProcess:
+    full_env = {k: v for k, v in os.environ.items() if k != "DISAGG_AUTH_KEY"}
+    full_env["DISAGG_INSECURE"] = "1"
+    if shell is not None:
+        return subprocess.run(shell, shell=True, capture_output=True, text=True, env=full_env, timeout=120)
+    return subprocess.run([DISAGG, *args], capture_output=True, text=True, env=full_env, timeout=120)
+
+
+@pytest.mark.parametrize("args,says", [
+    (["prefill", *POOL, "--page-size", "12"], "--page-size: 12 is not a power of two"),
+    (["prefill", *POOL, "--device", "cuda:99"], "--device cuda:99"),
+    (["prefill", "--preset", "tiny-full", "--max-tokens", "2"], "capacity holds no page"),
+    (["prefill", *POOL, "--max-tokens", "0"], "--max-tokens: 0 must be at least 1"),
+    (["bench", "--router", "http://127.0.0.1:9", "--prompt-len", "2k"], "--prompt-len: '2k': want N or MIN:MAX"),
+    (["bench", "--router", "http://127.0.0.1:9", "--concurrency", "0"], "--concurrency: 0 must be at least 1"),
+    (["router", "--pair", "A,B"], "--pair: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
+    (["router", "--pair", "127.0.0.1:1,127.0.0.1:2,main"], "'127.0.0.1:1' is not http://HOST:PORT"),
+    (["decode", "--bootstrap-addr", "garbage"], "--bootstrap-addr: 'garbage': want [NAME=]tcp://HOST:PORT"),
+    (["demo", "--preset", "tiny-full", "--max-tokens", "2", "--requests", "1"],
+     "`disagg prefill` did not become ready (exit code 2): disagg prefill: error: capacity holds no page"),
+])
+def test_a_mistake_is_one_line_and_a_non_zero_exit(args, says):
+    out = _run(*args)
+    assert out.returncode != 0 and says in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()[-1]) > 20
+
+
+def test_no_key_is_a_clear_refusal():
+    env = {k: v for k, v in os.environ.items() if k not in ("DISAGG_AUTH_KEY", "DISAGG_INSECURE")}
+    out = subprocess.run([DISAGG, "decode", "--preset", "tiny-full"], capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 2 and "--auth-key FILE" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_bootstrap_port_in_use_says_how_to_share_it():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run("prefill", "--preset", "tiny-full", "--max-tokens", "1024",
+                   "--bootstrap-bind", f"tcp://127.0.0.1:{port}")
+    assert out.returncode == 2 and "cannot bind" in out.stderr and "--bootstrap-bind none" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_a_reader_that_leaves_early_is_no_error():
+    out = _run(shell=f"{DISAGG} presets | head -1")
+    assert out.returncode == 0 and "BrokenPipe" not in out.stderr and "Traceback" not in out.stderr
