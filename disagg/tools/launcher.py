@@ -22,6 +22,7 @@ class Launcher:
     def __init__(self, start_timeout_s: float = 120.0):
         self.start_timeout_s = start_timeout_s
         self.procs: list[subprocess.Popen] = []
+        self._drains: dict[int, threading.Thread] = {}   # pid -> the thread keeping its last log lines
         self._keys: tempfile.TemporaryDirectory | None = None
         self.auth_env: dict[str, str] = {}
         if not os.environ.get("DISAGG_AUTH_KEY") and os.environ.get("DISAGG_INSECURE") != "1":
@@ -42,6 +43,7 @@ class Launcher:
         drain = threading.Thread(target=tail.extend, args=(proc.stderr,), daemon=True) if quiet else None
         if drain is not None:
             drain.start()
+            self._drains[proc.pid] = drain
         ready, _, _ = select.select([proc.stdout], [], [], self.start_timeout_s)
         line = proc.stdout.readline() if ready else ""
         if not line:   # its stdout ended (it exits) or it took too long (it is stopped)
@@ -66,6 +68,11 @@ class Launcher:
                 proc.kill()
                 proc.wait()
             proc.stdout.close()
+            drain = self._drains.pop(proc.pid, None)
+            if drain is not None:
+                drain.join(5)    # it exited: its stderr has ended
+            if proc.stderr is not None:
+                proc.stderr.close()
         self.procs.clear()
         if self._keys is not None:
             self._keys.cleanup()
