@@ -89,6 +89,13 @@ def test_workers_are_wired_for_a_cluster(rendered):
             sts = by[("StatefulSet", service)]
             ordinal = int(pod.rsplit("-", 1)[1])
             assert pod.startswith(service) and ordinal < sts["spec"]["replicas"], pair
+    # each pair's bootstrap is one its decode was configured with (decode refuses any other)
+    (dec,) = _containers(by[("StatefulSet", "disagg-decode")])
+    known = {"default"}
+    for name_, endpoint in build_parser().parse_args(dec["args"]).bootstrap_addr or [("", "tcp://127.0.0.1:8998")]:
+        known |= {name_ or endpoint, endpoint}
+    for pair in pairs:
+        assert pair.split(",")[2] in known, (pair, known)
     if name == "overlays/rdma":
         assert config["DISAGG_MOONCAKE_PROTOCOL"] == "rdma" and config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_RDMA_DEVICES"]
         for role in ("prefill", "decode"):
