@@ -47,6 +47,16 @@ def keyed(deployment_key):
     gate.ctx.term()
 
 
+@pytest.fixture()
+def stranger(tmp_path):
+    """A gate with a key of its own (not the deployment's), on its own context: a peer that
+    does not belong to the deployment."""
+    gate = Gate(zmq.Context(), AuthKey.generate(str(tmp_path / "other.key")), "stranger")
+    yield gate
+    gate.close()
+    gate.ctx.term()
+
+
 @pytest.fixture(scope="session")
 def device() -> str:
     dev = os.environ.get("DISAGG_TEST_DEVICE", "cpu")

@@ -12,8 +12,8 @@ import pytest
 import zmq
 
 from disagg.bootstrap.server import BootstrapClient, BootstrapConfig, BootstrapServer
-from disagg.control.auth import AuthKey, Gate, key_from
-from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, Lookup, RegisterPrefill, encoder
+from disagg.control.auth import AuthKey, key_from
+from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, RegisterPrefill, encoder
 from disagg.errors import ConfigError, ProtocolError
 from transfer.buffers import Buffer
 
@@ -29,15 +29,6 @@ def bootstrap(keyed):
     server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*"), keyed).start()
     yield server
     server.stop()
-
-
-@pytest.fixture()
-def stranger(tmp_path):
-    """A gate with a key of its own (not the deployment's), on its own context."""
-    gate = Gate(zmq.Context(), AuthKey.generate(str(tmp_path / "other.key")), "stranger")
-    yield gate
-    gate.close()
-    gate.ctx.term()
 
 
 def test_a_key_file_round_trips_and_is_private(tmp_path):

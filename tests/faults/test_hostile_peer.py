@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from disagg.bootstrap.server import BootstrapClient
 from disagg.control import messages as P
-from disagg.control.auth import AuthKey, Gate
 from disagg.router.router import post_json
 from disagg.tools.launcher import Launcher
 from fault_stack import inflight, pool_free
@@ -36,14 +35,6 @@ def stack(keyed):
         client.close()
         yield {"prefill": prefill, "decode": decode, "router": router["http"], "layout": layout,
                "initial": (pool_free(prefill["http"]), pool_free(decode["http"]))}
-
-
-@pytest.fixture()
-def stranger(tmp_path):
-    gate = Gate(zmq.Context(), AuthKey.generate(str(tmp_path / "other.key")), "stranger")
-    yield gate
-    gate.close()
-    gate.ctx.term()
 
 
 def _forged(layout: P.LayoutInfo) -> bytes:
