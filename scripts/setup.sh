@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Idempotent set-up on a fresh machine: Debian libraries the Mooncake wheel loads, a venv in
 # .venv, torch (CPU build unless an NVIDIA GPU is present), the Mooncake wheel that fits the
-# machine, and this package in editable mode with its test extras.
+# machine, and this package in editable mode with its test and model (transformers) extras.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -73,6 +73,6 @@ else
     extra=mooncake-cpu
 fi
 
-log "installing disagg[test,$extra] (editable)"
-pip_install -e ".[test,$extra]"
-"$PY" -c "import torch, mooncake.engine, zmq, msgspec; print('[setup] ok: torch', torch.__version__)" >&2
+log "installing disagg[test,model,$extra] (editable)"
+pip_install -e ".[test,model,$extra]"
+"$PY" -c "import torch, mooncake.engine, zmq, msgspec, transformers; print('[setup] ok: torch', torch.__version__)" >&2

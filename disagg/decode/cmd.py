@@ -11,6 +11,7 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.api.fields import abort_route, named_endpoint, optional_int, require_room, require_tokens
 from disagg.api.server import ApiServer
 from disagg.api.metrics import WorkerMetrics
+from disagg.worker.checks import share
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 
 HELP = "run a decode worker"
@@ -24,6 +25,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "another; default tcp://127.0.0.1:8998)")
     p.add_argument("--slots-per-transfer", type=int, default=2, help="staging slots lent to one transfer")
     p.add_argument("--heartbeat-interval", type=float, default=1.0, help="seconds between heartbeats to prefill")
+    p.add_argument("--check-rate", type=share, default=0.0, metavar="SHARE",
+                   help="share of requests (0..1) whose generation decode compares, token for token and logit "
+                        "for logit, with the same prompt run colocated (costs one more prefill and decode)")
     p.add_argument("--quarantine", type=float, default=60.0,
                    help="longest hold of a failed request's pages while prefill may still write")
 
@@ -33,7 +37,7 @@ def config_from(args: argparse.Namespace) -> DecodeConfig:
     return DecodeConfig(**worker_settings(args), bootstrap_addr=entries[0][1],
                         bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
                         slots_per_transfer=args.slots_per_transfer, heartbeat_interval_s=args.heartbeat_interval,
-                        quarantine_s=args.quarantine)
+                        quarantine_s=args.quarantine, check_rate=args.check_rate)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     def observe(out: dict, ok: bool) -> None:
         if ok:
             metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
-            for phase in ("bootstrap", "wait", "verify", "decode"):
+            for phase in ("bootstrap", "wait", "verify", "decode", "check"):
                 metrics.seconds(phase, out)
 
     def decode(body: dict) -> dict:

@@ -15,6 +15,7 @@ Who does what:
 """
 
 import logging
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ class DecodeConfig(WorkerSettings):
     # 30 s retention of in-flight slices.
     quarantine_s: float = 60.0
     heartbeat_interval_s: float = 1.0     # to every registered prefill
+    check_rate: float = 0.0               # share of requests compared with a colocated run (engine.check)
 
 
 class DecodeServer(Worker):
@@ -83,8 +85,8 @@ class DecodeServer(Worker):
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
         timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
         t0 = time.perf_counter()
-        tokens = np.asarray(token_ids, dtype=np.int64)
-        bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)   # BadRequest before anything changes
+        tokens = self.check_tokens(token_ids)                      # BadRequest before anything changes
+        bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)
         timings: dict = {}
         try:
             r = self.requests.open(room)
@@ -111,9 +113,16 @@ class DecodeServer(Worker):
             t3 = time.perf_counter()
             output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens)
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
+            check = {}
+            if self.config.check_rate and random.random() < self.config.check_rate:
+                t4 = time.perf_counter()
+                check = {"check": self.model.check(tokens, output)}
+                timings["check_ms"] = (time.perf_counter() - t4) * 1e3
+                if not check["check"]["token_match"] or not check["check"].get("logits_match", True):
+                    log.warning("room %d: generation differs from the colocated run: %s", room, check["check"])
             done = r.done
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
-                    "output_tokens": output, "bytes": done.nbytes, "mode": done.mode, "ranges": done.ranges,
+                    "output_tokens": output.tokens, **check, "bytes": done.nbytes, "mode": done.mode, "ranges": done.ranges,
                     "transfer_ms": done.transfer_ms, "kv_ready_at": r.kv_ready_at, "transport": peer.transport,
                     **timings}
         except VerifyError as exc:

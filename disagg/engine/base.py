@@ -1,13 +1,25 @@
 """The model engine interface: what disagg needs from an inference engine (the model that
-computes KV; not to be confused with a transport, which moves it). The stand-in
-(disagg.engine.standin) implements it without model weights."""
+computes KV; not to be confused with a transport, which moves it). Two implementations,
+chosen with --engine (disagg.engine.registry):
 
-from dataclasses import dataclass
+    standin   deterministic bytes, no weights: fast, any preset     (engine/standin.py)
+    model     transformers model code, seeded random weights         (engine/model/)
+
+A request's life through an engine: prefill (KV into the pool, first token into the AUX
+row; `on_layer(i)` as each layer's KV is final) -> transfer -> verify (on decode: the AUX
+row describes this prompt) -> decode (continue from the pool alone) -> check (optional:
+the same prompt run colocated, compared token for token and logit for logit).
+"""
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
+import torch
 
-from kvpool import HybridPool, RequestKV
+from kvpool import HybridPool, ModelSpec, RequestKV
 
 
 @dataclass(frozen=True)
@@ -16,12 +28,39 @@ class PrefillResult:
     digest: bytes   # 32 bytes over the prompt; written to the AUX row
 
 
+@dataclass(frozen=True)
+class DecodeOutput:
+    tokens: list[int]                                            # the first token (from prefill) and the rest
+    logits: list[torch.Tensor] = field(default_factory=list)    # [vocab] float32 per generated step after the first
+
+
+def prompt_digest(token_ids: np.ndarray) -> bytes:
+    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+def compare_tokens(want: list[int], got: list[int]) -> dict:
+    """The check's token half: whether they match and the first index where they differ."""
+    first = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), None)
+    if first is None and len(want) != len(got):
+        first = min(len(want), len(got))
+    return {"token_match": first is None, "first_mismatch": first}
+
+
 class ModelEngine(Protocol):
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
-        """Compute the prompt's KV into `req` and its AUX row."""
+    name: str
+    spec: ModelSpec | None     # the pool geometry the engine needs (None: it fills any preset)
+    vocab_size: int | None     # token ids it takes are below this (None: any)
+
+    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
+                on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+        """Compute the prompt's KV into `req` and its AUX row; call on_layer(i) once layer i's
+        KV is in the pool (in layer order for a forward pass)."""
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
         """Check what arrived on decode; return a digest per component or raise VerifyError."""
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:
-        """Generate tokens, appending KV (and evicting out-of-window SWA pages)."""
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
+        """Generate tokens from the pool, appending KV (and evicting out-of-window SWA pages)."""
+
+    def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
+        """Compare `output` with the same prompt run colocated: token_match, logits_match, ..."""

@@ -19,7 +19,7 @@ import zlib
 import numpy as np
 import torch
 
-from disagg.engine.base import PrefillResult
+from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.positions import backed, kept_positions, paged_components, state_components, token_items
@@ -66,10 +66,6 @@ def _bytes_for_t(seeds: torch.Tensor, nbytes: int) -> torch.Tensor:
     return words.view(torch.uint8).reshape(len(seeds), -1)[:, :nbytes]
 
 
-def prompt_digest(token_ids: np.ndarray) -> bytes:
-    return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
-
-
 def first_token(token_ids: np.ndarray) -> int:
     return int(_mix(int(prompt_digest(token_ids)[0]), len(token_ids))[()] % 50000)
 
@@ -90,6 +86,10 @@ def _salt(name: str) -> int:
 
 class StandInEngine:
     """Loops over the pool's components as kvpool.positions describes them; it names none."""
+
+    name = "standin"
+    spec = None          # fills any preset
+    vocab_size = None    # takes any token id
 
     def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int):
         """uint8 [len(positions), nbytes] on the tensors' device."""
@@ -130,7 +130,8 @@ class StandInEngine:
         return int(pool.index_set(req)[c][0])
 
     # ---- ModelEngine ---------------------------------------------------------------------
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> PrefillResult:
+    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
+                on_layer=None) -> PrefillResult:
         token_ids = np.asarray(token_ids, dtype=np.int64)
         self._write_tokens(pool, req, token_ids, np.arange(len(token_ids)))
         for c in state_components(pool):
@@ -140,6 +141,8 @@ class StandInEngine:
                 view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
         pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
+        for layer in range(pool.config.model.num_layers) if on_layer is not None else ():
+            on_layer(layer)     # (written component by component: every layer is final only now)
         return result
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
@@ -182,7 +185,7 @@ class StandInEngine:
             digests[c.value] = h.hexdigest()
         return digests
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> list[int]:
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         tokens = list(np.asarray(token_ids, dtype=np.int64))
         out = [first_token(np.asarray(token_ids))]
         for _ in range(max_new_tokens - 1):
@@ -191,4 +194,12 @@ class StandInEngine:
             arr = np.asarray(tokens, dtype=np.int64)
             self._write_tokens(pool, req, arr, np.array([len(arr) - 1]))
             out.append(int(_mix(out[-1], len(arr))[()] % 50000))
-        return out
+        return DecodeOutput(out)
+
+    def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
+        """The stand-in's colocated run is its token rule applied without a pool."""
+        n = len(token_ids)
+        want = [first_token(np.asarray(token_ids))]
+        for i in range(len(output.tokens) - 1):
+            want.append(int(_mix(want[-1], n + i + 1)[()] % 50000))
+        return compare_tokens(want, output.tokens)

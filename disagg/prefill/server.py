@@ -79,7 +79,7 @@ class PrefillServer(Worker):
         with timings; the request's pages are free when this returns. Raises Overloaded (pool
         full past queue_wait_s) or TooLarge after the same cleanup."""
         t0 = time.perf_counter()
-        tokens = np.asarray(token_ids, dtype=np.int64)
+        tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
         r = self.requests.prompt(room, tokens)
         refused, kv = None, None
         try:

@@ -8,6 +8,7 @@ from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, client_gone
 from disagg.api.metrics import WorkerMetrics
 from disagg.router.router import Pair, Router, RouterConfig
+from disagg.worker.checks import positive_int
 from disagg.worker.flags import announce
 
 HELP = "run the router in front of prefill/decode pairs"
@@ -20,10 +21,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="0: any free port")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
     p.add_argument("--max-inflight", type=int, default=256, help="concurrent requests (more: 503 at once)")
+    p.add_argument("--vocab-size", type=positive_int, default=50000,
+                   help="requests that give prompt_len get random token ids below this (the model's vocabulary)")
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout, max_inflight=args.max_inflight)
+    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout, max_inflight=args.max_inflight,
+                        vocab_size=args.vocab_size)
 
 
 def run(args: argparse.Namespace) -> int:

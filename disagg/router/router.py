@@ -64,6 +64,7 @@ class RouterConfig:
     timeout_s: float = 60.0
     max_prompt_tokens: int = 1 << 20
     max_inflight: int = 256
+    vocab_size: int = 50000        # prompt_len requests draw token ids below this
 
 
 def post_json(url: str, body: dict, timeout: float) -> dict:
@@ -83,7 +84,7 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         return {"state": "FAILED", "reason": f"{url}: {exc}"}
 
 
-def _prompt(body: dict, max_tokens: int) -> list[int]:
+def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
     if "token_ids" in body:
         tokens = body["token_ids"]
         if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 31 for t in tokens):
@@ -96,7 +97,7 @@ def _prompt(body: dict, max_tokens: int) -> list[int]:
             raise BadRequest(f"prompt_len must be an int in [1, {max_tokens}]")
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
             raise BadRequest("seed must be a non-negative int")
-        tokens = np.random.default_rng(seed).integers(0, 50000, n).tolist()
+        tokens = np.random.default_rng(seed).integers(0, vocab_size, n).tolist()
     else:
         raise BadRequest("give token_ids or prompt_len")
     if not tokens:
@@ -127,7 +128,7 @@ class Router:
         return {"request_id": request_id, "aborted": cancel is not None}
 
     def generate(self, body: dict, client_gone=lambda: False) -> dict:
-        tokens = _prompt(body, self.config.max_prompt_tokens)
+        tokens = _prompt(body, self.config.max_prompt_tokens, self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
@@ -198,6 +199,7 @@ class Router:
         return {
             "room": room, "pair": pair_index, "ok": ok, "prompt_tokens": len(tokens),
             "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
+            **({"check": dec["check"]} if isinstance(dec.get("check"), dict) else {}),
             "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),
             "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),

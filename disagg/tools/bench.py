@@ -108,6 +108,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             q = np.percentile(values, [50, 90, 99])
             latency[phase] = {"p50": round(q[0], 2), "p90": round(q[1], 2), "p99": round(q[2], 2),
                               "mean": round(statistics.fmean(values), 2)}
+    checked = [r["check"] for r in ok if isinstance(r.get("check"), dict)]
     failures: dict[str, int] = {}
     for r in results:
         if not r.get("ok"):
@@ -122,6 +123,9 @@ def summarize(results: list[dict], wall: float) -> dict:
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "latency_ms": latency, "failures": failures,
+        # generations compared with a colocated run of the same model (decode --check-rate)
+        "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
+                        "logits_match": sum(1 for c in checked if c.get("logits_match", c.get("token_match")))},
     }
 
 
@@ -135,6 +139,10 @@ def print_summary(s: dict) -> None:
         print(f"{phase:<10} {q['p50']:>9} {q['p90']:>9} {q['p99']:>9} {q['mean']:>9}")
     for reason, n in s["failures"].items():
         print(f"failed x{n}: {reason}")
+    m = s.get("token_match", {})
+    if m.get("checked"):
+        print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']} "
+              f"(against the same prompt run colocated)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -143,5 +151,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(summary))
     else:
         print_summary(summary)
-    return 0 if summary["failed"] == 0 else 1
+    return 0 if summary["failed"] == 0 and mismatches(summary) == 0 else 1
+
+
+def mismatches(summary: dict) -> int:
+    """Checked generations that differ from the colocated run (tokens or logits)."""
+    m = summary.get("token_match", {})
+    return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0))
 

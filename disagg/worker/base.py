@@ -6,7 +6,7 @@ ZMQ context and the stop flag.
       .pool       HybridPool                 .admission  bounded wait for pool space
       .endpoint   the pool exposed to the transports (region i = buffer i, then staging)
       .layout     LayoutInfo: page size, layout, buffers (what the other side checks)
-      .model      the model engine (stand-in by default)
+      .model      the model engine (--engine; its geometry, if it has one, shapes the pool)
       .epoch      new on every start: a restarted worker is a new peer
       .gate       who may talk to its ZMQ sockets (control/auth.py)
       .requests   the role's RequestTable (set by the subclass): abort() goes through it
@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
+import numpy as np
 import zmq
 
 from disagg import __version__
@@ -24,10 +25,10 @@ from disagg.control.admission import Admission
 from disagg.control.auth import AuthKey, Gate
 from disagg.control.messages import LayoutInfo
 from disagg.control.deadlines import Deadlines
+from disagg.engine import registry
 from disagg.engine.base import ModelEngine
-from disagg.engine.standin import StandInEngine
 from disagg.worker.pool_settings import PoolSettings
-from disagg.errors import ConfigError
+from disagg.errors import BadRequest, ConfigError
 from kvpool import HybridPool
 from kvpool.errors import SpecError
 from transfer.config import TransferConfig
@@ -47,15 +48,16 @@ class WorkerSettings:
     queue_wait_s: float = 5.0               # longest wait for pool space before refusing
     max_waiting: int = 64                   # requests waiting for pool space; more are refused at once
     auth: AuthKey = AuthKey()               # the deployment's key (none: insecure, logged loudly)
+    engine: str = "auto"                    # the model engine (disagg.engine.registry)
 
 
 class Worker:
     def __init__(self, settings: WorkerSettings, endpoint_class: type[PoolEndpoint], model: ModelEngine | None,
                  swa_window_only: bool):
         self.settings = settings
-        self.model = model or StandInEngine()
+        self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device())
         try:
-            self.pool = HybridPool(settings.pool.pool_config())
+            self.pool = HybridPool(settings.pool.pool_config(self.model.spec))
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
             raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
                               f"--max-tokens or --pool-bytes, --max-requests)") from None
@@ -72,6 +74,15 @@ class Worker:
         self._stop = threading.Event()
         self.ready = False
 
+    def check_tokens(self, token_ids) -> np.ndarray:
+        """int64 [n] of a prompt the engine can run; BadRequest (nothing changed) otherwise."""
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        vocab = self.model.vocab_size
+        if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
+            raise BadRequest(f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab} "
+                             f"(engine {self.model.name}, preset {self.settings.pool.preset})")
+        return tokens
+
     def threads(self) -> dict[str, bool]:
         """Threads the process cannot serve without -> alive (the role adds its own)."""
         return self.gate.threads()
@@ -82,7 +93,7 @@ class Worker:
         dead = sorted(name for name, alive in self.threads().items() if not alive)
         return {"status": "unhealthy" if dead else "ok", **({"dead_threads": dead} if dead else {}),
                 "role": type(self).__name__.removesuffix("Server").lower(), "version": __version__,
-                "epoch": self.epoch, "preset": self.settings.pool.preset, "device": str(self.pool.config.device),
+                "epoch": self.epoch, "preset": self.settings.pool.preset, "engine": self.model.name, "device": str(self.pool.config.device),
                 "transports": [t.kind for t in self.endpoint.transports],
                 "auth": "curve" if self.gate.key.secure else "insecure"}
 

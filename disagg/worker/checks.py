@@ -40,3 +40,14 @@ def cuda_device(device: str) -> None:
     if index >= torch.cuda.device_count():
         raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
                           f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+
+
+def share(text: str) -> float:
+    """A fraction in [0, 1] (--check-rate)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not in [0, 1]")
+    return value

@@ -8,6 +8,8 @@ from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
 from disagg.worker.checks import cuda_device, positive_int, power_of_two
 from disagg.worker.pool_settings import PoolSettings
+from disagg.engine import registry
+from disagg.engine.model.families import FAMILIES
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
 from transfer.config import Mode, TransferConfig
@@ -21,8 +23,13 @@ def _env(name: str, default):
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pool")
-    g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=list(PRESETS),
-                   help="model geometry (env DISAGG_PRESET)")
+    g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=[*PRESETS, *FAMILIES],
+                   help="model geometry (env DISAGG_PRESET); tiny-model-* are model families whose geometry "
+                        "comes from the model itself")
+    g.add_argument("--engine", default=_env("DISAGG_ENGINE", "auto"), choices=registry.CHOICES,
+                   help="what computes KV (env DISAGG_ENGINE): model = transformers model code with seeded "
+                        "random weights (tiny-model-* presets), standin = deterministic bytes (any preset, "
+                        "fast); auto: model for tiny-model-* presets, else standin")
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page, a power of two "
                    "(default: the preset's)")
     cap = g.add_mutually_exclusive_group()
@@ -113,7 +120,7 @@ def worker_settings(args: argparse.Namespace) -> dict:
     return dict(pool=pool_settings(args), host=args.host, transports=transports(args),
                 transport_settings=transport_settings(args), transfer=transfer_config(args),
                 deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
-                max_waiting=args.max_waiting, auth=key_of(args))
+                max_waiting=args.max_waiting, auth=key_of(args), engine=args.engine)
 
 
 def http_url(args: argparse.Namespace, port: int) -> str:

@@ -2,7 +2,9 @@
 
 from dataclasses import dataclass
 
-from kvpool import Layout, PoolConfig, get_preset
+import torch
+
+from kvpool import Layout, ModelSpec, PoolConfig, get_preset
 
 
 @dataclass(frozen=True)
@@ -15,8 +17,14 @@ class PoolSettings:
     layout: str = "page_major"
     device: str = "auto"
 
-    def pool_config(self) -> PoolConfig:
-        model = get_preset(self.preset)
+    def resolved_device(self) -> str:
+        """--device auto -> cuda where torch sees a GPU, else cpu (as the pool resolves it)."""
+        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+
+    def pool_config(self, model: ModelSpec | None = None) -> PoolConfig:
+        """The pool of this preset, or of `model` (the geometry a model engine read off its
+        model's cache)."""
+        model = model or get_preset(self.preset)
         return PoolConfig(model, self.page_size or model.default_page_size, max_tokens=self.max_tokens,
                           byte_budget=self.byte_budget, max_requests=self.max_requests,
                           layout=Layout(self.layout), device=self.device)

@@ -9,15 +9,7 @@ from hypothesis import strategies as st
 
 from disagg.engine.standin import StandInEngine, VerifyError
 from kvpool import Component, HybridPool, PoolConfig, get_preset
-
-
-def _copy_request(src: HybridPool, sreq, dst: HybridPool, dreq):
-    """What a transfer does: every transferred item, byte for byte."""
-    s_set, d_set = src.index_set(sreq), dst.index_set(dreq)
-    for c in s_set.components():
-        n = min(len(s_set[c]), len(d_set[c]))
-        data = src.pools[c].storage.gather(s_set[c][:n])
-        dst.pools[c].storage.scatter(d_set[c][:n], data)
+from tests.kvpool.helpers import copy_request
 
 
 @pytest.mark.parametrize("preset", ["tiny-full", "tiny-swa", "tiny-mla-nsa", "tiny-mamba", "tiny-hybrid"])
@@ -31,7 +23,7 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
     preq = prefill.alloc_request(len(tokens))
     result = standin.prefill(prefill, preq, tokens, room=77)
     dreq = decode.alloc_request(len(tokens), swa_window_only=True)
-    _copy_request(prefill, preq, decode, dreq)
+    copy_request(prefill, preq, decode, dreq)
     digests = standin.verify(decode, dreq, tokens, room=77)
     assert set(digests) == {c.value for c in decode.pools if c is not Component.AUX}
     with pytest.raises(VerifyError, match="room"):
@@ -46,7 +38,7 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
         standin.verify(decode, dreq, tokens, room=77)
     view[page].view(torch.uint8).reshape(-1)[5] ^= 1
     assert standin.verify(decode, dreq, tokens, room=77) == digests
-    new = standin.decode(decode, dreq, tokens, max_new_tokens=9)
+    new = standin.decode(decode, dreq, tokens, max_new_tokens=9).tokens
     assert len(new) == 9 and new[0] == result.first_token and dreq.num_tokens == len(tokens) + 8
     decode.check_integrity()
 

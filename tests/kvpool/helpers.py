@@ -38,3 +38,13 @@ def used_counts(pool: HybridPool) -> dict:
 
 def all_items_nonzero(arr: np.ndarray) -> bool:
     return bool((arr != 0).all())
+
+
+def copy_request(src: HybridPool, sreq: RequestKV, dst: HybridPool, dreq: RequestKV) -> None:
+    """What a transfer does, byte for byte, within one process: every item the receiver keeps.
+    A receiver of `swa_window_only` keeps only the SWA window's pages, which are the last ones
+    on both sides, so items pair from the end."""
+    s_set, d_set = src.index_set(sreq), dst.index_set(dreq)
+    for c in s_set.components():
+        n = min(len(s_set[c]), len(d_set[c]))
+        dst.pools[c].storage.scatter(d_set[c][len(d_set[c]) - n:], src.pools[c].storage.gather(s_set[c][len(s_set[c]) - n:]))

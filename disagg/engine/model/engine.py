@@ -1,0 +1,150 @@
+"""The model engine: a tiny model of the preset's family, built from transformers' model code
+with seeded random weights (the same seed on both sides: the same model), that produces and
+consumes KV through the pools.
+
+    prefill  forward over the prompt; as decoder layer i returns (a forward hook), its cache
+             is final: copied into the request's pool items, then on_layer(i); the argmax of
+             the last logits goes into the AUX row as the first token
+    decode   a fresh cache built from the pool alone (CacheIO.read_cache), then one token per
+             forward pass; each step's new KV is written back into the pool, so the pool
+             stays the truth (retract/restore works on it)
+    check    the colocated run: the whole model over the prompt in this process, greedy
+             continuation; tokens and logits (bitwise) compared with decode's
+
+One lock serialises forward passes (one model, like a scheduler's single batch loop); the
+forward hooks read the prefill that holds it.
+"""
+
+import hashlib
+import threading
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
+from disagg.engine.model.cache_io import CacheIO
+from disagg.engine.model.families import family, go_offline, hf_config
+from disagg.engine.model.geometry import spec_from_cache
+from disagg.errors import ConfigError, VerifyError
+from kvpool import HybridPool, RequestKV
+
+PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
+
+
+class TransformersEngine:
+    name = "model"
+
+    def __init__(self, preset: str, device: str = "cpu", seed: int = 0):
+        f = family(preset)
+        go_offline()
+        from transformers import AutoModelForCausalLM, DynamicCache
+        self._new_cache = DynamicCache
+        self.config = hf_config(f)
+        with torch.random.fork_rng(devices=[]):   # built on CPU from the seed: the same weights anywhere
+            torch.manual_seed(seed)
+            model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager", dtype=torch.float32)
+        self.model = model.to(device).eval()
+        self.device = torch.device(device)
+        self.preset = preset
+        self.vocab_size = int(self.config.vocab_size)
+        self._lock = threading.Lock()
+        self._layer_done: Callable[[int], None] | None = None
+        decoder = self.model.base_model.layers
+        for i, layer in enumerate(decoder):
+            layer.register_forward_hook(lambda *_, i=i: self._layer_done and self._layer_done(i))
+        _, probe = self._forward(np.array(PROBE), self._cache())
+        if len(probe.layers) != len(decoder):
+            raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
+        self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size)
+
+    def _cache(self):
+        return self._new_cache(config=self.config)
+
+    @torch.no_grad()
+    def _forward(self, token_ids, cache, last_only: bool = True):
+        """One forward pass under the lock -> (logits [vocab] of the last position, cache)."""
+        ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device).view(1, -1)
+        with self._lock:
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float(), cache
+
+    def check_pool(self, pool: HybridPool) -> None:
+        """The pool must have this model's geometry (one derivation, so this guards a
+        hand-built pool or a preset of the same name from elsewhere)."""
+        if pool.config.model != self.spec:
+            raise ConfigError(f"pool geometry {pool.config.model.name!r} is not the one model {self.preset!r} "
+                              f"keeps (derived from its cache): {self.spec}")
+
+    # ---- ModelEngine ---------------------------------------------------------------------
+    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
+                on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+        io, n, cache = CacheIO(pool, self._states), len(token_ids), self._cache()
+
+        def layer_done(i: int) -> None:
+            io.write_layer(req, i, cache.layers[i], n, 0)
+            if on_layer is not None:
+                on_layer(i)
+        with self._lock:   # the hooks must see this prefill's cache and no other
+            self._layer_done = layer_done
+            try:
+                ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device).view(1, -1)
+                with torch.no_grad():
+                    logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+            finally:
+                self._layer_done = None
+        result = PrefillResult(int(logits[0, -1].argmax()), prompt_digest(token_ids))
+        pool.aux.write(req.aux_row, room, n, result.first_token, result.digest)
+        return result
+
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
+        """The AUX row names this room and prompt; a digest of each component's bytes (what
+        they mean is for decode and check to show)."""
+        aux = pool.aux.read(req.aux_row)
+        if int(aux["room"]) != room:
+            raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
+        if int(aux["num_tokens"]) != len(token_ids) or bytes(aux["digest"]) != prompt_digest(token_ids):
+            raise VerifyError("aux row describes another prompt")
+        if not 0 <= int(aux["first_token"]) < self.config.vocab_size:
+            raise VerifyError(f"aux row first token {int(aux['first_token'])} is outside the vocabulary")
+        copy = pool.get_cpu_copy(req)
+        return {c.value: hashlib.sha256(b"".join(t.numpy().tobytes() for t in part.buffers)).hexdigest()
+                for c, part in copy.components.items() if not c.metadata}
+
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
+        first = int(pool.aux.read(req.aux_row)["first_token"])
+        return self.generate(pool, req, len(token_ids), first, max_new_tokens)
+
+    def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int) -> DecodeOutput:
+        """Continue a request whose first n tokens' KV is in the pool and whose next input is
+        `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first."""
+        io = CacheIO(pool, self._states)
+        with torch.no_grad():
+            cache = io.read_cache(req, n, self.config)
+        tokens, logits = [next_token], []
+        for _ in range(max_new_tokens - 1):
+            step, cache = self._forward([tokens[-1]], cache)
+            pool.extend(req, n + 1)           # allocates a page when one fills, evicts SWA pages
+            for i, cl in enumerate(cache.layers):
+                io.write_layer(req, i, cl, n + 1, n)
+            n += 1
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+        return DecodeOutput(tokens, logits)
+
+    def reference(self, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
+        """The colocated run: the whole model in this process, no pool."""
+        step, cache = self._forward(token_ids, self._cache())
+        tokens, logits = [int(step.argmax())], []
+        for _ in range(max_new_tokens - 1):
+            step, cache = self._forward([tokens[-1]], cache)
+            logits.append(step)
+            tokens.append(int(step.argmax()))
+        return DecodeOutput(tokens, logits)
+
+    def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
+        want = self.reference(token_ids, len(output.tokens))
+        out = compare_tokens(want.tokens, output.tokens)
+        same = [torch.equal(a, b) for a, b in zip(want.logits, output.logits)]
+        diff = max((float((a - b).abs().max()) for a, b in zip(want.logits, output.logits)), default=0.0)
+        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff}

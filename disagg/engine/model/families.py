@@ -1,0 +1,96 @@
+"""The model families the model engine runs: for each, a HuggingFace model type and a tiny
+configuration (a few layers, hidden 64, vocabulary 512) that keeps every state kind of the
+family. Weights are random from a seed, so both sides build the same model with no download.
+
+    preset                    HF model type   what its cache holds per layer
+    tiny-model-gpt-oss        gpt_oss         full K/V | SWA K/V (window 8), alternating
+    tiny-model-gemma3         gemma3_text     five SWA layers, then one full
+    tiny-model-mimo           mimo_v2_flash   K dim != V dim; SWA layers have 2x the KV heads
+    tiny-model-qwen3-next     qwen3_next      gated-delta-net conv + recurrent state | full K/V
+    tiny-model-nemotron-h     nemotron_h      Mamba2 conv + SSM | full K/V | MLP/MoE (none)
+    tiny-model-jamba          jamba           Mamba1 conv + SSM | full K/V
+    tiny-model-deepseek-v3    deepseek_v3     MLA: latent (32) + rope key (8)
+    tiny-model-deepseek-v32   deepseek_v32    MLA + NSA indexer keys (16)
+
+The init range is 0.5, not the usual 0.02: at 0.02 a corrupted Mamba state moves the logits
+by ~1e-6 and the token-match check could not see it (../shared/model-notes.md).
+"""
+
+import os
+from dataclasses import dataclass, field
+
+from disagg.errors import ConfigError
+
+# No hub access at run time, ever: every model is built from a config in this file.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
+               "TRANSFORMERS_VERBOSITY": "error"}
+
+_BASE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, initializer_range=0.5, eos_token_id=None,
+             bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+_ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+_MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
+            v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_group=1, topk_group=1, first_k_dense_replace=1)
+
+
+@dataclass(frozen=True)
+class Family:
+    preset: str
+    model_type: str                   # transformers' name for the architecture
+    config: dict = field(compare=False)
+    page_size: int = 4
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.get("vocab_size", _BASE["vocab_size"])
+
+
+FAMILIES: dict[str, Family] = {f.preset: f for f in (
+    Family("tiny-model-gpt-oss", "gpt_oss", dict(
+        **_ATTN, num_hidden_layers=4, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
+        layer_types=["sliding_attention", "full_attention"] * 2)),
+    Family("tiny-model-gemma3", "gemma3_text", dict(**_ATTN, num_hidden_layers=6, sliding_window=8)),
+    Family("tiny-model-mimo", "mimo_v2_flash", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, v_head_dim=16, num_hidden_layers=4,
+        sliding_window=8, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+        layer_types=["full_attention", "sliding_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"])),
+    Family("tiny-model-qwen3-next", "qwen3_next", dict(
+        **_ATTN, num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2,
+        linear_num_value_heads=4, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+        num_experts_per_tok=2)),
+    Family("tiny-model-nemotron-h", "nemotron_h", dict(
+        **_ATTN, layers_block_type=["linear_attention", "moe", "full_attention", "mlp", "linear_attention",
+                                    "full_attention"],
+        ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, chunk_size=16, n_routed_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=32)),
+    Family("tiny-model-jamba", "jamba", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
+        num_experts=4, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
+    Family("tiny-model-deepseek-v3", "deepseek_v3", dict(**_MLA, num_hidden_layers=3)),
+    # 8 indexer heads: with fewer, exact-zero score ties make the top-k order depend on shapes
+    Family("tiny-model-deepseek-v32", "deepseek_v32", dict(
+        **_MLA, num_hidden_layers=3, index_head_dim=16, index_n_heads=8, index_topk=8,
+        mlp_layer_types=["dense", "sparse", "sparse"])),
+)}
+
+
+def family(preset: str) -> Family:
+    try:
+        return FAMILIES[preset]
+    except KeyError:
+        raise ConfigError(f"preset {preset!r} has no model code behind it (--engine model takes one of: "
+                          f"{', '.join(FAMILIES)})") from None
+
+
+def go_offline() -> None:
+    """Before transformers is imported: no network, quiet logs."""
+    for name, value in OFFLINE_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def hf_config(f: Family):
+    """transformers' config object for a family (imports transformers: seconds, once)."""
+    go_offline()
+    from transformers import AutoConfig
+    return AutoConfig.for_model(f.model_type, **{**_BASE, **f.config})

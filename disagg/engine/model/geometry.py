@@ -1,0 +1,99 @@
+"""A model's pool geometry, read from the model's own cache: run a 3-token probe prompt and
+look at every decoder layer's cache tensors. The pool then stores exactly what the model
+keeps (heads, dims, dtypes, window, state shapes); nothing is written down twice, so the two
+cannot drift apart.
+
+    cache layer (transformers)        kind     pool component, per token or per request
+    DynamicLayer                      full     FULL  k [kv_heads, k_dim], v [kv_heads, v_dim]
+      ... of an MLA model             mla      FULL  latent = [kv_lora_rank | rope_dim]
+    DynamicIndexedLayer               mla+nsa  FULL latent, NSA key [index_head_dim] + scale
+    DynamicSlidingWindowLayer         swa      SWA   k, v (window = the layer's sliding_window)
+    LinearAttentionLayer              linear   MAMBA conv [channels, kernel-1] + temporal state
+    DummyLayer (MLP / MoE layers)     none     -
+
+Conv state: transformers keeps `kernel` columns and never reads the oldest; the pool keeps
+kernel-1 (as SGLang and vLLM do) and the oldest column comes back as zeros.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from disagg.errors import ConfigError
+from kvpool import AttentionSpec, LinearStateSpec, MLASpec, ModelSpec, NSAIndexerSpec
+
+
+@dataclass(frozen=True)
+class StateShape:
+    """How one linear layer's state looks inside transformers (per request, batch dim dropped)."""
+    conv_kernel: int                   # columns transformers keeps (the pool keeps one fewer)
+    recurrent: tuple[int, ...]         # [v_heads, k_dim, v_dim] (GDN, Mamba2) or [channels, d_state] (Mamba1)
+
+
+def _dtype(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def _kind(name: str, layer: int, cl, is_mla: bool) -> str:
+    has_state = hasattr(cl, "conv_states")
+    has_kv = getattr(cl, "keys", None) is not None
+    if has_state and has_kv:
+        raise ConfigError(f"{name}: layer {layer} ({type(cl).__name__}) holds attention K/V and a linear "
+                          f"state side by side (falcon_h1 style); the pool has no geometry for that yet")
+    if has_state:
+        return "linear"
+    if not has_kv:
+        return "none"
+    if getattr(cl, "indexer_keys", None) is not None:
+        return "mla+nsa"
+    if getattr(cl, "is_sliding", False):
+        return "swa"
+    return "mla" if is_mla else "full"
+
+
+def _one(what: str, values: set):
+    if len(values) != 1:
+        raise ConfigError(f"{what} differ between layers ({sorted(values)}): one pool component needs one geometry")
+    return values.pop()
+
+
+def spec_from_cache(name: str, cache, is_mla: bool, page_size: int) -> tuple[ModelSpec, dict[int, StateShape]]:
+    """The ModelSpec of the model whose probe filled `cache`, and its linear layers' shapes."""
+    kinds = [_kind(name, i, cl, is_mla) for i, cl in enumerate(cache.layers)]
+    layers = lambda *ks: tuple(i for i, k in enumerate(kinds) if k in ks)  # noqa: E731
+    by = lambda ks, f: {f(cache.layers[i]) for i in layers(*ks)}  # noqa: E731
+    full = swa = nsa = linear = None
+    if layers("full"):
+        full = AttentionSpec(layers("full"), _one("full K/V heads", by(["full"], lambda c: c.keys.shape[1])),
+                             _one("full K dims", by(["full"], lambda c: c.keys.shape[-1])),
+                             _one("full V dims", by(["full"], lambda c: c.values.shape[-1])),
+                             dtype=_one("full dtypes", by(["full"], lambda c: _dtype(c.keys))))
+    if layers("mla", "mla+nsa"):
+        ks = ["mla", "mla+nsa"]
+        full = MLASpec(layers(*ks), _one("MLA latent dims", by(ks, lambda c: c.keys.shape[-1] + c.values.shape[-1])),
+                       dtype=_one("MLA dtypes", by(ks, lambda c: _dtype(c.keys))))
+    if layers("mla+nsa"):
+        key_dim = _one("indexer key dims", by(["mla+nsa"], lambda c: c.indexer_keys.shape[-1]))
+        # unquantized keys: one (unused, 1.0) scale per token keeps the pool's NSA layout
+        nsa = NSAIndexerSpec(layers("mla+nsa"), key_dim=key_dim, scale_block=key_dim, scale_dtype="float32",
+                             key_dtype=_one("indexer dtypes", by(["mla+nsa"], lambda c: _dtype(c.indexer_keys))))
+    if layers("swa"):
+        swa = AttentionSpec(layers("swa"), _one("SWA K/V heads", by(["swa"], lambda c: c.keys.shape[1])),
+                            _one("SWA K dims", by(["swa"], lambda c: c.keys.shape[-1])),
+                            _one("SWA V dims", by(["swa"], lambda c: c.values.shape[-1])),
+                            dtype=_one("SWA dtypes", by(["swa"], lambda c: _dtype(c.keys))),
+                            window=_one("sliding windows", by(["swa"], lambda c: c.sliding_window)))
+    states = {}
+    if layers("linear"):
+        for i in layers("linear"):
+            cl = cache.layers[i]
+            states[i] = StateShape(cl.conv_states[0].shape[-1], tuple(cl.recurrent_states[0].shape[1:]))
+        shape = _one("recurrent state shapes", {s.recurrent for s in states.values()})
+        heads, d1, d2 = (*shape, 1) if len(shape) == 2 else shape
+        linear = LinearStateSpec(layers("linear"), _one("conv channels", by(["linear"], lambda c: c.conv_states[0].shape[1])),
+                                 _one("conv kernels", {s.conv_kernel for s in states.values()}) - 1, heads, d1, d2,
+                                 conv_dtype=_one("conv dtypes", by(["linear"], lambda c: _dtype(c.conv_states[0]))),
+                                 temporal_dtype=_one("state dtypes", by(["linear"], lambda c: _dtype(c.recurrent_states[0]))))
+    spec = ModelSpec(name, len(kinds), full=full, swa=swa, nsa=nsa, linear=linear, default_page_size=page_size,
+                     notes="derived from the model's own cache")
+    return spec, states

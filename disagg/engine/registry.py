@@ -1,0 +1,44 @@
+"""Model engines by name: `--engine` takes one of these (checked when flags are parsed).
+
+    auto      model where the preset is a model family (tiny-model-*), else standin
+    standin   deterministic bytes for any preset (fast; the default for geometry presets)
+    model     transformers model code with seeded random weights (disagg.engine.model)
+
+Building the model engine imports transformers (seconds), so only a process that asks for it
+pays that.
+"""
+
+import importlib.util
+from collections.abc import Callable
+
+from disagg.engine.base import ModelEngine
+from disagg.engine.model.families import FAMILIES
+from disagg.errors import ConfigError
+
+
+def _standin(preset: str, device: str) -> ModelEngine:
+    from disagg.engine.standin import StandInEngine
+    return StandInEngine()
+
+
+def _model(preset: str, device: str) -> ModelEngine:
+    if preset not in FAMILIES:
+        raise ConfigError(f"--engine model runs model code, and preset {preset!r} is a geometry only; "
+                          f"use one of: {', '.join(FAMILIES)}")
+    if importlib.util.find_spec("transformers") is None:   # not imported here: offline switches first
+        raise ConfigError("--engine model needs transformers: pip install 'disagg[model]'")
+    from disagg.engine.model.engine import TransformersEngine
+    return TransformersEngine(preset, device)
+
+
+ENGINES: dict[str, Callable[[str, str], ModelEngine]] = {"standin": _standin, "model": _model}
+CHOICES = ("auto", *ENGINES)
+
+
+def resolve(name: str, preset: str) -> str:
+    return ("model" if preset in FAMILIES else "standin") if name == "auto" else name
+
+
+def create(name: str, preset: str, device: str) -> ModelEngine:
+    """The engine `name` (or auto) for `preset`, its model on `device` (a resolved device)."""
+    return ENGINES[resolve(name, preset)](preset, device)

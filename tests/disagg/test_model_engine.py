@@ -1,0 +1,168 @@
+"""The model engine (transformers model code, seeded random weights): KV written into one pool
+by prefill, copied byte for byte into another as a transfer would, continued there by decode,
+gives the colocated run's tokens and bit-identical logits, for every family. And the check
+can fail: one corrupted byte of any component kind shows."""
+
+import numpy as np
+import pytest
+import torch
+
+from disagg.engine import registry
+from disagg.engine.model.families import _ATTN, FAMILIES, Family
+from disagg.errors import ConfigError
+from kvpool import Component, HybridPool, Layout, PoolConfig
+from kvpool.positions import token_items
+from tests.kvpool.helpers import copy_request
+
+ENGINES: dict = {}
+LENGTHS = (1, 5, 7, 8, 9, 23, 40)        # window 8: shorter, equal, one past, several windows
+
+
+def engine(preset: str, device: str):
+    """One engine per family and device for the module (building one takes ~0.3 s)."""
+    if (preset, device) not in ENGINES:
+        ENGINES[preset, device] = registry.create("model", preset, device)
+    return ENGINES[preset, device]
+
+
+def pools(eng, device, page_size, layout=Layout.PAGE_MAJOR):
+    make = lambda: HybridPool(PoolConfig(eng.spec, page_size, max_tokens=1024, max_requests=8,  # noqa: E731
+                                         layout=layout, device=device))
+    prefill, decode = make(), make()
+    np.random.default_rng(0).shuffle(prefill.pages._stack[:prefill.pages.num_free])  # pages out of order
+    return prefill, decode
+
+
+def prompt(n: int, vocab: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed + n).integers(0, vocab, n)
+
+
+def transfer(eng, prefill, decode, tokens, room=7):
+    """Prefill in one pool, copy into the other (decode keeps the SWA window only)."""
+    preq = prefill.alloc_request(len(tokens))
+    layers = []
+    eng.prefill(prefill, preq, tokens, room, on_layer=layers.append)
+    assert layers == list(range(eng.spec.num_layers))
+    dreq = decode.alloc_request(len(tokens), swa_window_only=True)
+    copy_request(prefill, preq, decode, dreq)
+    prefill.free_request(preq)
+    eng.verify(decode, dreq, tokens, room)
+    return dreq
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("preset", list(FAMILIES))
+def test_disaggregated_equals_colocated(preset, page_size, device):
+    eng = engine(preset, device)
+    prefill, decode = pools(eng, device, page_size)
+    empty = decode.available(), prefill.available()
+    for n in LENGTHS:
+        tokens = prompt(n, eng.vocab_size)
+        dreq = transfer(eng, prefill, decode, tokens)
+        out = eng.decode(decode, dreq, tokens, max_new_tokens=10)
+        check = eng.check(tokens, out)
+        assert check["token_match"] and check["logits_match"], (n, check)
+        assert len(out.tokens) == 10 and dreq.num_tokens == n + 9
+        decode.free_request(dreq)
+    assert (decode.available(), prefill.available()) == empty
+    decode.check_integrity()
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+def test_both_layouts(layout, device):
+    eng = engine("tiny-model-gpt-oss", device)
+    prefill, decode = pools(eng, device, 4, layout)
+    tokens = prompt(30, eng.vocab_size)
+    out = eng.decode(decode, transfer(eng, prefill, decode, tokens), tokens, max_new_tokens=12)
+    assert eng.check(tokens, out)["logits_match"]
+
+
+# (family, layer, part): one of each component kind the pools carry, each at a layer whose
+# value there demonstrably moves the output (with init range 0.5 attention is nearly hard and
+# some heads are gated off, so a flipped value the model gives ~0 weight rightly changes
+# nothing, e.g. qwen3-next layer 0's largest recurrent value)
+CORRUPTIONS = [
+    ("tiny-model-gpt-oss", 1, "k"), ("tiny-model-gpt-oss", 0, "k"), ("tiny-model-mimo", 1, "k"),
+    ("tiny-model-qwen3-next", 0, "conv"), ("tiny-model-qwen3-next", 2, "temporal"),
+    ("tiny-model-nemotron-h", 0, "conv"), ("tiny-model-nemotron-h", 0, "temporal"),
+    ("tiny-model-jamba", 0, "temporal"),
+    ("tiny-model-deepseek-v3", 0, "latent"), ("tiny-model-deepseek-v32", 0, "key"),
+]
+
+
+@pytest.mark.parametrize("preset,layer,part", CORRUPTIONS)
+def test_one_corrupted_byte_fails_the_check(preset, layer, part, device):
+    """Flip the sign bit (one byte) of the largest float of one row that decode reads: the
+    last prompt token's row for per-token parts, the request's slot for state."""
+    eng = engine(preset, device)
+    prefill, decode = pools(eng, device, 4)
+    tokens = prompt(23, eng.vocab_size)                 # > the NSA top-k (8): the keys choose
+    dreq = transfer(eng, prefill, decode, tokens)
+    kind = eng.spec.layer_kinds()[layer]
+    view = decode.layer_view(layer, part)
+    if kind == "linear":
+        row = view[int(decode.index_set(dreq)[Component.MAMBA][0])]
+    else:
+        c = {"swa": Component.SWA, "full": Component.FULL}.get(kind, Component.NSA if part == "key" else Component.FULL)
+        items, slots = token_items(decode, c, dreq, np.array([len(tokens) - 1]))
+        row = view[int(items[0]), int(slots[0])]
+    assert row.dtype == torch.float32 and row.is_contiguous()
+    element = int(row.abs().argmax())
+    row.view(-1).view(torch.uint8)[4 * element + 3] ^= 0x80
+    check = eng.check(tokens, eng.decode(decode, dreq, tokens, max_new_tokens=6))
+    assert not check["logits_match"] and check["max_logit_diff"] > 0, check
+
+
+@pytest.mark.parametrize("preset", ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-deepseek-v32"])
+def test_generation_continues_after_retract_and_restore(preset, device):
+    """Decode 5 tokens, retract the request to CPU, restore it at other pages, decode on."""
+    eng = engine(preset, device)
+    prefill, decode = pools(eng, device, 4)
+    empty = decode.available()
+    tokens = prompt(19, eng.vocab_size)
+    dreq = transfer(eng, prefill, decode, tokens)
+    first = eng.decode(decode, dreq, tokens, max_new_tokens=5)
+    copy = decode.retract(dreq)
+    other = decode.alloc_request(33)          # takes the pages the request had
+    again = decode.restore(copy)
+    assert not np.array_equal(again.full_pages, dreq.full_pages)
+    rest = eng.generate(decode, again, again.num_tokens, first.tokens[-1], max_new_tokens=8)
+    whole = type(first)(first.tokens + rest.tokens[1:], first.logits + rest.logits)
+    check = eng.check(tokens, whole)
+    assert check["token_match"] and check["logits_match"], check
+    decode.free_request(again)
+    decode.free_request(other)
+    assert decode.available() == empty
+
+
+def test_layer_progress_reports_each_layer_once_its_bytes_are_final(device):
+    """on_layer(i) comes after layer i's pool bytes are final and before layer i+1's are."""
+    eng = engine("tiny-model-deepseek-v3", device)        # every layer MLA: one part to look at
+    prefill, _ = pools(eng, device, 4)
+    tokens = prompt(12, eng.vocab_size)
+    req = prefill.alloc_request(len(tokens))
+    item, last = int(req.full_pages[0]), eng.spec.num_layers - 1
+    seen = []
+    latent = lambda i: prefill.layer_view(min(i, last), "latent")[item].clone()  # noqa: E731 (first page)
+    eng.prefill(prefill, req, tokens, 3, on_layer=lambda i: seen.append((i, latent(i), latent(i + 1))))
+    assert [i for i, *_ in seen] == list(range(last + 1))
+    for i, at_report, next_at_report in seen:
+        assert torch.equal(at_report, latent(i))
+        if i < last:
+            assert not torch.equal(next_at_report, latent(i + 1))
+
+
+def test_geometry_is_the_models_and_mismatches_are_refused(device, monkeypatch):
+    eng = engine("tiny-model-mimo", device)
+    spec = eng.spec
+    assert spec.full.k_dim != spec.full.v_dim and spec.swa.kv_heads == 2 * spec.full.kv_heads
+    assert spec.swa.window == eng.config.sliding_window
+    other = engine("tiny-model-gpt-oss", device)
+    with pytest.raises(ConfigError, match="tiny-model-gpt-oss"):
+        eng.check_pool(pools(other, device, 4)[0])
+    with pytest.raises(ConfigError, match="geometry only"):
+        registry.create("model", "tiny-hybrid", device)
+    monkeypatch.setitem(FAMILIES, "tiny-model-falcon-h1", Family("tiny-model-falcon-h1", "falcon_h1", dict(
+        **_ATTN, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8)))
+    with pytest.raises(ConfigError, match="layer 0 .* side by side"):
+        registry.create("model", "tiny-model-falcon-h1", device)
