@@ -15,6 +15,7 @@ must not import disagg); the control plane's branch lives here.
      +-- ProtocolError                       a control-plane message refused, or a peer silent
      +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
      +-- BadRequest                          invalid API input (HTTP 400)
+     +-- RequestFailed                       a worker failed the request (HTTP 502, OpenAI API)
      +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
      +-- VerifyError                         decode found bytes that are not the prompt's KV
      +-- ConfigError                         a flag or file the process cannot start with
@@ -23,7 +24,7 @@ must not import disagg); the control plane's branch lives here.
 from transfer.errors import Cancelled, DisaggError, TransferError
 
 __all__ = ["BadRequest", "Cancelled", "ConfigError", "DisaggError", "Overloaded", "ProtocolError",
-           "TooLarge", "TransferError", "VerifyError"]
+           "RequestFailed", "TooLarge", "TransferError", "VerifyError"]
 
 
 class ProtocolError(DisaggError):
@@ -36,6 +37,11 @@ class Overloaded(DisaggError):
 
 class BadRequest(DisaggError):
     pass
+
+
+class RequestFailed(DisaggError):
+    """The router's pair failed a request the caller could not have fixed (prefill, transfer
+    or decode): HTTP 502, where the answer has no room for an `ok: false`."""
 
 
 class TooLarge(DisaggError, ValueError):

@@ -3,12 +3,22 @@ naming the field and what would be accepted)."""
 
 import argparse
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
 from disagg.errors import BadRequest
 
-Route = Callable[[dict], dict]
+
+@dataclass(frozen=True)
+class EventStream:
+    """What a route returns to answer with server-sent events instead of one JSON body:
+    `produce(send)` runs on the request's thread and calls send(event) per event. The status
+    line goes out with the first event, so an error raised before it still gets its 4xx/5xx."""
+    produce: Callable[[Callable[[dict], None]], None]
+
+
+Route = Callable[[dict], "dict | EventStream"]
 
 
 def require(body: dict, key: str, kind: type):

@@ -3,9 +3,13 @@ and the process's own POST routes. Bad requests get a 4xx with a reason; a faili
 gets a 500 with its message; the server keeps serving either way.
 
     400 bad input    404 no route    408 body not sent in time    409 refused by the protocol
-    499 cancelled (client went away)
+    499 cancelled (client went away)    502 a worker failed the request (RequestFailed)
     503 overloaded: more than `max_inflight` POSTs at once, more than `max_connections` open
         connections, or the pool stayed full (Retry-After: 1); refused at once, never queued
+
+A route may answer with server-sent events (an EventStream: `data: {json}` per event, then
+`data: [DONE]`, connection closed at the end); an error after the first event becomes an
+`{"error": ...}` event, since the status line is gone by then.
 
 Nobody can hold the server with connections that send slowly or not at all: a POST's body is
 read whole (within READ_TIMEOUT_S) before it takes an in-flight slot, every read of headers
@@ -27,8 +31,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from disagg.api.fields import Route
-from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded
+from disagg.api.fields import EventStream, Route
+from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +152,42 @@ class ApiServer:
             def _json(self, code: int, obj: dict) -> None:
                 self._send(code, json.dumps(obj).encode())
 
+            def _events(self, stream: EventStream) -> None:
+                """Server-sent events; headers with the first one. Raises what produce raises
+                before it (the caller answers with a status); after it, an error event."""
+                started = False
+
+                def send(event: dict | None) -> None:
+                    nonlocal started
+                    if not started:
+                        self.send_response(200)
+                        self.send_header("Content-Type", "text/event-stream")
+                        self.send_header("Cache-Control", "no-cache")
+                        self.send_header("Connection", "close")
+                        self.end_headers()
+                        started = True
+                    if event is not None:
+                        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    self.wfile.flush()
+
+                self.close_connection = True   # no length: the end of the stream is the end of the body
+                try:
+                    stream.produce(send)
+                    send(None)
+                except Exception as exc:
+                    if not started:
+                        raise
+                    if not isinstance(exc, (DisaggError, OSError)):
+                        log.exception("event stream for %s failed", self.path)
+                    try:
+                        send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}})
+                    except OSError:
+                        return
+                try:
+                    self.wfile.write(b"data: [DONE]\n\n")
+                except OSError:   # the client went away
+                    pass
+
             def do_GET(self):
                 if self.path == "/health":
                     health = api.health()
@@ -211,13 +251,19 @@ class ApiServer:
                     return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
                 _call.state = (self.connection, self.request_version == "HTTP/1.1", float("-inf"))
                 try:
-                    self._json(200, route(body))
+                    out = route(body)
+                    if isinstance(out, EventStream):
+                        self._events(out)
+                    else:
+                        self._json(200, out)
                 except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
                     self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
                 except Overloaded as exc:
                     self._json(503, {"error": f"Overloaded: {exc}"})
                 except Cancelled as exc:
                     self._json(499, {"error": f"Cancelled: {exc}"})
+                except RequestFailed as exc:
+                    self._json(502, {"error": f"RequestFailed: {exc}"})
                 except DisaggError as exc:
                     self._json(409, {"error": f"{type(exc).__name__}: {exc}"})
                 except Exception as exc:  # a handler bug must not take the server down

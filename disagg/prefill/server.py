@@ -81,13 +81,13 @@ class PrefillServer(Worker):
         t0 = time.perf_counter()
         tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
         r = self.requests.prompt(room, tokens)
-        refused, kv = None, None
+        refused, kv, first_token = None, None, None
         try:
             if not r.phase.ended:
                 deadline = time.monotonic() + self.config.deadlines.waiting_s
                 kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
                 self.faults.check("prefill.compute")
-                self.model.prefill(self.pool, kv, tokens, room)
+                first_token = self.model.prefill(self.pool, kv, tokens, room).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
                 kv, held = None, kv
@@ -102,8 +102,9 @@ class PrefillServer(Worker):
         phase = self.requests.wait(r)
         if refused is not None:
             raise refused
-        return {"room": room, "state": "SUCCESS" if phase is Phase.DONE else "FAILED", "reason": r.reason,
-                **r.timings, **r.report}
+        done = phase is Phase.DONE
+        return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
+                **({"first_token": first_token} if done else {}), **r.timings, **r.report}
 
     # ---- effects the table asks for (under its lock) -----------------------------------------
     def _free(self, kv: RequestKV) -> None:

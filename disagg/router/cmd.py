@@ -7,6 +7,7 @@ from disagg import __version__
 from disagg.process import setup_logging, wait_for_signal
 from disagg.api.server import ApiServer, client_gone
 from disagg.api.metrics import WorkerMetrics
+from disagg.router.openai import Completions
 from disagg.router.router import Pair, Router, RouterConfig
 from disagg.worker.checks import positive_int
 from disagg.worker.flags import announce
@@ -39,10 +40,11 @@ def run(args: argparse.Namespace) -> int:
         if ok:
             metrics.seconds("total", out["timings_ms"], "total")
 
-    def generate(body: dict) -> dict:
-        return metrics.count(lambda: router.generate(body, client_gone), lambda out: out["ok"], observe)
+    def generate(body: dict, on_prefill=None) -> dict:
+        return metrics.count(lambda: router.generate(body, client_gone, on_prefill), lambda out: out["ok"], observe)
 
-    api = ApiServer(args.host, args.port, {"/generate": generate, "/abort": router.abort}, lambda: True,
+    routes = {"/generate": generate, "/v1/completions": Completions(generate), "/abort": router.abort}
+    api = ApiServer(args.host, args.port, routes, lambda: True,
                     metrics.registry, health=lambda: {"status": "ok", "role": "router", "version": __version__,
                                                       "pairs": len(router.config.pairs)}).start()
     announce(role="router", http=f"http://{args.host}:{api.port}")

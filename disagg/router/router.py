@@ -127,7 +127,10 @@ class Router:
             cancel.set()
         return {"request_id": request_id, "aborted": cancel is not None}
 
-    def generate(self, body: dict, client_gone=lambda: False) -> dict:
+    def generate(self, body: dict, client_gone=lambda: False, on_prefill=None) -> dict:
+        """One request through a pair. `on_prefill(first_token)` (optional) is called on this
+        thread as soon as prefill has finished, KV sent: the first generated token is known
+        then, before decode answers (what a streaming client sees first)."""
         tokens = _prompt(body, self.config.max_prompt_tokens, self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
@@ -142,7 +145,7 @@ class Router:
                     if request_id in self._live:
                         raise BadRequest(f"request_id {request_id!r} is already in flight")
                     self._live[request_id] = cancel
-            return self._run(tokens, max_new, cancel, client_gone)
+            return self._run(tokens, max_new, cancel, client_gone, on_prefill)
         finally:
             if request_id is not None:
                 with self._lock:
@@ -150,7 +153,7 @@ class Router:
                         del self._live[request_id]
             self._slots.release()
 
-    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone) -> dict:
+    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone, on_prefill) -> dict:
         with self._lock:
             pair_index, pair = next(self._next)
         room = secrets.randbits(62)
@@ -172,6 +175,11 @@ class Router:
                 results[name] = f.result()
                 if why is None and results[name].get("state") != "SUCCESS":
                     why = f"{name} failed: {results[name].get('reason', '')[:200]}"
+                elif name == "prefill" and on_prefill is not None and isinstance(results[name].get("first_token"), int):
+                    try:
+                        on_prefill(results[name]["first_token"])
+                    except OSError:   # the streaming client went away: decode is aborted below
+                        why = "cancelled by the client"
             if why is None and (cancel.is_set() or client_gone()):
                 why = "cancelled by the client"
             if why is not None and pending:   # the other side stops now instead of at its deadline
@@ -192,6 +200,9 @@ class Router:
         pre, dec = results["prefill"], results["decode"]
         if 503 in (pre.get("status"), dec.get("status")):
             raise Overloaded(dec.get("reason") if dec.get("status") == 503 else pre.get("reason"))
+        refused = [side["reason"] for side in (dec, pre) if side.get("status") == 400]
+        if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
+            raise BadRequest(refused[0])
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
         control = None  # prefill done -> KV ready on decode, minus the transfer itself
         if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
