@@ -113,6 +113,7 @@ class DecodeServer(Worker):
             t3 = time.perf_counter()
             output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens)
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
+            timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
             check = {}
             if self.config.check_rate and random.random() < self.config.check_rate:
                 t4 = time.perf_counter()

@@ -32,6 +32,7 @@ class PrefillResult:
 class DecodeOutput:
     tokens: list[int]                                            # the first token (from prefill) and the rest
     logits: list[torch.Tensor] = field(default_factory=list)    # [vocab] float32 per generated step after the first
+    timings_ms: dict[str, float] = field(default_factory=dict)  # the engine's own split, e.g. rebuild / steps
 
 
 def prompt_digest(token_ids: np.ndarray) -> bytes:

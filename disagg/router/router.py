@@ -215,7 +215,8 @@ class Router:
             "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
                            "transfer": pre.get("transfer_ms"), "wait": dec.get("wait_ms"),
-                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"), "control": control,
+                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"),
+                           "rebuild": dec.get("rebuild_ms"), "check": dec.get("check_ms"), "control": control,
                            "total": (time.perf_counter() - t0) * 1e3},
         }
 

@@ -14,7 +14,7 @@ from disagg.router.router import post_json
 from disagg.worker.checks import positive_int
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
-PHASES = ("total", "bootstrap", "prefill", "transfer", "control", "wait", "verify", "decode")
+PHASES = ("total", "bootstrap", "prefill", "transfer", "control", "wait", "verify", "decode", "rebuild", "check")
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:

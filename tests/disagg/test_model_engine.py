@@ -15,6 +15,8 @@ from kvpool.positions import token_items
 from tests.kvpool.helpers import copy_request
 
 ENGINES: dict = {}
+TINY = [f for f in FAMILIES if f.startswith("tiny-")]
+REAL_SIZE = [f for f in FAMILIES if not f.startswith("tiny-")]   # bf16, GB of weights: GPU suite
 LENGTHS = (1, 5, 7, 8, 9, 23, 40)        # window 8: shorter, equal, one past, several windows
 
 
@@ -51,7 +53,7 @@ def transfer(eng, prefill, decode, tokens, room=7):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-@pytest.mark.parametrize("preset", list(FAMILIES))
+@pytest.mark.parametrize("preset", TINY + [pytest.param(f, marks=pytest.mark.gpu) for f in REAL_SIZE])
 def test_disaggregated_equals_colocated(preset, page_size, device):
     eng = engine(preset, device)
     prefill, decode = pools(eng, device, page_size)

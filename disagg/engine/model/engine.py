@@ -17,6 +17,7 @@ forward hooks read the prefill that holds it.
 
 import hashlib
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -43,7 +44,8 @@ class TransformersEngine:
         self.config = hf_config(f)
         with torch.random.fork_rng(devices=[]):   # built on CPU from the seed: the same weights anywhere
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager", dtype=torch.float32)
+            model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager",
+                                                     dtype=getattr(torch, f.dtype))
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.preset = preset
@@ -79,6 +81,7 @@ class TransformersEngine:
     # ---- ModelEngine ---------------------------------------------------------------------
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
                 on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+        self.check_pool(pool)
         io, n, cache = CacheIO(pool, self._states), len(token_ids), self._cache()
 
         def layer_done(i: int) -> None:
@@ -118,9 +121,13 @@ class TransformersEngine:
     def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int) -> DecodeOutput:
         """Continue a request whose first n tokens' KV is in the pool and whose next input is
         `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first."""
+        self.check_pool(pool)
         io = CacheIO(pool, self._states)
+        t0 = time.perf_counter()
         with torch.no_grad():
             cache = io.read_cache(req, n, self.config)
+        self._sync()
+        t1 = time.perf_counter()
         tokens, logits = [next_token], []
         for _ in range(max_new_tokens - 1):
             step, cache = self._forward([tokens[-1]], cache)
@@ -130,7 +137,11 @@ class TransformersEngine:
             n += 1
             logits.append(step)
             tokens.append(int(step.argmax()))
-        return DecodeOutput(tokens, logits)
+        return DecodeOutput(tokens, logits, {"rebuild": (t1 - t0) * 1e3, "steps": (time.perf_counter() - t1) * 1e3})
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def reference(self, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         """The colocated run: the whole model in this process, no pool."""

@@ -12,8 +12,12 @@ family. Weights are random from a seed, so both sides build the same model with 
     tiny-model-deepseek-v3    deepseek_v3     MLA: latent (32) + rope key (8)
     tiny-model-deepseek-v32   deepseek_v32    MLA + NSA indexer keys (16)
 
-The init range is 0.5, not the usual 0.02: at 0.02 a corrupted Mamba state moves the logits
-by ~1e-6 and the token-match check could not see it (../shared/model-notes.md).
+    model-gpt-oss-120b        gpt_oss         gpt-oss-120b's KV geometry, 4 layers, bf16 (GPU)
+    model-qwen3-next-80b      qwen3_next      Qwen3-Next-80B's GDN + full geometry, 4 layers, bf16 (GPU)
+    model-deepseek-v32        deepseek_v32    DeepSeek-V3.2's MLA + NSA geometry, 3 layers, bf16 (GPU)
+
+The tiny models' init range is 0.5, not the usual 0.02: at 0.02 a corrupted Mamba state moves
+the logits by ~1e-6 and the token-match check could not see it (../shared/model-notes.md).
 """
 
 import os
@@ -27,6 +31,7 @@ OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISAB
 
 _BASE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, initializer_range=0.5, eos_token_id=None,
              bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+_REAL = dict(vocab_size=32000, initializer_range=0.02)   # real-size: the usual init (0.5 would overflow)
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
 _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
             v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
@@ -39,6 +44,7 @@ class Family:
     model_type: str                   # transformers' name for the architecture
     config: dict = field(compare=False)
     page_size: int = 4
+    dtype: str = "float32"            # weights, activations and so the KV the pools hold
 
     @property
     def vocab_size(self) -> int:
@@ -72,6 +78,23 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
     Family("tiny-model-deepseek-v32", "deepseek_v32", dict(
         **_MLA, num_hidden_layers=3, index_head_dim=16, index_n_heads=8, index_topk=8,
         mlp_layer_types=["dense", "sparse", "sparse"])),
+    # Real KV geometry (heads, head dims, window, state shapes, MLA/NSA dims) for GPU compute
+    # times, bf16; fewer layers, 8 experts and a 32k vocabulary keep the weights a few GB.
+    Family("model-gpt-oss-120b", "gpt_oss", dict(
+        **_REAL, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
+        head_dim=64, sliding_window=128, num_local_experts=8, num_experts_per_tok=4, num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2), page_size=16, dtype="bfloat16"),
+    Family("model-qwen3-next-80b", "qwen3_next", dict(
+        **_REAL, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+        linear_conv_kernel_dim=4, num_hidden_layers=4, num_experts=8, num_experts_per_tok=4,
+        moe_intermediate_size=512, shared_expert_intermediate_size=512), page_size=16, dtype="bfloat16"),
+    Family("model-deepseek-v32", "deepseek_v32", dict(
+        **_REAL, hidden_size=7168, intermediate_size=18432, num_attention_heads=128, num_key_value_heads=128,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+        index_head_dim=128, index_n_heads=64, index_topk=2048, n_routed_experts=8, num_experts_per_tok=4,
+        moe_intermediate_size=2048, n_group=1, topk_group=1, first_k_dense_replace=1, num_hidden_layers=3,
+        mlp_layer_types=["dense", "sparse", "sparse"]), page_size=64, dtype="bfloat16"),
 )}
 
 
