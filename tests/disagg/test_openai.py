@@ -63,3 +63,4 @@ def test_a_failure_before_the_first_event_is_a_status_and_after_it_an_error_even
             assert "transfer timed out" in json.loads(events[1])["error"]["message"] and events[2:] == ["[DONE]"]
         else:
             assert "pool gone" in json.loads(text)["error"]
+
