@@ -15,7 +15,6 @@ One lock serialises forward passes (one model, like a scheduler's single batch l
 forward hooks read the prefill that holds it.
 """
 
-import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +30,20 @@ from disagg.errors import ConfigError, VerifyError
 from kvpool import HybridPool, RequestKV
 
 PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
+
+
+def _fingerprint(buffers, items: np.ndarray) -> str:
+    """A position-weighted sum of the bytes of `items` in every buffer, on the buffers' device
+    (no copy to the host; informational, not a cryptographic digest)."""
+    if len(items) == 0:
+        return "0"
+    idx = torch.from_numpy(items.astype(np.int64)).to(buffers[0].device)
+    sums = []
+    for buf in buffers:
+        raw = buf.index_select(0, idx).reshape(-1)
+        weights = torch.arange(raw.numel(), device=raw.device) % 65521 + 1
+        sums.append((raw.to(torch.int64) * weights).sum())
+    return "".join(f"{int(v) & (1 << 64) - 1:016x}" for v in torch.stack(sums).tolist())
 
 
 class TransformersEngine:
@@ -101,8 +114,8 @@ class TransformersEngine:
         return result
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
-        """The AUX row names this room and prompt; a digest of each component's bytes (what
-        they mean is for decode and check to show)."""
+        """The AUX row names this room and prompt; a fingerprint of each component's bytes,
+        computed where the pool lives (what the bytes mean is for decode and check to show)."""
         aux = pool.aux.read(req.aux_row)
         if int(aux["room"]) != room:
             raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
@@ -110,9 +123,8 @@ class TransformersEngine:
             raise VerifyError("aux row describes another prompt")
         if not 0 <= int(aux["first_token"]) < self.config.vocab_size:
             raise VerifyError(f"aux row first token {int(aux['first_token'])} is outside the vocabulary")
-        copy = pool.get_cpu_copy(req)
-        return {c.value: hashlib.sha256(b"".join(t.numpy().tobytes() for t in part.buffers)).hexdigest()
-                for c, part in copy.components.items() if not c.metadata}
+        return {c.value: _fingerprint(part.storage.buffers, part.held(req)[1])
+                for c, part in pool.pools.items() if not c.metadata}
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         first = int(pool.aux.read(req.aux_row)["first_token"])
