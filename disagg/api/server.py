@@ -2,7 +2,8 @@
 and the process's own POST routes. Bad requests get a 4xx with a reason; a failing handler
 gets a 500 with its message; the server keeps serving either way.
 
-    400 bad input    404 no route    408 body not sent in time    409 refused by the protocol
+    400 bad input    404 no route    405 GET of a POST route    408 body not sent in time
+    409 refused by the protocol
     499 cancelled (client went away)    502 a worker failed the request (RequestFailed)
     503 overloaded: more than `max_inflight` POSTs at once, more than `max_connections` open
         connections, or the pool stayed full (Retry-After: 1); refused at once, never queued
@@ -135,10 +136,12 @@ class ApiServer:
             def log_message(self, fmt, *args):  # route through logging, not stderr
                 log.debug("%s " + fmt, self.address_string(), *args)
 
-            def _send(self, code: int, body: bytes, ctype: str = "application/json") -> None:
+            def _send(self, code: int, body: bytes, ctype: str = "application/json", extra: dict | None = None) -> None:
                 try:
                     self.send_response(code)
                     self.send_header("Content-Type", ctype)
+                    for name, value in (extra or {}).items():
+                        self.send_header(name, value)
                     self.send_header("Content-Length", str(len(body)))
                     if code == 503:
                         self.send_header("Retry-After", "1")
@@ -192,13 +195,17 @@ class ApiServer:
                 if self.path == "/health":
                     health = api.health()
                     self._json(200 if health.get("status") == "ok" else 503, health)
-                elif self.path == "/ready":
-                    ok = api.ready()
-                    self._json(200 if ok else 503, {"ready": ok})
+                elif self.path == "/ready":   # ready() -> bool, or a dict with "ready" and why
+                    state = api.ready()
+                    body = state if isinstance(state, dict) else {"ready": bool(state)}
+                    self._json(200 if body["ready"] else 503, body)
                 elif self.path == "/metrics":
                     if api.before_scrape is not None:
                         api.before_scrape()  # gauges read at scrape time, never stale
                     self._send(200, generate_latest(api.registry), CONTENT_TYPE_LATEST)
+                elif self.path in api.routes:
+                    self._send(405, json.dumps({"error": f"{self.path} takes POST with a JSON body"}).encode(),
+                               extra={"Allow": "POST"})
                 else:
                     self._json(404, {"error": f"no route {self.path}"})
 

@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         return metrics.count(lambda: router.generate(body, client_gone, on_prefill), lambda out: out["ok"], observe)
 
     routes = {"/generate": generate, "/v1/completions": Completions(generate), "/abort": router.abort}
-    api = ApiServer(args.host, args.port, routes, lambda: True,
+    api = ApiServer(args.host, args.port, routes, router.ready,
                     metrics.registry, health=lambda: {"status": "ok", "role": "router", "version": __version__,
                                                       "pairs": len(router.config.pairs)}).start()
     announce(role="router", http=f"http://{args.host}:{api.port}")

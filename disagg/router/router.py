@@ -14,6 +14,7 @@ import argparse
 import http.client
 import itertools
 import json
+import logging
 import secrets
 import threading
 import time
@@ -28,8 +29,11 @@ import numpy as np
 from disagg.api.fields import optional_int
 from disagg.errors import BadRequest, Cancelled, Overloaded
 
+log = logging.getLogger(__name__)
+
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
 ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
+READY_PROBE_S = 1.0   # how long /ready waits for each side's own /ready
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,22 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         return {"state": "FAILED", "reason": f"{url}: {exc}"}
 
 
+def _side_ready(url: str) -> str | None:
+    """None when the worker at `url` answers /ready true, else why not."""
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=READY_PROBE_S) as resp:
+            ready = json.loads(resp.read()).get("ready") is True
+            return None if ready else "answers /ready false"
+    except urllib.error.HTTPError as exc:
+        try:
+            detail = json.loads(exc.read()).get("why", "")
+        except (ValueError, OSError, http.client.HTTPException, AttributeError):
+            detail = ""
+        return f"not ready (HTTP {exc.code}{': ' + detail if detail else ''})"
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        return f"unreachable at {url} ({getattr(exc, 'reason', exc)})"
+
+
 def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
     if "token_ids" in body:
         tokens = body["token_ids"]
@@ -115,7 +135,24 @@ class Router:
         self._slots = threading.BoundedSemaphore(config.max_inflight)
         self._calls = ThreadPoolExecutor(2 * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
+        self._probes = ThreadPoolExecutor(8, thread_name_prefix="router-ready")
         self._live: dict[str, threading.Event] = {}   # request_id -> cancel
+
+    def ready(self) -> dict:
+        """/ready: ready while at least one pair has both sides ready; each pair says why not.
+        Asks every side's own /ready at once (at most READY_PROBE_S)."""
+        sides = [(i, role, url) for i, p in enumerate(self.config.pairs)
+                 for role, url in (("prefill", p.prefill_url), ("decode", p.decode_url))]
+        answers = list(self._probes.map(lambda side: _side_ready(side[2]), sides))
+        pairs = [{"pair": i, "prefill": p.prefill_url, "decode": p.decode_url, "bootstrap": p.bootstrap, "up": True}
+                 for i, p in enumerate(self.config.pairs)]
+        for (i, role, _), why in zip(sides, answers):
+            if why is not None:
+                pairs[i]["up"] = False
+                pairs[i].setdefault("why", []).append(f"{role}: {why}")
+        up = sum(p["up"] for p in pairs)
+        return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
+                **({} if up else {"why": "no prefill/decode pair has both sides ready"})}
 
     def abort(self, body: dict) -> dict:
         request_id = body.get("request_id")
@@ -131,6 +168,16 @@ class Router:
         """One request through a pair. `on_prefill(first_token)` (optional) is called on this
         thread as soon as prefill has finished, KV sent: the first generated token is known
         then, before decode answers (what a streaming client sees first)."""
+        try:
+            out = self._generate(body, client_gone, on_prefill)
+        except (BadRequest, Overloaded) as exc:
+            log.warning("request refused (%s): %s", type(exc).__name__, exc)
+            raise
+        if not out["ok"]:
+            log.warning("request failed: room %d, pair %d, %s", out["room"], out["pair"], out["reason"])
+        return out
+
+    def _generate(self, body: dict, client_gone, on_prefill) -> dict:
         tokens = _prompt(body, self.config.max_prompt_tokens, self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
@@ -199,10 +246,11 @@ class Router:
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
         pre, dec = results["prefill"], results["decode"]
         if 503 in (pre.get("status"), dec.get("status")):
-            raise Overloaded(dec.get("reason") if dec.get("status") == 503 else pre.get("reason"))
+            raise Overloaded(f"{dec.get('reason') if dec.get('status') == 503 else pre.get('reason')} "
+                             f"(room {room}, pair {pair_index})")
         refused = [side["reason"] for side in (dec, pre) if side.get("status") == 400]
         if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
-            raise BadRequest(refused[0])
+            raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
         control = None  # prefill done -> KV ready on decode, minus the transfer itself
         if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
@@ -223,3 +271,4 @@ class Router:
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._aborts.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)

@@ -112,7 +112,7 @@ def summarize(results: list[dict], wall: float) -> dict:
     failures: dict[str, int] = {}
     for r in results:
         if not r.get("ok"):
-            key = str(r.get("reason", "unknown"))[:120]
+            key = str(r.get("reason") or r.get("error") or "unknown")   # whole: the end often says why
             failures[key] = failures.get(key, 0) + 1
     return {
         "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),

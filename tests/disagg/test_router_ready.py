@@ -1,0 +1,72 @@
+"""The router's /ready tells the truth: ready while one pair has both sides ready, and each
+pair says why it is not; GET of a POST route is a 405; a refused or failed request is
+logged at WARNING with its reason (real HTTP servers stand in for the workers)."""
+
+import json
+import logging
+import socket
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from disagg.api.server import ApiServer
+from disagg.errors import BadRequest
+from disagg.router.router import Pair, Router, RouterConfig
+
+
+def _get(url: str) -> tuple[int, dict, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return resp.status, json.loads(resp.read()), dict(resp.headers)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read()), dict(exc.headers)
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_ready_names_the_pairs_that_are_down_and_why():
+    workers = {flag: ApiServer("127.0.0.1", 0, {}, lambda flag=flag: flag, CollectorRegistry()).start()
+               for flag in (True, False)}
+    up, not_ready = (f"http://127.0.0.1:{workers[f].port}" for f in (True, False))
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    try:
+        router = Router(RouterConfig((Pair(up, dead, "main"), Pair(up, not_ready, "main"))))
+        api = ApiServer("127.0.0.1", 0, {"/generate": router.generate}, router.ready, CollectorRegistry()).start()
+        try:
+            status, body, _ = _get(f"http://127.0.0.1:{api.port}/ready")
+            assert status == 503 and body["ready"] is False and body["pairs_up"] == 0 and "no prefill/decode" in body["why"]
+            assert "decode: unreachable at " + dead in body["pairs"][0]["why"][0]
+            assert body["pairs"][1]["why"] == ["decode: not ready (HTTP 503)"]
+            router.config = RouterConfig((Pair(up, up, "main"), Pair(up, dead, "main")))
+            status, body, _ = _get(f"http://127.0.0.1:{api.port}/ready")
+            assert status == 200 and body["pairs_up"] == 1 and [p["up"] for p in body["pairs"]] == [True, False]
+            status, body, headers = _get(f"http://127.0.0.1:{api.port}/generate")
+            assert status == 405 and headers["Allow"] == "POST" and "takes POST" in body["error"]
+        finally:
+            api.stop()
+            router.close()
+    finally:
+        for w in workers.values():
+            w.stop()
+
+
+def test_refused_and_failed_requests_are_logged_at_warning(caplog):
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    router = Router(RouterConfig((Pair(dead, dead, "main"),)))
+    try:
+        with caplog.at_level(logging.WARNING, logger="disagg.router.router"):
+            out = router.generate({"prompt_len": 4, "max_new_tokens": 1})
+            with pytest.raises(BadRequest, match="prompt_len"):
+                router.generate({"prompt_len": 0})
+    finally:
+        router.close()
+    assert not out["ok"]
+    failed, refused = caplog.records[-2:]
+    assert f"room {out['room']}, pair 0" in failed.getMessage()
+    assert dead in failed.getMessage() and refused.getMessage().startswith("request refused (BadRequest)")
