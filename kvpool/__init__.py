@@ -1,6 +1,6 @@
 """Hybrid KV pools (full, SWA, NSA indexer, Mamba state, AUX) and their allocators."""
 
-from kvpool.config import PoolConfig, PoolSizes
+from kvpool.config import PoolConfig, PoolSizes, resolve_device
 from kvpool.cpu_copy import ComponentCopy, KVCopy
 from kvpool.errors import AllocatorError, KVPoolError, LayoutMismatch, OutOfSpace, SpecError
 from kvpool.geometry import Component, Segment, bytes_per_request, bytes_per_token
@@ -13,7 +13,7 @@ from kvpool.spec import AttentionSpec, LinearStateSpec, MLASpec, ModelSpec, NSAI
 from kvpool.storage import BufferDescriptor
 
 __all__ = [
-    "PoolConfig", "PoolSizes", "ComponentCopy", "KVCopy", "AllocatorError", "KVPoolError",
+    "PoolConfig", "resolve_device", "PoolSizes", "ComponentCopy", "KVCopy", "AllocatorError", "KVPoolError",
     "LayoutMismatch", "OutOfSpace", "SpecError", "Component", "Segment", "bytes_per_request",
     "bytes_per_token", "INDEX_DTYPE", "SENTINEL", "IndexSet", "padded", "Layout", "HybridPool",
     "KVPool", "PRESETS", "get_preset", "RequestKV", "AttentionSpec", "LinearStateSpec", "MLASpec",

@@ -22,6 +22,11 @@ from kvpool.errors import SpecError
 from kvpool.spec import ModelSpec, check_page_size
 
 
+def resolve_device(device: str) -> str:
+    """"auto" -> cuda where torch sees a GPU, else cpu; any other name as it is."""
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+
+
 @dataclass(frozen=True)
 class PoolSizes:
     full_pages: int
@@ -67,8 +72,7 @@ class PoolConfig:
         if not 0 < self.swa_ratio <= 1:
             raise SpecError(f"swa_ratio must lie in (0, 1], got {self.swa_ratio!r}")
         object.__setattr__(self, "layout", Layout(self.layout))  # accept "page_major" too
-        if self.device == "auto":
-            object.__setattr__(self, "device", "cuda" if torch.cuda.is_available() else "cpu")
+        object.__setattr__(self, "device", resolve_device(self.device))
         for c in self.components:  # TP divisibility, dtypes
             segments(self.model, c, self.page_size, self.tp_size)
         self.sizes()  # capacity fits

@@ -1,6 +1,6 @@
 """Model engines by name: `--engine` takes one of these (checked when flags are parsed).
 
-    auto      model where the preset is a model family (tiny-model-*), else standin
+    auto      model where the preset is a model family (tiny-model-*, model-*), else standin
     standin   deterministic bytes for any preset (fast; the default for geometry presets)
     model     transformers model code with seeded random weights (disagg.engine.model)
 

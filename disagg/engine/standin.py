@@ -70,6 +70,11 @@ def first_token(token_ids: np.ndarray) -> int:
     return int(_mix(int(prompt_digest(token_ids)[0]), len(token_ids))[()] % 50000)
 
 
+def next_token(previous: int, num_tokens: int) -> int:
+    """The stand-in's token rule: the token after `previous`, once the request holds num_tokens."""
+    return int(_mix(previous, num_tokens)[()] % 50000)
+
+
 def _checksum(rows: torch.Tensor, positions: torch.Tensor) -> bytes:
     """Two int64 sums of uint8 rows computed where they live (position-weighted, so swapped
     rows change it): what the per-component digest hashes instead of every byte."""
@@ -193,7 +198,7 @@ class StandInEngine:
             pool.extend(req, len(tokens))  # allocates pages, evicts out-of-window SWA pages
             arr = np.asarray(tokens, dtype=np.int64)
             self._write_tokens(pool, req, arr, np.array([len(arr) - 1]))
-            out.append(int(_mix(out[-1], len(arr))[()] % 50000))
+            out.append(next_token(out[-1], len(arr)))
         return DecodeOutput(out)
 
     def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
@@ -201,5 +206,5 @@ class StandInEngine:
         n = len(token_ids)
         want = [first_token(np.asarray(token_ids))]
         for i in range(len(output.tokens) - 1):
-            want.append(int(_mix(want[-1], n + i + 1)[()] % 50000))
+            want.append(next_token(want[-1], n + i + 1))
         return compare_tokens(want, output.tokens)

@@ -15,7 +15,7 @@ HELP = "start a local prefill/decode pair and router, run a workload, verify eve
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default=None, help="default: tiny-hybrid, or tiny-model-gpt-oss with --engine model")
     p.add_argument("--engine", default="auto", choices=registry.CHOICES,
-                   help="what computes KV: model code (tiny-model-* presets) or the stand-in (see disagg prefill "
+                   help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg prefill "
                         "--help); every generation is checked against a colocated run")
     p.add_argument("--page-size", type=int, default=None)
     p.add_argument("--max-tokens", type=int, default=65536, help="pool capacity per side")

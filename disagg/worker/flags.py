@@ -24,12 +24,12 @@ def _env(name: str, default):
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("pool")
     g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=[*PRESETS, *FAMILIES],
-                   help="model geometry (env DISAGG_PRESET); tiny-model-* are model families whose geometry "
-                        "comes from the model itself")
+                   help="model geometry (env DISAGG_PRESET); tiny-model-* and model-* are model families whose "
+                        "geometry comes from the model itself")
     g.add_argument("--engine", default=_env("DISAGG_ENGINE", "auto"), choices=registry.CHOICES,
                    help="what computes KV (env DISAGG_ENGINE): model = transformers model code with seeded "
-                        "random weights (tiny-model-* presets), standin = deterministic bytes (any preset, "
-                        "fast); auto: model for tiny-model-* presets, else standin")
+                        "random weights (tiny-model-*, model-* presets), standin = deterministic bytes (any preset, "
+                        "fast); auto: model for those presets, else standin")
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page, a power of two "
                    "(default: the preset's)")
     cap = g.add_mutually_exclusive_group()

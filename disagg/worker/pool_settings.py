@@ -2,9 +2,7 @@
 
 from dataclasses import dataclass
 
-import torch
-
-from kvpool import Layout, ModelSpec, PoolConfig, get_preset
+from kvpool import Layout, ModelSpec, PoolConfig, get_preset, resolve_device
 
 
 @dataclass(frozen=True)
@@ -18,8 +16,8 @@ class PoolSettings:
     device: str = "auto"
 
     def resolved_device(self) -> str:
-        """--device auto -> cuda where torch sees a GPU, else cpu (as the pool resolves it)."""
-        return ("cuda" if torch.cuda.is_available() else "cpu") if self.device == "auto" else self.device
+        """--device auto -> cuda where torch sees a GPU, else cpu (the pool's own rule)."""
+        return resolve_device(self.device)
 
     def pool_config(self, model: ModelSpec | None = None) -> PoolConfig:
         """The pool of this preset, or of `model` (the geometry a model engine read off its
