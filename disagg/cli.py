@@ -1,10 +1,15 @@
-"""`disagg <command>`: one subcommand per role; each module adds its parser and a run()."""
+"""`disagg <command>`: one subcommand per role; each module adds its parser and a run().
+
+Command modules import only what their flags need at the top (no torch, no transformers, no
+Mooncake), so `disagg --help` and every `disagg <command> --help` answer in well under a
+second; run() imports the rest. Flag values come from the command line, DISAGG_<FLAG>, and
+--config FILE (disagg/config.py)."""
 
 import argparse
 import os
 import sys
 
-from disagg import __version__
+from disagg import __version__, config
 from disagg.errors import DisaggError
 from disagg.bootstrap import cmd as bootstrap_cmd
 from disagg.decode import cmd as decode_cmd
@@ -14,24 +19,47 @@ from disagg.tools import bench, demo, keygen, presets
 
 COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
             "bench": bench, "demo": demo, "presets": presets, "keygen": keygen}
+CONFIGURABLE = ("prefill", "decode", "router", "bootstrap", "bench", "demo")   # --config, --print-config
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="disagg", description=__doc__)
+    """The whole CLI; `.commands` maps each command to its own parser."""
+    parser = argparse.ArgumentParser(prog="disagg", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    subs = {}
     for name, module in COMMANDS.items():
-        module.add_parser(sub.add_parser(name, help=module.HELP, description=module.HELP))
+        subs[name] = p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
+        module.add_parser(p)
+        if name in CONFIGURABLE:
+            config.add_config_flags(p)
+            config.document(p)
+    parser.commands = subs
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    subs = parser.commands
+    command = next((t for t in argv if not t.startswith("-")), None)
+    if command in CONFIGURABLE:
+        try:
+            config.apply(subs[command], command, argv[argv.index(command) + 1:])
+        except config.SourceError as exc:
+            subs[command].error(str(exc))   # usage + one line, exit 2
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "print_config", False):
+            config.print_config(subs[command], command, args)
+            return 0
         return COMMANDS[args.command].run(args) or 0
     except DisaggError as exc:   # a setting that cannot work (a forced transport, ...): one line, no traceback
         print(f"disagg {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:    # Ctrl-C, or SIGTERM to a launcher (demo): what it started is stopped
+        print(f"disagg {args.command}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:      # `disagg presets | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 0

@@ -15,7 +15,7 @@ must not import disagg); the control plane's branch lives here.
      +-- ProtocolError                       a control-plane message refused, or a peer silent
      +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
      +-- BadRequest                          invalid API input (HTTP 400)
-     +-- RequestFailed                       a worker failed the request (HTTP 502, OpenAI API)
+     +-- RequestFailed                       a worker failed the request (HTTP 5xx, OpenAI API)
      +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
      +-- VerifyError                         decode found bytes that are not the prompt's KV
      +-- ConfigError                         a flag or file the process cannot start with
@@ -41,7 +41,12 @@ class BadRequest(DisaggError):
 
 class RequestFailed(DisaggError):
     """The router's pair failed a request the caller could not have fixed (prefill, transfer
-    or decode): HTTP 502, where the answer has no room for an `ok: false`."""
+    or decode), where the answer has no room for an `ok: false`: HTTP `status` (502 unless
+    the router said 503 unreachable, 504 deadline, 500 verification, 409 aborted)."""
+
+    def __init__(self, reason: str, status: int = 502):
+        super().__init__(reason)
+        self.status = status
 
 
 class TooLarge(DisaggError, ValueError):

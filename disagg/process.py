@@ -1,17 +1,43 @@
 """What every long-running disagg process does around its main loop."""
 
+import argparse
 import logging
 import signal
 import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger("disagg")
+
+LEVELS = ("debug", "info", "warning", "error")
 
 
-def setup_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+def add_log_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--log-level", default="info", choices=LEVELS,
+                   help="debug also shows Mooncake's start-up lines (RDMA probing, segment set-up), kept out of "
+                        "the log at info")
 
 
-def wait_for_signal() -> None:
-    """Block until SIGTERM or SIGINT (Kubernetes stops pods with SIGTERM)."""
+def setup_logging(level: str = "info") -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+
+def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_every_s: float = 10.0) -> None:
+    """Block until SIGTERM or SIGINT (Kubernetes stops pods with SIGTERM). Once `readiness()`
+    says ready (as /ready does), call `on_ready` (the ready lines) once; until then log why
+    not, at WARNING, every `warn_every_s`."""
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    warned = -warn_every_s
+    while not stop.is_set():
+        state = readiness()
+        if state["ready"]:
+            on_ready()
+            break
+        if time.monotonic() - warned >= warn_every_s:
+            log.warning("not ready: %s", state.get("why", "unknown"))
+            warned = time.monotonic()
+        stop.wait(0.25)
     stop.wait()

@@ -1,21 +1,34 @@
-"""Hybrid KV pools (full, SWA, NSA indexer, Mamba state, AUX) and their allocators."""
+"""Hybrid KV pools (full, SWA, NSA indexer, Mamba state, AUX) and their allocators.
 
-from kvpool.config import PoolConfig, PoolSizes, resolve_device
-from kvpool.cpu_copy import ComponentCopy, KVCopy
-from kvpool.errors import AllocatorError, KVPoolError, LayoutMismatch, OutOfSpace, SpecError
-from kvpool.geometry import Component, Segment, bytes_per_request, bytes_per_token
-from kvpool.indices import INDEX_DTYPE, SENTINEL, IndexSet, padded
-from kvpool.layout import Layout
-from kvpool.pools import HybridPool, KVPool
-from kvpool.presets import PRESETS, get_preset
-from kvpool.request import RequestKV
-from kvpool.spec import AttentionSpec, LinearStateSpec, MLASpec, ModelSpec, NSAIndexerSpec
-from kvpool.storage import BufferDescriptor
+Names load on first use (PEP 562), so `from kvpool.presets import PRESETS` or a CLI's
+`--help` does not import torch; `from kvpool import HybridPool` does."""
 
-__all__ = [
-    "PoolConfig", "resolve_device", "PoolSizes", "ComponentCopy", "KVCopy", "AllocatorError", "KVPoolError",
-    "LayoutMismatch", "OutOfSpace", "SpecError", "Component", "Segment", "bytes_per_request",
-    "bytes_per_token", "INDEX_DTYPE", "SENTINEL", "IndexSet", "padded", "Layout", "HybridPool",
-    "KVPool", "PRESETS", "get_preset", "RequestKV", "AttentionSpec", "LinearStateSpec", "MLASpec",
-    "ModelSpec", "NSAIndexerSpec", "BufferDescriptor",
-]
+import importlib
+
+_WHERE = {
+    **dict.fromkeys(("PoolConfig", "PoolSizes", "resolve_device"), "kvpool.config"),
+    **dict.fromkeys(("ComponentCopy", "KVCopy"), "kvpool.cpu_copy"),
+    **dict.fromkeys(("AllocatorError", "KVPoolError", "LayoutMismatch", "OutOfSpace", "SpecError"), "kvpool.errors"),
+    **dict.fromkeys(("Component", "Segment", "bytes_per_request", "bytes_per_token"), "kvpool.geometry"),
+    **dict.fromkeys(("INDEX_DTYPE", "SENTINEL", "IndexSet", "padded"), "kvpool.indices"),
+    **dict.fromkeys(("Layout",), "kvpool.layout"),
+    **dict.fromkeys(("HybridPool", "KVPool"), "kvpool.pools"),
+    **dict.fromkeys(("PRESETS", "get_preset"), "kvpool.presets"),
+    **dict.fromkeys(("RequestKV",), "kvpool.request"),
+    **dict.fromkeys(("AttentionSpec", "LinearStateSpec", "MLASpec", "ModelSpec", "NSAIndexerSpec"), "kvpool.spec"),
+    **dict.fromkeys(("BufferDescriptor",), "kvpool.storage"),
+}
+
+__all__ = list(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module 'kvpool' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_WHERE[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_WHERE])

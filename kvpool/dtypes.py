@@ -1,26 +1,23 @@
-"""Dtype names as they appear in specs and on the wire, and their torch counterparts."""
-
-import torch
+"""Dtype names as they appear in specs and on the wire, their sizes, and their torch
+counterparts (torch is imported only when a torch dtype is asked for: a spec, a preset or a
+`--help` needs names and sizes only)."""
 
 from kvpool.errors import SpecError
 
-_DTYPES: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float32": torch.float32,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "uint8": torch.uint8,
-    "int32": torch.int32,
-    "int64": torch.int64,
-}
+ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
+                            "int32": 4, "int64": 8}
 
 
-def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise SpecError(f"unknown dtype {name!r}; known: {sorted(_DTYPES)}") from None
+def check(name: str) -> str:
+    if name not in ITEMSIZE:
+        raise SpecError(f"unknown dtype {name!r}; known: {sorted(ITEMSIZE)}")
+    return name
+
+
+def torch_dtype(name: str):
+    import torch
+    return getattr(torch, check(name))
 
 
 def itemsize(name: str) -> int:
-    return torch_dtype(name).itemsize
+    return ITEMSIZE[check(name)]

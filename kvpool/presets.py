@@ -1,4 +1,5 @@
-"""Model presets: the geometries of ../shared/models.md, plus tiny ones for tests."""
+"""Model presets: real model geometries (gpt-oss, Gemma 3, MiMo, Qwen3-Next, Nemotron-H,
+DeepSeek-V3.2, Llama 3.1; `disagg presets` prints their bytes), plus tiny ones for tests."""
 
 from kvpool.errors import SpecError
 from kvpool.spec import AttentionSpec, LinearStateSpec, MLASpec, ModelSpec, NSAIndexerSpec

@@ -13,7 +13,7 @@ linear-attention (Mamba/GDN) layer keeps one constant-size state per request.
 
 from dataclasses import dataclass, field
 
-from kvpool.dtypes import torch_dtype
+from kvpool.dtypes import check as check_dtype
 from kvpool.errors import SpecError
 
 
@@ -50,7 +50,7 @@ class AttentionSpec:
         _check_positive(what, kv_heads=self.kv_heads, k_dim=self.k_dim, v_dim=self.v_dim)
         if self.window is not None and (not isinstance(self.window, int) or self.window <= 0):
             raise SpecError(f"swa: window must be a positive int, got {self.window!r}")
-        torch_dtype(self.dtype)
+        check_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -65,7 +65,7 @@ class MLASpec:
     def __post_init__(self) -> None:
         _check_layers("mla", self.layers)
         _check_positive("mla", latent_dim=self.latent_dim)
-        torch_dtype(self.dtype)
+        check_dtype(self.dtype)
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class NSAIndexerSpec:
         _check_positive("nsa", key_dim=self.key_dim, scale_block=self.scale_block)
         if self.key_dim % self.scale_block:
             raise SpecError(f"nsa: key_dim {self.key_dim} not a multiple of scale_block {self.scale_block}")
-        torch_dtype(self.key_dtype)
-        torch_dtype(self.scale_dtype)
+        check_dtype(self.key_dtype)
+        check_dtype(self.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -109,8 +109,8 @@ class LinearStateSpec:
             temporal_heads=self.temporal_heads, temporal_d1=self.temporal_d1,
             temporal_d2=self.temporal_d2,
         )
-        torch_dtype(self.conv_dtype)
-        torch_dtype(self.temporal_dtype)
+        check_dtype(self.conv_dtype)
+        check_dtype(self.temporal_dtype)
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 
+from disagg.api import metrics
 from disagg.tools.launcher import Launcher
 from disagg.router.router import post_json
 
@@ -33,7 +34,7 @@ COMMON = ["--device", "cpu", "--max-requests", "32", "--bootstrap-timeout", "15"
 def pool_free(http: str) -> dict:
     with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', text)}
+    return metrics.pool_free(text)
 
 
 def wait_for(check, timeout: float) -> bool:

@@ -18,7 +18,15 @@ class EventStream:
     produce: Callable[[Callable[[dict], None]], None]
 
 
-Route = Callable[[dict], "dict | EventStream"]
+@dataclass(frozen=True)
+class Reply:
+    """What a route returns to answer with a status other than 200 and a JSON body (the
+    router's failed /generate: a 5xx that still carries ok, reason, room and timings)."""
+    status: int
+    body: dict
+
+
+Route = Callable[[dict], "dict | Reply | EventStream"]
 
 
 def require(body: dict, key: str, kind: type):

@@ -1,12 +1,25 @@
-"""Prometheus metrics of one worker process (its own registry, so tests can run many)."""
+"""Prometheus metrics of one worker process (its own registry, so tests can run many).
+
+Every name ends in its unit (`_seconds`, `_bytes`, `_tokens`, ...; a counter in `_total`) and
+one metric holds one unit: the pool's free capacity is a gauge per unit (tokens of page pools,
+per-request state slots, aux rows), with the allocator as a label. The `_created` series that
+prometheus_client adds to every counter and histogram are not exported: they double the
+output and nothing here reads them (a Prometheus server tracks resets itself)."""
 
 from collections.abc import Callable
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.errors import Overloaded
 
+disable_created_metrics()   # process-wide; read when a registry is scraped, so it holds for every metric
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+# the unit a pool figure is counted in (the end of its key: "full_tokens", "mamba_slots", "aux_rows")
+POOL_UNITS = {"tokens": "free tokens in page pools, by allocator",
+              "slots": "free per-request state slots, by allocator",
+              "rows": "free aux rows (one per request), by allocator"}
 
 
 class WorkerMetrics:
@@ -23,13 +36,16 @@ class WorkerMetrics:
                                  buckets=LATENCY_BUCKETS, registry=r)
         self.ranges = Histogram("disagg_transfer_ranges", "transport ranges per transfer", ["role"],
                                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
-        self.pool_free = Gauge("disagg_pool_free", "free pool capacity", ["role", "allocator"], registry=r)
-        self.inflight = Gauge("disagg_requests_inflight", "requests being served (queue depth)", ["role"], registry=r)
+        self.pool_free = {unit: Gauge(f"disagg_pool_free_{unit}", text, ["role", "allocator"], registry=r)
+                          for unit, text in POOL_UNITS.items()}
+        self.inflight = Gauge("disagg_inflight_requests", "requests being served (queue depth)", ["role"], registry=r)
         self.role = role
 
     def observe_pool(self, available: dict[str, int]) -> None:
-        for name, value in available.items():
-            self.pool_free.labels(self.role, name).set(value)
+        """Set the free-capacity gauges from a pool's `available()` ({"full_tokens": 4096, ...})."""
+        for key, value in available.items():
+            allocator, unit = pool_key(key)
+            self.pool_free[unit].labels(self.role, allocator).set(value)
 
     def count(self, call: Callable[[], dict], succeeded: Callable[[dict], bool],
               observe: Callable[[dict, bool], None] | None = None) -> dict:
@@ -63,3 +79,25 @@ class WorkerMetrics:
         """Count a failure under a coarse reason (the first word: bounded label cardinality)."""
         self.requests.labels(self.role, "failed").inc()
         self.failures.labels(self.role, reason.split(":")[0].split(" ")[0][:40] or "unknown").inc()
+
+
+def pool_key(key: str) -> tuple[str, str]:
+    """"full_tokens" -> ("full", "tokens"); ValueError for a figure that names no unit."""
+    allocator, _, unit = key.rpartition("_")
+    if not allocator or unit not in POOL_UNITS:
+        raise ValueError(f"pool figure {key!r} must end in its unit, one of {', '.join(POOL_UNITS)}")
+    return allocator, unit
+
+
+# ---- readers of a /metrics page (tests, scripts/soak.py) ----------------------------------------
+def pool_free(text: str) -> dict[str, float]:
+    """The free-capacity gauges of an exposition text, keyed as the pool names them ("full_tokens")."""
+    names = {f"disagg_pool_free_{unit}": unit for unit in POOL_UNITS}
+    return {f"{s.labels['allocator']}_{names[f.name]}": s.value
+            for f in text_string_to_metric_families(text) if f.name in names for s in f.samples}
+
+
+def inflight(text: str) -> float:
+    """Requests being served, summed over the page's roles (0 before the first one)."""
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "disagg_inflight_requests"
+               for s in f.samples)

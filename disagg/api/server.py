@@ -32,7 +32,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from disagg.api.fields import EventStream, Route
+from disagg.api.fields import EventStream, Reply, Route
 from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed
 
 log = logging.getLogger(__name__)
@@ -261,6 +261,8 @@ class ApiServer:
                     out = route(body)
                     if isinstance(out, EventStream):
                         self._events(out)
+                    elif isinstance(out, Reply):
+                        self._json(out.status, out.body)
                     else:
                         self._json(200, out)
                 except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
@@ -270,7 +272,7 @@ class ApiServer:
                 except Cancelled as exc:
                     self._json(499, {"error": f"Cancelled: {exc}"})
                 except RequestFailed as exc:
-                    self._json(502, {"error": f"RequestFailed: {exc}"})
+                    self._json(exc.status, {"error": f"RequestFailed: {exc}"})
                 except DisaggError as exc:
                     self._json(409, {"error": f"{type(exc).__name__}: {exc}"})
                 except Exception as exc:  # a handler bug must not take the server down

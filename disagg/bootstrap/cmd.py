@@ -2,29 +2,38 @@
 
 import argparse
 import logging
-import os
+from typing import TYPE_CHECKING
 
-import zmq
+from disagg.process import add_log_flag
+from disagg.control.auth import add_auth_flags, key_of
 
-from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
-from disagg.control.auth import Gate, add_auth_flags, key_of
-from disagg.process import setup_logging
+if TYPE_CHECKING:
+    from disagg.bootstrap.server import BootstrapConfig
 
 HELP = "run the bootstrap server that introduces decode workers to prefill ranks"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bind", default=os.environ.get("DISAGG_BOOTSTRAP_BIND", "tcp://0.0.0.0:8998"),
-                   help="ZMQ endpoint to bind (env DISAGG_BOOTSTRAP_BIND; default tcp://0.0.0.0:8998)")
+    p.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998", metavar="tcp://HOST:PORT",
+                   help="ZMQ endpoint to serve on (the same flag as prefill's bootstrap inside it)")
+    p.add_argument("--bind", dest="bootstrap_bind", help=argparse.SUPPRESS)   # its former name
+    add_log_flag(p)
     add_auth_flags(p)
 
 
-def config_from(args: argparse.Namespace) -> BootstrapConfig:
-    return BootstrapConfig(bind=args.bind)
+def config_from(args: argparse.Namespace) -> "BootstrapConfig":
+    from disagg.bootstrap.server import BootstrapConfig
+    return BootstrapConfig(bind=args.bootstrap_bind)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging()
+    import zmq
+
+    from disagg.bootstrap.server import BootstrapServer
+    from disagg.control.auth import Gate
+    from disagg.process import setup_logging
+
+    setup_logging(args.log_level)
     gate = Gate(zmq.Context.instance(), key_of(args), "bootstrap")
     server = BootstrapServer(config_from(args), gate)
     logging.getLogger("disagg.bootstrap.server").info("serving on %s", server.endpoint)

@@ -195,11 +195,11 @@ def key_from(path: str | None, insecure: bool) -> AuthKey:
 
 def add_auth_flags(p) -> None:
     g = p.add_argument_group("authentication")
-    g.add_argument("--auth-key", default=os.environ.get("DISAGG_AUTH_KEY") or None, metavar="FILE",
-                   help="the deployment's CURVE key file, the same for every process (env DISAGG_AUTH_KEY; "
-                        "`disagg keygen FILE` writes one)")
-    g.add_argument("--insecure", action="store_true", default=os.environ.get("DISAGG_INSECURE", "") == "1",
-                   help="no authentication on the control plane (env DISAGG_INSECURE=1): development only")
+    g.add_argument("--auth-key", default=None, metavar="FILE",
+                   help="the deployment's CURVE key file, the same for every process (`disagg keygen FILE` "
+                        "writes one)")
+    g.add_argument("--insecure", action="store_true",
+                   help="no authentication on the control plane: development only")
 
 
 def key_of(args) -> AuthKey:

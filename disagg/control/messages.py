@@ -11,28 +11,23 @@ bytes; buffers as (region, size), never addresses; how to reach a side's memory 
 offers (opaque to the control plane). Everything decoded here is untrusted: decoders raise
 ProtocolError with a reason (typed fields, Buffer and StagingInfo check themselves), and the
 receivers validate sizes and ranges before they use a value.
+
+A side's LayoutInfo (and the model behind it, for a refusal in words) is in control/layout.py.
 """
 
 import msgspec
 import numpy as np
 
+from disagg.control.layout import LayoutInfo
 from disagg.errors import ProtocolError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from transfer.buffers import Buffer, layout_difference as buffer_difference
 from transfer.endpoint import StagingInfo
 from transfer.staging import Piece
 from transfer.transports import Offer
 
 PROTOCOL_VERSION = 2
 MAX_FRAME_BYTES = 64 << 20   # larger frames are refused before decoding
-
-
-class LayoutInfo(msgspec.Struct, frozen=True):
-    """What must match between the two sides for a transfer to be meaningful."""
-    page_size: int
-    layout: str                 # page_major | layer_major
-    buffers: list[Buffer]       # the pool's buffers, region i = buffer i
 
 
 # ---- bootstrap ------------------------------------------------------------------------------
@@ -150,16 +145,6 @@ def check_version(version: int) -> None:
 
 
 # ---- conversions ----------------------------------------------------------------------------
-def layout_difference(ours: LayoutInfo, theirs: LayoutInfo) -> str | None:
-    """None if a transfer between the two layouts is meaningful, else the first difference
-    (the buffers by transfer.buffers' one check)."""
-    if ours.page_size != theirs.page_size:
-        return f"page size {ours.page_size} vs {theirs.page_size}"
-    if ours.layout != theirs.layout:
-        return f"pool layout {ours.layout} vs {theirs.layout}"
-    return buffer_difference(ours.buffers, theirs.buffers)
-
-
 def indices_to_wire(iset: IndexSet) -> dict[str, bytes]:
     return {c.value: np.ascontiguousarray(iset[c], dtype="<i4").tobytes() for c in iset.components()}
 

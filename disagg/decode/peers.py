@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from disagg.bootstrap.server import BootstrapClient
 from disagg.control.auth import Gate
 from disagg.control.liveness import Liveness
-from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, RegisterPrefill, layout_difference
+from disagg.control.layout import LayoutInfo, layout_difference
+from disagg.control.messages import PROTOCOL_VERSION, RegisterPrefill
 from disagg.errors import ProtocolError
 
 
@@ -45,7 +46,7 @@ class PrefillPeers:
                 info = client.lookup(PROTOCOL_VERSION, tp_rank)
             finally:
                 client.close()
-            diff = layout_difference(self.layout, info.layout)
+            diff = layout_difference(prefill=info.layout, decode=self.layout)
             if diff:
                 raise ProtocolError(f"prefill layout differs: {diff}")
         with self._lock:

@@ -161,14 +161,18 @@ class DecodeServer(Worker):
         raise BadRequest(f"bootstrap {name[:100]!r} is not one this decode is configured with (--bootstrap-addr); "
                          f"known names: {', '.join(sorted(known))}")
 
-    def bootstrap_reachable(self, timeout_s: float = 1.0) -> bool:
-        """For /ready: the default bootstrap answers and knows a prefill rank."""
+    def readiness(self, timeout_s: float = 1.0) -> dict:
+        """/ready: the pool is registered and the default bootstrap answers and knows a prefill
+        rank; when not, why (what a person fixes: the address, the key, prefill not up yet)."""
+        if not self.ready:
+            return {"ready": False, "why": "starting: pool and transports not registered yet"}
         client = BootstrapClient(self.config.bootstrap_addr, self.gate, timeout_s)
         try:
             client.lookup(PROTOCOL_VERSION)
-            return True
-        except ProtocolError:
-            return False
+            return {"ready": True, "bootstrap": self.config.bootstrap_addr}
+        except ProtocolError as exc:
+            return {"ready": False, "bootstrap": self.config.bootstrap_addr,
+                    "why": f"{exc}; it is this decode's --bootstrap-addr"}
         finally:
             client.close()
 

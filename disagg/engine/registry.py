@@ -10,18 +10,21 @@ pays that.
 
 import importlib.util
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
-from disagg.engine.base import ModelEngine
 from disagg.engine.model.families import FAMILIES
 from disagg.errors import ConfigError
 
+if TYPE_CHECKING:
+    from disagg.engine.base import ModelEngine
 
-def _standin(preset: str, device: str) -> ModelEngine:
+
+def _standin(preset: str, device: str) -> "ModelEngine":
     from disagg.engine.standin import StandInEngine
     return StandInEngine()
 
 
-def _model(preset: str, device: str) -> ModelEngine:
+def _model(preset: str, device: str) -> "ModelEngine":
     if preset not in FAMILIES:
         raise ConfigError(f"--engine model runs model code, and preset {preset!r} is a geometry only; "
                           f"use one of: {', '.join(FAMILIES)}")
@@ -31,7 +34,7 @@ def _model(preset: str, device: str) -> ModelEngine:
     return TransformersEngine(preset, device)
 
 
-ENGINES: dict[str, Callable[[str, str], ModelEngine]] = {"standin": _standin, "model": _model}
+ENGINES: dict[str, Callable[[str, str], "ModelEngine"]] = {"standin": _standin, "model": _model}
 CHOICES = ("auto", *ENGINES)
 
 
@@ -39,6 +42,6 @@ def resolve(name: str, preset: str) -> str:
     return ("model" if preset in FAMILIES else "standin") if name == "auto" else name
 
 
-def create(name: str, preset: str, device: str) -> ModelEngine:
+def create(name: str, preset: str, device: str) -> "ModelEngine":
     """The engine `name` (or auto) for `preset`, its model on `device` (a resolved device)."""
     return ENGINES[resolve(name, preset)](preset, device)

@@ -2,31 +2,34 @@
 bootstrap, HTTP)."""
 
 import argparse
+from typing import TYPE_CHECKING
 
-import torch
-
-from disagg.process import setup_logging, wait_for_signal
-from disagg.api.fields import abort_route, require_room, require_tokens
-from disagg.api.server import ApiServer
-from disagg.api.metrics import WorkerMetrics
-from disagg.prefill.server import PrefillConfig, PrefillServer
+from disagg.worker.checks import port, positive_int
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
+
+if TYPE_CHECKING:
+    from disagg.prefill.server import PrefillConfig
 
 HELP = "run a prefill worker"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_pool_flags(p)
-    p.add_argument("--control-port", type=int, default=0, help="control ROUTER port (0: any free port)")
-    p.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998",
-                   help="run the bootstrap server here ('none': use --bootstrap-addr)")
-    p.add_argument("--bootstrap-addr", default=None, help="an external bootstrap to register with")
-    p.add_argument("--tp-rank", type=int, default=0)
-    p.add_argument("--tp-size", type=int, default=1)
-    p.add_argument("--transfer-workers", type=int, default=4, help="parallel transfers per decode peer")
+    g = p.add_argument_group("prefill")
+    g.add_argument("--control-port", type=port, default=0, help="port of the control socket decode workers "
+                   "connect to (0: any free port; the bootstrap tells decode which)")
+    g.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998", metavar="tcp://HOST:PORT|none",
+                   help="run the bootstrap server inside this process, here; none: register with --bootstrap-addr "
+                        "instead (a second prefill on one host needs one of the two)")
+    g.add_argument("--bootstrap-addr", default=None, metavar="tcp://HOST:PORT",
+                   help="an external bootstrap (`disagg bootstrap`) to register with")
+    g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0..tp-size-1)")
+    g.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks of this prefill instance")
+    g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
 
 
-def config_from(args: argparse.Namespace) -> PrefillConfig:
+def config_from(args: argparse.Namespace) -> "PrefillConfig":
+    from disagg.prefill.server import PrefillConfig
     return PrefillConfig(**worker_settings(args), control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
@@ -34,7 +37,15 @@ def config_from(args: argparse.Namespace) -> PrefillConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging()
+    import torch
+
+    from disagg.api.fields import abort_route, require_room, require_tokens
+    from disagg.api.metrics import WorkerMetrics
+    from disagg.api.server import ApiServer
+    from disagg.prefill.server import PrefillServer
+    from disagg.process import serve, setup_logging
+
+    setup_logging(args.log_level)
     torch.set_num_threads(args.torch_threads)
     server = PrefillServer(config_from(args))
     metrics = WorkerMetrics("prefill")
@@ -54,9 +65,10 @@ def run(args: argparse.Namespace) -> int:
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
                     max_inflight=args.max_inflight, health=server.health).start()
-    announce(role="prefill", http=http_url(args, api.port), bootstrap=server.bootstrap_endpoint,
-             control=server.control_endpoint, transports={t.kind: t.host for t in server.sender.transports})
-    wait_for_signal()
+    serve(lambda: {"ready": server.ready, "why": "starting"},
+          lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
+                           bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
+                           transports={t.kind: t.host for t in server.sender.transports}))
     api.stop()
     server.close()
     return 0

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from disagg.control.chunk_relay import ChunkRelay
 from disagg.control.io import RouterIO
 from disagg.control.liveness import Liveness
-from disagg.control.messages import LayoutInfo, RegisterDecode, Registered, Refused, check_version, layout_difference
+from disagg.control.layout import LayoutInfo, layout_difference
+from disagg.control.messages import RegisterDecode, Registered, Refused, check_version
 from disagg.errors import ProtocolError
 from transfer.errors import TransferError
 from transfer.peer import RemotePool
@@ -67,7 +68,7 @@ class DecodePeers:
     def register(self, identity: bytes, msg: RegisterDecode) -> Registered | Refused:
         try:
             check_version(msg.version)
-            diff = layout_difference(self.layout, msg.layout)
+            diff = layout_difference(prefill=self.layout, decode=msg.layout)
             if diff:
                 raise ProtocolError(f"layout mismatch: {diff}")
             target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging)

@@ -16,7 +16,7 @@ Who does what:
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,7 +25,6 @@ from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
 from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
 from disagg.control.io import RouterIO
-from disagg.control.deadlines import Deadlines
 from disagg.engine.base import ModelEngine
 from disagg.errors import DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers

@@ -2,37 +2,49 @@
 
 import argparse
 
-from disagg import __version__
-
-from disagg.process import setup_logging, wait_for_signal
-from disagg.api.server import ApiServer, client_gone
-from disagg.api.metrics import WorkerMetrics
-from disagg.router.openai import Completions
-from disagg.router.router import Pair, Router, RouterConfig
-from disagg.worker.checks import positive_int
-from disagg.worker.flags import announce
+from disagg.process import add_log_flag
+from disagg.router.router import Pair, RouterConfig
+from disagg.worker.checks import port, positive_int, seconds
 
 HELP = "run the router in front of prefill/decode pairs"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", action="append", required=True, type=Pair.parse,
-                   help="PREFILL_URL,DECODE_URL,BOOTSTRAP (repeat for more pairs)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=0, help="0: any free port")
-    p.add_argument("--timeout", type=float, default=60.0, help="seconds per request")
-    p.add_argument("--max-inflight", type=int, default=256, help="concurrent requests (more: 503 at once)")
-    p.add_argument("--vocab-size", type=positive_int, default=50000,
+    p.add_argument("--pair", action="append", required=True, type=Pair.parse, metavar="PREFILL_URL,DECODE_URL,BOOTSTRAP",
+                   help="one prefill/decode pair: the two workers' HTTP URLs and the bootstrap decode should look "
+                        "prefill up at (a NAME decode was given with --bootstrap-addr, or tcp://HOST:PORT); repeat "
+                        "for more pairs (env: pairs separated by spaces)")
+    g = p.add_argument_group("HTTP")
+    g.add_argument("--http-host", default="127.0.0.1", help="address to serve the API on (0.0.0.0: every address)")
+    g.add_argument("--http-port", type=port, default=0, help="port to serve the API on (0: any free port, printed "
+                   "when ready)")
+    g.add_argument("--host", dest="http_host", help=argparse.SUPPRESS)   # former names
+    g.add_argument("--port", dest="http_port", type=port, help=argparse.SUPPRESS)
+    g = p.add_argument_group("requests")
+    g.add_argument("--timeout", type=seconds, default=60.0, help="seconds one request may take end to end (504 after)")
+    g.add_argument("--max-inflight", type=positive_int, default=256, help="requests in flight at once (more: 503 "
+                   "with Retry-After)")
+    g.add_argument("--vocab-size", type=positive_int, default=50000,
                    help="requests that give prompt_len get random token ids below this (the model's vocabulary)")
+    add_log_flag(g)
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
-    return RouterConfig(tuple(args.pair), args.host, args.port, args.timeout, max_inflight=args.max_inflight,
-                        vocab_size=args.vocab_size)
+    return RouterConfig(tuple(args.pair), args.http_host, args.http_port, args.timeout,
+                        max_inflight=args.max_inflight, vocab_size=args.vocab_size)
 
 
 def run(args: argparse.Namespace) -> int:
-    setup_logging()
+    from disagg import __version__
+    from disagg.api.fields import Reply
+    from disagg.api.metrics import WorkerMetrics
+    from disagg.api.server import ApiServer, client_gone
+    from disagg.process import serve, setup_logging
+    from disagg.router.openai import Completions
+    from disagg.router.router import Router
+    from disagg.worker.flags import announce
+
+    setup_logging(args.log_level)
     router = Router(config_from(args))
     metrics = WorkerMetrics("router")
 
@@ -43,12 +55,16 @@ def run(args: argparse.Namespace) -> int:
     def generate(body: dict, on_prefill=None) -> dict:
         return metrics.count(lambda: router.generate(body, client_gone, on_prefill), lambda out: out["ok"], observe)
 
-    routes = {"/generate": generate, "/v1/completions": Completions(generate), "/abort": router.abort}
-    api = ApiServer(args.host, args.port, routes, router.ready,
+    def generate_route(body: dict) -> Reply:   # a failed request: 5xx (or 409 if aborted), same JSON body
+        out = generate(body)
+        return Reply(out["status"], out)
+
+    routes = {"/generate": generate_route, "/v1/completions": Completions(generate), "/abort": router.abort}
+    api = ApiServer(args.http_host, args.http_port, routes, router.ready,
                     metrics.registry, health=lambda: {"status": "ok", "role": "router", "version": __version__,
                                                       "pairs": len(router.config.pairs)}).start()
-    announce(role="router", http=f"http://{args.host}:{api.port}")
-    wait_for_signal()
+    serve(lambda: {"ready": True}, lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
+                                                    pairs=len(router.config.pairs)))
     api.stop()
     router.close()
     return 0

@@ -110,5 +110,5 @@ class Completions:
     def _run(self, request: dict, on_prefill=None) -> dict:
         out = self.generate(request, on_prefill=on_prefill)
         if not out["ok"]:
-            raise RequestFailed(out["reason"])
+            raise RequestFailed(out["reason"], out.get("status", 502))
         return out

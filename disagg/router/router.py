@@ -59,6 +59,9 @@ class Pair:
                 raise argparse.ArgumentTypeError(f"{url!r} is not http://HOST:PORT")
         return Pair(*parts)
 
+    def __str__(self) -> str:   # as --pair takes it
+        return f"{self.prefill_url},{self.decode_url},{self.bootstrap}"
+
 
 @dataclass(frozen=True)
 class RouterConfig:
@@ -77,15 +80,38 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:
+    except urllib.error.HTTPError as exc:   # its JSON body is kept: a router's 5xx still says ok, reason
         try:
-            detail = exc.read()[:500].decode(errors="replace")
+            raw = exc.read(1 << 20)
         except (http.client.HTTPException, OSError) as cut:
-            detail = f"(answer cut short: {cut})"
-        return {"state": "FAILED", "status": exc.code, "reason": f"HTTP {exc.code}: {detail}"}
+            raw = f"(answer cut short: {cut})".encode()
+        detail = raw[:500].decode(errors="replace")
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            parsed = None
+        return {"state": "FAILED", "status": exc.code, "reason": f"HTTP {exc.code}: {detail}",
+                **(parsed if isinstance(parsed, dict) else {})}
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
-        return {"state": "FAILED", "reason": f"{url}: {exc}"}
+        return {"state": "FAILED", "reason": f"{url}: {getattr(exc, 'reason', exc)}", "unreachable": True}
+
+
+def _failure_status(pre: dict, dec: dict, cancelled: bool) -> int:
+    """The HTTP status of a failed request: 4xx only for what the caller did (cancelled it);
+    503 when a worker could not be reached (try again, or another router); 504 when a
+    deadline passed; 500 when both sides succeeded but decode's verification did not; 502
+    for every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
+    if cancelled:
+        return 409
+    if pre.get("unreachable") or dec.get("unreachable"):
+        return 503
+    reasons = f"{pre.get('reason', '')} {dec.get('reason', '')}"
+    if "deadline of" in reasons or "gave no answer within" in reasons:
+        return 504
+    if pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS":
+        return 500
+    return 502
 
 
 def _side_ready(url: str) -> str | None:
@@ -252,11 +278,12 @@ class Router:
         if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
             raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
+        status = 200 if ok else _failure_status(pre, dec, cancelled)
         control = None  # prefill done -> KV ready on decode, minus the transfer itself
         if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
             control = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3 - pre["transfer_ms"]
         return {
-            "room": room, "pair": pair_index, "ok": ok, "prompt_tokens": len(tokens),
+            "room": room, "pair": pair_index, "ok": ok, "status": status, "prompt_tokens": len(tokens),
             "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
             **({"check": dec["check"]} if isinstance(dec.get("check"), dict) else {}),
             "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -15,22 +16,41 @@ from disagg.worker.checks import positive_int
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
 PHASES = ("total", "bootstrap", "prefill", "transfer", "control", "wait", "verify", "decode", "rebuild", "check")
+# What each timings_ms key of a router answer measures (disagg/router/router.py merges them);
+# the summary's legend prints the line of every phase in its table.
+PHASE_MEANING = {
+    "total": "router: the whole request, both sides, as the router saw it",
+    "bootstrap": "decode: request in -> its prefill peer known (a lookup; ~0 once cached)",
+    "prefill": "prefill: request in -> prompt KV computed into its pool (with any wait for pool space)",
+    "transfer": "prefill: the transport moving the KV into decode's pool",
+    "control": "hand-off overhead: prefill done -> KV ready on decode, minus the transfer",
+    "wait": "decode: destination sent to prefill -> KV arrived; runs alongside prefill, so it holds the rest "
+            "of prefill + transfer + control",
+    "verify": "decode: checking that the KV received is this prompt's (the stand-in engine compares every "
+              "byte), a digest per component",
+    "decode": "decode: generating --max-new-tokens tokens from the received KV (rebuild included)",
+    "rebuild": "decode, model engine: reading the pool into the model's cache before the first step",
+    "check": "decode, --check-rate: the same prompt run colocated and compared (tokens, logits)",
+}
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8000")
     add_workload_flags(p)
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as one JSON object (keys name their unit: _ms, _s, _per_s, bytes)")
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--requests", type=positive_int, default=32, help="requests in all")
-    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once")
+    p.add_argument("--requests", type=positive_int, default=32, help="requests to send in all (a count)")
+    p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once (a count)")
     p.add_argument("--prompt-len", type=prompt_lengths, default="128:1024",
-                   help="prompt tokens: N or MIN:MAX (uniform), plain integers")
+                   help="prompt length in tokens: N, or MIN:MAX drawn uniformly per request (plain integers)")
     p.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens decode generates per request")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--plot", default=None, metavar="PNG", help="write a plot of latency and throughput")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed (an integer) of the prompt lengths and token ids; request i uses seed+i")
+    p.add_argument("--plot", default=None, metavar="PNG",
+                   help="write a PNG file here: latency per phase and throughput over time")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
 
 
@@ -52,12 +72,15 @@ def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
 
 
 def run_workload(router: str, args: argparse.Namespace) -> dict:
+    """Send the workload, `args.concurrency` at a time; on Ctrl-C or an error, requests not
+    yet sent are cancelled and the exception goes up at once (the caller's cleanup runs)."""
     rng = np.random.default_rng(args.seed)
     lengths = _lengths(args.prompt_len, args.requests, rng)
     results, finished = [], []
     t0 = time.perf_counter()
     bar = tqdm(total=args.requests, unit="req", disable=args.no_progress, file=sys.stderr, leave=False)
-    with ThreadPoolExecutor(args.concurrency) as pool:
+    pool = ThreadPoolExecutor(args.concurrency)
+    try:
         futures = [pool.submit(post_json, router + "/generate",
                                {"prompt_len": n, "max_new_tokens": args.max_new_tokens, "seed": args.seed + i}, 120)
                    for i, n in enumerate(lengths)]
@@ -65,38 +88,21 @@ def run_workload(router: str, args: argparse.Namespace) -> dict:
             results.append(f.result())
             finished.append(time.perf_counter() - t0)
             bar.update(1)
-    bar.close()
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)   # requests already sent end on their own
+        raise
+    finally:
+        bar.close()
+    pool.shutdown()
     wall = time.perf_counter() - t0
     if args.plot:
-        plot(results, finished, args.plot)
+        from disagg.tools.plot import plot, plot_title
+        plot(results, finished, wall, args.plot, plot_title(args, results))
+        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
     return summarize(results, wall)
 
 
-def plot(results: list[dict], finished: list[float], path: str) -> None:
-    """Latency per request (total and transfer) and completed GB/s over time, as one PNG."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (lat, thr) = plt.subplots(1, 2, figsize=(11, 4))
-    ok = [(t, r) for t, r in zip(finished, results) if r.get("ok")]
-    for phase in ("total", "transfer", "verify"):
-        lat.scatter([t for t, _ in ok], [r["timings_ms"][phase] or 0 for _, r in ok], s=8, label=phase)
-    lat.set(xlabel="completion time (s)", ylabel="latency (ms)", title="latency per request")
-    lat.legend()
-    order = np.argsort(finished)
-    times = np.asarray(finished)[order]
-    cum_bytes = np.cumsum([results[i].get("bytes", 0) if results[i].get("ok") else 0 for i in order])
-    thr.plot(times, cum_bytes / np.maximum(times, 1e-9) / 1e9, color="tab:blue")
-    thr.set(xlabel="time (s)", ylabel="GB/s so far", title="throughput")
-    req = thr.twinx()  # requests/s on its own scale
-    req.plot(times, np.arange(1, len(times) + 1) / np.maximum(times, 1e-9), color="tab:orange")
-    req.set_ylabel("requests/s so far", color="tab:orange")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
+# ---- the summary ---------------------------------------------------------------------------------
 def summarize(results: list[dict], wall: float) -> dict:
     ok = [r for r in results if r.get("ok")]
     total_bytes = sum(r.get("bytes", 0) for r in ok)
@@ -118,8 +124,8 @@ def summarize(results: list[dict], wall: float) -> dict:
         "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),
         "failed": len(results) - len(ok), "wall_s": round(wall, 3),
         "requests_per_s": round(len(results) / wall, 2) if wall else 0.0,
-        "bytes": total_bytes, "gbps": round(total_bytes / wall / 1e9, 6) if wall else 0.0,
-        "transfer_gbps": round(total_bytes / transfer_s / 1e9, 6) if transfer_s else 0.0,
+        "bytes": total_bytes, "gb_per_s": round(total_bytes / wall / 1e9, 6) if wall else 0.0,
+        "transfer_gb_per_s": round(total_bytes / transfer_s / 1e9, 6) if transfer_s else 0.0,
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "latency_ms": latency, "failures": failures,
@@ -129,20 +135,54 @@ def summarize(results: list[dict], wall: float) -> dict:
     }
 
 
+def significant(x: float, digits: int = 3) -> str:
+    """`x` to `digits` significant figures, never in exponent notation (0.000276, 18.6, 262)."""
+    if x == 0 or not math.isfinite(x):
+        return f"{x:g}"
+    decimals = max(0, digits - 1 - math.floor(math.log10(abs(x))))
+    return f"{x:.{decimals}f}"
+
+
+def _counts(d: dict) -> str:
+    """{'direct': 60, 'staged': 4} -> 'direct 60, staged 4' (largest first)."""
+    return ", ".join(f"{k or 'unknown'} {n}" for k, n in sorted(d.items(), key=lambda kv: (-kv[1], str(kv[0]))))
+
+
 def print_summary(s: dict) -> None:
-    print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  wall {s['wall_s']} s  "
-          f"{s['requests_per_s']} req/s  {s['gbps']} GB/s aggregate  {s['transfer_gbps']} GB/s per transfer  "
-          f"modes {s['modes']}  transports {s.get('transports', {})}")
-    print("control = prefill done -> KV ready on decode, minus the transfer itself")
-    print(f"{'phase':<10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}")
-    for phase, q in s["latency_ms"].items():
-        print(f"{phase:<10} {q['p50']:>9} {q['p90']:>9} {q['p99']:>9} {q['mean']:>9}")
-    for reason, n in s["failures"].items():
-        print(f"failed x{n}: {reason}")
+    if s["requests"] and s["failed"] == s["requests"]:
+        print(f"all {s['requests']} requests failed (wall {s['wall_s']:.2f} s); reasons:")
+        _print_failures(s["failures"])
+        return
+    print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  "
+          f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s")
+    print(f"throughput: {significant(s['gb_per_s'])} GB/s aggregate (KV bytes / wall), "
+          f"{significant(s['transfer_gb_per_s'])} GB/s per transfer (KV bytes / time in transfers)")
+    print(f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}")
+    lat = s["latency_ms"]
+    if lat:
+        print()
+        print(f"{'phase':<10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
+        for phase, q in lat.items():
+            print(f"{phase:<10} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
+        print()
+        width = max(len(p) for p in lat)
+        for phase in lat:
+            print(f"  {phase:<{width}}  {PHASE_MEANING.get(phase, '')}")
+    if s["failures"]:
+        print()
+        print(f"{s['failed']} of {s['requests']} requests failed; reasons:")
+        _print_failures(s["failures"])
     m = s.get("token_match", {})
     if m.get("checked"):
         print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']} "
               f"(against the same prompt run colocated)")
+
+
+def _print_failures(failures: dict[str, int]) -> None:
+    """One line per reason, most frequent first; reasons whole (their end often says why)."""
+    width = len(str(max(failures.values(), default=0)))
+    for reason, n in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])):
+        print(f"  {n:>{width}} x {reason}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -158,4 +198,3 @@ def mismatches(summary: dict) -> int:
     """Checked generations that differ from the colocated run (tokens or logits)."""
     m = summary.get("token_match", {})
     return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0))
-

@@ -1,31 +1,46 @@
 """`disagg demo`: bootstrap + prefill + decode + router on loopback, a bench workload through
-them, a summary; exit code 0 only if every request was verified."""
+them, a summary; exit code 0 only if every request was verified. Ctrl-C, SIGTERM or a failure
+stops every process it started (tools/launcher.py)."""
 
 import argparse
 import json
+import sys
 
 from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
 from disagg.tools.bench import add_workload_flags, mismatches, print_summary, run_workload
-from disagg.tools.launcher import Launcher
+from disagg.worker.checks import positive_int, power_of_two
+from kvpool.layout import Layout
+from kvpool.presets import PRESETS
+from transfer.config import Mode
 
 HELP = "start a local prefill/decode pair and router, run a workload, verify every request"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default=None, help="default: tiny-hybrid, or tiny-model-gpt-oss with --engine model")
-    p.add_argument("--engine", default="auto", choices=registry.CHOICES,
-                   help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg prefill "
-                        "--help); every generation is checked against a colocated run")
-    p.add_argument("--page-size", type=int, default=None)
-    p.add_argument("--max-tokens", type=int, default=65536, help="pool capacity per side")
-    p.add_argument("--transfer-mode", default="auto", choices=["auto", "direct", "staged"])
-    p.add_argument("--device", default="cpu", help="pool device: cpu, or cuda (prefill on the first GPU, decode on "
-                   "the second where there are two or more)")
-    p.add_argument("--transport", default="auto", help="how KV moves between the two (auto: cuda-ipc for CUDA pools "
-                   "on one host, else mooncake)")
-    p.add_argument("--json", action="store_true", help="print the summary as one JSON object")
-    add_workload_flags(p)
+    g = p.add_argument_group("the pair")
+    g.add_argument("--preset", default=None, choices=[*PRESETS, *FAMILIES], metavar="PRESET",
+                   help="model geometry, one of `disagg presets` or a model family (tiny-model-*, model-*); "
+                        "default: tiny-hybrid, or tiny-model-gpt-oss with --engine model")
+    g.add_argument("--engine", default="auto", choices=registry.CHOICES,
+                   help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg "
+                        "prefill --help); every model generation is checked against a colocated run")
+    g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page (default: the preset's)")
+    g.add_argument("--max-tokens", type=positive_int, default=65536, help="pool capacity per side, in tokens")
+    g.add_argument("--max-requests", type=positive_int, default=64,
+                   help="request slots per side (each holds a Mamba/GDN state and an AUX row; fewer use less memory)")
+    g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout], help="buffer layout")
+    g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode],
+                   help="direct, staged, or auto (chosen per request)")
+    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pool device: cpu, or cuda (prefill on "
+                   "the first GPU, decode on the second where there are two or more)")
+    g.add_argument("--transport", default="auto", choices=["auto", "mooncake", "cuda-ipc"],
+                   help="how KV moves between the two (auto: cuda-ipc for CUDA pools on one host, else mooncake)")
+    g.add_argument("--worker-logs", action="store_true",
+                   help="pass the workers' and router's logs through to stderr (else shown only if one fails)")
+    g = p.add_argument_group("workload and output")
+    add_workload_flags(g)
+    g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     p.set_defaults(requests=48, concurrency=4, prompt_len="64:2048", max_new_tokens=8)
 
 
@@ -38,26 +53,33 @@ def devices(device: str) -> tuple[str, str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from disagg.tools.launcher import Launcher
+
     if args.preset is None:
         args.preset = "tiny-model-gpt-oss" if args.engine == "model" else "tiny-hybrid"
-    model = registry.resolve(args.engine, args.preset) == "model"
+    engine = registry.resolve(args.engine, args.preset)
     pool = ["--preset", args.preset, "--engine", args.engine, "--max-tokens", str(args.max_tokens),
-            "--transport", args.transport, "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
+            "--max-requests", str(args.max_requests), "--layout", args.layout, "--transport", args.transport,
+            "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
     if args.page_size:
         pool += ["--page-size", str(args.page_size)]
     prefill_device, decode_device = devices(args.device)
-    with Launcher() as launcher:
+    say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    with Launcher(logs=args.worker_logs) as launcher:
+        say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}) ...")
         prefill = launcher.start("prefill", *pool, "--device", prefill_device, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        say(f"  prefill ready in {prefill['started_s']:.1f} s on {prefill['http']}, pool {prefill['pool']['human']}")
+        say(f"starting decode ({decode_device}) ...")
         decode = launcher.start("decode", *pool, "--device", decode_device, "--bootstrap-addr", prefill["bootstrap"],
                                 "--check-rate", "1")
-        vocab = ["--vocab-size", str(FAMILIES[args.preset].vocab_size)] if model else []
+        say(f"  decode ready in {decode['started_s']:.1f} s on {decode['http']}, pool {decode['pool']['human']}")
+        vocab = ["--vocab-size", str(FAMILIES[args.preset].vocab_size)] if engine == "model" else []
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}",
                                 *vocab)
-        if not args.json:
-            print(f"prefill {prefill['http']} ({prefill_device})  decode {decode['http']} ({decode_device})  "
-                  f"router {router['http']}  preset {args.preset}")
+        say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
+            f"prompts of {args.prompt_len} tokens")
         summary = run_workload(router["http"], args)
-    summary["preset"], summary["engine"] = args.preset, registry.resolve(args.engine, args.preset)
+    summary["preset"], summary["engine"] = args.preset, engine
     if args.json:
         print(json.dumps(summary))
     else:

@@ -1,8 +1,12 @@
-"""Start disagg processes and wait for their ready line; stop them all, whatever happens.
+"""Start disagg processes and wait for their ready line; stop them all, whatever happens:
+on leaving the `with` block, on an error, on Ctrl-C, and on SIGTERM to the launching process
+(which the launcher turns into KeyboardInterrupt while it runs, so `kill PID` of a demo does not
+leave its workers behind).
 
 The processes share one deployment key: DISAGG_AUTH_KEY from the environment, or (where the
 environment names none and does not ask for DISAGG_INSECURE=1) a new key in a private temporary
-folder that lives as long as the launcher."""
+folder that lives as long as the launcher. Every other DISAGG_<FLAG> variable is kept from them:
+a child's settings are the flags it is started with."""
 
 import json
 import os
@@ -12,15 +16,26 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections import deque
 
 from disagg.control.auth import AuthKey
 from disagg.errors import DisaggError
 
 
+PASSED = ("DISAGG_AUTH_KEY", "DISAGG_INSECURE")   # DISAGG_ variables the children see (DISAGG_TEST_* too)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 class Launcher:
-    def __init__(self, start_timeout_s: float = 120.0):
+    def __init__(self, start_timeout_s: float = 120.0, logs: bool = False):
+        """logs: the children's logs go to our stderr (else kept, last lines shown if one fails)."""
         self.start_timeout_s = start_timeout_s
+        self.logs = logs
+        self._old_sigterm = None
         self.procs: list[subprocess.Popen] = []
         self._drains: dict[int, threading.Thread] = {}   # pid -> the thread keeping its last log lines
         self._keys: tempfile.TemporaryDirectory | None = None
@@ -33,9 +48,11 @@ class Launcher:
     def start(self, *args: str, prefix: tuple[str, ...] = ()) -> dict:
         """Run `[PREFIX...] python -m disagg ARGS` (a prefix such as `ip netns exec NS`); return
         the JSON line it prints once ready."""
-        env = dict(os.environ, **self.auth_env, MC_LOG_LEVEL=os.environ.get("MC_LOG_LEVEL", "ERROR"),
-                   GLOG_minloglevel=os.environ.get("GLOG_minloglevel", "2"))
-        quiet = os.environ.get("DISAGG_QUIET", "1") == "1"   # 0: the children's logs go to our stderr
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("DISAGG_") or k in PASSED or k.startswith("DISAGG_TEST_")}
+        env.update(self.auth_env)
+        quiet = not self.logs
+        t0 = time.perf_counter()
         proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE if quiet else None, text=True, env=env)
         self.procs.append(proc)
@@ -55,7 +72,9 @@ class Launcher:
                 drain.join(5)   # it exited: its stderr ends
             said = (": " + " | ".join(l.strip() for l in tail)) if tail else ""
             raise DisaggError(f"`disagg {args[0]}` did not become ready ({state}){said}")
-        return json.loads(line)
+        ready_line = json.loads(line)
+        ready_line["started_s"] = round(time.perf_counter() - t0, 2)
+        return ready_line
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -79,7 +98,14 @@ class Launcher:
             self._keys = None
 
     def __enter__(self) -> "Launcher":
+        if threading.current_thread() is threading.main_thread():
+            self._old_sigterm = signal.signal(signal.SIGTERM, _interrupt)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop()
+        try:
+            self.stop()
+        finally:
+            if self._old_sigterm is not None:
+                signal.signal(signal.SIGTERM, self._old_sigterm)
+                self._old_sigterm = None

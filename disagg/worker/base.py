@@ -12,6 +12,7 @@ ZMQ context and the stop flag.
       .requests   the role's RequestTable (set by the subclass): abort() goes through it
 """
 
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,17 +24,19 @@ import zmq
 from disagg import __version__
 from disagg.control.admission import Admission
 from disagg.control.auth import AuthKey, Gate
-from disagg.control.messages import LayoutInfo
+from disagg.control.layout import LayoutInfo, describe_model
 from disagg.control.deadlines import Deadlines
 from disagg.engine import registry
 from disagg.engine.base import ModelEngine
-from disagg.worker.pool_settings import PoolSettings
+from disagg.worker.pool_settings import PoolSettings, memory
 from disagg.errors import BadRequest, ConfigError
 from kvpool import HybridPool
 from kvpool.errors import SpecError
 from transfer.config import TransferConfig
 from transfer.endpoint import PoolEndpoint
 from transfer.transports import TransportSettings, create
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -57,10 +60,13 @@ class Worker:
         self.settings = settings
         self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device())
         try:
-            self.pool = HybridPool(settings.pool.pool_config(self.model.spec))
+            pool_config = settings.pool.pool_config(self.model.spec)
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
             raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
                               f"--max-tokens or --pool-bytes, --max-requests)") from None
+        self.pool_summary = memory(pool_config, settings.transfer.staging_slots * settings.transfer.staging_slot_bytes)
+        log.info("pool %s: %s", settings.pool.preset, self.pool_summary["line"])
+        self.pool = HybridPool(pool_config)
         self.admission = Admission(partial(self.pool.fits_when_empty, swa_window_only=swa_window_only),
                                    settings.max_waiting,
                                    settings.queue_wait_s)
@@ -68,7 +74,8 @@ class Worker:
                                        settings.transfer)
         self.faults = self.endpoint.faults
         self.epoch = time.time_ns()
-        self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers)
+        self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers,
+                                 describe_model(self.pool.config.model, self.pool.config.tp_size))
         self._ctx = zmq.Context()
         self.gate = Gate(self._ctx, settings.auth, type(self).__name__)
         self._stop = threading.Event()

@@ -51,3 +51,60 @@ def share(text: str) -> float:
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value:g} is not in [0, 1]")
     return value
+
+
+def port(text: str) -> int:
+    """A TCP port, 0 meaning any free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port in [0, 65535] (0: any free port)")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A positive duration in seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+    return value
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
+         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A byte count: 8GiB, 512MiB, 1.5GB, 4096 (K/M/G/T and KiB.. are powers of 1024; KB.. of 1000)."""
+    number = text.strip().rstrip("BbIiKkMmGgTt ")
+    unit = text.strip()[len(number):].strip().lower()
+    try:
+        value = float(number) * UNITS[unit]
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB, 1.5GB or a byte count)") \
+            from None
+    if not 1 <= value < 1 << 60:
+        raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
+    return int(value)
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def device_name(text: str) -> str:
+    """--device: cpu, cuda, cuda:N or auto (whether that GPU exists is checked at start)."""
+    kind, sep, index = text.partition(":")
+    if text in ("auto", "cpu", "cuda") or (kind == "cuda" and sep and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"{text!r}: want cpu, cuda, cuda:N or auto")

@@ -2,11 +2,12 @@
 
 import argparse
 import json
-import os
+import sys
 
+from disagg.process import add_log_flag
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
-from disagg.worker.checks import cuda_device, positive_int, power_of_two
+from disagg.worker.checks import byte_size, cuda_device, device_name, port, positive_int, power_of_two, seconds
 from disagg.worker.pool_settings import PoolSettings
 from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
@@ -17,68 +18,77 @@ from transfer.faults import POINTS, FaultPlan
 from transfer.transports import TRANSPORTS, TransportSettings, resolve
 
 
-def _env(name: str, default):
-    return os.environ.get(name, default)
-
-
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("pool")
-    g.add_argument("--preset", default=_env("DISAGG_PRESET", "tiny-hybrid"), choices=[*PRESETS, *FAMILIES],
-                   help="model geometry (env DISAGG_PRESET); tiny-model-* and model-* are model families whose "
-                        "geometry comes from the model itself")
-    g.add_argument("--engine", default=_env("DISAGG_ENGINE", "auto"), choices=registry.CHOICES,
-                   help="what computes KV (env DISAGG_ENGINE): model = transformers model code with seeded "
-                        "random weights (tiny-model-*, model-* presets), standin = deterministic bytes (any preset, "
-                        "fast); auto: model for those presets, else standin")
+    """The flags prefill and decode share (each role adds its own); every flag also reads
+    DISAGG_<FLAG> and --config (disagg/config.py)."""
+    g = p.add_argument_group("model and pool")
+    g.add_argument("--preset", default="tiny-hybrid", choices=[*PRESETS, *FAMILIES], metavar="PRESET",
+                   help="model geometry: one of `disagg presets`; tiny-model-* and model-* are model families "
+                        "whose geometry comes from the model itself (" + ", ".join(FAMILIES) + ")")
+    g.add_argument("--engine", default="auto", choices=registry.CHOICES,
+                   help="what computes KV: model = transformers model code with seeded random weights "
+                        "(tiny-model-*, model-* presets), standin = deterministic bytes (any preset, fast); "
+                        "auto: model for those presets, else standin")
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page, a power of two "
                    "(default: the preset's)")
     cap = g.add_mutually_exclusive_group()
-    cap.add_argument("--max-tokens", type=positive_int, default=None, help="pool capacity in full-attention tokens")
-    cap.add_argument("--pool-bytes", type=positive_int, default=None, help="pool capacity as a byte budget")
-    g.add_argument("--max-requests", type=positive_int, default=64, help="request slots (Mamba state, AUX rows)")
-    g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout])
-    g.add_argument("--device", default=_env("DISAGG_DEVICE", "auto"), help="cpu, cuda, cuda:N or auto")
+    cap.add_argument("--max-tokens", type=positive_int, default=None,
+                     help="pool capacity in full-attention tokens (default 65536 unless --pool-bytes)")
+    cap.add_argument("--pool-bytes", type=byte_size, default=None, metavar="SIZE",
+                     help="pool capacity as a memory budget, e.g. 8GiB or 512MiB, split across components "
+                          "(default: --max-tokens)")
+    g.add_argument("--max-requests", type=positive_int, default=64,
+                   help="request slots: requests held at once (each has one Mamba/GDN state and one AUX row)")
+    g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout],
+                   help="buffer layout: page_major = one buffer per component, a page of every layer contiguous "
+                        "(fewest transfer ranges); layer_major = one buffer per layer and part (as SGLang/vLLM)")
+    g.add_argument("--device", default="auto", type=device_name, metavar="DEVICE",
+                   help="where the pool lives: cpu, cuda, cuda:N, or auto (cuda where torch sees a GPU)")
+    g.add_argument("--torch-threads", type=positive_int, default=1,
+                   help="torch intra-op threads (1 leaves cores to the transport's own threads)")
+    add_log_flag(g)
+    g = p.add_argument_group("HTTP (/health, /ready, /metrics and the API)")
+    g.add_argument("--http-host", default=None, help="address to serve on (default: --host; 0.0.0.0 for "
+                   "Kubernetes probes)")
+    g.add_argument("--http-port", type=port, default=0, help="port to serve on (0: any free port, printed when "
+                   "ready)")
     g = p.add_argument_group("transfer")
-    g.add_argument("--host", default=_env("DISAGG_HOST", "127.0.0.1"), help="address to bind and advertise "
-                   "(env DISAGG_HOST; the pod IP on Kubernetes)")
-    g.add_argument("--http-host", default=_env("DISAGG_HTTP_HOST", None),
-                   help="address for /health, /ready, /metrics and the API (env DISAGG_HTTP_HOST; default "
-                        "--host; 0.0.0.0 for Kubernetes probes)")
-    g.add_argument("--http-port", type=int, default=int(_env("DISAGG_HTTP_PORT", "0")), help="0: any free port")
-    g.add_argument("--transport", default=_env("DISAGG_TRANSPORT", "auto"), choices=["auto", *TRANSPORTS.names()],
-                   help="how KV bytes move (env DISAGG_TRANSPORT); auto: every transport this machine runs, "
-                        "the peers pick the first both have")
-    g.add_argument("--mooncake-protocol", default=_env("DISAGG_MOONCAKE_PROTOCOL", "tcp"), choices=["tcp", "rdma"],
-                   help="Mooncake's own protocol (env DISAGG_MOONCAKE_PROTOCOL)")
-    g.add_argument("--cuda-ipc-blocks", type=int, default=32,
+    g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise for control and transfer "
+                   "(the pod IP on Kubernetes; another host's peers must reach it)")
+    g.add_argument("--transport", default="auto", choices=["auto", *TRANSPORTS.names()],
+                   help="how KV bytes move; auto: every transport this machine runs, the peers pick the first "
+                        "both have (cuda-ipc for CUDA pools on one host, else mooncake)")
+    g.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"], help="Mooncake's own protocol")
+    g.add_argument("--rdma-devices", default="", metavar="NIC,...",
+                   help="RDMA NICs for Mooncake, e.g. mlx5_0,mlx5_1 (empty: all)")
+    g.add_argument("--cuda-ipc-blocks", type=positive_int, default=32,
                    help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside "
                         "compute")
-    g.add_argument("--rdma-devices", default=_env("DISAGG_RDMA_DEVICES", ""),
-                   help="comma-separated RDMA NICs, e.g. mlx5_0,mlx5_1 (env DISAGG_RDMA_DEVICES; empty: all)")
-    g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode])
-    g.add_argument("--staging-slots", type=int, default=4)
-    g.add_argument("--staging-slot-mib", type=int, default=16)
-    g = p.add_argument_group("deadlines and admission")
-    g.add_argument("--bootstrap-timeout", type=float, default=10.0,
+    g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode],
+                   help="direct = one write per contiguous run; staged = gather into staging slots, one write per "
+                        "slot, scatter on decode (for many small runs); auto: chosen per request by a cost model")
+    g.add_argument("--staging-slots", type=positive_int, default=4, help="staging slots (for staged transfers)")
+    g.add_argument("--staging-slot-mib", type=positive_int, default=16, help="size of one staging slot, MiB")
+    g = p.add_argument_group("deadlines, liveness and admission")
+    g.add_argument("--bootstrap-timeout", type=seconds, default=10.0,
                    help="seconds to introduce the two sides for a request (decode: lookup, registration, pool "
                         "space; prefill: decode's TransferRequest)")
-    g.add_argument("--waiting-timeout", type=float, default=30.0,
+    g.add_argument("--waiting-timeout", type=seconds, default=30.0,
                    help="seconds waiting for the input (prefill: its KV computed; decode: the transfer to start)")
-    g.add_argument("--transfer-timeout", type=float, default=30.0, help="seconds for the transfer itself")
-    g.add_argument("--queue-wait", type=float, default=5.0,
+    g.add_argument("--transfer-timeout", type=seconds, default=30.0, help="seconds for the transfer itself")
+    g.add_argument("--dead-after", type=seconds, default=5.0,
+                   help="seconds of silence from a peer after which its requests fail")
+    g.add_argument("--queue-wait", type=seconds, default=5.0,
                    help="seconds a request may wait for pool space before a 503")
-    g.add_argument("--max-waiting", type=int, default=64, help="requests waiting for pool space (more: 503 at once)")
-    g.add_argument("--max-inflight", type=int, default=256, help="concurrent API requests (more: 503 at once)")
+    g.add_argument("--max-waiting", type=positive_int, default=64,
+                   help="requests waiting for pool space (more: 503 at once)")
+    g.add_argument("--max-inflight", type=positive_int, default=256,
+                   help="concurrent API requests (more: 503 at once)")
     add_auth_flags(p)
     g = p.add_argument_group("fault injection (testing)")
-    g.add_argument("--inject-faults", default=_env("DISAGG_INJECT_FAULTS", ""), metavar="POINT=RATE,...",
-                   help="fail on purpose at these points with these probabilities (env DISAGG_INJECT_FAULTS); "
-                        "points: " + ", ".join(POINTS))
-    g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults")
-    g.add_argument("--dead-after", type=float, default=5.0,
-                   help="seconds of silence from a peer after which its requests fail")
-    g.add_argument("--torch-threads", type=int, default=1,
-                   help="torch intra-op threads (1 leaves cores to the transport's own threads)")
+    g.add_argument("--inject-faults", default="", metavar="POINT=RATE,...",
+                   help="fail on purpose at these points with these probabilities; points: " + ", ".join(POINTS))
+    g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults (default: random)")
 
 
 def resolve_device(device: str) -> str:
@@ -129,6 +139,12 @@ def http_url(args: argparse.Namespace, port: int) -> str:
     return f"http://{args.host if host == '0.0.0.0' else host}:{port}"
 
 
-def announce(**endpoints) -> None:
-    """One JSON line on stdout once the process is ready (for launchers such as `disagg demo`)."""
-    print(json.dumps(endpoints), flush=True)
+def announce(role: str, http: str, **more) -> None:
+    """Once the process is ready: a line for a person on stderr ("decode ready on http://...")
+    and one JSON line on stdout for launchers such as `disagg demo`."""
+    extra = "".join(f", {k} {v}" for k, v in more.items() if isinstance(v, (str, int)) and k != "pool")
+    pool = more.get("pool", {})
+    if pool:
+        extra += f", pool {pool['human']} on {pool['device']}"
+    print(f"disagg {role} ready on {http}{extra}", file=sys.stderr, flush=True)
+    print(json.dumps({"role": role, "http": http, **more}), flush=True)

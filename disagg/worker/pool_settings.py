@@ -1,8 +1,14 @@
 """PoolSettings: the pool flags both workers share, turned into a kvpool PoolConfig."""
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from kvpool import Layout, ModelSpec, PoolConfig, get_preset, resolve_device
+from kvpool.layout import Layout
+from kvpool.presets import get_preset
+from kvpool.spec import ModelSpec
+
+if TYPE_CHECKING:
+    from kvpool.config import PoolConfig
 
 
 @dataclass(frozen=True)
@@ -17,12 +23,28 @@ class PoolSettings:
 
     def resolved_device(self) -> str:
         """--device auto -> cuda where torch sees a GPU, else cpu (the pool's own rule)."""
+        from kvpool.config import resolve_device   # imports torch: not for --help
         return resolve_device(self.device)
 
-    def pool_config(self, model: ModelSpec | None = None) -> PoolConfig:
+    def pool_config(self, model: ModelSpec | None = None) -> "PoolConfig":
         """The pool of this preset, or of `model` (the geometry a model engine read off its
         model's cache)."""
+        from kvpool.config import PoolConfig
         model = model or get_preset(self.preset)
         return PoolConfig(model, self.page_size or model.default_page_size, max_tokens=self.max_tokens,
                           byte_budget=self.byte_budget, max_requests=self.max_requests,
                           layout=Layout(self.layout), device=self.device)
+
+
+def memory(config: "PoolConfig", staging_bytes: int = 0) -> dict:
+    """What a pool of `config` will take, per component (computed before it is allocated, so a
+    person sees the size before the memory is gone): bytes, and one line for the log."""
+    from disagg.worker.checks import human_bytes
+    sizes = config.sizes()
+    parts = {c.value: config.row_bytes(c) * sizes.num_items(c) for c in config.components}
+    total = sum(parts.values()) + staging_bytes
+    items = ", ".join(f"{name} {human_bytes(n)}" for name, n in parts.items())
+    staging = f", staging {human_bytes(staging_bytes)}" if staging_bytes else ""
+    return {"bytes": total, "human": human_bytes(total), "device": str(config.device), "components": parts,
+            "line": f"{human_bytes(total)} on {config.device} ({items}{staging}); {sizes.full_pages} pages of "
+                    f"{config.page_size} tokens, {config.max_requests} request slots"}

@@ -119,7 +119,7 @@ def test_client_times_out_instead_of_hanging(keyed):
 
 
 def test_standalone_process_serves_and_stops_on_sigint(keyed):
-    proc = subprocess.Popen([sys.executable, "-m", "disagg", "bootstrap", "--bind", "tcp://127.0.0.1:18998"],
+    proc = subprocess.Popen([sys.executable, "-m", "disagg", "bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:18998"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = BootstrapClient("tcp://127.0.0.1:18998", keyed, timeout_s=30)

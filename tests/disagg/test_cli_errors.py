@@ -32,6 +32,9 @@ def _run(*args: str, shell: str | None = None) -> subprocess.CompletedProcess:
     (["router", "--pair", "A,B"], "--pair: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
     (["router", "--pair", "127.0.0.1:1,127.0.0.1:2,main"], "'127.0.0.1:1' is not http://HOST:PORT"),
     (["decode", "--bootstrap-addr", "garbage"], "--bootstrap-addr: 'garbage': want [NAME=]tcp://HOST:PORT"),
+    (["demo", "--preset", "gpt-oss", "--requests", "1"], "--preset: invalid choice: 'gpt-oss' (choose from 'gpt-oss-120b'"),
+    (["prefill", *POOL, "--http-port", "70000"], "--http-port: 70000 is not a port in [0, 65535]"),
+    (["decode", *POOL[:4], "--dead-after", "-1"], "--dead-after: -1 must be a positive number of seconds"),
     (["demo", "--preset", "tiny-full", "--max-tokens", "2", "--requests", "1"],
      "`disagg prefill` did not become ready (exit code 2): disagg prefill: error: capacity holds no page"),
 ])

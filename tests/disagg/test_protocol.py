@@ -4,6 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from disagg.control import layout as L
 from disagg.control import messages as P
 from disagg.errors import ProtocolError
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
@@ -12,8 +13,9 @@ from transfer.endpoint import StagingInfo
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-LAYOUT = P.LayoutInfo(16, "page_major", [Buffer(0, 4096 * 10, 4096, "full", None, None),
+LAYOUT = L.LayoutInfo(16, "page_major", [Buffer(0, 4096 * 10, 4096, "full", None, None),
                                          Buffer(1, 64 * 4, 64, "aux", None, None)])
+DESCRIBED = L.LayoutInfo(16, "page_major", LAYOUT.buffers, L.describe_model(get_preset("tiny-hybrid")))
 SAMPLES = [
     P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://10.0.0.1:5000", 42, LAYOUT),
     P.Lookup(P.PROTOCOL_VERSION, 0),
@@ -21,6 +23,8 @@ SAMPLES = [
     P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [Offer("mooncake", "10.0.0.2", b"opaque")],
                      StagingInfo(2, 4, 1 << 20)),
     P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [], None),
+    P.RegisterDecode(P.PROTOCOL_VERSION, 9, DESCRIBED, [], None),
+    P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", 1, DESCRIBED)),
     P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
     P.TransferStarted(123, 42),
     P.TransferDone(123, 42, True, "", 1 << 20, "direct", 17, 3.5),
@@ -88,14 +92,15 @@ def test_layout_difference_names_it():
     b = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 8, max_tokens=256, max_requests=2))
     c = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2, layout=Layout.LAYER_MAJOR))
     d = HybridPool(PoolConfig(get_preset("tiny-mamba"), 4, max_tokens=256, max_requests=2))
-    info = lambda p: P.LayoutInfo(p.page_size, p.config.layout.value, buffers_of(p.buffer_descriptors()))  # noqa: E731
-    assert P.layout_difference(info(a), info(a)) is None
-    assert "page size 4 vs 8" in P.layout_difference(info(a), info(b))
-    assert "pool layout page_major vs layer_major" in P.layout_difference(info(a), info(c))
-    assert "component sets differ" in P.layout_difference(info(a), info(d))
+    info = lambda p: L.LayoutInfo(p.page_size, p.config.layout.value, buffers_of(p.buffer_descriptors()))  # noqa: E731
+    assert L.layout_difference(info(a), info(a)) is None
+    assert "page size: prefill 4, decode 8" in L.layout_difference(info(a), info(b))
+    assert "pool layout: prefill page_major, decode layer_major" in L.layout_difference(info(a), info(c))
+    # no model descriptions (a peer that sends none): the words fall back to the buffers
+    assert "component sets differ" in L.layout_difference(info(a), info(d))
     e = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, tp_size=2))
     f = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
-    assert "B/item" in P.layout_difference(info(e), info(f))
+    assert "B/item" in L.layout_difference(info(e), info(f))
 
 
 def test_buffers_and_staging_in_a_registration_are_validated_when_decoded():

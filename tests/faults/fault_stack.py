@@ -1,10 +1,10 @@
 """What the fault tests read from running workers (their /metrics) and how they load them."""
 
 import os
-import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
+from disagg.api import metrics
 from disagg.tools.launcher import Launcher
 from disagg.router.router import post_json
 
@@ -15,13 +15,11 @@ def _metrics(http: str) -> str:
 
 
 def pool_free(http: str) -> dict:
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', _metrics(http))}
+    return metrics.pool_free(_metrics(http))
 
 
 def inflight(http: str) -> float:
-    m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', _metrics(http))
-    return float(m.group(1)) if m else 0.0
+    return metrics.inflight(_metrics(http))
 
 
 def requests(router: str, lengths: list[int]) -> list[dict]:

@@ -89,7 +89,7 @@ def test_abort_by_request_id(stack, eventually):
     assert post_json(stack["router"] + "/abort", {"request_id": "job-7"}, 10) == {"request_id": "job-7",
                                                                                   "aborted": True}
     hang.thread.join(10)
-    assert hang.result["status"] == 200 and hang.result["body"]["reason"] == "cancelled by the client"
+    assert hang.result["status"] == 409 and hang.result["body"]["reason"] == "cancelled by the client"
     eventually(lambda: _back(stack), 5, "both pools back")
     assert post_json(stack["router"] + "/abort", {"request_id": "job-7"}, 10)["aborted"] is False
 

@@ -17,7 +17,7 @@ def test_demo_json_summary_and_plot(tmp_path):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert summary["requests"] == summary["verified"] == 10 and summary["failed"] == 0
-    assert summary["gbps"] > 0 and summary["bytes"] > 0
+    assert summary["gb_per_s"] > 0 and summary["bytes"] > 0
     for phase in ("total", "transfer", "control", "verify"):
         assert {"p50", "p90", "p99"} <= set(summary["latency_ms"][phase])
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -1,7 +1,6 @@
 """Real processes on loopback: prefill (with its bootstrap), decode and router, per family."""
 
 import json
-import re
 import time
 import urllib.error
 import urllib.request
@@ -10,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import zmq
 
+from disagg.api import metrics
 from disagg.tools.launcher import Launcher
 from disagg.control.messages import PROTOCOL_VERSION, Decoder, RegisterDecode, Refused, ToDecode, encoder
 from disagg.router.router import post_json
@@ -28,7 +28,7 @@ def _get(url: str) -> str:
 
 def pool_free(http: str) -> dict:
     text = _get(http + "/metrics")
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', text)}
+    return metrics.pool_free(text)
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))

@@ -4,6 +4,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from disagg.api import metrics
 from disagg.tools.launcher import Launcher
 from disagg.router.router import post_json
 
@@ -49,20 +50,15 @@ def test_2p2d_behind_one_router(hosts4):
 
 
 def _pool_free(http: str) -> dict:
-    import re
     import urllib.request
     with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
-        text = resp.read().decode()
-    return {m.group(1): float(m.group(2))
-            for m in re.finditer(r'disagg_pool_free\{allocator="([^"]+)"[^}]*\} (\S+)', text)}
+        return metrics.pool_free(resp.read().decode())
 
 
 def _inflight(http: str) -> float:
-    import re
     import urllib.request
     with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
-        m = re.search(r'disagg_requests_inflight\{[^}]*\} (\S+)', resp.read().decode())
-    return float(m.group(1)) if m else 0.0
+        return metrics.inflight(resp.read().decode())
 
 
 def test_link_cut_fails_affected_requests_within_the_deadline_and_recovers(hosts4, eventually):

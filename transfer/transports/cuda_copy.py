@@ -13,7 +13,8 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
-the p2p limit and copy-engine batches 0.35 (../shared/gpu-notes.md), a custom kernel 0.9.
+the p2p limit and copy-engine batches 0.35 (docs/contract.md, "Figures behind the defaults"),
+a custom kernel 0.9.
 Why no cudaMemcpyAsync, not even for the AUX row or multi-MiB runs: into a peer's IPC mapping
 each call cost the host about a millisecond (cProfile on an H100: 1.8 ms per call), and the
 rows measured 10-20% faster end to end with the kernel doing everything

@@ -14,12 +14,14 @@
   with transfer_check_status (task 0 only; it frees the batch), sleeping between polls.
 """
 
+import contextlib
 import logging
 import os
+import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import msgspec
 import numpy as np
@@ -30,7 +32,7 @@ from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWri
 log = logging.getLogger(__name__)
 
 KIND = "mooncake"
-# Measured with Mooncake TCP on a 2-vCPU machine (../shared/mooncake-notes.md).
+# Measured with Mooncake TCP on a 2-vCPU machine (docs/contract.md, "Figures behind the defaults").
 TCP_COST = LinkCost(per_range_us=28.0, link_gbps=2.2)
 _ENV_DEFAULTS = {
     "MC_LOG_LEVEL": "WARNING",
@@ -169,6 +171,31 @@ class MooncakeLink(Link):
         pass  # Mooncake keeps one session per peer for the engine's life; nothing per link
 
 
+@contextlib.contextmanager
+def _start_up_lines() -> Iterator:
+    """Keep what Mooncake prints to stderr while it starts (every run says "Logging before
+    InitGoogleLogging", "No RDMA devices found" on TCP, "Local segment descriptor not found":
+    expected, and noise at the default log level). The lines go to our DEBUG log, and into the
+    error if the start fails. With this module's log level at DEBUG (`--log-level debug`) they
+    go to stderr as they come."""
+    if log.isEnabledFor(logging.DEBUG):
+        yield lambda: []
+        return
+    with tempfile.TemporaryFile() as kept:
+        saved = os.dup(2)
+        os.dup2(kept.fileno(), 2)
+        lines: list[str] = []
+        try:
+            yield lambda: lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines += [l for l in kept.read().decode(errors="replace").splitlines() if l.strip()][-20:]
+            for line in lines:
+                log.debug("mooncake: %s", line)
+
+
 class MooncakeTransport(Transport):
     kind = KIND
 
@@ -184,10 +211,11 @@ class MooncakeTransport(Transport):
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
         from mooncake.engine import TransferEngine  # imported late: the env above must be set first
 
-        self._te = TransferEngine()
-        code = self._te.initialize(host, "P2PHANDSHAKE", protocol, device_names)
+        with _start_up_lines() as said:
+            self._te = TransferEngine()
+            code = self._te.initialize(host, "P2PHANDSHAKE", protocol, device_names)
         if code != 0:
-            raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}")
+            raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}: {' | '.join(said())}")
         self.host, self.protocol = host, protocol
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
         self.cost = TCP_COST

@@ -17,7 +17,8 @@ family. Weights are random from a seed, so both sides build the same model with 
     model-deepseek-v32        deepseek_v32    DeepSeek-V3.2's MLA + NSA geometry, 3 layers, bf16 (GPU)
 
 The tiny models' init range is 0.5, not the usual 0.02: at 0.02 a corrupted Mamba state moves
-the logits by ~1e-6 and the token-match check could not see it (../shared/model-notes.md).
+the logits by ~1e-6 and the token-match check could not see it (docs/contract.md, "Figures
+behind the defaults").
 """
 
 import os

@@ -1,0 +1,181 @@
+"""What a side's pool looks like to its peer (LayoutInfo), and the one check of whether a
+transfer between two of them is meaningful.
+
+A layout also describes the model behind it (ModelDescription: name, TP size, per component
+its layer count, heads, dims, dtypes, window), so a refused registration can say in words
+what differs and which side is which; the check itself compares page size, pool layout and
+buffers only (the description is words, never a reason to refuse or accept). Every field is
+bounded when decoded: a peer's description is untrusted.
+"""
+
+from typing import Annotated
+
+import msgspec
+
+from kvpool.spec import AttentionSpec, MLASpec, ModelSpec
+from transfer.buffers import Buffer, layout_difference as buffer_difference
+
+# ---- the model behind a layout (words for a mismatch; every field bounded when decoded) ----
+MAX_NAME_CHARS = 128
+Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[ -~]+$")]  # printable ASCII
+DType = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")]
+Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]     # layers, TP size
+Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]       # heads, dims, windows
+
+
+class AttentionDescription(msgspec.Struct, frozen=True):
+    layers: Count
+    kv_heads: Dim                # the whole model's (before the TP split)
+    k_dim: Dim
+    v_dim: Dim
+    dtype: DType
+    window: Dim | None = None
+
+
+class MLADescription(msgspec.Struct, frozen=True):
+    layers: Count
+    latent_dim: Dim
+    dtype: DType
+
+
+class NSADescription(msgspec.Struct, frozen=True):
+    layers: Count
+    key_dim: Dim
+    key_dtype: DType
+    scale_block: Dim
+    scale_dtype: DType
+
+
+class LinearDescription(msgspec.Struct, frozen=True):
+    layers: Count
+    conv_dim: Dim
+    conv_width: Dim
+    temporal_heads: Dim
+    temporal_d1: Dim
+    temporal_d2: Dim
+    conv_dtype: DType
+    temporal_dtype: DType
+
+
+class ModelDescription(msgspec.Struct, frozen=True):
+    """The model a side's pool was built for, in the terms a person compares two sides in."""
+    name: Name                   # the preset (or the model a model engine read its geometry off)
+    tp_size: Count
+    num_layers: Count
+    full: AttentionDescription | None = None    # full attention (MHA/GQA) ...
+    mla: MLADescription | None = None           # ... or latent attention on the full layers
+    swa: AttentionDescription | None = None
+    nsa: NSADescription | None = None
+    linear: LinearDescription | None = None
+
+
+def _clip_name(name: str) -> str:
+    name = "".join(ch if " " <= ch <= "~" else "?" for ch in str(name))[:MAX_NAME_CHARS]
+    return name or "?"
+
+
+def describe_model(model: ModelSpec, tp_size: int = 1) -> ModelDescription:
+    """What a side tells its peer about `model` (a pool's config.model, split `tp_size` ways)."""
+    def attention(a: AttentionSpec | None) -> AttentionDescription | None:
+        if a is None:
+            return None
+        return AttentionDescription(len(a.layers), a.kv_heads, a.k_dim, a.v_dim, a.dtype, a.window)
+    full = model.full
+    lin, nsa = model.linear, model.nsa
+    return ModelDescription(
+        _clip_name(model.name), tp_size, model.num_layers,
+        full=attention(full) if isinstance(full, AttentionSpec) else None,
+        mla=MLADescription(len(full.layers), full.latent_dim, full.dtype) if isinstance(full, MLASpec) else None,
+        swa=attention(model.swa),
+        nsa=None if nsa is None else NSADescription(len(nsa.layers), nsa.key_dim, nsa.key_dtype, nsa.scale_block,
+                                                    nsa.scale_dtype),
+        linear=None if lin is None else LinearDescription(len(lin.layers), lin.conv_dim, lin.conv_width,
+                                                          lin.temporal_heads, lin.temporal_d1, lin.temporal_d2,
+                                                          lin.conv_dtype, lin.temporal_dtype),
+    )
+
+
+class LayoutInfo(msgspec.Struct, frozen=True):
+    """What must match between the two sides for a transfer to be meaningful, and the model
+    behind it (None from a peer that does not describe it: the words fall back to buffers)."""
+    page_size: int
+    layout: str                 # page_major | layer_major
+    buffers: list[Buffer]       # the pool's buffers, region i = buffer i
+    model: ModelDescription | None = None
+
+
+_LABELS = {"full": "full attention", "mla": "mla", "swa": "swa", "nsa": "nsa indexer", "linear": "linear state"}
+MAX_WORDS = 8            # differences named in one message; the rest are counted
+MAX_BUFFER_WORDS = 300   # characters of a buffer-level difference (a peer's part names are not bounded)
+
+
+def _properties(d) -> list[tuple[str, object]]:
+    """One component's description as (what, value) pairs, in the order they are compared."""
+    if isinstance(d, AttentionDescription):
+        dims = d.k_dim if d.k_dim == d.v_dim else f"{d.k_dim}/{d.v_dim}"
+        return [("layers", d.layers), ("kv_heads x head_dim", f"{d.kv_heads} x {dims}"), ("dtype", d.dtype),
+                ("window", d.window if d.window is not None else "none")]
+    if isinstance(d, MLADescription):
+        return [("layers", d.layers), ("latent_dim", d.latent_dim), ("dtype", d.dtype)]
+    if isinstance(d, NSADescription):
+        return [("layers", d.layers), ("key_dim", d.key_dim), ("key dtype", d.key_dtype),
+                ("scale_block", d.scale_block), ("scale dtype", d.scale_dtype)]
+    return [("layers", d.layers), ("conv_dim x conv_width", f"{d.conv_dim} x {d.conv_width}"),
+            ("temporal heads x d1 x d2", f"{d.temporal_heads} x {d.temporal_d1} x {d.temporal_d2}"),
+            ("conv dtype", d.conv_dtype), ("temporal dtype", d.temporal_dtype)]
+
+
+def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
+    """Every difference between the two sides' models, in words ("what: prefill X, decode Y")."""
+    out = []
+    for what, p, d in (("layers", prefill.num_layers, decode.num_layers), ("tp size", prefill.tp_size, decode.tp_size)):
+        if p != d:
+            out.append(f"{what}: prefill {p}, decode {d}")
+    kinds = [k for k in _LABELS if getattr(prefill, k) is not None or getattr(decode, k) is not None]
+    only_p = [_LABELS[k] for k in kinds if getattr(decode, k) is None]
+    only_d = [_LABELS[k] for k in kinds if getattr(prefill, k) is None]
+    if only_p or only_d:
+        out.append(f"components: prefill has {' + '.join(only_p) or 'none'}, decode has {' + '.join(only_d) or 'none'}")
+    for k in kinds:
+        p, d = getattr(prefill, k), getattr(decode, k)
+        if p is None or d is None:
+            continue
+        for (what, pv), (_, dv) in zip(_properties(p), _properties(d)):
+            if pv != dv:
+                out.append(f"{_LABELS[k]} {what}: prefill {pv}, decode {dv}")
+    return out
+
+
+def _side(role: str, info: LayoutInfo) -> str:
+    m = info.model
+    if m is None:
+        return f"{role} (model not described)"
+    return f"{role} {m.name}" + (f" (tp {m.tp_size})" if m.tp_size != 1 else "")
+
+
+def _one_line(text: str) -> str:
+    return "".join(ch if ch.isprintable() else "?" for ch in text)
+
+
+def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
+    """None if a transfer between the two sides' layouts is meaningful (same page size, pool
+    layout and buffers, by transfer.buffers' one check; the model descriptions play no part),
+    else one line naming both sides' models and what differs in words, e.g.
+    "prefill gpt-oss-120b vs decode gpt-oss-20b: layers: prefill 36, decode 24; ...". The
+    buffers are compared with prefill as the source and decode as the destination."""
+    buffers = buffer_difference(prefill.buffers, decode.buffers)
+    if prefill.page_size == decode.page_size and prefill.layout == decode.layout and buffers is None:
+        return None
+    words = []
+    if prefill.page_size != decode.page_size:
+        words.append(f"page size: prefill {prefill.page_size}, decode {decode.page_size}")
+    if prefill.layout != decode.layout:
+        words.append(f"pool layout: prefill {prefill.layout}, decode {decode.layout}")
+    if prefill.model is not None and decode.model is not None:
+        words += model_differences(prefill.model, decode.model)
+    if not words:   # a peer that sent no description, or models alike but buffers not (padding, versions)
+        text = buffers if len(buffers) <= MAX_BUFFER_WORDS else buffers[:MAX_BUFFER_WORDS] + "..."
+        words.append(f"buffers (prefill = source, decode = destination): {text}")
+    more = len(words) - MAX_WORDS
+    shown = "; ".join(words[:MAX_WORDS]) + (f"; and {more} more" if more > 0 else "")
+    return _one_line(f"{_side('prefill', prefill)} vs {_side('decode', decode)}: {shown}")

@@ -1,0 +1,70 @@
+"""The /metrics page of a worker: a unit in every name, one unit per metric, no `_created`."""
+
+import re
+
+import pytest
+from prometheus_client import generate_latest
+
+from disagg.api.metrics import WorkerMetrics, inflight, pool_free
+
+POOL = {"full_tokens": 4096, "swa_tokens": 512, "mamba_slots": 7, "aux_rows": 8}   # a HybridPool's available()
+UNITS = ("_seconds", "_bytes", "_tokens", "_slots", "_rows", "_requests", "_ranges")
+
+
+def scraped(m: WorkerMetrics) -> str:
+    return generate_latest(m.registry).decode()
+
+
+def busy_worker() -> tuple[WorkerMetrics, str]:
+    """A decode worker that served one request and failed one, every metric observed once."""
+    m = WorkerMetrics("decode")
+    m.observe_pool(POOL)
+    m.count(lambda: {"state": "SUCCESS", "wait_ms": 12.0}, lambda out: True, lambda out, ok: m.seconds("wait", out))
+    m.count(lambda: {"state": "FAILED", "reason": "TransferError: reset"}, lambda out: False)
+    m.bytes.labels("decode", "mooncake").inc(1 << 20)
+    m.transfers.labels("decode", "direct", "mooncake").inc()
+    m.ranges.labels("decode").observe(3)
+    return m, scraped(m)
+
+
+def test_no_created_series():
+    _, text = busy_worker()
+    assert "_created" not in text
+    assert "disagg_requests_total" in text and "disagg_phase_seconds_count" in text   # the page is not empty
+
+
+def test_every_metric_name_carries_its_unit():
+    _, text = busy_worker()
+    types = dict(re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M))
+    assert types, text
+    for name, kind in types.items():
+        if kind == "counter":
+            assert name.endswith("_total"), name
+        else:
+            assert name.endswith(UNITS), name
+
+
+def test_pool_capacity_is_one_gauge_per_unit():
+    _, text = busy_worker()
+    assert not re.search(r"^disagg_pool_free[{ ]", text, re.M), "a gauge mixing tokens, rows and slots"
+    allocators = {}
+    for name, allocator in re.findall(r'^(disagg_pool_free_\w+)\{allocator="(\w+)",role="decode"\} ', text, re.M):
+        allocators.setdefault(name, set()).add(allocator)
+    assert allocators == {"disagg_pool_free_tokens": {"full", "swa"}, "disagg_pool_free_slots": {"mamba"},
+                          "disagg_pool_free_rows": {"aux"}}
+    assert 'disagg_pool_free_tokens{allocator="full",role="decode"} 4096.0' in text
+    assert pool_free(text) == POOL   # what the leak checks compare, keyed as the pool names it
+
+
+def test_a_pool_figure_without_a_unit_is_refused():
+    m = WorkerMetrics("prefill")
+    with pytest.raises(ValueError, match="must end in its unit"):
+        m.observe_pool({"free": 3})
+
+
+def test_inflight_requests_while_one_is_served():
+    m = WorkerMetrics("router")
+    seen = []
+    m.count(lambda: seen.append(inflight(scraped(m))) or {}, lambda out: True)
+    assert seen == [1.0] and inflight(scraped(m)) == 0.0
+    assert 'disagg_inflight_requests{role="router"} 0.0' in scraped(m)
