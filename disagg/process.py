@@ -7,13 +7,20 @@ import threading
 import time
 from collections.abc import Callable
 
+from disagg.worker.checks import positive_int
+
 log = logging.getLogger("disagg")
 
 LEVELS = ("debug", "info", "warning", "error")
 
 
-def add_log_flag(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--log-level", default="info", choices=LEVELS,
+def add_process_flags(p: argparse.ArgumentParser, torch_threads: bool = False) -> None:
+    """The "process" group: --log-level (and --torch-threads for the workers)."""
+    g = p.add_argument_group("process")
+    if torch_threads:
+        g.add_argument("--torch-threads", type=positive_int, default=1,
+                       help="torch intra-op threads (1 leaves cores to the transport's own threads)")
+    g.add_argument("--log-level", default="info", choices=LEVELS,
                    help="debug also shows Mooncake's start-up lines (RDMA probing, segment set-up), kept out of "
                         "the log at info")
 

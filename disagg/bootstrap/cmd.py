@@ -4,7 +4,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from disagg.process import add_log_flag
+from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 
 if TYPE_CHECKING:
@@ -17,7 +17,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998", metavar="tcp://HOST:PORT",
                    help="ZMQ endpoint to serve on (the same flag as prefill's bootstrap inside it)")
     p.add_argument("--bind", dest="bootstrap_bind", help=argparse.SUPPRESS)   # its former name
-    add_log_flag(p)
+    add_process_flags(p)
     add_auth_flags(p)
 
 

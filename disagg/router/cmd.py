@@ -2,7 +2,7 @@
 
 import argparse
 
-from disagg.process import add_log_flag
+from disagg.process import add_process_flags
 from disagg.router.router import Pair, RouterConfig
 from disagg.worker.checks import port, positive_int, seconds
 
@@ -26,7 +26,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "with Retry-After)")
     g.add_argument("--vocab-size", type=positive_int, default=50000,
                    help="requests that give prompt_len get random token ids below this (the model's vocabulary)")
-    add_log_flag(g)
+    add_process_flags(p)
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:

@@ -4,7 +4,7 @@ import argparse
 import json
 import sys
 
-from disagg.process import add_log_flag
+from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
 from disagg.worker.checks import byte_size, cuda_device, device_name, port, positive_int, power_of_two, seconds
@@ -44,9 +44,6 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "(fewest transfer ranges); layer_major = one buffer per layer and part (as SGLang/vLLM)")
     g.add_argument("--device", default="auto", type=device_name, metavar="DEVICE",
                    help="where the pool lives: cpu, cuda, cuda:N, or auto (cuda where torch sees a GPU)")
-    g.add_argument("--torch-threads", type=positive_int, default=1,
-                   help="torch intra-op threads (1 leaves cores to the transport's own threads)")
-    add_log_flag(g)
     g = p.add_argument_group("HTTP (/health, /ready, /metrics and the API)")
     g.add_argument("--http-host", default=None, help="address to serve on (default: --host; 0.0.0.0 for "
                    "Kubernetes probes)")
@@ -85,6 +82,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-inflight", type=positive_int, default=256,
                    help="concurrent API requests (more: 503 at once)")
     add_auth_flags(p)
+    add_process_flags(p, torch_threads=True)
     g = p.add_argument_group("fault injection (testing)")
     g.add_argument("--inject-faults", default="", metavar="POINT=RATE,...",
                    help="fail on purpose at these points with these probabilities; points: " + ", ".join(POINTS))

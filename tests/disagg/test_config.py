@@ -133,6 +133,6 @@ def test_help_imports_no_torch(command):
 def test_flags_sit_in_groups_that_say_what_they_are_for():
     groups = {a.dest: g.title for g in build_parser().commands["decode"]._action_groups for a in g._group_actions}
     assert groups["dead_after"] == groups["bootstrap_timeout"] == "deadlines, liveness and admission"
-    assert groups["torch_threads"] == groups["preset"] == "model and pool"
+    assert groups["torch_threads"] == groups["log_level"] == "process" and groups["preset"] == "model and pool"
     assert groups["http_port"] == groups["http_host"] != groups["host"] == "transfer"
     assert {d for d, t in groups.items() if t == "fault injection (testing)"} == {"inject_faults", "fault_seed"}
