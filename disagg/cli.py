@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> int:
     command = next((t for t in argv if not t.startswith("-")), None)
     if command in CONFIGURABLE:
         try:
-            config.apply(subs[command], command, argv[argv.index(command) + 1:])
+            config.apply(subs[command], command, argv[argv.index(command) + 1:],
+                         {c: subs[c] for c in CONFIGURABLE})
         except config.SourceError as exc:
             subs[command].error(str(exc))   # usage + one line, exit 2
     args = parser.parse_args(argv)

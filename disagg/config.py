@@ -72,13 +72,15 @@ class SourceError(Exception):
     """A value from the environment or the config file that its flag refuses."""
 
 
-def apply(parser: argparse.ArgumentParser, command: str, argv: list[str]) -> None:
+def apply(parser: argparse.ArgumentParser, command: str, argv: list[str],
+          everyone: dict[str, argparse.ArgumentParser] | None = None) -> None:
     """Set `parser`'s defaults from the environment and the config file (argv wins later, when
-    argparse reads it). SourceError names the variable or key and what would work."""
+    argparse reads it). SourceError names the variable or key and what would work. `everyone`
+    (command -> parser) lets a top-level key or table that no command knows be refused."""
     given = {a.dest for a in parser._actions for opt in a.option_strings
              if any(t == opt or t.startswith(opt + "=") for t in argv)}
     file_path = _config_path(argv)
-    from_file = _file_values(file_path, command, parser) if file_path else {}
+    from_file = _file_values(file_path, command, parser, everyone or {command: parser}) if file_path else {}
     taken: dict[int, str] = {}   # mutually exclusive group -> the dest that holds it
     for g in parser._mutually_exclusive_groups:
         for a in g._group_actions:
@@ -109,7 +111,8 @@ def _config_path(argv: list[str]) -> str | None:
     return os.environ.get("DISAGG_CONFIG") or None
 
 
-def _file_values(path: str, command: str, parser: argparse.ArgumentParser) -> dict[str, Any]:
+def _file_values(path: str, command: str, parser: argparse.ArgumentParser,
+                 everyone: dict[str, argparse.ArgumentParser]) -> dict[str, Any]:
     try:
         with open(path, "rb") as f:
             data = tomllib.load(f)
@@ -118,6 +121,12 @@ def _file_values(path: str, command: str, parser: argparse.ArgumentParser) -> di
     except tomllib.TOMLDecodeError as exc:
         raise SourceError(f"--config {path}: not TOML: {exc}") from None
     ours = {key_name(a) for a in flags(parser)}
+    anyone = {key_name(a) for p in everyone.values() for a in flags(p)}
+    strays = sorted(k for k, v in data.items()
+                    if k not in everyone and (isinstance(v, dict) or k not in anyone))   # a typo, not a flag
+    if strays:
+        raise SourceError(f"--config {path}: no command has a flag or table {', '.join(strays)} (tables: "
+                          f"{', '.join(f'[{c}]' for c in everyone)})")
     values = {k: v for k, v in data.items() if not isinstance(v, dict) and k in ours}
     table = data.get(command, {})
     if not isinstance(table, dict):

@@ -76,6 +76,8 @@ def test_flags_that_exclude_each_other_are_settled_by_source(tmp_path):
     (["prefill"], {"DISAGG_INSECURE": "maybe"}, None, "DISAGG_INSECURE=maybe: want true or false"),
     (["prefill"], {}, "[prefill]\npage-sise = 16\n", "[prefill] has no flag page-sise"),
     (["prefill"], {}, "page-size = 12\n", "page-size = 12: 12 is not a power of two"),
+    (["prefill"], {}, "page-sise = 16\n", "no command has a flag or table page-sise"),
+    (["prefill"], {}, "[prefil]\npage-size = 16\n", "no command has a flag or table prefil"),
     (["prefill"], {}, "page-size = [", "not TOML"),
     (["router"], {"DISAGG_PAIR": "A,B"}, None, "DISAGG_PAIR=A,B: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
 ])
