@@ -22,3 +22,17 @@ class Deadlines:
         for name in ("bootstrap_s", "waiting_s", "transfer_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"deadline {name} must be > 0")
+
+
+
+MARK = "deadline of"   # in every timeout's reason, never in another's
+
+
+def passed(side: str, phase: str, limit_s: float, missing: str) -> str:
+    """The failure reason of a request whose phase outlived its deadline (both roles say it
+    this way, so the router can tell a timeout from other failures: `is_timeout`)."""
+    return f"{side}: {phase} {MARK} {limit_s:g} s passed ({missing})"
+
+
+def is_timeout(reason: str) -> bool:
+    return MARK in reason

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from disagg.control.messages import Abort, TransferDone
-from disagg.control.deadlines import Deadlines
+from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
@@ -110,7 +110,7 @@ class RequestTable:
                 limit = self.deadlines.transfer_s if r.phase is Phase.TRANSFERRING else self.deadlines.waiting_s
                 left = r.since + limit - time.monotonic()
                 if left <= 0:
-                    self._fail(r, f"decode: {r.phase.name} deadline of {limit:g} s passed ({_MISSING[r.phase]})")
+                    self._fail(r, deadline_passed("decode", r.phase.name, limit, _MISSING[r.phase]))
                     break
                 self._lock.wait(left)
             return r.phase

@@ -27,7 +27,7 @@ from enum import Enum
 import numpy as np
 
 from disagg.control.messages import TransferDone
-from disagg.control.deadlines import Deadlines
+from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
@@ -203,7 +203,7 @@ class RequestTable:
                 limit = r.phase.deadline(self.deadlines)
                 left = r.since + limit - time.monotonic()
                 if left <= 0:
-                    self._fail(r, f"prefill: {r.phase.name} deadline of {limit:g} s passed ({_MISSING[r.phase]})")
+                    self._fail(r, deadline_passed("prefill", r.phase.name, limit, _MISSING[r.phase]))
                     break
                 self._lock.wait(left)
             return r.phase

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from disagg.api.fields import optional_int
+from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def _failure_status(pre: dict, dec: dict, cancelled: bool) -> int:
     if pre.get("unreachable") or dec.get("unreachable"):
         return 503
     reasons = f"{pre.get('reason', '')} {dec.get('reason', '')}"
-    if "deadline of" in reasons or "gave no answer within" in reasons:
+    if is_timeout(reasons) or "gave no answer within" in reasons:
         return 504
     if pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS":
         return 500

@@ -7,22 +7,24 @@ import argparse
 from disagg.errors import ConfigError
 
 
+def _number(text: str, kind: type, noun: str):
+    """int(text) or float(text), or the flag's one-line error."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+
+
 def power_of_two(text: str) -> int:
     """--page-size: a power of two in [1, 4096]."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _number(text, int, "an integer")
     if not 1 <= value <= 4096 or value & (value - 1):
         raise argparse.ArgumentTypeError(f"{value} is not a power of two in [1, 4096] (e.g. 1, 16, 64)")
     return value
 
 
 def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _number(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
@@ -44,10 +46,7 @@ def cuda_device(device: str) -> None:
 
 def share(text: str) -> float:
     """A fraction in [0, 1] (--check-rate)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _number(text, float, "a number")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value:g} is not in [0, 1]")
     return value
@@ -55,10 +54,7 @@ def share(text: str) -> float:
 
 def port(text: str) -> int:
     """A TCP port, 0 meaning any free one."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    value = _number(text, int, "a port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port in [0, 65535] (0: any free port)")
     return value
@@ -66,10 +62,7 @@ def port(text: str) -> int:
 
 def seconds(text: str) -> float:
     """A positive duration in seconds."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    value = _number(text, float, "a number of seconds")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
     return value
