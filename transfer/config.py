@@ -23,6 +23,7 @@ class TransferConfig:
     staging_slot_bytes: int = 16 << 20
     staging_device: str | None = None  # None: the pool's device; "cpu" stages a GPU pool via host memory
     chunk_timeout_s: float = 30.0   # staged: longest wait for a receiver slot
+    stream_group_ms: float = 2.0    # streamed: a layer group keeps the link busy at least this long
     faults: FaultPlan = field(default_factory=FaultPlan)   # injected failures (tests, soak); none by default
 
     def __post_init__(self) -> None:
@@ -30,6 +31,6 @@ class TransferConfig:
         for name in ("staging_slots", "staging_slot_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        for name in ("copy_gbps", "per_chunk_us", "chunk_timeout_s"):
+        for name in ("copy_gbps", "per_chunk_us", "chunk_timeout_s", "stream_group_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

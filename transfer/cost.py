@@ -5,6 +5,12 @@
                                                                    the write; count them once)
 
 per_range and link are the link's (its transport measured them); copy and per_chunk ours.
+
+Layer-wise streaming cuts a request into layer groups: the more groups, the less is left to
+send when the last layer is final (that part is what decode waits for after compute), but
+each group is at least one more write. `layer_bounds` makes as many groups as the layers
+allow while each group still takes `stream_group_ms` on the link, so fixed costs per write (a
+chunk's round trip, a kernel launch) stay a small share.
 """
 
 from transfer.config import Mode, TransferConfig
@@ -34,3 +40,11 @@ def choose_mode(plan: TransferPlan, cost: LinkCost, config: TransferConfig, slot
         return Mode.STAGED
     est = estimate(plan, cost, config, slot_bytes)
     return Mode.STAGED if est[Mode.STAGED] < est[Mode.DIRECT] else Mode.DIRECT
+
+
+def layer_bounds(num_layers: int, nbytes: int, cost: LinkCost, config: TransferConfig) -> list[int]:
+    """Bounds of the layer groups a streamed request is sent in: [0, ..., num_layers], the
+    layers split as evenly as they go; one group when the request is too small to pay."""
+    seconds = nbytes / (cost.link_gbps * 1e9)
+    groups = max(1, min(num_layers, int(seconds / (config.stream_group_ms * 1e-3))))
+    return [num_layers * g // groups for g in range(groups + 1)]

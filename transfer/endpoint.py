@@ -50,6 +50,10 @@ class PoolEndpoint:
             raise
         # torch tensors per component, for gather and scatter
         self.tensors: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}
+        # where each layer lies in an item: (buffer, layer, offset, bytes), for layer-wise streaming
+        self.placements: dict[Component, list[tuple[int, int, int, int]]] = {
+            c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
+            for c, p in pool.pools.items()}
         self.faults = FaultInjector(config.faults)
 
     def offers(self) -> list[Offer]:

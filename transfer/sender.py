@@ -1,6 +1,13 @@
 """KVSender: the prefill side of one transfer: connect to a receiver over the first transport
-both sides have, then per request plan, choose direct or staged, write, AUX last."""
+both sides have, then per request plan, choose direct or staged, write, AUX last.
 
+Streamed (layer-wise): while the model engine still computes, the body goes in layer groups
+(transfer.plan.split_layers; sized by transfer.cost.layer_bounds), each once LayerProgress
+says its layers are final; direct writes fragments of each row, staged gathers a group's
+fields into chunks. The AUX row still goes last, after the engine returned and everything
+landed, so decode never sees "done" before every layer."""
+
+import dataclasses
 import logging
 import queue
 import threading
@@ -11,11 +18,12 @@ from dataclasses import dataclass
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
-from transfer.cost import choose_mode
+from transfer.cost import choose_mode, layer_bounds
 from transfer.endpoint import PoolEndpoint, StagingInfo
 from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError
 from transfer.peer import RemotePool
-from transfer.plan import TransferPlan, build_plan
+from transfer.plan import ComponentPlan, LayerGroup, TransferPlan, build_plan, split_layers
+from transfer.progress import LayerProgress
 from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
 from transfer.transports import Offer, Ranges, pick
 
@@ -33,6 +41,9 @@ class TransferReport:
     seconds: float     # whole send, planning included
     submit_ms: float = 0.0   # direct: host time handing the writes to the link
     wait_ms: float = 0.0     # direct: time blocked until the link reported them landed
+    groups: int = 1          # layer groups sent (streamed: more than one)
+    first_write_at: float = 0.0   # wall clock (time.time) of the first body write
+    streamed: bool = False   # started before the KV was complete
 
 
 class KVSender(PoolEndpoint):
@@ -52,51 +63,79 @@ class KVSender(PoolEndpoint):
     def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet) -> TransferPlan:
         return build_plan(src, dst, self.buffers, list(peer.buffers))
 
+    def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:
+        """The plan cut into layer groups sized for this peer's link (transfer.cost)."""
+        num_layers = self.pool.config.model.num_layers
+        bounds = layer_bounds(num_layers, sum(c.nbytes for c in plan.body), peer.link.cost, self.config)
+        return split_layers(plan, bounds, self.placements)
+
     def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
              remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
-             stopped: Callable[[], bool] | None = None) -> TransferReport:
+             stopped: Callable[[], bool] | None = None, progress: LayerProgress | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
         staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
-        every write: true (the request was aborted) ends the send with Cancelled. Raises a
-        TransferError or Cancelled; the receiver must treat the request as failed then."""
+        every write: true (the request was aborted) ends the send with Cancelled.
+        With `progress` (the KV is still being computed) the body goes in layer groups, each
+        as soon as its layers are final; the AUX row once progress is complete.
+        Raises a TransferError or Cancelled; the receiver must treat the request as failed then."""
         t0 = time.perf_counter()
         stopped = stopped or (lambda: False)
         plan = self.plan(peer, src, dst)
+        streamed = progress is not None
+        groups = self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)]
+        body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
         plan_ms = (time.perf_counter() - t0) * 1e3
         slot_bytes = min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
-        mode = choose_mode(plan, peer.link.cost, self.config, slot_bytes, can_stage)
+        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.config, slot_bytes, can_stage)
+        wait_layers = (lambda n: progress.wait(n, stopped)) if streamed else (lambda n: None)
+        first_write: list[float] = []
         ranges = chunks = 0
-        pending, waited = None, 0.0
+        pending, waited = [], 0.0
         t_submit = time.perf_counter()
         if mode is Mode.DIRECT:
-            body = plan.body_runsets()
-            self._before_write(stopped)
-            pending = peer.link.write_runs_async(body)
-            ranges = sum(len(r) for r in body)
+            for g in groups:
+                if not g.body:
+                    continue
+                t = time.perf_counter()
+                wait_layers(g.layers.stop)
+                waited += time.perf_counter() - t
+                self._before_write(stopped, first_write)
+                pending.append(peer.link.write_runs_async([c.runset for c in g.body]))
+                ranges += sum(c.num_ranges for c in g.body)
             if not peer.link.ordered:   # the AUX row may only start once the body landed
                 t = time.perf_counter()
-                pending.wait()
+                for p in pending:
+                    p.wait()
                 waited += time.perf_counter() - t
+                pending = []
         else:
-            chunks = self._send_staged(peer, plan, slot_bytes, transfer_id, remote_slots, channel, stopped)
+            chunk_list = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
+                          for g in groups for c in chunk_plan(g.body, slot_bytes)]
+            chunks = self._send_staged(peer, plan.body, chunk_list, transfer_id, remote_slots, channel, stopped,
+                                       wait_layers, first_write, share=0.5 if streamed else 1.0)
             ranges = chunks
+        if progress is not None:
+            progress.wait_complete(stopped)   # the engine returned: the AUX row is written
         if plan.aux is not None:  # last: its arrival means the body has landed
-            self._before_write(stopped)
-            pending = peer.link.write_runs_async([plan.aux.runset])   # (an ordered link: after the body)
+            self._before_write(stopped, first_write)
+            pending.append(peer.link.write_runs_async([plan.aux.runset]))   # (an ordered link: after the body)
             ranges += len(plan.aux.runset)
         t = time.perf_counter()
-        if pending is not None:
-            pending.wait()
+        for p in pending:
+            p.wait()
         waited += time.perf_counter() - t
         submitted = (time.perf_counter() - t_submit - waited) * 1e3
         return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0,
-                              submitted if mode is Mode.DIRECT else 0.0, waited * 1e3)
+                              submitted if mode is Mode.DIRECT else 0.0, waited * 1e3,
+                              sum(1 for g in groups if g.body), first_write[0] if first_write else 0.0, streamed)
 
-    def _before_write(self, stopped: Callable[[], bool]) -> None:
+    def _before_write(self, stopped: Callable[[], bool], first_write: list[float] | None = None) -> None:
         if stopped():
             raise Cancelled("send stopped: the request was aborted")
         self.faults.check("send.write")
+        if first_write is not None and not first_write:
+            first_write.append(time.time())
 
     @staticmethod
     def _await_ack(channel: ChunkChannel, transfer_id: int, index: int, timeout: float,
@@ -113,11 +152,16 @@ class KVSender(PoolEndpoint):
                 if time.monotonic() >= give_up:
                     raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
 
-    def _send_staged(self, peer: RemotePool, plan: TransferPlan, slot_bytes: int, transfer_id: int,
-                     remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool]) -> int:
-        """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits."""
-        chunks = chunk_plan(plan, slot_bytes)
-        local_slots = self.staging.lease.acquire(self.config.staging_slots, timeout=self.config.chunk_timeout_s)
+    def _send_staged(self, peer: RemotePool, body: Sequence[ComponentPlan], chunks: list[Chunk], transfer_id: int,
+                     remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool],
+                     wait_layers: Callable[[int], None], first_write: list[float], share: float = 1.0) -> int:
+        """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits.
+        A streamed transfer waits for a chunk's layers before gathering it, and takes local
+        slots only then, and only `share` of them (others' transfers need some meanwhile)."""
+        if chunks:
+            wait_layers(chunks[0].layers_needed)
+        want = max(1, int(self.config.staging_slots * share))
+        local_slots = self.staging.lease.acquire(want, timeout=self.config.chunk_timeout_s)
         if not local_slots:
             raise StagingError("no local staging slot freed up in time")
         free: queue.Queue = queue.Queue()
@@ -126,14 +170,16 @@ class KVSender(PoolEndpoint):
         ready: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
         writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer",
-                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors, stopped))
+                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors, stopped,
+                                        first_write))
         writer.start()
         try:
             for chunk in chunks:
+                wait_layers(chunk.layers_needed)
                 slot = free.get()
                 if slot is None:  # the writer failed
                     break
-                gather(chunk, plan, self.tensors, self.staging.slot(slot))
+                gather(chunk, body, self.tensors, self.staging.slot(slot))
                 ready.put((slot, chunk))
         except BaseException as exc:
             errors.append(exc)
@@ -148,7 +194,7 @@ class KVSender(PoolEndpoint):
 
     def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
                       channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list,
-                      stopped: Callable[[], bool]) -> None:
+                      stopped: Callable[[], bool], first_write: list[float]) -> None:
         n_remote = len(remote_slots)
         timeout = self.config.chunk_timeout_s
         try:
@@ -160,7 +206,7 @@ class KVSender(PoolEndpoint):
                 if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
                     self._await_ack(channel, transfer_id, i - n_remote, timeout, stopped)
                 remote = remote_slots[i % n_remote]
-                self._before_write(stopped)
+                self._before_write(stopped, first_write)
                 peer.link.write(Ranges.one(self.staging_region, self.staging.slot_offset(slot),
                                            peer.staging.region, peer.slot_offset(remote), chunk.nbytes))
                 channel.notify(transfer_id, i, remote, list(chunk.pieces))

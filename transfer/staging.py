@@ -15,6 +15,7 @@ always returned.
 """
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -25,7 +26,7 @@ import torch
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import AckTimeout, StagingError
-from transfer.plan import TransferPlan
+from transfer.plan import ComponentPlan
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -34,6 +35,8 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
     first: int       # first item in the component's aligned index array
     count: int       # items
     offset: int      # byte offset inside the slot
+    field_off: int = 0    # only bytes [field_off, field_off + field_len) of each item (a layer group
+    field_len: int = 0    # of a page-major row); field_len 0: whole items
 
 
 class ChunkChannel(Protocol):
@@ -98,18 +101,21 @@ class AckLedger:
 class Chunk:
     pieces: tuple[Piece, ...]
     nbytes: int
+    layers_needed: int = 0   # streamed: model layers [0, n) must be final before it is gathered
 
 
-def chunk_plan(plan: TransferPlan, slot_bytes: int) -> list[Chunk]:
-    """Pack the plan's body streams into chunks of <= slot_bytes (loops over streams and
-    chunks, never over items)."""
+def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
+    """Pack the body's streams (a plan's, or one layer group's) into chunks of <= slot_bytes
+    (loops over streams and chunks, never over items)."""
     chunks: list[Chunk] = []
     pieces: list[Piece] = []
     used = 0
-    for cp in plan.body:
+    for cp in body:
         n_items = len(cp.src_idx)
-        for b, buf in enumerate(cp.src_bufs):
-            item = buf.item_bytes
+        field_off, field_len = cp.field or (0, 0)
+        for i, buf in enumerate(cp.src_bufs):
+            b = cp.buffer_id(i)
+            item = field_len or buf.item_bytes
             if item > slot_bytes:
                 raise StagingError(f"{cp.component.value} item of {item} bytes exceeds staging slot of {slot_bytes}")
             first = 0
@@ -119,7 +125,7 @@ def chunk_plan(plan: TransferPlan, slot_bytes: int) -> list[Chunk]:
                     chunks.append(Chunk(tuple(pieces), used))
                     pieces, used = [], 0
                     continue
-                pieces.append(Piece(cp.component.value, b, first, k, used))
+                pieces.append(Piece(cp.component.value, b, first, k, used, field_off, field_len))
                 used = min(slot_bytes, _align(used + k * item))
                 first += k
     if pieces:
@@ -199,18 +205,25 @@ def _sync(device: torch.device) -> None:
         torch.cuda.current_stream(device).synchronize()
 
 
-def gather(chunk: Chunk, plan: TransferPlan, buffers: dict[Component, list[torch.Tensor]],
+def _field(buf: torch.Tensor, p: "Piece") -> torch.Tensor:
+    """[items, bytes that move] of a buffer for one piece: the whole rows, or a field of each
+    (a strided view: a layer group of page-major rows)."""
+    return buf[:, p.field_off:p.field_off + p.field_len] if p.field_len else buf
+
+
+def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component, list[torch.Tensor]],
            slot: torch.Tensor) -> None:
     """Copy the chunk's source items into `slot` (one index_select per piece)."""
-    by_comp = {cp.component: cp for cp in plan.body}
+    by_comp = {cp.component: cp for cp in body}
     devices = {slot.device}
     for p in chunk.pieces:
         c = Component(p.component)
-        buf = buffers[c][p.buffer]
+        buf = _field(buffers[c][p.buffer], p)
+        width = buf.shape[1]
         idx = torch.from_numpy(np.array(by_comp[c].src_idx[p.first:p.first + p.count], dtype=np.int64)).to(buf.device)
-        out = slot[p.offset:p.offset + p.count * buf.shape[1]].view(p.count, buf.shape[1])
+        out = slot[p.offset:p.offset + p.count * width].view(p.count, width)
         if out.device == buf.device:  # one kernel straight into the slot
-            torch.index_select(_rows(buf, buf.shape[1]), 0, idx, out=_rows(out, buf.shape[1]))
+            torch.index_select(_rows(buf, width), 0, idx, out=_rows(out, width))
         else:  # e.g. a host staging area for a GPU pool
             out.copy_(buf.index_select(0, idx))
         devices.add(buf.device)
@@ -233,7 +246,11 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
             raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
         if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
             raise StagingError(f"chunk {index}: no {p.component} buffer {p.buffer} here")
-        buf = buffers[c][p.buffer]
+        whole = buffers[c][p.buffer].shape[1]
+        if p.field_len and not (0 <= p.field_off and 0 < p.field_len and p.field_off + p.field_len <= whole):
+            raise StagingError(f"chunk {index}: field [{p.field_off}, {p.field_off + p.field_len}) outside the "
+                               f"{whole}-byte {p.component} item")
+        buf = _field(buffers[c][p.buffer], p)
         idx = dst[c]
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
             raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "

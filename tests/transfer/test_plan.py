@@ -156,7 +156,7 @@ def test_chunks_cover_every_item_once(slot_bytes):
     np.random.default_rng(1).shuffle(a.pages._stack[:a.pages.num_free])
     ra, rb = a.alloc_request(200), b.alloc_request(200)
     plan = build_plan(a.index_set(ra), b.index_set(rb), bufs(a), bufs(b))
-    chunks = chunk_plan(plan, slot_bytes)
+    chunks = chunk_plan(plan.body, slot_bytes)
     seen = {}
     for ch in chunks:
         assert ch.nbytes <= slot_bytes
@@ -181,7 +181,7 @@ def test_item_larger_than_slot_is_a_clear_error():
     ra, rb = a.alloc_request(12), b.alloc_request(12)
     plan = build_plan(a.index_set(ra), b.index_set(rb), bufs(a), bufs(b))
     with pytest.raises(StagingError, match="exceeds staging slot"):
-        chunk_plan(plan, 64)
+        chunk_plan(plan.body, 64)
 
 
 def test_cost_model_picks_what_the_measurements_say():

@@ -191,18 +191,24 @@ class CudaIpcLink(Link):
             event.record(self._stream)
         return CudaWrite(event, total)
 
-    def write_async(self, ranges: Ranges) -> CudaWrite:
+    def _absolute(self, ranges: Ranges):
+        """Flat ranges as kernel work: checked, then absolute addresses as items of one byte."""
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
         zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
-        flat = RunSet(self._local.bases[ranges.src_region] + ranges.src_off, self._bases[ranges.dst_region] + ranges.dst_off,
-                      ranges.length, zero, zero, one)   # absolute addresses, items of one byte
-        return self._launch([(flat, zero, zero)])
+        return (RunSet(self._local.bases[ranges.src_region] + ranges.src_off,
+                       self._bases[ranges.dst_region] + ranges.dst_off, ranges.length, zero, zero, one), zero, zero)
+
+    def write_async(self, ranges: Ranges) -> CudaWrite:
+        return self._launch([self._absolute(ranges)])
 
     def write_runs_async(self, runsets: Sequence[RunSet]) -> CudaWrite:
         work = []
         for rs in runsets:
             if not len(rs):
+                continue
+            if rs.fielded:   # one fragment per item (a layer group of page-major rows): flat, one warp each
+                work.append(self._absolute(rs.flatten()))
                 continue
             src_end, dst_end = rs.extents()
             negative = min(int(rs.src_start.min()), int(rs.dst_start.min()), int(rs.count.min())) < 0
