@@ -45,6 +45,17 @@ def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
+STREAM_LAYERS = ("auto", "on", "off")   # layer-wise streaming of a request's KV (prefill)
+
+
+def stream_layers(body: dict) -> str | None:
+    """The optional `stream_layers` field: on, off or auto (None: the worker's --stream-layers)."""
+    value = body.get("stream_layers")
+    if value is not None and value not in STREAM_LAYERS:
+        raise BadRequest(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}")
+    return value
+
+
 def abort_route(abort: Callable[[int, str], dict]) -> Route:
     """POST /abort {room, reason?} for a worker."""
     return lambda body: abort(require_room(body), str(body.get("reason", "no reason given"))[:500])

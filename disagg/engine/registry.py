@@ -19,12 +19,14 @@ if TYPE_CHECKING:
     from disagg.engine.base import ModelEngine
 
 
-def _standin(preset: str, device: str) -> "ModelEngine":
+def _standin(preset: str, device: str, simulate_layer_ms: float = 0.0) -> "ModelEngine":
     from disagg.engine.standin import StandInEngine
-    return StandInEngine()
+    return StandInEngine(simulate_layer_ms)
 
 
-def _model(preset: str, device: str) -> "ModelEngine":
+def _model(preset: str, device: str, simulate_layer_ms: float = 0.0) -> "ModelEngine":
+    if simulate_layer_ms:
+        raise ConfigError("--simulate-layer-ms is for the stand-in engine; the model engine computes for real")
     if preset not in FAMILIES:
         raise ConfigError(f"--engine model runs model code, and preset {preset!r} is a geometry only; "
                           f"use one of: {', '.join(FAMILIES)}")
@@ -34,7 +36,7 @@ def _model(preset: str, device: str) -> "ModelEngine":
     return TransformersEngine(preset, device)
 
 
-ENGINES: dict[str, Callable[[str, str], "ModelEngine"]] = {"standin": _standin, "model": _model}
+ENGINES: dict[str, Callable[..., "ModelEngine"]] = {"standin": _standin, "model": _model}
 CHOICES = ("auto", *ENGINES)
 
 
@@ -42,6 +44,6 @@ def resolve(name: str, preset: str) -> str:
     return ("model" if preset in FAMILIES else "standin") if name == "auto" else name
 
 
-def create(name: str, preset: str, device: str) -> "ModelEngine":
+def create(name: str, preset: str, device: str, simulate_layer_ms: float = 0.0) -> "ModelEngine":
     """The engine `name` (or auto) for `preset`, its model on `device` (a resolved device)."""
-    return ENGINES[resolve(name, preset)](preset, device)
+    return ENGINES[resolve(name, preset)](preset, device, simulate_layer_ms)

@@ -13,7 +13,9 @@ pool, nothing crosses to the host but a few checksums); numpy's _mix/_bytes_for 
 reference the torch versions are tested against.
 """
 
+import functools
 import hashlib
+import time
 import zlib
 
 import numpy as np
@@ -75,6 +77,10 @@ def next_token(previous: int, num_tokens: int) -> int:
     return int(_mix(previous, num_tokens)[()] % 50000)
 
 
+def _put(view: torch.Tensor, data: np.ndarray) -> None:
+    view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
+
+
 def _checksum(rows: torch.Tensor, positions: torch.Tensor) -> bytes:
     """Two int64 sums of uint8 rows computed where they live (position-weighted, so swapped
     rows change it): what the per-component digest hashes instead of every byte."""
@@ -96,6 +102,9 @@ class StandInEngine:
     spec = None          # fills any preset
     vocab_size = None    # takes any token id
 
+    def __init__(self, layer_ms: float = 0.0):
+        self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)
+
     def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int):
         """uint8 [len(positions), nbytes] on the tensors' device."""
         return _bytes_for_t(_mix_t(token_ids[positions], positions, layer, _salt(c.value)), nbytes)
@@ -111,9 +120,12 @@ class StandInEngine:
         raw = view.view(torch.uint8) if view.dim() > 2 else view.unsqueeze(-1).view(torch.uint8)
         return raw.reshape(view.shape[0], view.shape[1], per_token), per_token
 
-    def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
+    def _writes(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> list:
+        """(layer, write) for every (layer, part) of every paged component: write() puts that
+        part's bytes for `positions` into the pool."""
         device = pool.config.device
         tokens = torch.from_numpy(np.asarray(token_ids, dtype=np.int64)).to(device)
+        out = []
         for c in paged_components(pool):
             items, slots = token_items(pool, c, req, positions)
             keep = backed(items)   # only positions whose page the component still holds
@@ -121,8 +133,25 @@ class StandInEngine:
             it = torch.from_numpy(items[keep].astype(np.int64)).to(device)
             sl = torch.from_numpy(slots[keep].astype(np.int64)).to(device)
             for layer, part, view in self._parts(pool, c):
-                raw, per_token = self._token_bytes(view)
-                raw[it, sl] = self._expected(layer, c, tokens, pos, per_token)
+                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl)))
+        return out
+
+    def _write_part(self, view, layer: int, c: Component, tokens, pos, it, sl) -> None:
+        raw, per_token = self._token_bytes(view)
+        raw[it, sl] = self._expected(layer, c, tokens, pos, per_token)
+
+    def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
+        for _, write in self._writes(pool, req, token_ids, positions):
+            write()
+
+    def _state_writes(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray) -> list:
+        out = []
+        for c in state_components(pool):
+            item = self._state_item(pool, c, req)
+            for layer, part, data in self._state_bytes(pool, c, token_ids):
+                view = pool.layer_view(layer, part)[item]
+                out.append((layer, functools.partial(_put, view, data)))
+        return out
 
     def _state_bytes(self, pool: HybridPool, c: Component, token_ids: np.ndarray):
         seed = _mix(int.from_bytes(prompt_digest(token_ids)[:4], "little"), len(token_ids))
@@ -137,17 +166,22 @@ class StandInEngine:
     # ---- ModelEngine ---------------------------------------------------------------------
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
                 on_layer=None) -> PrefillResult:
+        """Layer by layer, as a forward pass goes: every part of layer i (KV of every
+        position, its state), then `layer_ms` of simulated compute, then on_layer(i)."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
-        self._write_tokens(pool, req, token_ids, np.arange(len(token_ids)))
-        for c in state_components(pool):
-            item = self._state_item(pool, c, req)
-            for layer, part, data in self._state_bytes(pool, c, token_ids):
-                view = pool.layer_view(layer, part)[item]
-                view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
+        by_layer: dict[int, list] = {}
+        for layer, write in self._writes(pool, req, token_ids, np.arange(len(token_ids))) + \
+                self._state_writes(pool, req, token_ids):
+            by_layer.setdefault(layer, []).append(write)
+        for layer in range(pool.config.model.num_layers):
+            for write in by_layer.get(layer, ()):
+                write()
+            if self.layer_ms:
+                time.sleep(self.layer_ms / 1e3)   # the compute a real layer would take (benchmarks, tests)
+            if on_layer is not None:
+                on_layer(layer)
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
         pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
-        for layer in range(pool.config.model.num_layers) if on_layer is not None else ():
-            on_layer(layer)     # (written component by component: every layer is final only now)
         return result
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:

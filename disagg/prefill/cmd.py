@@ -2,9 +2,11 @@
 bootstrap, HTTP)."""
 
 import argparse
+import dataclasses
 from typing import TYPE_CHECKING
 
-from disagg.worker.checks import port, positive_int
+from disagg.api.fields import STREAM_LAYERS
+from disagg.worker.checks import port, milliseconds, positive_int
 from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
 
 if TYPE_CHECKING:
@@ -26,20 +28,36 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0..tp-size-1)")
     g.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks of this prefill instance")
     g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
+    g.add_argument("--stream-layers", default="auto", choices=STREAM_LAYERS,
+                   help="send a request's KV in layer groups while the model engine still computes the later "
+                        "layers (on), only once it is done (off), or on for prompts of at least "
+                        "--stream-min-tokens (auto); a request's stream_layers field overrides it")
+    g.add_argument("--stream-min-tokens", type=positive_int, default=2048,
+                   help="--stream-layers auto streams prompts at least this long")
+    g.add_argument("--stream-group-ms", type=milliseconds, default=2.0, metavar="MS",
+                   help="a streamed layer group is at least this much link time (fewer, larger writes above; "
+                        "more of the transfer hidden behind compute below)")
+    g.add_argument("--simulate-layer-ms", type=float, default=0.0, metavar="MS",
+                   help="stand-in engine only: compute time to simulate per layer in prefill, so benchmarks and "
+                        "tests can watch layer-wise streaming hide the transfer (0: none)")
 
 
 def config_from(args: argparse.Namespace) -> "PrefillConfig":
     from disagg.prefill.server import PrefillConfig
-    return PrefillConfig(**worker_settings(args), control_port=args.control_port,
+    settings = worker_settings(args)
+    settings["transfer"] = dataclasses.replace(settings["transfer"], stream_group_ms=args.stream_group_ms)
+    settings["simulate_layer_ms"] = args.simulate_layer_ms
+    return PrefillConfig(**settings, control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
                          bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
-                         transfer_workers=args.transfer_workers)
+                         transfer_workers=args.transfer_workers, stream_layers=args.stream_layers,
+                         stream_min_tokens=args.stream_min_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from disagg.api.fields import abort_route, require_room, require_tokens
+    from disagg.api.fields import abort_route, require_room, require_tokens, stream_layers
     from disagg.api.metrics import WorkerMetrics
     from disagg.api.server import ApiServer
     from disagg.prefill.server import PrefillServer
@@ -59,8 +77,8 @@ def run(args: argparse.Namespace) -> int:
         metrics.seconds("prefill", out)
 
     def prefill(body: dict) -> dict:
-        room, tokens = require_room(body), require_tokens(body)
-        return metrics.count(lambda: server.prefill(room, tokens), lambda out: out["state"] == "SUCCESS", observe)
+        room, tokens, stream = require_room(body), require_tokens(body), stream_layers(body)
+        return metrics.count(lambda: server.prefill(room, tokens, stream), lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),

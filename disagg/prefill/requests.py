@@ -7,9 +7,14 @@ holder at a time: the thread computing its KV, this table, or the transfer worke
     prompt first:     AWAITING_DECODE --TransferRequest--> COMPUTING --KV ready--> TRANSFERRING
     request first:    ORPHANED --------prompt-----------> COMPUTING             (KV may be ready
                                                                                   before either)
+    streamed:         COMPUTING --pages handed over while computing--> STREAMING --KV ready-->
+                      TRANSFERRING   (a worker sends layer groups as they become final)
     TRANSFERRING --sent--> DONE
-    TRANSFERRING --fail--> STOPPING --worker stopped writing--> FAILED
+    TRANSFERRING, STREAMING --fail--> STOPPING --worker stopped writing--> FAILED
     any other live phase --fail--> FAILED
+
+A streamed request's pages are the table's from `streaming()` on while the engine still
+writes them (`computing`): they are freed only once the engine returned and no worker sends.
 
 Decode hears every end exactly once, from the transition that ends it: TransferDone(ok) from
 TRANSFERRING -> DONE, TransferDone(fail) on entering FAILED (or, if decode is not known yet,
@@ -26,17 +31,19 @@ from enum import Enum
 
 import numpy as np
 
-from disagg.control.messages import TransferDone
+from disagg.control.messages import TransferDone, TransferStarted
 from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
+from transfer.progress import LayerProgress
 
 
 class Phase(Enum):
     AWAITING_DECODE = "waiting for decode's TransferRequest"
     ORPHANED = "decode's TransferRequest here, the prompt not yet"
     COMPUTING = "KV being computed"
+    STREAMING = "KV being computed while a worker sends the layers that are final"
     TRANSFERRING = "a transfer worker is sending"
     STOPPING = "failed while a worker writes; decode hears it when the worker stops"
     DONE = "sent"
@@ -49,6 +56,11 @@ class Phase(Enum):
 
     def deadline(self, d: Deadlines) -> float:
         return {Phase.AWAITING_DECODE: d.bootstrap_s, Phase.TRANSFERRING: d.transfer_s}.get(self, d.waiting_s)
+
+    @property
+    def sending(self) -> bool:
+        """A transfer worker may be writing."""
+        return self in (Phase.STREAMING, Phase.TRANSFERRING)
 
 
 @dataclass(eq=False)
@@ -64,6 +76,9 @@ class PrefillRequest:
     reason: str = ""
     timings: dict = field(default_factory=dict)
     report: dict = field(default_factory=dict)
+    progress: LayerProgress | None = None   # streamed: which layers the engine has finished
+    computing: bool = False   # streamed: the engine still writes the pages the table holds
+    streamed: bool = False    # a worker started while the engine computed
 
 
 class RequestTable:
@@ -71,7 +86,7 @@ class RequestTable:
     effects (free pages, tell decode, start a transfer) happen inside it."""
 
     def __init__(self, epoch: int, deadlines: Deadlines, free: Callable[[RequestKV], None],
-                 tell: Callable[[bytes, TransferDone], None], submit: Callable[[PrefillRequest], str | None]):
+                 tell: Callable[[bytes, TransferDone | TransferStarted], None], submit: Callable[[PrefillRequest], str | None]):
         self.epoch, self.deadlines = epoch, deadlines
         self._free, self._tell, self._submit = free, tell, submit
         self._lock = threading.Condition()
@@ -112,18 +127,51 @@ class RequestTable:
             self._maybe_start(r)
             return None
 
+    def streaming(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> bool:
+        """The engine starts computing into `kv`, reporting to `progress`: the table holds the
+        pages from now on (a worker may send layers as they become final). False if r already
+        ended: the caller keeps (and frees) them."""
+        with self._lock:
+            if r.phase.ended:
+                return False
+            r.kv, r.progress, r.computing = kv, progress, True
+            self._maybe_start(r)
+            return True
+
     def computed(self, r: PrefillRequest, kv: RequestKV) -> None:
         """The KV is computed into `kv`: the table holds it now (and frees it if r ended)."""
         with self._lock:
+            if r.computing:    # streamed: the table holds kv already
+                r.computing = False
+                r.progress.complete()
+                if r.phase is Phase.STREAMING:
+                    self._move(r, Phase.TRANSFERRING)
+                    self._tell(r.peer, TransferStarted(r.room, self.epoch))
+                elif r.phase.ended and r.phase is not Phase.STOPPING:
+                    self._release(r)
+                return
             if r.phase.ended:
                 self._free(kv)
                 return
             r.kv = kv
             self._maybe_start(r)
 
+    def compute_ended(self, r: PrefillRequest, why: str) -> None:
+        """The engine stopped without computed() (it failed): a streamed request's pages are
+        freed once no worker sends them; a live request fails with `why`."""
+        with self._lock:
+            if not r.computing:
+                return
+            r.computing = False
+            if not r.phase.ended:
+                self._fail(r, why)
+            if r.phase.ended and r.phase is not Phase.STOPPING:
+                self._release(r)
+
     def _maybe_start(self, r: PrefillRequest) -> None:
         if r.phase is Phase.COMPUTING and r.kv is not None:
-            self._move(r, Phase.TRANSFERRING)
+            r.streamed = r.computing
+            self._move(r, Phase.STREAMING if r.computing else Phase.TRANSFERRING)
             refused = self._submit(r)
             if refused:
                 self._move(r, Phase.COMPUTING)   # nothing runs: fail it as not started
@@ -141,7 +189,7 @@ class RequestTable:
                 self._tell(r.peer, done)
                 self._lock.notify_all()
                 return
-            if r.phase is Phase.TRANSFERRING:   # else STOPPING: it keeps the reason it failed for
+            if r.phase.sending:   # else STOPPING: it keeps the reason it failed for
                 r.reason = reason or "transfer failed"
             self._move(r, Phase.FAILED)
             self._end_failed(r)
@@ -156,7 +204,7 @@ class RequestTable:
 
     def _fail(self, r: PrefillRequest, why: str) -> None:
         r.reason = why
-        if r.phase is Phase.TRANSFERRING:
+        if r.phase.sending:
             self._move(r, Phase.STOPPING)   # the worker stops before its next write, then reports
             self._lock.notify_all()
             return
@@ -173,7 +221,7 @@ class RequestTable:
         self._lock.notify_all()
 
     def _release(self, r: PrefillRequest) -> None:
-        if r.kv is not None:
+        if r.kv is not None and not r.computing:   # (the engine still writes: computed() frees them)
             kv, r.kv = r.kv, None
             self._free(kv)
 
@@ -222,4 +270,5 @@ class RequestTable:
 
 
 _MISSING = {Phase.AWAITING_DECODE: "no TransferRequest from decode", Phase.ORPHANED: "the prompt never came",
-            Phase.COMPUTING: "KV not computed", Phase.TRANSFERRING: "send not finished"}
+            Phase.COMPUTING: "KV not computed", Phase.STREAMING: "KV not computed",
+            Phase.TRANSFERRING: "send not finished"}

@@ -20,17 +20,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from disagg.api.fields import STREAM_LAYERS
 from disagg.bootstrap.lease import BootstrapLease
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
 from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
 from disagg.control.io import RouterIO
 from disagg.engine.base import ModelEngine
-from disagg.errors import DisaggError, Overloaded, ProtocolError
+from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError, RequestKV
+from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,12 @@ class PrefillConfig(WorkerSettings):
     tp_rank: int = 0
     tp_size: int = 1
     transfer_workers: int = 4               # per decode peer
+    stream_layers: str = "auto"             # on | off | auto: send layer groups while computing
+    stream_min_tokens: int = 2048           # auto streams prompts at least this long
+
+    def __post_init__(self) -> None:
+        if self.stream_layers not in STREAM_LAYERS:
+            raise ValueError(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}")
 
 
 class PrefillServer(Worker):
@@ -73,24 +81,32 @@ class PrefillServer(Worker):
         self.ready = True
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def prefill(self, room: int, token_ids: np.ndarray) -> dict:
-        """Compute the prompt's KV, wait for decode's destination, transfer. Returns the outcome
-        with timings; the request's pages are free when this returns. Raises Overloaded (pool
-        full past queue_wait_s) or TooLarge after the same cleanup."""
+    def prefill(self, room: int, token_ids: np.ndarray, stream: str | None = None) -> dict:
+        """Compute the prompt's KV, wait for decode's destination, transfer (`stream`: on, off
+        or auto, default --stream-layers: whether layer groups go while the engine computes).
+        Returns the outcome with timings; the request's pages are free when this returns.
+        Raises Overloaded (pool full past queue_wait_s) or TooLarge after the same cleanup."""
         t0 = time.perf_counter()
         tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
+        streams = self._streams(stream or self.config.stream_layers, len(tokens))
         r = self.requests.prompt(room, tokens)
-        refused, kv, first_token = None, None, None
+        refused, kv, first_token, handed = None, None, None, False
         try:
             if not r.phase.ended:
                 deadline = time.monotonic() + self.config.deadlines.waiting_s
                 kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
                 self.faults.check("prefill.compute")
-                first_token = self.model.prefill(self.pool, kv, tokens, room).first_token
+                held, progress = kv, None
+                if streams:
+                    progress = LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
+                    handed = self.requests.streaming(r, kv, progress)   # a worker may send finished layers
+                    kv = None if handed else kv
+                first_token = self.model.prefill(self.pool, held, tokens, room,
+                                                 on_layer=progress.final if handed else None).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                kv, held = None, kv
-                self.requests.computed(r, held)   # only now may a transfer see it: never half-computed KV
+                kv = None
+                self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
             if isinstance(exc, (Overloaded, ValueError)):
                 refused = exc
@@ -98,6 +114,8 @@ class PrefillServer(Worker):
         finally:
             if kv is not None:  # allocated but never handed over
                 self._free(kv)
+            if handed:          # a streamed request's pages are the table's: freed once no one uses them
+                self.requests.compute_ended(r, "prefill: the model engine failed")
         phase = self.requests.wait(r)
         if refused is not None:
             raise refused
@@ -105,14 +123,19 @@ class PrefillServer(Worker):
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
                 **({"first_token": first_token} if done else {}), **r.timings, **r.report}
 
+    def _streams(self, mode: str, num_tokens: int) -> bool:
+        if mode not in STREAM_LAYERS:
+            raise BadRequest(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}, not {mode!r}")
+        return mode == "on" or (mode == "auto" and num_tokens >= self.config.stream_min_tokens)
+
     # ---- effects the table asks for (under its lock) -----------------------------------------
     def _free(self, kv: RequestKV) -> None:
         self.pool.free_request(kv)
         self.admission.released()
 
-    def _tell(self, peer: bytes, done: TransferDone) -> None:
-        if not self.faults.hit("control.drop_done"):
-            self.io.send(peer, done)
+    def _tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None:
+        if not (isinstance(msg, TransferDone) and self.faults.hit("control.drop_done")):
+            self.io.send(peer, msg)
 
     def _submit(self, r: PrefillRequest) -> str | None:
         peer = self.peers.get(r.peer)
@@ -132,13 +155,17 @@ class PrefillServer(Worker):
             peer = self.peers.get(r.peer)
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
-            self.io.send(r.peer, TransferStarted(r.room, self.epoch))
+            if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
+                self.io.send(r.peer, TransferStarted(r.room, self.epoch))
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), r.dst, r.room, r.slots, peer.relay,
-                                      stopped=lambda: r.phase is not Phase.TRANSFERRING)
+                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None)
             ms = (time.perf_counter() - t0) * 1e3
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
-                        "ranges": report.ranges, "transfer_ms": ms}
+                        "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
+                        "layer_groups": report.groups, "first_write_at": report.first_write_at,
+                        # what decode waits for once compute is over: the part of the send not hidden
+                        "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
             done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)
             ok = True
         except (DisaggError, KVPoolError) as exc:

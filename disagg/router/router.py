@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.api.fields import optional_int
+from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded
 
@@ -210,6 +210,7 @@ class Router:
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
             raise BadRequest("request_id must be a string of 1 to 128 characters")
+        layers = stream_layers(body)
         if not self._slots.acquire(blocking=False):
             raise Overloaded(f"{self.config.max_inflight} requests in flight")
         cancel = threading.Event()
@@ -219,7 +220,7 @@ class Router:
                     if request_id in self._live:
                         raise BadRequest(f"request_id {request_id!r} is already in flight")
                     self._live[request_id] = cancel
-            return self._run(tokens, max_new, cancel, client_gone, on_prefill)
+            return self._run(tokens, max_new, cancel, client_gone, on_prefill, layers)
         finally:
             if request_id is not None:
                 with self._lock:
@@ -227,15 +228,17 @@ class Router:
                         del self._live[request_id]
             self._slots.release()
 
-    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone, on_prefill) -> dict:
+    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone, on_prefill,
+             stream_layers: str | None = None) -> dict:
         with self._lock:
             pair_index, pair = next(self._next)
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         timeout = self.config.timeout_s
         sides = {
-            self._calls.submit(post_json, pair.prefill_url + "/prefill", {"room": room, "token_ids": tokens},
-                               timeout): ("prefill", pair.prefill_url),
+            self._calls.submit(post_json, pair.prefill_url + "/prefill",
+                               {"room": room, "token_ids": tokens,
+                                **({"stream_layers": stream_layers} if stream_layers else {})}, timeout): ("prefill", pair.prefill_url),
             self._calls.submit(post_json, pair.decode_url + "/decode",
                                {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
                                 "bootstrap": pair.bootstrap}, timeout): ("decode", pair.decode_url),
@@ -280,19 +283,25 @@ class Router:
             raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
         status = 200 if ok else _failure_status(pre, dec, cancelled)
-        control = None  # prefill done -> KV ready on decode, minus the transfer itself
+        control = after = None  # prefill done -> KV ready on decode; minus what the send took after compute
         if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
-            control = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3 - pre["transfer_ms"]
+            after = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3
+            control = after - (pre["after_compute_ms"] if pre.get("streamed") else pre["transfer_ms"])
         return {
             "room": room, "pair": pair_index, "ok": ok, "status": status, "prompt_tokens": len(tokens),
             "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
             **({"check": dec["check"]} if isinstance(dec.get("check"), dict) else {}),
             "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),
+            "streamed": bool(pre.get("streamed")), "layer_groups": pre.get("layer_groups"),
+            # streamed: how long before the engine's last layer the first KV write went out
+            **({"first_write_before_compute_end_ms": (pre["prefill_done_at"] - pre["first_write_at"]) * 1e3}
+               if ok and pre.get("streamed") and pre.get("first_write_at") else {}),
             "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
             "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
                            "transfer": pre.get("transfer_ms"), "wait": dec.get("wait_ms"),
                            "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"),
                            "rebuild": dec.get("rebuild_ms"), "check": dec.get("check_ms"), "control": control,
+                           "kv_ready_after_compute": after,
                            "total": (time.perf_counter() - t0) * 1e3},
         }
 

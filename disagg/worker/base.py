@@ -52,13 +52,15 @@ class WorkerSettings:
     max_waiting: int = 64                   # requests waiting for pool space; more are refused at once
     auth: AuthKey = AuthKey()               # the deployment's key (none: insecure, logged loudly)
     engine: str = "auto"                    # the model engine (disagg.engine.registry)
+    simulate_layer_ms: float = 0.0          # stand-in engine: simulated compute per layer in prefill
 
 
 class Worker:
     def __init__(self, settings: WorkerSettings, endpoint_class: type[PoolEndpoint], model: ModelEngine | None,
                  swa_window_only: bool):
         self.settings = settings
-        self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device())
+        self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device(),
+                                              settings.simulate_layer_ms)
         try:
             pool_config = settings.pool.pool_config(self.model.spec)
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback

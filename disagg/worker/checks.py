@@ -30,6 +30,14 @@ def positive_int(text: str) -> int:
     return value
 
 
+def milliseconds(text: str) -> float:
+    """A positive duration in milliseconds."""
+    value = _number(text, float, "a number of milliseconds")
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of milliseconds")
+    return value
+
+
 def cuda_device(device: str) -> None:
     """--device cuda[:N] where torch sees that GPU, else a ConfigError saying what would work."""
     if not device.startswith("cuda"):

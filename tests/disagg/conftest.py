@@ -9,12 +9,13 @@ class StuckEngine(StandInEngine):
     """A prefill that blocks until released, so the request stays in flight."""
 
     def __init__(self):
+        super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def prefill(self, pool, req, token_ids, room):
+    def prefill(self, pool, req, token_ids, room, on_layer=None):
         self.entered.set()
         self.release.wait(30)
-        return super().prefill(pool, req, token_ids, room)
+        return super().prefill(pool, req, token_ids, room, on_layer)
 
 
 @pytest.fixture(name="StuckEngine")

@@ -179,3 +179,66 @@ def test_decode_abort_before_arrival_and_deadlines():
     r = t.open(7)
     t.sending(r, "tcp://p:1", 1)
     assert t.wait(r) is D.ABORTING and "WAITING_FOR_INPUT deadline" in r.reason
+
+
+# ---- layer-wise streaming: the table holds pages the engine still writes ------------------
+
+def _streaming(prompt_first=True):
+    from transfer.progress import LayerProgress
+    t, fx = prefill_table()
+    r = t.prompt(1, TOKENS) if prompt_first else None
+    if not prompt_first:
+        t.destination(1, PEER, "dst", [0])
+        r = t.prompt(1, TOKENS)
+    progress = LayerProgress(4)
+    assert t.streaming(r, "kv", progress)
+    return t, fx, r, progress
+
+
+@pytest.mark.parametrize("prompt_first", [True, False])
+def test_prefill_streams_once_both_halves_met_and_says_started_only_when_computed(prompt_first):
+    t, fx, r, progress = _streaming(prompt_first)
+    if prompt_first:
+        assert r.phase is P.AWAITING_DECODE and not fx.submitted
+        t.destination(1, PEER, "dst", [0])
+    assert r.phase is P.STREAMING and fx.submitted == [r] and r.streamed and not fx.told
+    t.computed(r, "kv")
+    assert r.phase is P.TRANSFERRING and progress.final_layers == 4
+    assert [type(m).__name__ for _, m in fx.told] == ["TransferStarted"]   # decode's transfer deadline starts now
+    t.finished(r, True, done=TransferDone(1, 5, True))
+    assert r.phase is P.DONE and fx.freed == ["kv"]
+
+
+def test_prefill_streamed_failure_frees_only_after_the_engine_and_the_worker_let_go():
+    t, fx, r, progress = _streaming()
+    t.destination(1, PEER, "dst", [0])
+    assert r.phase is P.STREAMING
+    t.fail(r, "aborted by decode: gone")
+    assert r.phase is P.STOPPING and not fx.freed        # the worker may still write
+    t.finished(r, False, "Cancelled: stopped")
+    assert r.phase is P.FAILED and not fx.freed           # the engine still writes the pages
+    t.computed(r, "kv")
+    assert fx.freed == ["kv"]
+    assert [m.ok for _, m in fx.told if isinstance(m, TransferDone)] == [False]
+    t.compute_ended(r, "late")                            # (the HTTP thread's finally): nothing more
+    assert fx.freed == ["kv"]
+
+
+def test_prefill_engine_failure_while_streaming_waits_for_the_worker_then_frees():
+    t, fx, r, progress = _streaming()
+    t.destination(1, PEER, "dst", [0])
+    t.compute_ended(r, "prefill: the model engine failed")
+    assert r.phase is P.STOPPING and not fx.freed and r.reason == "prefill: the model engine failed"
+    t.finished(r, False, "Cancelled")
+    assert r.phase is P.FAILED and fx.freed == ["kv"]
+
+
+def test_prefill_failure_before_decode_arrived_frees_when_the_engine_returns():
+    t, fx, r, progress = _streaming()
+    t.fail(r, "deadline")
+    assert r.phase is P.FAILED and not fx.freed
+    t.computed(r, "kv")
+    assert fx.freed == ["kv"] and not fx.submitted
+    r3 = t.prompt(3, TOKENS)
+    t.fail(r3, "gone")
+    assert not t.streaming(r3, "kv3", progress)            # an ended request: the caller keeps its pages
