@@ -60,20 +60,25 @@ class LayerProgress:
             self._event = event or self._event
             self._cond.notify_all()
 
-    def wait(self, layers: int, stopped=lambda: False) -> None:
-        """Block until layers [0, layers) are final (and their kernels done)."""
-        self._wait(lambda: self._final >= layers, stopped)
+    def wait(self, layers: int, stopped=lambda: False, idle=lambda: None) -> None:
+        """Block until layers [0, layers) are final (and their kernels done). `idle()` runs
+        every POLL_S meanwhile (the sender drives its writes in flight with it)."""
+        self._wait(lambda: self._final >= layers, stopped, idle)
 
-    def wait_complete(self, stopped=lambda: False) -> None:
-        self._wait(lambda: self._complete, stopped)
+    def wait_complete(self, stopped=lambda: False, idle=lambda: None) -> None:
+        self._wait(lambda: self._complete, stopped, idle)
 
-    def _wait(self, ready, stopped) -> None:
-        with self._cond:
-            while not ready():
-                if stopped():
-                    raise Cancelled("send stopped while the KV was being computed: the request ended")
-                self._cond.wait(POLL_S)
-            event = self._event
+    def _wait(self, ready, stopped, idle) -> None:
+        while True:
+            with self._cond:
+                if not ready() and not stopped():
+                    self._cond.wait(POLL_S)
+                if ready():
+                    event = self._event
+                    break
+            if stopped():
+                raise Cancelled("send stopped while the KV was being computed: the request ended")
+            idle()
         if event is not None:
             event.synchronize()
 

@@ -26,6 +26,7 @@ from transfer.plan import ComponentPlan, LayerGroup, TransferPlan, build_plan, s
 from transfer.progress import LayerProgress
 from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
 from transfer.transports import Offer, Ranges, pick
+from transfer.transports.base import PendingWrites
 
 log = logging.getLogger(__name__)
 
@@ -88,43 +89,49 @@ class KVSender(PoolEndpoint):
         slot_bytes = min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
         mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.config, slot_bytes, can_stage)
-        wait_layers = (lambda n: progress.wait(n, stopped)) if streamed else (lambda n: None)
+        writes = PendingWrites()   # the body's writes in flight (streamed: one per layer group)
+        wait_layers = (lambda n: progress.wait(n, stopped, writes.poll)) if streamed else (lambda n: None)
         first_write: list[float] = []
         ranges = chunks = 0
-        pending, waited = [], 0.0
+        waited = 0.0
         t_submit = time.perf_counter()
         if mode is Mode.DIRECT:
-            for g in groups:
-                if not g.body:
-                    continue
-                t = time.perf_counter()
-                wait_layers(g.layers.stop)
-                waited += time.perf_counter() - t
-                self._before_write(stopped, first_write)
-                pending.append(peer.link.write_runs_async([c.runset for c in g.body]))
-                ranges += sum(c.num_ranges for c in g.body)
-            if not peer.link.ordered:   # the AUX row may only start once the body landed
-                t = time.perf_counter()
-                for p in pending:
-                    p.wait()
-                waited += time.perf_counter() - t
-                pending = []
+            try:
+                for g in groups:
+                    if not g.body:
+                        continue
+                    t = time.perf_counter()
+                    wait_layers(g.layers.stop)
+                    waited += time.perf_counter() - t
+                    self._before_write(stopped, first_write)
+                    writes.add(peer.link.write_runs_async([c.runset for c in g.body]))
+                    ranges += sum(c.num_ranges for c in g.body)
+                if not peer.link.ordered:   # the AUX row may only start once the body landed
+                    t = time.perf_counter()
+                    writes.wait()
+                    waited += time.perf_counter() - t
+            except BaseException:
+                writes.drain()   # a failure is reported only once no write of ours is in flight
+                raise
         else:
             chunk_list = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
                           for g in groups for c in chunk_plan(g.body, slot_bytes)]
             chunks = self._send_staged(peer, plan.body, chunk_list, transfer_id, remote_slots, channel, stopped,
                                        wait_layers, first_write, share=0.5 if streamed else 1.0)
             ranges = chunks
-        if progress is not None:
-            progress.wait_complete(stopped)   # the engine returned: the AUX row is written
-        if plan.aux is not None:  # last: its arrival means the body has landed
-            self._before_write(stopped, first_write)
-            pending.append(peer.link.write_runs_async([plan.aux.runset]))   # (an ordered link: after the body)
-            ranges += len(plan.aux.runset)
-        t = time.perf_counter()
-        for p in pending:
-            p.wait()
-        waited += time.perf_counter() - t
+        try:
+            if progress is not None:
+                progress.wait_complete(stopped, writes.poll)   # the engine returned: the AUX row is written
+            if plan.aux is not None:  # last: its arrival means the body has landed
+                self._before_write(stopped, first_write)
+                writes.add(peer.link.write_runs_async([plan.aux.runset]))   # (an ordered link: after the body)
+                ranges += len(plan.aux.runset)
+            t = time.perf_counter()
+            writes.wait()
+            waited += time.perf_counter() - t
+        except BaseException:
+            writes.drain()
+            raise
         submitted = (time.perf_counter() - t_submit - waited) * 1e3
         return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0,
                               submitted if mode is Mode.DIRECT else 0.0, waited * 1e3,

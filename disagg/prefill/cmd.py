@@ -28,7 +28,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0..tp-size-1)")
     g.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks of this prefill instance")
     g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
-    g.add_argument("--stream-layers", default="auto", choices=STREAM_LAYERS,
+    g.add_argument("--stream-layers", default="off", choices=STREAM_LAYERS,
                    help="send a request's KV in layer groups while the model engine still computes the later "
                         "layers (on), only once it is done (off), or on for prompts of at least "
                         "--stream-min-tokens (auto); a request's stream_layers field overrides it")

@@ -46,7 +46,7 @@ class PrefillConfig(WorkerSettings):
     tp_rank: int = 0
     tp_size: int = 1
     transfer_workers: int = 4               # per decode peer
-    stream_layers: str = "auto"             # on | off | auto: send layer groups while computing
+    stream_layers: str = "off"              # on | off | auto: send layer groups while computing
     stream_min_tokens: int = 2048           # auto streams prompts at least this long
 
     def __post_init__(self) -> None:

@@ -11,11 +11,13 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 from tqdm import tqdm
 
+from disagg.api.fields import STREAM_LAYERS
 from disagg.router.router import post_json
 from disagg.worker.checks import positive_int
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
-PHASES = ("total", "bootstrap", "prefill", "transfer", "control", "wait", "verify", "decode", "rebuild", "check")
+PHASES = ("total", "bootstrap", "prefill", "transfer", "kv_ready_after_compute", "control", "wait", "verify", "decode",
+          "rebuild", "check")
 # What each timings_ms key of a router answer measures (disagg/router/router.py merges them);
 # the summary's legend prints the line of every phase in its table.
 PHASE_MEANING = {
@@ -23,7 +25,10 @@ PHASE_MEANING = {
     "bootstrap": "decode: request in -> its prefill peer known (a lookup; ~0 once cached)",
     "prefill": "prefill: request in -> prompt KV computed into its pool (with any wait for pool space)",
     "transfer": "prefill: the transport moving the KV into decode's pool",
-    "control": "hand-off overhead: prefill done -> KV ready on decode, minus the transfer",
+    "kv_ready_after_compute": "prefill compute done -> KV ready on decode: what layer-wise streaming hides "
+                              "(transfer + control when not streamed)",
+    "control": "hand-off overhead: prefill done -> KV ready on decode, minus the part of the transfer after "
+               "compute",
     "wait": "decode: destination sent to prefill -> KV arrived; runs alongside prefill, so it holds the rest "
             "of prefill + transfer + control",
     "verify": "decode: checking that the KV received is this prompt's (the stand-in engine compares every "
@@ -49,6 +54,9 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens decode generates per request")
     p.add_argument("--seed", type=int, default=0,
                    help="seed (an integer) of the prompt lengths and token ids; request i uses seed+i")
+    p.add_argument("--stream-layers", default=None, choices=[*STREAM_LAYERS, "both"],
+                   help="layer-wise streaming per request: on, off, auto, or both (the workload twice, off then "
+                        "on, each summarized); unset, prefill's --stream-layers decides")
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write a PNG file here: latency per phase and throughput over time")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
@@ -71,6 +79,14 @@ def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
     return rng.integers(lo, hi + 1, n).tolist()
 
 
+def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
+    """The workload once, or with --stream-layers both twice (off, then on): label -> summary."""
+    if args.stream_layers != "both":
+        return {"": run_workload(router, args)}
+    return {f"stream_{mode}": run_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}))
+            for mode in ("off", "on")}
+
+
 def run_workload(router: str, args: argparse.Namespace) -> dict:
     """Send the workload, `args.concurrency` at a time; on Ctrl-C or an error, requests not
     yet sent are cancelled and the exception goes up at once (the caller's cleanup runs)."""
@@ -81,8 +97,10 @@ def run_workload(router: str, args: argparse.Namespace) -> dict:
     bar = tqdm(total=args.requests, unit="req", disable=args.no_progress, file=sys.stderr, leave=False)
     pool = ThreadPoolExecutor(args.concurrency)
     try:
+        extra = {"stream_layers": args.stream_layers} if getattr(args, "stream_layers", None) else {}
         futures = [pool.submit(post_json, router + "/generate",
-                               {"prompt_len": n, "max_new_tokens": args.max_new_tokens, "seed": args.seed + i}, 120)
+                               {"prompt_len": n, "max_new_tokens": args.max_new_tokens, "seed": args.seed + i, **extra},
+                               120)
                    for i, n in enumerate(lengths)]
         for f in as_completed(futures):
             results.append(f.result())
@@ -128,6 +146,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "transfer_gb_per_s": round(total_bytes / transfer_s / 1e9, 6) if transfer_s else 0.0,
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
+        "streamed": sum(1 for r in ok if r.get("streamed")),
         "latency_ms": latency, "failures": failures,
         # generations compared with a colocated run of the same model (decode --check-rate)
         "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
@@ -157,7 +176,8 @@ def print_summary(s: dict) -> None:
           f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s")
     print(f"throughput: {significant(s['gb_per_s'])} GB/s aggregate (KV bytes / wall), "
           f"{significant(s['transfer_gb_per_s'])} GB/s per transfer (KV bytes / time in transfers)")
-    print(f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}")
+    print(f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}   "
+          f"streamed layer-wise: {s.get('streamed', 0)}")
     lat = s["latency_ms"]
     if lat:
         print()
@@ -185,13 +205,31 @@ def _print_failures(failures: dict[str, int]) -> None:
         print(f"  {n:>{width}} x {reason}")
 
 
+def print_summaries(summaries: dict[str, dict]) -> None:
+    """One summary, or each under its label and the streaming comparison after them."""
+    for label, s in summaries.items():
+        if label:
+            print(f"== {label.replace('_', ' ')} ==")
+        print_summary(s)
+        if label:
+            print()
+    after = {label: s["latency_ms"].get("kv_ready_after_compute", {}).get("p50") for label, s in summaries.items()}
+    if len(after) == 2 and all(v is not None for v in after.values()):
+        print(f"KV ready after compute, p50: {significant(after['stream_off'])} ms not streamed, "
+              f"{significant(after['stream_on'])} ms streamed layer-wise")
+
+
+def one_json(summaries: dict[str, dict]) -> dict:
+    return summaries[""] if "" in summaries else summaries
+
+
 def run(args: argparse.Namespace) -> int:
-    summary = run_workload(args.router, args)
+    summaries = run_workloads(args.router, args)
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(one_json(summaries)))
     else:
-        print_summary(summary)
-    return 0 if summary["failed"] == 0 and mismatches(summary) == 0 else 1
+        print_summaries(summaries)
+    return 0 if all(s["failed"] == 0 and mismatches(s) == 0 for s in summaries.values()) else 1
 
 
 def mismatches(summary: dict) -> int:

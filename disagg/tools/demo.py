@@ -8,7 +8,7 @@ import sys
 
 from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
-from disagg.tools.bench import add_workload_flags, mismatches, print_summary, run_workload
+from disagg.tools.bench import add_workload_flags, mismatches, one_json, print_summaries, run_workloads
 from disagg.worker.checks import positive_int, power_of_two
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
@@ -36,6 +36,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "the first GPU, decode on the second where there are two or more)")
     g.add_argument("--transport", default="auto", choices=["auto", "mooncake", "cuda-ipc"],
                    help="how KV moves between the two (auto: cuda-ipc for CUDA pools on one host, else mooncake)")
+    g.add_argument("--simulate-layer-ms", type=float, default=0.0, metavar="MS",
+                   help="stand-in engine: simulated prefill compute per layer, to watch --stream-layers hide the "
+                        "transfer (0: none)")
     g.add_argument("--worker-logs", action="store_true",
                    help="pass the workers' and router's logs through to stderr (else shown only if one fails)")
     g = p.add_argument_group("workload and output")
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}) ...")
-        prefill = launcher.start("prefill", *pool, "--device", prefill_device, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        prefill = launcher.start("prefill", *pool, "--device", prefill_device, "--bootstrap-bind", "tcp://127.0.0.1:*",
+                                 *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
         say(f"  prefill ready in {prefill['started_s']:.1f} s on {prefill['http']}, pool {prefill['pool']['human']}")
         say(f"starting decode ({decode_device}) ...")
         decode = launcher.start("decode", *pool, "--device", decode_device, "--bootstrap-addr", prefill["bootstrap"],
@@ -78,11 +82,12 @@ def run(args: argparse.Namespace) -> int:
                                 *vocab)
         say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
             f"prompts of {args.prompt_len} tokens")
-        summary = run_workload(router["http"], args)
-    summary["preset"], summary["engine"] = args.preset, engine
+        summaries = run_workloads(router["http"], args)
+    for summary in summaries.values():
+        summary["preset"], summary["engine"] = args.preset, engine
     if args.json:
-        print(json.dumps(summary))
+        print(json.dumps(one_json(summaries)))
     else:
-        print_summary(summary)
-    ok = summary["failed"] == 0 and summary["verified"] == summary["requests"] and mismatches(summary) == 0
+        print_summaries(summaries)
+    ok = all(s["failed"] == 0 and s["verified"] == s["requests"] and mismatches(s) == 0 for s in summaries.values())
     return 0 if ok else 1

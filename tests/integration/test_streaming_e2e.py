@@ -24,7 +24,7 @@ def stack(request):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*",
                                  "--simulate-layer-ms", str(LAYER_MS), "--stream-group-ms", "0.001",
-                                 "--stream-min-tokens", "1000")
+                                 "--stream-layers", "auto", "--stream-min-tokens", "1000")
         decode = launcher.start("decode", *common, "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         url = router["http"] + "/generate"

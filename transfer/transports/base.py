@@ -17,6 +17,7 @@ memory at another address (CUDA IPC) works unchanged. A link checks every range 
 the region sizes the peer offered before it writes.
 """
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from transfer.errors import OutOfBounds
+from transfer.errors import OutOfBounds, TransferError, WriteFailed
 
 
 class Offer(msgspec.Struct, frozen=True, array_like=True):
@@ -170,6 +171,53 @@ class PendingWrite(ABC):
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
         """Block (sleeping, never spinning) until landed; raises on failure or timeout."""
+
+
+class PendingWrites(PendingWrite):
+    """Several writes of one transfer (a streamed request's layer groups) as one: polling it
+    drives every member, so ranges that landed are retired (and the peer's in-flight budget
+    returned) even while the caller waits for something else."""
+
+    POLL_S = 100e-6
+
+    def __init__(self) -> None:
+        self._writes: list[PendingWrite] = []
+        self.nbytes = 0
+
+    def add(self, write: PendingWrite) -> None:
+        self._writes.append(write)
+        self.nbytes += write.nbytes
+
+    def poll(self) -> bool:
+        """Drive every member (each retires what landed); a failed one leaves the set and its
+        error is raised once all were polled."""
+        remaining, failure = [], None
+        for w in self._writes:
+            try:
+                if not w.poll():
+                    remaining.append(w)
+            except TransferError as exc:
+                failure = failure or exc
+        self._writes = remaining
+        if failure is not None:
+            raise failure
+        return not remaining
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.poll():
+            if deadline is not None and time.monotonic() > deadline:
+                raise WriteFailed("write", -2, "peer", self.nbytes, detail=f"not done within {timeout} s")
+            time.sleep(self.POLL_S)
+
+    def drain(self) -> None:
+        """Wait until no member is in flight, whatever became of them (after a failure: the
+        pages may be freed only once no write reads or writes them)."""
+        while self._writes:
+            try:
+                self.wait()
+            except TransferError:
+                pass
 
 
 class Exposure(ABC):
