@@ -91,7 +91,12 @@ def main() -> int:
                 continue
             rows[key] = {**row(summaries), "command": command, "wall_s": round(time.perf_counter() - t0, 1)}
             r = rows[key]
-            failed |= any(s["failed"] for s in summaries.values())
+            failures = {label: s["failures"] for label, s in summaries.items() if s["failed"]}
+            if failures:
+                rows[key]["failures"] = failures
+                print(f"{key}: failed requests: {json.dumps(failures)[:1500]}", flush=True)
+                failed = True
+                continue
             print(f"{key:<34} compute {r['compute_ms']['off']:.1f} / {r['compute_ms']['on']:.1f} ms (off/on)  "
                   f"KV ready after compute: {r['after_compute_ms']['off']:.1f} ms off, {r['after_compute_ms']['on']:.1f} "
                   f"ms on  (x compute {r.get('after_over_compute')}, slowdown {r.get('compute_slowdown')})  "

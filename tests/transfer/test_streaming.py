@@ -181,7 +181,7 @@ def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: i
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transport, peer, preset, layout, mode):
     pool = _setup(peer, preset, 4, layout)
-    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-4)  # a group per layer
+    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)  # a group per layer, on any link
     with KVSender(transport, pool, config) as sender:
         target = peer.connect(sender)
         watched = _Watched(target.link)
@@ -211,7 +211,7 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mode):
     pool = _setup(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
-    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-4)
+    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)
     with KVSender(transport, pool, config) as sender:
         target = peer.connect(sender)
         watched = _Watched(target.link)
