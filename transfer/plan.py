@@ -22,6 +22,7 @@ import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
+from kvpool.layout import ALIGN
 from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
 from transfer.transports.base import Ranges, RunSet
@@ -244,7 +245,7 @@ def _spans(placements: list[Placement], align: int, item_bytes: int) -> list[tup
 
 
 def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Component, list[Placement]],
-                 align: int = 16) -> list[LayerGroup]:
+                 align: int = ALIGN) -> list[LayerGroup]:
     """The plan's body as consecutive layer groups [bounds[g], bounds[g + 1]): every byte the
     plan moves for a layer lands in exactly one group. `placements` are where each layer's
     segments lie in the sender's items (a buffer that pairs up has the same on the receiver).

@@ -32,10 +32,7 @@ def positive_int(text: str) -> int:
 
 def milliseconds(text: str) -> float:
     """A positive duration in milliseconds."""
-    value = _number(text, float, "a number of milliseconds")
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of milliseconds")
-    return value
+    return _duration(text, "milliseconds")
 
 
 def cuda_device(device: str) -> None:
@@ -70,9 +67,13 @@ def port(text: str) -> int:
 
 def seconds(text: str) -> float:
     """A positive duration in seconds."""
-    value = _number(text, float, "a number of seconds")
+    return _duration(text, "seconds")
+
+
+def _duration(text: str, unit: str) -> float:
+    value = _number(text, float, f"a number of {unit}")
     if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a positive number of seconds")
+        raise argparse.ArgumentTypeError(f"{text} must be a positive number of {unit}")
     return value
 
 

@@ -160,6 +160,13 @@ class _Watched:
         return self._link.write_runs_async(runsets)
 
 
+def _watched(peer, sender: KVSender) -> tuple[RemotePool, _Watched]:
+    """The peer connected, its link watched for the first write."""
+    target = peer.connect(sender)
+    watched = _Watched(target.link)
+    return RemotePool(watched, target.buffers, target.staging), watched
+
+
 def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: int | None = None,
             stop: threading.Event | None = None):
     """Reports layers in order; before the last one it waits (up to 30 s) for the first write."""
@@ -183,9 +190,7 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
     pool = _setup(peer, preset, 4, layout)
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)  # a group per layer, on any link
     with KVSender(transport, pool, config) as sender:
-        target = peer.connect(sender)
-        watched = _Watched(target.link)
-        target = RemotePool(watched, target.buffers, target.staging)
+        target, watched = _watched(peer, sender)
         req = pool.alloc_request(301)
         rid, dst = peer.alloc(301)
         before = peer.digest(rid, outside=True).outside
@@ -213,9 +218,7 @@ def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mo
     pool = _setup(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)
     with KVSender(transport, pool, config) as sender:
-        target = peer.connect(sender)
-        watched = _Watched(target.link)
-        target = RemotePool(watched, target.buffers, target.staging)
+        target, watched = _watched(peer, sender)
         req = pool.alloc_request(301)
         rid, dst = peer.alloc(301)
         slots = peer.expect(8, rid, want_slots=2)
