@@ -6,6 +6,7 @@ must not import disagg); the control plane's branch lives here.
      |    +-- TransportError                 no common transport, or a malformed offer
      |    +-- EngineError                    a transport call returned non-zero
      |    |    +-- EngineInitError, RegistrationError, WriteFailed, PeerUnreachable
+     |    |                                          +-- WritesAbandoned (link closed mid-write)
      |    +-- PlanError                      refused before a single byte is written
      |    |    +-- OutOfBounds, IndexMismatch, LayoutIncompatible
      |    +-- StagingError                   bad chunk notice, staging timeout or misuse

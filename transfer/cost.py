@@ -48,3 +48,10 @@ def layer_bounds(num_layers: int, nbytes: int, cost: LinkCost, config: TransferC
     seconds = nbytes / (cost.link_gbps * 1e9)
     groups = max(1, min(num_layers, int(seconds / (config.stream_group_ms * 1e-3))))
     return [num_layers * g // groups for g in range(groups + 1)]
+
+
+def streams_well(device: str, link) -> bool:
+    """Whether writes from a pool on `device` over `link` may run while the model engine
+    computes (layer-wise streaming, `auto`): from host memory always; from a CUDA pool only
+    over a link whose writes leave the engine's kernels alone (Link.overlaps_gpu_compute)."""
+    return not device.startswith("cuda") or link.overlaps_gpu_compute

@@ -60,6 +60,10 @@ class PoolEndpoint:
         """How peers can reach this endpoint, in our order of preference."""
         return [self.exposures[t.kind].offer() for t in self.transports]
 
+    def unsettled(self) -> int:
+        """Abandoned writes of this process that may still land (Transport.unsettled)."""
+        return sum(t.unsettled() for t in self.transports)
+
     def staging_info(self) -> StagingInfo:
         return StagingInfo(self.staging_region, self.staging.num_slots, self.staging.slot_bytes)
 

@@ -8,7 +8,9 @@ disagg/errors.py, which adds the control plane's branch).
      |    |    +-- EngineInitError      initialize() failed
      |    |    +-- RegistrationError    (un)registering memory failed
      |    |    +-- WriteFailed          a batched write failed (peer died, queue full, bad dst)
-     |    |    +-- PeerUnreachable      the session health probe failed
+     |    |    +-- PeerUnreachable      the session health probe failed, or the link was closed
+     |    |         +-- WritesAbandoned  the link closed with writes in flight (the peer was
+     |    |                              lost): they may still land until the transport ends them
      |    +-- PlanError                 refused before a single byte is written
      |    |    +-- OutOfBounds          a range or index outside what the peer registered
      |    |    +-- IndexMismatch        per-request components of different lengths
@@ -60,6 +62,10 @@ class WriteFailed(EngineError):
 
 
 class PeerUnreachable(EngineError):
+    pass
+
+
+class WritesAbandoned(PeerUnreachable):
     pass
 
 

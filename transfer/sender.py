@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
-from transfer.cost import choose_mode, layer_bounds
+from transfer.cost import choose_mode, layer_bounds, streams_well
 from transfer.endpoint import PoolEndpoint, StagingInfo
-from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError
+from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, WritesAbandoned
 from transfer.peer import RemotePool
 from transfer.plan import ComponentPlan, LayerGroup, TransferPlan, build_plan, split_layers
 from transfer.progress import LayerProgress
@@ -61,6 +61,10 @@ class KVSender(PoolEndpoint):
         offer, transport = pick(offers, self.transports)
         return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging)
 
+    def streams_well(self, peer: RemotePool) -> bool:
+        """Whether layer-wise streaming to this peer hides more than it costs the compute."""
+        return streams_well(str(self.pool.config.device), peer.link)
+
     def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet) -> TransferPlan:
         return build_plan(src, dst, self.buffers, list(peer.buffers))
 
@@ -78,7 +82,9 @@ class KVSender(PoolEndpoint):
         every write: true (the request was aborted) ends the send with Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
         as soon as its layers are final; the AUX row once progress is complete.
-        Raises a TransferError or Cancelled; the receiver must treat the request as failed then."""
+        Raises a TransferError or Cancelled; the receiver must treat the request as failed then.
+        WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
+        which may still land in the receiver's pages until the transport ends them."""
         t0 = time.perf_counter()
         stopped = stopped or (lambda: False)
         plan = self.plan(peer, src, dst)
@@ -195,8 +201,8 @@ class KVSender(PoolEndpoint):
             writer.join()
             self.staging.lease.release(local_slots)
             channel.end(transfer_id)
-        if errors:
-            raise errors[0]
+        if errors:   # an abandoned write first: it may still land, which the caller must report
+            raise next((e for e in errors if isinstance(e, WritesAbandoned)), errors[0])
         return len(chunks)
 
     def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,

@@ -81,6 +81,10 @@ class TransferDone(msgspec.Struct, tag=True, frozen=True):
     mode: str = ""
     ranges: int = 0
     transfer_ms: float = 0.0
+    # False: prefill gave up on writes its transport may still complete (the peer was lost
+    # with writes in flight, transfer.transports.mooncake says why); the pages must not be
+    # reused on this word: decode keeps them quarantined and asks again.
+    settled: bool = True
 
 
 class Abort(msgspec.Struct, tag=True, frozen=True):

@@ -11,6 +11,9 @@
         SUCCESS, FAILED  -> pages freed, room forgotten
         ABORTING         -> QUARANTINED: pages held, Abort sent (and again every sweep) until
                             prefill's TransferDone says it stopped writing, or the cap passes
+    A TransferDone that is not `settled` (prefill gave up on writes that may still land: it
+    lost us with writes in flight) ends nothing: TRANSFERRING -> ABORTING, and the pages stay
+    held until a settled answer or the cap.
 
 So a late write can never land in pages another request owns, and a room stays taken while
 its pages are held. Every message about a room is checked against the prefill endpoint (and
@@ -151,8 +154,9 @@ class RequestTable:
             r = self._about(msg.room, endpoint)
             if r is None:
                 return
-            if r.phase is Phase.QUARANTINED:      # the pages are ours again
-                self._forget(r)
+            if r.phase is Phase.QUARANTINED:      # the pages are ours again, once nothing can land
+                if msg.settled:
+                    self._forget(r)
                 return
             if msg.prefill_epoch != r.epoch:
                 return
@@ -161,8 +165,10 @@ class RequestTable:
                 self._move(r, Phase.SUCCESS)
             elif r.phase.sent:
                 r.reason = f"prefill: {msg.reason}"
-                self._move(r, Phase.FAILED)
-            elif r.phase is Phase.ABORTING:
+                # unsettled: writes given up on may still land: held (QUARANTINED) until
+                # prefill says otherwise or the cap passes
+                self._move(r, Phase.FAILED if msg.settled else Phase.ABORTING)
+            elif r.phase is Phase.ABORTING and msg.settled:
                 self._move(r, Phase.FAILED)
             self._lock.notify_all()
 

@@ -28,10 +28,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0..tp-size-1)")
     g.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks of this prefill instance")
     g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
-    g.add_argument("--stream-layers", default="off", choices=STREAM_LAYERS,
+    g.add_argument("--stream-layers", default="auto", choices=STREAM_LAYERS,
                    help="send a request's KV in layer groups while the model engine still computes the later "
-                        "layers (on), only once it is done (off), or on for prompts of at least "
-                        "--stream-min-tokens (auto); a request's stream_layers field overrides it")
+                        "layers (on), only once it is done (off), or (auto) for prompts of at least "
+                        "--stream-min-tokens over a link that does not slow the compute (not Mooncake TCP "
+                        "from a CUDA pool); a request's stream_layers field overrides it")
     g.add_argument("--stream-min-tokens", type=positive_int, default=2048,
                    help="--stream-layers auto streams prompts at least this long")
     g.add_argument("--stream-group-ms", type=milliseconds, default=2.0, metavar="MS",

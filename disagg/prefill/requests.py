@@ -79,6 +79,9 @@ class PrefillRequest:
     progress: LayerProgress | None = None   # streamed: which layers the engine has finished
     computing: bool = False   # streamed: the engine still writes the pages the table holds
     streamed: bool = False    # a worker started while the engine computed
+    stream_auto: bool = False # streamed by `auto`: the worker may wait for the engine instead
+    settled: bool = True      # False: its writes were abandoned in flight (peer lost): decode is
+                              # told so, and keeps the pages until the cap (TransferDone.settled)
 
 
 class RequestTable:
@@ -178,9 +181,12 @@ class RequestTable:
                 self._fail(r, f"transfer workers unavailable: {refused}")
 
     # ---- ends ------------------------------------------------------------------------------
-    def finished(self, r: PrefillRequest, ok: bool, reason: str = "", done: TransferDone | None = None) -> None:
-        """The transfer worker stopped writing (sent, failed or stopped)."""
+    def finished(self, r: PrefillRequest, ok: bool, reason: str = "", done: TransferDone | None = None,
+                 settled: bool = True) -> None:
+        """The transfer worker stopped writing (sent, failed or stopped); `settled` False: it gave
+        up on writes in flight (their peer was lost), which may still land."""
         with self._lock:
+            r.settled = settled
             if ok and r.phase is Phase.TRANSFERRING:
                 self._release(r)
                 self._move(r, Phase.DONE)
@@ -217,7 +223,7 @@ class RequestTable:
             del self._rooms[r.room]
         self.ended.bury(r.room, r.reason)   # a late TransferRequest or prompt is answered at once
         if r.peer is not None:
-            self._tell(r.peer, TransferDone(r.room, self.epoch, False, r.reason))
+            self._tell(r.peer, TransferDone(r.room, self.epoch, False, r.reason, settled=r.settled))
         self._lock.notify_all()
 
     def _release(self, r: PrefillRequest) -> None:

@@ -32,6 +32,7 @@ from disagg.prefill.peers import DecodePeers
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError, RequestKV
+from transfer.errors import WritesAbandoned
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 
@@ -46,7 +47,7 @@ class PrefillConfig(WorkerSettings):
     tp_rank: int = 0
     tp_size: int = 1
     transfer_workers: int = 4               # per decode peer
-    stream_layers: str = "off"              # on | off | auto: send layer groups while computing
+    stream_layers: str = "auto"             # on | off | auto: send layer groups while computing
     stream_min_tokens: int = 2048           # auto streams prompts at least this long
 
     def __post_init__(self) -> None:
@@ -88,8 +89,10 @@ class PrefillServer(Worker):
         Raises Overloaded (pool full past queue_wait_s) or TooLarge after the same cleanup."""
         t0 = time.perf_counter()
         tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
-        streams = self._streams(stream or self.config.stream_layers, len(tokens))
+        mode = stream or self.config.stream_layers
+        streams = self._streams(mode, len(tokens))
         r = self.requests.prompt(room, tokens)
+        r.stream_auto = mode == "auto"
         refused, kv, first_token, handed = None, None, None, False
         try:
             if not r.phase.ended:
@@ -150,16 +153,21 @@ class PrefillServer(Worker):
     # ---- a transfer worker -------------------------------------------------------------------
     def _transfer(self, r: PrefillRequest) -> None:
         """Send; the table frees the pages, then tells decode (ok or not)."""
-        ok, reason, done = False, "", None
+        ok, reason, done, settled = False, "", None, True
         try:
             peer = self.peers.get(r.peer)
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
             if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
                 self.io.send(r.peer, TransferStarted(r.room, self.epoch))
+            stopped = lambda: not r.phase.sending   # noqa: E731
+            progress = r.progress if r.streamed else None
+            if progress is not None and r.stream_auto and not self.sender.streams_well(peer.target):
+                progress.wait_complete(stopped)   # this link would slow the compute more than it hides
+                progress = None
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), r.dst, r.room, r.slots, peer.relay,
-                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None)
+                                      stopped=stopped, progress=progress)
             ms = (time.perf_counter() - t0) * 1e3
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
@@ -170,9 +178,10 @@ class PrefillServer(Worker):
             ok = True
         except (DisaggError, KVPoolError) as exc:
             reason = f"{type(exc).__name__}: {exc}"
+            settled = not isinstance(exc, WritesAbandoned)
             log.warning("room %d: transfer failed: %s", r.room, exc)
         finally:
-            self.requests.finished(r, ok, reason, done)
+            self.requests.finished(r, ok, reason, done, settled)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -208,8 +217,9 @@ class PrefillServer(Worker):
                 self.peers.get(identity).relay.on_done(room, index)
             case Abort(room=room, reason=why):
                 r = self.requests.get(room)
-                if r is None:   # nothing writes for this room
-                    return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+                if r is None:   # nothing of ours writes for this room (unless a write given up on)
+                    return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
+                                        settled=not self.sender.unsettled())
                 if not self.peers.same_decode(identity, r.peer):   # ownership: only its decode ends it
                     log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
                     return TransferDone(room, self.epoch, False, "not a room of yours: nothing done")
@@ -218,7 +228,8 @@ class PrefillServer(Worker):
                 # the same decode on a new connection (it re-registered) is answered here,
                 # unless a transfer still writes (then it asks again later).
                 if r.peer != identity and r.phase is not Phase.STOPPING:
-                    return TransferDone(room, self.epoch, False, r.reason)
+                    return TransferDone(room, self.epoch, False, r.reason,
+                                        settled=r.settled and not self.sender.unsettled())
             case Heartbeat():
                 if not known:   # we dropped it (it went silent): it must register again
                     return Refused("unknown decode: register again")

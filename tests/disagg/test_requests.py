@@ -156,6 +156,32 @@ def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
     assert fx.freed == [r] and t.quarantined() == 0 and t.open(2).phase is D.BOOTSTRAPPING
 
 
+def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_cap():
+    """Prefill lost this decode with writes in flight and gave up on them (they may still land):
+    its TransferDone(settled=False) fails the request but frees nothing; a settled answer to a
+    later Abort frees; a request already quarantined is not freed by an unsettled answer."""
+    t, fx = decode_table()
+    r = t.open(2)
+    t.sending(r, "tcp://p:1", 9)
+    t.started(2, "tcp://p:1", 9)
+    t.done(TransferDone(2, 9, False, "WritesAbandoned: link closed", settled=False), "tcp://p:1")
+    assert t.wait(r) is D.ABORTING and "WritesAbandoned" in r.reason
+    t.finish(r)
+    assert r.phase is D.QUARANTINED and not fx.freed and fx.told == [("tcp://p:1", Abort(2, r.reason))]
+    t.done(TransferDone(2, 9, False, "aborted by decode", settled=False), "tcp://p:1")   # still in flight
+    assert r.phase is D.QUARANTINED and not fx.freed
+    t.done(TransferDone(2, 9, False, "aborted by decode"), "tcp://p:1")   # the abandoned writes ended
+    assert fx.freed == [r] and t.quarantined() == 0
+    # the prefill table: a worker that gave up says so in the TransferDone decode hears
+    p, pfx = prefill_table()
+    q = p.prompt(5, TOKENS)
+    p.destination(5, PEER, "dst", [])
+    p.computed(q, "kv")
+    p.finished(q, False, "WritesAbandoned: link closed", settled=False)
+    assert q.phase is P.FAILED and pfx.told == [(PEER, TransferDone(5, 5, False, "WritesAbandoned: link closed",
+                                                                      settled=False))]
+
+
 def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
     t, fx = decode_table(quarantine_s=0.0)
     a, b, c = t.open(3), t.open(4), t.open(5)

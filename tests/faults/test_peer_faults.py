@@ -75,9 +75,14 @@ def test_kill_prefill_mid_flight_decode_survives_and_serves_the_restarted_prefil
         assert pool_free(decode["http"]) == initial
 
 
-def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually):
+@pytest.mark.parametrize("stream", ["off", "on"])
+def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually, stream):
+    """Streamed or not, writes in flight to a frozen decode are abandoned when prefill drops
+    it (Mooncake would leave them pending while it is frozen), and once it thaws the stale
+    ranges end and return its budget, so it is served again."""
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *PREFILL, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        prefill = launcher.start("prefill", *PREFILL, "--stream-layers", stream, "--simulate-layer-ms", "2",
+                                 "--bootstrap-bind", "tcp://127.0.0.1:*")
         decode = launcher.start("decode", *DECODE, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"]), pool_free(decode["http"])

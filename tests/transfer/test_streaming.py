@@ -4,6 +4,7 @@ is), stops between groups when the request ends, and lands byte-exact over the r
 engine and the memory transport, both layouts, direct and staged."""
 
 import threading
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from harness.peer_server import digest_request
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from transfer.buffers import buffers_of
 from transfer.config import Mode, TransferConfig
-from transfer.cost import layer_bounds
+from transfer.cost import layer_bounds, streams_well
 from transfer.errors import Cancelled
 from transfer.peer import RemotePool
 from transfer.plan import build_plan, split_layers
@@ -243,3 +244,14 @@ def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mo
 def _memory():
     from harness import memory
     return memory.MemoryTransport()
+
+
+def test_auto_streams_only_over_links_that_leave_the_compute_alone(mooncake):
+    """Mooncake TCP reads a CUDA pool through host copies that slowed the prefill compute by
+    20% (H100): `auto` does not stream over it from a CUDA pool; from a host pool it does."""
+    pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2))
+    with KVSender(mooncake, pool, TransferConfig()) as sender:
+        link = mooncake.connect(sender.offers()[0], sender.exposures["mooncake"])
+        assert not link.overlaps_gpu_compute and sender.streams_well(RemotePool(link, tuple(sender.buffers)))
+        assert streams_well("cpu", link) and not streams_well("cuda:1", link)
+        assert streams_well("cuda", SimpleNamespace(overlaps_gpu_compute=True))   # cuda-ipc's copy kernel

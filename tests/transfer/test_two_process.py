@@ -3,10 +3,12 @@ process (sender) and a peer server process (receiver), and the same tests over t
 in-process memory transport (the `kind` fixture), which proves the transport seam."""
 
 import os
+import signal
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from harness.peer_client import LocalPeer
 from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
@@ -181,6 +183,45 @@ def test_dead_peer_fails_writes_and_probe():
                 sender.send(target, pool.index_set(req), dst)
             with pytest.raises(PeerUnreachable):
                 target.link.probe()
+
+
+def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer_is_served(eventually):
+    """Mooncake leaves writes to a frozen (SIGSTOPped) peer pending for as long as it is frozen.
+    Closing the link (prefill dropped the peer) ends their waits at once; the reaper keeps the
+    ranges already in the engine and returns the peer's budget once they end (after the thaw),
+    so the same peer, registered again, is served."""
+    [transport] = create(["mooncake"], TransportSettings("127.0.0.1"))
+    try:
+        with PeerProcess("tiny-full", 4, 131072) as frozen:
+            t = frozen.target()
+            size = int(t.buffers[0].nbytes) // 64 * 64
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+            exposure = transport.expose([(src.data_ptr(), size)])
+            link = transport.connect(t.offers[0], exposure)
+            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)   # a working session first
+            n = 64
+            at = np.arange(n, dtype=np.int64) * (size // n)
+            zero = np.zeros(n, dtype=np.int64)
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            try:
+                write = link.write_async(Ranges(zero, at, zero, at, np.full(n, size // n, dtype=np.int64)))
+                budget = transport._budget(link.peer)
+                assert budget.inflight > 0 and not write.ended
+                link.close()
+                with pytest.raises(PeerUnreachable, match="abandoned"):
+                    write.wait(timeout=5)
+                with pytest.raises(PeerUnreachable, match="closed"):
+                    link.write_async(Ranges.one(0, 0, 0, 0, 4096))
+                assert len(transport.reaper) == 1 and budget.inflight > 0   # still in the engine
+            finally:
+                os.kill(frozen.proc.pid, signal.SIGCONT)
+            eventually(lambda: len(transport.reaper) == 0 and budget.inflight == 0, 30,
+                       "the reaper retired the abandoned ranges and returned the peer's budget")
+            again = transport.connect(frozen.target().offers[0], exposure)   # registered again
+            again.write(Ranges.one(0, 0, 0, 0, size), timeout=30)
+            exposure.close()
+    finally:
+        transport.close()
 
 
 def test_staged_failure_releases_every_slot(transport, peer):

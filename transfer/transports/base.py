@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from transfer.errors import OutOfBounds, TransferError, WriteFailed
+from transfer.errors import OutOfBounds, TransferError, WriteFailed, WritesAbandoned
 
 
 class Offer(msgspec.Struct, frozen=True, array_like=True):
@@ -183,6 +183,7 @@ class PendingWrites(PendingWrite):
     def __init__(self) -> None:
         self._writes: list[PendingWrite] = []
         self.nbytes = 0
+        self.abandoned: WritesAbandoned | None = None   # a member given up on (its link closed)
 
     def add(self, write: PendingWrite) -> None:
         self._writes.append(write)
@@ -198,6 +199,8 @@ class PendingWrites(PendingWrite):
                     remaining.append(w)
             except TransferError as exc:
                 failure = failure or exc
+                if isinstance(exc, WritesAbandoned):
+                    self.abandoned = self.abandoned or exc
         self._writes = remaining
         if failure is not None:
             raise failure
@@ -212,12 +215,16 @@ class PendingWrites(PendingWrite):
 
     def drain(self) -> None:
         """Wait until no member is in flight, whatever became of them (after a failure: the
-        pages may be freed only once no write reads or writes them)."""
+        pages may be freed only once no write reads or writes them). Raises WritesAbandoned if
+        a member was given up on: that, not the failure that led here, is what the caller must
+        report (what was abandoned may still land)."""
         while self._writes:
             try:
                 self.wait()
             except TransferError:
                 pass
+        if self.abandoned is not None:
+            raise self.abandoned
 
 
 class Exposure(ABC):
@@ -238,6 +245,10 @@ class Link(ABC):
     peer: str           # a printable name of the peer
     cost: LinkCost
     ordered = False     # True: writes land in the order they were submitted (one stream)
+    # Writes from a CUDA pool run beside the model engine's kernels without slowing them much
+    # (a copy kernel on few SMs, a NIC reading GPU memory); False: they would cost the compute
+    # more than streaming hides, so `auto` does not stream over this link.
+    overlaps_gpu_compute = True
 
     @abstractmethod
     def write_async(self, ranges: Ranges) -> PendingWrite:
@@ -282,6 +293,11 @@ class Transport(ABC):
     def connect(self, offer: Offer, local: Exposure) -> Link:
         """A link from `local` to the regions `offer` describes; raises TransferError if the
         offer is malformed or the peer cannot be reached."""
+
+    def unsettled(self) -> int:
+        """Writes given up on (their link closed) that may still land: nonzero, and no page
+        they may reach is safe to reuse yet."""
+        return 0
 
     def close(self) -> None:
         pass
