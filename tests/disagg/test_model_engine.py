@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from disagg.engine import registry
+from disagg.engine.model.engine import TransformersEngine
 from disagg.engine.model.families import _ATTN, FAMILIES, Family
 from disagg.errors import ConfigError
 from kvpool import Component, HybridPool, Layout, PoolConfig
@@ -168,3 +169,21 @@ def test_geometry_is_the_models_and_mismatches_are_refused(device, monkeypatch):
         **_ATTN, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8)))
     with pytest.raises(ConfigError, match="layer 0 .* side by side"):
         registry.create("model", "tiny-model-falcon-h1", device)
+
+
+@pytest.mark.parametrize("preset", [f for f in TINY if FAMILIES[f].chunked_attention])
+def test_chunked_attention_is_the_families_eager_attention_on_blocks_of_queries(preset, device):
+    """Prompts longer than the block run the family's own eager attention block by block (a
+    32k prompt's scores would need 128 GiB at once): the logits are eager's up to float
+    rounding, and disaggregated still equals colocated with the chunked engine."""
+    whole = engine(preset, device)
+    chunked = TransformersEngine(preset, device, attn_chunk=5)
+    tokens = prompt(37, whole.vocab_size)   # 8 blocks, the last one short
+    want, _ = whole._forward(tokens, whole._cache())
+    got, _ = chunked._forward(tokens, chunked._cache())
+    assert not torch.equal(want, torch.zeros_like(want))
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+    prefill, decode = pools(chunked, device, 4)
+    dreq = transfer(chunked, prefill, decode, tokens)
+    check = chunked.check(tokens, chunked.decode(decode, dreq, tokens, max_new_tokens=6))
+    assert check["token_match"] and check["logits_match"], check

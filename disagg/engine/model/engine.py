@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
+from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
 from disagg.engine.model.geometry import spec_from_cache
@@ -49,7 +50,8 @@ def _fingerprint(buffers, items: np.ndarray) -> str:
 class TransformersEngine:
     name = "model"
 
-    def __init__(self, preset: str, device: str = "cpu", seed: int = 0):
+    def __init__(self, preset: str, device: str = "cpu", seed: int = 0, attn_chunk: int = attention.CHUNK):
+        """attn_chunk: queries per block of the eager attention (disagg.engine.model.attention)."""
         f = family(preset)
         go_offline()
         from transformers import AutoModelForCausalLM, DynamicCache
@@ -57,7 +59,8 @@ class TransformersEngine:
         self.config = hf_config(f)
         with torch.random.fork_rng(devices=[]):   # built on CPU from the seed: the same weights anywhere
             torch.manual_seed(seed)
-            model = AutoModelForCausalLM.from_config(self.config, attn_implementation="eager",
+            impl = attention.register(attn_chunk) if f.chunked_attention else "eager"
+            model = AutoModelForCausalLM.from_config(self.config, attn_implementation=impl,
                                                      dtype=getattr(torch, f.dtype))
         self.model = model.to(device).eval()
         self.device = torch.device(device)

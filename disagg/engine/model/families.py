@@ -46,6 +46,10 @@ class Family:
     config: dict = field(compare=False)
     page_size: int = 4
     dtype: str = "float32"            # weights, activations and so the KV the pools hold
+    # query-chunked eager attention (engine/model/attention.py); False where the model code
+    # branches on the implementation's name (DeepSeek-V3.2 applies its NSA top-k mask only
+    # under "eager"/"sdpa": under another name the indexer keys would stop mattering)
+    chunked_attention: bool = True
 
     @property
     def vocab_size(self) -> int:
@@ -78,7 +82,7 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
     # 8 indexer heads: with fewer, exact-zero score ties make the top-k order depend on shapes
     Family("tiny-model-deepseek-v32", "deepseek_v32", dict(
         **_MLA, num_hidden_layers=3, index_head_dim=16, index_n_heads=8, index_topk=8,
-        mlp_layer_types=["dense", "sparse", "sparse"])),
+        mlp_layer_types=["dense", "sparse", "sparse"]), chunked_attention=False),
     # Real KV geometry (heads, head dims, window, state shapes, MLA/NSA dims) for GPU compute
     # times, bf16; fewer layers, 8 experts and a 32k vocabulary keep the weights a few GB.
     Family("model-gpt-oss-120b", "gpt_oss", dict(
@@ -95,7 +99,7 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
         kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         index_head_dim=128, index_n_heads=64, index_topk=2048, n_routed_experts=8, num_experts_per_tok=4,
         moe_intermediate_size=2048, n_group=1, topk_group=1, first_k_dense_replace=1, num_hidden_layers=3,
-        mlp_layer_types=["dense", "sparse", "sparse"]), page_size=64, dtype="bfloat16"),
+        mlp_layer_types=["dense", "sparse", "sparse"]), page_size=64, dtype="bfloat16", chunked_attention=False),
 )}
 
 
