@@ -130,6 +130,42 @@ def _admits_only_who_needs_it(by: dict) -> None:
     assert sources("decode", 8080) == sources("prefill", 8080) == {"disagg-router"}
 
 
+def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
+    """overlays/same-node: prefill and decode in one pod (shared process namespace, one host
+    identity), each on its own GPU of one DRA claim both containers see, so CUDA IPC works;
+    the router reaches both by port; everything validates (Kubernetes 1.34: DRA is GA)."""
+    objects = render(ROOT / "deploy" / "k8s" / "overlays" / "same-node")
+    for obj in objects:
+        kubernetes_validate.validate(obj, "1.34", strict=True)
+    by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
+    parser = build_parser()
+    pod = by[("StatefulSet", "disagg-pair")]["spec"]["template"]["spec"]
+    assert pod["shareProcessNamespace"] is True
+    (claim,) = pod["resourceClaims"]
+    template = by[("ResourceClaimTemplate", claim["resourceClaimTemplateName"])]["spec"]["spec"]
+    (request,) = template["devices"]["requests"]
+    assert request["exactly"]["count"] == 2
+    containers = {c["name"]: c for c in pod["containers"]}
+    args = {name: parser.parse_args(c["args"]) for name, c in containers.items()}
+    assert {a.command for a in args.values()} == {"prefill", "decode"} == set(containers)
+    for name, c in containers.items():
+        assert c["resources"]["claims"] == [{"name": claim["name"]}]   # both see both GPUs
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            assert c[probe]["httpGet"]["port"] in ports
+        assert ports[c["readinessProbe"]["httpGet"]["port"]] == args[name].http_port
+    assert args["prefill"].device != args["decode"].device and args["prefill"].device.startswith("cuda:")
+    assert args["decode"].bootstrap_addr[0][1] == args["prefill"].bootstrap_bind
+    config = by[("ConfigMap", "disagg-config")]["data"]
+    assert config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_TRANSPORT"] == "auto"
+    router = _containers(by[("Deployment", "disagg-router")])[0]["args"]
+    pair = router[router.index("--pair") + 1].split(",")
+    assert pair == [f"http://disagg-pair-0.disagg-pair:{args['prefill'].http_port}",
+                    f"http://disagg-pair-0.disagg-pair:{args['decode'].http_port}", args["prefill"].bootstrap_bind]
+    service = by[("Service", "disagg-pair")]["spec"]
+    assert {p["port"] for p in service["ports"]} == {args["prefill"].http_port, args["decode"].http_port}
+
+
 @pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
 def test_dockerfiles_copy_what_exists_and_run_disagg(dockerfile):
     text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
