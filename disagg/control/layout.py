@@ -3,9 +3,11 @@ transfer between two of them is meaningful.
 
 A layout also describes the model behind it (ModelDescription: name, TP size, per component
 its layer count, heads, dims, dtypes, window), so a refused registration can say in words
-what differs and which side is which; the check itself compares page size, pool layout and
-buffers only (the description is words, never a reason to refuse or accept). Every field is
-bounded when decoded: a peer's description is untrusted.
+what differs and which side is which; the check itself compares page size, pool layout,
+buffers and the sliding window (it decides which pages each side keeps and nothing in the
+buffers shows it; a side that sends no description cannot be checked for it). Otherwise the
+description is words, never a reason to refuse or accept. Every field is bounded when
+decoded: a peer's description is untrusted.
 """
 
 from typing import Annotated
@@ -159,12 +161,16 @@ def _one_line(text: str) -> str:
 
 def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
     """None if a transfer between the two sides' layouts is meaningful (same page size, pool
-    layout and buffers, by transfer.buffers' one check; the model descriptions play no part),
+    layout and buffers, by transfer.buffers' one check, and the same sliding window where both
+    sides describe theirs),
     else one line naming both sides' models and what differs in words, e.g.
     "prefill gpt-oss-120b vs decode gpt-oss-20b: layers: prefill 36, decode 24; ...". The
     buffers are compared with prefill as the source and decode as the destination."""
     buffers = buffer_difference(prefill.buffers, decode.buffers)
-    if prefill.page_size == decode.page_size and prefill.layout == decode.layout and buffers is None:
+    windows = [i.model.swa.window if i.model is not None and i.model.swa is not None else None
+               for i in (prefill, decode)]
+    same_window = None in windows or windows[0] == windows[1]
+    if prefill.page_size == decode.page_size and prefill.layout == decode.layout and buffers is None and same_window:
         return None
     words = []
     if prefill.page_size != decode.page_size:
