@@ -97,8 +97,9 @@ class RequestTable:
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
 
     # ---- arrivals --------------------------------------------------------------------------
-    def prompt(self, room: int, tokens: np.ndarray) -> PrefillRequest:
-        """The prompt arrived (HTTP). A room that ended here fails at once."""
+    def prompt(self, room: int, tokens: np.ndarray, stream_auto: bool = False) -> PrefillRequest:
+        """The prompt arrived (HTTP). A room that ended here fails at once. `stream_auto`: it
+        streams by `auto` (a worker may wait for the engine instead, see stream_auto)."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.tokens is not None:
@@ -107,7 +108,7 @@ class RequestTable:
                 r = self._rooms[room] = PrefillRequest(room, Phase.AWAITING_DECODE)
             elif r.phase is Phase.ORPHANED:
                 self._move(r, Phase.COMPUTING)
-            r.tokens = tokens
+            r.tokens, r.stream_auto = tokens, stream_auto
             why = self.ended.reason(room)
             if why and not r.phase.ended:
                 self._fail(r, why)

@@ -91,8 +91,7 @@ class PrefillServer(Worker):
         tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
         mode = stream or self.config.stream_layers
         streams = self._streams(mode, len(tokens))
-        r = self.requests.prompt(room, tokens)
-        r.stream_auto = mode == "auto"
+        r = self.requests.prompt(room, tokens, stream_auto=mode == "auto")
         refused, kv, first_token, handed = None, None, None, False
         try:
             if not r.phase.ended:

@@ -16,11 +16,12 @@
   frozen: its progress timeout drops the connection but the status stays "pending" (measured:
   40 of 64 ranges still pending 40 s after the freeze; they fail within 0.2 s of a thaw). So
   the liveness layer decides: closing a link (peer dropped or re-registered) abandons its
-  writes. Their waiters get PeerUnreachable at once and nothing more is submitted; what is
+  writes. Their waiters get WritesAbandoned at once and nothing more is submitted; what is
   already in the engine goes to the transport's reaper, which keeps retiring it and returns
   the peer's budget as it ends (a thawed peer is not starved by its own stale writes).
   What an abandoned range may still do is read its source and land in the lost peer's pages
-  of failed requests: decode quarantines those (docs/contract.md, "Peer loss").
+  of failed requests: decode keeps those quarantined until prefill's answer is settled
+  (docs/contract.md, "When things fail").
 """
 
 import contextlib
@@ -103,7 +104,7 @@ class MooncakeWrite(PendingWrite):
         return not self._inflight and (self._abandoned or self._failure is not None or self._next >= len(self._src))
 
     def abandon(self) -> None:
-        """The peer is gone: submit nothing more; waiters get PeerUnreachable at once."""
+        """The peer is gone: submit nothing more; waiters get WritesAbandoned at once."""
         with self._lock:
             self._abandoned = True
 
@@ -197,12 +198,17 @@ class MooncakeLink(Link):
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
         src = self._local.bases[ranges.src_region] + ranges.src_off
         dst = self._bases[ranges.dst_region] + ranges.dst_off
+        if self._closed:
+            raise PeerUnreachable("write", -1, self.peer, ranges.nbytes, detail="the link is closed")
+        write = MooncakeWrite(self._transport._te, self.peer, self._transport._budget(self.peer), src, dst,
+                              ranges.length)   # (submits its first ranges: outside the lock, writers in parallel)
         with self._lock:
-            if self._closed:
-                raise PeerUnreachable("write", -1, self.peer, ranges.nbytes, detail="the link is closed")
-            write = MooncakeWrite(self._transport._te, self.peer, self._transport._budget(self.peer), src, dst,
-                                  ranges.length)
-            self._writes.add(write)
+            closed = self._closed
+            if not closed:
+                self._writes.add(write)
+        if closed:   # closed while it was submitting: abandoned like the others
+            write.abandon()
+            self._transport.reaper.add(write)
         return write
 
     def probe(self) -> None:
