@@ -79,7 +79,7 @@ class PrefillRequest:
     progress: LayerProgress | None = None   # streamed: which layers the engine has finished
     computing: bool = False   # streamed: the engine still writes the pages the table holds
     streamed: bool = False    # a worker started while the engine computed
-    stream_auto: bool = False # streamed by `auto`: the worker may wait for the engine instead
+    stream_auto: bool = False # streams by `auto`: only over a link that leaves the compute alone
     settled: bool = True      # False: its writes were abandoned in flight (peer lost): decode is
                               # told so, and keeps the pages until the cap (TransferDone.settled)
 
@@ -89,9 +89,12 @@ class RequestTable:
     effects (free pages, tell decode, start a transfer) happen inside it."""
 
     def __init__(self, epoch: int, deadlines: Deadlines, free: Callable[[RequestKV], None],
-                 tell: Callable[[bytes, TransferDone | TransferStarted], None], submit: Callable[[PrefillRequest], str | None]):
+                 tell: Callable[[bytes, TransferDone | TransferStarted], None], submit: Callable[[PrefillRequest], str | None],
+                 may_stream: Callable[[PrefillRequest], bool] = lambda r: True):
+        """may_stream(r): whether a worker may start on r while the engine still computes
+        (False: it starts once the KV is computed, as for a request that does not stream)."""
         self.epoch, self.deadlines = epoch, deadlines
-        self._free, self._tell, self._submit = free, tell, submit
+        self._free, self._tell, self._submit, self._may_stream = free, tell, submit, may_stream
         self._lock = threading.Condition()
         self._rooms: dict[int, PrefillRequest] = {}
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
@@ -99,7 +102,7 @@ class RequestTable:
     # ---- arrivals --------------------------------------------------------------------------
     def prompt(self, room: int, tokens: np.ndarray, stream_auto: bool = False) -> PrefillRequest:
         """The prompt arrived (HTTP). A room that ended here fails at once. `stream_auto`: it
-        streams by `auto` (a worker may wait for the engine instead, see stream_auto)."""
+        streams by `auto` (may_stream decides per link)."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.tokens is not None:
@@ -153,6 +156,8 @@ class RequestTable:
                     self._tell(r.peer, TransferStarted(r.room, self.epoch))
                 elif r.phase.ended and r.phase is not Phase.STOPPING:
                     self._release(r)
+                else:   # its worker waited for the engine (may_stream), or decode is not here yet
+                    self._maybe_start(r)
                 return
             if r.phase.ended:
                 self._free(kv)
@@ -173,7 +178,7 @@ class RequestTable:
                 self._release(r)
 
     def _maybe_start(self, r: PrefillRequest) -> None:
-        if r.phase is Phase.COMPUTING and r.kv is not None:
+        if r.phase is Phase.COMPUTING and r.kv is not None and not (r.computing and not self._may_stream(r)):
             r.streamed = r.computing
             self._move(r, Phase.STREAMING if r.computing else Phase.TRANSFERRING)
             refused = self._submit(r)

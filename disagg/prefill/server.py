@@ -62,7 +62,8 @@ class PrefillServer(Worker):
         self.sender: KVSender = self.endpoint
         self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
-        self.requests = RequestTable(self.epoch, config.deadlines, self._free, self._tell, self._submit)
+        self.requests = RequestTable(self.epoch, config.deadlines, self._free, self._tell, self._submit,
+                                     self._may_stream)
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
                                  self.epoch)
         self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate).start() \
@@ -139,6 +140,12 @@ class PrefillServer(Worker):
         if not (isinstance(msg, TransferDone) and self.faults.hit("control.drop_done")):
             self.io.send(peer, msg)
 
+    def _may_stream(self, r: PrefillRequest) -> bool:
+        """`auto` streams only over a link that leaves the compute alone (not Mooncake TCP from a
+        CUDA pool); the table asks before it starts a worker while the engine computes."""
+        peer = self.peers.get(r.peer)
+        return not r.stream_auto or peer is None or self.sender.streams_well(peer.target)
+
     def _submit(self, r: PrefillRequest) -> str | None:
         peer = self.peers.get(r.peer)
         if peer is None:
@@ -159,14 +166,9 @@ class PrefillServer(Worker):
                 raise ProtocolError("decode peer is not registered")
             if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
                 self.io.send(r.peer, TransferStarted(r.room, self.epoch))
-            stopped = lambda: not r.phase.sending   # noqa: E731
-            progress = r.progress if r.streamed else None
-            if progress is not None and r.stream_auto and not self.sender.streams_well(peer.target):
-                progress.wait_complete(stopped)   # this link would slow the compute more than it hides
-                progress = None
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), r.dst, r.room, r.slots, peer.relay,
-                                      stopped=stopped, progress=progress)
+                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None)
             ms = (time.perf_counter() - t0) * 1e3
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,

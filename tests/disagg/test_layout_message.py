@@ -10,15 +10,16 @@ import pytest
 from disagg.control import layout as L
 from disagg.control import messages as P
 from disagg.errors import ProtocolError
-from kvpool import AttentionSpec, HybridPool, LinearStateSpec, ModelSpec, NSAIndexerSpec, PoolConfig, get_preset
+from kvpool import AttentionSpec, HybridPool, Layout, LinearStateSpec, ModelSpec, NSAIndexerSpec, PoolConfig, get_preset
 from transfer.buffers import buffers_of
 
 
-def info(model: ModelSpec | str, page_size: int | None = None, described: bool = True, **kw) -> L.LayoutInfo:
+def info(model: ModelSpec | str, page_size: int | None = None, described: bool = True,
+         tp_size: int = 1, layout: str = "page_major") -> L.LayoutInfo:
     """The LayoutInfo a worker with this pool advertises (as worker/base.py builds it)."""
     model = get_preset(model) if isinstance(model, str) else model
     pool = HybridPool(PoolConfig(model, page_size or model.default_page_size, max_tokens=2048, max_requests=2,
-                                 device="cpu", **kw))
+                                 device="cpu", tp_size=tp_size, layout=Layout(layout)))
     return L.LayoutInfo(pool.page_size, pool.config.layout.value, buffers_of(pool.buffer_descriptors()),
                         L.describe_model(pool.config.model, pool.config.tp_size) if described else None)
 

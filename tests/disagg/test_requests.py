@@ -235,6 +235,23 @@ def test_prefill_streams_once_both_halves_met_and_says_started_only_when_compute
     assert r.phase is P.DONE and fx.freed == ["kv"]
 
 
+def test_prefill_streams_only_where_may_stream_says_so_else_starts_once_computed():
+    """auto over a link that would slow the compute: no worker while the engine computes (it
+    would only wait), one once the KV is computed, and the request is not streamed."""
+    from transfer.progress import LayerProgress
+    fx = Effects()
+    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
+                     may_stream=lambda r: not r.stream_auto)
+    r = t.prompt(1, TOKENS, stream_auto=True)
+    t.destination(1, PEER, "dst", [0])
+    assert t.streaming(r, "kv", LayerProgress(4))
+    assert r.phase is P.COMPUTING and not fx.submitted
+    t.computed(r, "kv")
+    assert r.phase is P.TRANSFERRING and fx.submitted == [r] and not r.streamed
+    t.finished(r, True, done=TransferDone(1, 5, True))
+    assert r.phase is P.DONE and fx.freed == ["kv"]
+
+
 def test_prefill_streamed_failure_frees_only_after_the_engine_and_the_worker_let_go():
     t, fx, r, progress = _streaming()
     t.destination(1, PEER, "dst", [0])

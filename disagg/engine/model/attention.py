@@ -12,6 +12,7 @@ of the same mask: the same math, at most chunk/queries of the memory. A prompt o
                          | ...           |     outputs [b, c, h, d] concatenated on dim 1
 """
 
+import functools
 import sys
 
 import torch
@@ -20,18 +21,21 @@ NAME = "disagg_chunked_eager"
 CHUNK = 1024   # queries per block: 64 heads x 1024 x 32k keys x 2 B = 4 GiB of scores at 32k
 
 
-def chunked_eager(module, query, key, value, attention_mask, *, chunk: int = CHUNK, **kwargs):
-    if kwargs.get("indices") is not None:   # sparse attention a model applies only under "eager"
+def chunked_eager(module, query, key, value, attention_mask, *, chunk: int = CHUNK, indices=None, **model_kwargs):
+    """transformers' attention-function signature. `model_kwargs` (scaling, dropout, sinks,
+    sliding window, ...) differ per family and go to the family's own eager function as they
+    came: this adapter reads none of them."""
+    if indices is not None:   # sparse attention a model applies only under "eager"
         raise RuntimeError(f"{type(module).__name__} passes sparse indices: its family must run plain eager "
                            "attention (Family.chunked_attention=False)")
     eager = sys.modules[type(module).__module__].eager_attention_forward
     n = query.shape[-2]
     if n <= chunk:
-        return eager(module, query, key, value, attention_mask, **kwargs)
+        return eager(module, query, key, value, attention_mask, **model_kwargs)
     outs = []
     for q0 in range(0, n, chunk):
         mask = attention_mask[..., q0:q0 + chunk, :] if attention_mask is not None else None
-        out, _ = eager(module, query[..., q0:q0 + chunk, :], key, value, mask, **kwargs)
+        out, _ = eager(module, query[..., q0:q0 + chunk, :], key, value, mask, **model_kwargs)
         outs.append(out)
     return torch.cat(outs, dim=1), None
 
@@ -42,6 +46,6 @@ def register(chunk: int = CHUNK) -> str:
     from transformers.masking_utils import eager_mask
 
     name = NAME if chunk == CHUNK else f"{NAME}_{chunk}"
-    AttentionInterface.register(name, lambda *a, **kw: chunked_eager(*a, chunk=chunk, **kw))
+    AttentionInterface.register(name, functools.partial(chunked_eager, chunk=chunk))
     AttentionMaskInterface.register(name, eager_mask)
     return name
