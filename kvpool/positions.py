@@ -11,7 +11,6 @@ import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import SENTINEL
-from kvpool.pools.swa import window_first_page
 
 
 def paged_components(pool) -> list[Component]:
@@ -34,11 +33,12 @@ def token_items(pool, c: Component, req, positions: np.ndarray) -> tuple[np.ndar
 
 
 def kept_positions(pool, c: Component, num_tokens: int) -> np.ndarray:
-    """The positions of a request of `num_tokens` that a receiver holds for component c (SWA:
-    only the window's pages; others: every position)."""
+    """The positions of a request of `num_tokens` whose KV a receiver holds for component c,
+    whatever the sender's page size (SWA: the window's last `window` tokens, which every
+    page size's window pages cover; others: every position)."""
     first = 0
     if c is Component.SWA:
-        first = window_first_page(num_tokens, pool.config.model.swa.window, pool.page_size) * pool.page_size
+        first = max(0, num_tokens - pool.config.model.swa.window)
     return np.arange(first, num_tokens)
 
 

@@ -4,7 +4,8 @@
 (a) ceiling: the raw transport link writing one contiguous block of the same byte count
     between the same two processes, measured right before each row (so drift hits both alike);
 (b) our path (KVSender -> harness peer server process) for page sizes 1, 16, 64, both layouts, with
-    randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only);
+    randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only); a page
+    size P:Q gives prefill pages of P tokens and decode pages of Q (the KV moves by token);
 (c) planning time alone for 32k and 128k tokens at page 1 for a 60-layer K/V preset.
 
     .venv/bin/python scripts/bench_transfer.py [--quick] [--json] [--preset gpt-oss-120b] [--transport mooncake]
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
 
 from harness.peer_client import PeerProcess  # noqa: E402
-from harness.peer_server import digest_request  # noqa: E402
+from harness.peer_server import digest_request, digest_tokens  # noqa: E402
 from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
 from kvpool.spec import AttentionSpec, ModelSpec  # noqa: E402
 from transfer.buffers import buffers_of  # noqa: E402
@@ -68,13 +69,17 @@ def timed(fn, repeats: int) -> float:
 
 
 def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, page_size: int,
-                 token_counts: list[int]) -> list[dict]:
+                 token_counts: list[int], peer_page: int | None = None) -> list[dict]:
+    """Rows for one (layout, page size) of the sender; `peer_page`: the receiver's, where it
+    differs (the KV moves by token, verified per token position)."""
+    peer_page = peer_page or page_size
+    by_token = peer_page != page_size
     model = get_preset(args.preset)
     capacity = int(max(token_counts) * 2.5)
     cfg = TransferConfig(mode=Mode(args.mode))
     rows = []
     # one peer process serves the whole run, reconfigured per (layout, page size)
-    peer.configure(args.preset, page_size, capacity, layout=layout.value, max_requests=4,
+    peer.configure(args.preset, peer_page, capacity, layout=layout.value, max_requests=4,
                    staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20,
                    device=args.peer_device)
     pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout,
@@ -89,7 +94,7 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
             rid, dst = peer.alloc(tokens)
             src = pool.index_set(req)
             slots = peer.expect(1, rid, want_slots=2)
-            plan = sender.plan(target, src, dst)
+            plan = sender.plan(target, src, dst, tokens)
             if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
                 # ceiling: a p2p copy of one block of the same size between the two GPUs
                 n = plan.nbytes
@@ -109,12 +114,15 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                 one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
                 t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
             reports = []
-            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel)), args.repeats)
-            digest_ok = peer.digest(rid).per_component == digest_request(pool, req)
+            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel,
+                                                              num_tokens=tokens)), args.repeats)
+            digest = digest_tokens if by_token else digest_request
+            digest_ok = peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
             rep = reports[-1]
             ceiling = n / t_ceiling / 1e9
             gbps = rep.nbytes / t_ours / 1e9
-            rows.append({"layout": layout.value, "page_size": page_size, "tokens": tokens, "mode": rep.mode.value,
+            rows.append({"layout": layout.value, "page_size": page_size, "peer_page_size": peer_page,
+                         "tokens": tokens, "mode": rep.mode.value,
                          "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
                          "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
                          "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),
@@ -149,7 +157,8 @@ def planning(tokens_list: list[int], repeats: int) -> list[dict]:
 
 
 def print_row(r: dict, flush: bool = False) -> None:
-    print(f"{r['layout']:<12} {r['page_size']:>4} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
+    page = str(r["page_size"]) + (f":{r['peer_page_size']}" if r["peer_page_size"] != r["page_size"] else "")
+    print(f"{r['layout']:<12} {page:>5} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
           f"{r['plan_ranges']:>8} {r['gbps']:>6.2f} {r['ceiling_gbps']:>7.2f} {r['ratio']:>6.2f} "
           f"{r['ms']:>8.1f} {'yes' if r['verified'] else 'NO'}", flush=flush)
 
@@ -160,7 +169,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2k tokens only, fewer repeats (under a minute)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
-    ap.add_argument("--page-sizes", default="1,16,64")
+    ap.add_argument("--page-sizes", default="1,16,64",
+                    help="comma-separated page sizes; P:Q for prefill P and decode Q (moved by token)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
     ap.add_argument("--transport", default="mooncake", help="the transport under test (both sides)")
@@ -192,15 +202,15 @@ def main() -> int:
     if not args.json:
         print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
               "block of the same bytes, same processes")
-        print(f"{'layout':<12} {'page':>4} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
+        print(f"{'layout':<12} {'page':>5} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
               f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
     rows = []
-    page_sizes = [int(p) for p in args.page_sizes.split(",")]
-    with PeerProcess(args.preset, page_sizes[0], 4096, transport=args.transport, env=peer_env,
+    page_sizes = [tuple(int(x) for x in p.split(":")) for p in args.page_sizes.split(",")]
+    with PeerProcess(args.preset, page_sizes[0][-1], 4096, transport=args.transport, env=peer_env,
                      device=args.peer_device) as peer:
         for layout in (Layout(name) for name in args.layouts.split(",")):
-            for page_size in page_sizes:
-                rows += bench_layout(args, transport, peer, layout, page_size, token_counts)
+            for pages in page_sizes:
+                rows += bench_layout(args, transport, peer, layout, pages[0], token_counts, pages[-1])
     plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
     result = {"preset": args.preset, "device": args.device, "transport": args.transport,
               "cuda_ipc_blocks": args.cuda_ipc_blocks,

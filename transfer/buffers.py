@@ -71,14 +71,17 @@ def component_difference(component: Component, ours: Sequence[Buffer], theirs: S
     return None
 
 
-def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer]) -> str | None:
-    """None if every component of the two sides pairs up, else the first difference."""
+def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: bool = True) -> str | None:
+    """None if every component of the two sides pairs up, else the first difference. With
+    paged=False only the per-request components (state slots, the AUX row) are compared
+    buffer by buffer: pools of different page sizes pair their paged ones by token
+    (transfer.tokens), the component sets must still match."""
     a, b = by_component(ours), by_component(theirs)
     if set(a) != set(b):
         return (f"component sets differ: destination lacks {sorted(c.value for c in set(a) - set(b))}, "
                 f"source lacks {sorted(c.value for c in set(b) - set(a))}")
     for c in a:
-        diff = component_difference(c, a[c], b[c])
+        diff = component_difference(c, a[c], b[c]) if paged or c.per_request else None
         if diff:
             return diff
     return None

@@ -15,6 +15,7 @@ from transfer.buffers import Buffer, buffers_of
 from transfer.config import TransferConfig
 from transfer.faults import FaultInjector
 from transfer.staging import StagingArea
+from transfer.tokens import pool_lanes
 from transfer.transports.base import Exposure, Offer, Transport
 
 
@@ -54,6 +55,9 @@ class PoolEndpoint:
         self.placements: dict[Component, list[tuple[int, int, int, int]]] = {
             c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
             for c, p in pool.pools.items()}
+        # each paged component's segments as token rows, for peers of another page size
+        pc = pool.config
+        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local")
         self.faults = FaultInjector(config.faults)
 
     def offers(self) -> list[Offer]:

@@ -1,9 +1,12 @@
 """What a sender knows of one receiver: a connected link, its buffers, its staging area."""
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from transfer.buffers import Buffer
+from kvpool.geometry import Component
 from transfer.endpoint import StagingInfo
+from transfer.tokens import Lane
 from transfer.transports.base import Link
 
 
@@ -12,6 +15,9 @@ class RemotePool:
     link: Link                           # the transport picked for this peer, connected
     buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
     staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
+    page_size: int = 0                   # the receiver's (0: the sender's)
+    lanes: Mapping[Component, tuple[Lane, ...]] | None = None   # its paged components by token,
+                                                                 # when its page size is not ours
 
     def slot_offset(self, slot: int) -> int:
         return slot * self.staging.slot_bytes

@@ -11,9 +11,11 @@ link resolves them and checks them again against what each side exposed.
 
 With page-major pools a component has one buffer, so one range per run moves that run's pages
 of every layer; layer-major pools multiply the range count by the number of buffers.
+
+Pools of different page sizes move paged components in token rows (transfer.tokens): the
+runs are of rows, one range per run and lane (segment); state slots and the AUX row as above.
 """
 
-import dataclasses
 import functools
 import logging
 from dataclasses import dataclass
@@ -22,9 +24,9 @@ import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from kvpool.layout import ALIGN
 from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
+from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows, token_runs
 from transfer.transports.base import Ranges, RunSet
 
 log = logging.getLogger(__name__)
@@ -120,20 +122,36 @@ class ComponentPlan:
     runs: Runs
     field: tuple[int, int] | None = None   # (offset, bytes) of every item that move; None: whole items
     buffer_ids: tuple[int, ...] | None = None   # each buffer's index among the component's (None: 0, 1, ...)
+    # pools of different page sizes (transfer.tokens): src_idx / dst_idx / runs are token rows,
+    # moved per lane (segment) instead of per buffer; rows [i] hold position first_position + i
+    src_lanes: tuple[Lane, ...] | None = None
+    dst_lanes: tuple[Lane, ...] | None = None
+    first_position: int = 0
+
+    @property
+    def by_token(self) -> bool:
+        return self.src_lanes is not None
+
+    @property
+    def streams(self) -> int:
+        """Separate (buffer or lane) streams that move the runs."""
+        return len(self.src_lanes) if self.by_token else len(self.src_bufs)
 
     def buffer_id(self, i: int) -> int:
-        """Which of the component's buffers src_bufs[i] / dst_bufs[i] are (a layer group holds a subset)."""
+        """Which of the component's buffers (by token: lanes) stream i is (a layer group holds a subset)."""
         return self.buffer_ids[i] if self.buffer_ids is not None else i
 
     @property
     def unit_bytes(self) -> tuple[int, ...]:
-        """Bytes that move per item of each buffer."""
+        """Bytes that move per item (by token: per row) of each stream."""
+        if self.by_token:
+            return tuple(l.token_bytes for l in self.src_lanes)
         return tuple(self.field[1] if self.field else b.item_bytes for b in self.src_bufs)
 
     @property
     def num_ranges(self) -> int:
         items = int(self.runs.count.sum()) if self.field else len(self.runs)
-        return items * len(self.src_bufs)
+        return items * self.streams
 
     @property
     def nbytes(self) -> int:
@@ -142,7 +160,7 @@ class ComponentPlan:
     @functools.cached_property
     def ranges(self) -> Ranges:
         """Transport ranges, built on first use: a staged transfer never needs them."""
-        if self.field:
+        if self.field or self.by_token:
             return self.runset.flatten()
         return expand(self.runs, list(self.src_bufs), list(self.dst_bufs))
 
@@ -152,10 +170,32 @@ class ComponentPlan:
         against every buffer when the plan was built."""
         def ints(values):
             return np.array(list(values), dtype=np.int64)
+        if self.by_token:
+            return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
         field = (ints(self.field[0] for _ in self.src_bufs), ints(self.field[1] for _ in self.src_bufs)) \
             if self.field else (None, None)
         return RunSet(self.runs.src_start, self.runs.dst_start, self.runs.count, ints(b.region for b in self.src_bufs),
                       ints(b.region for b in self.dst_bufs), ints(b.item_bytes for b in self.src_bufs), *field)
+
+
+def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet:
+    """Runs of token rows x lanes. Layer-major lanes are rows back to back (a lane is a buffer
+    of items of one row); page-major ones lie in one buffer per side at offsets that differ
+    per side, so each (lane, run) becomes a run of bytes of that buffer."""
+    def ints(values):
+        return np.array(list(values), dtype=np.int64)
+    if all(l.linear for l in src + dst):
+        return RunSet(runs.src_start, runs.dst_start, runs.count, ints(l.region for l in src),
+                      ints(l.region for l in dst), ints(l.token_bytes for l in src))
+    regions = {(s.region, d.region) for s, d in zip(src, dst)}
+    if len(regions) != 1:
+        raise LayoutIncompatible(f"page-major lanes in {len(regions)} buffer pairs (expected one)")
+    (src_region, dst_region), = regions
+    src_off = np.stack([l.at(runs.src_start) for l in src]) if src else np.zeros((0, 0), np.int64)
+    dst_off = np.stack([l.at(runs.dst_start) for l in dst]) if dst else np.zeros((0, 0), np.int64)
+    length = runs.count[None, :] * ints(l.token_bytes for l in src)[:, None]
+    return RunSet(src_off.ravel(), dst_off.ravel(), length.ravel(), ints([src_region]), ints([dst_region]),
+                  ints([1]))
 
 
 @dataclass(frozen=True)
@@ -185,8 +225,35 @@ class TransferPlan:
         return [c.runset for c in self.body]
 
 
-def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer]) -> TransferPlan:
+def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Buffer], dst_bufs: list[Buffer],
+               tokens: Tokens) -> ComponentPlan:
+    """A paged component between pools of different page sizes: the positions both sides
+    cover, as token rows on each side, grouped into runs (transfer.tokens)."""
+    if c not in tokens.src or c not in tokens.dst:
+        raise LayoutIncompatible(f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side")
+    src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
+    n, ps, pd = tokens.num_tokens, src_lanes[0].page_size, dst_lanes[0].page_size
+    first_src = first_covered(n, ps, len(src), "source", c)
+    first_dst = first_covered(n, pd, len(dst), "destination", c)
+    if (first_src or first_dst) and not c.truncatable:
+        raise IndexMismatch(f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} "
+                            f"must each cover all {n} tokens")
+    check_pages(c, "source", src, src_lanes)
+    check_pages(c, "destination", dst, dst_lanes)
+    first = max(first_src, first_dst)
+    positions = np.arange(first, n, dtype=np.int64)
+    s_rows, d_rows = rows(src, n, ps, positions), rows(dst, n, pd, positions)
+    starts, count = token_runs(s_rows, d_rows, ps, pd, paged_rows=not all(l.linear for l in src_lanes + dst_lanes))
+    s_rows.setflags(write=False)
+    d_rows.setflags(write=False)
+    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), Runs(s_rows[starts], d_rows[starts], count),
+                         src_lanes=src_lanes, dst_lanes=dst_lanes, first_position=first)
+
+
+def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer],
+               tokens: Tokens | None = None) -> TransferPlan:
     """Plan moving every component of `src_set` (local pool) into `dst_set` (the peer's pool).
+    With `tokens` (the pools' page sizes differ), paged components move in token rows.
     Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index."""
     src_by, dst_by = by_component(src_bufs), by_component(dst_bufs)
     missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
@@ -196,6 +263,9 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
     body, last = [], []
     for c in src_set.components():
         sb, db = src_by.get(c, []), dst_by[c]
+        if tokens is not None and not c.per_request:
+            body.append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens))
+            continue
         pair_buffers(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)
         # Indices inside every buffer's item range => every range inside its buffer (expand()
@@ -207,72 +277,3 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
     if len(last) > 1:
         raise LayoutIncompatible(f"more than one component to send last: {[p.component.value for p in last]}")
     return TransferPlan(tuple(body), last[0] if last else None)
-
-
-# ---- layer groups: a plan cut by model layer, for layer-wise streaming ---------------------
-#
-#   model layers   0 1 2 3 | 4 5 6 7 | 8 9 10 11        bounds [0, 4, 8, 12]: three groups
-#   layer-major    group g = the buffers whose layer is in g (whole items)
-#   page-major     group g = the bytes of each row that hold g's layers (a field):
-#                  | L0.k L0.v ... L3.v | L4.k ... L7.v | L8.k ... L11.v |   one fragment per
-#                  |<--- group 0 ------>|<-- group 1 -->|<-- group 2 --->|   row and group
-
-Placement = tuple[int, int, int, int]   # (buffer, layer, byte offset in the item, bytes)
-
-
-@dataclass(frozen=True)
-class LayerGroup:
-    layers: range                      # the model layers whose KV (and state) this part carries
-    body: tuple[ComponentPlan, ...]    # may be empty: no component has a layer in it
-
-    @property
-    def nbytes(self) -> int:
-        return sum(c.nbytes for c in self.body)
-
-
-def _spans(placements: list[Placement], align: int, item_bytes: int) -> list[tuple[int, int]]:
-    """Contiguous byte spans covering these placements of one buffer, each taking the
-    alignment padding after it along: the groups' spans tile the item, padding included, so a
-    streamed row arrives byte for byte as a whole one would."""
-    spans: list[list[int]] = []
-    for _, _, off, n in sorted(placements, key=lambda p: p[2]):
-        end = min(-(-(off + n) // align) * align, item_bytes)
-        if spans and off <= spans[-1][1]:
-            spans[-1][1] = max(spans[-1][1], end)
-        else:
-            spans.append([off, end])
-    return [(a, b - a) for a, b in spans]
-
-
-def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Component, list[Placement]],
-                 align: int = ALIGN) -> list[LayerGroup]:
-    """The plan's body as consecutive layer groups [bounds[g], bounds[g + 1]): every byte the
-    plan moves for a layer lands in exactly one group. `placements` are where each layer's
-    segments lie in the sender's items (a buffer that pairs up has the same on the receiver).
-    The AUX row belongs to no group: it still goes last."""
-    if len(bounds) < 2 or any(b >= a for a, b in zip(bounds[1:], bounds)):
-        raise ValueError(f"layer group bounds must increase: {bounds}")
-    layers_sent = {b.layer for cp in plan.body for b in cp.src_bufs if b.layer is not None} | \
-        {p[1] for cp in plan.body if any(b.layer is None for b in cp.src_bufs) for p in placements.get(cp.component, [])}
-    outside = sorted(l for l in layers_sent if not bounds[0] <= l < bounds[-1])
-    if outside:
-        raise ValueError(f"layer groups {bounds[0]}..{bounds[-1] - 1} leave out layers {outside}")
-    groups = [range(a, b) for a, b in zip(bounds, bounds[1:])]
-    parts: list[list[ComponentPlan]] = [[] for _ in groups]
-    for cp in plan.body:
-        whole = {bi: b.item_bytes for bi, b in enumerate(cp.src_bufs)}
-        for g, layers in enumerate(groups):
-            if all(b.layer is not None for b in cp.src_bufs):        # layer-major: whole buffers
-                keep = [i for i, b in enumerate(cp.src_bufs) if b.layer in layers]
-                if keep:
-                    parts[g].append(dataclasses.replace(cp, src_bufs=tuple(cp.src_bufs[i] for i in keep),
-                                                        dst_bufs=tuple(cp.dst_bufs[i] for i in keep),
-                                                        buffer_ids=tuple(cp.buffer_id(i) for i in keep)))
-                continue
-            for bi in range(len(cp.src_bufs)):                         # page-major: a field of each row
-                mine = [p for p in placements.get(cp.component, []) if p[0] == bi and p[1] in layers]
-                for off, n in _spans(mine, align, whole[bi]):
-                    field = None if (off, n) == (0, whole[bi]) else (off, n)
-                    parts[g].append(dataclasses.replace(cp, src_bufs=(cp.src_bufs[bi],), dst_bufs=(cp.dst_bufs[bi],),
-                                                        field=field, buffer_ids=(cp.buffer_id(bi),)))
-    return [LayerGroup(layers, tuple(p)) for layers, p in zip(groups, parts)]

@@ -5,6 +5,7 @@ from kvpool.indices import IndexSet
 from transfer.endpoint import PoolEndpoint
 from transfer.errors import StagingError
 from transfer.staging import Piece, scatter
+from transfer.tokens import TokenRows
 
 
 class KVReceiver(PoolEndpoint):
@@ -17,11 +18,13 @@ class KVReceiver(PoolEndpoint):
     def release_slots(self, slots: list[int]) -> None:
         self.staging.lease.release(slots)
 
-    def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int]) -> None:
-        """Scatter chunk `index`, landed in `slot`, into `dst`; `leased` are the slots this
-        transfer holds. Raises StagingError (nothing written) for a notice that does not fit."""
+    def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int],
+                 num_tokens: int) -> None:
+        """Scatter chunk `index`, landed in `slot`, into `dst` (the pages of a request of
+        `num_tokens`); `leased` are the slots this transfer holds. Raises StagingError
+        (nothing written) for a notice that does not fit."""
         if slot not in leased:
             raise StagingError(f"chunk {index} names slot {slot}, not leased to this transfer")
         if self.faults.hit("recv.chunk"):
             raise StagingError(f"injected fault at recv.chunk (chunk {index})")
-        scatter(index, slot, pieces, dst, self.tensors, self.staging)
+        scatter(index, slot, pieces, dst, self.tensors, self.staging, TokenRows(num_tokens, self.lanes))

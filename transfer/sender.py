@@ -2,7 +2,7 @@
 both sides have, then per request plan, choose direct or staged, write, AUX last.
 
 Streamed (layer-wise): while the model engine still computes, the body goes in layer groups
-(transfer.plan.split_layers; sized by transfer.cost.layer_bounds), each once LayerProgress
+(transfer.layers.split_layers; sized by transfer.cost.layer_bounds), each once LayerProgress
 says its layers are final; direct writes fragments of each row, staged gathers a group's
 fields into chunks. The AUX row still goes last, after the engine returned and everything
 landed, so decode never sees "done" before every layer."""
@@ -22,9 +22,11 @@ from transfer.cost import choose_mode, layer_bounds, streams_well
 from transfer.endpoint import PoolEndpoint, StagingInfo
 from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, WritesAbandoned
 from transfer.peer import RemotePool
-from transfer.plan import ComponentPlan, LayerGroup, TransferPlan, build_plan, split_layers
+from transfer.layers import LayerGroup, split_layers
+from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
 from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
+from transfer.tokens import Tokens, pool_lanes
 from transfer.transports import Offer, Ranges, pick
 from transfer.transports.base import PendingWrites
 
@@ -50,23 +52,37 @@ class TransferReport:
 class KVSender(PoolEndpoint):
     """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
 
-    def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer],
-                staging: StagingInfo | None = None) -> RemotePool:
-        """A receiver that offers `offers` (its order of preference) for `buffers`: refused
-        with the first difference unless its buffers pair up with ours, then connected over
-        the first transport we share. The caller closes `.link` when the peer goes away."""
-        diff = layout_difference(self.buffers, buffers)
+    def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer], staging: StagingInfo | None = None,
+                page_size: int | None = None) -> RemotePool:
+        """A receiver that offers `offers` (its order of preference) for `buffers` of a pool of
+        `page_size` (None: ours): refused with the first difference unless its buffers pair up
+        with ours (another page size: those of our model at its page size, transfer.tokens),
+        then connected over the first transport we share. The caller closes `.link` when the
+        peer goes away."""
+        cfg = self.pool.config
+        page_size = cfg.page_size if page_size is None else page_size
+        same_pages = page_size == cfg.page_size
+        diff = layout_difference(self.buffers, buffers, paged=same_pages)
         if diff:
             raise LayoutIncompatible(diff)
+        lanes = None if same_pages else pool_lanes(cfg.model, page_size, cfg.tp_size, cfg.layout, list(buffers),
+                                                   "destination")
         offer, transport = pick(offers, self.transports)
-        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging)
+        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging,
+                          page_size, lanes)
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""
         return streams_well(str(self.pool.config.device), peer.link)
 
-    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet) -> TransferPlan:
-        return build_plan(src, dst, self.buffers, list(peer.buffers))
+    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None) -> TransferPlan:
+        """Plan one request; a peer of another page size needs the request's `num_tokens`."""
+        tokens = None
+        if peer.lanes is not None:
+            if num_tokens is None:
+                raise ValueError("a peer of another page size: the plan needs the request's num_tokens")
+            tokens = Tokens(num_tokens, self.lanes, peer.lanes)
+        return build_plan(src, dst, self.buffers, list(peer.buffers), tokens)
 
     def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:
         """The plan cut into layer groups sized for this peer's link (transfer.cost)."""
@@ -76,7 +92,8 @@ class KVSender(PoolEndpoint):
 
     def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
              remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
-             stopped: Callable[[], bool] | None = None, progress: LayerProgress | None = None) -> TransferReport:
+             stopped: Callable[[], bool] | None = None, progress: LayerProgress | None = None,
+             num_tokens: int | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
         staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
         every write: true (the request was aborted) ends the send with Cancelled.
@@ -84,10 +101,11 @@ class KVSender(PoolEndpoint):
         as soon as its layers are final; the AUX row once progress is complete.
         Raises a TransferError or Cancelled; the receiver must treat the request as failed then.
         WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
-        which may still land in the receiver's pages until the transport ends them."""
+        which may still land in the receiver's pages until the transport ends them.
+        `num_tokens` (the request's length) is needed when the peer's page size is not ours."""
         t0 = time.perf_counter()
         stopped = stopped or (lambda: False)
-        plan = self.plan(peer, src, dst)
+        plan = self.plan(peer, src, dst, num_tokens)
         streamed = progress is not None
         groups = self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)]
         body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)

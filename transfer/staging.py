@@ -10,11 +10,11 @@ A plan's (component, buffer) streams are packed into chunks of at most one slot:
 
 Each chunk notice (the control plane's ChunkLanded) names its pieces (component, buffer,
 first item, count, byte offset), so the receiver can validate a notice against its own index
-set before copying a byte. Slots on both sides are leased per transfer (SlotLease) and
-always returned.
+set before copying a byte. Between pools of different page sizes a piece names (lane, first
+token position, count) instead and each side finds its own rows (transfer.tokens). Slots on
+both sides are leased per transfer (transfer.leases) and always returned.
 """
 
-import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -25,8 +25,10 @@ import torch
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from transfer.errors import AckTimeout, StagingError
+from transfer.errors import IndexMismatch, StagingError
+from transfer.leases import SlotLease
 from transfer.plan import ComponentPlan
+from transfer.tokens import TokenRows, first_covered, gather_rows, rows, scatter_rows
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -37,6 +39,8 @@ class Piece(msgspec.Struct, frozen=True, array_like=True):
     offset: int      # byte offset inside the slot
     field_off: int = 0    # only bytes [field_off, field_off + field_len) of each item (a layer group
     field_len: int = 0    # of a page-major row); field_len 0: whole items
+    by_token: bool = False   # pools of different page sizes: `buffer` is a lane (segment) of the
+                             # component and `first` a token position (transfer.tokens)
 
 
 class ChunkChannel(Protocol):
@@ -52,49 +56,6 @@ class ChunkChannel(Protocol):
 
     def end(self, transfer_id: int) -> None:
         """The transfer is over (done or failed): drop its chunk state."""
-
-
-class AckLedger:
-    """Which chunks of which transfers a sender notified and which the receiver acknowledged
-    (thread-safe). Every ChunkChannel keeps one: an ack for an unknown transfer or an unsent
-    chunk is dropped, never counted."""
-
-    def __init__(self) -> None:
-        self._sent: dict[int, int] = {}   # transfer id -> chunks notified
-        self._done: dict[int, int] = {}   # transfer id -> highest chunk acknowledged
-        self._cond = threading.Condition()
-
-    def sent(self, transfer_id: int, index: int) -> None:
-        with self._cond:
-            self._sent[transfer_id] = max(self._sent.get(transfer_id, 0), index + 1)
-
-    def acked(self, transfer_id: int, index: int) -> bool:
-        """Record an ack; False (and nothing recorded) unless that chunk was sent."""
-        with self._cond:
-            if index >= self._sent.get(transfer_id, 0):
-                return False
-            self._done[transfer_id] = max(index, self._done.get(transfer_id, -1))
-            self._cond.notify_all()
-            return True
-
-    def done(self, transfer_id: int, index: int) -> bool:
-        with self._cond:
-            return self._done.get(transfer_id, -1) >= index
-
-    def knows(self, transfer_id: int) -> bool:
-        with self._cond:
-            return transfer_id in self._sent
-
-    def wait(self, transfer_id: int, index: int, timeout: float) -> None:
-        """Block until chunk `index` (and every earlier one) is acknowledged, else AckTimeout."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._done.get(transfer_id, -1) >= index, timeout=timeout):
-                raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
-
-    def end(self, transfer_id: int) -> None:
-        with self._cond:
-            self._sent.pop(transfer_id, None)
-            self._done.pop(transfer_id, None)
 
 
 @dataclass(frozen=True)
@@ -113,9 +74,8 @@ def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
     for cp in body:
         n_items = len(cp.src_idx)
         field_off, field_len = cp.field or (0, 0)
-        for i, buf in enumerate(cp.src_bufs):
+        for i, item in enumerate(cp.unit_bytes):
             b = cp.buffer_id(i)
-            item = field_len or buf.item_bytes
             if item > slot_bytes:
                 raise StagingError(f"{cp.component.value} item of {item} bytes exceeds staging slot of {slot_bytes}")
             first = 0
@@ -125,7 +85,10 @@ def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
                     chunks.append(Chunk(tuple(pieces), used))
                     pieces, used = [], 0
                     continue
-                pieces.append(Piece(cp.component.value, b, first, k, used, field_off, field_len))
+                if cp.by_token:
+                    pieces.append(Piece(cp.component.value, b, cp.first_position + first, k, used, by_token=True))
+                else:
+                    pieces.append(Piece(cp.component.value, b, first, k, used, field_off, field_len))
                 used = min(slot_bytes, _align(used + k * item))
                 first += k
     if pieces:
@@ -173,33 +136,6 @@ class StagingArea:
         return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
 
 
-class SlotLease:
-    """Thread-safe pool of slot numbers: a transfer takes some and gives them back."""
-
-    def __init__(self, num_slots: int):
-        self._free = list(range(num_slots))
-        self._cond = threading.Condition()
-
-    def acquire(self, n: int, timeout: float | None = 0.0) -> list[int]:
-        """Up to `n` slots (at least one); [] if none frees up within `timeout` seconds."""
-        with self._cond:
-            if not self._cond.wait_for(lambda: self._free, timeout=timeout):
-                return []
-            taken, self._free = self._free[:n], self._free[n:]
-            return taken
-
-    def release(self, slots: list[int]) -> None:
-        with self._cond:
-            if set(slots) & set(self._free):
-                raise StagingError(f"slots {sorted(set(slots) & set(self._free))} released twice")
-            self._free.extend(slots)
-            self._cond.notify_all()
-
-    def available(self) -> int:
-        with self._cond:
-            return len(self._free)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
@@ -218,6 +154,14 @@ def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component,
     devices = {slot.device}
     for p in chunk.pieces:
         c = Component(p.component)
+        if p.by_token:   # pools of different page sizes: rows of one lane (transfer.tokens)
+            cp = by_comp[c]
+            lane = cp.src_lanes[[cp.buffer_id(i) for i in range(cp.streams)].index(p.buffer)]
+            first = p.first - cp.first_position
+            gather_rows(buffers[c][lane.buffer], lane, cp.src_idx[first:first + p.count],
+                        slot[p.offset:p.offset + p.count * lane.token_bytes])
+            devices.add(buffers[c][lane.buffer].device)
+            continue
         buf = _field(buffers[c][p.buffer], p)
         width = buf.shape[1]
         idx = torch.from_numpy(np.array(by_comp[c].src_idx[p.first:p.first + p.count], dtype=np.int64)).to(buf.device)
@@ -231,11 +175,28 @@ def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component,
         _sync(device)
 
 
+def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRows):
+    """A by-token piece checked against the receiver's own lanes and index set: (lane, rows)."""
+    lanes_ = own.lanes.get(c, ())
+    if not 0 <= p.buffer < len(lanes_):
+        raise StagingError(f"chunk {index}: no {p.component} lane {p.buffer} here")
+    lane, idx = lanes_[p.buffer], dst[c]
+    try:
+        first = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c)
+    except IndexMismatch as exc:
+        raise StagingError(f"chunk {index}: {exc}") from None
+    if p.count < 1 or p.first < first or p.first + p.count > own.num_tokens:
+        raise StagingError(f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
+                           f"positions [{first}, {own.num_tokens}) held here")
+    return lane, rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
+
+
 def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
-            buffers: dict[Component, list[torch.Tensor]], area: StagingArea) -> None:
+            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None) -> None:
     """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
-    pieces into the pool items `dst` names. Every field of the (untrusted) notice is validated
-    first; nothing is written unless all pieces are valid."""
+    pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes).
+    Every field of the (untrusted) notice is validated first; nothing is written unless all
+    pieces are valid."""
     if not 0 <= slot < area.num_slots:
         raise StagingError(f"chunk {index}: slot {slot} outside [0, {area.num_slots})")
     plan = []
@@ -244,6 +205,16 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
             c = Component(p.component)
         except ValueError:
             raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
+        if p.by_token:
+            if own is None or c not in dst:
+                raise StagingError(f"chunk {index}: a by-token {p.component} piece, and this pool's page size "
+                                   "is the sender's")
+            lane, rows_ = _token_piece(index, p, c, dst, own)
+            end = p.offset + p.count * lane.token_bytes
+            if p.offset < 0 or end > area.slot_bytes:
+                raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
+            plan.append((buffers[c][lane.buffer], (lane, rows_), p.offset, end))
+            continue
         if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
             raise StagingError(f"chunk {index}: no {p.component} buffer {p.buffer} here")
         whole = buffers[c][p.buffer].shape[1]
@@ -261,8 +232,11 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
         plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
     data = area.slot(slot)
     for buf, items, start, end in plan:
-        rows = torch.from_numpy(items.astype(np.int64)).to(buf.device)
+        if isinstance(items, tuple):
+            scatter_rows(buf, *items, data[start:end])
+            continue
+        at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
         src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
-        _rows(buf, buf.shape[1]).index_copy_(0, rows, _rows(src, buf.shape[1]))
+        _rows(buf, buf.shape[1]).index_copy_(0, at, _rows(src, buf.shape[1]))
     for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
         _sync(device)

@@ -5,7 +5,8 @@ ChunkDone acks that its loop delivers with on_done()."""
 
 from disagg.control.io import RouterIO
 from disagg.control.messages import ChunkLanded
-from transfer.staging import AckLedger, Piece
+from transfer.leases import AckLedger
+from transfer.staging import Piece
 
 
 class ChunkRelay:

@@ -3,10 +3,11 @@ transfer between two of them is meaningful.
 
 A layout also describes the model behind it (ModelDescription: name, TP size, per component
 its layer count, heads, dims, dtypes, window), so a refused registration can say in words
-what differs and which side is which; the check itself compares page size, pool layout,
-buffers and the sliding window (it decides which pages each side keeps and nothing in the
-buffers shows it; a side that sends no description cannot be checked for it). Otherwise the
-description is words, never a reason to refuse or accept. Every field is bounded when
+what differs and which side is which; the check itself compares pool layout, buffers and
+the sliding window (it decides which pages each side keeps and nothing in the buffers shows
+it; a side that sends no description cannot be checked for it). Page sizes may differ
+(transfer.tokens moves such pools' KV by token): then the models must be described alike,
+the one case where the description decides. Every field is bounded when
 decoded: a peer's description is untrusted.
 """
 
@@ -160,21 +161,27 @@ def _one_line(text: str) -> str:
 
 
 def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
-    """None if a transfer between the two sides' layouts is meaningful (same page size, pool
-    layout and buffers, by transfer.buffers' one check, and the same sliding window where both
-    sides describe theirs),
+    """None if a transfer between the two sides' layouts is meaningful (same pool layout and
+    buffers, by transfer.buffers' one check, and the same sliding window where both sides
+    describe theirs; pools of different page sizes pair by token (transfer.tokens): then
+    both must describe the same model, and their state buffers must pair up, the prefill
+    side checks the rest against its model when it connects),
     else one line naming both sides' models and what differs in words, e.g.
     "prefill gpt-oss-120b vs decode gpt-oss-20b: layers: prefill 36, decode 24; ...". The
     buffers are compared with prefill as the source and decode as the destination."""
-    buffers = buffer_difference(prefill.buffers, decode.buffers)
+    same_pages = prefill.page_size == decode.page_size
+    buffers = buffer_difference(prefill.buffers, decode.buffers, paged=same_pages)
     windows = [i.model.swa.window if i.model is not None and i.model.swa is not None else None
                for i in (prefill, decode)]
     same_window = None in windows or windows[0] == windows[1]
-    if prefill.page_size == decode.page_size and prefill.layout == decode.layout and buffers is None and same_window:
+    described = prefill.model is not None and decode.model is not None
+    same_model = same_pages or (described and not model_differences(prefill.model, decode.model))
+    if prefill.layout == decode.layout and buffers is None and same_window and same_model:
         return None
     words = []
-    if prefill.page_size != decode.page_size:
-        words.append(f"page size: prefill {prefill.page_size}, decode {decode.page_size}")
+    if not same_pages and not described:
+        words.append(f"page size: prefill {prefill.page_size}, decode {decode.page_size} (pools of different page "
+                     "sizes pair only where both sides describe their model)")
     if prefill.layout != decode.layout:
         words.append(f"pool layout: prefill {prefill.layout}, decode {decode.layout}")
     if prefill.model is not None and decode.model is not None:

@@ -232,7 +232,7 @@ class DecodeServer(Worker):
                 if r is None:
                     return None  # not ours (any more): never scatter into freed pages
                 try:
-                    self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, r.slots)
+                    self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, r.slots, r.kv.num_tokens)
                     return ChunkDone(room, msg.index)
                 except StagingError as exc:
                     self.requests.fail(r, f"bad chunk: {exc}")   # quarantined; prefill hears Abort

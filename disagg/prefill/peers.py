@@ -71,7 +71,7 @@ class DecodePeers:
             diff = layout_difference(prefill=self.layout, decode=msg.layout)
             if diff:
                 raise ProtocolError(f"layout mismatch: {diff}")
-            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging)
+            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size)
         except (ProtocolError, TransferError) as exc:
             return Refused(str(exc))
         old = self._peers.get(identity)
@@ -82,6 +82,10 @@ class DecodePeers:
         self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self.io, identity), workers)
         self.liveness.heard(identity)
         log.info("decode %s registered (epoch %d, %s)", target.link.peer, msg.epoch, target.link.kind)
+        if target.lanes is not None:
+            log.info("decode %s keeps pages of %d tokens, ours hold %d: its paged components move by token "
+                     "(runs end where a page of either side ends)", target.link.peer, msg.layout.page_size,
+                     self.layout.page_size)
         return Registered(self.epoch, target.link.kind)
 
     def drop_silent(self) -> set[bytes]:

@@ -168,7 +168,8 @@ class PrefillServer(Worker):
                 self.io.send(r.peer, TransferStarted(r.room, self.epoch))
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), r.dst, r.room, r.slots, peer.relay,
-                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None)
+                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None,
+                                      num_tokens=r.kv.num_tokens)
             ms = (time.perf_counter() - t0) * 1e3
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,

@@ -26,6 +26,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg "
                         "prefill --help); every model generation is checked against a colocated run")
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page (default: the preset's)")
+    g.add_argument("--prefill-page-size", type=power_of_two, default=None, metavar="N",
+                   help="prefill's tokens per page, where the two sides differ (default: --page-size); the KV "
+                        "then moves by token")
+    g.add_argument("--decode-page-size", type=power_of_two, default=None, metavar="N",
+                   help="decode's tokens per page (default: --page-size)")
     g.add_argument("--max-tokens", type=positive_int, default=65536, help="pool capacity per side, in tokens")
     g.add_argument("--max-requests", type=positive_int, default=64,
                    help="request slots per side (each holds a Mamba/GDN state and an AUX row; fewer use less memory)")
@@ -64,18 +69,20 @@ def run(args: argparse.Namespace) -> int:
     pool = ["--preset", args.preset, "--engine", args.engine, "--max-tokens", str(args.max_tokens),
             "--max-requests", str(args.max_requests), "--layout", args.layout, "--transport", args.transport,
             "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
-    if args.page_size:
-        pool += ["--page-size", str(args.page_size)]
+    pages = {side: (["--page-size", str(n)] if n else [])
+             for side, n in (("prefill", args.prefill_page_size or args.page_size),
+                             ("decode", args.decode_page_size or args.page_size))}
     prefill_device, decode_device = devices(args.device)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}) ...")
-        prefill = launcher.start("prefill", *pool, "--device", prefill_device, "--bootstrap-bind", "tcp://127.0.0.1:*",
+        prefill = launcher.start("prefill", *pool, *pages["prefill"], "--device", prefill_device,
+                                 "--bootstrap-bind", "tcp://127.0.0.1:*",
                                  *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
         say(f"  prefill ready in {prefill['started_s']:.1f} s on {prefill['http']}, pool {prefill['pool']['human']}")
         say(f"starting decode ({decode_device}) ...")
-        decode = launcher.start("decode", *pool, "--device", decode_device, "--bootstrap-addr", prefill["bootstrap"],
-                                "--check-rate", "1")
+        decode = launcher.start("decode", *pool, *pages["decode"], "--device", decode_device,
+                                "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
         say(f"  decode ready in {decode['started_s']:.1f} s on {decode['http']}, pool {decode['pool']['human']}")
         vocab = ["--vocab-size", str(FAMILIES[args.preset].vocab_size)] if engine == "model" else []
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}",

@@ -45,9 +45,21 @@ def test_same_model_same_pool_is_no_difference():
     assert L.layout_difference(info("gpt-oss-20b"), info("gpt-oss-20b", described=False)) is None
 
 
-def test_page_size():
-    why = _one_line(L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8)))
-    assert why == "prefill tiny-hybrid vs decode tiny-hybrid: page size: prefill 4, decode 8"
+def test_page_sizes_may_differ_where_both_sides_describe_the_same_model():
+    """Pools of different page sizes pair by token (transfer.tokens); the description is the
+    only thing that shows such pools hold the same model, so a side without one is refused."""
+    for layout in ("page_major", "layer_major"):
+        assert L.layout_difference(prefill=info("tiny-hybrid", 4, layout=layout),
+                                   decode=info("tiny-hybrid", 8, layout=layout)) is None
+        assert L.layout_difference(prefill=info("gpt-oss-20b", 64, layout=layout),
+                                   decode=info("gpt-oss-20b", 1, layout=layout)) is None
+    why = _one_line(L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8, described=False)))
+    assert why == ("prefill tiny-hybrid vs decode (model not described): page size: prefill 4, decode 8 (pools of "
+                   "different page sizes pair only where both sides describe their model)")
+    other = _one_line(L.layout_difference(prefill=info("gpt-oss-120b", 16), decode=info("gpt-oss-20b", 64)))
+    assert "layers: prefill 36, decode 24" in other
+    mixed = _one_line(L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8, layout="layer_major")))
+    assert "pool layout: prefill page_major, decode layer_major" in mixed
 
 
 def test_a_sliding_window_difference_is_refused_though_the_buffers_pair_up():
@@ -124,7 +136,7 @@ def test_many_differences_are_counted_not_all_listed():
                       linear=LinearStateSpec((1, 4), 16, 4, 4, 8, 8), default_page_size=8)
     why = _one_line(L.layout_difference(prefill=info("tiny-hybrid"), decode=info(other)))
     assert why.count(";") == L.MAX_WORDS and why.endswith(" more"), why
-    assert why.startswith("prefill tiny-hybrid vs decode tiny-other: page size: prefill 4, decode 8; layers: ")
+    assert why.startswith("prefill tiny-hybrid vs decode tiny-other: layers: ")   # (page sizes may differ)
 
 
 def test_a_hostile_description_stays_one_bounded_line():

@@ -6,7 +6,8 @@ import zmq
 
 from harness.wire import ChunkDone, ChunkLanded, Chunks
 from transfer.errors import AckTimeout, StagingError
-from transfer.staging import AckLedger, Piece
+from transfer.leases import AckLedger
+from transfer.staging import Piece
 
 _decoder = msgspec.msgpack.Decoder(Chunks)
 _encoder = msgspec.msgpack.Encoder()

@@ -56,7 +56,7 @@ class _Driver:
 
     def connect(self, sender: KVSender) -> RemotePool:
         t = self.target()
-        return sender.connect(t.offers, t.buffers, t.staging)
+        return sender.connect(t.offers, t.buffers, t.staging, t.page_size)
 
     def alloc(self, num_tokens: int, window_only: bool = True) -> tuple[int, IndexSet]:
         reply = self._ok(Alloc(num_tokens, window_only))
@@ -72,8 +72,8 @@ class _Driver:
     def release(self, transfer_id: int) -> None:
         self._ok(Release(transfer_id))
 
-    def digest(self, req: int, outside: bool = False) -> Digests:
-        return self._ok(Digest(req, outside))
+    def digest(self, req: int, outside: bool = False, by_token: bool = False) -> Digests:
+        return self._ok(Digest(req, outside, by_token))
 
     def free(self, req: int) -> None:
         self._ok(Free(req))

@@ -25,6 +25,7 @@ from harness.wire import (Alloc, Allocated, Available, ChunkDone, Command, Confi
                           Expect, Free, Fragment, Hello, Ok, Release, Reply, Stop, Target)
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
+from kvpool.positions import kept_positions, paged_components, token_items
 from transfer.config import TransferConfig
 
 from transfer.errors import DisaggError, StagingError
@@ -49,7 +50,7 @@ class PeerCore:
             self.receiver.close()  # unregister before the old pool's memory goes away
         self.receiver = self.pool = None
         self.requests: dict[int, object] = {}
-        self.expect: dict[int, tuple[IndexSet, list[int]]] = {}
+        self.expect: dict[int, tuple[IndexSet, list[int], int]] = {}
         self.next_req = 1
         self.pool = HybridPool(PoolConfig(get_preset(c.preset), c.page_size, max_tokens=c.tokens,
                                           max_requests=c.max_requests, layout=Layout(c.layout),
@@ -72,7 +73,7 @@ class PeerCore:
                 return Ok()
             case Hello():
                 r = self.receiver
-                return Target(r.offers(), r.buffers, r.staging_info())
+                return Target(r.offers(), r.buffers, r.staging_info(), self.pool.page_size)
             case Alloc(num_tokens=n, window_only=w):
                 req = self.pool.alloc_request(n, swa_window_only=w)
                 rid, self.next_req = self.next_req, self.next_req + 1
@@ -88,16 +89,17 @@ class PeerCore:
             case Expect(transfer_id=t, req=rid, want_slots=k):
                 slots = self.receiver.reserve_slots(k) if k else []
                 with self.lock:
-                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots)
+                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots, self.requests[rid].num_tokens)
                 return Allocated(t, {"slots": np.array(slots, dtype=np.int32).tobytes()})
             case Release(transfer_id=t):
                 with self.lock:
-                    _, slots = self.expect.pop(t)
+                    _, slots, _ = self.expect.pop(t)
                 self.receiver.release_slots(slots)
                 return Ok()
-            case Digest(req=rid, outside=outside):
+            case Digest(req=rid, outside=outside, by_token=by_token):
                 req = self.requests[rid]
-                return Digests(digest_request(self.pool, req), digest_outside(self.pool, req) if outside else None)
+                digest = digest_tokens if by_token else digest_request
+                return Digests(digest(self.pool, req), digest_outside(self.pool, req) if outside else None)
             case Free(req=rid):
                 self.pool.free_request(self.requests.pop(rid))
                 return Ok()
@@ -169,6 +171,24 @@ def digest_request(pool: HybridPool, req) -> dict[str, str]:
         h = hashlib.sha256()
         for t in pool.pools[c].storage.gather(iset[c]):
             h.update(t.cpu().numpy().tobytes())
+        out[c.value] = h.hexdigest()
+    return out
+
+
+def digest_tokens(pool: HybridPool, req) -> dict[str, str]:
+    """sha256 per component of what a transfer of `req` moves, paged components per token
+    position (the positions a receiver holds: kvpool.positions.kept_positions) and segment, so
+    that pools of different page sizes compare; state slots and the AUX row as items."""
+    out = digest_request(pool, req)
+    for c in paged_components(pool):
+        positions = kept_positions(pool, c, req.num_tokens)
+        items, slots = token_items(pool, c, req, positions)
+        at = torch.from_numpy(items.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
+        h = hashlib.sha256()
+        for pl in pool.pools[c].storage.packed.placements:
+            view = pool.layer_view(pl.segment.layer, pl.segment.part)
+            h.update(view[at[0].to(view.device), at[1].to(view.device)].cpu().contiguous().view(torch.uint8)
+                     .numpy().tobytes())
         out[c.value] = h.hexdigest()
     return out
 

@@ -50,6 +50,7 @@ class Release(msgspec.Struct, tag=True, frozen=True):
 class Digest(msgspec.Struct, tag=True, frozen=True):
     req: int
     outside: bool = False   # also hash every item the request does not hold (slow on big pools)
+    by_token: bool = False  # paged components per token position, not per page (page sizes differ)
 
 
 class Free(msgspec.Struct, tag=True, frozen=True):
@@ -73,6 +74,7 @@ class Target(msgspec.Struct, tag=True, frozen=True):
     offers: list[Offer]
     buffers: list[Buffer]
     staging: StagingInfo
+    page_size: int
 
 
 class Allocated(msgspec.Struct, tag=True, frozen=True):

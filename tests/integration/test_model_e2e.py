@@ -1,7 +1,8 @@
 """Real model code through real processes on loopback: prefill computes a tiny model's KV,
 Mooncake moves it, decode continues from its own pool, and every request's tokens and logits
 equal a colocated run (decode --check-rate 1). Per family; page sizes 1 and 16 and the
-layer-major layout spread over the families (the engine tests run every family at both).
+layer-major layout spread over the families (the engine tests run every family at both), and
+two pairs whose sides keep pages of different sizes.
 Also the router's OpenAI-compatible /v1/completions, plain and streamed."""
 
 import json
@@ -17,15 +18,20 @@ from tests.integration.test_e2e import pool_free
 
 pytestmark = pytest.mark.slow
 
-STACKS = {
-    "tiny-model-gpt-oss": ["--page-size", "16"],
-    "tiny-model-gemma3": ["--page-size", "1"],
-    "tiny-model-mimo": ["--page-size", "16", "--layout", "layer_major"],
-    "tiny-model-qwen3-next": ["--page-size", "16", "--transfer-mode", "staged"],
-    "tiny-model-nemotron-h": ["--page-size", "1"],
-    "tiny-model-jamba": [],
-    "tiny-model-deepseek-v3": ["--page-size", "1"],
-    "tiny-model-deepseek-v32": ["--page-size", "16"],
+STACKS = {   # id: (preset, flags of both sides, prefill's own, decode's own)
+    "gpt-oss": ("tiny-model-gpt-oss", ["--page-size", "16"], [], []),
+    "gemma3": ("tiny-model-gemma3", ["--page-size", "1"], [], []),
+    "mimo": ("tiny-model-mimo", ["--page-size", "16", "--layout", "layer_major"], [], []),
+    "qwen3-next": ("tiny-model-qwen3-next", ["--page-size", "16", "--transfer-mode", "staged"], [], []),
+    "nemotron-h": ("tiny-model-nemotron-h", ["--page-size", "1"], [], []),
+    "jamba": ("tiny-model-jamba", [], [], []),
+    "deepseek-v3": ("tiny-model-deepseek-v3", ["--page-size", "1"], [], []),
+    "deepseek-v32": ("tiny-model-deepseek-v32", ["--page-size", "16"], [], []),
+    # pools of different page sizes (moved by token): SWA both ways and both layouts, state staged
+    "gpt-oss-pages-4-to-16": ("tiny-model-gpt-oss", [], ["--page-size", "4"], ["--page-size", "16"]),
+    "mimo-pages-16-to-1": ("tiny-model-mimo", ["--layout", "layer_major"], ["--page-size", "16"], ["--page-size", "1"]),
+    "qwen3-next-pages-1-to-16": ("tiny-model-qwen3-next", ["--layout", "layer_major", "--transfer-mode", "staged"],
+                                 ["--page-size", "1"], ["--page-size", "16"]),
 }
 LENGTHS = [1, 5, 8, 9, 17, 40, 61]   # window 8: shorter, equal, one past, many windows; 61 % 16 != 0
 VOCAB = 512
@@ -33,12 +39,13 @@ VOCAB = 512
 
 @pytest.fixture(scope="module", params=list(STACKS))
 def stack(request):
-    preset = request.param
+    preset, flags, prefill_flags, decode_flags = STACKS[request.param]
     common = ["--preset", preset, "--device", "cpu", "--max-tokens", "4096", "--max-requests", "16",
-              "--staging-slot-mib", "1", *STACKS[preset]]
+              "--staging-slot-mib", "1", *flags]
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *common, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
+        prefill = launcher.start("prefill", *common, *prefill_flags, "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start("decode", *common, *decode_flags, "--bootstrap-addr", prefill["bootstrap"],
+                                "--check-rate", "1")
         router = launcher.start("router", "--vocab-size", str(VOCAB),
                                 "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         yield {"preset": preset, "prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}

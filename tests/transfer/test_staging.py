@@ -6,7 +6,8 @@ import torch
 
 from kvpool import Component, HybridPool, PoolConfig, get_preset
 from transfer.errors import StagingError
-from transfer.staging import Piece, StagingArea, SlotLease, scatter
+from transfer.leases import SlotLease
+from transfer.staging import Piece, StagingArea, scatter
 
 
 @pytest.fixture()

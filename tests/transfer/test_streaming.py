@@ -3,6 +3,7 @@ once; a streamed send writes a group as soon as its layers are final (before the
 is), stops between groups when the request ends, and lands byte-exact over the real Mooncake
 engine and the memory transport, both layouts, direct and staged."""
 
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -17,19 +18,23 @@ from transfer.config import Mode, TransferConfig
 from transfer.cost import layer_bounds, streams_well
 from transfer.errors import Cancelled
 from transfer.peer import RemotePool
-from transfer.plan import build_plan, split_layers
+from transfer.layers import split_layers
+from transfer.plan import build_plan
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 from transfer.transports.base import LinkCost, RunSet
 
+from harness.peer_server import digest_tokens
+from transfer.tokens import Tokens, pool_lanes
 from test_two_process import _setup
 
 PRESETS = ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"]
 
 
-def _pools(preset, layout, page=4):
+def _pools(preset, layout, page=4, dst_page=None):
     model = get_preset(preset)
-    src, dst = (HybridPool(PoolConfig(model, page, max_tokens=1024, max_requests=4, layout=layout)) for _ in range(2))
+    src, dst = (HybridPool(PoolConfig(model, p, max_tokens=1024, max_requests=4, layout=layout))
+                for p in (page, dst_page or page))
     for p in src.pools.values():
         for b in p.storage.buffers:
             b.random_(0, 256)
@@ -54,18 +59,25 @@ def _flat(pool: HybridPool, region: int) -> torch.Tensor:
     return bufs[region].view(-1)
 
 
-@pytest.mark.parametrize("page", [1, 4])    # page 1: 4-byte NSA scales, so rows hold alignment padding
+# page 1: 4-byte NSA scales, so rows hold alignment padding; (4, 16) and (16, 1): by token
+@pytest.mark.parametrize("pages", [(1, 1), (4, 4), (4, 16), (16, 1)])
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("preset", PRESETS)
-def test_layer_groups_move_every_byte_of_the_plan_exactly_once(preset, layout, page):
-    src, dst = _pools(preset, layout, page)
+def test_layer_groups_move_every_byte_of_the_plan_exactly_once(preset, layout, pages):
+    src, dst = _pools(preset, layout, *pages)
     req, dreq = src.alloc_request(37), dst.alloc_request(37)
-    plan = build_plan(src.index_set(req), dst.index_set(dreq), buffers_of(src.buffer_descriptors()),
-                      buffers_of(dst.buffer_descriptors()))
+    src_bufs, dst_bufs = buffers_of(src.buffer_descriptors()), buffers_of(dst.buffer_descriptors())
     with KVSender(_memory(), src, TransferConfig()) as sender:
-        placements = sender.placements
+        placements, lanes = sender.placements, sender.lanes
+    tokens = None
+    if pages[0] != pages[1]:
+        dst_lanes = pool_lanes(dst.config.model, pages[1], 1, layout, dst_bufs, "destination")
+        tokens = Tokens(37, lanes, dst_lanes)
+    plan = build_plan(src.index_set(req), dst.index_set(dreq), src_bufs, dst_bufs, tokens)
     whole: dict = {}
     _apply(plan.body_ranges(), src, dst, whole)
+    if tokens:
+        assert digest_tokens(dst, dreq) | {"aux": ""} == digest_tokens(src, req) | {"aux": ""}
     want = {c: p.storage.gather(dst.index_set(dreq)[c]) for c, p in dst.pools.items()}
     n = src.config.model.num_layers
     for bounds in ([0, n], [0, 1, n], list(range(n + 1)), [0, n // 2, n]):
@@ -165,7 +177,7 @@ def _watched(peer, sender: KVSender) -> tuple[RemotePool, _Watched]:
     """The peer connected, its link watched for the first write."""
     target = peer.connect(sender)
     watched = _Watched(target.link)
-    return RemotePool(watched, target.buffers, target.staging), watched
+    return dataclasses.replace(target, link=watched), watched
 
 
 def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: int | None = None,
@@ -184,11 +196,13 @@ def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: i
     progress.complete()
 
 
+@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])   # (prefill, decode); different: by token
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mamba"])
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
-def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transport, peer, preset, layout, mode):
-    pool = _setup(peer, preset, 4, layout)
+def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transport, peer, preset, layout, mode, pages):
+    by_token = pages[0] != pages[1]
+    pool = _setup(peer, preset, pages[0], layout, peer_page=pages[1])
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)  # a group per layer, on any link
     with KVSender(transport, pool, config) as sender:
         target, watched = _watched(peer, sender)
@@ -200,14 +214,15 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
         engine = threading.Thread(target=_engine, args=(progress, watched, log))
         engine.start()
         try:
-            report = sender.send(target, pool.index_set(req), dst, 7, slots, peer.channel, progress=progress)
+            report = sender.send(target, pool.index_set(req), dst, 7, slots, peer.channel, progress=progress,
+                                 num_tokens=301)
         finally:
             engine.join()
-        got = peer.digest(rid, outside=True)
+        got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(7)
         assert log == [("written before last layer", True)]
         assert report.streamed and report.groups > 1 and report.mode is mode
-        assert got.per_component == digest_request(pool, req), "bytes differ"
+        assert got.per_component == (digest_tokens if by_token else digest_request)(pool, req), "bytes differ"
         assert got.outside == before, "bytes outside the request changed"
         peer.free(rid)
         pool.free_request(req)

@@ -14,7 +14,7 @@ from harness.peer_client import LocalPeer
 from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
 from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
-from harness.peer_server import digest_request
+from harness.peer_server import digest_request, digest_tokens
 from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
                              TransportError, WriteFailed)
 from transfer.faults import FaultPlan
@@ -30,8 +30,8 @@ def _device(peer):
     return "cpu" if isinstance(peer, LocalPeer) else DEVICE
 
 
-def _setup(peer, preset, page, layout, tokens=2048, fragment=True):
-    peer.configure(preset, page, tokens, layout=layout.value, max_requests=4,
+def _setup(peer, preset, page, layout, tokens=2048, fragment=True, peer_page=None):
+    peer.configure(preset, peer_page or page, tokens, layout=layout.value, max_requests=4,
                    staging_slots=4, staging_slot_mib=1, device=_device(peer))
     pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout,
                                  device=_device(peer)))
@@ -44,17 +44,20 @@ def _setup(peer, preset, page, layout, tokens=2048, fragment=True):
     return pool
 
 
-def _send(transport, peer, pool, tokens, mode, transfer_id=1):
+def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
+    """One request, checked byte for byte (by_token: per token position, for pools of
+    different page sizes) and for bytes written outside it."""
     with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
         target = peer.connect(sender)
         req = pool.alloc_request(tokens)
         rid, dst = peer.alloc(tokens)
         before = peer.digest(rid, outside=True).outside
         slots = peer.expect(transfer_id, rid, want_slots=2)
-        report = sender.send(target, pool.index_set(req), dst, transfer_id, slots, peer.channel)
-        got = peer.digest(rid, outside=True)
+        report = sender.send(target, pool.index_set(req), dst, transfer_id, slots, peer.channel,
+                             num_tokens=req.num_tokens)
+        got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(transfer_id)
-        assert got.per_component == digest_request(pool, req), "bytes differ"
+        assert got.per_component == (digest_tokens if by_token else digest_request)(pool, req), "bytes differ"
         assert got.outside == before, "bytes outside the request changed"
         peer.free(rid)
         pool.free_request(req)
@@ -72,6 +75,19 @@ def test_byte_exact_fragmented(transport, peer, preset, layout, mode):
         assert report.chunks >= 1 and report.ranges == report.chunks + 1  # chunks + the AUX row
     counts = peer.available()
     assert counts.staging_free == 4
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("pages", [(4, 16), (16, 4), (1, 16), (16, 1)])   # (prefill, decode)
+@pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba"])
+@pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
+def test_byte_exact_across_page_sizes(transport, peer, preset, pages, layout, mode):
+    """Pools of different page sizes: every token position the receiver holds (SWA: the
+    window) arrives byte for byte, state and AUX as items, nothing outside the request."""
+    pool = _setup(peer, preset, pages[0], layout, peer_page=pages[1])
+    report = _send(transport, peer, pool, 301, mode, by_token=True)
+    assert report.mode is mode
+    assert peer.available().staging_free == 4
 
 
 def test_contiguous_pages_collapse_into_few_ranges(transport, peer):

@@ -1,0 +1,148 @@
+"""Pools of different page sizes (transfer.tokens): lanes agree with the pool's own views, the
+planner's token runs, its refusals, and by-token staged pieces checked on the receiver."""
+
+import numpy as np
+import pytest
+import torch
+
+from harness import memory
+from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
+from transfer.buffers import buffers_of
+from transfer.config import TransferConfig
+from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, StagingError
+from transfer.plan import build_plan
+from transfer.sender import KVSender
+from transfer.staging import Piece, StagingArea, scatter
+from transfer.tokens import TokenRows, Tokens, pool_lanes, token_runs
+
+
+def _pool(preset: str, page: int, layout: Layout = Layout.PAGE_MAJOR) -> HybridPool:
+    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=512, max_requests=4, layout=layout))
+    for p in pool.pools.values():
+        for b in p.storage.buffers:
+            b.random_(0, 256)
+    return pool
+
+
+def _lanes(pool: HybridPool):
+    c = pool.config
+    return pool_lanes(c.model, c.page_size, c.tp_size, c.layout, buffers_of(pool.buffer_descriptors()), "test")
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa"])
+def test_a_lane_row_is_the_bytes_of_that_token_in_the_pools_own_view(preset, layout):
+    pool = _pool(preset, 4, layout)
+    for c, lanes in _lanes(pool).items():
+        placements = pool.pools[c].storage.packed.placements
+        assert len(lanes) == len(placements)
+        for lane, pl in zip(lanes, placements):
+            assert lane.linear == (layout is Layout.LAYER_MAJOR)
+            view = pool.layer_view(pl.segment.layer, pl.segment.part)      # [items, page, ...] typed
+            flat = pool.pools[c].storage.buffers[lane.buffer].view(-1)
+            for row in (4, 5, 7, 9):                                       # page 1 slots 0, 1, 3; page 2 slot 1
+                want = view[row // 4, row % 4].contiguous().view(torch.uint8).flatten()
+                at = int(lane.at(np.array([row]))[0])
+                assert torch.equal(flat[at:at + lane.token_bytes], want)
+
+
+def test_token_runs_end_at_either_sides_pages_only_where_rows_are_paged():
+    src = np.arange(8, 24)                 # pages 2..5 of 4 rows, contiguous
+    dst = np.arange(32, 48)                # pages 2..3 of 8 rows, contiguous
+    starts, count = token_runs(src, dst, 4, 8, paged_rows=False)
+    assert count.tolist() == [16]          # layer-major: rows back to back across pages
+    starts, count = token_runs(src, dst, 4, 8, paged_rows=True)
+    assert starts.tolist() == [0, 4, 8, 12] and count.tolist() == [4, 4, 4, 4]
+
+
+def _plan(src_pool, dst_pool, n, src_set=None, dst_set=None):
+    sreq, dreq = src_pool.alloc_request(n), dst_pool.alloc_request(n)
+    src_set = src_set or src_pool.index_set(sreq)
+    dst_set = dst_set or dst_pool.index_set(dreq)
+    return build_plan(src_set, dst_set, buffers_of(src_pool.buffer_descriptors()),
+                      buffers_of(dst_pool.buffer_descriptors()), Tokens(n, _lanes(src_pool), _lanes(dst_pool)))
+
+
+def test_the_plan_moves_what_both_sides_cover_in_runs_that_never_cross_a_page():
+    src, dst = _pool("tiny-hybrid", 4), _pool("tiny-hybrid", 16)
+    plan = _plan(src, dst, 45)
+    full = next(c for c in plan.body if c.component is Component.FULL)
+    assert full.by_token and full.first_position == 0 and len(full.src_idx) == 45
+    ends = full.runs.src_start + full.runs.count - 1
+    assert (full.runs.src_start // 4 == ends // 4).all()          # inside one source page
+    assert (full.runs.dst_start // 16 == (full.runs.dst_start + full.runs.count - 1) // 16).all()
+    swa = next(c for c in plan.body if c.component is Component.SWA)
+    window = src.config.model.swa.window
+    assert swa.first_position <= 45 - window                        # the whole window moves
+    mamba = next(c for c in plan.body if c.component is Component.MAMBA)
+    assert not mamba.by_token and len(mamba.src_idx) == 1            # state slots: as items
+
+
+def test_refusals_name_the_problem_before_anything_moves():
+    src, dst = _pool("tiny-hybrid", 4), _pool("tiny-hybrid", 16)
+    sreq, dreq = src.alloc_request(40), dst.alloc_request(40)
+    s, d = src.index_set(sreq), dst.index_set(dreq)
+    short = IndexSet({**d.by_component, Component.FULL: d[Component.FULL][:-1]})
+    with pytest.raises(IndexMismatch, match="must each cover all 40 tokens"):
+        _plan(src, dst, 40, s, short)
+    long = IndexSet({**d.by_component, Component.FULL: np.concatenate([d[Component.FULL], [5, 6]]).astype(np.int32)})
+    with pytest.raises(IndexMismatch, match="at most 3"):
+        _plan(src, dst, 40, s, long)
+    sentinel = IndexSet({**d.by_component, Component.FULL: np.zeros(3, dtype=np.int32)})
+    with pytest.raises(OutOfBounds, match="destination page 0"):
+        _plan(src, dst, 40, s, sentinel)
+
+
+def test_a_peer_whose_buffers_are_not_our_model_at_its_page_size_is_refused_at_connect():
+    src = _pool("tiny-hybrid", 4)
+    with KVSender(memory.MemoryTransport(), src, TransferConfig()) as sender:
+        other = _pool("tiny-swa", 16)                  # another model's buffers
+        with pytest.raises(LayoutIncompatible, match="component sets differ|are not those of"):
+            sender.connect([], buffers_of(other.buffer_descriptors()), None, 16)
+        lying = _pool("tiny-hybrid", 8)               # our model, but at 8, claiming 16
+        with pytest.raises(LayoutIncompatible, match="not those of tiny-hybrid at page size 16"):
+            sender.connect([], buffers_of(lying.buffer_descriptors()), None, 16)
+
+
+@pytest.fixture()
+def receiver():
+    pool = _pool("tiny-hybrid", 16)
+    req = pool.alloc_request(40, swa_window_only=True)
+    area = StagingArea(2, 4096, "cpu")
+    area.buffer.random_(0, 256)
+    buffers = {c: p.storage.buffers for c, p in pool.pools.items()}
+    return pool, req, buffers, area, TokenRows(40, _lanes(pool))
+
+
+def test_a_by_token_piece_lands_in_the_rows_of_its_positions(receiver):
+    pool, req, buffers, area, own = receiver
+    lane = own.lanes[Component.FULL][1]
+    scatter(0, 1, [Piece("full", 1, 17, 3, 0, by_token=True)], pool.index_set(req), buffers, area, own)
+    rows = pool.index_set(req)[Component.FULL][1] * 16 + np.arange(1, 4)      # positions 17..19: page 1, slots 1..3
+    flat = buffers[Component.FULL][lane.buffer].view(-1)
+    got = torch.cat([flat[a:a + lane.token_bytes] for a in lane.at(rows)])
+    assert torch.equal(got, area.slot(1)[:3 * lane.token_bytes])
+
+
+def _snapshot(pool):
+    return [b.clone() for p in pool.pools.values() for b in p.storage.buffers]
+
+
+@pytest.mark.parametrize("pieces,message", [
+    ([Piece("full", 99, 0, 1, 0, by_token=True)], "no full lane 99"),
+    ([Piece("full", 0, 38, 5, 0, by_token=True)], r"positions \[38, 43\) outside"),
+    ([Piece("full", 0, -1, 1, 0, by_token=True)], "outside"),
+    ([Piece("full", 0, 0, 0, 0, by_token=True)], "outside"),
+    ([Piece("swa", 0, 0, 1, 0, by_token=True)], r"outside the swa positions \[32, 40\)"),   # before the window
+    ([Piece("full", 0, 0, 2, 4090, by_token=True)], "outside the slot"),
+    ([Piece("mamba", 0, 0, 1, 0, by_token=True)], "no mamba lane"),
+    ([Piece("full", 0, 0, 1, 0, by_token=True), Piece("full", 0, 39, 2, 0, by_token=True)], "outside"),
+])
+def test_hostile_by_token_pieces_are_refused_before_any_write(receiver, pieces, message):
+    pool, req, buffers, area, own = receiver
+    before = _snapshot(pool)
+    with pytest.raises(StagingError, match=message):
+        scatter(0, 0, pieces, pool.index_set(req), buffers, area, own)
+    assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
+    with pytest.raises(StagingError, match="page size is the sender's"):      # no token rows here
+        scatter(0, 0, [Piece("full", 0, 0, 1, 0, by_token=True)], pool.index_set(req), buffers, area)

@@ -1,0 +1,179 @@
+r"""Transfers between pools of different page sizes: token rows instead of pages.
+
+A page of one side is not a page of the other, so a paged component moves token by token
+(in runs): each side's pages become token rows, by position in the request.
+
+    a side of page size P whose index array idx covers the request's last len(idx) pages
+    (FULL and NSA: every page; SWA: the window's), for a request of n tokens:
+        pages of the request   ceil(n / P);  first covered page  f = ceil(n / P) - len(idx)
+        row of position p      idx[p // P - f] * P + p % P
+    positions moved: [max(f_src * P_src, f_dst * P_dst), n): what both sides cover, so each
+    side writes or reads only its own pages (positions past n move nowhere)
+
+A lane is one segment of a component (one layer's K, V, latent, indexer key, ...) seen as
+token rows on one side:
+
+    row t = bytes [(t // P) * pitch + offset + (t % P) * token_bytes, + token_bytes) of the buffer
+    layer-major: offset 0 and pitch = P * token_bytes, so rows are back to back across pages
+    page-major:  | L0.k: P rows | L0.v: P rows | L1.k ... |   one page (pitch bytes)
+                 a page's rows of one segment are back to back, the next page's a pitch away:
+                 runs break where a page ends on either side
+
+Both sides name lanes alike (lane i = segment i of the component, in the model's order), so
+a staged piece says (lane, first position, count) and each side finds its own bytes.
+"""
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpool.geometry import Component, segments
+from kvpool.layout import Layout, pack
+from kvpool.spec import ModelSpec
+from transfer.buffers import Buffer
+from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
+
+
+@dataclass(frozen=True)
+class Lane:
+    """One segment of a component as token rows on one side."""
+    buffer: int        # which of the component's buffers holds it
+    region: int        # that buffer's region
+    num_items: int     # that buffer's items (pages, the sentinel included)
+    layer: int
+    offset: int        # bytes into each item where the segment starts
+    pitch: int         # bytes of one item of the buffer
+    page_size: int     # token rows per item
+    token_bytes: int   # bytes of one row
+
+    @property
+    def linear(self) -> bool:
+        """Rows back to back across pages (layer-major): row t at t * token_bytes."""
+        return self.offset == 0 and self.pitch == self.page_size * self.token_bytes
+
+    def at(self, rows: np.ndarray) -> np.ndarray:
+        """Byte offset of each row in the buffer (int64)."""
+        rows = np.asarray(rows, dtype=np.int64)
+        return rows // self.page_size * self.pitch + self.offset + rows % self.page_size * self.token_bytes
+
+
+def lanes(model: ModelSpec, component: Component, page_size: int, tp_size: int, layout: Layout,
+          bufs: list[Buffer], side: str) -> tuple[Lane, ...]:
+    """The lanes of a side whose pool holds `model` at `page_size` in `layout`. Its buffers
+    must be exactly what that pool allocates (count, layer, part, item bytes), else
+    LayoutIncompatible: a peer's buffers are its claim, checked here before any offset is
+    derived from them."""
+    segs = segments(model, component, page_size, tp_size)
+    packed = pack(segs, Layout(layout))
+    want = [(None if packed.layout is Layout.PAGE_MAJOR else pl.segment.layer,
+             None if packed.layout is Layout.PAGE_MAJOR else pl.segment.part) for pl in packed.placements]
+    if packed.layout is Layout.PAGE_MAJOR:
+        want = want[:1]
+    got = [(b.layer, b.part) for b in bufs]
+    sizes = [b.item_bytes for b in bufs]
+    if got != want or sizes != list(packed.item_bytes):
+        raise LayoutIncompatible(f"{component.value}: the {side} buffers are not those of {model.name} at page size "
+                                 f"{page_size} ({len(bufs)} buffers of {sizes[:4]} B/item, expected "
+                                 f"{len(packed.item_bytes)} of {list(packed.item_bytes)[:4]})")
+    return tuple(Lane(pl.buffer, bufs[pl.buffer].region, bufs[pl.buffer].num_items, pl.segment.layer, pl.offset,
+                      packed.item_bytes[pl.buffer], page_size, pl.segment.nbytes // page_size)
+                 for pl in packed.placements)
+
+
+def first_covered(num_tokens: int, page_size: int, length: int, side: str, component: Component) -> int:
+    """The first position a side's index array of `length` pages covers (it covers the last ones)."""
+    pages = -(-num_tokens // page_size)
+    if length > pages:
+        raise IndexMismatch(f"{component.value}: {length} {side} pages for {num_tokens} tokens of {page_size} "
+                            f"(at most {pages})")
+    return (pages - length) * page_size
+
+
+def rows(idx: np.ndarray, num_tokens: int, page_size: int, positions: np.ndarray) -> np.ndarray:
+    """Token rows (int64) of `positions` on a side whose index array `idx` covers the request's
+    last len(idx) pages; every position must be covered (the caller checked)."""
+    first_page = -(-num_tokens // page_size) - len(idx)
+    pages = np.asarray(idx, dtype=np.int64)[positions // page_size - first_page]
+    return pages * page_size + positions % page_size
+
+
+def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[Lane, ...]) -> None:
+    """Every page a side's rows fall in is a real item of its buffers (0 is the sentinel)."""
+    if len(idx) == 0:
+        return
+    num_items = min(l.num_items for l in lanes_)
+    lo, hi = int(np.min(idx)), int(np.max(idx))
+    if lo < 1 or hi >= num_items:
+        raise OutOfBounds(f"{component.value}: {side} page {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
+
+
+def token_runs(src: np.ndarray, dst: np.ndarray, src_page: int, dst_page: int, paged_rows: bool):
+    """Maximal runs where both sides advance by one row; with `paged_rows` (page-major: rows
+    are contiguous only within a page) a run also ends where a page of either side ends.
+    Returns (starts into the arrays, counts)."""
+    n = len(src)
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    brk = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    if paged_rows:
+        brk |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
+    return starts, np.diff(np.append(starts, n))
+
+
+@dataclass(frozen=True)
+class TokenRows:
+    """A receiver's side of by-token pieces: its lanes and the request's length."""
+    num_tokens: int
+    lanes: Mapping[Component, tuple[Lane, ...]]
+
+
+@dataclass(frozen=True)
+class Tokens:
+    """What the planner needs to move a request between pools of different page sizes: the
+    request's length and each side's lanes per paged component."""
+    num_tokens: int
+    src: Mapping[Component, tuple[Lane, ...]]
+    dst: Mapping[Component, tuple[Lane, ...]]
+
+
+def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, bufs: list[Buffer],
+               side: str) -> dict[Component, tuple[Lane, ...]]:
+    """Lanes of every paged component of a side (its buffers checked, see lanes())."""
+    by_c: dict[Component, list[Buffer]] = {}
+    for b in bufs:
+        by_c.setdefault(Component(b.component), []).append(b)
+    return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items() if not c.per_request}
+
+def lane_tensor(buf: torch.Tensor, lane: Lane) -> torch.Tensor:
+    """[items, page_size, row words] view of a lane in its buffer ([items, pitch] uint8), in the
+    widest integer type that divides its offsets (uint8 rows move at a fraction of the speed)."""
+    seg = buf[:, lane.offset:lane.offset + lane.page_size * lane.token_bytes]
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        w = dtype.itemsize
+        if not (lane.token_bytes % w or lane.offset % w or lane.pitch % w or buf.data_ptr() % w):
+            seg = seg.view(dtype)
+            break
+    return seg.view(seg.shape[0], lane.page_size, -1)
+
+
+def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    r = torch.from_numpy(np.array(rows_, dtype=np.int64)).to(device)
+    return r // page_size, r % page_size
+
+
+def gather_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, out: torch.Tensor) -> None:
+    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes, 16-byte aligned)."""
+    view = lane_tensor(buf, lane)
+    page, slot = _split(rows_, lane.page_size, view.device)
+    out.view(view.dtype).view(len(rows_), -1).copy_(view[page, slot])
+
+
+def scatter_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, data: torch.Tensor) -> None:
+    """Write `data` (uint8, len(rows_) * token_bytes) into `rows_` of a lane."""
+    view = lane_tensor(buf, lane)
+    page, slot = _split(rows_, lane.page_size, view.device)
+    view[page, slot] = data.to(view.device).view(view.dtype).view(len(rows_), -1)
