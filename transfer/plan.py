@@ -27,7 +27,7 @@ from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
 from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows, token_runs
-from transfer.transports.base import Ranges, RunSet
+from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +165,9 @@ class ComponentPlan:
         return expand(self.runs, list(self.src_bufs), list(self.dst_bufs))
 
     @property
-    def runset(self) -> RunSet:
-        """The same ranges factorized (runs x buffer pairs); indices were bounds-checked
-        against every buffer when the plan was built."""
+    def runset(self) -> RunSet | LaneRuns:
+        """The same ranges factorized (runs x buffer pairs, or x lanes); indices were
+        bounds-checked against every buffer when the plan was built."""
         def ints(values):
             return np.array(list(values), dtype=np.int64)
         if self.by_token:
@@ -178,24 +178,21 @@ class ComponentPlan:
                       ints(b.region for b in self.dst_bufs), ints(b.item_bytes for b in self.src_bufs), *field)
 
 
-def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet:
+def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet | LaneRuns:
     """Runs of token rows x lanes. Layer-major lanes are rows back to back (a lane is a buffer
-    of items of one row); page-major ones lie in one buffer per side at offsets that differ
-    per side, so each (lane, run) becomes a run of bytes of that buffer."""
+    of items of one row: a plain RunSet); page-major ones lie in one buffer per side at
+    offsets that differ per side (LaneRuns, which the link expands)."""
     def ints(values):
         return np.array(list(values), dtype=np.int64)
     if all(l.linear for l in src + dst):
         return RunSet(runs.src_start, runs.dst_start, runs.count, ints(l.region for l in src),
                       ints(l.region for l in dst), ints(l.token_bytes for l in src))
-    regions = {(s.region, d.region) for s, d in zip(src, dst)}
-    if len(regions) != 1:
-        raise LayoutIncompatible(f"page-major lanes in {len(regions)} buffer pairs (expected one)")
-    (src_region, dst_region), = regions
-    src_off = np.stack([l.at(runs.src_start) for l in src]) if src else np.zeros((0, 0), np.int64)
-    dst_off = np.stack([l.at(runs.dst_start) for l in dst]) if dst else np.zeros((0, 0), np.int64)
-    length = runs.count[None, :] * ints(l.token_bytes for l in src)[:, None]
-    return RunSet(src_off.ravel(), dst_off.ravel(), length.ravel(), ints([src_region]), ints([dst_region]),
-                  ints([1]))
+    sides = {(s.region, s.pitch, s.page_size, d.region, d.pitch, d.page_size) for s, d in zip(src, dst)}
+    if len(sides) != 1:
+        raise LayoutIncompatible(f"page-major lanes in {len(sides)} buffer pairs (expected one)")
+    (s_region, s_pitch, s_rows, d_region, d_pitch, d_rows), = sides
+    return LaneRuns(runs.src_start, runs.dst_start, runs.count, ints(l.offset for l in src), ints(l.offset for l in dst),
+                    ints(l.token_bytes for l in src), s_region, d_region, s_pitch, d_pitch, s_rows, d_rows)
 
 
 @dataclass(frozen=True)
@@ -221,7 +218,7 @@ class TransferPlan:
     def body_ranges(self) -> Ranges:
         return Ranges.concat([c.ranges for c in self.body])
 
-    def body_runsets(self) -> list[RunSet]:
+    def body_runsets(self) -> list[RunSet | LaneRuns]:
         return [c.runset for c in self.body]
 
 

@@ -15,7 +15,8 @@ import numpy as np
 
 from transfer.errors import PeerUnreachable, TransportError, WriteFailed
 from transfer.transports import TRANSPORTS, LinkCost, Offer, Ranges, Transport
-from transfer.transports.base import Exposure, Link, PendingWrite, check_ranges
+from transfer.transports.base import Exposure, Link, PendingWrite
+from transfer.transports.ranges import check_ranges
 
 KIND = "memory"
 _exposed: dict[int, "MemoryExposure"] = {}

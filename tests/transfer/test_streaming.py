@@ -22,7 +22,8 @@ from transfer.layers import split_layers
 from transfer.plan import build_plan
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
-from transfer.transports.base import LinkCost, RunSet
+from transfer.transports.base import LinkCost
+from transfer.transports.ranges import RunSet
 
 from harness.peer_server import digest_tokens
 from transfer.tokens import Tokens, pool_lanes

@@ -14,6 +14,7 @@ from transfer.plan import build_plan
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
 from transfer.tokens import TokenRows, Tokens, pool_lanes, token_runs
+from transfer.transports.ranges import LaneRuns
 
 
 def _pool(preset: str, page: int, layout: Layout = Layout.PAGE_MAJOR) -> HybridPool:
@@ -146,3 +147,18 @@ def test_hostile_by_token_pieces_are_refused_before_any_write(receiver, pieces, 
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
     with pytest.raises(StagingError, match="page size is the sender's"):      # no token rows here
         scatter(0, 0, [Piece("full", 0, 0, 1, 0, by_token=True)], pool.index_set(req), buffers, area)
+
+
+def test_lane_runs_refuse_runs_that_leave_a_page_and_lanes_outside_their_item():
+    def runs(src_start, count, offset=(0, 48), row=(16, 8), pitch=128, rows=4):
+        ints = lambda v: np.array(v, dtype=np.int64)   # noqa: E731
+        return LaneRuns(ints(src_start), ints(src_start), ints(count), ints(offset), ints(offset), ints(row),
+                        0, 0, pitch, pitch, rows, rows)
+    ok = runs([4, 9], [4, 2])                  # page 1 whole, page 2 rows 1..2
+    flat = ok.flatten()
+    assert flat.src_off.tolist() == [128, 256 + 16, 128 + 48, 256 + 48 + 8]
+    assert flat.length.tolist() == [64, 32, 32, 16] and ok.extents() == (384, 384) and ok.nbytes == 6 * 24
+    with pytest.raises(OutOfBounds, match="leaves its page"):
+        runs([6], [3])                         # rows 6..8: page 1 into page 2
+    with pytest.raises(OutOfBounds, match="outside its item"):
+        runs([4], [1], offset=(0, 100))        # 100 + 4 rows x 8 B > 128

@@ -10,6 +10,9 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
 
     factorized table, int64:  | src_start[n] | dst_start[n] | count[n] | src_base[b] | dst_base[b] | item[b] |
     row r = bi * n + i:        src = src_base[bi] + src_start[i] * item[bi], len = count[i] * item[bi]
+    lanes (pools of different page sizes, transfer.tokens), int64:
+        | src_start[n] | dst_start[n] | count[n] | src_off[b] | dst_off[b] | row[b] | 6 scalars |
+        row r = bi * n + i:    src = src_addr + s // rows * pitch + src_off[bi] + s % rows * row[bi]
 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
@@ -23,7 +26,7 @@ rows measured 10-20% faster end to end with the kernel doing everything
 
 import numpy as np
 
-from transfer.transports.base import RunSet
+from transfer.transports.ranges import LaneRuns, RunSet
 
 _PIECE_BYTES = 256 << 10      # longer ranges are split so warps share the work evenly
 
@@ -61,6 +64,20 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ t, long long 
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
         const long long bi = r / n, i = r - bi * n, item = it[bi];
         copy_one((const char*)(sb[bi] + t[i] * item), (char*)(db[bi] + t[n + i] * item), t[2 * n + i] * item, lane);
+    }
+}
+
+extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long n, long long b) {
+    const long long lane = threadIdx.x & 31;
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const long long* so = t + 3 * n;
+    const long long* dof = so + b;
+    const long long* rb = dof + b;
+    const long long* g = rb + b;     // src address, rows, pitch; dst address, rows, pitch
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
+        const long long bi = r / n, i = r - bi * n, row = rb[bi], s = t[i], d = t[n + i];
+        copy_one((const char*)(g[0] + s / g[1] * g[2] + so[bi] + s % g[1] * row),
+                 (char*)(g[3] + d / g[4] * g[5] + dof[bi] + d % g[4] * row), t[2 * n + i] * row, lane);
     }
 }
 """
@@ -132,17 +149,24 @@ class RangeCopier:
 
     def submit(self, work, stream, uploads: "Uploads") -> int:
         """Queue copies on `stream`; returns the bytes. work: (RunSet in items, src address
-        per buffer, dst address per buffer), all on the host.
+        per buffer, dst address per buffer), or (LaneRuns, src buffer address, dst buffer
+        address), all on the host.
         A fragmented set (many short ranges) crosses as runs + buffers and the kernel expands
         it; a set of few ranges is expanded here and split so the warps share long ones. One
         upload, then only kernel launches (one per fragmented set, one for all expanded
         ranges); no call waits on the GPU."""
         import torch
         dev = torch.device("cuda", self.device)
-        total, tables, flats = 0, [], []   # factorized (values, n, b); host-expanded [3, k] pieces
+        total, tables, lanes, flats = 0, [], [], []   # factorized (values, n, b); host-expanded [3, k] pieces
         with torch.cuda.device(dev), torch.cuda.stream(stream):
             for rs, src_base, dst_base in work:
                 total += rs.nbytes
+                if isinstance(rs, LaneRuns):   # src_base / dst_base: the two buffers' addresses
+                    lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, rs.src_offset, rs.dst_offset,
+                                                  rs.row_bytes, [src_base, rs.src_rows, rs.src_pitch, dst_base,
+                                                                 rs.dst_rows, rs.dst_pitch]]),
+                                  len(rs.count), len(rs.row_bytes)))
+                    continue
                 longest = int(rs.count.max()) * int(rs.item_bytes.max())
                 if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
                     tables.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base,
@@ -150,18 +174,20 @@ class RangeCopier:
                 else:
                     flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
             flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
-            if not tables and not len(flat):
+            if not tables and not lanes and not len(flat):
                 return total
-            g = uploads.put(np.concatenate([flat, *(v for v, _, _ in tables)]), dev, stream)
+            g = uploads.put(np.concatenate([flat, *(v for v, _, _ in tables + lanes)]).astype(np.int64, copy=False),
+                            dev, stream)
             base, word = g.data_ptr(), g.element_size()
             if len(flat):
                 k = len(flat) // 3
                 self._launch("copy_ranges", k, stream, np.uint64(base), np.uint64(base + k * word),
                              np.uint64(base + 2 * k * word), np.int64(k))
             at = len(flat)
-            for values, n, b in tables:
-                self._launch("copy_runs", n * b, stream, np.uint64(base + at * word), np.int64(n), np.int64(b))
-                at += len(values)
+            for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
+                for values, n, b in sets:
+                    self._launch(name, n * b, stream, np.uint64(base + at * word), np.int64(n), np.int64(b))
+                    at += len(values)
         return total
 
     def _launch(self, name: str, rows: int, stream, *args) -> None:

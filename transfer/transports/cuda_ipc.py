@@ -30,8 +30,8 @@ import msgspec
 import numpy as np
 
 from transfer.errors import OutOfBounds, PeerUnreachable, TransportError
-from transfer.transports.base import (Exposure, Link, LinkCost, Offer, PendingWrite, Ranges, RunSet, Transport,
-                                      check_ranges)
+from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
+from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.cuda_copy import RangeCopier, Uploads
 
 KIND = "cuda-ipc"
@@ -206,6 +206,14 @@ class CudaIpcLink(Link):
         work = []
         for rs in runsets:
             if not len(rs):
+                continue
+            if isinstance(rs, LaneRuns):   # token rows of page-major lanes: expanded by the kernel
+                ends = rs.extents()
+                for side, region, end, sizes in (("source", rs.src_region, ends[0], self._local.sizes),
+                                                 (f"destination {self.peer}", rs.dst_region, ends[1], self._sizes)):
+                    if not 0 <= region < len(sizes) or end > sizes[region]:
+                        raise OutOfBounds(f"cuda-ipc: {side} rows lie outside the {len(sizes)} exposed regions")
+                work.append((rs, int(self._local.bases[rs.src_region]), int(self._bases[rs.dst_region])))
                 continue
             if rs.fielded:   # one fragment per item (a layer group of page-major rows): flat, one warp each
                 work.append(self._absolute(rs.flatten()))

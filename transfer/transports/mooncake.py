@@ -39,7 +39,8 @@ import numpy as np
 
 from transfer.errors import (EngineInitError, PeerUnreachable, RegistrationError, TransportError, WriteFailed,
                              WritesAbandoned)
-from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Ranges, Transport, check_ranges
+from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
+from transfer.transports.ranges import Ranges, check_ranges
 from transfer.transports.reaper import Reaper
 
 log = logging.getLogger(__name__)
