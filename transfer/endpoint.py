@@ -40,6 +40,9 @@ class PoolEndpoint:
                                    config.staging_device or pool.config.device)
         descs = pool.buffer_descriptors()
         self.buffers: list[Buffer] = buffers_of(descs)   # the pool as peers address it
+        # each paged component's segments as token rows, for peers of another page size
+        pc = pool.config
+        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local")
         self.staging_region = len(descs)
         regions = [(d.ptr, d.nbytes) for d in descs] + [(self.staging.ptr, self.staging.nbytes)]
         self.exposures: dict[str, Exposure] = {}
@@ -55,9 +58,6 @@ class PoolEndpoint:
         self.placements: dict[Component, list[tuple[int, int, int, int]]] = {
             c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
             for c, p in pool.pools.items()}
-        # each paged component's segments as token rows, for peers of another page size
-        pc = pool.config
-        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local")
         self.faults = FaultInjector(config.faults)
 
     def offers(self) -> list[Offer]:

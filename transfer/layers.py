@@ -43,6 +43,20 @@ def _spans(placements: list[Placement], align: int, item_bytes: int) -> list[tup
     return [(a, b - a) for a, b in spans]
 
 
+def _whole_streams(cp: ComponentPlan, layers: range) -> ComponentPlan | None:
+    """The streams of `cp` (lanes by token, else layer-major buffers) whose layer is in `layers`."""
+    streams = cp.src_lanes if cp.by_token else cp.src_bufs
+    keep = [i for i, s in enumerate(streams) if s.layer in layers]
+    if not keep:
+        return None
+
+    def pick(seq):
+        return tuple(seq[i] for i in keep)
+    sides = dict(src_lanes=pick(cp.src_lanes), dst_lanes=pick(cp.dst_lanes)) if cp.by_token else \
+        dict(src_bufs=pick(cp.src_bufs), dst_bufs=pick(cp.dst_bufs))
+    return dataclasses.replace(cp, buffer_ids=pick([cp.buffer_id(i) for i in range(cp.streams)]), **sides)
+
+
 def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Component, list[Placement]],
                  align: int = ALIGN) -> list[LayerGroup]:
     """The plan's body as consecutive layer groups [bounds[g], bounds[g + 1]): every byte the
@@ -61,19 +75,10 @@ def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Compone
     for cp in plan.body:
         whole = {bi: b.item_bytes for bi, b in enumerate(cp.src_bufs)}
         for g, layers in enumerate(groups):
-            if cp.by_token:                                             # token rows: whole lanes
-                keep = [i for i, l in enumerate(cp.src_lanes) if l.layer in layers]
-                if keep:
-                    parts[g].append(dataclasses.replace(cp, src_lanes=tuple(cp.src_lanes[i] for i in keep),
-                                                        dst_lanes=tuple(cp.dst_lanes[i] for i in keep),
-                                                        buffer_ids=tuple(cp.buffer_id(i) for i in keep)))
-                continue
-            if all(b.layer is not None for b in cp.src_bufs):        # layer-major: whole buffers
-                keep = [i for i, b in enumerate(cp.src_bufs) if b.layer in layers]
-                if keep:
-                    parts[g].append(dataclasses.replace(cp, src_bufs=tuple(cp.src_bufs[i] for i in keep),
-                                                        dst_bufs=tuple(cp.dst_bufs[i] for i in keep),
-                                                        buffer_ids=tuple(cp.buffer_id(i) for i in keep)))
+            if cp.by_token or all(b.layer is not None for b in cp.src_bufs):   # whole lanes or buffers
+                part = _whole_streams(cp, layers)
+                if part is not None:
+                    parts[g].append(part)
                 continue
             for bi in range(len(cp.src_bufs)):                         # page-major: a field of each row
                 mine = [p for p in placements.get(cp.component, []) if p[0] == bi and p[1] in layers]

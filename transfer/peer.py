@@ -15,7 +15,6 @@ class RemotePool:
     link: Link                           # the transport picked for this peer, connected
     buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
     staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
-    page_size: int = 0                   # the receiver's (0: the sender's)
     lanes: Mapping[Component, tuple[Lane, ...]] | None = None   # its paged components by token,
                                                                  # when its page size is not ours
 

@@ -61,6 +61,8 @@ class KVSender(PoolEndpoint):
         peer goes away."""
         cfg = self.pool.config
         page_size = cfg.page_size if page_size is None else page_size
+        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+            raise LayoutIncompatible(f"the receiver's page size {page_size!r} is not a positive power of two")
         same_pages = page_size == cfg.page_size
         diff = layout_difference(self.buffers, buffers, paged=same_pages)
         if diff:
@@ -68,8 +70,7 @@ class KVSender(PoolEndpoint):
         lanes = None if same_pages else pool_lanes(cfg.model, page_size, cfg.tp_size, cfg.layout, list(buffers),
                                                    "destination")
         offer, transport = pick(offers, self.transports)
-        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging,
-                          page_size, lanes)
+        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging, lanes)
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""

@@ -211,8 +211,9 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
                                    "is the sender's")
             lane, rows_ = _token_piece(index, p, c, dst, own)
             end = p.offset + p.count * lane.token_bytes
-            if p.offset < 0 or end > area.slot_bytes:
-                raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
+            if p.offset < 0 or end > area.slot_bytes or p.offset % PIECE_ALIGN:
+                raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot or not "
+                                   f"{PIECE_ALIGN}-byte aligned")
             plan.append((buffers[c][lane.buffer], (lane, rows_), p.offset, end))
             continue
         if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):

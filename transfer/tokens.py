@@ -148,16 +148,20 @@ def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, b
         by_c.setdefault(Component(b.component), []).append(b)
     return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items() if not c.per_request}
 
-def lane_tensor(buf: torch.Tensor, lane: Lane) -> torch.Tensor:
-    """[items, page_size, row words] view of a lane in its buffer ([items, pitch] uint8), in the
-    widest integer type that divides its offsets (uint8 rows move at a fraction of the speed)."""
+def lane_tensor(buf: torch.Tensor, lane: Lane, rows_data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """([items, page_size, row words] view of a lane in its buffer ([items, pitch] uint8),
+    `rows_data` (uint8, rows x token_bytes) as [rows, row words]), in the widest integer type
+    that divides every offset of both (uint8 rows move at a fraction of the speed)."""
     seg = buf[:, lane.offset:lane.offset + lane.page_size * lane.token_bytes]
+    data = rows_data
     for dtype in (torch.int64, torch.int32, torch.int16):
         w = dtype.itemsize
-        if not (lane.token_bytes % w or lane.offset % w or lane.pitch % w or buf.data_ptr() % w):
-            seg = seg.view(dtype)
+        if not (lane.token_bytes % w or lane.offset % w or lane.pitch % w or buf.data_ptr() % w
+                or rows_data.data_ptr() % w):
+            seg, data = seg.view(dtype), rows_data.view(dtype)
             break
-    return seg.view(seg.shape[0], lane.page_size, -1)
+    words = lane.token_bytes // seg.element_size()
+    return seg.view(seg.shape[0], lane.page_size, words), data.view(-1, words)
 
 
 def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,14 +170,14 @@ def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, tor
 
 
 def gather_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, out: torch.Tensor) -> None:
-    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes, 16-byte aligned)."""
-    view = lane_tensor(buf, lane)
+    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes)."""
+    view, dst = lane_tensor(buf, lane, out)
     page, slot = _split(rows_, lane.page_size, view.device)
-    out.view(view.dtype).view(len(rows_), -1).copy_(view[page, slot])
+    dst.copy_(view[page, slot])
 
 
 def scatter_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, data: torch.Tensor) -> None:
     """Write `data` (uint8, len(rows_) * token_bytes) into `rows_` of a lane."""
-    view = lane_tensor(buf, lane)
+    view, src = lane_tensor(buf, lane, data)
     page, slot = _split(rows_, lane.page_size, view.device)
-    view[page, slot] = data.to(view.device).view(view.dtype).view(len(rows_), -1)
+    view[page, slot] = src.to(view.device)

@@ -101,7 +101,7 @@ def describe_model(model: ModelSpec, tp_size: int = 1) -> ModelDescription:
 class LayoutInfo(msgspec.Struct, frozen=True):
     """What must match between the two sides for a transfer to be meaningful, and the model
     behind it (None from a peer that does not describe it: the words fall back to buffers)."""
-    page_size: int
+    page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
     layout: str                 # page_major | layer_major
     buffers: list[Buffer]       # the pool's buffers, region i = buffer i
     model: ModelDescription | None = None

@@ -193,6 +193,16 @@ def test_a_malformed_description_is_refused_with_a_reason(path, bad):
         P.Decoder(P.ToPrefill, "control").decode(msgspec.msgpack.encode(raw))
 
 
+@pytest.mark.parametrize("bad", [0, -16, 1 << 21, "16"])
+def test_a_page_size_outside_bounds_is_refused_when_decoded(bad):
+    """Page sizes may differ now, so a peer's is used: decoding bounds it (the sender then
+    refuses anything but a power of two whose buffers are its model's)."""
+    raw = msgspec.msgpack.decode(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, info("tiny-full"), [], None)))
+    raw["layout"]["page_size"] = bad
+    with pytest.raises(ProtocolError, match=r"undecodable frame \(.*\$\.layout\.page_size"):
+        P.Decoder(P.ToPrefill, "control").decode(msgspec.msgpack.encode(raw))
+
+
 @pytest.mark.slow
 def test_a_pair_of_different_presets_fails_requests_with_the_words():
     """Real servers in this process: decode (tiny-full) looks up a prefill (tiny-swa); the

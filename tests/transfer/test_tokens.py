@@ -13,7 +13,7 @@ from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, Stag
 from transfer.plan import build_plan
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
-from transfer.tokens import TokenRows, Tokens, pool_lanes, token_runs
+from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes, token_runs
 from transfer.transports.ranges import LaneRuns
 
 
@@ -100,6 +100,9 @@ def test_a_peer_whose_buffers_are_not_our_model_at_its_page_size_is_refused_at_c
         other = _pool("tiny-swa", 16)                  # another model's buffers
         with pytest.raises(LayoutIncompatible, match="component sets differ|are not those of"):
             sender.connect([], buffers_of(other.buffer_descriptors()), None, 16)
+        for bad in (0, -4, 12):
+            with pytest.raises(LayoutIncompatible, match="not a positive power of two"):
+                sender.connect([], buffers_of(other.buffer_descriptors()), None, bad)
         lying = _pool("tiny-hybrid", 8)               # our model, but at 8, claiming 16
         with pytest.raises(LayoutIncompatible, match="not those of tiny-hybrid at page size 16"):
             sender.connect([], buffers_of(lying.buffer_descriptors()), None, 16)
@@ -125,6 +128,20 @@ def test_a_by_token_piece_lands_in_the_rows_of_its_positions(receiver):
     assert torch.equal(got, area.slot(1)[:3 * lane.token_bytes])
 
 
+def test_rows_move_between_slots_of_any_alignment(receiver):
+    """A slot whose base is not 8-byte aligned (a slot size that is not a multiple of 8):
+    the rows move as narrower words, not as a misaligned int64 view."""
+    pool, req, buffers, _, own = receiver
+    area = StagingArea(2, 4100, "cpu")
+    area.buffer.random_(0, 256)
+    lane = own.lanes[Component.FULL][0]
+    scatter(0, 1, [Piece("full", 0, 3, 2, 0, by_token=True)], pool.index_set(req), buffers, area, own)
+    out = torch.zeros(2 * lane.token_bytes + 4, dtype=torch.uint8)[4:]        # misaligned on purpose
+    rows = pool.index_set(req)[Component.FULL][0] * 16 + np.arange(3, 5)
+    gather_rows(buffers[Component.FULL][lane.buffer], lane, rows, out)
+    assert torch.equal(out, area.slot(1)[:2 * lane.token_bytes])
+
+
 def _snapshot(pool):
     return [b.clone() for p in pool.pools.values() for b in p.storage.buffers]
 
@@ -136,6 +153,7 @@ def _snapshot(pool):
     ([Piece("full", 0, 0, 0, 0, by_token=True)], "outside"),
     ([Piece("swa", 0, 0, 1, 0, by_token=True)], r"outside the swa positions \[32, 40\)"),   # before the window
     ([Piece("full", 0, 0, 2, 4090, by_token=True)], "outside the slot"),
+    ([Piece("full", 1, 17, 3, 0, by_token=True), Piece("full", 0, 20, 1, 100, by_token=True)], "not 16-byte aligned"),
     ([Piece("mamba", 0, 0, 1, 0, by_token=True)], "no mamba lane"),
     ([Piece("full", 0, 0, 1, 0, by_token=True), Piece("full", 0, 39, 2, 0, by_token=True)], "outside"),
 ])

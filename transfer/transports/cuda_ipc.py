@@ -202,7 +202,7 @@ class CudaIpcLink(Link):
     def write_async(self, ranges: Ranges) -> CudaWrite:
         return self._launch([self._absolute(ranges)])
 
-    def write_runs_async(self, runsets: Sequence[RunSet]) -> CudaWrite:
+    def write_runs_async(self, runsets: Sequence[RunSet | LaneRuns]) -> CudaWrite:
         work = []
         for rs in runsets:
             if not len(rs):

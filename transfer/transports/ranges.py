@@ -154,6 +154,9 @@ class LaneRuns:
     dst_rows: int
 
     def __post_init__(self) -> None:
+        if not len(self.src_start) == len(self.dst_start) == len(self.count) or \
+                not len(self.src_offset) == len(self.dst_offset) == len(self.row_bytes):
+            raise ValueError("lane runs: runs or lanes of different lengths")
         for side, off, pitch, rows in (("source", self.src_offset, self.src_pitch, self.src_rows),
                                        ("destination", self.dst_offset, self.dst_pitch, self.dst_rows)):
             if rows < 1 or ((off < 0) | (off + rows * self.row_bytes > pitch)).any():
