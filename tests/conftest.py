@@ -44,7 +44,7 @@ def keyed(deployment_key):
     gate = Gate(zmq.Context(), deployment_key, "test")
     yield gate
     gate.close()
-    gate.ctx.term()
+    gate.ctx.destroy(linger=0)   # closes what a test left open (term() would wait for it forever)
 
 
 @pytest.fixture()
@@ -54,7 +54,7 @@ def stranger(tmp_path):
     gate = Gate(zmq.Context(), AuthKey.generate(str(tmp_path / "other.key")), "stranger")
     yield gate
     gate.close()
-    gate.ctx.term()
+    gate.ctx.destroy(linger=0)
 
 
 @pytest.fixture(scope="session")
