@@ -58,6 +58,7 @@ def row(summaries: dict) -> dict:
          "compute_ms": {"off": p50(off, "prefill"), "on": p50(on, "prefill")},
          "after_compute_ms": {"off": p50(off, "kv_ready_after_compute"), "on": p50(on, "kv_ready_after_compute")},
          "transfer_ms": {"off": p50(off, "transfer"), "on": p50(on, "transfer")},
+         "transfer_cpu_ms": {"off": p50(off, "transfer_cpu"), "on": p50(on, "transfer_cpu")},
          "bytes_per_request": off["bytes"] // max(1, off["requests"] - off["failed"])}
     c, a = r["compute_ms"], r["after_compute_ms"]
     if c["on"] and a["on"] is not None and a["off"] is not None:
@@ -100,7 +101,7 @@ def main() -> int:
             print(f"{key:<34} compute {r['compute_ms']['off']:.1f} / {r['compute_ms']['on']:.1f} ms (off/on)  "
                   f"KV ready after compute: {r['after_compute_ms']['off']:.1f} ms off, {r['after_compute_ms']['on']:.1f} "
                   f"ms on  (x compute {r.get('after_over_compute')}, slowdown {r.get('compute_slowdown')})  "
-                  f"{r['bytes_per_request'] / 1e6:.0f} MB/request", flush=True)
+                  f"{r['bytes_per_request'] / 1e6:.0f} MB/request, sender CPU {r['transfer_cpu_ms']}", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"what": "layer-wise streaming: prefill compute and KV ready after compute, streaming off vs on",

@@ -85,6 +85,6 @@ class LayerProgress:
     def _record(self):
         if not self._cuda:
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self._device))
+        event = torch.cuda.Event(blocking=True)   # the waiting worker sleeps: a spinning one contends with
+        event.record(torch.cuda.current_stream(self._device))   # the engine thread for the driver
         return event

@@ -47,6 +47,7 @@ class TransferReport:
     groups: int = 1          # layer groups sent (streamed: more than one)
     first_write_at: float = 0.0   # wall clock (time.time) of the first body write
     streamed: bool = False   # started before the KV was complete
+    cpu_ms: float = 0.0      # CPU time of the sending thread (host work beside a streamed compute)
 
 
 class KVSender(PoolEndpoint):
@@ -104,7 +105,7 @@ class KVSender(PoolEndpoint):
         WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
         which may still land in the receiver's pages until the transport ends them.
         `num_tokens` (the request's length) is needed when the peer's page size is not ours."""
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.thread_time()
         stopped = stopped or (lambda: False)
         plan = self.plan(peer, src, dst, num_tokens)
         streamed = progress is not None
@@ -160,7 +161,8 @@ class KVSender(PoolEndpoint):
         submitted = (time.perf_counter() - t_submit - waited) * 1e3
         return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0,
                               submitted if mode is Mode.DIRECT else 0.0, waited * 1e3,
-                              sum(1 for g in groups if g.body), first_write[0] if first_write else 0.0, streamed)
+                              sum(1 for g in groups if g.body), first_write[0] if first_write else 0.0, streamed,
+                              (time.thread_time() - cpu0) * 1e3)
 
     def _before_write(self, stopped: Callable[[], bool], first_write: list[float] | None = None) -> None:
         if stopped():

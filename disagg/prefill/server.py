@@ -174,6 +174,7 @@ class PrefillServer(Worker):
             r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
                         "layer_groups": report.groups, "first_write_at": report.first_write_at,
+                        "transfer_cpu_ms": report.cpu_ms,
                         # what decode waits for once compute is over: the part of the send not hidden
                         "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
             done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)

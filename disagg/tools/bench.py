@@ -16,8 +16,8 @@ from disagg.router.router import post_json
 from disagg.worker.checks import positive_int
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
-PHASES = ("total", "bootstrap", "prefill", "transfer", "kv_ready_after_compute", "control", "wait", "verify", "decode",
-          "rebuild", "check")
+PHASES = ("total", "bootstrap", "prefill", "transfer", "transfer_cpu", "kv_ready_after_compute", "control", "wait",
+          "verify", "decode", "rebuild", "check")
 # What each timings_ms key of a router answer measures (disagg/router/router.py merges them);
 # the summary's legend prints the line of every phase in its table.
 PHASE_MEANING = {
@@ -25,6 +25,8 @@ PHASE_MEANING = {
     "bootstrap": "decode: request in -> its prefill peer known (a lookup; ~0 once cached)",
     "prefill": "prefill: request in -> prompt KV computed into its pool (with any wait for pool space)",
     "transfer": "prefill: the transport moving the KV into decode's pool",
+    "transfer_cpu": "prefill: CPU time of the thread that sent the KV (planning, submitting, waiting that "
+                    "spins), the host work a streamed send puts beside the compute",
     "kv_ready_after_compute": "prefill compute done -> KV ready on decode: what layer-wise streaming hides "
                               "(transfer + control when not streamed)",
     "control": "hand-off overhead: prefill done -> KV ready on decode, minus the part of the transfer after "
