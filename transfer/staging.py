@@ -206,9 +206,11 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
         except ValueError:
             raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
         if p.by_token:
-            if own is None or c not in dst:
+            if own is None:
                 raise StagingError(f"chunk {index}: a by-token {p.component} piece, and this pool's page size "
                                    "is the sender's")
+            if c not in dst:
+                raise StagingError(f"chunk {index}: no {p.component} pages here")
             lane, rows_ = _token_piece(index, p, c, dst, own)
             end = p.offset + p.count * lane.token_bytes
             if p.offset < 0 or end > area.slot_bytes or p.offset % PIECE_ALIGN:
