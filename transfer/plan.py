@@ -26,7 +26,7 @@ from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, by_component, component_difference
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
-from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows, token_runs
+from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
 log = logging.getLogger(__name__)
@@ -60,16 +60,20 @@ class Runs:
         return len(self.count)
 
 
-def group_runs(src: np.ndarray, dst: np.ndarray) -> Runs:
-    """Maximal runs where both src and dst advance by exactly one item."""
+def group_runs(src: np.ndarray, dst: np.ndarray, src_page: int = 0, dst_page: int = 0) -> Runs:
+    """Maximal runs where both src and dst advance by exactly one item. With page sizes
+    (token rows of page-major lanes, transfer.tokens: contiguous only within a page) a run
+    also ends where a page of either side ends."""
     n = len(src)
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
         return Runs(empty, empty, empty)
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
-    breaks = np.flatnonzero((np.diff(src) != 1) | (np.diff(dst) != 1)) + 1
-    starts = np.concatenate(([0], breaks))
+    brk = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    if src_page and dst_page:
+        brk |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
+    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
     count = np.diff(np.append(starts, n))
     return Runs(src[starts], dst[starts], count)
 
@@ -168,8 +172,7 @@ class ComponentPlan:
     def runset(self) -> RunSet | LaneRuns:
         """The same ranges factorized (runs x buffer pairs, or x lanes); indices were
         bounds-checked against every buffer when the plan was built."""
-        def ints(values):
-            return np.array(list(values), dtype=np.int64)
+        ints = _ints
         if self.by_token:
             return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
         field = (ints(self.field[0] for _ in self.src_bufs), ints(self.field[1] for _ in self.src_bufs)) \
@@ -178,12 +181,15 @@ class ComponentPlan:
                       ints(b.region for b in self.dst_bufs), ints(b.item_bytes for b in self.src_bufs), *field)
 
 
+def _ints(values) -> np.ndarray:
+    return np.array(list(values), dtype=np.int64)
+
+
 def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet | LaneRuns:
     """Runs of token rows x lanes. Layer-major lanes are rows back to back (a lane is a buffer
     of items of one row: a plain RunSet); page-major ones lie in one buffer per side at
     offsets that differ per side (LaneRuns, which the link expands)."""
-    def ints(values):
-        return np.array(list(values), dtype=np.int64)
+    ints = _ints
     if all(l.linear for l in src + dst):
         return RunSet(runs.src_start, runs.dst_start, runs.count, ints(l.region for l in src),
                       ints(l.region for l in dst), ints(l.token_bytes for l in src))
@@ -240,10 +246,10 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
     first = max(first_src, first_dst)
     positions = np.arange(first, n, dtype=np.int64)
     s_rows, d_rows = rows(src, n, ps, positions), rows(dst, n, pd, positions)
-    starts, count = token_runs(s_rows, d_rows, ps, pd, paged_rows=not all(l.linear for l in src_lanes + dst_lanes))
+    pages = () if all(l.linear for l in src_lanes + dst_lanes) else (ps, pd)   # page-major: runs end at pages
     s_rows.setflags(write=False)
     d_rows.setflags(write=False)
-    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), Runs(s_rows[starts], d_rows[starts], count),
+    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), group_runs(s_rows, d_rows, *pages),
                          src_lanes=src_lanes, dst_lanes=dst_lanes, first_position=first)
 
 

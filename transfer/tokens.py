@@ -109,21 +109,6 @@ def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[
         raise OutOfBounds(f"{component.value}: {side} page {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
 
 
-def token_runs(src: np.ndarray, dst: np.ndarray, src_page: int, dst_page: int, paged_rows: bool):
-    """Maximal runs where both sides advance by one row; with `paged_rows` (page-major: rows
-    are contiguous only within a page) a run also ends where a page of either side ends.
-    Returns (starts into the arrays, counts)."""
-    n = len(src)
-    if n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return empty, empty
-    brk = (np.diff(src) != 1) | (np.diff(dst) != 1)
-    if paged_rows:
-        brk |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    return starts, np.diff(np.append(starts, n))
-
-
 @dataclass(frozen=True)
 class TokenRows:
     """A receiver's side of by-token pieces: its lanes and the request's length."""

@@ -10,10 +10,10 @@ from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_pres
 from transfer.buffers import buffers_of
 from transfer.config import TransferConfig
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, StagingError
-from transfer.plan import build_plan
+from transfer.plan import build_plan, group_runs
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
-from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes, token_runs
+from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes
 from transfer.transports.ranges import LaneRuns
 
 
@@ -50,10 +50,11 @@ def test_a_lane_row_is_the_bytes_of_that_token_in_the_pools_own_view(preset, lay
 def test_token_runs_end_at_either_sides_pages_only_where_rows_are_paged():
     src = np.arange(8, 24)                 # pages 2..5 of 4 rows, contiguous
     dst = np.arange(32, 48)                # pages 2..3 of 8 rows, contiguous
-    starts, count = token_runs(src, dst, 4, 8, paged_rows=False)
-    assert count.tolist() == [16]          # layer-major: rows back to back across pages
-    starts, count = token_runs(src, dst, 4, 8, paged_rows=True)
-    assert starts.tolist() == [0, 4, 8, 12] and count.tolist() == [4, 4, 4, 4]
+    runs = group_runs(src, dst)
+    assert runs.count.tolist() == [16]     # layer-major: rows back to back across pages
+    runs = group_runs(src, dst, 4, 8)
+    starts = [0, 4, 8, 12]
+    assert runs.src_start.tolist() == src[starts].tolist() and runs.count.tolist() == [4, 4, 4, 4]
 
 
 def _plan(src_pool, dst_pool, n, src_set=None, dst_set=None):
