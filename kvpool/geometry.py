@@ -1,7 +1,8 @@
 """From a ModelSpec to the byte segments one TP shard stores per page (or per request slot).
 
 A segment is one (layer, part) tensor of one item: e.g. layer 3's K for one page is
-[page_size, kv_heads / tp, k_dim] bf16. The layout module packs segments into buffers.
+[page_size, kv_heads / tp, k_dim] bf16. The layout module packs segments into buffers;
+kvpool.shards says which heads (or channel groups) of the whole model a rank's row holds.
 """
 
 import math
@@ -11,6 +12,7 @@ from enum import Enum
 from kvpool.aux_record import AUX_ROW_BYTES
 from kvpool.dtypes import itemsize
 from kvpool.errors import SpecError
+from kvpool.shards import Part, held
 from kvpool.spec import AttentionSpec, MLASpec, ModelSpec
 
 
@@ -56,12 +58,6 @@ class Segment:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
-def _split(what: str, value: int, tp_size: int) -> int:
-    if value % tp_size:
-        raise SpecError(f"{what} ({value}) not divisible by TP size {tp_size}")
-    return value // tp_size
-
-
 def layer_group(model: ModelSpec, component: Component):
     """The model's layer group a component stores (None for the AUX row, or if absent)."""
     return {Component.FULL: model.full, Component.SWA: model.swa, Component.NSA: model.nsa,
@@ -73,8 +69,43 @@ def components(model: ModelSpec) -> tuple[Component, ...]:
     return tuple(c for c in Component if c.metadata or layer_group(model, c))
 
 
+def parts(model: ModelSpec, component: Component, part: str) -> tuple[Part, ...]:
+    """How one row of segment `part` of `component` splits across TP ranks (kvpool.shards):
+    per token for paged components, per slot for state; the whole model's, before any split."""
+    if component is Component.FULL and isinstance(model.full, MLASpec):
+        return (Part(1, model.full.latent_dim * itemsize(model.full.dtype)),)
+    if component in (Component.FULL, Component.SWA):
+        attn = model.full if component is Component.FULL else model.swa
+        if not isinstance(attn, AttentionSpec):
+            raise SpecError(f"{model.name} has no {component.value} layers")
+        return (Part(attn.kv_heads, (attn.k_dim if part == "k" else attn.v_dim) * itemsize(attn.dtype)),)
+    if component is Component.NSA:
+        nsa = model.nsa
+        if nsa is None:
+            raise SpecError(f"{model.name} has no nsa indexer")
+        if part == "key":
+            return (Part(1, nsa.key_dim * itemsize(nsa.key_dtype)),)
+        return (Part(1, nsa.key_dim // nsa.scale_block * itemsize(nsa.scale_dtype)),)
+    if component is Component.MAMBA:
+        lin = model.linear
+        if lin is None:
+            raise SpecError(f"{model.name} has no linear-state layers")
+        if part == "conv":
+            return tuple(Part(u, ch * lin.conv_width * itemsize(lin.conv_dtype)) for u, ch in lin.conv_layout)
+        return (Part(lin.temporal_heads, lin.temporal_d1 * lin.temporal_d2 * itemsize(lin.temporal_dtype)),)
+    if component is Component.AUX:
+        return (Part(1, AUX_ROW_BYTES),)
+    raise SpecError(f"unknown component {component!r}")
+
+
+def _held(model: ModelSpec, what: str, units: int, tp_size: int) -> int:
+    """Units of a part one of `tp_size` ranks holds (kvpool.shards.held), refusal in words."""
+    return held(Part(units, 1), tp_size, 0, f"{model.name}: {what}")[1]
+
+
 def segments(model: ModelSpec, component: Component, page_size: int, tp_size: int = 1) -> list[Segment]:
-    """Segments of one item of `component` on one of `tp_size` shards."""
+    """Segments of one item of `component` on one of `tp_size` shards (kvpool.shards: heads
+    split, or replicated where TP exceeds them; MLA, NSA and the AUX row whole)."""
     if component is Component.FULL and isinstance(model.full, MLASpec):
         mla = model.full
         return [Segment(l, "latent", (page_size, mla.latent_dim), mla.dtype) for l in mla.layers]
@@ -82,7 +113,7 @@ def segments(model: ModelSpec, component: Component, page_size: int, tp_size: in
         attn = model.full if component is Component.FULL else model.swa
         if not isinstance(attn, AttentionSpec):
             raise SpecError(f"{model.name} has no {component.value} layers")
-        heads = _split(f"{model.name}: {component.value} kv_heads", attn.kv_heads, tp_size)
+        heads = _held(model, f"{component.value} kv_heads", attn.kv_heads, tp_size)
         out = []
         for l in attn.layers:
             out.append(Segment(l, "k", (page_size, heads, attn.k_dim), attn.dtype))
@@ -102,8 +133,8 @@ def segments(model: ModelSpec, component: Component, page_size: int, tp_size: in
         lin = model.linear
         if lin is None:
             raise SpecError(f"{model.name} has no linear-state layers")
-        conv_dim = _split(f"{model.name}: conv_dim", lin.conv_dim, tp_size)
-        heads = _split(f"{model.name}: temporal heads", lin.temporal_heads, tp_size)
+        conv_dim = sum(_held(model, "conv groups", u, tp_size) * ch for u, ch in lin.conv_layout)
+        heads = _held(model, "temporal heads", lin.temporal_heads, tp_size)
         out = []
         for l in lin.layers:
             out.append(Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype))

@@ -52,13 +52,15 @@ def _build() -> dict[str, ModelSpec]:
             "qwen3-next-80b-a3b", 48,
             full=AttentionSpec(_where(48, qwen_full), 2, 256, 256),
             linear=LinearStateSpec(_where(48, lambda i: not qwen_full(i)), conv_dim=8192, conv_width=3,
-                                   temporal_heads=32, temporal_d1=128, temporal_d2=128),
+                                   temporal_heads=32, temporal_d1=128, temporal_d2=128,
+                                   conv_groups=((16, 128), (16, 128), (32, 128))),   # q | k | v heads
         ),
         ModelSpec(
             "nemotron-h-8b", 52,
             full=AttentionSpec(_where(52, lambda i: _NEMOTRON_H_8B[i] == "*"), 8, 128, 128),
             linear=LinearStateSpec(_where(52, lambda i: _NEMOTRON_H_8B[i] == "M"), conv_dim=10240,
-                                   conv_width=3, temporal_heads=128, temporal_d1=64, temporal_d2=128),
+                                   conv_width=3, temporal_heads=128, temporal_d1=64, temporal_d2=128,
+                                   conv_groups=((128, 64), (8, 128), (8, 128))),   # x heads | B, C groups
         ),
         ModelSpec(
             "deepseek-v3.2", 61,
@@ -84,8 +86,8 @@ def _build() -> dict[str, ModelSpec]:
         ModelSpec(
             "tiny-mamba", 4,
             full=AttentionSpec((3,), 2, 16, 16),
-            linear=LinearStateSpec((0, 1, 2), conv_dim=16, conv_width=3, temporal_heads=2,
-                                   temporal_d1=8, temporal_d2=8),
+            linear=LinearStateSpec((0, 1, 2), conv_dim=16, conv_width=3, temporal_heads=4,
+                                   temporal_d1=8, temporal_d2=4, conv_groups=((4, 2), (2, 2), (2, 2))),
             default_page_size=4,
         ),
         ModelSpec(
@@ -94,7 +96,7 @@ def _build() -> dict[str, ModelSpec]:
             swa=AttentionSpec((0, 3), 4, 8, 8, window=6),
             nsa=NSAIndexerSpec((2, 5), key_dim=32, scale_block=32),
             linear=LinearStateSpec((1, 4), conv_dim=8, conv_width=3, temporal_heads=2,
-                                   temporal_d1=4, temporal_d2=4),
+                                   temporal_d1=4, temporal_d2=4, conv_groups=((2, 2), (2, 1), (2, 1))),
             default_page_size=4,
         ),
     ]

@@ -91,7 +91,10 @@ class NSAIndexerSpec:
 @dataclass(frozen=True)
 class LinearStateSpec:
     """Mamba2 / gated-delta-net layers: per request a conv state [conv_dim, conv_width] and a
-    temporal (SSM / recurrent) state [heads, d1, d2]. conv_dim and heads split by TP."""
+    temporal (SSM / recurrent) state [heads, d1, d2]. Heads split by TP; so do the conv
+    channels, each of their groups on its own (`conv_groups`: (units, channels per unit) in
+    channel order, e.g. Mamba2 [x | B | C] = ((heads, head_dim), (groups, d_state), (groups,
+    d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each."""
 
     layers: tuple[int, ...]
     conv_dim: int
@@ -101,9 +104,19 @@ class LinearStateSpec:
     temporal_d2: int
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
+    conv_groups: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         _check_layers("linear state", self.layers)
+        if self.conv_groups is not None:
+            groups = tuple(tuple(g) if isinstance(g, (tuple, list)) else (g,) for g in self.conv_groups)
+            if not groups or any(len(g) != 2 or not all(isinstance(v, int) and v > 0 for v in g) for g in groups):
+                raise SpecError(f"linear state: conv_groups must be (units, channels) pairs of positive ints, "
+                                f"got {self.conv_groups!r}")
+            if sum(u * ch for u, ch in groups) != self.conv_dim:
+                raise SpecError(f"linear state: conv_groups {groups} hold {sum(u * ch for u, ch in groups)} "
+                                f"channels, conv_dim is {self.conv_dim}")
+            object.__setattr__(self, "conv_groups", groups)
         _check_positive(
             "linear state", conv_dim=self.conv_dim, conv_width=self.conv_width,
             temporal_heads=self.temporal_heads, temporal_d1=self.temporal_d1,
@@ -111,6 +124,11 @@ class LinearStateSpec:
         )
         check_dtype(self.conv_dtype)
         check_dtype(self.temporal_dtype)
+
+    @property
+    def conv_layout(self) -> tuple[tuple[int, int], ...]:
+        """(units, channels per unit) of the conv channels, in order (TP splits each group)."""
+        return self.conv_groups or ((self.conv_dim, 1),)
 
 
 @dataclass(frozen=True)

@@ -71,17 +71,19 @@ def component_difference(component: Component, ours: Sequence[Buffer], theirs: S
     return None
 
 
-def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: bool = True) -> str | None:
+def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: bool = True,
+                      per_request: bool = True) -> str | None:
     """None if every component of the two sides pairs up, else the first difference. With
-    paged=False only the per-request components (state slots, the AUX row) are compared
-    buffer by buffer: pools of different page sizes pair their paged ones by token
-    (transfer.tokens), the component sets must still match."""
+    paged=False the paged components are not compared buffer by buffer: pools of different
+    page sizes pair them by token (transfer.tokens); with per_request=False neither are state
+    slots and the AUX row (TP shards of different sizes: transfer.reshard). The component
+    sets must still match."""
     a, b = by_component(ours), by_component(theirs)
     if set(a) != set(b):
         return (f"component sets differ: destination lacks {sorted(c.value for c in set(a) - set(b))}, "
                 f"source lacks {sorted(c.value for c in set(b) - set(a))}")
     for c in a:
-        diff = component_difference(c, a[c], b[c]) if paged or c.per_request else None
+        diff = component_difference(c, a[c], b[c]) if (per_request if c.per_request else paged) else None
         if diff:
             return diff
     return None

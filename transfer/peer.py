@@ -15,8 +15,11 @@ class RemotePool:
     link: Link                           # the transport picked for this peer, connected
     buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
     staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
-    lanes: Mapping[Component, tuple[Lane, ...]] | None = None   # its paged components by token,
-                                                                 # when its page size is not ours
+    # by lane (transfer.reshard), when its page size or TP size is not ours: its lanes, ours
+    # paired with them (lane i with lane i), and whether they are TP slices
+    lanes: Mapping[Component, tuple[Lane, ...]] | None = None
+    src_lanes: Mapping[Component, tuple[Lane, ...]] | None = None
+    sliced: bool = False
 
     def slot_offset(self, slot: int) -> int:
         return slot * self.staging.slot_bytes

@@ -14,6 +14,8 @@ of every layer; layer-major pools multiply the range count by the number of buff
 
 Pools of different page sizes move paged components in token rows (transfer.tokens): the
 runs are of rows, one range per run and lane (segment); state slots and the AUX row as above.
+Between TP shards of different sizes (transfer.reshard) every component moves by lane, a lane
+being the slice of a segment's rows this pair owns: one range per row unless it is whole rows.
 """
 
 import functools
@@ -154,6 +156,8 @@ class ComponentPlan:
 
     @property
     def num_ranges(self) -> int:
+        if self.by_token:
+            return len(self.runset)
         items = int(self.runs.count.sum()) if self.field else len(self.runs)
         return items * self.streams
 
@@ -186,19 +190,17 @@ def _ints(values) -> np.ndarray:
 
 
 def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet | LaneRuns:
-    """Runs of token rows x lanes. Layer-major lanes are rows back to back (a lane is a buffer
-    of items of one row: a plain RunSet); page-major ones lie in one buffer per side at
-    offsets that differ per side (LaneRuns, which the link expands)."""
+    """Runs of token rows x lanes. Whole layer-major lanes are rows back to back (a lane is a
+    buffer of items of one row: a plain RunSet); others (page-major, TP slices, state slots)
+    lie at offsets, pitches and strides that differ per side (LaneRuns, which the link expands)."""
     ints = _ints
     if all(l.linear for l in src + dst):
         return RunSet(runs.src_start, runs.dst_start, runs.count, ints(l.region for l in src),
                       ints(l.region for l in dst), ints(l.token_bytes for l in src))
-    sides = {(s.region, s.pitch, s.page_size, d.region, d.pitch, d.page_size) for s, d in zip(src, dst)}
-    if len(sides) != 1:
-        raise LayoutIncompatible(f"page-major lanes in {len(sides)} buffer pairs (expected one)")
-    (s_region, s_pitch, s_rows, d_region, d_pitch, d_rows), = sides
     return LaneRuns(runs.src_start, runs.dst_start, runs.count, ints(l.offset for l in src), ints(l.offset for l in dst),
-                    ints(l.token_bytes for l in src), s_region, d_region, s_pitch, d_pitch, s_rows, d_rows)
+                    ints(l.token_bytes for l in src), ints(l.region for l in src), ints(l.region for l in dst),
+                    ints(l.pitch for l in src), ints(l.pitch for l in dst), ints(l.stride for l in src),
+                    ints(l.stride for l in dst), src[0].page_size, dst[0].page_size)
 
 
 @dataclass(frozen=True)
@@ -230,11 +232,20 @@ class TransferPlan:
 
 def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Buffer], dst_bufs: list[Buffer],
                tokens: Tokens) -> ComponentPlan:
-    """A paged component between pools of different page sizes: the positions both sides
-    cover, as token rows on each side, grouped into runs (transfer.tokens)."""
+    """A component moved by lane (transfer.tokens): a paged one as the positions both sides
+    cover, as token rows on each side; a state slot (or the AUX row) as one row per index.
+    Rows are grouped into runs."""
     if c not in tokens.src or c not in tokens.dst:
         raise LayoutIncompatible(f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side")
     src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
+    if any(a.token_bytes != b.token_bytes for a, b in zip(src_lanes, dst_lanes)) or len(src_lanes) != len(dst_lanes):
+        raise LayoutIncompatible(f"{c.value}: lanes that do not pair up")
+    if c.per_request:
+        s_rows, d_rows = align(src, dst, c)
+        check_pages(c, "source", s_rows, src_lanes)
+        check_pages(c, "destination", d_rows, dst_lanes)
+        return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), group_runs(s_rows, d_rows, 1, 1),
+                             src_lanes=src_lanes, dst_lanes=dst_lanes)
     n, ps, pd = tokens.num_tokens, src_lanes[0].page_size, dst_lanes[0].page_size
     first_src = first_covered(n, ps, len(src), "source", c)
     first_dst = first_covered(n, pd, len(dst), "destination", c)
@@ -246,7 +257,7 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
     first = max(first_src, first_dst)
     positions = np.arange(first, n, dtype=np.int64)
     s_rows, d_rows = rows(src, n, ps, positions), rows(dst, n, pd, positions)
-    pages = () if all(l.linear for l in src_lanes + dst_lanes) else (ps, pd)   # page-major: runs end at pages
+    pages = () if all(l.linear for l in src_lanes + dst_lanes) else (ps, pd)   # runs end at pages
     s_rows.setflags(write=False)
     d_rows.setflags(write=False)
     return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), group_runs(s_rows, d_rows, *pages),
@@ -256,7 +267,8 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
 def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer],
                tokens: Tokens | None = None) -> TransferPlan:
     """Plan moving every component of `src_set` (local pool) into `dst_set` (the peer's pool).
-    With `tokens` (the pools' page sizes differ), paged components move in token rows.
+    With `tokens` (the pools' page sizes differ), paged components move in token rows; between
+    TP shards (tokens.sliced) every component moves as the slices of its rows this pair owns.
     Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index."""
     src_by, dst_by = by_component(src_bufs), by_component(dst_bufs)
     missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
@@ -266,8 +278,10 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
     body, last = [], []
     for c in src_set.components():
         sb, db = src_by.get(c, []), dst_by[c]
-        if tokens is not None and not c.per_request:
-            body.append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens))
+        if tokens is not None and tokens.sliced and c not in tokens.src:
+            continue   # TP shards: none of this component is this source rank's to send (transfer.reshard)
+        if tokens is not None and (tokens.sliced or not c.per_request):
+            (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens))
             continue
         pair_buffers(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvpool.errors import SpecError
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
@@ -26,6 +27,7 @@ from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
 from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
+from transfer.reshard import Shard, by_token, check_pair, pair_lanes
 from transfer.tokens import Tokens, pool_lanes
 from transfer.transports import Offer, Ranges, pick
 from transfer.transports.base import PendingWrites
@@ -53,25 +55,40 @@ class TransferReport:
 class KVSender(PoolEndpoint):
     """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
 
+    @property
+    def shard(self) -> Shard:
+        cfg = self.pool.config
+        return Shard(cfg.page_size, cfg.tp_size, cfg.tp_rank)
+
     def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer], staging: StagingInfo | None = None,
-                page_size: int | None = None) -> RemotePool:
+                page_size: int | None = None, tp: tuple[int, int] | None = None) -> RemotePool:
         """A receiver that offers `offers` (its order of preference) for `buffers` of a pool of
-        `page_size` (None: ours): refused with the first difference unless its buffers pair up
-        with ours (another page size: those of our model at its page size, transfer.tokens),
-        then connected over the first transport we share. The caller closes `.link` when the
-        peer goes away."""
+        `page_size` (None: ours) and TP (size, rank) `tp` (None: ours): refused with the first
+        difference unless its buffers pair up with ours (another page size or TP size: those
+        of our model at its page size and TP size, transfer.tokens; equal TP sizes pair rank r
+        with rank r), then connected over the first transport we share. The caller closes
+        `.link` when the peer goes away."""
         cfg = self.pool.config
         page_size = cfg.page_size if page_size is None else page_size
         if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
             raise LayoutIncompatible(f"the receiver's page size {page_size!r} is not a positive power of two")
-        same_pages = page_size == cfg.page_size
-        diff = layout_difference(self.buffers, buffers, paged=same_pages)
+        dst = Shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)))
+        check_pair(self.shard, dst)
+        same_tp = dst.tp_size == cfg.tp_size
+        diff = layout_difference(self.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
+                                 per_request=same_tp)
         if diff:
             raise LayoutIncompatible(diff)
-        lanes = None if same_pages else pool_lanes(cfg.model, page_size, cfg.tp_size, cfg.layout, list(buffers),
-                                                   "destination")
+        lanes = None
+        if by_token(self.shard, dst):
+            try:
+                theirs = pool_lanes(cfg.model, page_size, dst.tp_size, cfg.layout, list(buffers), "destination")
+            except SpecError as exc:   # their TP size does not split our model
+                raise LayoutIncompatible(f"the receiver's TP size {dst.tp_size}: {exc}") from None
+            lanes = pair_lanes(cfg.model, self.shard, dst, self.lanes, theirs)
         offer, transport = pick(offers, self.transports)
-        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging, lanes)
+        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging,
+                          lanes[1] if lanes else None, lanes[0] if lanes else None, not same_tp)
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""
@@ -82,8 +99,8 @@ class KVSender(PoolEndpoint):
         tokens = None
         if peer.lanes is not None:
             if num_tokens is None:
-                raise ValueError("a peer of another page size: the plan needs the request's num_tokens")
-            tokens = Tokens(num_tokens, self.lanes, peer.lanes)
+                raise ValueError("a peer of another page size or TP size: the plan needs the request's num_tokens")
+            tokens = Tokens(num_tokens, peer.src_lanes, peer.lanes, peer.sliced)
         return build_plan(src, dst, self.buffers, list(peer.buffers), tokens)
 
     def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:

@@ -176,18 +176,24 @@ def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component,
 
 
 def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRows):
-    """A by-token piece checked against the receiver's own lanes and index set: (lane, rows)."""
+    """A by-token piece checked against the receiver's own lanes and index set: (lane, rows).
+    `first` is a token position (paged) or an index into the state slots (one row each)."""
     lanes_ = own.lanes.get(c, ())
     if not 0 <= p.buffer < len(lanes_):
         raise StagingError(f"chunk {index}: no {p.component} lane {p.buffer} here")
     lane, idx = lanes_[p.buffer], dst[c]
-    try:
-        first = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c)
-    except IndexMismatch as exc:
-        raise StagingError(f"chunk {index}: {exc}") from None
-    if p.count < 1 or p.first < first or p.first + p.count > own.num_tokens:
+    if c.per_request:
+        first, end = 0, len(idx)
+    else:
+        try:
+            first, end = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c), own.num_tokens
+        except IndexMismatch as exc:
+            raise StagingError(f"chunk {index}: {exc}") from None
+    if p.count < 1 or p.first < first or p.first + p.count > end:
         raise StagingError(f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
-                           f"positions [{first}, {own.num_tokens}) held here")
+                           f"positions [{first}, {end}) held here")
+    if c.per_request:
+        return lane, np.asarray(idx[p.first:p.first + p.count], dtype=np.int64)
     return lane, rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
 
 

@@ -23,6 +23,7 @@ Both sides name lanes alike (lane i = segment i of the component, in the model's
 a staged piece says (lane, first position, count) and each side finds its own bytes.
 """
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -38,25 +39,33 @@ from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
 
 @dataclass(frozen=True)
 class Lane:
-    """One segment of a component as token rows on one side."""
+    """One segment of a component (or a TP slice of it) as token rows on one side."""
     buffer: int        # which of the component's buffers holds it
     region: int        # that buffer's region
     num_items: int     # that buffer's items (pages, the sentinel included)
     layer: int
-    offset: int        # bytes into each item where the segment starts
+    part: str          # the segment's part ("k", "conv", ...)
+    offset: int        # bytes into each item where the lane's first row starts
     pitch: int         # bytes of one item of the buffer
-    page_size: int     # token rows per item
-    token_bytes: int   # bytes of one row
+    page_size: int     # token rows per item (a state slot: one row)
+    token_bytes: int   # bytes of one row that move (a TP slice: part of the segment's row)
+    stride: int        # bytes from one row of a page to the next (the segment's whole row)
 
     @property
     def linear(self) -> bool:
-        """Rows back to back across pages (layer-major): row t at t * token_bytes."""
-        return self.offset == 0 and self.pitch == self.page_size * self.token_bytes
+        """Whole rows back to back across pages (layer-major): row t at t * token_bytes."""
+        return self.offset == 0 and self.stride == self.token_bytes and self.pitch == self.page_size * self.token_bytes
 
     def at(self, rows: np.ndarray) -> np.ndarray:
         """Byte offset of each row in the buffer (int64)."""
         rows = np.asarray(rows, dtype=np.int64)
-        return rows // self.page_size * self.pitch + self.offset + rows % self.page_size * self.token_bytes
+        return rows // self.page_size * self.pitch + self.offset + rows % self.page_size * self.stride
+
+    def slice(self, offset: int, nbytes: int) -> "Lane":
+        """Bytes [offset, offset + nbytes) of every row (kvpool.shards: a TP slice)."""
+        if offset == 0 and nbytes == self.token_bytes:
+            return self
+        return dataclasses.replace(self, offset=self.offset + offset, token_bytes=nbytes)
 
 
 def lanes(model: ModelSpec, component: Component, page_size: int, tp_size: int, layout: Layout,
@@ -77,8 +86,10 @@ def lanes(model: ModelSpec, component: Component, page_size: int, tp_size: int, 
         raise LayoutIncompatible(f"{component.value}: the {side} buffers are not those of {model.name} at page size "
                                  f"{page_size} ({len(bufs)} buffers of {sizes[:4]} B/item, expected "
                                  f"{len(packed.item_bytes)} of {list(packed.item_bytes)[:4]})")
-    return tuple(Lane(pl.buffer, bufs[pl.buffer].region, bufs[pl.buffer].num_items, pl.segment.layer, pl.offset,
-                      packed.item_bytes[pl.buffer], page_size, pl.segment.nbytes // page_size)
+    rows = 1 if component.per_request else page_size   # a state slot is one row
+    return tuple(Lane(pl.buffer, bufs[pl.buffer].region, bufs[pl.buffer].num_items, pl.segment.layer, pl.segment.part,
+                      pl.offset, packed.item_bytes[pl.buffer], rows, pl.segment.nbytes // rows,
+                      pl.segment.nbytes // rows)
                  for pl in packed.placements)
 
 
@@ -118,35 +129,39 @@ class TokenRows:
 
 @dataclass(frozen=True)
 class Tokens:
-    """What the planner needs to move a request between pools of different page sizes: the
-    request's length and each side's lanes per paged component."""
+    """What the planner needs to move a request by lane: the request's length and each side's
+    lanes per component (lane i of src pairs with lane i of dst). Pools of different page
+    sizes: every paged component's segments. TP shards (`sliced`, transfer.reshard): the
+    slices this pair owns of every component; one absent is not this sender's to send."""
     num_tokens: int
     src: Mapping[Component, tuple[Lane, ...]]
     dst: Mapping[Component, tuple[Lane, ...]]
+    sliced: bool = False
 
 
 def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, bufs: list[Buffer],
                side: str) -> dict[Component, tuple[Lane, ...]]:
-    """Lanes of every paged component of a side (its buffers checked, see lanes())."""
+    """Lanes of every component of a side (its buffers checked, see lanes()); a state slot or
+    AUX row is one row (moved by lane only between TP shards of different sizes)."""
     by_c: dict[Component, list[Buffer]] = {}
     for b in bufs:
         by_c.setdefault(Component(b.component), []).append(b)
-    return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items() if not c.per_request}
+    return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items()}
 
 def lane_tensor(buf: torch.Tensor, lane: Lane, rows_data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """([items, page_size, row words] view of a lane in its buffer ([items, pitch] uint8),
     `rows_data` (uint8, rows x token_bytes) as [rows, row words]), in the widest integer type
     that divides every offset of both (uint8 rows move at a fraction of the speed)."""
-    seg = buf[:, lane.offset:lane.offset + lane.page_size * lane.token_bytes]
-    data = rows_data
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        w = dtype.itemsize
-        if not (lane.token_bytes % w or lane.offset % w or lane.pitch % w or buf.data_ptr() % w
-                or rows_data.data_ptr() % w):
-            seg, data = seg.view(dtype), rows_data.view(dtype)
-            break
-    words = lane.token_bytes // seg.element_size()
-    return seg.view(seg.shape[0], lane.page_size, words), data.view(-1, words)
+    w = next((d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
+              if not (lane.token_bytes % d.itemsize or lane.offset % d.itemsize or lane.pitch % d.itemsize
+                      or lane.stride % d.itemsize or buf.data_ptr() % d.itemsize
+                      or rows_data.data_ptr() % d.itemsize)))
+    words = buf.view(w) if w is not torch.uint8 else buf
+    k = w.itemsize
+    view = words.as_strided((buf.shape[0], lane.page_size, lane.token_bytes // k),
+                            (lane.pitch // k, lane.stride // k, 1), words.storage_offset() + lane.offset // k)
+    data = rows_data.view(w) if w is not torch.uint8 else rows_data
+    return view, data.view(-1, lane.token_bytes // k)
 
 
 def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:

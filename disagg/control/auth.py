@@ -19,6 +19,7 @@ docs/security.md says what that leaves open.
 """
 
 import hmac
+import itertools
 import logging
 import os
 import threading
@@ -128,6 +129,7 @@ class _HandshakeWatch:
 
     def __init__(self, ctx: zmq.Context):
         self._lock = threading.Lock()
+        self._ids = itertools.count()
         self._new: list[tuple[zmq.Socket, str]] = []
         self._last: dict[tuple[str, str], tuple[float, int]] = {}
         self._stop = threading.Event()
@@ -135,8 +137,14 @@ class _HandshakeWatch:
         self._thread.start()
 
     def add(self, sock: zmq.Socket, name: str) -> None:
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                                          | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
+        # our own address per monitor: pyzmq's default names it after the socket's file
+        # descriptor, which a new socket may reuse before the closed one's monitor let go of it
+        # ("Address already in use")
+        addr = f"inproc://disagg-handshakes-{next(self._ids)}"
+        sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
+        monitor = sock.context.socket(zmq.PAIR)
+        monitor.connect(addr)
         with self._lock:   # handed to the watch thread: it alone uses the monitor socket from now on
             self._new.append((monitor, name))
 

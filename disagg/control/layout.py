@@ -58,6 +58,9 @@ class LinearDescription(msgspec.Struct, frozen=True):
     temporal_d2: Dim
     conv_dtype: DType
     temporal_dtype: DType
+    # (units, channels per unit) of the conv channels (kvpool.spec.LinearStateSpec.conv_layout):
+    # TP splits each group on its own, so two sides must agree on them to reshard
+    conv_groups: Annotated[list[tuple[Dim, Dim]], msgspec.Meta(max_length=16)] | None = None
 
 
 class ModelDescription(msgspec.Struct, frozen=True):
@@ -94,7 +97,8 @@ def describe_model(model: ModelSpec, tp_size: int = 1) -> ModelDescription:
                                                     nsa.scale_dtype),
         linear=None if lin is None else LinearDescription(len(lin.layers), lin.conv_dim, lin.conv_width,
                                                           lin.temporal_heads, lin.temporal_d1, lin.temporal_d2,
-                                                          lin.conv_dtype, lin.temporal_dtype),
+                                                          lin.conv_dtype, lin.temporal_dtype,
+                                                          [tuple(g) for g in lin.conv_layout]),
     )
 
 
@@ -125,7 +129,8 @@ def _properties(d) -> list[tuple[str, object]]:
                 ("scale_block", d.scale_block), ("scale dtype", d.scale_dtype)]
     return [("layers", d.layers), ("conv_dim x conv_width", f"{d.conv_dim} x {d.conv_width}"),
             ("temporal heads x d1 x d2", f"{d.temporal_heads} x {d.temporal_d1} x {d.temporal_d2}"),
-            ("conv dtype", d.conv_dtype), ("temporal dtype", d.temporal_dtype)]
+            ("conv dtype", d.conv_dtype), ("temporal dtype", d.temporal_dtype),
+            ("conv groups (units x channels)", " + ".join(f"{u} x {c}" for u, c in d.conv_groups or ()) or "not described")]
 
 
 def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:

@@ -7,7 +7,8 @@ Every byte of a token's KV is a function of (token id, position, layer, componen
     word[t,j] = seed[t] * (2j + 1) + j * 0x9E3779B1 (uint32)    j = 4-byte word in the segment
 
 so a misplaced page, a stale page or a swapped layer changes the bytes. Linear-state slots
-take the seed of the whole prompt. Loops run over layers and parts, never over tokens. The
+take the seed of the whole prompt. j counts bytes of the whole model's row: a TP rank holds
+the bytes of its heads (kvpool.shards), so KV resharded between TP sizes verifies on decode. Loops run over layers and parts, never over tokens. The
 per-token bytes are computed, written and checked with torch on the pool's device (on a GPU
 pool, nothing crosses to the host but a few checksums); numpy's _mix/_bytes_for are the
 reference the torch versions are tested against.
@@ -24,7 +25,9 @@ import torch
 from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
+from kvpool.geometry import parts
 from kvpool.positions import backed, kept_positions, paged_components, state_components, token_items
+from kvpool.shards import global_spans
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -105,9 +108,26 @@ class StandInEngine:
     def __init__(self, layer_ms: float = 0.0):
         self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)
 
-    def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int):
-        """uint8 [len(positions), nbytes] on the tensors' device."""
-        return _bytes_for_t(_mix_t(token_ids[positions], positions, layer, _salt(c.value)), nbytes)
+    def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int,
+                  cols: tuple | None = None):
+        """uint8 [len(positions), nbytes] on the tensors' device: a TP shard's row (`cols`) is
+        its bytes of the whole model's row, so a resharded row verifies on any rank."""
+        if cols is None:
+            return _bytes_for_t(_mix_t(token_ids[positions], positions, layer, _salt(c.value)), nbytes)
+        index, whole = cols
+        rows = _bytes_for_t(_mix_t(token_ids[positions], positions, layer, _salt(c.value)), whole)
+        return rows[:, index.to(rows.device)]
+
+    @staticmethod
+    def _columns(pool: HybridPool, c: Component, part: str) -> tuple | None:
+        """(bytes of the whole model's row this rank's row holds, the whole row's length);
+        None on a pool of one shard (kvpool.shards)."""
+        cfg = pool.config
+        if cfg.tp_size == 1:
+            return None
+        ps = parts(cfg.model, c, part)
+        index = np.concatenate([np.arange(g, g + n) for _, g, n in global_spans(ps, cfg.tp_size, cfg.tp_rank)])
+        return torch.from_numpy(index.astype(np.int64)), sum(p.units * p.unit_bytes for p in ps)
 
     def _parts(self, pool: HybridPool, c: Component):
         for pl in pool.pools[c].storage.packed.placements:
@@ -133,12 +153,13 @@ class StandInEngine:
             it = torch.from_numpy(items[keep].astype(np.int64)).to(device)
             sl = torch.from_numpy(slots[keep].astype(np.int64)).to(device)
             for layer, part, view in self._parts(pool, c):
-                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl)))
+                cols = self._columns(pool, c, part)
+                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl, cols)))
         return out
 
-    def _write_part(self, view, layer: int, c: Component, tokens, pos, it, sl) -> None:
+    def _write_part(self, view, layer: int, c: Component, tokens, pos, it, sl, cols) -> None:
         raw, per_token = self._token_bytes(view)
-        raw[it, sl] = self._expected(layer, c, tokens, pos, per_token)
+        raw[it, sl] = self._expected(layer, c, tokens, pos, per_token, cols)
 
     def _write_tokens(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, positions: np.ndarray) -> None:
         for _, write in self._writes(pool, req, token_ids, positions):
@@ -157,7 +178,9 @@ class StandInEngine:
         seed = _mix(int.from_bytes(prompt_digest(token_ids)[:4], "little"), len(token_ids))
         for pl in pool.pools[c].storage.packed.placements:
             s = _mix(seed, pl.segment.layer, _salt(pl.segment.part), _salt(c.value))
-            yield pl.segment.layer, pl.segment.part, _bytes_for(np.atleast_1d(s), pl.segment.nbytes)[0]
+            cols = self._columns(pool, c, pl.segment.part)
+            data = _bytes_for(np.atleast_1d(s), pl.segment.nbytes if cols is None else cols[1])[0]
+            yield pl.segment.layer, pl.segment.part, data if cols is None else data[cols[0].numpy()]
 
     @staticmethod
     def _state_item(pool: HybridPool, c: Component, req: RequestKV) -> int:
@@ -207,7 +230,7 @@ class StandInEngine:
             for layer, part, view in self._parts(pool, c):
                 raw, per_token = self._token_bytes(view)
                 got = raw[it, sl]
-                want = self._expected(layer, c, tokens, pos, per_token)
+                want = self._expected(layer, c, tokens, pos, per_token, self._columns(pool, c, part))
                 if not torch.equal(got, want):
                     bad = int(torch.nonzero((got != want).any(dim=1))[0, 0])
                     raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(positions[bad])} differs")

@@ -1,6 +1,5 @@
 """The bootstrap over real ZMQ sockets: registration, lookup, epochs, and hostile frames."""
 
-import os
 import signal
 import subprocess
 import sys

@@ -92,6 +92,14 @@ def test_heads_and_dims():
     assert "full attention kv_heads x head_dim: prefill 4 x 192/128, decode 8 x 64" in mimo   # k/v dims differ
 
 
+def test_conv_groups_are_named_when_they_differ():
+    """TP splits each conv group on its own: a GDN's q | k | v is not 8192 plain channels."""
+    tiny = get_preset("tiny-mamba")
+    plain = dataclasses.replace(tiny, linear=dataclasses.replace(tiny.linear, conv_groups=None))
+    why = L.layout_difference(prefill=info(tiny, page_size=4), decode=info(plain, page_size=16))
+    assert why.endswith("linear state conv groups (units x channels): prefill 4 x 2 + 2 x 2 + 2 x 2, decode 16 x 1")
+
+
 def test_a_component_one_side_lacks():
     swa = get_preset("tiny-swa")
     no_swa = ModelSpec("tiny-full-only", 4, full=swa.full, default_page_size=4)

@@ -18,7 +18,7 @@ import zmq
 from harness.pair_channel import PairChannel
 from harness.peer_server import PeerCore
 from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fragment, Free,
-                          Hello, Release, Reply, Stop, Target)
+                          Hello, Release, Reply, Stop, Target, Verify)
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import AckTimeout, StagingError, TransferError
@@ -45,10 +45,10 @@ class _Driver:
 
     def configure(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
                   max_requests: int = 8, swa_ratio: float = 0.5, device: str = "cpu",
-                  staging_slots: int = 4, staging_slot_mib: int = 16) -> Target:
+                  staging_slots: int = 4, staging_slot_mib: int = 16, tp: tuple[int, int] = (1, 0)) -> Target:
         """Rebuild the server's pool (every old request is dropped); returns the new target."""
         self._ok(Configure(preset, page_size, tokens, layout, max_requests, swa_ratio, device,
-                           staging_slots, staging_slot_mib << 20))
+                           staging_slots, staging_slot_mib << 20, *tp))
         return self.target()
 
     def target(self) -> Target:
@@ -56,7 +56,7 @@ class _Driver:
 
     def connect(self, sender: KVSender) -> RemotePool:
         t = self.target()
-        return sender.connect(t.offers, t.buffers, t.staging, t.page_size)
+        return sender.connect(t.offers, t.buffers, t.staging, t.page_size, (t.tp_size, t.tp_rank))
 
     def alloc(self, num_tokens: int, window_only: bool = True) -> tuple[int, IndexSet]:
         reply = self._ok(Alloc(num_tokens, window_only))
@@ -65,8 +65,9 @@ class _Driver:
     def fragment(self, seed: int) -> None:
         self._ok(Fragment(seed))
 
-    def expect(self, transfer_id: int, req: int, want_slots: int = 0) -> list[int]:
-        reply: Allocated = self._ok(Expect(transfer_id, req, want_slots))
+    def expect(self, transfer_id: int, req: int, want_slots: int = 0,
+               sender: tuple[int, int, int] | None = None) -> list[int]:
+        reply: Allocated = self._ok(Expect(transfer_id, req, want_slots, sender))
         return np.frombuffer(reply.arrays["slots"], dtype=np.int32).tolist()
 
     def release(self, transfer_id: int) -> None:
@@ -74,6 +75,10 @@ class _Driver:
 
     def digest(self, req: int, outside: bool = False, by_token: bool = False) -> Digests:
         return self._ok(Digest(req, outside, by_token))
+
+    def verify(self, req: int, tokens: np.ndarray, room: int) -> None:
+        """The stand-in engine's check of the request's KV (TransferError naming what differs)."""
+        self._ok(Verify(req, np.asarray(tokens, dtype=np.int64).tobytes(), room))
 
     def free(self, req: int) -> None:
         self._ok(Free(req))

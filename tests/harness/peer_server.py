@@ -22,7 +22,7 @@ import zmq
 
 from harness.pair_channel import PairChannel
 from harness.wire import (Alloc, Allocated, Available, ChunkDone, Command, Configure, Counts, Digest, Digests, Error,
-                          Expect, Free, Fragment, Hello, Ok, Release, Reply, Stop, Target)
+                          Expect, Free, Fragment, Hello, Ok, Release, Reply, Stop, Verify, Target)
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
 from kvpool.positions import kept_positions, paged_components, token_items
@@ -30,6 +30,8 @@ from transfer.config import TransferConfig
 
 from transfer.errors import DisaggError, StagingError
 from transfer.receiver import KVReceiver
+from transfer.reshard import Shard
+from disagg.engine.standin import StandInEngine
 from transfer.transports import Transport, TransportSettings, create
 
 log = logging.getLogger("harness.peer_server")
@@ -54,7 +56,8 @@ class PeerCore:
         self.next_req = 1
         self.pool = HybridPool(PoolConfig(get_preset(c.preset), c.page_size, max_tokens=c.tokens,
                                           max_requests=c.max_requests, layout=Layout(c.layout),
-                                          device=c.device, swa_ratio=c.swa_ratio))
+                                          device=c.device, swa_ratio=c.swa_ratio, tp_size=c.tp_size,
+                                          tp_rank=c.tp_rank))
         self.receiver = KVReceiver(self.transport, self.pool, TransferConfig(
             staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes))
 
@@ -73,7 +76,8 @@ class PeerCore:
                 return Ok()
             case Hello():
                 r = self.receiver
-                return Target(r.offers(), r.buffers, r.staging_info(), self.pool.page_size)
+                pc = self.pool.config
+                return Target(r.offers(), r.buffers, r.staging_info(), pc.page_size, pc.tp_size, pc.tp_rank)
             case Alloc(num_tokens=n, window_only=w):
                 req = self.pool.alloc_request(n, swa_window_only=w)
                 rid, self.next_req = self.next_req, self.next_req + 1
@@ -86,14 +90,16 @@ class PeerCore:
                     if alloc is not None:
                         rng.shuffle(alloc._stack[:alloc.num_free])
                 return Ok()
-            case Expect(transfer_id=t, req=rid, want_slots=k):
+            case Expect(transfer_id=t, req=rid, want_slots=k, sender=sender):
+                lanes = None if sender is None else self.receiver.lanes_from(Shard(*sender))
                 slots = self.receiver.reserve_slots(k) if k else []
                 with self.lock:
-                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots, self.requests[rid].num_tokens)
+                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots, self.requests[rid].num_tokens,
+                                      lanes)
                 return Allocated(t, {"slots": np.array(slots, dtype=np.int32).tobytes()})
             case Release(transfer_id=t):
                 with self.lock:
-                    _, slots, _ = self.expect.pop(t)
+                    _, slots, _, _ = self.expect.pop(t)
                 self.receiver.release_slots(slots)
                 return Ok()
             case Digest(req=rid, outside=outside, by_token=by_token):
@@ -102,6 +108,9 @@ class PeerCore:
                 return Digests(digest(self.pool, req), digest_outside(self.pool, req) if outside else None)
             case Free(req=rid):
                 self.pool.free_request(self.requests.pop(rid))
+                return Ok()
+            case Verify(req=rid, tokens=tokens, room=room):
+                StandInEngine().verify(self.pool, self.requests[rid], np.frombuffer(tokens, dtype=np.int64).copy(), room)
                 return Ok()
             case Available():
                 self.pool.check_integrity()

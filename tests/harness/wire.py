@@ -22,6 +22,8 @@ class Configure(msgspec.Struct, tag=True, frozen=True):
     device: str = "cpu"
     staging_slots: int = 4
     staging_slot_bytes: int = 16 << 20
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class Hello(msgspec.Struct, tag=True, frozen=True):
@@ -41,6 +43,14 @@ class Expect(msgspec.Struct, tag=True, frozen=True):
     transfer_id: int
     req: int
     want_slots: int = 0
+    sender: tuple[int, int, int] | None = None   # its (page size, TP size, TP rank); None: ours
+
+
+class Verify(msgspec.Struct, tag=True, frozen=True):
+    """Check a request against what the stand-in engine writes for `tokens` (int64 raw) in room `room`."""
+    req: int
+    tokens: bytes
+    room: int
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
@@ -65,7 +75,7 @@ class Stop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Stop
+Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Verify | Stop
 
 
 # ---- command socket: server -> client ------------------------------------------------------
@@ -75,6 +85,8 @@ class Target(msgspec.Struct, tag=True, frozen=True):
     buffers: list[Buffer]
     staging: StagingInfo
     page_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
 
 
 class Allocated(msgspec.Struct, tag=True, frozen=True):

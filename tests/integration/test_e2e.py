@@ -1,7 +1,6 @@
 """Real processes on loopback: prefill (with its bootstrap), decode and router, per family."""
 
 import json
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor

@@ -76,7 +76,7 @@ def test_spec_validation(make, message):
 @pytest.mark.parametrize("kwargs,message", [
     (dict(page_size=3, max_tokens=64), "power of two"),
     (dict(page_size=0, max_tokens=64), "power of two"),
-    (dict(page_size=4, max_tokens=64, tp_size=3), "not divisible by TP size 3"),
+    (dict(page_size=4, max_tokens=64, tp_size=3), "neither divisible by nor a divisor of TP size 3"),
     (dict(page_size=4, max_tokens=64, tp_size=2, tp_rank=2), "tp_rank 2 outside"),
     (dict(page_size=4), "exactly one of"),
     (dict(page_size=4, max_tokens=64, byte_budget=1 << 20), "exactly one of"),

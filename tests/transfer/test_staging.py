@@ -1,6 +1,5 @@
 """Receiver-side scatter: hostile or broken chunk notices are refused and write nothing."""
 
-import numpy as np
 import pytest
 import torch
 

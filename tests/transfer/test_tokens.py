@@ -38,11 +38,12 @@ def test_a_lane_row_is_the_bytes_of_that_token_in_the_pools_own_view(preset, lay
         placements = pool.pools[c].storage.packed.placements
         assert len(lanes) == len(placements)
         for lane, pl in zip(lanes, placements):
-            assert lane.linear == (layout is Layout.LAYER_MAJOR)
+            assert lane.linear == (layout is Layout.LAYER_MAJOR or (c.per_request and len(placements) == 1))
             view = pool.layer_view(pl.segment.layer, pl.segment.part)      # [items, page, ...] typed
             flat = pool.pools[c].storage.buffers[lane.buffer].view(-1)
-            for row in (4, 5, 7, 9):                                       # page 1 slots 0, 1, 3; page 2 slot 1
-                want = view[row // 4, row % 4].contiguous().view(torch.uint8).flatten()
+            for row in (1, 2) if c.per_request else (4, 5, 7, 9):           # slots; page 1 rows 0, 1, 3, page 2 row 1
+                item = view[row] if c.per_request else view[row // 4, row % 4]
+                want = item.contiguous().view(torch.uint8).flatten()
                 at = int(lane.at(np.array([row]))[0])
                 assert torch.equal(flat[at:at + lane.token_bytes], want)
 
@@ -116,7 +117,7 @@ def receiver():
     area = StagingArea(2, 4096, "cpu")
     area.buffer.random_(0, 256)
     buffers = {c: p.storage.buffers for c, p in pool.pools.items()}
-    return pool, req, buffers, area, TokenRows(40, _lanes(pool))
+    return pool, req, buffers, area, TokenRows(40, {c: l for c, l in _lanes(pool).items() if not c.per_request})
 
 
 def test_a_by_token_piece_lands_in_the_rows_of_its_positions(receiver):
@@ -169,14 +170,24 @@ def test_hostile_by_token_pieces_are_refused_before_any_write(receiver, pieces, 
 
 
 def test_lane_runs_refuse_runs_that_leave_a_page_and_lanes_outside_their_item():
-    def runs(src_start, count, offset=(0, 48), row=(16, 8), pitch=128, rows=4):
+    def runs(src_start, count, offset=(0, 48), row=(16, 8), pitch=128, rows=4, stride=None):
         ints = lambda v: np.array(v, dtype=np.int64)   # noqa: E731
+        stride = stride or row
         return LaneRuns(ints(src_start), ints(src_start), ints(count), ints(offset), ints(offset), ints(row),
-                        0, 0, pitch, pitch, rows, rows)
+                        ints([0, 0]), ints([0, 0]), ints([pitch] * 2), ints([pitch] * 2), ints(stride), ints(stride),
+                        rows, rows)
     ok = runs([4, 9], [4, 2])                  # page 1 whole, page 2 rows 1..2
     flat = ok.flatten()
     assert flat.src_off.tolist() == [128, 256 + 16, 128 + 48, 256 + 48 + 8]
-    assert flat.length.tolist() == [64, 32, 32, 16] and ok.extents() == (384, 384) and ok.nbytes == 6 * 24
+    assert flat.length.tolist() == [64, 32, 32, 16] and ok.nbytes == 6 * 24
+    assert [e.tolist() for e in ok.extents()] == [[384, 384], [384, 384]]
+    # a TP slice: 4 of lane 1's 8-byte rows 16 bytes apart -> one range per row
+    sliced = runs([4, 9], [4, 2], offset=(0, 48), row=(16, 4), stride=(16, 16))
+    flat = sliced.flatten()
+    assert len(sliced) == 2 + 6 and flat.length.tolist() == [64, 32] + [4] * 6
+    assert flat.src_off.tolist()[2:] == [128 + 48, 128 + 64, 128 + 80, 128 + 96, 256 + 48 + 16, 256 + 48 + 32]
+    with pytest.raises(OutOfBounds, match="outside its item"):
+        runs([4], [1], row=(16, 4), stride=(16, 28))   # 48 + 3 x 28 + 4 > 128
     with pytest.raises(OutOfBounds, match="leaves its page"):
         runs([6], [3])                         # rows 6..8: page 1 into page 2
     with pytest.raises(OutOfBounds, match="outside its item"):

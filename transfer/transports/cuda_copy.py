@@ -10,9 +10,11 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
 
     factorized table, int64:  | src_start[n] | dst_start[n] | count[n] | src_base[b] | dst_base[b] | item[b] |
     row r = bi * n + i:        src = src_base[bi] + src_start[i] * item[bi], len = count[i] * item[bi]
-    lanes (pools of different page sizes, transfer.tokens), int64:
-        | src_start[n] | dst_start[n] | count[n] | src_off[b] | dst_off[b] | row[b] | 6 scalars |
-        row r = bi * n + i:    src = src_addr + s // rows * pitch + src_off[bi] + s % rows * row[bi]
+    lanes (pools of different page sizes or TP shards, transfer.tokens), int64:
+        | src_start[n] | dst_start[n] | count[n] | per lane [b]: src addr, pitch, offset, stride,
+          dst addr, pitch, offset, stride, row bytes |
+        row r = bi * n + i:    src = addr[bi] + s // rows * pitch[bi] + offset[bi] + s % rows * stride[bi]
+                               (a TP slice of each row: the warp copies its rows' 16-byte words)
 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
@@ -67,17 +69,36 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ t, long long 
     }
 }
 
-extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long n, long long b) {
+__device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, long long ds, long long row,
+                                          long long k, long long lane) {
+    // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows
+    if ((((unsigned long long)s | (unsigned long long)d | ss | ds | row) & 15) == 0) {
+        const long long w = row >> 4, total = k * w;
+        for (long long x = lane; x < total; x += 32) {
+            const long long j = x / w, q = x - j * w;
+            ((uint4*)(d + j * ds))[q] = ((const uint4*)(s + j * ss))[q];
+        }
+    } else {
+        const long long total = k * row;
+        for (long long x = lane; x < total; x += 32) {
+            const long long j = x / row, q = x - j * row;
+            d[j * ds + q] = s[j * ss + q];
+        }
+    }
+}
+
+extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long n, long long b,
+                                      long long srows, long long drows) {
     const long long lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const long long* so = t + 3 * n;
-    const long long* dof = so + b;
-    const long long* rb = dof + b;
-    const long long* g = rb + b;     // src address, rows, pitch; dst address, rows, pitch
+    const long long* L = t + 3 * n;   // per lane: address, pitch, offset, stride (src, dst), row bytes
     for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
-        const long long bi = r / n, i = r - bi * n, row = rb[bi], s = t[i], d = t[n + i];
-        copy_one((const char*)(g[0] + s / g[1] * g[2] + so[bi] + s % g[1] * row),
-                 (char*)(g[3] + d / g[4] * g[5] + dof[bi] + d % g[4] * row), t[2 * n + i] * row, lane);
+        const long long bi = r / n, i = r - bi * n, s = t[i], d = t[n + i], k = t[2 * n + i];
+        const long long ss = L[3 * b + bi], ds = L[7 * b + bi], row = L[8 * b + bi];
+        const char* src = (const char*)(L[bi] + s / srows * L[b + bi] + L[2 * b + bi] + s % srows * ss);
+        char* dst = (char*)(L[4 * b + bi] + d / drows * L[5 * b + bi] + L[6 * b + bi] + d % drows * ds);
+        if (ss == row && ds == row) copy_one(src, dst, k * row, lane);
+        else copy_rows(src, dst, ss, ds, row, k, lane);
     }
 }
 """
@@ -149,8 +170,8 @@ class RangeCopier:
 
     def submit(self, work, stream, uploads: "Uploads") -> int:
         """Queue copies on `stream`; returns the bytes. work: (RunSet in items, src address
-        per buffer, dst address per buffer), or (LaneRuns, src buffer address, dst buffer
-        address), all on the host.
+        per buffer, dst address per buffer), or (LaneRuns, src address per lane, dst address
+        per lane), all on the host.
         A fragmented set (many short ranges) crosses as runs + buffers and the kernel expands
         it; a set of few ranges is expanded here and split so the warps share long ones. One
         upload, then only kernel launches (one per fragmented set, one for all expanded
@@ -161,11 +182,11 @@ class RangeCopier:
         with torch.cuda.device(dev), torch.cuda.stream(stream):
             for rs, src_base, dst_base in work:
                 total += rs.nbytes
-                if isinstance(rs, LaneRuns):   # src_base / dst_base: the two buffers' addresses
-                    lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, rs.src_offset, rs.dst_offset,
-                                                  rs.row_bytes, [src_base, rs.src_rows, rs.src_pitch, dst_base,
-                                                                 rs.dst_rows, rs.dst_pitch]]),
-                                  len(rs.count), len(rs.row_bytes)))
+                if isinstance(rs, LaneRuns):   # src_base / dst_base: each lane's buffer address
+                    lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, rs.src_pitch,
+                                                  rs.src_offset, rs.src_stride, dst_base, rs.dst_pitch, rs.dst_offset,
+                                                  rs.dst_stride, rs.row_bytes]),
+                                  len(rs.count), len(rs.row_bytes), rs.src_rows, rs.dst_rows))
                     continue
                 longest = int(rs.count.max()) * int(rs.item_bytes.max())
                 if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
@@ -176,7 +197,7 @@ class RangeCopier:
             flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
             if not tables and not lanes and not len(flat):
                 return total
-            g = uploads.put(np.concatenate([flat, *(v for v, _, _ in tables + lanes)]).astype(np.int64, copy=False),
+            g = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False),
                             dev, stream)
             base, word = g.data_ptr(), g.element_size()
             if len(flat):
@@ -185,8 +206,9 @@ class RangeCopier:
                              np.uint64(base + 2 * k * word), np.int64(k))
             at = len(flat)
             for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
-                for values, n, b in sets:
-                    self._launch(name, n * b, stream, np.uint64(base + at * word), np.int64(n), np.int64(b))
+                for values, n, b, *rows in sets:
+                    self._launch(name, n * b, stream, np.uint64(base + at * word), np.int64(n), np.int64(b),
+                                 *(np.int64(r) for r in rows))
                     at += len(values)
         return total
 

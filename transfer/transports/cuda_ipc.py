@@ -207,13 +207,14 @@ class CudaIpcLink(Link):
         for rs in runsets:
             if not len(rs):
                 continue
-            if isinstance(rs, LaneRuns):   # token rows of page-major lanes: expanded by the kernel
+            if isinstance(rs, LaneRuns):   # token rows x lanes: expanded by the kernel
                 ends = rs.extents()
                 for side, region, end, sizes in (("source", rs.src_region, ends[0], self._local.sizes),
                                                  (f"destination {self.peer}", rs.dst_region, ends[1], self._sizes)):
-                    if not 0 <= region < len(sizes) or end > sizes[region]:
+                    bad = (region < 0) | (region >= len(sizes))
+                    if bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
                         raise OutOfBounds(f"cuda-ipc: {side} rows lie outside the {len(sizes)} exposed regions")
-                work.append((rs, int(self._local.bases[rs.src_region]), int(self._bases[rs.dst_region])))
+                work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
                 continue
             if rs.fielded:   # one fragment per item (a layer group of page-major rows): flat, one warp each
                 work.append(self._absolute(rs.flatten()))

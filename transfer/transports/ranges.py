@@ -1,6 +1,6 @@
 """Byte ranges as a transport writes them: flat (Ranges), or factorized as the planner
 produces them (RunSet: runs x buffer pairs; LaneRuns: runs of token rows x lanes between
-pools of different page sizes). Offsets into numbered regions, never addresses."""
+pools of different page sizes or TP shards). Offsets into numbered regions, never addresses."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -132,34 +132,41 @@ def check_ranges(side: str, region: np.ndarray, off: np.ndarray, length: np.ndar
 
 @dataclass(frozen=True)
 class LaneRuns:
-    """Runs of token rows x lanes, between page-major pools of different page sizes
-    (transfer.tokens). Row t of lane b on a side lies in that side's one buffer region at
+    """Runs of token rows x lanes (transfer.tokens: pools of different page sizes or TP
+    shards). Row t of lane b on a side lies in region region[b] at
 
-        (t // rows) * pitch + offset[b] + (t % rows) * row_bytes[b]
+        (t // rows) * pitch[b] + offset[b] + (t % rows) * stride[b]
 
-    and no run crosses a page on either side, so run r of lane b is one range of
-    count[r] * row_bytes[b] bytes. O(runs + lanes) numbers for what flat is runs x lanes
-    ranges (1.2 million for 32k tokens of a 36-layer model with one side at page 1)."""
+    and moves row_bytes[b] bytes; no run crosses a page on either side. Where both strides
+    are the row (whole rows of a page-major segment) run r of lane b is one range of
+    count[r] * row_bytes[b] bytes; a slice of each row (a TP shard's heads) is one range per
+    row. O(runs + lanes) numbers for what flat is runs x lanes ranges (1.2 million for 32k
+    tokens of a 36-layer model with one side at page 1)."""
     src_start: np.ndarray    # int64 [n_runs] rows
     dst_start: np.ndarray    # int64 [n_runs] rows
     count: np.ndarray        # int64 [n_runs] rows
     src_offset: np.ndarray   # int64 [n_lanes] bytes into a source item
     dst_offset: np.ndarray   # int64 [n_lanes] bytes into a destination item
-    row_bytes: np.ndarray    # int64 [n_lanes]
-    src_region: int
-    dst_region: int
-    src_pitch: int           # bytes per item (page) of each side's buffer
-    dst_pitch: int
+    row_bytes: np.ndarray    # int64 [n_lanes] bytes that move per row
+    src_region: np.ndarray   # int64 [n_lanes]
+    dst_region: np.ndarray   # int64 [n_lanes]
+    src_pitch: np.ndarray    # int64 [n_lanes] bytes per item (page) of the lane's buffer
+    dst_pitch: np.ndarray    # int64 [n_lanes]
+    src_stride: np.ndarray   # int64 [n_lanes] bytes from one row of a page to the next
+    dst_stride: np.ndarray   # int64 [n_lanes]
     src_rows: int            # rows (tokens) per item
     dst_rows: int
 
     def __post_init__(self) -> None:
-        if not len(self.src_start) == len(self.dst_start) == len(self.count) or \
-                not len(self.src_offset) == len(self.dst_offset) == len(self.row_bytes):
+        lanes = {len(getattr(self, f)) for f in ("src_offset", "dst_offset", "row_bytes", "src_region", "dst_region",
+                                                  "src_pitch", "dst_pitch", "src_stride", "dst_stride")}
+        if not len(self.src_start) == len(self.dst_start) == len(self.count) or len(lanes) != 1:
             raise ValueError("lane runs: runs or lanes of different lengths")
-        for side, off, pitch, rows in (("source", self.src_offset, self.src_pitch, self.src_rows),
-                                       ("destination", self.dst_offset, self.dst_pitch, self.dst_rows)):
-            if rows < 1 or ((off < 0) | (off + rows * self.row_bytes > pitch)).any():
+        for side, off, pitch, stride, rows in (
+                ("source", self.src_offset, self.src_pitch, self.src_stride, self.src_rows),
+                ("destination", self.dst_offset, self.dst_pitch, self.dst_stride, self.dst_rows)):
+            if rows < 1 or ((off < 0) | (self.row_bytes < 1) | (stride < self.row_bytes)
+                            | (off + (rows - 1) * stride + self.row_bytes > pitch)).any():
                 raise OutOfBounds(f"a {side} lane lies outside its item")
         n = len(self.count)
         if n and (min(int(self.src_start.min()), int(self.dst_start.min())) < 0 or int(self.count.min()) < 1
@@ -167,30 +174,54 @@ class LaneRuns:
                   or (self.dst_start % self.dst_rows + self.count > self.dst_rows).any()):
             raise OutOfBounds("a run of rows leaves its page")
 
+    @property
+    def whole(self) -> np.ndarray:
+        """bool [n_lanes]: rows back to back on both sides (a run is one range)."""
+        return (self.src_stride == self.row_bytes) & (self.dst_stride == self.row_bytes)
+
     def __len__(self) -> int:
-        return len(self.count) * len(self.row_bytes)
+        whole = int(self.whole.sum())
+        return len(self.count) * whole + int(self.count.sum()) * (len(self.row_bytes) - whole)
 
     @property
     def nbytes(self) -> int:
         return int(self.count.sum()) * int(self.row_bytes.sum())
 
-    def _at(self, start: np.ndarray, rows: int, pitch: int, offset: np.ndarray) -> np.ndarray:
-        """[n_lanes, n_runs] byte offsets of each run's first row."""
-        return (start // rows * pitch + start % rows * self.row_bytes[:, None]) + offset[:, None]
+    def rows(self) -> "LaneRuns":
+        """The same bytes with every run cut into runs of one row."""
+        n = int(self.count.sum())
+        step = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count, self.count)
+        one = np.ones(n, dtype=np.int64)
+        return LaneRuns(np.repeat(self.src_start, self.count) + step, np.repeat(self.dst_start, self.count) + step,
+                        one, *(getattr(self, f) for f in ("src_offset", "dst_offset", "row_bytes", "src_region",
+                                                           "dst_region", "src_pitch", "dst_pitch", "src_stride",
+                                                           "dst_stride")), self.src_rows, self.dst_rows)
+
+    def _flat(self, lanes: np.ndarray) -> Ranges:
+        """Lane-major flat ranges of some lanes, one per run."""
+        k = len(self.count)
+        at = [(start[None, :] // rows * pitch[lanes, None] + offset[lanes, None]
+               + start[None, :] % rows * stride[lanes, None]).ravel()
+              for start, rows, pitch, offset, stride in (
+                  (self.src_start, self.src_rows, self.src_pitch, self.src_offset, self.src_stride),
+                  (self.dst_start, self.dst_rows, self.dst_pitch, self.dst_offset, self.dst_stride))]
+        length = (self.count[None, :] * self.row_bytes[lanes, None]).ravel()
+        return Ranges(np.repeat(self.src_region[lanes], k), at[0], np.repeat(self.dst_region[lanes], k), at[1], length)
 
     def flatten(self) -> Ranges:
-        """Lane-major flat ranges ([lane 0 runs..., lane 1 runs..., ...])."""
-        n = len(self)
-        src = self._at(self.src_start[None, :], self.src_rows, self.src_pitch, self.src_offset)
-        dst = self._at(self.dst_start[None, :], self.dst_rows, self.dst_pitch, self.dst_offset)
-        length = self.count[None, :] * self.row_bytes[:, None]
-        return Ranges(np.full(n, self.src_region, dtype=np.int64), src.ravel(),
-                      np.full(n, self.dst_region, dtype=np.int64), dst.ravel(), length.ravel())
+        """Flat ranges: whole-row lanes one per run, sliced ones one per row."""
+        whole = self.whole
+        parts = [self._flat(np.flatnonzero(whole))]
+        if not whole.all():
+            parts.append(self.rows()._flat(np.flatnonzero(~whole)))
+        return Ranges.concat(parts)
 
-    def extents(self) -> tuple[int, int]:
-        """The end of the furthest range on each side (bytes): whole pages, O(runs)."""
+    def extents(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per lane, the end of the furthest range on each side (bytes; the end of the last
+        page touched), O(runs + lanes)."""
         if not len(self.count):
-            return 0, 0
+            zero = np.zeros(len(self.row_bytes), dtype=np.int64)
+            return zero, zero
         last = self.src_start + self.count - 1, self.dst_start + self.count - 1
         return ((int(last[0].max()) // self.src_rows + 1) * self.src_pitch,
                 (int(last[1].max()) // self.dst_rows + 1) * self.dst_pitch)

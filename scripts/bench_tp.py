@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""TP resharding benchmark: N prefill ranks into M decode ranks, every pair at once.
+
+The N prefill pools live in this process, each written by the stand-in engine (a rank's
+bytes are its heads of the whole model's row); each of the M decode ranks is a harness peer
+process (its own pool of TP size M). Every (prefill rank, decode rank) pair that has slices
+to move sends concurrently, one thread each; a decode rank is done when all its senders are.
+Every decode rank then checks its KV with the stand-in's verify (byte for byte).
+
+    per decode rank  bytes it received / time until its last sender finished
+    aggregate        all bytes / the wall time of the whole exchange
+    ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same layout
+
+    .venv/bin/python scripts/bench_tp.py [--tp 2:2,1:2,4:1] [--tokens 32768] [--device cuda] [--json]
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+os.environ.setdefault("GLOG_minloglevel", "2")
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
+
+from disagg.engine.standin import StandInEngine  # noqa: E402
+from harness.peer_client import PeerProcess  # noqa: E402
+from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
+from kvpool.geometry import components  # noqa: E402
+from transfer.config import Mode, TransferConfig  # noqa: E402
+from transfer.reshard import Shard, sends  # noqa: E402
+from transfer.sender import KVSender  # noqa: E402
+from transfer.transports import TransportSettings, create  # noqa: E402
+
+
+def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int) -> dict:
+    model = get_preset(args.preset)
+    capacity = int(tokens * 2.5)   # room for every SWA page of the prompt at swa_ratio 0.5
+    room = 11
+    ids = np.random.default_rng(tokens).integers(0, 50000, tokens)
+    cfg = TransferConfig(mode=Mode(args.mode))
+    prefill = []
+    for r in range(n):
+        pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=capacity, max_requests=2, layout=layout,
+                                     tp_size=n, tp_rank=r, device=args.device))
+        req = pool.alloc_request(tokens)
+        StandInEngine().prefill(pool, req, ids, room)
+        prefill.append((pool, req))
+    targets, pairs = [], []
+    for s, peer in enumerate(peers[:m]):
+        peer.configure(args.preset, args.page_size, capacity, layout=layout.value, max_requests=2,
+                       staging_slots=2 * n, staging_slot_mib=cfg.staging_slot_bytes >> 20,   # 2 per sender
+                       device=args.peer_device, tp=(m, s))
+        rid, dst = peer.alloc(tokens)
+        targets.append((rid, dst))
+        for r in range(n):
+            if sends(model, Shard(args.page_size, n, r), Shard(args.page_size, m, s), components(model)):
+                pairs.append((r, s))
+    senders = [KVSender(transport, pool, cfg) for pool, _ in prefill]
+    try:
+        links = {(r, s): peers[s].connect(senders[r]) for r, s in pairs}
+        slots = {(r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r))
+                 for r, s in pairs}
+        samples, reports = [], {}
+        for _ in range(args.repeats + 1):   # the first is a warm-up
+            ends, errors = {}, []
+
+            def one(r, s):
+                try:
+                    rep = senders[r].send(links[r, s], prefill[r][0].index_set(prefill[r][1]), targets[s][1], 1 + r,
+                                          slots[r, s], peers[s].channel, num_tokens=tokens)
+                    reports[r, s] = rep
+                    ends[r, s] = time.perf_counter()
+                except Exception as exc:   # reported below
+                    errors.append(exc)
+            threads = [threading.Thread(target=one, args=p) for p in pairs]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+            samples.append((t0, dict(ends)))
+        walls = [max(e.values()) - t0 for t0, e in samples[1:]]
+        wall = statistics.median(walls)
+        t0, ends = samples[1:][walls.index(wall)]
+        by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
+        rank_gbps = [by_rank[s] / (max(ends[p] for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
+        for s in range(m):
+            peers[s].verify(targets[s][0], ids, room)
+        for r, s in pairs:
+            peers[s].release(1 + r)
+        return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size, "tokens": tokens,
+                "senders": len(pairs), "mode": sorted({rep.mode.value for rep in reports.values()}),
+                "ranges_per_request": sum(reports[p].ranges for p in pairs),
+                "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
+                "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True}
+    finally:
+        for s, (rid, _) in enumerate(targets):
+            peers[s].free(rid)
+        for sender in senders:
+            sender.close()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="gpt-oss-120b")
+    ap.add_argument("--tp", default="2:2,1:2,4:1,2:4", help="prefill:decode TP sizes; the first N:N is the baseline")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layouts", default="page_major,layer_major")
+    ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--transport", default="mooncake")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
+    env = dict(os.environ)
+    args.peer_device = "cuda" if args.device.startswith("cuda") else args.device
+    [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
+    rows = []
+    peers = [PeerProcess(args.preset, args.page_size, 4096, transport=args.transport, env=env,
+                         device=args.peer_device) for _ in range(max(m for _, m in pairs))]
+    try:
+        for layout in (Layout(x) for x in args.layouts.split(",")):
+            base = None
+            for n, m in pairs:
+                row = run_pair(args, transport, peers, n, m, layout, args.tokens)
+                base = base or (row["aggregate_gbps"] if n == m else None)
+                row["ratio_to_equal_tp"] = round(row["aggregate_gbps"] / base, 2) if base else None
+                rows.append(row)
+                if not args.json:
+                    print(f"{row['layout']:<12} tp {row['tp']:>4} senders {row['senders']:>2} {row['mode']} "
+                          f"ranges {row['ranges_per_request']:>8} {row['ms']:>8.1f} ms aggregate "
+                          f"{row['aggregate_gbps']:>7.2f} GB/s per decode rank {row['per_decode_rank_gbps']} "
+                          f"ratio {row['ratio_to_equal_tp']}", flush=True)
+    finally:
+        for p in peers:
+            p.close()
+    if args.json:
+        print(json.dumps({"preset": args.preset, "device": args.device, "transport": args.transport,
+                          "gpus": torch.cuda.device_count(), "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
