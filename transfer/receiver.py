@@ -1,9 +1,10 @@
 """KVReceiver: the decode side: an exposed pool and staging area, slot leases, and the scatter
 entry point the control plane calls when a chunk notice arrives."""
 
+from kvpool.errors import SpecError
 from kvpool.indices import IndexSet
 from transfer.endpoint import PoolEndpoint
-from transfer.errors import StagingError
+from transfer.errors import LayoutIncompatible, StagingError
 from transfer.staging import Piece, scatter
 from transfer.reshard import Lanes, Shard, by_token, pair_lanes
 from transfer.tokens import TokenRows
@@ -26,7 +27,10 @@ class KVReceiver(PoolEndpoint):
         own = Shard(pc.page_size, pc.tp_size, pc.tp_rank)
         if not by_token(sender, own):
             return None
-        return pair_lanes(pc.model, sender, own, self.lanes, self.lanes)[1]   # ours depend on our lanes only
+        try:
+            return pair_lanes(pc.model, sender, own, self.lanes, self.lanes)[1]   # ours depend on our lanes only
+        except SpecError as exc:   # its TP size does not split our model
+            raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 
     def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int],
                  num_tokens: int, lanes: Lanes | None = None) -> None:

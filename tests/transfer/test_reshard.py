@@ -95,6 +95,15 @@ def test_every_decode_rank_gets_its_heads_byte_exact(transport, peer, tp, preset
         assert len(got) == 1 if n <= m or preset == "tiny-mla-nsa" else len(got) >= 1
 
 
+def test_a_receiver_refuses_a_sender_whose_tp_size_cannot_split_the_model():
+    from transfer.receiver import KVReceiver
+    with KVReceiver(memory.MemoryTransport(), _pool(tp=(2, 1)), TransferConfig()) as receiver:
+        assert receiver.lanes_from(Shard(4, 2, 1)) is None                      # our shard: whole pages
+        assert len(receiver.lanes_from(Shard(4, 1, 0))) == 3                    # full, swa, aux from TP 1
+        with pytest.raises(LayoutIncompatible, match="TP size 3"):
+            receiver.lanes_from(Shard(4, 3, 0))
+
+
 def _pool(preset="tiny-swa", tp=(1, 0), page=4):
     return HybridPool(PoolConfig(get_preset(preset), page, max_tokens=256, max_requests=2, tp_size=tp[0],
                                  tp_rank=tp[1], device="cpu"))
