@@ -107,7 +107,3 @@ def reshard(parts: tuple[Part, ...], src: tuple[int, int], dst: tuple[int, int])
     sizes = np.add.reduceat(n, starts)
     return [(int(a), int(b), int(c)) for a, b, c in zip(s[starts], d[starts], sizes)]
 
-
-def senders(parts_of: list[tuple[Part, ...]], src_tp: int, dst: tuple[int, int]) -> list[int]:
-    """The source ranks that send destination rank `dst` anything (of these segments)."""
-    return [r for r in range(src_tp) if any(reshard(p, (src_tp, r), dst) for p in parts_of)]

@@ -74,8 +74,9 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
         if len(s_lanes) != len(d_lanes) or any((a.layer, a.part) != (b.layer, b.part) for a, b in zip(s_lanes, d_lanes)):
             raise LayoutIncompatible(f"{c.value}: the two sides' segments differ")
         a_out, b_out = [], []
+        slices = {part: reshard(parts(model, c, part), src.tp, dst.tp) for part in {a.part for a in s_lanes}}
         for a, b in zip(s_lanes, d_lanes):
-            for s_off, d_off, n in reshard(parts(model, c, a.part), src.tp, dst.tp):
+            for s_off, d_off, n in slices[a.part]:
                 a_out.append(a.slice(s_off, n))
                 b_out.append(b.slice(d_off, n))
         if a_out:
@@ -88,5 +89,5 @@ def sends(model: ModelSpec, src: Shard, dst: Shard, components: tuple[Component,
     same rank; else some slice of some segment of `components`)."""
     if src.tp_size == dst.tp_size:
         return src.tp_rank == dst.tp_rank
-    return any(reshard(parts(model, c, seg.part), src.tp, dst.tp)
-               for c in components for seg in segments(model, c, 1, src.tp_size)[:2])
+    return any(reshard(parts(model, c, part), src.tp, dst.tp)
+               for c in components for part in {seg.part for seg in segments(model, c, 1, src.tp_size)})

@@ -8,10 +8,11 @@ Every byte of a token's KV is a function of (token id, position, layer, componen
 
 so a misplaced page, a stale page or a swapped layer changes the bytes. Linear-state slots
 take the seed of the whole prompt. j counts bytes of the whole model's row: a TP rank holds
-the bytes of its heads (kvpool.shards), so KV resharded between TP sizes verifies on decode. Loops run over layers and parts, never over tokens. The
-per-token bytes are computed, written and checked with torch on the pool's device (on a GPU
-pool, nothing crosses to the host but a few checksums); numpy's _mix/_bytes_for are the
-reference the torch versions are tested against.
+the bytes of its heads (kvpool.shards), so KV resharded between TP sizes verifies on decode.
+Loops run over layers and parts, never over tokens. The per-token bytes are computed, written
+and checked with torch on the pool's device (on a GPU pool, nothing crosses to the host but a
+few checksums); numpy's _mix/_bytes_for are the reference the torch versions are tested
+against.
 """
 
 import functools
@@ -27,7 +28,7 @@ from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.geometry import parts
 from kvpool.positions import backed, kept_positions, paged_components, state_components, token_items
-from kvpool.shards import global_spans
+from kvpool.shards import global_spans, row_bytes
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -127,7 +128,7 @@ class StandInEngine:
             return None
         ps = parts(cfg.model, c, part)
         index = np.concatenate([np.arange(g, g + n) for _, g, n in global_spans(ps, cfg.tp_size, cfg.tp_rank)])
-        return torch.from_numpy(index.astype(np.int64)), sum(p.units * p.unit_bytes for p in ps)
+        return torch.from_numpy(index.astype(np.int64)), row_bytes(ps, 1)
 
     def _parts(self, pool: HybridPool, c: Component):
         for pl in pool.pools[c].storage.packed.placements:

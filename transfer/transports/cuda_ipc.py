@@ -207,20 +207,15 @@ class CudaIpcLink(Link):
         for rs in runsets:
             if not len(rs):
                 continue
-            if isinstance(rs, LaneRuns):   # token rows x lanes: expanded by the kernel
-                ends = rs.extents()
-                for side, region, end, sizes in (("source", rs.src_region, ends[0], self._local.sizes),
-                                                 (f"destination {self.peer}", rs.dst_region, ends[1], self._sizes)):
-                    bad = (region < 0) | (region >= len(sizes))
-                    if bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
-                        raise OutOfBounds(f"cuda-ipc: {side} rows lie outside the {len(sizes)} exposed regions")
-                work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
-                continue
-            if rs.fielded:   # one fragment per item (a layer group of page-major rows): flat, one warp each
+            if isinstance(rs, RunSet) and rs.fielded:
+                # one fragment per item (a layer group of page-major rows): flat, one warp each
                 work.append(self._absolute(rs.flatten()))
                 continue
+            # runs x buffers, or token rows x lanes (LaneRuns refuses negative rows itself): the
+            # kernel expands them; per buffer or lane, its furthest byte within its region
             src_end, dst_end = rs.extents()
-            negative = min(int(rs.src_start.min()), int(rs.dst_start.min()), int(rs.count.min())) < 0
+            negative = isinstance(rs, RunSet) and min(int(rs.src_start.min()), int(rs.dst_start.min()),
+                                                      int(rs.count.min())) < 0
             for side, region, end, sizes in (("source", rs.src_region, src_end, self._local.sizes),
                                              (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes)):
                 bad = (region < 0) | (region >= len(sizes))

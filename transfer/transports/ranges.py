@@ -2,6 +2,7 @@
 produces them (RunSet: runs x buffer pairs; LaneRuns: runs of token rows x lanes between
 pools of different page sizes or TP shards). Offsets into numbered regions, never addresses."""
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -191,11 +192,9 @@ class LaneRuns:
         """The same bytes with every run cut into runs of one row."""
         n = int(self.count.sum())
         step = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count, self.count)
-        one = np.ones(n, dtype=np.int64)
-        return LaneRuns(np.repeat(self.src_start, self.count) + step, np.repeat(self.dst_start, self.count) + step,
-                        one, *(getattr(self, f) for f in ("src_offset", "dst_offset", "row_bytes", "src_region",
-                                                           "dst_region", "src_pitch", "dst_pitch", "src_stride",
-                                                           "dst_stride")), self.src_rows, self.dst_rows)
+        return dataclasses.replace(self, src_start=np.repeat(self.src_start, self.count) + step,
+                                   dst_start=np.repeat(self.dst_start, self.count) + step,
+                                   count=np.ones(n, dtype=np.int64))
 
     def _flat(self, lanes: np.ndarray) -> Ranges:
         """Lane-major flat ranges of some lanes, one per run."""
