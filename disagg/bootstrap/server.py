@@ -1,6 +1,8 @@
 """Bootstrap: prefill ranks register, decode looks them up. A REP socket; every frame gets a
 reply (Refused with a reason for anything invalid) and the server keeps serving.
 
+The ranks registered at one bootstrap are one prefill instance: a rank whose TP size, pool
+or model differs from a live rank's is refused (and ranks beyond a new TP size are dropped).
 A registration is a lease: prefill renews it (the same registration again) every
 RENEW_S, and it is live for lease_s after the last renewal. A live rank is never taken over:
 a second instance of it is refused and told who holds it (LIVE_HOLDER). A newer epoch (a
@@ -16,16 +18,16 @@ import threading
 import time
 from dataclasses import dataclass
 
+import msgspec
 import zmq
 
 from disagg.control.auth import Gate
-from disagg.control.messages import (BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo, RegisterPrefill,
-                             Registered, Refused, check_version, encoder)
+from disagg.control.messages import (MAX_TP_SIZE, BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo,
+                                     RegisterPrefill, Registered, Refused, check_version, encoder)
 from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
-MAX_TP_SIZE = 1024
 LIVE_HOLDER = "held by a live prefill"   # in a refusal: wait for its lease to run out, or give up
 EPOCH_SLACK_S = 60.0   # clock skew allowed between a prefill host and the bootstrap's
 
@@ -79,7 +81,12 @@ class BootstrapServer:
                         raise ProtocolError(f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch "
                                             f"{old.epoch}, renewed {age:.1f} s ago); stop it first or give this "
                                             f"one another --tp-rank")
+                    odd = self._odd_rank(msg, now)
+                    if odd:
+                        raise ProtocolError(odd)
                     self.ranks[rank], self._renewed[rank] = msg, now
+                    for stale in [r for r in self.ranks if r >= size]:   # of an instance of more ranks before
+                        del self.ranks[stale], self._renewed[stale]
                     log.info("prefill rank %d registered (epoch %d, %s)", rank, epoch, msg.control_endpoint)
                     return Registered(epoch)
                 case Lookup(version=v, tp_rank=rank):
@@ -92,6 +99,25 @@ class BootstrapServer:
             log.warning("bootstrap request refused: %s", exc)
             return Refused(str(exc))
         return Refused("unexpected message")
+
+    def _odd_rank(self, msg: RegisterPrefill, now: float) -> str | None:
+        """Why `msg` cannot be a rank of the instance the live ranks form (the ranks behind one
+        bootstrap are one instance: one TP size, one model, one pool layout), or None."""
+        for rank, live in self.ranks.items():
+            if rank == msg.tp_rank or now - self._renewed.get(rank, float("-inf")) >= self.config.lease_s:
+                continue
+            a, b = live.layout, msg.layout
+            words = [f"tp_size {live.tp_size} vs {msg.tp_size}"] if live.tp_size != msg.tp_size else []
+            if (a.page_size, a.layout) != (b.page_size, b.layout):
+                words.append(f"pool {a.page_size}-token pages {a.layout} vs {b.page_size}-token pages {b.layout}")
+            if a.model is not None and b.model is not None and (
+                    msgspec.structs.replace(a.model, tp_size=1) != msgspec.structs.replace(b.model, tp_size=1)):
+                words.append(f"model {a.model.name} vs {b.model.name}" + (" (alike by name, not by geometry)"
+                                                                         if a.model.name == b.model.name else ""))
+            if words:
+                return (f"rank {msg.tp_rank} does not belong with live rank {rank} ({live.control_endpoint}): "
+                        f"{'; '.join(words[:4])} (the ranks registered at one bootstrap are one instance)")
+        return None
 
     def serve_forever(self, poll_ms: int = 100) -> None:
         while not self._stop.is_set():

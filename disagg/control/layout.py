@@ -136,9 +136,8 @@ def _properties(d) -> list[tuple[str, object]]:
 def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
     """Every difference between the two sides' models, in words ("what: prefill X, decode Y")."""
     out = []
-    for what, p, d in (("layers", prefill.num_layers, decode.num_layers), ("tp size", prefill.tp_size, decode.tp_size)):
-        if p != d:
-            out.append(f"{what}: prefill {p}, decode {d}")
+    if prefill.num_layers != decode.num_layers:   # (TP sizes may differ: transfer.reshard)
+        out.append(f"layers: prefill {prefill.num_layers}, decode {decode.num_layers}")
     kinds = [k for k in _LABELS if getattr(prefill, k) is not None or getattr(decode, k) is not None]
     only_p = [_LABELS[k] for k in kinds if getattr(decode, k) is None]
     only_d = [_LABELS[k] for k in kinds if getattr(prefill, k) is None]
@@ -168,19 +167,21 @@ def _one_line(text: str) -> str:
 def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
     """None if a transfer between the two sides' layouts is meaningful (same pool layout and
     buffers, by transfer.buffers' one check, and the same sliding window where both sides
-    describe theirs; pools of different page sizes pair by token (transfer.tokens): then
-    both must describe the same model, and their state buffers must pair up, the prefill
-    side checks the rest against its model when it connects),
+    describe theirs; pools of different page sizes pair by token (transfer.tokens) and TP
+    shards of different sizes by slice (transfer.reshard): then both must describe the same
+    model, and the prefill side checks the buffers against its model at decode's page size
+    and TP size when it connects),
     else one line naming both sides' models and what differs in words, e.g.
     "prefill gpt-oss-120b vs decode gpt-oss-20b: layers: prefill 36, decode 24; ...". The
     buffers are compared with prefill as the source and decode as the destination."""
+    described = prefill.model is not None and decode.model is not None
     same_pages = prefill.page_size == decode.page_size
-    buffers = buffer_difference(prefill.buffers, decode.buffers, paged=same_pages)
+    same_tp = not described or prefill.model.tp_size == decode.model.tp_size
+    buffers = buffer_difference(prefill.buffers, decode.buffers, paged=same_pages and same_tp, per_request=same_tp)
     windows = [i.model.swa.window if i.model is not None and i.model.swa is not None else None
                for i in (prefill, decode)]
     same_window = None in windows or windows[0] == windows[1]
-    described = prefill.model is not None and decode.model is not None
-    same_model = same_pages or (described and not model_differences(prefill.model, decode.model))
+    same_model = (same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))
     if prefill.layout == decode.layout and buffers is None and same_window and same_model:
         return None
     words = []

@@ -15,6 +15,8 @@ receivers validate sizes and ranges before they use a value.
 A side's LayoutInfo (and the model behind it, for a refusal in words) is in control/layout.py.
 """
 
+from typing import Annotated
+
 import msgspec
 import numpy as np
 
@@ -26,7 +28,10 @@ from transfer.endpoint import StagingInfo
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 2
+PROTOCOL_VERSION = 3
+MAX_TP_SIZE = 1024
+TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
+TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
 MAX_FRAME_BYTES = 64 << 20   # larger frames are refused before decoding
 
 
@@ -56,9 +61,13 @@ class RegisterDecode(msgspec.Struct, tag=True, frozen=True):
     layout: LayoutInfo
     transports: list[Offer]          # how to reach decode's regions, in its order of preference
     staging: StagingInfo | None      # decode's staging area (None: direct writes only)
+    tp_size: TPSize = 1              # decode's instance: its ranks, and which one this is (the
+    tp_rank: TPRank = 0              # prefill side works out which heads go to it)
 
 
 class TransferRequest(msgspec.Struct, tag=True, frozen=True):
+    """One decode rank's destination for a room: it goes to every prefill rank that holds some
+    of that decode rank's heads (transfer.reshard.sends), each with slots of its own."""
     room: int
     decode_epoch: int
     num_tokens: int

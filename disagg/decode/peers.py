@@ -36,8 +36,8 @@ class PrefillPeers:
         self._liveness = Liveness(dead_after_s)               # registered peers only
 
     # ---- request threads ---------------------------------------------------------------------
-    def join(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> tuple[PrefillPeer, bool]:
-        """The peer behind `bootstrap` and whether it is new (then the caller registers)."""
+    def lookup(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> RegisterPrefill:
+        """Prefill rank `tp_rank` as the bootstrap names it (cached until the peer is lost)."""
         with self._lock:
             info = self._lookups.get((bootstrap, tp_rank))
         if info is None:
@@ -46,11 +46,19 @@ class PrefillPeers:
                 info = client.lookup(PROTOCOL_VERSION, tp_rank)
             finally:
                 client.close()
+            if info.tp_rank != tp_rank:
+                raise ProtocolError(f"bootstrap {bootstrap} answered for prefill rank {tp_rank} with rank "
+                                    f"{info.tp_rank}")
             diff = layout_difference(prefill=info.layout, decode=self.layout)
             if diff:
                 raise ProtocolError(f"prefill layout differs: {diff}")
+            with self._lock:
+                self._lookups[(bootstrap, tp_rank)] = info
+        return info
+
+    def join(self, info: RegisterPrefill) -> tuple[PrefillPeer, bool]:
+        """The peer a lookup named and whether it is new (then the caller registers)."""
         with self._lock:
-            self._lookups[(bootstrap, tp_rank)] = info
             peer = self._peers.get(info.control_endpoint)
             fresh = peer is None or peer.info.epoch != info.epoch
             if fresh:

@@ -16,8 +16,13 @@
     held until a settled answer or the cap.
 
 So a late write can never land in pages another request owns, and a room stays taken while
-its pages are held. Every message about a room is checked against the prefill endpoint (and
-epoch) its TransferRequest went to.
+its pages are held. Every message about a room is checked against the prefill endpoints (and
+epochs) its TransferRequests went to.
+
+A request's KV comes from one or more prefill ranks (its senders: those holding some of this
+decode rank's heads, transfer.reshard), each with staging slots of its own. TransferStarted
+from any moves it to TRANSFERRING; it is SUCCESS once every sender's TransferDone(ok) came;
+one failure fails it, and it is FAILED (not ABORTING) only once no sender may still write.
 """
 
 import threading
@@ -53,19 +58,35 @@ class Phase(Enum):
 
 
 @dataclass(eq=False)
+class Sender:
+    """One prefill rank a request's KV comes from."""
+    endpoint: str                     # its control endpoint (where the TransferRequest went)
+    epoch: int                        # its epoch
+    slots: list[int] = field(default_factory=list)   # our staging slots lent to it for this request
+    lanes: object = None              # our lanes its staged pieces name (KVReceiver.lanes_from; None: pages)
+    done: TransferDone | None = None  # TransferDone(ok): its share landed
+    stopped: bool = False             # it said it no longer writes (TransferDone, settled)
+
+
+@dataclass(eq=False)
 class DecodeRequest:
     room: int
     phase: Phase = Phase.BOOTSTRAPPING
     since: float = field(default_factory=time.monotonic)
-    endpoint: str = ""                # the prefill's control endpoint its TransferRequest went to
-    epoch: int = 0                    # that prefill's epoch
+    senders: dict[str, Sender] = field(default_factory=dict)   # endpoint -> the prefill rank
     kv: RequestKV | None = None       # set on admission
     dst: IndexSet | None = None
-    slots: list[int] = field(default_factory=list)
     reason: str = ""
-    done: TransferDone | None = None
-    kv_ready_at: float = 0.0          # wall clock when TransferDone(ok) arrived
+    kv_ready_at: float = 0.0          # wall clock when the last TransferDone(ok) arrived
     until: float = 0.0                # QUARANTINED: when the cap passes
+
+    @property
+    def slots(self) -> list[int]:
+        return [slot for s in self.senders.values() for slot in s.slots]
+
+    def writing(self) -> list[Sender]:
+        """Senders that may still write into its pages."""
+        return [s for s in self.senders.values() if not s.stopped]
 
 
 class RequestTable:
@@ -93,16 +114,17 @@ class RequestTable:
                 self._fail(r, why)
             return r
 
-    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, slots: list[int]) -> None:
+    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet) -> None:
         with self._lock:
-            r.kv, r.dst, r.slots = kv, dst, slots
+            r.kv, r.dst = kv, dst
 
-    def sending(self, r: DecodeRequest, endpoint: str, epoch: int) -> bool:
-        """About to send the TransferRequest: False if r ended meanwhile (then nothing goes out)."""
+    def sending(self, r: DecodeRequest, senders: list[Sender]) -> bool:
+        """About to send the TransferRequests to `senders` (r holds them, and their slots, from
+        now on): False if r ended meanwhile (then nothing goes out)."""
         with self._lock:
+            r.senders = {s.endpoint: s for s in senders}
             if r.phase is not Phase.BOOTSTRAPPING:
                 return False
-            r.endpoint, r.epoch = endpoint, epoch
             self._move(r, Phase.WAITING_FOR_INPUT)
             return True
 
@@ -125,52 +147,68 @@ class RequestTable:
             if r.phase is Phase.ABORTING:
                 self._move(r, Phase.QUARANTINED)
                 r.until = time.monotonic() + self.quarantine_s
-                self._send(r.endpoint, Abort(r.room, r.reason))
+                for s in r.writing():
+                    self._send(s.endpoint, Abort(r.room, r.reason))
                 return
             if not r.phase.ended:   # it never got past bootstrapping (an error)
                 self._move(r, Phase.FAILED)
             self._forget(r)
 
     # ---- messages from prefill (the loop thread) -------------------------------------------
-    def _about(self, room: int, endpoint: str) -> DecodeRequest | None:
+    def _about(self, room: int, endpoint: str) -> tuple[DecodeRequest, Sender] | tuple[None, None]:
         r = self._rooms.get(room)
-        return r if r is not None and r.endpoint == endpoint else None
+        s = r.senders.get(endpoint) if r is not None else None
+        return (r, s) if s is not None else (None, None)
 
     def started(self, room: int, endpoint: str, epoch: int) -> None:
         with self._lock:
-            r = self._about(room, endpoint)
-            if r is not None and r.epoch == epoch and r.phase is Phase.WAITING_FOR_INPUT:
+            r, s = self._about(room, endpoint)
+            if r is not None and s.epoch == epoch and r.phase is Phase.WAITING_FOR_INPUT:
                 self._move(r, Phase.TRANSFERRING)
 
-    def receiving(self, room: int, endpoint: str) -> DecodeRequest | None:
-        """The live request a staged chunk may be scattered into (never a failed one)."""
+    def receiving(self, room: int, endpoint: str) -> tuple[DecodeRequest, Sender] | tuple[None, None]:
+        """The live request a staged chunk from `endpoint` may be scattered into (never a
+        failed one), and that sender."""
         with self._lock:
-            r = self._about(room, endpoint)
-            return r if r is not None and r.phase.sent else None
+            r, s = self._about(room, endpoint)
+            return (r, s) if r is not None and r.phase.sent else (None, None)
 
     def done(self, msg: TransferDone, endpoint: str) -> None:
-        """Prefill's last word about a room: it stopped writing."""
+        """A sender's last word about a room: it stopped writing."""
         with self._lock:
-            r = self._about(msg.room, endpoint)
+            r, s = self._about(msg.room, endpoint)
             if r is None:
                 return
             if r.phase is Phase.QUARANTINED:      # the pages are ours again, once nothing can land
-                if msg.settled:
+                s.stopped = s.stopped or msg.settled
+                if not r.writing():
                     self._forget(r)
                 return
-            if msg.prefill_epoch != r.epoch:
+            if msg.prefill_epoch != s.epoch:
                 return
+            s.stopped = msg.ok or msg.settled
             if r.phase.sent and msg.ok:
-                r.done, r.kv_ready_at = msg, time.time()
-                self._move(r, Phase.SUCCESS)
+                s.done = msg
+                if all(x.done is not None for x in r.senders.values()):
+                    r.kv_ready_at = time.time()
+                    self._move(r, Phase.SUCCESS)
             elif r.phase.sent:
                 r.reason = f"prefill: {msg.reason}"
-                # unsettled: writes given up on may still land: held (QUARANTINED) until
-                # prefill says otherwise or the cap passes
-                self._move(r, Phase.FAILED if msg.settled else Phase.ABORTING)
-            elif r.phase is Phase.ABORTING and msg.settled:
+                # another sender, or writes this one gave up on (unsettled), may still land:
+                # held (ABORTING, then QUARANTINED) until they say otherwise or the cap passes
+                self._move(r, Phase.ABORTING if r.writing() else Phase.FAILED)
+            elif r.phase is Phase.ABORTING and not r.writing():
                 self._move(r, Phase.FAILED)
             self._lock.notify_all()
+
+    def report(self, r: DecodeRequest) -> dict:
+        """What the senders' TransferDone(ok) said, over all of them (bytes and ranges add up,
+        the slowest one's time)."""
+        with self._lock:
+            done = [s.done for s in r.senders.values() if s.done is not None]
+        return {"bytes": sum(d.nbytes for d in done), "mode": "+".join(sorted({d.mode for d in done})),
+                "ranges": sum(d.ranges for d in done), "transfer_ms": max((d.transfer_ms for d in done), default=0.0),
+                "senders": len(done)}
 
     # ---- failures (any thread) --------------------------------------------------------------
     def fail(self, r: DecodeRequest, why: str) -> bool:
@@ -182,7 +220,7 @@ class RequestTable:
         if r.phase.ended:
             return False
         r.reason = why
-        self._move(r, Phase.ABORTING if r.phase.sent else Phase.FAILED)
+        self._move(r, Phase.ABORTING if r.phase.sent and r.writing() else Phase.FAILED)
         self._lock.notify_all()
         return True
 
@@ -199,7 +237,7 @@ class RequestTable:
     def peer_lost(self, endpoint: str, why: str) -> int:
         """Fail exactly the requests sent to this prefill (pages stay held: it may be frozen)."""
         with self._lock:
-            victims = [r for r in self._rooms.values() if r.endpoint == endpoint and not r.phase.ended]
+            victims = [r for r in self._rooms.values() if endpoint in r.senders and not r.phase.ended]
             for r in victims:
                 self._fail(r, why)
             return len(victims)
@@ -215,7 +253,8 @@ class RequestTable:
                 self._forget(r)
             for r in held:
                 if r.until > now:
-                    self._send(r.endpoint, Abort(r.room, r.reason))
+                    for s in r.writing():
+                        self._send(s.endpoint, Abort(r.room, r.reason))
             return capped
 
     def _forget(self, r: DecodeRequest) -> None:

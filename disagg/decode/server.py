@@ -1,8 +1,9 @@
 """DecodeServer: a decode worker's request path and its loop.
 
-    HTTP /decode (room, tokens) -> bootstrap lookup -> register once per prefill peer
-        -> admit: alloc (SWA window only) + staging slots -> TransferRequest
-        -> TransferStarted -> ... TransferDone -> verify every byte (model engine) -> decode N
+    HTTP /decode (room, tokens) -> bootstrap lookup of the prefill ranks holding our heads
+        -> register once per prefill peer -> admit: alloc (SWA window only)
+        -> staging slots and a TransferRequest per sender -> TransferStarted -> ...
+        -> every sender's TransferDone -> verify every byte (model engine) -> decode N
 
 Who does what:
 - the HTTP thread of a request looks prefill up, admits, sends the TransferRequest, waits,
@@ -27,7 +28,8 @@ from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
 from disagg.decode.peers import PrefillPeer, PrefillPeers
-from disagg.decode.requests import DecodeRequest, Phase, RequestTable
+from disagg.decode.instances import SenderRanks
+from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
@@ -59,19 +61,31 @@ class DecodeServer(Worker):
         self.io = DealerIO(self.gate)
         self.requests = RequestTable(config.deadlines, config.quarantine_s, self._free, self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
+        self.instances = SenderRanks(self.receiver)
         self._loop_thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._loop_thread.start()
         self.ready = True
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def _peer_for(self, bootstrap: str, deadline: float) -> PrefillPeer:
-        """The registered prefill rank behind `bootstrap` (registering once per epoch)."""
-        peer, fresh = self.peers.join(bootstrap, deadline)
-        if fresh:
-            self.io.send(peer.endpoint, RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout,
-                                                       self.receiver.offers(), self.receiver.staging_info()),
-                         connect=True)
-        return self.peers.wait_registered(peer, deadline)
+    def _senders_for(self, bootstrap: str, deadline: float) -> list[PrefillPeer]:
+        """The registered prefill ranks behind `bootstrap` that hold some of our heads (one if
+        the instances' TP sizes are equal: our rank; registering once per epoch)."""
+        first = self.peers.lookup(bootstrap, deadline, 0)
+        ranks = self.instances.sender_ranks(first)
+        peers = []
+        for rank in ranks:
+            info = first if rank == 0 else self.peers.lookup(bootstrap, deadline, rank)
+            if info.tp_size != first.tp_size:
+                raise ProtocolError(f"prefill ranks behind {bootstrap} disagree on their TP size (rank 0: "
+                                    f"{first.tp_size}, rank {rank}: {info.tp_size}): an instance is restarting")
+            peer, fresh = self.peers.join(info)
+            if fresh:
+                pc = self.pool.config
+                self.io.send(peer.endpoint, RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout,
+                                                           self.receiver.offers(), self.receiver.staging_info(),
+                                                           pc.tp_size, pc.tp_rank), connect=True)
+            peers.append(peer)
+        return [self.peers.wait_registered(peer, deadline) for peer in peers]
 
     def _admit(self, r: DecodeRequest, num_tokens: int, deadline: float) -> None:
         def alloc():
@@ -79,7 +93,7 @@ class DecodeServer(Worker):
                 raise KVPoolError("injected fault at decode.alloc")
             return self.pool.alloc_request(num_tokens, swa_window_only=True)
         kv = self.admission.admit(num_tokens, alloc, deadline)
-        self.requests.admitted(r, kv, self.pool.index_set(kv), self.receiver.reserve_slots(self.config.slots_per_transfer))
+        self.requests.admitted(r, kv, self.pool.index_set(kv))
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
@@ -96,13 +110,16 @@ class DecodeServer(Worker):
             if r.phase.ended:   # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
-            peer = self._peer_for(bootstrap_endpoint, deadline)
+            peers = self._senders_for(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
-            request = TransferRequest(room, self.epoch, len(tokens), indices_to_wire(r.dst), r.slots)
-            if self.requests.sending(r, peer.endpoint, peer.epoch):   # an abort may have come meanwhile
-                self.io.send(peer.endpoint, request)
+            senders = [Sender(p.endpoint, p.epoch, self.receiver.reserve_slots(self.config.slots_per_transfer),
+                              lanes=self.instances.lanes(p.info)) for p in peers]
+            if self.requests.sending(r, senders):   # an abort may have come meanwhile
+                indices = indices_to_wire(r.dst)
+                for s in senders:
+                    self.io.send(s.endpoint, TransferRequest(room, self.epoch, len(tokens), indices, s.slots))
                 self.requests.wait(r)
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if r.phase is not Phase.SUCCESS:
@@ -121,11 +138,9 @@ class DecodeServer(Worker):
                 timings["check_ms"] = (time.perf_counter() - t4) * 1e3
                 if not check["check"]["token_match"] or not check["check"].get("logits_match", True):
                     log.warning("room %d: generation differs from the colocated run: %s", room, check["check"])
-            done = r.done
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
-                    "output_tokens": output.tokens, **check, "bytes": done.nbytes, "mode": done.mode, "ranges": done.ranges,
-                    "transfer_ms": done.transfer_ms, "kv_ready_at": r.kv_ready_at, "transport": peer.transport,
-                    **timings}
+                    "output_tokens": output.tokens, **check, **self.requests.report(r), "kv_ready_at": r.kv_ready_at,
+                    "transport": "+".join(sorted({p.transport for p in peers})), **timings}
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
         except (DisaggError, KVPoolError) as exc:
@@ -141,7 +156,7 @@ class DecodeServer(Worker):
         """(The table's effect, under its lock.)"""
         if r.kv is not None:
             self.pool.free_request(r.kv)
-        self.receiver.release_slots(r.slots)
+        self.receiver.release_slots(r.slots)   # every sender's
         self.admission.released()
 
     def quarantined(self) -> int:
@@ -228,11 +243,12 @@ class DecodeServer(Worker):
             case TransferStarted(room=room, prefill_epoch=epoch):
                 self.requests.started(room, endpoint, epoch)
             case ChunkLanded(transfer_id=room):
-                r = self.requests.receiving(room, endpoint)
+                r, sender = self.requests.receiving(room, endpoint)
                 if r is None:
                     return None  # not ours (any more): never scatter into freed pages
                 try:
-                    self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, r.slots, r.kv.num_tokens)
+                    self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, sender.slots, r.kv.num_tokens,
+                                           sender.lanes)
                     return ChunkDone(room, msg.index)
                 except StagingError as exc:
                     self.requests.fail(r, f"bad chunk: {exc}")   # quarantined; prefill hears Abort

@@ -25,8 +25,6 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "instead (a second prefill on one host needs one of the two)")
     g.add_argument("--bootstrap-addr", default=None, metavar="tcp://HOST:PORT",
                    help="an external bootstrap (`disagg bootstrap`) to register with")
-    g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0..tp-size-1)")
-    g.add_argument("--tp-size", type=positive_int, default=1, help="tensor-parallel ranks of this prefill instance")
     g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
     g.add_argument("--stream-layers", default="auto", choices=STREAM_LAYERS,
                    help="send a request's KV in layer groups while the model engine still computes the later "
@@ -50,8 +48,7 @@ def config_from(args: argparse.Namespace) -> "PrefillConfig":
     settings["simulate_layer_ms"] = args.simulate_layer_ms
     return PrefillConfig(**settings, control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
-                         bootstrap_addr=args.bootstrap_addr, tp_rank=args.tp_rank, tp_size=args.tp_size,
-                         transfer_workers=args.transfer_workers, stream_layers=args.stream_layers,
+                         bootstrap_addr=args.bootstrap_addr, transfer_workers=args.transfer_workers, stream_layers=args.stream_layers,
                          stream_min_tokens=args.stream_min_tokens)
 
 

@@ -18,6 +18,7 @@ from disagg.control.messages import RegisterDecode, Registered, Refused, check_v
 from disagg.errors import ProtocolError
 from transfer.errors import TransferError
 from transfer.peer import RemotePool
+from transfer.reshard import Shard, sends
 from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,7 @@ class DecodePeer:
     epoch: int
     relay: ChunkRelay
     workers: ThreadPoolExecutor   # this destination's shard
+    tp: tuple[int, int] = (1, 0)  # its instance's TP size, and its rank
 
     def close(self, wait: bool = False) -> None:
         self.workers.shutdown(wait=wait)
@@ -42,6 +44,7 @@ class DecodePeers:
         self.transfer_workers, self.epoch = transfer_workers, epoch
         self.liveness = Liveness(dead_after_s)
         self._peers: dict[bytes, DecodePeer] = {}
+        self._receivers: dict[int, frozenset[int]] = {}   # decode TP size -> ranks we send to
 
     def get(self, identity: bytes) -> DecodePeer | None:
         return self._peers.get(identity)
@@ -53,25 +56,32 @@ class DecodePeers:
             return True
         return False
 
-    def same_decode(self, identity: bytes, owner: bytes | None) -> bool:
-        """Whether `identity` speaks for the decode that owns a room: the owner's connection, or a
-        registered connection of the same decode process (same epoch: it re-registered on a
-        new socket). A room no decode has claimed yet may be ended by any registered decode."""
+    def same_decode(self, identity: bytes, owners: set[bytes]) -> bool:
+        """Whether `identity` speaks for a decode rank that owns a room: an owner's connection,
+        or a registered connection of the same decode process (same epoch: it re-registered on
+        a new socket). A room no decode has claimed yet (or whose owners are all gone) may be
+        ended by any registered decode."""
         peer = self._peers.get(identity)
-        if identity == owner:
+        if identity in owners:
             return True
         if peer is None:
             return False
-        holder = self._peers.get(owner) if owner is not None else None
-        return owner is None or holder is None or holder.epoch == peer.epoch
+        holders = [h for h in map(self._peers.get, owners) if h is not None]
+        return not holders or any(h.epoch == peer.epoch for h in holders)
 
     def register(self, identity: bytes, msg: RegisterDecode) -> Registered | Refused:
         try:
             check_version(msg.version)
+            if not msg.tp_rank < msg.tp_size:
+                raise ProtocolError(f"decode TP rank {msg.tp_rank} is not a rank of its TP size {msg.tp_size}")
+            if msg.layout.model is not None and msg.layout.model.tp_size != msg.tp_size:
+                raise ProtocolError(f"decode says TP size {msg.tp_size}, its pool is described at TP size "
+                                    f"{msg.layout.model.tp_size}")
             diff = layout_difference(prefill=self.layout, decode=msg.layout)
             if diff:
                 raise ProtocolError(f"layout mismatch: {diff}")
-            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size)
+            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size,
+                                         tp=(msg.tp_size, msg.tp_rank))
         except (ProtocolError, TransferError) as exc:
             return Refused(str(exc))
         old = self._peers.get(identity)
@@ -79,14 +89,32 @@ class DecodePeers:
             old.target.link.close()   # a new registration (new epoch, new regions): a new link
         workers = old.workers if old is not None else ThreadPoolExecutor(
             self.transfer_workers, thread_name_prefix=f"kv-transfer-{target.link.peer}")
-        self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self.io, identity), workers)
+        self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self.io, identity), workers,
+                                           (msg.tp_size, msg.tp_rank))
         self.liveness.heard(identity)
         log.info("decode %s registered (epoch %d, %s)", target.link.peer, msg.epoch, target.link.kind)
-        if target.lanes is not None:
+        ours = self.sender.shard
+        if msg.tp_size != ours.tp_size:
+            log.info("decode %s is TP rank %d of %d, we are rank %d of %d: we send it the slices of our heads "
+                     "that it holds (%d lanes; state slots and the AUX row by slice too)", target.link.peer,
+                     msg.tp_rank, msg.tp_size, ours.tp_rank, ours.tp_size,
+                     sum(len(l) for l in target.src_lanes.values()))
+        elif target.lanes is not None:
             log.info("decode %s keeps pages of %d tokens, ours hold %d: its paged components move by token "
                      "(runs end where a page of either side ends)", target.link.peer, msg.layout.page_size,
                      self.layout.page_size)
         return Registered(self.epoch, target.link.kind)
+
+    def receivers(self, tp_size: int) -> frozenset[int]:
+        """The ranks of a decode instance of `tp_size` that we send some of a request's KV to
+        (transfer.reshard.sends: equal sizes rank r only; else those holding any of our units)."""
+        known = self._receivers.get(tp_size)
+        if known is None:
+            ours, cfg = self.sender.shard, self.sender.pool.config
+            known = self._receivers[tp_size] = frozenset(
+                t for t in range(tp_size)
+                if sends(cfg.model, ours, Shard(ours.page_size, tp_size, t), tuple(cfg.components)))
+        return known
 
     def drop_silent(self) -> set[bytes]:
         """Drop peers silent for dead_after_s; returns their identities."""

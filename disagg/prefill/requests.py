@@ -1,33 +1,35 @@
 """The prefill's requests: one phase per request, moved only here (under one lock).
 
 A request meets two halves in either order: the prompt (HTTP /prefill) and decode's
-destination (TransferRequest over the control socket). Its pages belong to exactly one
-holder at a time: the thread computing its KV, this table, or the transfer worker sending it.
+destinations (a TransferRequest over the control socket from every decode rank this prefill
+rank sends to: one, unless the two instances' TP sizes differ; the first one's TP size says
+which ranks to expect). Its pages belong to exactly one holder at a time: the thread
+computing its KV, this table, or the transfer workers sending it (one per destination).
 
-    prompt first:     AWAITING_DECODE --TransferRequest--> COMPUTING --KV ready--> TRANSFERRING
-    request first:    ORPHANED --------prompt-----------> COMPUTING             (KV may be ready
-                                                                                  before either)
+    prompt first:     AWAITING_DECODE --last TransferRequest--> COMPUTING --KV ready--> TRANSFERRING
+    request first:    ORPHANED --------prompt (+ every one)---> COMPUTING        (KV may be ready
+                      ORPHANED --prompt, a destination missing--> AWAITING_DECODE  before either)
     streamed:         COMPUTING --pages handed over while computing--> STREAMING --KV ready-->
                       TRANSFERRING   (a worker sends layer groups as they become final)
-    TRANSFERRING --sent--> DONE
-    TRANSFERRING, STREAMING --fail--> STOPPING --worker stopped writing--> FAILED
+    TRANSFERRING --every destination sent--> DONE
+    TRANSFERRING, STREAMING --fail (any destination)--> STOPPING --no worker writes--> FAILED
     any other live phase --fail--> FAILED
 
 A streamed request's pages are the table's from `streaming()` on while the engine still
 writes them (`computing`): they are freed only once the engine returned and no worker sends.
 
-Decode hears every end exactly once, from the transition that ends it: TransferDone(ok) from
-TRANSFERRING -> DONE, TransferDone(fail) on entering FAILED (or, if decode is not known yet,
-through a tombstone that answers its late TransferRequest). Pages are free before anyone
-hears the outcome. Deadlines per phase, counted from entering it: AWAITING_DECODE
-bootstrap_s; ORPHANED and COMPUTING waiting_s; TRANSFERRING transfer_s.
+Each destination hears the end exactly once: TransferDone(ok) as soon as its own send
+finished (its KV is complete), TransferDone(fail) on entering FAILED if it has not heard (or,
+if it is not known yet, through a tombstone that answers its late TransferRequest). A room's
+decode rank is claimed by one connection: another connection's TransferRequest for it, or
+one from an instance of another TP size, is refused and changes nothing. Deadlines per phase,
+counted from entering it: AWAITING_DECODE bootstrap_s; ORPHANED and COMPUTING waiting_s;
+TRANSFERRING transfer_s (prefill/phase.py).
 """
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import Enum
 
 import numpy as np
 
@@ -35,53 +37,10 @@ from disagg.control.messages import TransferDone, TransferStarted
 from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
+from disagg.prefill.destinations import Destination
+from disagg.prefill.phase import MISSING, Phase, PrefillRequest
 from kvpool import IndexSet, RequestKV
 from transfer.progress import LayerProgress
-
-
-class Phase(Enum):
-    AWAITING_DECODE = "waiting for decode's TransferRequest"
-    ORPHANED = "decode's TransferRequest here, the prompt not yet"
-    COMPUTING = "KV being computed"
-    STREAMING = "KV being computed while a worker sends the layers that are final"
-    TRANSFERRING = "a transfer worker is sending"
-    STOPPING = "failed while a worker writes; decode hears it when the worker stops"
-    DONE = "sent"
-    FAILED = "failed"
-
-    @property
-    def ended(self) -> bool:
-        """Over for the caller waiting on it (STOPPING included: it will never succeed)."""
-        return self in (Phase.STOPPING, Phase.DONE, Phase.FAILED)
-
-    def deadline(self, d: Deadlines) -> float:
-        return {Phase.AWAITING_DECODE: d.bootstrap_s, Phase.TRANSFERRING: d.transfer_s}.get(self, d.waiting_s)
-
-    @property
-    def sending(self) -> bool:
-        """A transfer worker may be writing."""
-        return self in (Phase.STREAMING, Phase.TRANSFERRING)
-
-
-@dataclass(eq=False)
-class PrefillRequest:
-    room: int
-    phase: Phase
-    since: float = field(default_factory=time.monotonic)     # when the phase began
-    tokens: np.ndarray | None = None      # the prompt (None while ORPHANED)
-    kv: RequestKV | None = None           # the computed KV, once handed to the table
-    peer: bytes | None = None             # decode's control identity
-    dst: IndexSet | None = None           # decode's destination indices
-    slots: list[int] = field(default_factory=list)   # decode staging slots lent to this transfer
-    reason: str = ""
-    timings: dict = field(default_factory=dict)
-    report: dict = field(default_factory=dict)
-    progress: LayerProgress | None = None   # streamed: which layers the engine has finished
-    computing: bool = False   # streamed: the engine still writes the pages the table holds
-    streamed: bool = False    # a worker started while the engine computed
-    stream_auto: bool = False # streams by `auto`: only over a link that leaves the compute alone
-    settled: bool = True      # False: its writes were abandoned in flight (peer lost): decode is
-                              # told so, and keeps the pages until the cap (TransferDone.settled)
 
 
 class RequestTable:
@@ -89,7 +48,8 @@ class RequestTable:
     effects (free pages, tell decode, start a transfer) happen inside it."""
 
     def __init__(self, epoch: int, deadlines: Deadlines, free: Callable[[RequestKV], None],
-                 tell: Callable[[bytes, TransferDone | TransferStarted], None], submit: Callable[[PrefillRequest], str | None],
+                 tell: Callable[[bytes, TransferDone | TransferStarted], None],
+                 submit: Callable[[PrefillRequest, Destination], str | None],
                  may_stream: Callable[[PrefillRequest], bool] = lambda r: True):
         """may_stream(r): whether a worker may start on r while the engine still computes
         (False: it starts once the KV is computed, as for a request that does not stream)."""
@@ -110,29 +70,49 @@ class RequestTable:
             if r is None:
                 r = self._rooms[room] = PrefillRequest(room, Phase.AWAITING_DECODE)
             elif r.phase is Phase.ORPHANED:
-                self._move(r, Phase.COMPUTING)
+                self._move(r, Phase.COMPUTING if r.complete else Phase.AWAITING_DECODE)
             r.tokens, r.stream_auto = tokens, stream_auto
             why = self.ended.reason(room)
             if why and not r.phase.ended:
                 self._fail(r, why)
             return r
 
-    def destination(self, room: int, peer: bytes, dst: IndexSet, slots: list[int]) -> TransferDone | None:
-        """Decode's TransferRequest arrived; returns an answer to send at once, if any."""
+    def destination(self, room: int, peer: bytes, dst: IndexSet, slots: list[int], rank: int = 0,
+                    tp_size: int = 1, receivers: frozenset[int] = frozenset({0})) -> TransferDone | None:
+        """Decode rank `rank` (of an instance of `tp_size`, of which we send to `receivers`)
+        sent its TransferRequest; returns an answer to send at once, if any."""
         with self._lock:
             r = self._rooms.get(room)
-            if r is None:
-                why = self.ended.reason(room)
-                if why is not None:   # this room already ended here: decode must not wait for it
-                    return TransferDone(room, self.epoch, False, why)
-                r = self._rooms[room] = PrefillRequest(room, Phase.ORPHANED)
-            elif r.dst is not None or r.phase is not Phase.AWAITING_DECODE:
+            why = self.ended.reason(room) if r is None else None
+            if why is not None:       # this room already ended here: decode must not wait for it
+                return TransferDone(room, self.epoch, False, why)
+            claimed = r.dests.get(rank) if r is not None else None
+            if claimed is not None and claimed.peer == peer:
                 return None           # a second TransferRequest: ignored
-            else:
+            refusal = self._refusal(room, r, rank, tp_size, receivers, claimed)
+            if refusal:               # nothing changes
+                return TransferDone(room, self.epoch, False, refusal)
+            if r is None:
+                r = self._rooms[room] = PrefillRequest(room, Phase.ORPHANED)
+            if r.phase.ended:         # STOPPING: it will not be sent
+                return TransferDone(room, self.epoch, False, r.reason)
+            r.receivers, r.tp_size = receivers, tp_size
+            r.dests[rank] = Destination(peer, rank, dst, list(slots))
+            if r.phase is Phase.AWAITING_DECODE and r.complete:
                 self._move(r, Phase.COMPUTING)
-            r.peer, r.dst, r.slots = peer, dst, list(slots)
             self._maybe_start(r)
             return None
+
+    @staticmethod
+    def _refusal(room: int, r: PrefillRequest | None, rank: int, tp_size: int, receivers: frozenset[int],
+                 claimed) -> str | None:
+        if claimed is not None:
+            return f"decode rank {rank} of room {room} is claimed by another connection"
+        if r is not None and r.receivers is not None and r.tp_size != tp_size:
+            return f"room {room} goes to a decode instance of TP size {r.tp_size}, not {tp_size}"
+        if rank not in receivers:
+            return f"this prefill rank holds none of decode rank {rank}'s share of the KV"
+        return None
 
     def streaming(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> bool:
         """The engine starts computing into `kv`, reporting to `progress`: the table holds the
@@ -153,7 +133,8 @@ class RequestTable:
                 r.progress.complete()
                 if r.phase is Phase.STREAMING:
                     self._move(r, Phase.TRANSFERRING)
-                    self._tell(r.peer, TransferStarted(r.room, self.epoch))
+                    for d in r.dests.values():
+                        self._tell(d.peer, TransferStarted(r.room, self.epoch))
                 elif r.phase.ended and r.phase is not Phase.STOPPING:
                     self._release(r)
                 else:   # its worker waited for the engine (may_stream), or decode is not here yet
@@ -178,33 +159,43 @@ class RequestTable:
                 self._release(r)
 
     def _maybe_start(self, r: PrefillRequest) -> None:
-        if r.phase is Phase.COMPUTING and r.kv is not None and not (r.computing and not self._may_stream(r)):
+        if (r.phase is Phase.COMPUTING and r.complete and r.kv is not None
+                and not (r.computing and not self._may_stream(r))):
             r.streamed = r.computing
             self._move(r, Phase.STREAMING if r.computing else Phase.TRANSFERRING)
-            refused = self._submit(r)
-            if refused:
-                self._move(r, Phase.COMPUTING)   # nothing runs: fail it as not started
-                self._fail(r, f"transfer workers unavailable: {refused}")
+            for d in r.dests.values():
+                d.writing = True
+                refused = self._submit(r, d)
+                if refused:
+                    d.writing = False
+                    self._fail(r, f"transfer workers unavailable: {refused}")   # the others stop
+                    return
 
     # ---- ends ------------------------------------------------------------------------------
     def finished(self, r: PrefillRequest, ok: bool, reason: str = "", done: TransferDone | None = None,
-                 settled: bool = True) -> None:
-        """The transfer worker stopped writing (sent, failed or stopped); `settled` False: it gave
-        up on writes in flight (their peer was lost), which may still land."""
+                 settled: bool = True, dest: Destination | None = None) -> None:
+        """The transfer worker of `dest` (None: the only one) stopped writing (sent, failed or
+        stopped); `settled` False: it gave up on writes in flight (their peer was lost), which
+        may still land."""
         with self._lock:
-            r.settled = settled
+            d = dest or next(iter(r.dests.values()))
+            d.writing, r.settled = False, r.settled and settled
             if ok and r.phase is Phase.TRANSFERRING:
+                d.told = True
+                self._tell(d.peer, done)   # its KV is complete: it need not wait for the others
+                if r.writers or not all(x.told for x in r.dests.values()):
+                    return
                 self._release(r)
                 self._move(r, Phase.DONE)
                 if self._rooms.get(r.room) is r:
                     del self._rooms[r.room]
-                self._tell(r.peer, done)
                 self._lock.notify_all()
                 return
             if r.phase.sending:   # else STOPPING: it keeps the reason it failed for
-                r.reason = reason or "transfer failed"
-            self._move(r, Phase.FAILED)
-            self._end_failed(r)
+                self._fail(r, reason or "transfer failed")
+            elif r.phase is Phase.STOPPING and not r.writers:
+                self._move(r, Phase.FAILED)
+                self._end_failed(r)
 
     def fail(self, r: PrefillRequest, why: str) -> bool:
         """Fail r; returns whether this call ended it."""
@@ -216,8 +207,8 @@ class RequestTable:
 
     def _fail(self, r: PrefillRequest, why: str) -> None:
         r.reason = why
-        if r.phase.sending:
-            self._move(r, Phase.STOPPING)   # the worker stops before its next write, then reports
+        if r.phase.sending and r.writers:
+            self._move(r, Phase.STOPPING)   # the workers stop before their next write, then report
             self._lock.notify_all()
             return
         self._move(r, Phase.FAILED)
@@ -228,8 +219,10 @@ class RequestTable:
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
         self.ended.bury(r.room, r.reason)   # a late TransferRequest or prompt is answered at once
-        if r.peer is not None:
-            self._tell(r.peer, TransferDone(r.room, self.epoch, False, r.reason, settled=r.settled))
+        for d in r.dests.values():
+            if not d.told:
+                d.told = True
+                self._tell(d.peer, TransferDone(r.room, self.epoch, False, r.reason, settled=r.settled))
         self._lock.notify_all()
 
     def _release(self, r: PrefillRequest) -> None:
@@ -263,7 +256,7 @@ class RequestTable:
                 limit = r.phase.deadline(self.deadlines)
                 left = r.since + limit - time.monotonic()
                 if left <= 0:
-                    self._fail(r, deadline_passed("prefill", r.phase.name, limit, _MISSING[r.phase]))
+                    self._fail(r, deadline_passed("prefill", r.phase.name, limit, MISSING[r.phase]))
                     break
                 self._lock.wait(left)
             return r.phase
@@ -275,12 +268,7 @@ class RequestTable:
             for r in list(self._rooms.values()):
                 if r.phase.ended:
                     continue
-                if r.peer in lost_peers:
+                if r.peers() & lost_peers:
                     self._fail(r, "decode peer silent")
                 elif r.phase is Phase.ORPHANED and now - r.since > self.deadlines.waiting_s:
                     self._fail(r, "prefill never arrived")
-
-
-_MISSING = {Phase.AWAITING_DECODE: "no TransferRequest from decode", Phase.ORPHANED: "the prompt never came",
-            Phase.COMPUTING: "KV not computed", Phase.STREAMING: "KV not computed",
-            Phase.TRANSFERRING: "send not finished"}

@@ -29,6 +29,7 @@ from disagg.control.io import RouterIO
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers
+from disagg.prefill.destinations import Destination, merged_report
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError, RequestKV
@@ -44,8 +45,6 @@ class PrefillConfig(WorkerSettings):
     control_port: int = 0                   # 0: any free port
     bootstrap_bind: str | None = "tcp://127.0.0.1:8998"   # run the bootstrap here (None: external)
     bootstrap_addr: str | None = None       # where to register (default: our own bootstrap)
-    tp_rank: int = 0
-    tp_size: int = 1
     transfer_workers: int = 4               # per decode peer
     stream_layers: str = "auto"             # on | off | auto: send layer groups while computing
     stream_min_tokens: int = 2048           # auto streams prompts at least this long
@@ -74,7 +73,7 @@ class PrefillServer(Worker):
         self._loop_thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._loop_thread.start()
         self.lease = BootstrapLease(self.gate, self.bootstrap_endpoint, RegisterPrefill(
-            PROTOCOL_VERSION, config.tp_rank, config.tp_size, self.control_endpoint, self.epoch, self.layout))
+            PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint, self.epoch, self.layout))
         try:
             self.lease.acquire()
         except DisaggError:
@@ -124,7 +123,7 @@ class PrefillServer(Worker):
             raise refused
         done = phase is Phase.DONE
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
-                **({"first_token": first_token} if done else {}), **r.timings, **r.report}
+                **({"first_token": first_token} if done else {}), **r.timings, **merged_report(list(r.dests.values()))}
 
     def _streams(self, mode: str, num_tokens: int) -> bool:
         if mode not in STREAM_LAYERS:
@@ -143,35 +142,36 @@ class PrefillServer(Worker):
     def _may_stream(self, r: PrefillRequest) -> bool:
         """`auto` streams only over a link that leaves the compute alone (not Mooncake TCP from a
         CUDA pool); the table asks before it starts a worker while the engine computes."""
-        peer = self.peers.get(r.peer)
-        return not r.stream_auto or peer is None or self.sender.streams_well(peer.target)
+        peers = [self.peers.get(d.peer) for d in r.dests.values()]
+        return not r.stream_auto or all(p is None or self.sender.streams_well(p.target) for p in peers)
 
-    def _submit(self, r: PrefillRequest) -> str | None:
-        peer = self.peers.get(r.peer)
+    def _submit(self, r: PrefillRequest, d: Destination) -> str | None:
+        peer = self.peers.get(d.peer)
         if peer is None:
             return "decode peer is not registered"
         try:
-            peer.workers.submit(self._transfer, r)
+            peer.workers.submit(self._transfer, r, d)
         except RuntimeError as exc:  # shut down (closing, or the peer was dropped)
             return str(exc)
         return None
 
     # ---- a transfer worker -------------------------------------------------------------------
-    def _transfer(self, r: PrefillRequest) -> None:
-        """Send; the table frees the pages, then tells decode (ok or not)."""
+    def _transfer(self, r: PrefillRequest, d: Destination) -> None:
+        """Send r's KV (our share of destination d's); the table tells d, and frees the pages
+        once every destination is done (or r failed)."""
         ok, reason, done, settled = False, "", None, True
         try:
-            peer = self.peers.get(r.peer)
+            peer = self.peers.get(d.peer)
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
             if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
-                self.io.send(r.peer, TransferStarted(r.room, self.epoch))
+                self.io.send(d.peer, TransferStarted(r.room, self.epoch))
             t0 = time.perf_counter()
-            report = self.sender.send(peer.target, self.pool.index_set(r.kv), r.dst, r.room, r.slots, peer.relay,
+            report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, r.room, d.slots, peer.relay,
                                       stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None,
                                       num_tokens=r.kv.num_tokens)
             ms = (time.perf_counter() - t0) * 1e3
-            r.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
+            d.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
                         "layer_groups": report.groups, "first_write_at": report.first_write_at,
                         "transfer_cpu_ms": report.cpu_ms,
@@ -184,7 +184,7 @@ class PrefillServer(Worker):
             settled = not isinstance(exc, WritesAbandoned)
             log.warning("room %d: transfer failed: %s", r.room, exc)
         finally:
-            self.requests.finished(r, ok, reason, done, settled)
+            self.requests.finished(r, ok, reason, done, settled, d)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -223,14 +223,14 @@ class PrefillServer(Worker):
                 if r is None:   # nothing of ours writes for this room (unless a write given up on)
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
                                         settled=not self.sender.unsettled())
-                if not self.peers.same_decode(identity, r.peer):   # ownership: only its decode ends it
+                if not self.peers.same_decode(identity, r.peers()):   # ownership: only its decode ends it
                     log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
                     return TransferDone(room, self.epoch, False, "not a room of yours: nothing done")
-                self.requests.fail(r, f"aborted by decode: {why}")
-                # The decode on the connection the room came from hears the end from the table;
+                self.requests.fail(r, f"aborted by decode: {why}")   # every destination of r hears it
+                # A decode on a connection the room came from hears the end from the table;
                 # the same decode on a new connection (it re-registered) is answered here,
                 # unless a transfer still writes (then it asks again later).
-                if r.peer != identity and r.phase is not Phase.STOPPING:
+                if identity not in r.peers() and r.phase is not Phase.STOPPING:
                     return TransferDone(room, self.epoch, False, r.reason,
                                         settled=r.settled and not self.sender.unsettled())
             case Heartbeat():
@@ -252,7 +252,9 @@ class PrefillServer(Worker):
                 reason = str(exc)
         if reason is not None:
             return TransferDone(msg.room, self.epoch, False, reason)
-        return self.requests.destination(msg.room, identity, dst, list(msg.slots))
+        size, rank = peer.tp
+        return self.requests.destination(msg.room, identity, dst, list(msg.slots), rank, size,
+                                         self.peers.receivers(size))
 
     def available(self) -> dict[str, int]:
         return self.pool.available()

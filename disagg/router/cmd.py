@@ -10,10 +10,12 @@ HELP = "run the router in front of prefill/decode pairs"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--pair", action="append", required=True, type=Pair.parse, metavar="PREFILL_URL,DECODE_URL,BOOTSTRAP",
+    p.add_argument("--pair", action="append", required=True, type=Pair.parse,
+                   metavar="PREFILL_URL[+URL...],DECODE_URL[+URL...],BOOTSTRAP",
                    help="one prefill/decode pair: the two workers' HTTP URLs and the bootstrap decode should look "
-                        "prefill up at (a NAME decode was given with --bootstrap-addr, or tcp://HOST:PORT); repeat "
-                        "for more pairs (env: pairs separated by spaces)")
+                        "prefill up at (a NAME decode was given with --bootstrap-addr, or tcp://HOST:PORT); a "
+                        "tensor-parallel instance is its ranks' URLs joined by + in rank order (every rank takes "
+                        "part in every request); repeat for more pairs (env: pairs separated by spaces)")
     g = p.add_argument_group("HTTP")
     g.add_argument("--http-host", default="127.0.0.1", help="address to serve the API on (0.0.0.0: every address)")
     g.add_argument("--http-port", type=port, default=0, help="port to serve the API on (0: any free port, printed "

@@ -10,7 +10,6 @@ even if that side never answers (frozen); a client that disconnects, or names it
 get 503 (Overloaded), as does a request that a side refused as overloaded.
 """
 
-import argparse
 import http.client
 import itertools
 import json
@@ -19,7 +18,6 @@ import secrets
 import threading
 import time
 import urllib.error
-import urllib.parse
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass
@@ -29,39 +27,13 @@ import numpy as np
 from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded
+from disagg.router.pairs import Pair, merge_ranks, side_name
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
 ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
 READY_PROBE_S = 1.0   # how long /ready waits for each side's own /ready
-
-
-@dataclass(frozen=True)
-class Pair:
-    prefill_url: str
-    decode_url: str
-    bootstrap: str
-
-    @staticmethod
-    def parse(text: str) -> "Pair":
-        """--pair PREFILL_URL,DECODE_URL,BOOTSTRAP (a name decode knows, or its address)."""
-        parts = text.split(",")
-        if len(parts) != 3 or not all(parts):
-            raise argparse.ArgumentTypeError(f"want PREFILL_URL,DECODE_URL,BOOTSTRAP (e.g. http://10.0.0.5:8080,"
-                                             f"http://10.0.0.6:8080,main), got {text!r}")
-        for url in parts[:2]:
-            try:
-                parsed = urllib.parse.urlsplit(url)
-                port = parsed.port
-            except ValueError:
-                port = None
-            if parsed.scheme not in ("http", "https") or not parsed.hostname or port is None:
-                raise argparse.ArgumentTypeError(f"{url!r} is not http://HOST:PORT")
-        return Pair(*parts)
-
-    def __str__(self) -> str:   # as --pair takes it
-        return f"{self.prefill_url},{self.decode_url},{self.bootstrap}"
 
 
 @dataclass(frozen=True)
@@ -160,7 +132,8 @@ class Router:
         self._next = itertools.cycle(enumerate(config.pairs))
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(config.max_inflight)
-        self._calls = ThreadPoolExecutor(2 * config.max_inflight, thread_name_prefix="router")  # never queues
+        ranks = max(len(p.prefill) + len(p.decode) for p in config.pairs)
+        self._calls = ThreadPoolExecutor(ranks * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
         self._probes = ThreadPoolExecutor(8, thread_name_prefix="router-ready")
         self._live: dict[str, threading.Event] = {}   # request_id -> cancel
@@ -168,15 +141,16 @@ class Router:
     def ready(self) -> dict:
         """/ready: ready while at least one pair has both sides ready; each pair says why not.
         Asks every side's own /ready at once (at most READY_PROBE_S)."""
-        sides = [(i, role, url) for i, p in enumerate(self.config.pairs)
-                 for role, url in (("prefill", p.prefill_url), ("decode", p.decode_url))]
-        answers = list(self._probes.map(lambda side: _side_ready(side[2]), sides))
-        pairs = [{"pair": i, "prefill": p.prefill_url, "decode": p.decode_url, "bootstrap": p.bootstrap, "up": True}
-                 for i, p in enumerate(self.config.pairs)]
-        for (i, role, _), why in zip(sides, answers):
+        sides = [(i, role, rank, url) for i, p in enumerate(self.config.pairs)
+                 for role, urls in (("prefill", p.prefill), ("decode", p.decode)) for rank, url in enumerate(urls)]
+        answers = list(self._probes.map(lambda side: _side_ready(side[3]), sides))
+        pairs = [{"pair": i, "prefill": "+".join(p.prefill), "decode": "+".join(p.decode), "bootstrap": p.bootstrap,
+                  "up": True} for i, p in enumerate(self.config.pairs)]
+        for (i, role, rank, _), why in zip(sides, answers):
             if why is not None:
                 pairs[i]["up"] = False
-                pairs[i].setdefault("why", []).append(f"{role}: {why}")
+                several = len(getattr(self.config.pairs[i], role)) > 1
+                pairs[i].setdefault("why", []).append(f"{role}{f' rank {rank}' if several else ''}: {why}")
         up = sum(p["up"] for p in pairs)
         return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
                 **({} if up else {"why": "no prefill/decode pair has both sides ready"})}
@@ -235,46 +209,50 @@ class Router:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         timeout = self.config.timeout_s
-        sides = {
-            self._calls.submit(post_json, pair.prefill_url + "/prefill",
-                               {"room": room, "token_ids": tokens,
-                                **({"stream_layers": stream_layers} if stream_layers else {})}, timeout): ("prefill", pair.prefill_url),
-            self._calls.submit(post_json, pair.decode_url + "/decode",
-                               {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
-                                "bootstrap": pair.bootstrap}, timeout): ("decode", pair.decode_url),
-        }
-        results: dict[str, dict] = {}
-        pending, why = set(sides), None
+        calls = {}
+        for role, urls, body in (
+                ("prefill", pair.prefill, {"room": room, "token_ids": tokens,
+                                           **({"stream_layers": stream_layers} if stream_layers else {})}),
+                ("decode", pair.decode, {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
+                                         "bootstrap": pair.bootstrap})):
+            for rank, url in enumerate(urls):   # every rank of both instances takes part
+                calls[self._calls.submit(post_json, f"{url}/{role}", body, timeout)] = (role, rank, url)
+        results: dict[tuple[str, int], dict] = {}
+        pending, why, prefilled = set(calls), None, False
         while pending:
             done, pending = wait(pending, POLL_S, FIRST_COMPLETED)
             for f in done:
-                name = sides[f][0]
-                results[name] = f.result()
-                if why is None and results[name].get("state") != "SUCCESS":
-                    why = f"{name} failed: {results[name].get('reason', '')[:200]}"
-                elif name == "prefill" and on_prefill is not None and isinstance(results[name].get("first_token"), int):
+                role, rank, _ = calls[f]
+                out = results[role, rank] = f.result()
+                if why is None and out.get("state") != "SUCCESS":
+                    why = f"{side_name(role, rank, pair)} failed: {out.get('reason', '')[:200]}"
+            if (why is None and not prefilled and on_prefill is not None
+                    and all(("prefill", r) in results for r in range(len(pair.prefill)))):
+                prefilled = True   # every prefill rank sent its KV: the first token is known
+                if isinstance(results["prefill", 0].get("first_token"), int):
                     try:
-                        on_prefill(results[name]["first_token"])
+                        on_prefill(results["prefill", 0]["first_token"])
                     except OSError:   # the streaming client went away: decode is aborted below
                         why = "cancelled by the client"
             if why is None and (cancel.is_set() or client_gone()):
                 why = "cancelled by the client"
-            if why is not None and pending:   # the other side stops now instead of at its deadline
+            if why is not None and pending:   # every other rank stops now instead of at its deadline
                 for f in pending:
-                    self._aborts.submit(post_json, sides[f][1] + "/abort", {"room": room, "reason": why}, 5.0)
+                    self._aborts.submit(post_json, calls[f][2] + "/abort", {"room": room, "reason": why}, 5.0)
                 break
         if pending:   # aborted: its answer is awaited briefly, never for its whole deadline
             done, pending = wait(pending, ABORT_GRACE_S)
             for f in done:
-                results[sides[f][0]] = f.result()
+                results[calls[f][:2]] = f.result()
             for f in pending:   # frozen or unreachable: answer the client without it
-                name = sides[f][0]
-                results[name] = {"state": "FAILED", "reason": f"{name} gave no answer within "
-                                                              f"{ABORT_GRACE_S:g} s of being aborted"}
+                role, rank, _ = calls[f]
+                results[role, rank] = {"state": "FAILED", "reason": f"{side_name(role, rank, pair)} gave no answer "
+                                                                    f"within {ABORT_GRACE_S:g} s of being aborted"}
+        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))])
+        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))])
         cancelled = why == "cancelled by the client"
         if cancelled and client_gone():
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
-        pre, dec = results["prefill"], results["decode"]
         if 503 in (pre.get("status"), dec.get("status")):
             raise Overloaded(f"{dec.get('reason') if dec.get('status') == 503 else pre.get('reason')} "
                              f"(room {room}, pair {pair_index})")

@@ -31,6 +31,11 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "then moves by token")
     g.add_argument("--decode-page-size", type=power_of_two, default=None, metavar="N",
                    help="decode's tokens per page (default: --page-size)")
+    g.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
+                   help="tensor-parallel ranks of the prefill instance (one process each)")
+    g.add_argument("--decode-tp", type=positive_int, default=1, metavar="M",
+                   help="tensor-parallel ranks of the decode instance; where N != M each decode rank receives its "
+                        "heads from the prefill ranks that hold them")
     g.add_argument("--max-tokens", type=positive_int, default=65536, help="pool capacity per side, in tokens")
     g.add_argument("--max-requests", type=positive_int, default=64,
                    help="request slots per side (each holds a Mamba/GDN state and an AUX row; fewer use less memory)")
@@ -60,6 +65,11 @@ def devices(device: str) -> tuple[str, str]:
     return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
+def urls(ranks: list[dict]) -> str:
+    """An instance as the router's --pair takes it: its ranks' URLs joined by +."""
+    return "+".join(r["http"] for r in ranks)
+
+
 def run(args: argparse.Namespace) -> int:
     from disagg.tools.launcher import Launcher
 
@@ -75,23 +85,28 @@ def run(args: argparse.Namespace) -> int:
     prefill_device, decode_device = devices(args.device)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     with Launcher(logs=args.worker_logs) as launcher:
-        say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}) ...")
-        prefill = launcher.start("prefill", *pool, *pages["prefill"], "--device", prefill_device,
-                                 "--bootstrap-bind", "tcp://127.0.0.1:*",
-                                 *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
-        say(f"  prefill ready in {prefill['started_s']:.1f} s on {prefill['http']}, pool {prefill['pool']['human']}")
-        say(f"starting decode ({decode_device}) ...")
-        decode = launcher.start("decode", *pool, *pages["decode"], "--device", decode_device,
-                                "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
-        say(f"  decode ready in {decode['started_s']:.1f} s on {decode['http']}, pool {decode['pool']['human']}")
+        say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
+        prefill = launcher.start_instance(
+            "prefill", args.prefill_tp, *pool, *pages["prefill"], "--device", prefill_device,
+            "--bootstrap-bind", "tcp://127.0.0.1:*",
+            *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
+        say(f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
+            f"{prefill[0]['pool']['human']} per rank")
+        say(f"starting decode ({decode_device}, TP {args.decode_tp}) ...")
+        decode = launcher.start_instance("decode", args.decode_tp, *pool, *pages["decode"], "--device",
+                                         decode_device, "--bootstrap-addr", prefill[0]["bootstrap"],
+                                         "--check-rate", "1")
+        say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
+            f"{decode[0]['pool']['human']} per rank")
         vocab = ["--vocab-size", str(FAMILIES[args.preset].vocab_size)] if engine == "model" else []
-        router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}",
+        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}",
                                 *vocab)
         say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
             f"prompts of {args.prompt_len} tokens")
         summaries = run_workloads(router["http"], args)
     for summary in summaries.values():
         summary["preset"], summary["engine"] = args.preset, engine
+        summary["tp"] = f"{args.prefill_tp}:{args.decode_tp}"
     if args.json:
         print(json.dumps(one_json(summaries)))
     else:

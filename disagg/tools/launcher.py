@@ -74,7 +74,20 @@ class Launcher:
             raise DisaggError(f"`disagg {args[0]}` did not become ready ({state}){said}")
         ready_line = json.loads(line)
         ready_line["started_s"] = round(time.perf_counter() - t0, 2)
+        ready_line["pid"] = proc.pid
         return ready_line
+
+    def start_instance(self, role: str, tp_size: int, *args: str, prefix: tuple[str, ...] = ()) -> list[dict]:
+        """The TP ranks 0 .. tp_size - 1 of one instance of `role`, each `disagg ROLE ARGS
+        --tp-size N --tp-rank R`; prefill ranks after the first register with rank 0's
+        bootstrap (which runs where ARGS say). Returns their ready lines in rank order."""
+        ranks: list[dict] = []
+        for rank in range(tp_size):
+            more = ["--tp-size", str(tp_size), "--tp-rank", str(rank)]
+            if role == "prefill" and rank:
+                more += ["--bootstrap-bind", "none", "--bootstrap-addr", ranks[0]["bootstrap"]]
+            ranks.append(self.start(role, *args, *more, prefix=prefix))
+        return ranks
 
     def stop(self) -> None:
         for proc in self.procs:

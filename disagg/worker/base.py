@@ -65,7 +65,7 @@ class Worker:
             pool_config = settings.pool.pool_config(self.model.spec)
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
             raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
-                              f"--max-tokens or --pool-bytes, --max-requests)") from None
+                              f"--max-tokens or --pool-bytes, --max-requests, --tp-size)") from None
         self.pool_summary = memory(pool_config, settings.transfer.staging_slots * settings.transfer.staging_slot_bytes)
         log.info("pool %s: %s", settings.pool.preset, self.pool_summary["line"])
         self.pool = HybridPool(pool_config)

@@ -10,6 +10,7 @@ from disagg.control.deadlines import Deadlines
 from disagg.worker.checks import byte_size, cuda_device, device_name, port, positive_int, power_of_two, seconds
 from disagg.worker.pool_settings import PoolSettings
 from disagg.engine import registry
+from disagg.errors import ConfigError
 from disagg.engine.model.families import FAMILIES
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
@@ -44,6 +45,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "(fewest transfer ranges); layer_major = one buffer per layer and part (as SGLang/vLLM)")
     g.add_argument("--device", default="auto", type=device_name, metavar="DEVICE",
                    help="where the pool lives: cpu, cuda, cuda:N, or auto (cuda where torch sees a GPU)")
+    g.add_argument("--tp-size", type=positive_int, default=1,
+                   help="tensor-parallel ranks of this instance: one worker process per rank, each holding its "
+                        "share of the heads (prefill and decode may differ: the KV is resharded on the way)")
+    g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0 .. tp-size - 1)")
     g = p.add_argument_group("HTTP (/health, /ready, /metrics and the API)")
     g.add_argument("--http-host", default=None, help="address to serve on (default: --host; 0.0.0.0 for "
                    "Kubernetes probes)")
@@ -99,9 +104,14 @@ def resolve_device(device: str) -> str:
 
 
 def pool_settings(args: argparse.Namespace) -> PoolSettings:
+    if not 0 <= args.tp_rank < args.tp_size:
+        raise ConfigError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size} (0 .. {args.tp_size - 1})")
+    if args.tp_size > 1 and registry.resolve(args.engine, args.preset) == "model":
+        raise ConfigError(f"--tp-size {args.tp_size}: the model engine computes the whole model in one process; "
+                          f"a TP instance runs --engine standin (preset {args.preset})")
     max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
     return PoolSettings(args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
-                        args.layout, args.device)
+                        args.layout, args.device, args.tp_size, args.tp_rank)
 
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig:

@@ -20,6 +20,8 @@ class PoolSettings:
     max_requests: int = 64
     layout: str = "page_major"
     device: str = "auto"
+    tp_size: int = 1                    # ranks of this instance; the pool holds rank tp_rank's heads
+    tp_rank: int = 0
 
     def resolved_device(self) -> str:
         """--device auto -> cuda where torch sees a GPU, else cpu (the pool's own rule)."""
@@ -33,7 +35,8 @@ class PoolSettings:
         model = model or get_preset(self.preset)
         return PoolConfig(model, self.page_size or model.default_page_size, max_tokens=self.max_tokens,
                           byte_budget=self.byte_budget, max_requests=self.max_requests,
-                          layout=Layout(self.layout), device=self.device)
+                          layout=Layout(self.layout), device=self.device,
+                          tp_size=self.tp_size, tp_rank=self.tp_rank)
 
 
 def memory(config: "PoolConfig", staging_bytes: int = 0) -> dict:

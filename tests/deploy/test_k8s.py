@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "deploy" / "k8s"))
 from render import render  # noqa: E402
 
-OVERLAYS = ["base", "overlays/tcp", "overlays/rdma", "overlays/scale-out", "preflight"]
+OVERLAYS = ["base", "overlays/tcp", "overlays/rdma", "overlays/scale-out", "overlays/tp", "preflight"]
 K8S_VERSION = "1.30"
 
 
@@ -105,6 +105,19 @@ def test_workers_are_wired_for_a_cluster(rendered):
             assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
     if name == "overlays/scale-out":
         assert len(pairs) == 2 and by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
+    if name == "overlays/tp":   # one pod per rank: TP size = replicas, rank = the pod's ordinal
+        (pair,) = pairs
+        for role, urls in zip(("prefill", "decode"), pair.split(",")[:2]):
+            sts = by[("StatefulSet", f"disagg-{role}")]
+            env = {e["name"]: e for e in _containers(sts)[0]["env"]}
+            assert env["DISAGG_TP_SIZE"]["value"] == str(sts["spec"]["replicas"]) == str(len(urls.split("+")))
+            assert env["DISAGG_TP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+                "metadata.labels['apps.kubernetes.io/pod-index']"
+            assert [int(u.split(".")[0].rsplit("-", 1)[1]) for u in urls.split("+")] == list(range(len(urls.split("+"))))
+        args = build_parser().parse_args(_containers(by[("StatefulSet", "disagg-prefill")])[0]["args"])
+        assert args.bootstrap_bind == "none" and args.bootstrap_addr == pair.split(",")[2]
+        boot = by[("Deployment", "disagg-bootstrap")]
+        assert build_parser().parse_args(_containers(boot)[0]["args"]).command == "bootstrap"
 
 
 def _admits_only_who_needs_it(by: dict) -> None:

@@ -50,7 +50,7 @@ def _stuck_in_prefill(pair, eventually, room: int) -> tuple[dict, dict]:
     pre = run(prefill.prefill, room, tokens)
     assert stuck.entered.wait(10)
     dec = run(decode.decode, room, tokens, 2)
-    eventually(lambda: (r := prefill.requests.get(room)) is not None and r.dst is not None, 10,
+    eventually(lambda: (r := prefill.requests.get(room)) is not None and r.dests, 10,
                "prefill holds decode's TransferRequest")
     return pre, dec
 

@@ -156,3 +156,29 @@ def test_an_epoch_from_the_future_cannot_hold_a_rank_forever(client):
     client.register(_info(0, epoch=time.time_ns()))   # a real prefill's epoch: now
     with pytest.raises(ProtocolError, match="tp_size 100000 outside"):
         client.register(_info(rank=5000, size=100_000))
+
+
+def test_the_ranks_of_one_bootstrap_are_one_instance(keyed, eventually):
+    """A rank whose TP size or pool differs from a live rank's is refused (it belongs to
+    another instance); once the old instance's leases ran out a new one of another TP size
+    takes the bootstrap, and the old ranks beyond its size are gone."""
+    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", lease_s=0.5), keyed).start()
+    client = BootstrapClient(server.endpoint, keyed)
+    try:
+        for rank in (0, 2, 3):
+            client.register(_info(rank, epoch=1, size=4))
+        with pytest.raises(ProtocolError, match=r"rank 1 does not belong with live rank 0 .*tp_size 4 vs 2"):
+            client.register(_info(1, epoch=2, size=2))
+        other = RegisterPrefill(PROTOCOL_VERSION, 1, 4, "tcp://127.0.0.1:7001", 2,
+                                LayoutInfo(4, "page_major", LAYOUT.buffers))
+        with pytest.raises(ProtocolError, match="16-token pages page_major vs 4-token pages"):
+            client.register(other)
+        with pytest.raises(ProtocolError, match="no prefill rank 1"):   # nothing changed
+            client.lookup(PROTOCOL_VERSION, 1)
+        eventually(lambda: _registers(client, _info(0, epoch=3, size=2)), 10, "a new instance once the old expired")
+        client.register(_info(1, epoch=3, size=2))
+        with pytest.raises(ProtocolError, match="no prefill rank 3"):
+            client.lookup(PROTOCOL_VERSION, 3)
+    finally:
+        client.close()
+        server.stop()

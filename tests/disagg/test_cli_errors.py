@@ -35,6 +35,10 @@ def _run(*args: str, shell: str | None = None) -> subprocess.CompletedProcess:
     (["demo", "--preset", "gpt-oss", "--requests", "1"], "--preset: invalid choice: 'gpt-oss' (choose from 'gpt-oss-120b'"),
     (["prefill", *POOL, "--http-port", "70000"], "--http-port: 70000 is not a port in [0, 65535]"),
     (["decode", *POOL[:4], "--dead-after", "-1"], "--dead-after: -1 must be a positive number of seconds"),
+    (["decode", "--preset", "tiny-swa", "--tp-size", "3", "--device", "cpu"],
+     "tiny-swa: full kv_heads (2) neither divisible by nor a divisor of TP size 3"),
+    (["prefill", *POOL, "--tp-size", "2", "--tp-rank", "2"], "--tp-rank 2 is not a rank of --tp-size 2 (0 .. 1)"),
+    (["router", "--pair", "http://a:1+http://a:1,http://b:1,main"], "a rank's URL given twice"),
     (["demo", "--preset", "tiny-full", "--max-tokens", "2", "--requests", "1"],
      "`disagg prefill` did not become ready (exit code 2): disagg prefill: error: capacity holds no page"),
 ])

@@ -29,7 +29,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        eventually(lambda: (r := prefill.requests.get(7)) is not None and r.dst is not None, 10,
+        eventually(lambda: (r := prefill.requests.get(7)) is not None and r.dests, 10,
                    "prefill holds decode's TransferRequest")
         t0 = time.monotonic()
         prefill._stop.set()  # the prefill's control plane goes silent (no replies, no heartbeats)

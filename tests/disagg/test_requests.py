@@ -8,7 +8,7 @@ import pytest
 
 from disagg.control.deadlines import Deadlines
 from disagg.control.messages import Abort, TransferDone
-from disagg.decode.requests import Phase as D, RequestTable as DecodeTable
+from disagg.decode.requests import Phase as D, RequestTable as DecodeTable, Sender
 from disagg.errors import ProtocolError
 from disagg.prefill.requests import Phase as P, RequestTable as PrefillTable
 
@@ -28,7 +28,7 @@ class Effects:
     def tell(self, peer, msg) -> None:
         self.told.append((peer, msg))
 
-    def submit(self, r):
+    def submit(self, r, dest=None):
         self.submitted.append(r)
         return self.refuse
 
@@ -128,16 +128,16 @@ def decode_table(quarantine_s=60.0, deadlines=LONG):
 def test_decode_success_only_from_the_prefill_it_asked():
     t, fx = decode_table()
     r = t.open(1)
-    t.admitted(r, "kv", "dst", [0])
-    assert t.sending(r, "tcp://p:1", 9)
+    t.admitted(r, "kv", "dst")
+    assert t.sending(r, [Sender("tcp://p:1", 9)])
     t.started(1, "tcp://p:1", 8)          # another epoch: ignored
     assert r.phase is D.WAITING_FOR_INPUT
     t.started(1, "tcp://p:1", 9)
-    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1") is r and t.receiving(1, "tcp://x:1") is None
+    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1")[0] is r and t.receiving(1, "tcp://x:1")[0] is None
     t.done(TransferDone(1, 9, True), "tcp://x:1")   # another prefill: ignored
     assert r.phase is D.TRANSFERRING
     t.done(TransferDone(1, 9, True), "tcp://p:1")
-    assert t.wait(r) is D.SUCCESS and r.done.ok
+    assert t.wait(r) is D.SUCCESS and t.report(r)["senders"] == 1
     t.finish(r)
     assert fx.freed == [r] and t.get(1) is None and not fx.told
 
@@ -145,8 +145,8 @@ def test_decode_success_only_from_the_prefill_it_asked():
 def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
     t, fx = decode_table()
     r = t.open(2)
-    t.sending(r, "tcp://p:1", 9)
-    assert t.fail(r, "aborted: client") and r.phase is D.ABORTING and t.receiving(2, "tcp://p:1") is None
+    t.sending(r, [Sender("tcp://p:1", 9)])
+    assert t.fail(r, "aborted: client") and r.phase is D.ABORTING and t.receiving(2, "tcp://p:1")[0] is None
     t.finish(r)
     assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:1", Abort(2, "aborted: client"))] and not fx.freed
     with pytest.raises(ProtocolError, match="duplicate room 2"):
@@ -162,7 +162,7 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     later Abort frees; a request already quarantined is not freed by an unsettled answer."""
     t, fx = decode_table()
     r = t.open(2)
-    t.sending(r, "tcp://p:1", 9)
+    t.sending(r, [Sender("tcp://p:1", 9)])
     t.started(2, "tcp://p:1", 9)
     t.done(TransferDone(2, 9, False, "WritesAbandoned: link closed", settled=False), "tcp://p:1")
     assert t.wait(r) is D.ABORTING and "WritesAbandoned" in r.reason
@@ -185,12 +185,12 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
 def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
     t, fx = decode_table(quarantine_s=0.0)
     a, b, c = t.open(3), t.open(4), t.open(5)
-    t.sending(a, "tcp://p:1", 9)
-    t.sending(b, "tcp://q:1", 9)
+    t.sending(a, [Sender("tcp://p:1", 9)])
+    t.sending(b, [Sender("tcp://q:1", 9)])
     assert t.peer_lost("tcp://p:1", "prefill silent") == 1
     assert a.phase is D.ABORTING and b.phase is D.WAITING_FOR_INPUT
     t.fail(c, "lookup failed")               # never sent: nothing can write into it
-    assert c.phase is D.FAILED and not t.sending(c, "tcp://p:1", 9)
+    assert c.phase is D.FAILED and not t.sending(c, [Sender("tcp://p:1", 9)])
     t.finish(c)
     t.finish(a)
     assert fx.freed == [c] and t.quarantined() == 1
@@ -203,7 +203,7 @@ def test_decode_abort_before_arrival_and_deadlines():
     r = t.open(6)
     assert r.phase is D.FAILED and r.reason == "aborted: router gave up"
     r = t.open(7)
-    t.sending(r, "tcp://p:1", 1)
+    t.sending(r, [Sender("tcp://p:1", 1)])
     assert t.wait(r) is D.ABORTING and "WAITING_FOR_INPUT deadline" in r.reason
 
 
@@ -285,3 +285,100 @@ def test_prefill_failure_before_decode_arrived_frees_when_the_engine_returns():
     r3 = t.prompt(3, TOKENS)
     t.fail(r3, "gone")
     assert not t.streaming(r3, "kv3", progress)            # an ended request: the caller keeps its pages
+
+
+# ---- TP instances: several destinations (prefill) and several senders (decode) ------------
+
+TWO = frozenset({0, 1})   # a prefill rank of TP 1 sends to both ranks of a decode of TP 2
+
+
+def test_prefill_waits_for_every_decode_rank_then_sends_each_its_share_and_ends_when_all_are_sent():
+    t, fx = prefill_table()
+    r = t.prompt(1, TOKENS)
+    assert t.destination(1, PEER, "dst0", [0], rank=0, tp_size=2, receivers=TWO) is None
+    t.computed(r, "kv")
+    assert r.phase is P.AWAITING_DECODE and not fx.submitted   # decode rank 1 has not asked yet
+    assert t.destination(1, OTHER, "dst1", [1], rank=1, tp_size=2, receivers=TWO) is None
+    assert r.phase is P.TRANSFERRING and fx.submitted == [r, r] and r.writers == 2
+    first = TransferDone(1, 5, True, nbytes=10)
+    t.finished(r, True, done=first, dest=r.dests[1])
+    assert r.phase is P.TRANSFERRING and fx.told == [(OTHER, first)] and not fx.freed   # its KV is complete
+    second = TransferDone(1, 5, True, nbytes=12)
+    t.finished(r, True, done=second, dest=r.dests[0])
+    assert r.phase is P.DONE and fx.freed == ["kv"] and fx.told == [(OTHER, first), (PEER, second)]
+    assert t.get(1) is None
+
+
+def test_prefill_one_failed_destination_stops_the_others_and_tells_every_one_not_yet_told():
+    t, fx = prefill_table()
+    r = t.prompt(2, TOKENS)
+    t.destination(2, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO)
+    t.destination(2, OTHER, "d1", [], rank=1, tp_size=2, receivers=TWO)
+    t.computed(r, "kv")
+    t.finished(r, False, "WriteFailed: boom", dest=r.dests[0])
+    assert r.phase is P.STOPPING and not fx.freed and not fx.told   # rank 1's worker still writes
+    t.finished(r, True, done=TransferDone(2, 5, True), dest=r.dests[1])   # finished, but r failed
+    assert r.phase is P.FAILED and fx.freed == ["kv"]
+    assert sorted(fx.told) == sorted([(PEER, TransferDone(2, 5, False, "WriteFailed: boom")),
+                                      (OTHER, TransferDone(2, 5, False, "WriteFailed: boom"))])
+
+
+def test_prefill_refuses_a_second_claim_of_a_rank_another_tp_size_and_a_rank_it_does_not_feed():
+    t, fx = prefill_table()
+    r = t.prompt(3, TOKENS)
+    assert t.destination(3, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO) is None
+    assert t.destination(3, PEER, "again", [], rank=0, tp_size=2, receivers=TWO) is None   # a repeat: ignored
+    claim = t.destination(3, OTHER, "d0'", [], rank=0, tp_size=2, receivers=TWO)
+    assert not claim.ok and "decode rank 0 of room 3 is claimed by another connection" in claim.reason
+    size = t.destination(3, OTHER, "d", [], rank=1, tp_size=4, receivers=frozenset({0, 1, 2, 3}))
+    assert not size.ok and "TP size 2, not 4" in size.reason
+    stranger = t.destination(4, OTHER, "d", [], rank=3, tp_size=4, receivers=frozenset({0, 1}))
+    assert not stranger.ok and "holds none of decode rank 3's share" in stranger.reason and t.get(4) is None
+    assert r.dests[0].dst == "d0" and set(r.dests) == {0} and r.phase is P.AWAITING_DECODE and not fx.told
+    t.destination(3, OTHER, "d1", [], rank=1, tp_size=2, receivers=TWO)
+    assert r.phase is P.COMPUTING
+
+
+def test_prefill_orphan_destinations_wait_for_the_missing_rank_after_the_prompt():
+    t, fx = prefill_table()
+    t.destination(5, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO)
+    r = t.prompt(5, TOKENS)
+    assert r.phase is P.AWAITING_DECODE
+    t.destination(5, OTHER, "d1", [], rank=1, tp_size=2, receivers=TWO)
+    assert r.phase is P.COMPUTING
+
+
+def test_decode_succeeds_only_once_every_sender_is_done_and_sums_their_reports():
+    t, fx = decode_table()
+    r = t.open(1)
+    a, b = Sender("tcp://p:1", 9, [0]), Sender("tcp://p:2", 7, [1])
+    t.admitted(r, "kv", "dst")
+    assert t.sending(r, [a, b]) and r.slots == [0, 1]
+    t.started(1, "tcp://p:2", 7)
+    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:2") == (r, b)
+    t.done(TransferDone(1, 9, True, nbytes=10, ranges=2, transfer_ms=3.0, mode="direct"), "tcp://p:1")
+    assert r.phase is D.TRANSFERRING   # rank 1's share has not landed
+    t.done(TransferDone(1, 7, True, nbytes=5, ranges=1, transfer_ms=4.0, mode="staged"), "tcp://p:2")
+    assert t.wait(r) is D.SUCCESS
+    assert t.report(r) == {"bytes": 15, "ranges": 3, "transfer_ms": 4.0, "mode": "direct+staged", "senders": 2}
+    t.finish(r)
+    assert fx.freed == [r] and not fx.told
+
+
+def test_decode_one_failed_sender_holds_the_pages_until_the_others_stopped_writing():
+    t, fx = decode_table()
+    r = t.open(2)
+    t.sending(r, [Sender("tcp://p:1", 9), Sender("tcp://p:2", 7)])
+    t.done(TransferDone(2, 9, False, "WriteFailed: boom"), "tcp://p:1")
+    assert t.wait(r) is D.ABORTING and r.reason == "prefill: WriteFailed: boom"   # p:2 may still write
+    t.finish(r)
+    assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:2", Abort(2, r.reason))] and not fx.freed
+    t.done(TransferDone(2, 7, False, "aborted by decode"), "tcp://p:2")
+    assert fx.freed == [r] and t.quarantined() == 0
+    # a sender lost: only the requests it feeds fail
+    t2, fx2 = decode_table()
+    c, d = t2.open(3), t2.open(4)
+    t2.sending(c, [Sender("tcp://p:1", 9), Sender("tcp://p:2", 7)])
+    t2.sending(d, [Sender("tcp://p:1", 9)])
+    t2.done(TransferDone(4, 9, True), "tcp://p:1")
+    assert t2.peer_lost("tcp://p:2", "prefill silent") == 1 and c.phase is D.ABORTING and d.phase is D.SUCCESS

@@ -1,0 +1,100 @@
+"""TP instances through the real control plane, servers in this process (real ZMQ; the memory
+transport, which only works in one process): decode ranks registering with the prefill ranks
+that hold their heads, and what a prefill rank refuses from a decode that lies about its rank."""
+
+import threading
+
+import msgspec
+import numpy as np
+import pytest
+import zmq
+
+from disagg.control.messages import (PROTOCOL_VERSION, Decoder, LayoutInfo, RegisterDecode, Registered, Refused,
+                                     ToDecode, TransferDone, TransferRequest, encoder, indices_to_wire)
+from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.prefill.server import PrefillConfig, PrefillServer
+from disagg.worker.pool_settings import PoolSettings
+from harness import memory
+from kvpool import HybridPool
+from transfer.config import TransferConfig
+from transfer.receiver import KVReceiver
+
+
+def _pool(tp_size: int = 1, tp_rank: int = 0) -> PoolSettings:
+    return PoolSettings(preset="tiny-swa", max_tokens=2048, max_requests=4, device="cpu", tp_size=tp_size,
+                        tp_rank=tp_rank)
+
+
+@pytest.fixture()
+def prefill():
+    memory.register()
+    server = PrefillServer(PrefillConfig(pool=_pool(), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",)))
+    yield server
+    server.close()
+
+
+def test_two_decode_ranks_receive_their_heads_from_one_prefill_rank(prefill):
+    decodes = [DecodeServer(DecodeConfig(pool=_pool(2, rank), bootstrap_addr=prefill.bootstrap_endpoint,
+                                         transports=("memory",))) for rank in range(2)]
+    try:
+        tokens = np.arange(40) % 97
+        out: dict = {}
+        threads = [threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(11, tokens)))]
+        threads += [threading.Thread(target=lambda d=d, i=i: out.__setitem__(i, d.decode(11, tokens)))
+                    for i, d in enumerate(decodes)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert out["prefill"]["state"] == "SUCCESS" and out["prefill"]["destinations"] == 2
+        for i in range(2):
+            assert out[i]["state"] == "SUCCESS" and out[i]["verified"] and out[i]["senders"] == 1, out[i]
+        assert out[0]["bytes"] + out[1]["bytes"] == out["prefill"]["bytes"]
+        for server in (prefill, *decodes):
+            assert server.pool.available() == HybridPool(server.pool.config).available()
+    finally:
+        for d in decodes:
+            d.close()
+
+
+def _dealer(prefill):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(prefill.control_endpoint)
+    return sock
+
+
+def _ask(sock, msg):
+    sock.send(encoder.encode(msg))
+    assert sock.poll(10_000)
+    return Decoder(ToDecode, "test").decode(sock.recv())
+
+
+def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_nothing(prefill):
+    receiver = KVReceiver(memory.MemoryTransport(), HybridPool(_pool(2, 0).pool_config()), TransferConfig())
+    own = prefill.layout
+    socks = [_dealer(prefill) for _ in range(3)]
+    try:
+        layout = LayoutInfo(own.page_size, own.layout, receiver.buffers, msgspec.structs.replace(own.model, tp_size=2))
+        # a TP size its pool is not described at; a TP size that cannot split the model's 2 KV heads
+        lie = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, layout, receiver.offers(), None, 4, 0))
+        assert isinstance(lie, Refused) and "decode says TP size 4, its pool is described at TP size 2" in lie.reason
+        three = msgspec.structs.replace(layout, model=msgspec.structs.replace(own.model, tp_size=3))
+        odd = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, three, receiver.offers(), None, 3, 0))
+        assert isinstance(odd, Refused) and "TP size 3" in odd.reason and "divis" in odd.reason, odd.reason
+        # two connections both claiming decode rank 0 of 2 for one room: the second is refused
+        for epoch, sock in enumerate(socks[1:], 2):
+            reply = _ask(sock, RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), None, 2, 0))
+            assert isinstance(reply, Registered), reply
+        kv = receiver.pool.alloc_request(16, swa_window_only=True)
+        dst = indices_to_wire(receiver.pool.index_set(kv))
+        socks[1].send(encoder.encode(TransferRequest(5, 2, 16, dst, [])))
+        second = _ask(socks[2], TransferRequest(5, 3, 16, dst, []))
+        assert isinstance(second, TransferDone) and not second.ok
+        assert "decode rank 0 of room 5 is claimed by another connection" in second.reason
+        r = prefill.requests.get(5)
+        assert set(r.dests) == {0} and r.receivers == {0, 1}   # the first claim stands, rank 1 still expected
+    finally:
+        for sock in socks:
+            sock.close()
+        receiver.close()

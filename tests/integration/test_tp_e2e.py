@@ -1,0 +1,63 @@
+"""TP instances as real processes on loopback (Mooncake between every pair of ranks): N
+prefill ranks and M decode ranks behind one router pair, for an SWA, a state, an MLA + NSA
+and a hybrid family, with page sizes equal and different. Every decode rank verifies the
+heads it holds; every rank's pool is back to its initial counts."""
+
+import json
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from disagg.api import metrics
+from disagg.router.router import post_json
+from disagg.tools.demo import urls
+from disagg.tools.launcher import Launcher
+
+pytestmark = pytest.mark.slow
+
+STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode page size, more flags)
+    "gpt-oss-like 1->2, pages 4->16": ("tiny-swa", 1, 2, 4, 16, []),
+    "qwen3-next-like 2->1": ("tiny-mamba", 2, 1, None, None, []),
+    "deepseek-like 2->4, pages 16->1": ("tiny-mla-nsa", 2, 4, 16, 1, []),
+    "hybrid 4->2 staged": ("tiny-hybrid", 4, 2, None, None, ["--transfer-mode", "staged"]),
+}
+
+
+def pool_free(http: str) -> dict:
+    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
+        return metrics.pool_free(resp.read().decode())
+
+
+@pytest.fixture(scope="module", params=list(STACKS))
+def stack(request):
+    preset, n, m, p_page, d_page, more = STACKS[request.param]
+    common = ["--preset", preset, "--max-tokens", "4096", "--device", "cpu", "--max-requests", "8",
+              "--staging-slot-mib", "1", *more]
+    page = lambda size: ["--page-size", str(size)] if size else []
+    with Launcher() as launcher:
+        prefill = launcher.start_instance("prefill", n, *common, *page(p_page), "--bootstrap-bind", "tcp://127.0.0.1:*")
+        decode = launcher.start_instance("decode", m, *common, *page(d_page), "--bootstrap-addr", prefill[0]["bootstrap"])
+        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+        yield {"prefill": prefill, "decode": decode, "router": router, "tp": (n, m)}
+
+
+def test_every_decode_rank_receives_and_verifies_its_heads_and_every_pool_comes_back(stack):
+    ranks = [r["http"] for r in (*stack["prefill"], *stack["decode"])]
+    before = {http: pool_free(http) for http in ranks}
+    lengths = [1, 5, 17, 64, 333, 900]
+    with ThreadPoolExecutor(len(lengths)) as pool:
+        results = list(pool.map(lambda n: post_json(stack["router"]["http"] + "/generate",
+                                                    {"prompt_len": n, "max_new_tokens": 3, "seed": n}, 60), lengths))
+    for n, r in zip(lengths, results):
+        assert r["ok"] and r["verified"], (n, r.get("reason"))
+        assert len(r["output_tokens"]) == 3 and r["bytes"] > 0
+    assert {http: pool_free(http) for http in ranks} == before
+
+
+def test_the_router_sees_every_rank(stack):
+    with urllib.request.urlopen(stack["router"]["http"] + "/ready", timeout=10) as resp:
+        ready = json.loads(resp.read())
+    n, m = stack["tp"]
+    assert ready["ready"] and ready["pairs"][0]["prefill"].count("+") == n - 1
+    assert ready["pairs"][0]["decode"].count("+") == m - 1
