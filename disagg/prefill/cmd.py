@@ -55,9 +55,10 @@ def config_from(args: argparse.Namespace) -> "PrefillConfig":
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from disagg.api.fields import abort_route, require_room, require_tokens, stream_layers
+    from disagg.api.fields import abort_route, optional_int, require_room, require_tokens, stream_layers
     from disagg.api.metrics import WorkerMetrics
     from disagg.api.server import ApiServer
+    from disagg.control.messages import MAX_TP_SIZE
     from disagg.prefill.server import PrefillServer
     from disagg.process import serve, setup_logging
 
@@ -67,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     metrics = WorkerMetrics("prefill")
 
     def observe(out: dict, ok: bool) -> None:
-        if ok:
+        if ok and "transport" in out:   # (a TP rank holding none of decode's share sends nothing)
             metrics.bytes.labels("prefill", out["transport"]).inc(out["bytes"])
             metrics.transfers.labels("prefill", out["mode"], out["transport"]).inc()
             metrics.ranges.labels("prefill").observe(out["ranges"])
@@ -76,7 +77,8 @@ def run(args: argparse.Namespace) -> int:
 
     def prefill(body: dict) -> dict:
         room, tokens, stream = require_room(body), require_tokens(body), stream_layers(body)
-        return metrics.count(lambda: server.prefill(room, tokens, stream), lambda out: out["state"] == "SUCCESS", observe)
+        decode_tp = optional_int(body, "decode_tp", 0, 0, MAX_TP_SIZE) or None   # the router says it
+        return metrics.count(lambda: server.prefill(room, tokens, stream, decode_tp), lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),

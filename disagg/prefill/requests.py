@@ -60,19 +60,28 @@ class RequestTable:
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
 
     # ---- arrivals --------------------------------------------------------------------------
-    def prompt(self, room: int, tokens: np.ndarray, stream_auto: bool = False) -> PrefillRequest:
+    def prompt(self, room: int, tokens: np.ndarray, stream_auto: bool = False, receivers: frozenset[int] | None = None,
+               tp_size: int = 0) -> PrefillRequest:
         """The prompt arrived (HTTP). A room that ended here fails at once. `stream_auto`: it
-        streams by `auto` (may_stream decides per link)."""
+        streams by `auto` (may_stream decides per link). `receivers`: the decode ranks (of an
+        instance of `tp_size`) to expect, where the caller knows them (None: the first
+        TransferRequest says); none at all: sent once computed."""
         with self._lock:
             r = self._rooms.get(room)
             if r is not None and r.tokens is not None:
                 raise ProtocolError(f"duplicate room {room}")
             if r is None:
                 r = self._rooms[room] = PrefillRequest(room, Phase.AWAITING_DECODE)
-            elif r.phase is Phase.ORPHANED:
-                self._move(r, Phase.COMPUTING if r.complete else Phase.AWAITING_DECODE)
-            r.tokens, r.stream_auto = tokens, stream_auto
             why = self.ended.reason(room)
+            if receivers is not None and r.receivers is None:
+                r.receivers, r.tp_size = receivers, tp_size
+            elif receivers is not None and r.tp_size != tp_size:
+                why = why or f"room {room}: the router says decode TP size {tp_size}, decode's request {r.tp_size}"
+            if r.phase is Phase.ORPHANED:
+                self._move(r, Phase.COMPUTING if r.complete else Phase.AWAITING_DECODE)
+            elif r.phase is Phase.AWAITING_DECODE and r.complete:   # no decode rank to wait for
+                self._move(r, Phase.COMPUTING)
+            r.tokens, r.stream_auto = tokens, stream_auto
             if why and not r.phase.ended:
                 self._fail(r, why)
             return r
@@ -161,6 +170,13 @@ class RequestTable:
     def _maybe_start(self, r: PrefillRequest) -> None:
         if (r.phase is Phase.COMPUTING and r.complete and r.kv is not None
                 and not (r.computing and not self._may_stream(r))):
+            if not r.dests:   # we hold none of the decode instance's share (another rank sends it)
+                if not r.computing:
+                    self._release(r)
+                    self._move(r, Phase.DONE)
+                    self._rooms.pop(r.room, None)
+                    self._lock.notify_all()
+                return
             r.streamed = r.computing
             self._move(r, Phase.STREAMING if r.computing else Phase.TRANSFERRING)
             for d in r.dests.values():

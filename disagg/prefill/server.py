@@ -33,7 +33,8 @@ from disagg.prefill.destinations import Destination, merged_report
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError, RequestKV
-from transfer.errors import WritesAbandoned
+from kvpool.errors import SpecError
+from transfer.errors import TransferError, WritesAbandoned
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 
@@ -82,16 +83,20 @@ class PrefillServer(Worker):
         self.ready = True
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def prefill(self, room: int, token_ids: np.ndarray, stream: str | None = None) -> dict:
-        """Compute the prompt's KV, wait for decode's destination, transfer (`stream`: on, off
-        or auto, default --stream-layers: whether layer groups go while the engine computes).
+    def prefill(self, room: int, token_ids: np.ndarray, stream: str | None = None, decode_tp: int | None = None) -> dict:
+        """Compute the prompt's KV, wait for decode's destinations, transfer (`stream`: on, off
+        or auto, default --stream-layers: whether layer groups go while the engine computes;
+        `decode_tp`: the decode instance's TP size where the router says it, so a rank that
+        holds none of any decode rank's share knows not to wait for one: else the first
+        TransferRequest says it).
         Returns the outcome with timings; the request's pages are free when this returns.
         Raises Overloaded (pool full past queue_wait_s) or TooLarge after the same cleanup."""
         t0 = time.perf_counter()
         tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
         mode = stream or self.config.stream_layers
         streams = self._streams(mode, len(tokens))
-        r = self.requests.prompt(room, tokens, stream_auto=mode == "auto")
+        receivers = self._receivers(decode_tp) if decode_tp else None
+        r = self.requests.prompt(room, tokens, stream_auto=mode == "auto", receivers=receivers, tp_size=decode_tp or 0)
         refused, kv, first_token, handed = None, None, None, False
         try:
             if not r.phase.ended:
@@ -124,6 +129,12 @@ class PrefillServer(Worker):
         done = phase is Phase.DONE
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
                 **({"first_token": first_token} if done else {}), **r.timings, **merged_report(list(r.dests.values()))}
+
+    def _receivers(self, decode_tp: int) -> frozenset[int]:
+        try:
+            return self.peers.receivers(decode_tp)
+        except (SpecError, TransferError) as exc:
+            raise BadRequest(f"decode_tp {decode_tp}: {exc}") from None
 
     def _streams(self, mode: str, num_tokens: int) -> bool:
         if mode not in STREAM_LAYERS:

@@ -211,7 +211,7 @@ class Router:
         timeout = self.config.timeout_s
         calls = {}
         for role, urls, body in (
-                ("prefill", pair.prefill, {"room": room, "token_ids": tokens,
+                ("prefill", pair.prefill, {"room": room, "token_ids": tokens, "decode_tp": len(pair.decode),
                                            **({"stream_layers": stream_layers} if stream_layers else {})}),
                 ("decode", pair.decode, {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
                                          "bootstrap": pair.bootstrap})):

@@ -382,3 +382,23 @@ def test_decode_one_failed_sender_holds_the_pages_until_the_others_stopped_writi
     t2.sending(d, [Sender("tcp://p:1", 9)])
     t2.done(TransferDone(4, 9, True), "tcp://p:1")
     assert t2.peer_lost("tcp://p:2", "prefill silent") == 1 and c.phase is D.ABORTING and d.phase is D.SUCCESS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prefill_rank_that_feeds_no_decode_rank_is_done_once_computed(stream):
+    """MLA at prefill TP 2 -> decode TP 1: the latent is replicated and rank 0 sends it, so
+    rank 1 expects no TransferRequest (the router said the decode TP size) and ends DONE."""
+    from transfer.progress import LayerProgress
+    t, fx = prefill_table()
+    r = t.prompt(1, TOKENS, receivers=frozenset(), tp_size=1)
+    assert r.phase is P.COMPUTING
+    if stream:
+        progress = LayerProgress(4)
+        assert t.streaming(r, "kv", progress)
+        assert r.phase is P.COMPUTING and not fx.freed   # the engine still writes
+    t.computed(r, "kv")
+    assert r.phase is P.DONE and fx.freed == ["kv"] and not fx.submitted and not fx.told and t.get(1) is None
+    # a decode request that says another TP size than the router's fails the room
+    r = t.prompt(2, TOKENS, receivers=TWO, tp_size=2)
+    assert not t.destination(2, PEER, "d", [], rank=0, tp_size=4, receivers=frozenset({0})).ok
+    assert r.phase is P.AWAITING_DECODE

@@ -20,6 +20,7 @@ STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode pag
     "gpt-oss-like 1->2, pages 4->16": ("tiny-swa", 1, 2, 4, 16, []),
     "qwen3-next-like 2->1": ("tiny-mamba", 2, 1, None, None, []),
     "deepseek-like 2->4, pages 16->1": ("tiny-mla-nsa", 2, 4, 16, 1, []),
+    "deepseek-like 2->1 (rank 1 sends nothing)": ("tiny-mla-nsa", 2, 1, None, None, []),
     "hybrid 4->2 staged": ("tiny-hybrid", 4, 2, None, None, ["--transfer-mode", "staged"]),
 }
 
