@@ -114,8 +114,9 @@ class DecodeServer(Worker):
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
+            lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
             senders = [Sender(p.endpoint, p.epoch, self.receiver.reserve_slots(self.config.slots_per_transfer),
-                              lanes=self.instances.lanes(p.info)) for p in peers]
+                              lanes=l) for p, l in zip(peers, lanes)]
             if self.requests.sending(r, senders):   # an abort may have come meanwhile
                 indices = indices_to_wire(r.dst)
                 for s in senders:
