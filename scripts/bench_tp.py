@@ -37,7 +37,7 @@ from harness.peer_client import PeerProcess  # noqa: E402
 from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
 from kvpool.geometry import components  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
-from transfer.reshard import Shard, sends  # noqa: E402
+from transfer.reshard import Shard, senders as senders_of  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.transports import TransportSettings, create  # noqa: E402
 
@@ -62,9 +62,7 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
                        device=args.peer_device, tp=(m, s))
         rid, dst = peer.alloc(tokens)
         targets.append((rid, dst))
-        for r in range(n):
-            if sends(model, Shard(args.page_size, n, r), Shard(args.page_size, m, s), components(model)):
-                pairs.append((r, s))
+        pairs += [(r, s) for r in senders_of(model, n, Shard(args.page_size, m, s), components(model))]
     senders = [KVSender(transport, pool, cfg) for pool, _ in prefill]
     try:
         links = {(r, s): peers[s].connect(senders[r]) for r, s in pairs}

@@ -84,6 +84,16 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
     return out_src, out_dst
 
 
+def receivers(model: ModelSpec, src: Shard, dst_tp: int, components: tuple[Component, ...]) -> tuple[int, ...]:
+    """The ranks of a destination instance of TP size `dst_tp` that source rank `src` sends to."""
+    return tuple(t for t in range(dst_tp) if sends(model, src, Shard(src.page_size, dst_tp, t), components))
+
+
+def senders(model: ModelSpec, src_tp: int, dst: Shard, components: tuple[Component, ...]) -> tuple[int, ...]:
+    """The ranks of a source instance of TP size `src_tp` that send to destination rank `dst`."""
+    return tuple(t for t in range(src_tp) if sends(model, Shard(dst.page_size, src_tp, t), dst, components))
+
+
 def sends(model: ModelSpec, src: Shard, dst: Shard, components: tuple[Component, ...]) -> bool:
     """Whether source rank `src` sends destination rank `dst` anything (equal TP sizes: the
     same rank; else some slice of some segment of `components`)."""

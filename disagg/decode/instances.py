@@ -6,7 +6,8 @@ staged pieces name (both pure functions of the model and the two shards, cached)
       N != M   -> every prefill rank t that holds some unit we hold
                   (transfer.reshard.sends; replicated units from one holder each)
 
-The answer changes only when the prefill instance does (another TP size or page size).
+The ranks change only when the prefill instance's TP size does; the lanes also with its page
+size.
 """
 
 from disagg.control.messages import RegisterPrefill
@@ -14,7 +15,7 @@ from disagg.errors import ProtocolError
 from kvpool.errors import SpecError
 from transfer.errors import LayoutIncompatible
 from transfer.receiver import KVReceiver
-from transfer.reshard import Lanes, Shard, sends
+from transfer.reshard import Lanes, Shard, senders
 
 
 class SenderRanks:
@@ -22,23 +23,21 @@ class SenderRanks:
         self.receiver = receiver
         cfg = receiver.pool.config
         self.own = Shard(cfg.page_size, cfg.tp_size, cfg.tp_rank)
-        self._ranks: dict[tuple[int, int], tuple[int, ...]] = {}   # (TP size, page size) -> ranks
+        self._ranks: dict[int, tuple[int, ...]] = {}   # prefill TP size -> the ranks we receive from
         self._lanes: dict[Shard, Lanes | None] = {}
 
     def sender_ranks(self, rank0: RegisterPrefill) -> tuple[int, ...]:
-        """The prefill ranks we receive from, given rank 0's registration (its TP size and page
-        size stand for the instance's); ProtocolError if that TP size cannot split our model."""
-        key = (rank0.tp_size, rank0.layout.page_size)
-        ranks = self._ranks.get(key)
+        """The prefill ranks we receive from, given rank 0's registration (its TP size stands for
+        the instance's); ProtocolError if that TP size cannot split our model."""
+        ranks = self._ranks.get(rank0.tp_size)
         if ranks is None:
             cfg = self.receiver.pool.config
             try:
-                ranks = tuple(t for t in range(rank0.tp_size)
-                              if sends(cfg.model, Shard(key[1], key[0], t), self.own, tuple(cfg.components)))
+                ranks = senders(cfg.model, rank0.tp_size, self.own, tuple(cfg.components))
             except (SpecError, LayoutIncompatible) as exc:
                 raise ProtocolError(f"a prefill instance of TP size {rank0.tp_size} cannot send to ours "
                                     f"(rank {self.own.tp_rank} of {self.own.tp_size}): {exc}") from None
-            self._ranks[key] = ranks
+            self._ranks[rank0.tp_size] = ranks
         return ranks
 
     def lanes(self, info: RegisterPrefill) -> Lanes | None:

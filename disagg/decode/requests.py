@@ -36,6 +36,7 @@ from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
+from transfer.reshard import Lanes
 
 
 class Phase(Enum):
@@ -63,7 +64,7 @@ class Sender:
     endpoint: str                     # its control endpoint (where the TransferRequest went)
     epoch: int                        # its epoch
     slots: list[int] = field(default_factory=list)   # our staging slots lent to it for this request
-    lanes: object = None              # our lanes its staged pieces name (KVReceiver.lanes_from; None: pages)
+    lanes: Lanes | None = None        # our lanes its staged pieces name (KVReceiver.lanes_from; None: pages)
     done: TransferDone | None = None  # TransferDone(ok): its share landed
     stopped: bool = False             # it said it no longer writes (TransferDone, settled)
 

@@ -48,8 +48,8 @@ def config_from(args: argparse.Namespace) -> "PrefillConfig":
     settings["simulate_layer_ms"] = args.simulate_layer_ms
     return PrefillConfig(**settings, control_port=args.control_port,
                          bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
-                         bootstrap_addr=args.bootstrap_addr, transfer_workers=args.transfer_workers, stream_layers=args.stream_layers,
-                         stream_min_tokens=args.stream_min_tokens)
+                         bootstrap_addr=args.bootstrap_addr, transfer_workers=args.transfer_workers,
+                         stream_layers=args.stream_layers, stream_min_tokens=args.stream_min_tokens)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     def prefill(body: dict) -> dict:
         room, tokens, stream = require_room(body), require_tokens(body), stream_layers(body)
         decode_tp = optional_int(body, "decode_tp", 0, 0, MAX_TP_SIZE) or None   # the router says it
-        return metrics.count(lambda: server.prefill(room, tokens, stream, decode_tp), lambda out: out["state"] == "SUCCESS", observe)
+        return metrics.count(lambda: server.prefill(room, tokens, stream, decode_tp),
+                             lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
                     lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),

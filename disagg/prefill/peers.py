@@ -18,7 +18,7 @@ from disagg.control.messages import RegisterDecode, Registered, Refused, check_v
 from disagg.errors import ProtocolError
 from transfer.errors import TransferError
 from transfer.peer import RemotePool
-from transfer.reshard import Shard, sends
+from transfer.reshard import receivers
 from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
@@ -110,10 +110,9 @@ class DecodePeers:
         (transfer.reshard.sends: equal sizes rank r only; else those holding any of our units)."""
         known = self._receivers.get(tp_size)
         if known is None:
-            ours, cfg = self.sender.shard, self.sender.pool.config
+            cfg = self.sender.pool.config
             known = self._receivers[tp_size] = frozenset(
-                t for t in range(tp_size)
-                if sends(cfg.model, ours, Shard(ours.page_size, tp_size, t), tuple(cfg.components)))
+                receivers(cfg.model, self.sender.shard, tp_size, tuple(cfg.components)))
         return known
 
     def drop_silent(self) -> set[bytes]:

@@ -18,7 +18,7 @@ from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.geometry import components
 from transfer.config import Mode, TransferConfig
 from transfer.errors import LayoutIncompatible
-from transfer.reshard import Shard, sends
+from transfer.reshard import Shard, senders as senders_of
 from transfer.sender import KVSender
 
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
@@ -60,8 +60,7 @@ def reshard_into(transport, peer, preset, tp, pages, layout, mode, room=7):
         rid, dst = peer.alloc(TOKENS)
         before = peer.digest(rid, outside=True).outside
         dst_shard = Shard(pages[1], tp[1], s)
-        senders = [r for r in range(tp[0])
-                   if sends(model, Shard(pages[0], tp[0], r), dst_shard, components(model))]
+        senders = list(senders_of(model, tp[0], dst_shard, components(model)))
         for r in senders:
             pool, req = prefill[r]
             with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
