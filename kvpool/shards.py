@@ -68,6 +68,13 @@ def global_spans(parts: tuple[Part, ...], tp_size: int, tp_rank: int) -> list[tu
     return out
 
 
+def global_index(parts: tuple[Part, ...], tp_size: int, tp_rank: int) -> np.ndarray:
+    """Where each element of a rank's row sits in the whole model's row, with `unit_bytes`
+    read as elements per unit (heads along a head axis, channels along a channel axis)."""
+    spans = global_spans(parts, tp_size, tp_rank)
+    return np.concatenate([np.arange(g, g + n, dtype=np.int64) for _, g, n in spans])
+
+
 def _units(part: Part, tp_size: int, tp_rank: int) -> tuple[np.ndarray, np.ndarray]:
     """The units a rank holds and their index within its part's block (int64 arrays)."""
     first, n = held(part, tp_size, tp_rank)

@@ -28,7 +28,7 @@ from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.geometry import parts
 from kvpool.positions import backed, kept_positions, paged_components, state_components, token_items
-from kvpool.shards import global_spans, row_bytes
+from kvpool.shards import global_index, row_bytes
 
 
 def _mix(*parts: np.ndarray | int) -> np.ndarray:
@@ -127,8 +127,7 @@ class StandInEngine:
         if cfg.tp_size == 1:
             return None
         ps = parts(cfg.model, c, part)
-        index = np.concatenate([np.arange(g, g + n) for _, g, n in global_spans(ps, cfg.tp_size, cfg.tp_rank)])
-        return torch.from_numpy(index.astype(np.int64)), row_bytes(ps, 1)
+        return torch.from_numpy(global_index(ps, cfg.tp_size, cfg.tp_rank)), row_bytes(ps, 1)
 
     def _parts(self, pool: HybridPool, c: Component):
         for pl in pool.pools[c].storage.packed.placements:

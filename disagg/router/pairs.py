@@ -57,8 +57,9 @@ def side_name(role: str, rank: int, pair: Pair) -> str:
 
 def merge_ranks(outs: list[dict]) -> dict:
     """One instance's answer from its ranks' answers: the first failure if any rank failed (its
-    reason naming the rank); else rank 0's, with bytes summed and times the slowest rank's
-    (the ranks work at once). Decode ranks must agree on the tokens they generated."""
+    reason naming the rank); else rank 0's, with bytes summed, times the slowest rank's (the
+    ranks work at once) and the check of the first rank whose check failed. Decode ranks must
+    agree on the tokens they generated."""
     if len(outs) == 1:
         return outs[0]
     for rank, out in enumerate(outs):
@@ -70,6 +71,11 @@ def merge_ranks(outs: list[dict]) -> dict:
     merged = {**outs[0], "bytes": sum(out.get("bytes") or 0 for out in outs), "ranks": len(outs),
               "streamed": any(out.get("streamed") for out in outs),
               "verified": all(out.get("verified") for out in outs) if "verified" in outs[0] else None}
+    checks = [(rank, out["check"]) for rank, out in enumerate(outs) if isinstance(out.get("check"), dict)]
+    if checks:   # each decode rank checks its own shard: the first one that differs speaks for all
+        bad = [(r, c) for r, c in checks if not (c.get("token_match") and c.get("logits_match", True))]
+        rank, check = (bad or checks)[0]
+        merged["check"] = {**check, "ranks_checked": len(checks), **({"rank": rank} if bad else {})}
     for key, pick in (("first_write_at", min), *((k, max) for k in _SLOWEST)):
         values = [out[key] for out in outs if isinstance(out.get(key), (int, float))]
         if values:
@@ -78,4 +84,4 @@ def merge_ranks(outs: list[dict]) -> dict:
 
 
 _SLOWEST = ("prefill_ms", "prefill_done_at", "transfer_ms", "after_compute_ms", "bootstrap_ms", "wait_ms",
-            "verify_ms", "decode_ms", "rebuild_ms", "kv_ready_at")
+            "verify_ms", "decode_ms", "rebuild_ms", "check_ms", "kv_ready_at")

@@ -35,7 +35,8 @@ PHASE_MEANING = {
             "of prefill + transfer + control",
     "verify": "decode: checking that the KV received is this prompt's (the stand-in engine compares every "
               "byte), a digest per component",
-    "decode": "decode: generating --max-new-tokens tokens from the received KV (rebuild included)",
+    "decode": "decode: generating --max-new-tokens tokens from the received KV (rebuild included; on a model "
+              "engine's TP rank also the prompt computed for the other ranks' units)",
     "rebuild": "decode, model engine: reading the pool into the model's cache before the first step",
     "check": "decode, --check-rate: the same prompt run colocated and compared (tokens, logits)",
 }

@@ -106,9 +106,6 @@ def resolve_device(device: str) -> str:
 def pool_settings(args: argparse.Namespace) -> PoolSettings:
     if not 0 <= args.tp_rank < args.tp_size:
         raise ConfigError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size} (0 .. {args.tp_size - 1})")
-    if args.tp_size > 1 and registry.resolve(args.engine, args.preset) == "model":
-        raise ConfigError(f"--tp-size {args.tp_size}: the model engine computes the whole model in one process; "
-                          f"a TP instance runs --engine standin (preset {args.preset})")
     max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
     return PoolSettings(args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
                         args.layout, args.device, args.tp_size, args.tp_rank)

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import zmq
 
-from disagg.control.messages import (PROTOCOL_VERSION, Decoder, LayoutInfo, RegisterDecode, Registered, Refused,
-                                     ToDecode, TransferDone, TransferRequest, encoder, indices_to_wire)
+from disagg.control.messages import (PROTOCOL_VERSION, Decoder, Heartbeat, LayoutInfo, RegisterDecode, Registered,
+                                     Refused, ToDecode, TransferDone, TransferRequest, encoder, indices_to_wire)
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.prefill.server import PrefillConfig, PrefillServer
 from disagg.worker.pool_settings import PoolSettings
@@ -89,6 +89,9 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
         kv = receiver.pool.alloc_request(16, swa_window_only=True)
         dst = indices_to_wire(receiver.pool.index_set(kv))
         socks[1].send(encoder.encode(TransferRequest(5, 2, 16, dst, [])))
+        # one connection's messages are handled in order: its heartbeat's answer means the
+        # claim above is in (the two sockets' messages otherwise race to the prefill's loop)
+        assert isinstance(_ask(socks[1], Heartbeat(2)), Heartbeat)
         second = _ask(socks[2], TransferRequest(5, 3, 16, dst, []))
         assert isinstance(second, TransferDone) and not second.ok
         assert "decode rank 0 of room 5 is claimed by another connection" in second.reason

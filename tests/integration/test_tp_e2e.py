@@ -1,7 +1,9 @@
 """TP instances as real processes on loopback (Mooncake between every pair of ranks): N
 prefill ranks and M decode ranks behind one router pair, for an SWA, a state, an MLA + NSA
 and a hybrid family, with page sizes equal and different. Every decode rank verifies the
-heads it holds; every rank's pool is back to its initial counts."""
+heads it holds; every rank's pool is back to its initial counts. Two stacks run the model
+engine (an SWA and a state family): every prefill rank computes the model and writes its
+shard, and every decode rank's tokens and logits equal the colocated run (--check-rate 1)."""
 
 import json
 import urllib.request
@@ -22,7 +24,10 @@ STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode pag
     "deepseek-like 2->4, pages 16->1": ("tiny-mla-nsa", 2, 4, 16, 1, []),
     "deepseek-like 2->1 (rank 1 sends nothing)": ("tiny-mla-nsa", 2, 1, None, None, []),
     "hybrid 4->2 staged": ("tiny-hybrid", 4, 2, None, None, ["--transfer-mode", "staged"]),
+    "model gpt-oss 1->2, pages 4->16": ("tiny-model-gpt-oss", 1, 2, 4, 16, []),
+    "model qwen3-next 2->4 staged, pages 16->1": ("tiny-model-qwen3-next", 2, 4, 16, 1, ["--transfer-mode", "staged"]),
 }
+MODEL_VOCAB = 512
 
 
 def pool_free(http: str) -> dict:
@@ -38,9 +43,13 @@ def stack(request):
     page = lambda size: ["--page-size", str(size)] if size else []
     with Launcher() as launcher:
         prefill = launcher.start_instance("prefill", n, *common, *page(p_page), "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start_instance("decode", m, *common, *page(d_page), "--bootstrap-addr", prefill[0]["bootstrap"])
-        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
-        yield {"prefill": prefill, "decode": decode, "router": router, "tp": (n, m)}
+        model = preset.startswith("tiny-model-")
+        decode = launcher.start_instance("decode", m, *common, *page(d_page),
+                                         "--bootstrap-addr", prefill[0]["bootstrap"],
+                                         *(["--check-rate", "1"] if model else []))
+        router = launcher.start("router", *(["--vocab-size", str(MODEL_VOCAB)] if model else []),
+                                "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+        yield {"prefill": prefill, "decode": decode, "router": router, "tp": (n, m), "model": model}
 
 
 def test_every_decode_rank_receives_and_verifies_its_heads_and_every_pool_comes_back(stack):
@@ -53,6 +62,10 @@ def test_every_decode_rank_receives_and_verifies_its_heads_and_every_pool_comes_
     for n, r in zip(lengths, results):
         assert r["ok"] and r["verified"], (n, r.get("reason"))
         assert len(r["output_tokens"]) == 3 and r["bytes"] > 0
+        if stack["model"]:   # every decode rank checked its own shard against the colocated run
+            check = r["check"]
+            assert check["token_match"] and check["logits_match"], (n, check)
+            assert check["ranks_checked"] == stack["tp"][1], (n, check)
     assert {http: pool_free(http) for http in ranks} == before
 
 

@@ -8,6 +8,12 @@ consumes KV through the pools.
     decode   a fresh cache built from the pool alone (CacheIO.read_cache), then one token per
              forward pass; each step's new KV is written back into the pool, so the pool
              stays the truth (retract/restore works on it)
+    TP > 1   one rank of an instance: prefill computes the whole model and writes the rank's
+             shard (its K/V heads, conv channel groups, state heads; MLA and NSA whole);
+             decode takes the rank's shard from the pool and every other unit from the
+             prompt computed here, so its tokens and logits equal the colocated run's bit for
+             bit only if every byte of its shard arrived right (the check shows a flipped
+             byte of any rank's shard: tests/disagg/test_model_engine_tp.py)
     check    the colocated run: the whole model over the prompt in this process, greedy
              continuation; tokens and logits (bitwise) compared with decode's
 
@@ -26,7 +32,7 @@ from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prom
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
-from disagg.engine.model.geometry import spec_from_cache
+from disagg.engine.model.geometry import conv_groups, spec_from_cache
 from disagg.errors import ConfigError, VerifyError
 from kvpool import HybridPool, RequestKV
 
@@ -74,7 +80,8 @@ class TransformersEngine:
         _, probe = self._forward(np.array(PROBE), self._cache())
         if len(probe.layers) != len(decoder):
             raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
-        self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size)
+        self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size,
+                                                  conv_groups(self.config))
 
     def _cache(self):
         return self._new_cache(config=self.config)
@@ -131,16 +138,26 @@ class TransformersEngine:
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         first = int(pool.aux.read(req.aux_row)["first_token"])
-        return self.generate(pool, req, len(token_ids), first, max_new_tokens)
+        return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids)
 
-    def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int) -> DecodeOutput:
+    def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int,
+                 token_ids: np.ndarray | None = None) -> DecodeOutput:
         """Continue a request whose first n tokens' KV is in the pool and whose next input is
-        `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first."""
+        `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first.
+        On a TP shard, `token_ids` (the n tokens) gives the units other ranks hold."""
         self.check_pool(pool)
-        io = CacheIO(pool, self._states)
+        io, timings = CacheIO(pool, self._states), {}
+        whole = None
+        if io.sharded:
+            if token_ids is None or len(token_ids) != n:
+                raise ValueError(f"a TP shard continues from its {n} tokens' ids (the other ranks' units)")
+            t = time.perf_counter()
+            _, whole = self._forward(token_ids, self._cache())
+            self._sync()
+            timings["other_ranks"] = (time.perf_counter() - t) * 1e3
         t0 = time.perf_counter()
         with torch.no_grad():
-            cache = io.read_cache(req, n, self.config)
+            cache = io.read_cache(req, n, self.config, whole)
         self._sync()
         t1 = time.perf_counter()
         tokens, logits = [next_token], []
@@ -152,7 +169,8 @@ class TransformersEngine:
             n += 1
             logits.append(step)
             tokens.append(int(step.argmax()))
-        return DecodeOutput(tokens, logits, {"rebuild": (t1 - t0) * 1e3, "steps": (time.perf_counter() - t1) * 1e3})
+        timings.update(rebuild=(t1 - t0) * 1e3, steps=(time.perf_counter() - t1) * 1e3)
+        return DecodeOutput(tokens, logits, timings)
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -12,7 +12,13 @@ cannot drift apart.
     DummyLayer (MLP / MoE layers)     none     -
 
 Conv state: transformers keeps `kernel` columns and never reads the oldest; the pool keeps
-kernel-1 (as SGLang and vLLM do) and the oldest column comes back as zeros.
+kernel-1 (as SGLang and vLLM do) and the oldest column comes back as zeros. Its channels are
+groups that TP splits each on its own (kvpool.spec.LinearStateSpec.conv_groups), read off the
+model's config:
+
+    gated delta net (qwen3_next)   [ q: k_heads x k_dim | k: k_heads x k_dim | v: v_heads x v_dim ]
+    Mamba2 (nemotron_h)            [ x: heads x head_dim | B: groups x d_state | C: groups x d_state ]
+    Mamba1 (jamba)                 channels, split evenly (its state is [channels, d_state])
 """
 
 from dataclasses import dataclass
@@ -57,8 +63,21 @@ def _one(what: str, values: set):
     return values.pop()
 
 
-def spec_from_cache(name: str, cache, is_mla: bool, page_size: int) -> tuple[ModelSpec, dict[int, StateShape]]:
-    """The ModelSpec of the model whose probe filled `cache`, and its linear layers' shapes."""
+def conv_groups(config) -> tuple[tuple[int, int], ...] | None:
+    """(units, channels per unit) of a linear layer's conv channels, in order (None: one group)."""
+    if config.model_type == "qwen3_next":
+        qk = (config.linear_num_key_heads, config.linear_key_head_dim)
+        return qk, qk, (config.linear_num_value_heads, config.linear_value_head_dim)
+    if config.model_type == "nemotron_h":
+        bc = (config.n_groups, config.ssm_state_size)
+        return (config.mamba_num_heads, config.mamba_head_dim), bc, bc
+    return None
+
+
+def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
+                    groups: tuple[tuple[int, int], ...] | None = None) -> tuple[ModelSpec, dict[int, StateShape]]:
+    """The ModelSpec of the model whose probe filled `cache` (`groups`: its conv channel
+    groups, conv_groups(config)), and its linear layers' shapes."""
     kinds = [_kind(name, i, cl, is_mla) for i, cl in enumerate(cache.layers)]
     layers = lambda *ks: tuple(i for i, k in enumerate(kinds) if k in ks)  # noqa: E731
     by = lambda ks, f: {f(cache.layers[i]) for i in layers(*ks)}  # noqa: E731
@@ -93,7 +112,8 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int) -> tuple[Mod
         linear = LinearStateSpec(layers("linear"), _one("conv channels", by(["linear"], lambda c: c.conv_states[0].shape[1])),
                                  _one("conv kernels", {s.conv_kernel for s in states.values()}) - 1, heads, d1, d2,
                                  conv_dtype=_one("conv dtypes", by(["linear"], lambda c: _dtype(c.conv_states[0]))),
-                                 temporal_dtype=_one("state dtypes", by(["linear"], lambda c: _dtype(c.recurrent_states[0]))))
+                                 temporal_dtype=_one("state dtypes", by(["linear"], lambda c: _dtype(c.recurrent_states[0]))),
+                                 conv_groups=groups)
     spec = ModelSpec(name, len(kinds), full=full, swa=swa, nsa=nsa, linear=linear, default_page_size=page_size,
                      notes="derived from the model's own cache")
     return spec, states

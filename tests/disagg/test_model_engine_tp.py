@@ -1,0 +1,131 @@
+"""The model engine on TP shards: N prefill ranks each compute the whole model and write their
+shard; their bytes are resharded onto M decode ranks exactly as a transfer cuts rows
+(kvpool.shards.reshard, at each side's own page size); every decode rank continues from its
+shard and gives the colocated run's tokens and bit-identical logits. A flipped byte in one
+rank's shard fails that rank's check and no other's."""
+
+import numpy as np
+import pytest
+import torch
+
+from disagg.engine import registry
+from kvpool import Component, HybridPool, PoolConfig
+from kvpool.geometry import parts
+from kvpool.positions import backed, kept_positions, token_items
+from kvpool.shards import reshard
+from tests.disagg.test_model_engine import prompt
+
+ENGINES: dict = {}
+FAMILIES = ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-h", "tiny-model-deepseek-v32"]
+TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
+
+
+def engine(preset: str, device: str):
+    if (preset, device) not in ENGINES:
+        ENGINES[preset, device] = registry.create("model", preset, device)
+    return ENGINES[preset, device]
+
+
+def pool(eng, device: str, page_size: int, tp: int, rank: int) -> HybridPool:
+    return HybridPool(PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device=device,
+                                 tp_size=tp, tp_rank=rank))
+
+
+def _rows(p: HybridPool, req, c: Component, layer: int, part: str, n: int):
+    """(index into the layer view, its rows as bytes [rows, row bytes]) of what `req` keeps."""
+    view = p.layer_view(layer, part)
+    if c is Component.MAMBA:
+        at = (torch.tensor([int(p.index_set(req)[c][0])]),)
+    else:
+        items, slots = token_items(p, c, req, kept_positions(p, c, n))
+        keep = backed(items)
+        at = (torch.from_numpy(items[keep].astype(np.int64)), torch.from_numpy(slots[keep].astype(np.int64)))
+    return at, view[at].contiguous().view(torch.uint8).reshape(len(at[0]), -1)
+
+
+def reshard_copy(srcs: list, dst: HybridPool, dreq, n: int) -> None:
+    """Every row `dreq` keeps, its bytes cut from the source ranks' rows as the planner cuts them."""
+    cfg = dst.config
+    for c, component in dst.pools.items():
+        if c is Component.AUX:
+            continue
+        for placement in component.storage.packed.placements:
+            layer, part = placement.segment.layer, placement.segment.part
+            at, out = _rows(dst, dreq, c, layer, part, n)
+            for src, sreq in srcs:
+                _, rows = _rows(src, sreq, c, layer, part, n)
+                for s, d, length in reshard(parts(cfg.model, c, part), (src.config.tp_size, src.config.tp_rank),
+                                            (cfg.tp_size, cfg.tp_rank)):
+                    out[:, d:d + length] = rows[-len(out):, s:s + length]   # both keep the last positions
+            view = dst.layer_view(layer, part)
+            view[at] = out.view(view.dtype).reshape(view[at].shape)
+    aux = srcs[0][0].aux.read(srcs[0][1].aux_row)
+    dst.aux.write(dreq.aux_row, int(aux["room"]), int(aux["num_tokens"]), int(aux["first_token"]), bytes(aux["digest"]))
+
+
+def prefill_instance(eng, device: str, tp: int, page_size: int, tokens) -> list:
+    ranks = []
+    for rank in range(tp):
+        p = pool(eng, device, page_size, tp, rank)
+        req = p.alloc_request(len(tokens))
+        eng.prefill(p, req, tokens, room=5)
+        ranks.append((p, req))
+    return ranks
+
+
+@pytest.mark.parametrize("tp", TP_PAIRS, ids=lambda t: f"{t[0]}->{t[1]}")
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_every_decode_rank_continues_from_its_resharded_shard_token_exact(preset, tp, device):
+    eng = engine(preset, device)
+    n, m = tp
+    tokens = prompt(21, eng.vocab_size)                      # > the SWA window and the NSA top-k
+    prefill = prefill_instance(eng, device, n, 4, tokens)
+    outputs = []
+    for rank in range(m):
+        dst = pool(eng, device, 16 if n < m else 1, m, rank)  # page sizes differ as well
+        empty = dst.available()
+        dreq = dst.alloc_request(len(tokens), swa_window_only=True)
+        reshard_copy(prefill, dst, dreq, len(tokens))
+        eng.verify(dst, dreq, tokens, room=5)
+        out = eng.decode(dst, dreq, tokens, max_new_tokens=6)
+        check = eng.check(tokens, out)
+        assert check["token_match"] and check["logits_match"], (rank, check)
+        outputs.append(out.tokens)
+        dst.free_request(dreq)
+        assert dst.available() == empty
+    assert all(t == outputs[0] for t in outputs)
+
+
+# (family, layer, part) whose largest value in rank 1's shard moves the output when flipped
+CORRUPTIONS = [("tiny-model-gpt-oss", 1, "k"), ("tiny-model-qwen3-next", 0, "conv"),
+               ("tiny-model-nemotron-h", 0, "temporal")]
+
+
+@pytest.mark.parametrize("preset,layer,part", CORRUPTIONS)
+def test_a_flipped_byte_in_one_ranks_shard_fails_that_ranks_check_only(preset, layer, part, device):
+    eng = engine(preset, device)
+    tokens = prompt(23, eng.vocab_size)
+    prefill = prefill_instance(eng, device, 1, 4, tokens)
+    checks = []
+    for rank in range(2):
+        dst = pool(eng, device, 4, 2, rank)
+        dreq = dst.alloc_request(len(tokens), swa_window_only=True)
+        reshard_copy(prefill, dst, dreq, len(tokens))
+        if rank == 1:                                        # the last kept position's row / the slot
+            c = Component.MAMBA if part in ("conv", "temporal") else Component.FULL
+            at, _ = _rows(dst, dreq, c, layer, part, len(tokens))
+            view, last = dst.layer_view(layer, part), tuple(i[-1:] for i in at)
+            row = view[last].clone()
+            row.view(-1).view(torch.uint8)[4 * int(row.abs().argmax()) + 3] ^= 0x80   # the sign of its largest
+            view[last] = row
+        checks.append(eng.check(tokens, eng.decode(dst, dreq, tokens, max_new_tokens=6)))
+    assert checks[0]["logits_match"] and checks[0]["token_match"], checks[0]
+    assert not checks[1]["logits_match"] and checks[1]["max_logit_diff"] > 0, checks[1]
+
+
+def test_a_shard_cannot_be_continued_without_the_prompt(device):
+    eng = engine("tiny-model-gpt-oss", device)
+    tokens = prompt(9, eng.vocab_size)
+    p, req = prefill_instance(eng, device, 2, 4, tokens)[1]
+    with pytest.raises(ValueError, match="TP shard"):
+        eng.generate(p, req, len(tokens), 1, max_new_tokens=2)
