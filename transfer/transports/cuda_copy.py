@@ -19,7 +19,8 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
 the p2p limit and copy-engine batches 0.35 (docs/contract.md, "Figures behind the defaults"),
-a custom kernel 0.9.
+a custom kernel 0.9. CuPy compiles it; launches, uploads and events go straight to the driver
+(cuda_driver.py says why).
 Why no cudaMemcpyAsync, not even for the AUX row or multi-MiB runs: into a peer's IPC mapping
 each call cost the host about a millisecond (cProfile on an H100: 1.8 ms per call), and the
 rows measured 10-20% faster end to end with the kernel doing everything
@@ -28,6 +29,8 @@ rows measured 10-20% faster end to end with the kernel doing everything
 
 import numpy as np
 
+from transfer.errors import TransportError
+from transfer.transports.cuda_driver import Driver
 from transfer.transports.ranges import LaneRuns, RunSet
 
 _PIECE_BYTES = 256 << 10      # longer ranges are split so warps share the work evenly
@@ -105,43 +108,36 @@ extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long
 
 
 _HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host (numpy), more on the GPU
-_streams: dict[int, object] = {}
-
-
-def _cupy_stream(stream, device: int):
-    """CuPy's view of a torch stream (made once per stream)."""
-    import cupy
-    key = stream.cuda_stream
-    if key not in _streams:
-        from_external = getattr(cupy.cuda.Stream, "from_external", None)
-        try:
-            _streams[key] = from_external(stream) if from_external else cupy.cuda.ExternalStream(key, device)
-        except (TypeError, AttributeError):   # torch's stream without the CUDA stream protocol
-            _streams[key] = cupy.cuda.ExternalStream(key, device)
-    return _streams[key]
 
 
 class Uploads:
-    """One pinned host buffer per link, reused for every upload (allocating pinned memory per
-    write cost about half a millisecond each); an event says when the last copy left it."""
+    """One pinned host buffer and one device buffer per link, reused for every upload
+    (allocating pinned memory per write cost about half a millisecond); an event says when the
+    last copy has left the host buffer. Stream order keeps the device buffer safe: the next
+    upload into it starts after the kernels that read the last one."""
 
-    def __init__(self) -> None:
-        self._host = None
-        self._done = None
+    def __init__(self, driver: Driver, device: int) -> None:
+        self._d, self._device = driver, device
+        self._host = self._dev = None
+        self._uploaded = None
 
-    def put(self, values: np.ndarray, device, stream):
+    def put(self, values: np.ndarray, stream: int) -> int:
+        """Queue values (int64) onto the device on `stream`; returns their device address."""
         import torch
-        if self._done is not None:
-            self._done.synchronize()   # the previous upload has left the buffer (long since, as a rule)
+        if self._uploaded is None:
+            self._uploaded = self._d.event()
+        else:
+            self._uploaded.synchronize()   # the previous upload has left the host buffer (long since, as a rule)
         if self._host is None or self._host.numel() < len(values):
-            self._host = torch.empty(max(len(values), 2 * (0 if self._host is None else self._host.numel()), 4096),
-                                     dtype=torch.int64, pin_memory=True)
-        host = self._host[:len(values)]
-        host.numpy()[:] = values
-        out = host.to(device, non_blocking=True)
-        self._done = torch.cuda.Event()
-        self._done.record(stream)
-        return out
+            n = max(len(values), 2 * (0 if self._host is None else self._host.numel()), 4096)
+            if self._dev is not None:
+                self._d.synchronize_stream(stream)   # no kernel still reads the old device buffer
+            self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
+            self._dev = torch.empty(n, dtype=torch.int64, device=torch.device("cuda", self._device))
+        self._host.numpy()[:len(values)] = values
+        self._d.upload(self._dev.data_ptr(), self._host.data_ptr(), values.nbytes, stream)
+        self._uploaded.record(stream)
+        return self._dev.data_ptr()
 
 
 def _flat(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -162,62 +158,75 @@ def _split(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> np.ndarray
 
 
 class RangeCopier:
-    """The kernel and its launches for one device."""
+    """The kernel and its launches for one device, through the driver (cuda_driver.py)."""
 
-    def __init__(self, device: int, blocks: int = 32, threads: int = 512):
-        self.device, self.blocks, self.threads = device, blocks, threads
-        self._module = None
+    def __init__(self, driver: Driver, device: int, blocks: int = 32, threads: int = 512):
+        self.driver, self.device, self.blocks, self.threads = driver, device, blocks, threads
+        self._module, self._functions, self._ctx = None, {}, None
 
-    def submit(self, work, stream, uploads: "Uploads") -> int:
-        """Queue copies on `stream`; returns the bytes. work: (RunSet in items, src address
-        per buffer, dst address per buffer), or (LaneRuns, src address per lane, dst address
-        per lane), all on the host.
+    def submit(self, work, stream: int, uploads: Uploads) -> int:
+        """Queue copies on `stream` (a CUDA stream handle; context() current); returns the
+        bytes. work: (RunSet
+        in items, src address per buffer, dst address per buffer), or (LaneRuns, src address
+        per lane, dst address per lane), all on the host.
         A fragmented set (many short ranges) crosses as runs + buffers and the kernel expands
         it; a set of few ranges is expanded here and split so the warps share long ones. One
         upload, then only kernel launches (one per fragmented set, one for all expanded
         ranges); no call waits on the GPU."""
-        import torch
-        dev = torch.device("cuda", self.device)
         total, tables, lanes, flats = 0, [], [], []   # factorized (values, n, b); host-expanded [3, k] pieces
-        with torch.cuda.device(dev), torch.cuda.stream(stream):
-            for rs, src_base, dst_base in work:
-                total += rs.nbytes
-                if isinstance(rs, LaneRuns):   # src_base / dst_base: each lane's buffer address
-                    lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, rs.src_pitch,
-                                                  rs.src_offset, rs.src_stride, dst_base, rs.dst_pitch, rs.dst_offset,
-                                                  rs.dst_stride, rs.row_bytes]),
-                                  len(rs.count), len(rs.row_bytes), rs.src_rows, rs.dst_rows))
-                    continue
-                longest = int(rs.count.max()) * int(rs.item_bytes.max())
-                if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
-                    tables.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base,
-                                                   rs.item_bytes]), len(rs.count), len(rs.item_bytes)))
-                else:
-                    flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
-            flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
-            if not tables and not lanes and not len(flat):
-                return total
-            g = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False),
-                            dev, stream)
-            base, word = g.data_ptr(), g.element_size()
-            if len(flat):
-                k = len(flat) // 3
-                self._launch("copy_ranges", k, stream, np.uint64(base), np.uint64(base + k * word),
-                             np.uint64(base + 2 * k * word), np.int64(k))
-            at = len(flat)
-            for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
-                for values, n, b, *rows in sets:
-                    self._launch(name, n * b, stream, np.uint64(base + at * word), np.int64(n), np.int64(b),
-                                 *(np.int64(r) for r in rows))
-                    at += len(values)
+        for rs, src_base, dst_base in work:
+            total += rs.nbytes
+            if isinstance(rs, LaneRuns):   # src_base / dst_base: each lane's buffer address
+                lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, rs.src_pitch,
+                                              rs.src_offset, rs.src_stride, dst_base, rs.dst_pitch, rs.dst_offset,
+                                              rs.dst_stride, rs.row_bytes]),
+                              len(rs.count), len(rs.row_bytes), rs.src_rows, rs.dst_rows))
+                continue
+            longest = int(rs.count.max()) * int(rs.item_bytes.max())
+            if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
+                tables.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base,
+                                               rs.item_bytes]), len(rs.count), len(rs.item_bytes)))
+            else:
+                flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
+        flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
+        if not tables and not lanes and not len(flat):
+            return total
+        base = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False),
+                           stream)
+        word = 8
+        if len(flat):
+            k = len(flat) // 3
+            self._launch("copy_ranges", k, stream, base, base + k * word, base + 2 * k * word, k)
+        at = len(flat)
+        for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
+            for values, n, b, *rows in sets:
+                self._launch(name, n * b, stream, base + at * word, n, b, *rows)
+                at += len(values)
         return total
 
-    def _launch(self, name: str, rows: int, stream, *args) -> None:
-        import cupy
+    def context(self) -> int:
+        """The device's primary context: current on the calling thread around submit()."""
+        if self._ctx is None:
+            self._ctx = self.driver.primary_context(self.device)
+        return self._ctx
+
+    def _function(self, name: str) -> int:
+        """The kernel's CUfunction, compiled once by CuPy (NVRTC, cached on disk) and loaded
+        into this device's primary context."""
+        if name not in self._functions:
+            import cupy
+            if self._module is None:
+                self._module = cupy.RawModule(code=_KERNEL)
+            with cupy.cuda.Device(self.device):
+                ptr = getattr(getattr(self._module.get_function(name), "kernel", None), "ptr", None)
+            if not ptr:
+                raise TransportError(f"cuda-ipc: CuPy {cupy.__version__} gives no function handle for its kernel "
+                                     "(RawKernel.kernel.ptr)")
+            self._functions[name] = int(ptr)
+        return self._functions[name]
+
+    def _launch(self, name: str, rows: int, stream: int, *args: int) -> None:
         if rows == 0:
             return
-        if self._module is None:
-            self._module = cupy.RawModule(code=_KERNEL)
-        kernel = self._module.get_function(name)
-        with _cupy_stream(stream, self.device):
-            kernel((min(self.blocks, -(-rows * 32 // self.threads)),), (self.threads,), args)
+        self.driver.launch(self._function(name), min(self.blocks, -(-rows * 32 // self.threads)), self.threads,
+                           stream, tuple(int(a) for a in args))

@@ -7,19 +7,17 @@ same host, over NVLink (or PCIe), with one copy kernel on the prefill GPU.
               in allocation, nbytes)] per region   write_runs: runs + buffer table -> GPU,
                                                    expand and split on the GPU, one kernel:
                                                    each warp copies whole ranges, 16-byte
-                                                   vectors where aligned; long runs as
-                                                   cudaMemcpyAsync; a blocking event marks
-                                                   the end (no spinning host thread)
+                                                   vectors where aligned; a blocking event
+                                                   marks the end (no spinning host thread)
 
 Addresses never travel: the offer names allocations by IPC handle and offset, the writer maps
 them where its driver puts them. A mapping gives no liveness signal (a write after the owner
 exited still "succeeds"), so liveness comes from the control plane's heartbeats and epochs,
 and the owner never frees pages a writer may still hold (decode's quarantine). Only plain
 cudaMalloc memory can be exported: memory from expandable segments (VMM) is refused by name.
-The CUDA driver is reached through ctypes; the kernel is a CuPy RawKernel (NVRTC).
+The CUDA driver is reached through ctypes (cuda_driver.py); CuPy compiles the kernel (NVRTC).
 """
 
-import ctypes
 import os
 import socket
 import threading
@@ -33,6 +31,7 @@ from transfer.errors import OutOfBounds, PeerUnreachable, TransportError
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.cuda_copy import RangeCopier, Uploads
+from transfer.transports.cuda_driver import Driver, Event
 
 KIND = "cuda-ipc"
 COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full speed: always direct
@@ -72,60 +71,8 @@ class _Blob(msgspec.Struct, frozen=True, array_like=True):
 _blob_decoder = msgspec.msgpack.Decoder(_Blob)
 
 
-class _Driver:
-    """The few CUDA driver calls IPC needs, through ctypes (libcuda ships with the driver)."""
-
-    class Handle(ctypes.Structure):
-        _fields_ = [("reserved", ctypes.c_ubyte * 64)]   # not c_char: that reads back cut at the first NUL
-
-    MEMORYTYPE_ATTRIBUTE, DEVICE = 2, 2          # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_DEVICE
-    LAZY_ENABLE_PEER_ACCESS = 1
-
-    def __init__(self) -> None:
-        try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise TransportError(f"cuda-ipc needs the CUDA driver (libcuda.so.1): {exc}") from None
-
-    def _check(self, what: str, code: int) -> None:
-        if code != 0:
-            name = ctypes.c_char_p()
-            self.lib.cuGetErrorName(code, ctypes.byref(name))
-            raise TransportError(f"cuda-ipc: {what} failed: {(name.value or b'?').decode()} ({code})")
-
-    def is_device_memory(self, ptr: int) -> bool:
-        kind = ctypes.c_uint(0)
-        code = self.lib.cuPointerGetAttribute(ctypes.byref(kind), self.MEMORYTYPE_ATTRIBUTE, ctypes.c_uint64(ptr))
-        return code == 0 and kind.value == self.DEVICE
-
-    def allocation(self, ptr: int) -> tuple[int, int]:
-        base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check("cuMemGetAddressRange", self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                            ctypes.c_uint64(ptr)))
-        return base.value, size.value
-
-    def export(self, base: int) -> bytes:
-        h = self.Handle()
-        code = self.lib.cuIpcGetMemHandle(ctypes.byref(h), ctypes.c_uint64(base))
-        if code != 0:
-            raise TransportError(
-                f"cuda-ipc: memory at {base:#x} cannot be exported (code {code}): only plain cudaMalloc memory can; "
-                "memory from expandable segments cannot (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
-        return bytes(h.reserved)
-
-    def open(self, handle: bytes) -> int:
-        h, ptr = self.Handle(), ctypes.c_uint64()
-        ctypes.memmove(ctypes.addressof(h), handle, 64)
-        self._check("cuIpcOpenMemHandle", self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h,
-                                                                          self.LAZY_ENABLE_PEER_ACCESS))
-        return ptr.value
-
-    def close(self, ptr: int) -> None:
-        self._check("cuIpcCloseMemHandle", self.lib.cuIpcCloseMemHandle(ctypes.c_uint64(ptr)))
-
-
 class CudaWrite(PendingWrite):
-    def __init__(self, event, nbytes: int):
+    def __init__(self, event: Event, nbytes: int):
         self._event, self.nbytes = event, nbytes
 
     def poll(self) -> bool:
@@ -136,7 +83,7 @@ class CudaWrite(PendingWrite):
 
 
 class CudaIpcExposure(Exposure):
-    def __init__(self, driver: _Driver, regions: Sequence[tuple[int, int]]):
+    def __init__(self, driver: Driver, regions: Sequence[tuple[int, int]]):
         self.bases = np.array([int(p) for p, _ in regions], dtype=np.int64)
         self.sizes = np.array([int(n) for _, n in regions], dtype=np.int64)
         out = []
@@ -180,15 +127,19 @@ class CudaIpcLink(Link):
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
-        self._upload = Uploads()
+        self._upload = Uploads(transport.driver, transport.device)
         self._lock = threading.Lock()
 
     def _launch(self, work) -> CudaWrite:
-        import torch
+        driver, copier, stream = self._t.driver, self._t.copier, self._stream.cuda_stream
         with self._lock:
-            total = self._t.copier.submit(work, self._stream, self._upload) if work else 0
-            event = torch.cuda.Event(blocking=True)
-            event.record(self._stream)
+            previous = driver.use_context(copier.context())
+            try:
+                total = copier.submit(work, stream, self._upload) if work else 0
+                event = driver.event()
+                event.record(stream)
+            finally:
+                driver.restore_context(previous)
         return CudaWrite(event, total)
 
     def _absolute(self, ranges: Ranges):
@@ -252,8 +203,8 @@ class CudaIpcTransport(Transport):
             raise TransportError("cuda-ipc needs a CUDA device, and torch sees none")
         self.device = torch.cuda.current_device() if device is None else device
         self.host = host_identity()
-        self.driver = _Driver()
-        self.copier = RangeCopier(self.device, blocks, threads)
+        self.driver = Driver()
+        self.copier = RangeCopier(self.driver, self.device, blocks, threads)
         torch.cuda.init()
 
     def reach_problem(self, offer: Offer) -> str | None:
