@@ -11,7 +11,8 @@ Every decode rank then checks its KV with the stand-in's verify (byte for byte).
     aggregate        all bytes / the wall time of the whole exchange
     ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same layout
 
-    .venv/bin/python scripts/bench_tp.py [--tp 2:2,1:2,4:1] [--tokens 32768] [--device cuda] [--json]
+    .venv/bin/python scripts/bench_tp.py [--tp 2:2,1:2,4:1] [--tokens 32768] [--page-size 64:16]
+                                         [--device cuda] [--json]
 """
 
 import argparse
@@ -57,12 +58,12 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
         prefill.append((pool, req))
     targets, pairs = [], []
     for s, peer in enumerate(peers[:m]):
-        peer.configure(args.preset, args.page_size, capacity, layout=layout.value, max_requests=2,
+        peer.configure(args.preset, args.peer_page, capacity, layout=layout.value, max_requests=2,
                        staging_slots=2 * n, staging_slot_mib=cfg.staging_slot_bytes >> 20,   # 2 per sender
                        device=args.peer_device, tp=(m, s))
         rid, dst = peer.alloc(tokens)
         targets.append((rid, dst))
-        pairs += [(r, s) for r in senders_of(model, n, Shard(args.page_size, m, s), components(model))]
+        pairs += [(r, s) for r in senders_of(model, n, Shard(args.peer_page, m, s), components(model))]
     senders = [KVSender(transport, pool, cfg) for pool, _ in prefill]
     try:
         links = {(r, s): peers[s].connect(senders[r]) for r, s in pairs}
@@ -98,7 +99,8 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
             peers[s].verify(targets[s][0], ids, room)
         for r, s in pairs:
             peers[s].release(1 + r)
-        return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size, "tokens": tokens,
+        return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size,
+                "decode_page_size": args.peer_page, "tokens": tokens,
                 "senders": len(pairs), "mode": sorted({rep.mode.value for rep in reports.values()}),
                 "ranges_per_request": sum(reports[p].ranges for p in pairs),
                 "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
@@ -115,7 +117,8 @@ def main() -> int:
     ap.add_argument("--preset", default="gpt-oss-120b")
     ap.add_argument("--tp", default="2:2,1:2,4:1,2:4", help="prefill:decode TP sizes; the first N:N is the baseline")
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--page-size", default="16", metavar="P[:Q]",
+                    help="tokens per page: P on both sides, or P on prefill and Q on decode")
     ap.add_argument("--layouts", default="page_major,layer_major")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--device", default="cpu")
@@ -124,11 +127,14 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
+    args.page_size, _, peer_page = args.page_size.partition(":")
+    args.page_size = int(args.page_size)
+    args.peer_page = int(peer_page or args.page_size)
     env = dict(os.environ)
     args.peer_device = "cuda" if args.device.startswith("cuda") else args.device
     [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
     rows = []
-    peers = [PeerProcess(args.preset, args.page_size, 4096, transport=args.transport, env=env,
+    peers = [PeerProcess(args.preset, args.peer_page, 4096, transport=args.transport, env=env,
                          device=args.peer_device) for _ in range(max(m for _, m in pairs))]
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
