@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from disagg.engine import registry
+from disagg.engine.model.cache_io import CacheIO
 from kvpool import Component, HybridPool, PoolConfig
 from kvpool.geometry import parts
 from kvpool.positions import backed, kept_positions, token_items
@@ -97,8 +98,8 @@ def test_every_decode_rank_continues_from_its_resharded_shard_token_exact(preset
 
 
 # (family, layer, part) whose largest value in rank 1's shard moves the output when flipped
-CORRUPTIONS = [("tiny-model-gpt-oss", 1, "k"), ("tiny-model-qwen3-next", 0, "conv"),
-               ("tiny-model-nemotron-h", 0, "temporal")]
+CORRUPTIONS = [("tiny-model-gpt-oss", 1, "k"), ("tiny-model-gpt-oss", 1, "v"), ("tiny-model-gpt-oss", 0, "k"),
+               ("tiny-model-qwen3-next", 0, "conv"), ("tiny-model-nemotron-h", 0, "temporal")]
 
 
 @pytest.mark.parametrize("preset,layer,part", CORRUPTIONS)
@@ -112,7 +113,8 @@ def test_a_flipped_byte_in_one_ranks_shard_fails_that_ranks_check_only(preset, l
         dreq = dst.alloc_request(len(tokens), swa_window_only=True)
         reshard_copy(prefill, dst, dreq, len(tokens))
         if rank == 1:                                        # the last kept position's row / the slot
-            c = Component.MAMBA if part in ("conv", "temporal") else Component.FULL
+            kind = eng.spec.layer_kinds()[layer]
+            c = Component.MAMBA if kind == "linear" else Component.SWA if kind == "swa" else Component.FULL
             at, _ = _rows(dst, dreq, c, layer, part, len(tokens))
             view, last = dst.layer_view(layer, part), tuple(i[-1:] for i in at)
             row = view[last].clone()
@@ -123,9 +125,38 @@ def test_a_flipped_byte_in_one_ranks_shard_fails_that_ranks_check_only(preset, l
     assert not checks[1]["logits_match"] and checks[1]["max_logit_diff"] > 0, checks[1]
 
 
-def test_a_shard_cannot_be_continued_without_the_prompt(device):
-    eng = engine("tiny-model-gpt-oss", device)
+@pytest.mark.parametrize("preset", ["tiny-model-gpt-oss", "tiny-model-qwen3-next"])
+def test_decode_steps_write_the_ranks_units_of_each_new_token(preset, device):
+    """Rank 1 of 2 decodes 3 steps (each writes its units of the new token and its state);
+    its pool then holds exactly its units of the colocated run's cache of prompt + 3 tokens."""
+    eng = engine(preset, device)
+    tokens = prompt(19, eng.vocab_size)
+    dst = pool(eng, device, 4, 2, 1)
+    dreq = dst.alloc_request(len(tokens), swa_window_only=True)
+    reshard_copy(prefill_instance(eng, device, 1, 4, tokens), dst, dreq, len(tokens))
+    out = eng.decode(dst, dreq, tokens, max_new_tokens=4)
+    _, want = eng._forward(tokens, eng._cache())
+    for t in out.tokens[:3]:
+        _, want = eng._forward([t], want)
+    got = CacheIO(dst, eng._states).read_cache(dreq, len(tokens) + 3, eng.config, whole=want)
+    for layer, kind in enumerate(eng.spec.layer_kinds()):
+        a, b = got.layers[layer], want.layers[layer]
+        if kind == "linear":   # (the conv state's oldest column is never kept)
+            assert torch.equal(a.conv_states[0][..., 1:], b.conv_states[0][..., 1:]), layer
+            assert torch.equal(a.recurrent_states[0], b.recurrent_states[0]), layer
+        elif kind != "none":
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values), layer
+
+
+def test_a_split_shard_needs_the_prompt_and_a_replicated_one_does_not(device):
+    eng = engine("tiny-model-gpt-oss", device)                  # K/V heads split across 2 ranks
     tokens = prompt(9, eng.vocab_size)
     p, req = prefill_instance(eng, device, 2, 4, tokens)[1]
     with pytest.raises(ValueError, match="TP shard"):
         eng.generate(p, req, len(tokens), 1, max_new_tokens=2)
+    mla = engine("tiny-model-deepseek-v3", device)               # the latent whole on every rank
+    tokens = prompt(9, mla.vocab_size)
+    p, req = prefill_instance(mla, device, 2, 4, tokens)[1]
+    first = int(p.aux.read(req.aux_row)["first_token"])
+    out = mla.generate(p, req, len(tokens), first, max_new_tokens=3)
+    assert mla.check(tokens, out)["logits_match"]

@@ -27,6 +27,8 @@ rows measured 10-20% faster end to end with the kernel doing everything
 (docs/bench_transfer_gpu.json, "kernel_only").
 """
 
+import threading
+
 import numpy as np
 
 from transfer.errors import TransportError
@@ -113,30 +115,35 @@ _HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host
 class Uploads:
     """One pinned host buffer and one device buffer per link, reused for every upload
     (allocating pinned memory per write cost about half a millisecond); an event says when the
-    last copy has left the host buffer. Stream order keeps the device buffer safe: the next
-    upload into it starts after the kernels that read the last one."""
+    last copy has left the host buffer. The device buffer is allocated on the link's stream
+    (torch's allocator then hands it no block another stream may still use) and stream order
+    keeps it safe: the next upload into it starts after the kernels that read the last one.
+    So put() waits at most for the write before last to finish: the GPU always has the next
+    write queued behind the one it runs."""
 
-    def __init__(self, driver: Driver, device: int) -> None:
-        self._d, self._device = driver, device
+    def __init__(self, driver: Driver, stream) -> None:
+        self._d, self._stream = driver, stream   # stream: the link's torch.cuda.Stream
         self._host = self._dev = None
         self._uploaded = None
 
-    def put(self, values: np.ndarray, stream: int) -> int:
-        """Queue values (int64) onto the device on `stream`; returns their device address."""
+    def put(self, values: np.ndarray) -> int:
+        """Queue values (int64) onto the device on the link's stream; returns their address."""
         import torch
+        handle = self._stream.cuda_stream
         if self._uploaded is None:
             self._uploaded = self._d.event()
         else:
-            self._uploaded.synchronize()   # the previous upload has left the host buffer (long since, as a rule)
+            self._uploaded.synchronize()   # the previous upload has left the host buffer
         if self._host is None or self._host.numel() < len(values):
             n = max(len(values), 2 * (0 if self._host is None else self._host.numel()), 4096)
             if self._dev is not None:
-                self._d.synchronize_stream(stream)   # no kernel still reads the old device buffer
+                self._d.synchronize_stream(handle)   # no kernel still reads the old device buffer
             self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            self._dev = torch.empty(n, dtype=torch.int64, device=torch.device("cuda", self._device))
+            with torch.cuda.stream(self._stream):
+                self._dev = torch.empty(n, dtype=torch.int64, device=self._stream.device)
         self._host.numpy()[:len(values)] = values
-        self._d.upload(self._dev.data_ptr(), self._host.data_ptr(), values.nbytes, stream)
-        self._uploaded.record(stream)
+        self._d.upload(self._dev.data_ptr(), self._host.data_ptr(), values.nbytes, handle)
+        self._uploaded.record(handle)
         return self._dev.data_ptr()
 
 
@@ -163,6 +170,7 @@ class RangeCopier:
     def __init__(self, driver: Driver, device: int, blocks: int = 32, threads: int = 512):
         self.driver, self.device, self.blocks, self.threads = driver, device, blocks, threads
         self._module, self._functions, self._ctx = None, {}, None
+        self._init = threading.Lock()   # links share the copier: one compile, one context retain
 
     def submit(self, work, stream: int, uploads: Uploads) -> int:
         """Queue copies on `stream` (a CUDA stream handle; context() current); returns the
@@ -172,9 +180,11 @@ class RangeCopier:
         A fragmented set (many short ranges) crosses as runs + buffers and the kernel expands
         it; a set of few ranges is expanded here and split so the warps share long ones. One
         upload, then only kernel launches (one per fragmented set, one for all expanded
-        ranges); no call waits on the GPU."""
+        ranges); nothing waits on the GPU but the upload's turn (Uploads)."""
         total, tables, lanes, flats = 0, [], [], []   # factorized (values, n, b); host-expanded [3, k] pieces
         for rs, src_base, dst_base in work:
+            if not len(rs):
+                continue
             total += rs.nbytes
             if isinstance(rs, LaneRuns):   # src_base / dst_base: each lane's buffer address
                 lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, rs.src_pitch,
@@ -191,8 +201,7 @@ class RangeCopier:
         flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
         if not tables and not lanes and not len(flat):
             return total
-        base = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False),
-                           stream)
+        base = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False))
         word = 8
         if len(flat):
             k = len(flat) // 3
@@ -207,13 +216,19 @@ class RangeCopier:
     def context(self) -> int:
         """The device's primary context: current on the calling thread around submit()."""
         if self._ctx is None:
-            self._ctx = self.driver.primary_context(self.device)
+            with self._init:
+                if self._ctx is None:
+                    self._ctx = self.driver.primary_context(self.device)
         return self._ctx
 
     def _function(self, name: str) -> int:
         """The kernel's CUfunction, compiled once by CuPy (NVRTC, cached on disk) and loaded
         into this device's primary context."""
-        if name not in self._functions:
+        if name in self._functions:
+            return self._functions[name]
+        with self._init:
+            if name in self._functions:
+                return self._functions[name]
             import cupy
             if self._module is None:
                 self._module = cupy.RawModule(code=_KERNEL)

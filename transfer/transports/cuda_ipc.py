@@ -114,6 +114,7 @@ class CudaIpcLink(Link):
         self._t, self._local, self._pid = transport, local, blob.pid
         self.peer = f"pid {blob.pid} on this host"
         self._mapped: dict[bytes, int] = {}
+        self._lock, self._closed = threading.Lock(), False   # the lock: launches vs close
         bases = []
         torch.cuda.set_device(transport.device)
         try:
@@ -127,12 +128,13 @@ class CudaIpcLink(Link):
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
-        self._upload = Uploads(transport.driver, transport.device)
-        self._lock = threading.Lock()
+        self._upload = Uploads(transport.driver, self._stream)
 
     def _launch(self, work) -> CudaWrite:
         driver, copier, stream = self._t.driver, self._t.copier, self._stream.cuda_stream
         with self._lock:
+            if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
+                raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
             previous = driver.use_context(copier.context())
             try:
                 total = copier.submit(work, stream, self._upload) if work else 0
@@ -186,12 +188,27 @@ class CudaIpcLink(Link):
             pass   # it exists, under another user
 
     def close(self) -> None:
-        """Unmap the peer's memory (after every write on our stream is done)."""
-        if getattr(self, "_stream", None) is not None:
-            self._stream.synchronize()
-        mapped, self._mapped = self._mapped, {}
-        for ptr in mapped.values():
-            self._t.driver.close(ptr)
+        """Unmap the peer's memory once every write on our stream is done; later writes are
+        refused (PeerUnreachable)."""
+        with self._lock:
+            self._closed = True
+            if getattr(self, "_stream", None) is not None:
+                self._stream.synchronize()
+            mapped, self._mapped = self._mapped, {}
+            if not mapped:
+                return
+            driver, failed = self._t.driver, []
+            previous = driver.use_context(self._t.copier.context())
+            try:
+                for ptr in mapped.values():   # every one, even after a failure
+                    try:
+                        driver.close(ptr)
+                    except TransportError as exc:
+                        failed.append(exc)
+            finally:
+                driver.restore_context(previous)
+            if failed:
+                raise failed[0]
 
 
 class CudaIpcTransport(Transport):

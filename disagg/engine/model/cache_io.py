@@ -92,7 +92,15 @@ class CacheIO:
         self.window = spec.swa.window if spec.swa is not None else None
         self.states = states
         self.shard = _Shard(pool)
-        self.sharded = pool.config.tp_size > 1
+        self.sharded = any(self._split(layer, kind) for layer, kind in enumerate(self.kinds))
+
+    def _split(self, layer: int, kind: str) -> bool:
+        """Whether this rank holds only some units of the layer (MLA and NSA: never)."""
+        if kind == "linear":
+            return any(self.shard.index(Component.MAMBA, layer, part, 1) is not None for part in ("conv", "temporal"))
+        if kind in ("full", "swa"):
+            return self._heads(Component.SWA if kind == "swa" else Component.FULL, layer) is not None
+        return False
 
     def _heads(self, c: Component, layer: int) -> torch.Tensor | None:
         return self.shard.index(c, layer, "k", 2)        # view [items, P, heads, dim]
@@ -144,8 +152,9 @@ class CacheIO:
         return tuple(out)
 
     def read_cache(self, req: RequestKV, n: int, config, whole=None):
-        """A transformers cache for n tokens: from nothing but the pool on a whole-model pool;
-        on a TP shard, this rank's units from the pool and the rest from `whole` (required)."""
+        """A transformers cache for n tokens: from nothing but the pool where this rank holds
+        every unit (TP 1; MLA/NSA at any TP); else this rank's units from the pool and the rest
+        from `whole` (required)."""
         from transformers import DynamicCache
         if self.sharded and whole is None:
             raise ValueError("a TP shard holds part of each layer: read_cache needs the whole cache beside it")

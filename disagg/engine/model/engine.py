@@ -11,9 +11,9 @@ consumes KV through the pools.
     TP > 1   one rank of an instance: prefill computes the whole model and writes the rank's
              shard (its K/V heads, conv channel groups, state heads; MLA and NSA whole);
              decode takes the rank's shard from the pool and every other unit from the
-             prompt computed here, so its tokens and logits equal the colocated run's bit for
-             bit only if every byte of its shard arrived right (the check shows a flipped
-             byte of any rank's shard: tests/disagg/test_model_engine_tp.py)
+             prompt computed here, so a wrong byte of its shard that the model reads moves
+             its logits off the colocated run's (tests/disagg/test_model_engine_tp.py flips
+             one in one rank's shard: that rank's check fails, the others' pass)
     check    the colocated run: the whole model over the prompt in this process, greedy
              continuation; tokens and logits (bitwise) compared with decode's
 
