@@ -13,6 +13,7 @@ function handle is used here.
 """
 
 import ctypes
+from contextlib import contextmanager
 
 from transfer.errors import TransportError
 
@@ -98,19 +99,21 @@ class Driver:
         self._check("cuDevicePrimaryCtxRetain", self.lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
         return ctx.value
 
-    def use_context(self, ctx: int) -> int | None:
-        """Make `ctx` current on this thread; returns the context to restore afterwards (None:
-        nothing to restore, it was current already or the thread had none)."""
-        current = _vp()
-        self._check("cuCtxGetCurrent", self._get_ctx(ctypes.byref(current)))
-        if current.value == ctx:
-            return None
+    @contextmanager
+    def current(self, ctx: int):
+        """`ctx` current on this thread inside the block; the thread's own context after it
+        (where it had one: a thread with none keeps `ctx`)."""
+        before = _vp()
+        self._check("cuCtxGetCurrent", self._get_ctx(ctypes.byref(before)))
+        if before.value == ctx:
+            yield
+            return
         self._check("cuCtxSetCurrent", self._set_ctx(ctx))
-        return current.value
-
-    def restore_context(self, ctx: int | None) -> None:
-        if ctx is not None:
-            self._check("cuCtxSetCurrent", self._set_ctx(ctx))
+        try:
+            yield
+        finally:
+            if before.value:
+                self._check("cuCtxSetCurrent", self._set_ctx(before.value))
 
     def upload(self, dst: int, src: int, nbytes: int, stream: int) -> None:
         """Pinned host -> device, queued on `stream`."""

@@ -135,13 +135,10 @@ class CudaIpcLink(Link):
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
-            previous = driver.use_context(copier.context())
-            try:
+            with driver.current(copier.context()):
                 total = copier.submit(work, stream, self._upload) if work else 0
                 event = driver.event()
                 event.record(stream)
-            finally:
-                driver.restore_context(previous)
         return CudaWrite(event, total)
 
     def _absolute(self, ranges: Ranges):
@@ -198,15 +195,12 @@ class CudaIpcLink(Link):
             if not mapped:
                 return
             driver, failed = self._t.driver, []
-            previous = driver.use_context(self._t.copier.context())
-            try:
+            with driver.current(self._t.copier.context()):
                 for ptr in mapped.values():   # every one, even after a failure
                     try:
                         driver.close(ptr)
                     except TransportError as exc:
                         failed.append(exc)
-            finally:
-                driver.restore_context(previous)
             if failed:
                 raise failed[0]
 

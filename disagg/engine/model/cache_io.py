@@ -20,8 +20,7 @@ holds the rank's units of each split axis: K/V heads, conv channels by group, st
                                         read:  whole.index_copy(0, idx, pool rows)
 
 A rank has only its own units, so `read_cache` takes the others from `whole`, a cache of the
-same tokens computed by the model in this process (engine.py says why that still checks
-every byte that arrived).
+same tokens computed by the model in this process (engine.py says what that checks).
 """
 
 import numpy as np
