@@ -6,6 +6,9 @@
 (b) our path (KVSender -> harness peer server process) for page sizes 1, 16, 64, both layouts, with
     randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only); a page
     size P:Q gives prefill pages of P tokens and decode pages of Q (the KV moves by token);
+    each row twice: the whole send (planned when called), and the send prepared ahead
+    (KVSender.prepare outside the timing, as the prefill server does while the engine
+    computes): the time decode waits once the KV is final;
 (c) planning time alone for 32k and 128k tokens at page 1 for a 60-layer K/V preset.
 
     .venv/bin/python scripts/bench_transfer.py [--quick] [--json] [--preset gpt-oss-120b] [--transport mooncake]
@@ -68,6 +71,23 @@ def timed(fn, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def timed_ahead(sender: KVSender, target, send, repeats: int, **prepare) -> tuple[float, float]:
+    """Median seconds of `send(prepared)` with the send prepared just before (not timed), and
+    the median prepare time; one warm-up."""
+    samples, prep = [], []
+    for i in range(repeats + 1):
+        t = time.perf_counter()
+        prepared = sender.prepare(target, **prepare)
+        prep.append(time.perf_counter() - t)
+        if str(sender.pool.config.device).startswith("cuda"):
+            torch.cuda.synchronize()   # its table uploaded, as it would be long before the KV is final
+        t = time.perf_counter()
+        send(prepared)
+        if i:
+            samples.append(time.perf_counter() - t)
+    return statistics.median(samples), statistics.median(prep[1:])
+
+
 def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, page_size: int,
                  token_counts: list[int], peer_page: int | None = None) -> list[dict]:
     """Rows for one (layout, page size) of the sender; `peer_page`: the receiver's, where it
@@ -118,16 +138,29 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                                                               num_tokens=tokens)), args.repeats)
             digest = digest_tokens if by_token else digest_request
             digest_ok = peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
+            fill_random(pool, req, seed=tokens + 1)   # the prepared sends must move the new bytes
+            ahead = []
+            t_ahead, t_prepare = timed_ahead(
+                sender, target, lambda p: ahead.append(sender.send(target, src, dst, 1, slots, peer.channel,
+                                                                   num_tokens=tokens, prepared=p)),
+                args.repeats, src=src, dst=dst, num_tokens=tokens, can_stage=True)
+            digest_ok = digest_ok and all(r.prepared_ahead for r in ahead) and \
+                peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
             rep = reports[-1]
             ceiling = n / t_ceiling / 1e9
             gbps = rep.nbytes / t_ours / 1e9
+            gbps_ahead = rep.nbytes / t_ahead / 1e9
             rows.append({"layout": layout.value, "page_size": page_size, "peer_page_size": peer_page,
                          "tokens": tokens, "mode": rep.mode.value,
                          "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
                          "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
                          "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),
                          "plan_ms": round(rep.plan_ms, 2), "submit_ms": round(rep.submit_ms, 2),
-                         "wait_ms": round(rep.wait_ms, 2), "verified": digest_ok})
+                         "wait_ms": round(rep.wait_ms, 2),
+                         # prepared ahead: what decode waits once the KV is final
+                         "ahead_gbps": round(gbps_ahead, 3), "ahead_ratio": round(gbps_ahead / ceiling, 3),
+                         "ahead_ms": round(t_ahead * 1e3, 2), "prepare_ms": round(t_prepare * 1e3, 2),
+                         "ahead_submit_ms": round(ahead[-1].submit_ms, 2), "verified": digest_ok})
             peer.release(1)
             peer.free(rid)
             pool.free_request(req)
@@ -160,7 +193,8 @@ def print_row(r: dict, flush: bool = False) -> None:
     page = str(r["page_size"]) + (f":{r['peer_page_size']}" if r["peer_page_size"] != r["page_size"] else "")
     print(f"{r['layout']:<12} {page:>5} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
           f"{r['plan_ranges']:>8} {r['gbps']:>6.2f} {r['ceiling_gbps']:>7.2f} {r['ratio']:>6.2f} "
-          f"{r['ms']:>8.1f} {'yes' if r['verified'] else 'NO'}", flush=flush)
+          f"{r['ms']:>8.1f} {r['ahead_ratio']:>6.2f} {r['ahead_ms']:>8.2f} {r['prepare_ms']:>8.2f} "
+          f"{'yes' if r['verified'] else 'NO'}", flush=flush)
 
 
 def main() -> int:
@@ -203,7 +237,9 @@ def main() -> int:
         print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
               "block of the same bytes, same processes")
         print(f"{'layout':<12} {'page':>5} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
-              f"{'ceiling':>7} {'ratio':>6} {'ms':>8} verified")
+              f"{'ceiling':>7} {'ratio':>6} {'ms':>8} {'ahead':>6} {'ms':>8} {'prepare':>8} verified")
+        print("(ahead: the send prepared beforehand, as while the engine computes: its ratio and ms; prepare: "
+              "the ms it took)")
     rows = []
     page_sizes = [tuple(int(x) for x in p.split(":")) for p in args.page_sizes.split(",")]
     with PeerProcess(args.preset, page_sizes[0][-1], 4096, transport=args.transport, env=peer_env,

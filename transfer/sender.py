@@ -1,6 +1,11 @@
 """KVSender: the prefill side of one transfer: connect to a receiver over the first transport
 both sides have, then per request plan, choose direct or staged, write, AUX last.
 
+Prepared ahead: prepare() does everything that needs only the two sides' indices (plan, layer
+groups, the mode, and each direct write checked and laid out by its link: on cuda-ipc its
+table is on the GPU already), so it can run while the engine still computes; send(prepared=)
+then only starts writes once the KV is final.
+
 Streamed (layer-wise): while the model engine still computes, the body goes in layer groups
 (transfer.layers.split_layers; sized by transfer.cost.layer_bounds), each once LayerProgress
 says its layers are final; direct writes fragments of each row, staged gathers a group's
@@ -9,27 +14,28 @@ landed, so decode never sees "done" before every layer."""
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvpool.errors import SpecError
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
 from transfer.cost import choose_mode, layer_bounds, streams_well
-from transfer.endpoint import PoolEndpoint, StagingInfo
-from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, WritesAbandoned
+from transfer.endpoint import StagingInfo
+from transfer.errors import LayoutIncompatible
 from transfer.peer import RemotePool
 from transfer.layers import LayerGroup, split_layers
-from transfer.plan import ComponentPlan, TransferPlan, build_plan
+from transfer.plan import TransferPlan, build_plan
 from transfer.progress import LayerProgress
-from transfer.staging import Chunk, ChunkChannel, chunk_plan, gather
+from transfer.staged_send import StagedSender
+from transfer.staging import ChunkChannel, chunk_plan
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes
 from transfer.tokens import Tokens, pool_lanes
-from transfer.transports import Offer, Ranges, pick
+from transfer.transports import Offer, PreparedWrite, pick
 from transfer.transports.base import PendingWrites
 
 log = logging.getLogger(__name__)
@@ -42,17 +48,49 @@ class TransferReport:
     nbytes: int
     ranges: int        # transport ranges submitted
     chunks: int        # staged chunks (0 for direct)
-    plan_ms: float
-    seconds: float     # whole send, planning included
+    plan_ms: float     # planning (when prepared ahead: done before the send was called)
+    seconds: float     # the whole send call (planning included unless prepared ahead)
     submit_ms: float = 0.0   # direct: host time handing the writes to the link
     wait_ms: float = 0.0     # direct: time blocked until the link reported them landed
     groups: int = 1          # layer groups sent (streamed: more than one)
     first_write_at: float = 0.0   # wall clock (time.time) of the first body write
     streamed: bool = False   # started before the KV was complete
     cpu_ms: float = 0.0      # CPU time of the sending thread (host work beside a streamed compute)
+    prepare_ms: float = 0.0  # planning + laying the writes out (prepare()), wherever it ran
+    prepared_ahead: bool = False   # prepare() ran before the send (while the KV was computed)
 
 
-class KVSender(PoolEndpoint):
+@dataclass(eq=False)
+class PreparedSend:
+    """One request's send laid out before its KV is final (KVSender.prepare); one send uses it
+    (its writes start once)."""
+    peer: RemotePool
+    src: IndexSet
+    dst: IndexSet
+    plan: TransferPlan
+    groups: tuple[LayerGroup, ...]     # one (the whole body) unless streamed
+    mode: Mode
+    writes: tuple[PreparedWrite | None, ...]   # direct: one per group (None: nothing in it); staged: ()
+    aux: PreparedWrite | None
+    ranges: int                        # transport ranges of the direct writes
+    plan_ms: float
+    prepare_ms: float
+    streamed: bool
+    can_stage: bool
+    used: bool = False
+
+    def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool) -> bool:
+        """Whether it is this send's: same peer link, indices, streaming and staging choice."""
+        return (not self.used and self.peer is peer and self.streamed == streamed and self.can_stage == can_stage
+                and _same(self.src, src) and _same(self.dst, dst))
+
+
+def _same(a: IndexSet, b: IndexSet) -> bool:
+    return a is b or (a.components() == b.components()
+                      and all(np.array_equal(a[c], b[c]) for c in a.components()))
+
+
+class KVSender(StagedSender):
     """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
 
     @property
@@ -109,46 +147,66 @@ class KVSender(PoolEndpoint):
         bounds = layer_bounds(num_layers, sum(c.nbytes for c in plan.body), peer.link.cost, self.config)
         return split_layers(plan, bounds, self.placements)
 
+    def prepare(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
+                streamed: bool = False, can_stage: bool = False) -> PreparedSend:
+        """Everything of a send that needs only the indices: plan, layer groups (`streamed`),
+        direct or staged (`can_stage`: the receiver leased staging slots and a chunk channel
+        exists), each direct write and the AUX row's prepared by the link. Moves no byte, so
+        it may run while the engine computes the KV. Raises what planning raises."""
+        t0 = time.perf_counter()
+        plan = self.plan(peer, src, dst, num_tokens)
+        groups = tuple(self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)])
+        body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
+        plan_ms = (time.perf_counter() - t0) * 1e3
+        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.config, self._slot_bytes(peer),
+                           can_stage)
+        writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
+                       for g in groups) if mode is Mode.DIRECT else ()
+        aux = peer.link.prepare_runs([plan.aux.runset]) if plan.aux is not None else None
+        ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
+        return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
+                            (time.perf_counter() - t0) * 1e3, streamed, can_stage)
+
+    def _slot_bytes(self, peer: RemotePool) -> int:
+        return min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
+
     def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
              remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
              stopped: Callable[[], bool] | None = None, progress: LayerProgress | None = None,
-             num_tokens: int | None = None) -> TransferReport:
+             num_tokens: int | None = None, prepared: PreparedSend | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
         staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
         every write: true (the request was aborted) ends the send with Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
         as soon as its layers are final; the AUX row once progress is complete.
+        `prepared`: this send prepared ahead (prepare() with the same peer, indices, streaming
+        and staging); anything else is planned here.
         Raises a TransferError or Cancelled; the receiver must treat the request as failed then.
         WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
         which may still land in the receiver's pages until the transport ends them.
         `num_tokens` (the request's length) is needed when the peer's page size is not ours."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         stopped = stopped or (lambda: False)
-        plan = self.plan(peer, src, dst, num_tokens)
         streamed = progress is not None
-        groups = self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)]
-        body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
-        plan_ms = (time.perf_counter() - t0) * 1e3
-        slot_bytes = min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
-        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.config, slot_bytes, can_stage)
-        writes = PendingWrites()   # the body's writes in flight (streamed: one per layer group)
+        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage)
+        p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
+        p.used = True
+        writes = PendingWrites(peer.link.ordered)   # the body's writes in flight (streamed: one per layer group)
         wait_layers = (lambda n: progress.wait(n, stopped, writes.poll)) if streamed else (lambda n: None)
         first_write: list[float] = []
-        ranges = chunks = 0
-        waited = 0.0
+        ranges, chunks, waited = p.ranges, 0, 0.0
         t_submit = time.perf_counter()
-        if mode is Mode.DIRECT:
+        if p.mode is Mode.DIRECT:
             try:
-                for g in groups:
-                    if not g.body:
+                for g, w in zip(p.groups, p.writes):
+                    if w is None:
                         continue
                     t = time.perf_counter()
                     wait_layers(g.layers.stop)
                     waited += time.perf_counter() - t
                     self._before_write(stopped, first_write)
-                    writes.add(peer.link.write_runs_async([c.runset for c in g.body]))
-                    ranges += sum(c.num_ranges for c in g.body)
+                    writes.add(w.start())
                 if not peer.link.ordered:   # the AUX row may only start once the body landed
                     t = time.perf_counter()
                     writes.wait()
@@ -157,18 +215,18 @@ class KVSender(PoolEndpoint):
                 writes.drain()   # a failure is reported only once no write of ours is in flight
                 raise
         else:
+            slot_bytes = self._slot_bytes(peer)
             chunk_list = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
-                          for g in groups for c in chunk_plan(g.body, slot_bytes)]
-            chunks = self._send_staged(peer, plan.body, chunk_list, transfer_id, remote_slots, channel, stopped,
+                          for g in p.groups for c in chunk_plan(g.body, slot_bytes)]
+            chunks = self._send_staged(peer, p.plan.body, chunk_list, transfer_id, remote_slots, channel, stopped,
                                        wait_layers, first_write, share=0.5 if streamed else 1.0)
-            ranges = chunks
+            ranges = chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0)
         try:
             if progress is not None:
                 progress.wait_complete(stopped, writes.poll)   # the engine returned: the AUX row is written
-            if plan.aux is not None:  # last: its arrival means the body has landed
+            if p.aux is not None:  # last: its arrival means the body has landed
                 self._before_write(stopped, first_write)
-                writes.add(peer.link.write_runs_async([plan.aux.runset]))   # (an ordered link: after the body)
-                ranges += len(plan.aux.runset)
+                writes.add(p.aux.start())   # (an ordered link: after the body)
             t = time.perf_counter()
             writes.wait()
             waited += time.perf_counter() - t
@@ -176,94 +234,7 @@ class KVSender(PoolEndpoint):
             writes.drain()
             raise
         submitted = (time.perf_counter() - t_submit - waited) * 1e3
-        return TransferReport(mode, peer.link.kind, plan.nbytes, ranges, chunks, plan_ms, time.perf_counter() - t0,
-                              submitted if mode is Mode.DIRECT else 0.0, waited * 1e3,
-                              sum(1 for g in groups if g.body), first_write[0] if first_write else 0.0, streamed,
-                              (time.thread_time() - cpu0) * 1e3)
-
-    def _before_write(self, stopped: Callable[[], bool], first_write: list[float] | None = None) -> None:
-        if stopped():
-            raise Cancelled("send stopped: the request was aborted")
-        self.faults.check("send.write")
-        if first_write is not None and not first_write:
-            first_write.append(time.time())
-
-    @staticmethod
-    def _await_ack(channel: ChunkChannel, transfer_id: int, index: int, timeout: float,
-                   stopped: Callable[[], bool]) -> None:
-        """channel.wait_done in short slices: an aborted request (whose receiver stopped
-        acking) ends the wait now, not after the whole chunk timeout."""
-        give_up = time.monotonic() + timeout
-        while True:
-            try:
-                return channel.wait_done(transfer_id, index, min(0.2, max(0.0, give_up - time.monotonic())))
-            except AckTimeout:
-                if stopped():
-                    raise Cancelled("send stopped while waiting for an ack: the request was aborted") from None
-                if time.monotonic() >= give_up:
-                    raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
-
-    def _send_staged(self, peer: RemotePool, body: Sequence[ComponentPlan], chunks: list[Chunk], transfer_id: int,
-                     remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool],
-                     wait_layers: Callable[[int], None], first_write: list[float], share: float = 1.0) -> int:
-        """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits.
-        A streamed transfer waits for a chunk's layers before gathering it, and takes local
-        slots only then, and only `share` of them (others' transfers need some meanwhile)."""
-        if chunks:
-            wait_layers(chunks[0].layers_needed)
-        want = max(1, int(self.config.staging_slots * share))
-        local_slots = self.staging.lease.acquire(want, timeout=self.config.chunk_timeout_s)
-        if not local_slots:
-            raise StagingError("no local staging slot freed up in time")
-        free: queue.Queue = queue.Queue()
-        for s in local_slots:
-            free.put(s)
-        ready: queue.Queue = queue.Queue()
-        errors: list[BaseException] = []
-        writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer",
-                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors, stopped,
-                                        first_write))
-        writer.start()
-        try:
-            for chunk in chunks:
-                wait_layers(chunk.layers_needed)
-                slot = free.get()
-                if slot is None:  # the writer failed
-                    break
-                gather(chunk, body, self.tensors, self.staging.slot(slot))
-                ready.put((slot, chunk))
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            ready.put(None)
-            writer.join()
-            self.staging.lease.release(local_slots)
-            channel.end(transfer_id)
-        if errors:   # an abandoned write first: it may still land, which the caller must report
-            raise next((e for e in errors if isinstance(e, WritesAbandoned)), errors[0])
-        return len(chunks)
-
-    def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
-                      channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list,
-                      stopped: Callable[[], bool], first_write: list[float]) -> None:
-        n_remote = len(remote_slots)
-        timeout = self.config.chunk_timeout_s
-        try:
-            for i in range(len(chunks)):
-                item = ready.get()
-                if item is None:
-                    return
-                slot, chunk = item
-                if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
-                    self._await_ack(channel, transfer_id, i - n_remote, timeout, stopped)
-                remote = remote_slots[i % n_remote]
-                self._before_write(stopped, first_write)
-                peer.link.write(Ranges.one(self.staging_region, self.staging.slot_offset(slot),
-                                           peer.staging.region, peer.slot_offset(remote), chunk.nbytes))
-                channel.notify(transfer_id, i, remote, list(chunk.pieces))
-                free.put(slot)
-            if chunks:
-                self._await_ack(channel, transfer_id, len(chunks) - 1, timeout, stopped)
-        except BaseException as exc:
-            errors.append(exc)
-            free.put(None)  # wake the gatherer
+        return TransferReport(p.mode, peer.link.kind, p.plan.nbytes, ranges, chunks, p.plan_ms,
+                              time.perf_counter() - t0, submitted if p.mode is Mode.DIRECT else 0.0, waited * 1e3,
+                              sum(1 for g in p.groups if g.body), first_write[0] if first_write else 0.0, streamed,
+                              (time.thread_time() - cpu0) * 1e3, p.prepare_ms, ahead)

@@ -8,6 +8,7 @@ prefill rank's heads, and the request's report merged over them.
 A destination's worker sends and reports on its own; the request is sent when all are.
 """
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from kvpool import IndexSet
@@ -23,7 +24,21 @@ class Destination:
     slots: list[int]            # its staging slots lent to this transfer
     writing: bool = False       # a transfer worker sends to it now
     told: bool = False          # it heard the end (TransferDone)
+    prepared: Future | None = None   # its send laid out while the KV computes (KVSender.prepare
+                                     # on its peer's workers); its transfer worker takes it
     report: dict = field(default_factory=dict)   # what its send did
+
+    def take_prepared(self):
+        """Its send as prepared while the KV computed (a KVSender PreparedSend), or None: the
+        job never started (cancelled now), or it failed (the send plans again and raises what
+        planning raises). The job ran on this peer's workers, queued before the caller."""
+        job, self.prepared = self.prepared, None
+        if job is None or job.cancel():
+            return None
+        try:
+            return job.result()
+        except Exception:   # noqa: BLE001
+            return None
 
 
 def merged_report(dests: list[Destination]) -> dict:
@@ -39,4 +54,6 @@ def merged_report(dests: list[Destination]) -> dict:
             "transfer_cpu_ms": sum(r["transfer_cpu_ms"] for r in reports),
             "after_compute_ms": max(r["after_compute_ms"] for r in reports),
             "streamed": any(r["streamed"] for r in reports),
+            "prepared_ahead": all(r.get("prepared_ahead") for r in reports),
+            "prepare_ms": max(r.get("prepare_ms", 0.0) for r in reports),
             "first_write_at": min(first) if first else None, "destinations": len(reports)}

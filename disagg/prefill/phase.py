@@ -10,7 +10,7 @@ import numpy as np
 
 from disagg.control.deadlines import Deadlines
 from disagg.prefill.destinations import Destination
-from kvpool import RequestKV
+from kvpool import IndexSet, RequestKV
 from transfer.progress import LayerProgress
 
 
@@ -45,6 +45,7 @@ class PrefillRequest:
     since: float = field(default_factory=time.monotonic)     # when the phase began
     tokens: np.ndarray | None = None      # the prompt (None while ORPHANED)
     kv: RequestKV | None = None           # the computed KV, once handed to the table
+    src: IndexSet | None = None           # its pages' indices while computed (sends are planned then)
     dests: dict[int, Destination] = field(default_factory=dict)   # decode rank -> where its share goes
     receivers: frozenset[int] | None = None   # the decode ranks to expect (from the first one's TP size)
     tp_size: int = 0                      # the decode instance's TP size

@@ -7,6 +7,7 @@ which ranks to expect). Its pages belong to exactly one holder at a time: the th
 computing its KV, this table, or the transfer workers sending it (one per destination).
 
     prompt first:     AWAITING_DECODE --last TransferRequest--> COMPUTING --KV ready--> TRANSFERRING
+                      (pages allocated: each destination's send is prepared while computing)
     request first:    ORPHANED --------prompt (+ every one)---> COMPUTING        (KV may be ready
                       ORPHANED --prompt, a destination missing--> AWAITING_DECODE  before either)
     streamed:         COMPUTING --pages handed over while computing--> STREAMING --KV ready-->
@@ -50,11 +51,14 @@ class RequestTable:
     def __init__(self, epoch: int, deadlines: Deadlines, free: Callable[[RequestKV], None],
                  tell: Callable[[bytes, TransferDone | TransferStarted], None],
                  submit: Callable[[PrefillRequest, Destination], str | None],
-                 may_stream: Callable[[PrefillRequest], bool] = lambda r: True):
+                 may_stream: Callable[[PrefillRequest], bool] = lambda r: True,
+                 prepare: Callable[[PrefillRequest, Destination], None] = lambda r, d: None):
         """may_stream(r): whether a worker may start on r while the engine still computes
-        (False: it starts once the KV is computed, as for a request that does not stream)."""
+        (False: it starts once the KV is computed, as for a request that does not stream).
+        prepare(r, d): lay d's send out while r's KV is computed (sets d.prepared)."""
         self.epoch, self.deadlines = epoch, deadlines
         self._free, self._tell, self._submit, self._may_stream = free, tell, submit, may_stream
+        self._prepare = prepare
         self._lock = threading.Condition()
         self._rooms: dict[int, PrefillRequest] = {}
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
@@ -110,6 +114,7 @@ class RequestTable:
             if r.phase is Phase.AWAITING_DECODE and r.complete:
                 self._move(r, Phase.COMPUTING)
             self._maybe_start(r)
+            self._maybe_prepare(r)
             return None
 
     @staticmethod
@@ -122,6 +127,22 @@ class RequestTable:
         if rank not in receivers:
             return f"this prefill rank holds none of decode rank {rank}'s share of the KV"
         return None
+
+    def allocated(self, r: PrefillRequest, src: IndexSet) -> None:
+        """The engine starts computing into pages of indices `src` (the caller keeps them until
+        computed()): the sends of the destinations here, and of those that come meanwhile,
+        are laid out now, so that they only start writes once the KV is computed."""
+        with self._lock:
+            if not r.phase.ended:
+                r.src = src
+                self._maybe_prepare(r)
+
+    def _maybe_prepare(self, r: PrefillRequest) -> None:
+        if r.src is None or r.kv is not None or r.phase not in (Phase.AWAITING_DECODE, Phase.COMPUTING):
+            return
+        for d in r.dests.values():
+            if d.prepared is None:
+                self._prepare(r, d)
 
     def streaming(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> bool:
         """The engine starts computing into `kv`, reporting to `progress`: the table holds the

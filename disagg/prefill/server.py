@@ -63,7 +63,7 @@ class PrefillServer(Worker):
         self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
         self.requests = RequestTable(self.epoch, config.deadlines, self._free, self._tell, self._submit,
-                                     self._may_stream)
+                                     self._may_stream, self._prepare)
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
                                  self.epoch)
         self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate).start() \
@@ -108,6 +108,8 @@ class PrefillServer(Worker):
                     progress = LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
                     handed = self.requests.streaming(r, kv, progress)   # a worker may send finished layers
                     kv = None if handed else kv
+                else:   # the sends are laid out while the engine computes
+                    self.requests.allocated(r, self.pool.index_set(kv))
                 first_token = self.model.prefill(self.pool, held, tokens, room,
                                                  on_layer=progress.final if handed else None).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
@@ -166,6 +168,16 @@ class PrefillServer(Worker):
             return str(exc)
         return None
 
+    def _prepare(self, r: PrefillRequest, d: Destination) -> None:
+        peer = self.peers.get(d.peer)
+        if peer is None:
+            return
+        try:
+            d.prepared = peer.workers.submit(self.sender.prepare, peer.target, r.src, d.dst, len(r.tokens), False,
+                                             bool(d.slots) and peer.relay is not None and peer.target.staging is not None)
+        except RuntimeError:   # shut down: the transfer worker would not run either
+            pass
+
     # ---- a transfer worker -------------------------------------------------------------------
     def _transfer(self, r: PrefillRequest, d: Destination) -> None:
         """Send r's KV (our share of destination d's); the table tells d, and frees the pages
@@ -180,12 +192,13 @@ class PrefillServer(Worker):
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, r.room, d.slots, peer.relay,
                                       stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None,
-                                      num_tokens=r.kv.num_tokens)
+                                      num_tokens=r.kv.num_tokens, prepared=d.take_prepared())
             ms = (time.perf_counter() - t0) * 1e3
             d.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
                         "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
                         "layer_groups": report.groups, "first_write_at": report.first_write_at,
-                        "transfer_cpu_ms": report.cpu_ms,
+                        "transfer_cpu_ms": report.cpu_ms, "prepared_ahead": report.prepared_ahead,
+                        "prepare_ms": report.prepare_ms,
                         # what decode waits for once compute is over: the part of the send not hidden
                         "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
             done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)

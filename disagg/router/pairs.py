@@ -70,6 +70,7 @@ def merge_ranks(outs: list[dict]) -> dict:
         return {**outs[0], "state": "FAILED", "reason": f"the decode ranks generated different tokens: {tokens}"[:500]}
     merged = {**outs[0], "bytes": sum(out.get("bytes") or 0 for out in outs), "ranks": len(outs),
               "streamed": any(out.get("streamed") for out in outs),
+              "prepared_ahead": all(out.get("prepared_ahead") for out in outs),
               "verified": all(out.get("verified") for out in outs) if "verified" in outs[0] else None}
     checks = [(rank, out["check"]) for rank, out in enumerate(outs) if isinstance(out.get("check"), dict)]
     if checks:   # each decode rank checks its own shard: the first one that differs speaks for all

@@ -271,6 +271,8 @@ class Router:
             **({"check": dec["check"]} if isinstance(dec.get("check"), dict) else {}),
             "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),
             "streamed": bool(pre.get("streamed")), "layer_groups": pre.get("layer_groups"),
+            # the send was planned and laid out while the prompt was computed (KVSender.prepare)
+            "prepared_ahead": bool(pre.get("prepared_ahead")),
             # streamed: how long before the engine's last layer the first KV write went out
             **({"first_write_before_compute_end_ms": (pre["prefill_done_at"] - pre["first_write_at"]) * 1e3}
                if ok and pre.get("streamed") and pre.get("first_write_at") else {}),

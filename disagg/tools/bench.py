@@ -150,6 +150,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "streamed": sum(1 for r in ok if r.get("streamed")),
+        "prepared_ahead": sum(1 for r in ok if r.get("prepared_ahead")),
         "latency_ms": latency, "failures": failures,
         # generations compared with a colocated run of the same model (decode --check-rate)
         "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
@@ -180,7 +181,8 @@ def print_summary(s: dict) -> None:
     print(f"throughput: {significant(s['gb_per_s'])} GB/s aggregate (KV bytes / wall), "
           f"{significant(s['transfer_gb_per_s'])} GB/s per transfer (KV bytes / time in transfers)")
     print(f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}   "
-          f"streamed layer-wise: {s.get('streamed', 0)}")
+          f"streamed layer-wise: {s.get('streamed', 0)}   sends prepared while computing: "
+          f"{s.get('prepared_ahead', 0)}")
     lat = s["latency_ms"]
     if lat:
         print()

@@ -402,3 +402,43 @@ def test_prefill_rank_that_feeds_no_decode_rank_is_done_once_computed(stream):
     r = t.prompt(2, TOKENS, receivers=TWO, tp_size=2)
     assert not t.destination(2, PEER, "d", [], rank=0, tp_size=4, receivers=frozenset({0})).ok
     assert r.phase is P.AWAITING_DECODE
+
+
+@pytest.mark.parametrize("order", ["decode, prompt, pages", "prompt, pages, decode", "prompt, decode, pages"])
+def test_prefill_prepares_each_destinations_send_while_computing_once_both_are_known(order):
+    """A destination's send is laid out once the pages (their indices) and the destination
+    are both known and the KV is not computed yet: once each, never after computed()."""
+    prepared = []
+    fx = Effects()
+    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
+                     prepare=lambda r, d: (prepared.append((r.room, d.rank, r.src)), setattr(d, "prepared", "job")))
+    r = None
+    for step in order.split(", "):
+        if step == "decode":
+            t.destination(1, PEER, "dst0", [0], rank=0, tp_size=2, receivers=frozenset({0, 1}))
+        elif step == "prompt":
+            r = t.prompt(1, TOKENS)
+        else:
+            assert not prepared   # nothing before the pages are known
+            t.allocated(r, "src")
+    assert prepared == [(1, 0, "src")]
+    t.destination(1, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))   # comes meanwhile
+    t.allocated(r, "src")                                                                 # a second call: no repeat
+    assert prepared == [(1, 0, "src"), (1, 1, "src")] and r.phase is P.COMPUTING
+    t.computed(r, "kv")
+    assert r.phase is P.TRANSFERRING and len(fx.submitted) == 2 and len(prepared) == 2
+
+
+def test_prefill_prepares_nothing_for_a_request_that_ended_or_was_computed_first():
+    prepared = []
+    fx = Effects()
+    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
+                     prepare=lambda r, d: prepared.append(r.room))
+    r = t.prompt(1, TOKENS)
+    t.abort(1, "client left")
+    t.allocated(r, "src")
+    t.destination(1, PEER, "dst", [0])
+    r2 = t.prompt(2, TOKENS)
+    t.computed(r2, "kv")          # the KV was computed before decode's destination came
+    t.destination(2, PEER, "dst", [0])
+    assert prepared == [] and fx.submitted == [r2]

@@ -69,6 +69,8 @@ class MemoryLink(Link):
         return peer
 
     def write_async(self, ranges: Ranges) -> PendingWrite:
+        if self.closed:   # (a transport that mapped the peer's memory has unmapped it)
+            raise PeerUnreachable("write", -1, self.peer, ranges.nbytes, detail="the link is closed")
         peer = self._peer()
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, peer.sizes)

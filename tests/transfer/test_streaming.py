@@ -173,6 +173,17 @@ class _Watched:
         self._mark()
         return self._link.write_runs_async(runsets)
 
+    def prepare_runs(self, runsets):   # (prepared ahead: the write starts at start())
+        prepared, mark = self._link.prepare_runs(runsets), self._mark
+
+        class Started:
+            nbytes = prepared.nbytes
+
+            def start(self):
+                mark()
+                return prepared.start()
+        return Started()
+
 
 def _watched(peer, sender: KVSender) -> tuple[RemotePool, _Watched]:
     """The peer connected, its link watched for the first write."""

@@ -1,4 +1,5 @@
-"""The transport registry and the per-peer choice of transport (no bytes move here)."""
+"""The transport registry, the per-peer choice of transport, and a transfer's set of pending
+writes (no bytes move here)."""
 
 import msgspec
 import pytest
@@ -7,9 +8,10 @@ from harness import memory
 from kvpool import HybridPool, PoolConfig, get_preset
 from transfer.buffers import Buffer
 from transfer.config import TransferConfig
-from transfer.errors import LayoutIncompatible, TransportError
+from transfer.errors import LayoutIncompatible, TransportError, WriteFailed
 from transfer.sender import KVSender
-from transfer.transports import TRANSPORTS, Offer, TransportSettings, pick, resolve
+from transfer.transports import TRANSPORTS, Offer, PendingWrite, TransportSettings, pick, resolve
+from transfer.transports.base import PendingWrites
 
 
 def test_auto_and_names_resolve_and_unknown_names_are_refused():
@@ -63,7 +65,7 @@ def test_offers_and_buffers_are_validated_when_decoded():
 
 
 def test_cuda_ipc_reaches_only_its_own_host_and_says_why():
-    from transfer.transports.cuda_ipc import host_identity, reach_problem
+    from transfer.transports.cuda_offer import host_identity, reach_problem
     here = host_identity()
     assert here == host_identity() and "/" in here          # boot id / hostname, stable
     assert reach_problem(Offer("cuda-ipc", here, b""), here) is None
@@ -91,3 +93,43 @@ def test_pick_names_why_a_shared_kind_could_not_be_used():
             return None if offer.host == "here" else f"{offer.kind}: the peer is on another host"
     with pytest.raises(TransportError, match=r"no common transport: .* \(memory: the peer is on another host\)"):
         pick([Offer("memory", "there", b"")], [SameHostOnly()])
+
+
+class _Write(PendingWrite):
+    """A write that lands when its own wait() is called (or at once), or fails."""
+
+    def __init__(self, landed=False, error=None):
+        self.nbytes, self.landed, self.error, self.waited = 1, landed, error, 0
+
+    def poll(self):
+        if self.error:
+            raise self.error
+        return self.landed
+
+    def wait(self, timeout=None):
+        self.waited += 1
+        self.landed = True   # an ordered link: landing the last one landed those before it
+
+
+def test_pending_writes_on_an_ordered_link_sleep_in_the_last_write_and_report_failures_after_all_polled():
+    first, last = _Write(), _Write()
+    ordered = PendingWrites(ordered=True)
+    for w in (first, last):
+        ordered.add(w)
+    first.landed = True   # (what the link's order guarantees once the last landed)
+    ordered.wait()
+    assert last.waited == 1 and first.waited == 0 and ordered.poll()
+    failed, later = _Write(error=WriteFailed("write", -1, "peer", 1)), _Write(landed=True)
+    writes = PendingWrites(ordered=True)
+    writes.add(failed)
+    writes.add(later)
+    with pytest.raises(WriteFailed):
+        writes.wait()
+    assert writes.poll()   # the failed member left the set, the landed one was retired
+
+
+def test_pending_writes_time_out_with_a_typed_error():
+    writes = PendingWrites()
+    writes.add(_Write())
+    with pytest.raises(WriteFailed, match="not done within"):
+        writes.wait(timeout=0.001)

@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from harness.peer_client import LocalPeer
 from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
 from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
 from harness.peer_server import digest_request, digest_tokens
+from harness.source import DEVICE, device_for, source_pool
 from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
                              TransportError, WriteFailed)
 from transfer.faults import FaultPlan
@@ -22,26 +22,7 @@ from transfer.sender import KVSender
 from transfer.transports import Ranges, TransportSettings, create
 
 
-DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")  # both sides' pools and staging areas
-
-
-def _device(peer):
-    """The memory transport copies host memory; cuda-ipc needs CUDA pools (DISAGG_TEST_DEVICE=cuda)."""
-    return "cpu" if isinstance(peer, LocalPeer) else DEVICE
-
-
-def _setup(peer, preset, page, layout, tokens=2048, fragment=True, peer_page=None):
-    peer.configure(preset, peer_page or page, tokens, layout=layout.value, max_requests=4,
-                   staging_slots=4, staging_slot_mib=1, device=_device(peer))
-    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout,
-                                 device=_device(peer)))
-    if fragment:
-        np.random.default_rng(0).shuffle(pool.pages._stack[:pool.pages.num_free])
-        peer.fragment(1)
-    for p in pool.pools.values():
-        for b in p.storage.buffers:
-            b.random_(0, 256)
-    return pool
+_device, _setup = device_for, source_pool
 
 
 def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from transfer.errors import TransportError
-from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
+from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.ranges import Ranges
 
-__all__ = ["Exposure", "Link", "LinkCost", "Offer", "PendingWrite", "Ranges", "Transport", "TransportSettings",
-           "TRANSPORTS", "create", "pick", "resolve"]
+__all__ = ["Exposure", "Link", "LinkCost", "Offer", "PendingWrite", "PreparedWrite", "Ranges", "Transport",
+           "TransportSettings", "TRANSPORTS", "create", "pick", "resolve"]
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@
           -> PendingWrite           pollable; wait() sleeps, never spins
         Link.write_runs(runsets)    the same, factorized (runs x buffer pairs); a transport
                                     that can expand on its own device overrides it
+        Link.prepare_runs(runsets)  checked and laid out now (while the KV is still being
+          -> PreparedWrite          computed), started later: start() -> PendingWrite is
+                                    only the hand-off to the link
         Link.probe(), Link.close()
         Link.cost                   the per-range / per-byte figures the planner's
                                     direct-vs-staged choice needs
@@ -54,6 +57,28 @@ class PendingWrite(ABC):
         """Block (sleeping, never spinning) until landed; raises on failure or timeout."""
 
 
+class PreparedWrite(ABC):
+    """A write checked and laid out ahead of its bytes (Link.prepare_runs); it starts once."""
+    nbytes: int
+
+    @abstractmethod
+    def start(self) -> PendingWrite:
+        """Hand it to the link now; raises PeerUnreachable if the link closed meanwhile."""
+
+
+class _Later(PreparedWrite):
+    """The default: ranges flattened and checked now, written by write_async at start()."""
+
+    def __init__(self, link: "Link", ranges: Ranges):
+        self._link, self._ranges, self.nbytes = link, ranges, ranges.nbytes
+
+    def start(self) -> PendingWrite:
+        if self._ranges is None:
+            raise RuntimeError("a prepared write starts once")
+        ranges, self._ranges = self._ranges, None
+        return self._link.write_async(ranges)
+
+
 class PendingWrites(PendingWrite):
     """Several writes of one transfer (a streamed request's layer groups) as one: polling it
     drives every member, so ranges that landed are retired (and the peer's in-flight budget
@@ -61,7 +86,8 @@ class PendingWrites(PendingWrite):
 
     POLL_S = 100e-6
 
-    def __init__(self) -> None:
+    def __init__(self, ordered: bool = False) -> None:
+        self.ordered = ordered   # the link lands writes in order: the last one landed means all did
         self._writes: list[PendingWrite] = []
         self.nbytes = 0
         self.abandoned: WritesAbandoned | None = None   # a member given up on (its link closed)
@@ -88,7 +114,14 @@ class PendingWrites(PendingWrite):
         return not remaining
 
     def wait(self, timeout: float | None = None) -> None:
+        """Sleep until every member landed: on an ordered link in the last member's own wait
+        (a CUDA event's blocking wait wakes within microseconds), else polling all."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        if self.ordered and self._writes:
+            try:
+                self._writes[-1].wait(timeout)
+            except TransferError:
+                pass   # raised below by poll(), with the other members retired first
         while not self.poll():
             if deadline is not None and time.monotonic() > deadline:
                 raise WriteFailed("write", -2, "peer", self.nbytes, detail=f"not done within {timeout} s")
@@ -140,8 +173,14 @@ class Link(ABC):
         self.write_async(ranges).wait(timeout)
 
     def write_runs_async(self, runsets: Sequence[RunSet | LaneRuns]) -> PendingWrite:
-        """Start writing factorized ranges; by default flattened on the host."""
-        return self.write_async(Ranges.concat([r.flatten() for r in runsets]))
+        """Start writing factorized ranges."""
+        return self.prepare_runs(runsets).start()
+
+    def prepare_runs(self, runsets: Sequence[RunSet | LaneRuns]) -> PreparedWrite:
+        """Lay factorized ranges out for a later start(): what can be done before the bytes
+        are final is done here (a transport that can, checks bounds here too: OutOfBounds).
+        By default flattened on the host and written (checked) by write_async at start()."""
+        return _Later(self, Ranges.concat([r.flatten() for r in runsets]))
 
     def write_runs(self, runsets: Sequence[RunSet | LaneRuns], timeout: float | None = None) -> None:
         self.write_runs_async(runsets).wait(timeout)

@@ -32,7 +32,7 @@ import threading
 import numpy as np
 
 from transfer.errors import TransportError
-from transfer.transports.cuda_driver import Driver
+from transfer.transports.cuda_driver import Call, Driver
 from transfer.transports.ranges import LaneRuns, RunSet
 
 _PIECE_BYTES = 256 << 10      # longer ranges are split so warps share the work evenly
@@ -112,39 +112,34 @@ extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long
 _HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host (numpy), more on the GPU
 
 
-class Uploads:
-    """One pinned host buffer and one device buffer per link, reused for every upload
-    (allocating pinned memory per write cost about half a millisecond); an event says when the
-    last copy has left the host buffer. The device buffer is allocated on the link's stream
-    (torch's allocator then hands it no block another stream may still use) and stream order
-    keeps it safe: the next upload into it starts after the kernels that read the last one.
-    So put() waits at most for the write before last to finish: the GPU always has the next
-    write queued behind the one it runs."""
+class Table:
+    """One prepared write's kernel table on the device: a block of torch's caching allocator
+    taken on the link's stream, filled from pinned host memory. Stream order keeps the block
+    safe to hand back as soon as the kernels that read it are queued (the allocator gives it
+    only to later work on that stream); the pinned source stays with the write until it is
+    done (its upload, queued earlier on the stream, is done by then)."""
 
-    def __init__(self, driver: Driver, stream) -> None:
-        self._d, self._stream = driver, stream   # stream: the link's torch.cuda.Stream
-        self._host = self._dev = None
-        self._uploaded = None
-
-    def put(self, values: np.ndarray) -> int:
-        """Queue values (int64) onto the device on the link's stream; returns their address."""
+    def __init__(self, values: np.ndarray, driver: Driver, stream) -> None:
         import torch
-        handle = self._stream.cuda_stream
-        if self._uploaded is None:
-            self._uploaded = self._d.event()
-        else:
-            self._uploaded.synchronize()   # the previous upload has left the host buffer
-        if self._host is None or self._host.numel() < len(values):
-            n = max(len(values), 2 * (0 if self._host is None else self._host.numel()), 4096)
-            if self._dev is not None:
-                self._d.synchronize_stream(handle)   # no kernel still reads the old device buffer
-            self._host = torch.empty(n, dtype=torch.int64, pin_memory=True)
-            with torch.cuda.stream(self._stream):
-                self._dev = torch.empty(n, dtype=torch.int64, device=self._stream.device)
-        self._host.numpy()[:len(values)] = values
-        self._d.upload(self._dev.data_ptr(), self._host.data_ptr(), values.nbytes, handle)
-        self._uploaded.record(handle)
-        return self._dev.data_ptr()
+        self.host = torch.from_numpy(values).pin_memory()   # torch's pinned cache: no cudaHostAlloc per write
+        self.ptr = torch.cuda.caching_allocator_alloc(values.nbytes, stream.device, stream)
+        try:
+            driver.upload(self.ptr, self.host.data_ptr(), values.nbytes, stream.cuda_stream)
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self) -> None:
+        ptr, self.ptr = self.ptr, 0
+        if ptr:
+            import torch
+            torch.cuda.caching_allocator_delete(ptr)
+
+    def __del__(self) -> None:   # a prepared write dropped before it started
+        try:
+            self.release()
+        except Exception:   # noqa: BLE001 (interpreter shutdown)
+            pass
 
 
 def _flat(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -172,15 +167,14 @@ class RangeCopier:
         self._module, self._functions, self._ctx = None, {}, None
         self._init = threading.Lock()   # links share the copier: one compile, one context retain
 
-    def submit(self, work, stream: int, uploads: Uploads) -> int:
-        """Queue copies on `stream` (a CUDA stream handle; context() current); returns the
-        bytes. work: (RunSet
-        in items, src address per buffer, dst address per buffer), or (LaneRuns, src address
-        per lane, dst address per lane), all on the host.
+    def prepare(self, work, stream) -> tuple[list[Call], Table | None, int]:
+        """Lay out copies for `stream` (the link's torch.cuda.Stream; context() current):
+        their table uploaded, their launches packed; returns (launches, table, bytes). work:
+        (RunSet in items, src address per buffer, dst address per buffer), or (LaneRuns, src
+        address per lane, dst address per lane), all on the host.
         A fragmented set (many short ranges) crosses as runs + buffers and the kernel expands
         it; a set of few ranges is expanded here and split so the warps share long ones. One
-        upload, then only kernel launches (one per fragmented set, one for all expanded
-        ranges); nothing waits on the GPU but the upload's turn (Uploads)."""
+        upload, one launch per fragmented set and one for all expanded ranges."""
         total, tables, lanes, flats = 0, [], [], []   # factorized (values, n, b); host-expanded [3, k] pieces
         for rs, src_base, dst_base in work:
             if not len(rs):
@@ -200,18 +194,19 @@ class RangeCopier:
                 flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
         flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
         if not tables and not lanes and not len(flat):
-            return total
-        base = uploads.put(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False))
-        word = 8
+            return [], None, total
+        table = Table(np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False),
+                      self.driver, stream)
+        base, word, calls = table.ptr, 8, []
         if len(flat):
             k = len(flat) // 3
-            self._launch("copy_ranges", k, stream, base, base + k * word, base + 2 * k * word, k)
+            calls.append(self._call("copy_ranges", k, base, base + k * word, base + 2 * k * word, k))
         at = len(flat)
         for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
             for values, n, b, *rows in sets:
-                self._launch(name, n * b, stream, base + at * word, n, b, *rows)
+                calls.append(self._call(name, n * b, base + at * word, n, b, *rows))
                 at += len(values)
-        return total
+        return [c for c in calls if c is not None], table, total
 
     def context(self) -> int:
         """The device's primary context: current on the calling thread around submit()."""
@@ -240,8 +235,8 @@ class RangeCopier:
             self._functions[name] = int(ptr)
         return self._functions[name]
 
-    def _launch(self, name: str, rows: int, stream: int, *args: int) -> None:
+    def _call(self, name: str, rows: int, *args: int) -> Call | None:
         if rows == 0:
-            return
-        self.driver.launch(self._function(name), min(self.blocks, -(-rows * 32 // self.threads)), self.threads,
-                           stream, tuple(int(a) for a in args))
+            return None
+        return self.driver.call(self._function(name), min(self.blocks, -(-rows * 32 // self.threads)), self.threads,
+                                tuple(int(a) for a in args))

@@ -2,14 +2,18 @@
 driver): IPC handles, and the hot path of a write.
 
     one write, all on the link's stream (a few microseconds of host time per call):
-      cuCtxSetCurrent -> cuMemcpyHtoDAsync(table, pinned -> device) -> cuEventRecord(uploaded)
-      -> cuLaunchKernel x k -> cuEventRecord(done)
+      prepare (may run while the KV is still computed):
+        cuCtxSetCurrent -> cuMemcpyHtoDAsync(table, pinned -> device); kernel parameters packed
+      start (once the KV is final):
+        cuCtxSetCurrent -> cuLaunchKernel x k -> cuEventRecord(done)
 
 Why not CuPy's kernel call and torch's copy and events: on an H100 the host spent ~0.29 ms
 in a CuPy RawKernel call and ~0.25 ms more in torch's device/stream contexts, H2D copy and
 event per write (cProfile, docs/bench_transfer_gpu.json "host_path"), where a 2k-token write
 moves its bytes in ~0.2 ms. CuPy still compiles the kernel (NVRTC, cached); only its
-function handle is used here.
+function handle is used here. Preparing a write (off the path once the KV is final) still
+uses torch: its pinned-memory cache for the table's host copy, its caching allocator for the
+device block.
 """
 
 import ctypes
@@ -119,18 +123,34 @@ class Driver:
         """Pinned host -> device, queued on `stream`."""
         self._check("cuMemcpyHtoDAsync", self._htod(dst, src, nbytes, stream))
 
+    def call(self, function: int, grid: int, block: int, args: tuple[int, ...]) -> "Call":
+        """A launch of a kernel whose parameters are all 64-bit (pointers, long long), its
+        parameter block packed now so that launching it later is one driver call."""
+        return Call(self, function, grid, block, args)
+
     def launch(self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]) -> None:
-        """A kernel whose parameters are all 64-bit (pointers, long long)."""
-        values = (ctypes.c_int64 * len(args))(*args)
-        base = ctypes.addressof(values)
-        params = (_vp * len(args))(*(base + 8 * i for i in range(len(args))))
-        self._check("cuLaunchKernel", self._launch(function, grid, 1, 1, block, 1, 1, 0, stream, params, None))
+        self.call(function, grid, block, args).launch(stream)
 
     def synchronize_stream(self, stream: int) -> None:
         self._check("cuStreamSynchronize", self._stream_sync(stream))
 
     def event(self) -> "Event":
         return Event(self)
+
+
+class Call:
+    """One kernel launch, packed (Driver.call); launch() queues it on a stream."""
+
+    def __init__(self, driver: Driver, function: int, grid: int, block: int, args: tuple[int, ...]):
+        self._d, self._function, self._grid, self._block = driver, function, grid, block
+        self._values = (ctypes.c_int64 * len(args))(*args)   # kept alive with the pointers into it
+        base = ctypes.addressof(self._values)
+        self._params = (_vp * len(args))(*(base + 8 * i for i in range(len(args))))
+
+    def launch(self, stream: int) -> None:
+        d = self._d
+        d._check("cuLaunchKernel", d._launch(self._function, self._grid, 1, 1, self._block, 1, 1, 0, stream,
+                                             self._params, None))
 
 
 class Event:

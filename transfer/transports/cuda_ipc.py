@@ -1,14 +1,16 @@
 """The CUDA IPC transport: prefill writes straight into decode's pool on another GPU of the
 same host, over NVLink (or PCIe), with one copy kernel on the prefill GPU.
 
-    decode (owner)                               prefill (writer, GPU 0)
+    decode (owner, cuda_offer.py)                prefill (writer, GPU 0)
       cuIpcGetMemHandle(allocation base)           cuIpcOpenMemHandle once per handle and link
       offer: host id, pid, [(handle, offset        (lazy peer access), closed with the link
-              in allocation, nbytes)] per region   write_runs: runs + buffer table -> GPU,
-                                                   expand and split on the GPU, one kernel:
-                                                   each warp copies whole ranges, 16-byte
-                                                   vectors where aligned; a blocking event
-                                                   marks the end (no spinning host thread)
+              in allocation, nbytes)] per region   prepare_runs (may run while the KV is still
+                                                   computed): runs + buffer table -> GPU,
+                                                   launches packed
+                                                   start: one kernel expands and copies, each
+                                                   warp whole ranges, 16-byte vectors where
+                                                   aligned; a blocking event marks the end
+                                                   (no spinning host thread)
 
 Addresses never travel: the offer names allocations by IPC handle and offset, the writer maps
 them where its driver puts them. A mapping gives no liveness signal (a write after the owner
@@ -19,89 +21,55 @@ The CUDA driver is reached through ctypes (cuda_driver.py); CuPy compiles the ke
 """
 
 import os
-import socket
 import threading
+import time
 from collections.abc import Sequence
-from functools import lru_cache
 
 import msgspec
 import numpy as np
 
-from transfer.errors import OutOfBounds, PeerUnreachable, TransportError
-from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
+from transfer.errors import OutOfBounds, PeerUnreachable, TransportError, WriteFailed
+from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
-from transfer.transports.cuda_copy import RangeCopier, Uploads
-from transfer.transports.cuda_driver import Driver, Event
+from transfer.transports.cuda_copy import RangeCopier, Table
+from transfer.transports.cuda_driver import Call, Driver, Event
+from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_decoder, host_identity, reach_problem
 
-KIND = "cuda-ipc"
 COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full speed: always direct
 
 
-@lru_cache(maxsize=1)
-def host_identity() -> str:
-    """Same value in every process (and container) on one kernel: boot id plus hostname."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{boot}/{socket.gethostname()}"
-
-
-def reach_problem(offer: Offer, host: str) -> str | None:
-    """None if a cuda-ipc offer can be opened from `host`, else why not."""
-    if offer.kind != KIND:
-        return f"not {KIND}"
-    if offer.host != host:
-        return f"{KIND}: the peer is on another host ({offer.host} vs {host})"
-    return None
-
-
-class _Region(msgspec.Struct, frozen=True, array_like=True):
-    handle: bytes    # cuIpcGetMemHandle of the allocation holding the region (64 bytes)
-    offset: int      # the region's start inside that allocation
-    nbytes: int
-
-
-class _Blob(msgspec.Struct, frozen=True, array_like=True):
-    pid: int
-    regions: list[_Region]
-
-
-_blob_decoder = msgspec.msgpack.Decoder(_Blob)
-
-
 class CudaWrite(PendingWrite):
-    def __init__(self, event: Event, nbytes: int):
+    POLL_S = 100e-6
+
+    def __init__(self, event: Event, nbytes: int, keep: object = None):
         self._event, self.nbytes = event, nbytes
+        self._keep = keep   # the pinned table its upload read (done once the write is)
 
     def poll(self) -> bool:
         return self._event.query()
 
     def wait(self, timeout: float | None = None) -> None:
-        self._event.synchronize()   # a blocking-sync event: the thread sleeps, it does not spin
+        if timeout is None:
+            self._event.synchronize()   # a blocking-sync event: the thread sleeps, it does not spin
+            return
+        deadline = time.monotonic() + timeout
+        while not self._event.query():
+            if time.monotonic() > deadline:
+                raise WriteFailed("write", -2, "cuda-ipc peer", self.nbytes, detail=f"not done within {timeout} s")
+            time.sleep(self.POLL_S)
 
 
-class CudaIpcExposure(Exposure):
-    def __init__(self, driver: Driver, regions: Sequence[tuple[int, int]]):
-        self.bases = np.array([int(p) for p, _ in regions], dtype=np.int64)
-        self.sizes = np.array([int(n) for _, n in regions], dtype=np.int64)
-        out = []
-        for i, (ptr, nbytes) in enumerate((int(p), int(n)) for p, n in regions):
-            if not driver.is_device_memory(ptr):
-                raise TransportError(f"cuda-ipc: region {i} ({nbytes} bytes) is not CUDA device memory; "
-                                     "it needs pools on CUDA (--device cuda or cuda:N)")
-            base, size = driver.allocation(ptr)
-            if ptr + nbytes > base + size:
-                raise TransportError(f"cuda-ipc: region {i} spans more than one allocation")
-            out.append(_Region(driver.export(base), ptr - base, nbytes))
-        self._blob = msgspec.msgpack.encode(_Blob(os.getpid(), out))
+class CudaPrepared(PreparedWrite):
+    """A write whose table is on the device and whose launches are packed: start() queues them."""
 
-    def offer(self) -> Offer:
-        return Offer(KIND, host_identity(), self._blob)
+    def __init__(self, link: "CudaIpcLink", calls: list[Call], table: Table | None, nbytes: int):
+        self._link, self._calls, self._table, self.nbytes = link, calls, table, nbytes
 
-    def close(self) -> None:
-        pass   # nothing is registered: a handle lives as long as the allocation
+    def start(self) -> CudaWrite:
+        if self._calls is None:
+            raise RuntimeError("a prepared write starts once")
+        calls, self._calls = self._calls, None
+        return self._link._start(calls, self._table, self.nbytes)
 
 
 class CudaIpcLink(Link):
@@ -109,7 +77,7 @@ class CudaIpcLink(Link):
     cost = COST
     ordered = True   # one stream: a later write starts after an earlier one landed
 
-    def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: _Blob):
+    def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: Blob):
         import torch
         self._t, self._local, self._pid = transport, local, blob.pid
         self.peer = f"pid {blob.pid} on this host"
@@ -128,18 +96,20 @@ class CudaIpcLink(Link):
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
-        self._upload = Uploads(transport.driver, self._stream)
 
-    def _launch(self, work) -> CudaWrite:
-        driver, copier, stream = self._t.driver, self._t.copier, self._stream.cuda_stream
+    def _start(self, calls: list[Call], table: Table | None, nbytes: int) -> CudaWrite:
+        driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
-            with driver.current(copier.context()):
-                total = copier.submit(work, stream, self._upload) if work else 0
+            with driver.current(self._t.copier.context()):
+                for call in calls:
+                    call.launch(stream)
                 event = driver.event()
                 event.record(stream)
-        return CudaWrite(event, total)
+        if table is not None:
+            table.release()   # queued: stream order protects it from here on
+        return CudaWrite(event, nbytes, table.host if table is not None else None)
 
     def _absolute(self, ranges: Ranges):
         """Flat ranges as kernel work: checked, then absolute addresses as items of one byte."""
@@ -150,9 +120,9 @@ class CudaIpcLink(Link):
                        self._bases[ranges.dst_region] + ranges.dst_off, ranges.length, zero, zero, one), zero, zero)
 
     def write_async(self, ranges: Ranges) -> CudaWrite:
-        return self._launch([self._absolute(ranges)])
+        return self._prepare([self._absolute(ranges)]).start()
 
-    def write_runs_async(self, runsets: Sequence[RunSet | LaneRuns]) -> CudaWrite:
+    def prepare_runs(self, runsets: Sequence[RunSet | LaneRuns]) -> CudaPrepared:
         work = []
         for rs in runsets:
             if not len(rs):
@@ -172,7 +142,15 @@ class CudaIpcLink(Link):
                 if negative or bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
                     raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
             work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
-        return self._launch(work)
+        return self._prepare(work)
+
+    def _prepare(self, work) -> CudaPrepared:
+        if self._closed:
+            raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
+        copier = self._t.copier
+        with self._t.driver.current(copier.context()):
+            calls, table, total = copier.prepare(work, self._stream) if work else ([], None, 0)
+        return CudaPrepared(self, calls, table, total)
 
     def probe(self) -> None:
         """A mapping says nothing about its owner (writes after it exited still "succeed"):
@@ -231,7 +209,7 @@ class CudaIpcTransport(Transport):
         if problem or not isinstance(local, CudaIpcExposure):
             raise TransportError(problem or f"{KIND} cannot write from a {type(local).__name__}")
         try:
-            blob = _blob_decoder.decode(offer.blob)
+            blob = blob_decoder.decode(offer.blob)
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise TransportError(f"malformed {KIND} offer: {exc}") from None
         if any(len(r.handle) != 64 or r.offset < 0 or r.nbytes <= 0 for r in blob.regions):

@@ -39,8 +39,8 @@ import numpy as np
 
 from transfer.errors import (EngineInitError, PeerUnreachable, RegistrationError, TransportError, WriteFailed,
                              WritesAbandoned)
-from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, Transport
-from transfer.transports.ranges import Ranges, check_ranges
+from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
+from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
 
 log = logging.getLogger(__name__)
@@ -160,6 +160,20 @@ class MooncakeWrite(PendingWrite):
             time.sleep(self.POLL_INTERVAL_S)
 
 
+class _Prepared(PreparedWrite):
+    """Ranges checked and turned into addresses; start() submits them."""
+
+    def __init__(self, link: "MooncakeLink", src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+        self._link, self._args = link, (src, dst, length)
+        self.nbytes = int(length.sum()) if len(length) else 0
+
+    def start(self) -> MooncakeWrite:
+        if self._args is None:
+            raise RuntimeError("a prepared write starts once")
+        args, self._args = self._args, None
+        return self._link._start(*args)
+
+
 class MooncakeExposure(Exposure):
     def __init__(self, transport: "MooncakeTransport", regions: Sequence[tuple[int, int]]):
         self._transport = transport
@@ -195,14 +209,22 @@ class MooncakeLink(Link):
         self._closed = False
 
     def write_async(self, ranges: Ranges) -> MooncakeWrite:
+        return self._prepare(ranges).start()
+
+    def prepare_runs(self, runsets: Sequence[RunSet | LaneRuns]) -> "_Prepared":
+        return self._prepare(Ranges.concat([r.flatten() for r in runsets]))
+
+    def _prepare(self, ranges: Ranges) -> "_Prepared":
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
-        src = self._local.bases[ranges.src_region] + ranges.src_off
-        dst = self._bases[ranges.dst_region] + ranges.dst_off
+        return _Prepared(self, self._local.bases[ranges.src_region] + ranges.src_off,
+                         self._bases[ranges.dst_region] + ranges.dst_off, ranges.length)
+
+    def _start(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> MooncakeWrite:
         if self._closed:
-            raise PeerUnreachable("write", -1, self.peer, ranges.nbytes, detail="the link is closed")
+            raise PeerUnreachable("write", -1, self.peer, int(length.sum()), detail="the link is closed")
         write = MooncakeWrite(self._transport._te, self.peer, self._transport._budget(self.peer), src, dst,
-                              ranges.length)   # (submits its first ranges: outside the lock, writers in parallel)
+                              length)   # (submits its first ranges: outside the lock, writers in parallel)
         with self._lock:
             closed = self._closed
             if not closed:

@@ -1,0 +1,108 @@
+"""A send prepared ahead (KVSender.prepare while the engine still computes the KV, then
+send(prepared=) once it is final), over every transport of the conformance suite: prepare
+moves nothing, what lands is the bytes present when the send starts, a send prepared for
+other pages is planned again, a prepared write refuses a link closed meanwhile, and bad
+indices fail at prepare."""
+
+import numpy as np
+import pytest
+import torch
+
+from harness.peer_server import digest_request, digest_tokens
+from harness.source import source_pool
+from kvpool import Component, IndexSet, Layout
+from transfer.config import Mode, TransferConfig
+from transfer.errors import OutOfBounds, PeerUnreachable
+from transfer.sender import KVSender
+
+
+def _compute(pool) -> None:
+    """What the engine does after the send was laid out: every byte of the pool changes, and
+    the KV is final (on a GPU: its kernels done) by the time the send is called."""
+    for p in pool.pools.values():
+        for b in p.storage.buffers:
+            b.random_(0, 256)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("layout", list(Layout))
+@pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba"])
+@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])   # (prefill, decode): different ones move by token
+@pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
+def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport, peer, preset, layout, pages, mode):
+    pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
+    by_token = pages[0] != pages[1]
+    with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
+        target = peer.connect(sender)
+        req = pool.alloc_request(300)
+        rid, dst = peer.alloc(300)
+        before = peer.digest(rid, outside=True)
+        slots = peer.expect(3, rid, want_slots=2)
+        src = pool.index_set(req)
+        prepared = sender.prepare(target, src, dst, req.num_tokens, can_stage=True)
+        assert prepared.mode is mode
+        assert peer.digest(rid, outside=True) == before, "prepare moved bytes"
+        _compute(pool)
+        report = sender.send(target, src, dst, 3, slots, peer.channel, num_tokens=req.num_tokens, prepared=prepared)
+        got = peer.digest(rid, outside=True, by_token=by_token)
+        peer.release(3)
+    assert report.prepared_ahead and report.mode is mode and report.prepare_ms > 0
+    assert got.per_component == (digest_tokens if by_token else digest_request)(pool, req), "bytes differ"
+    assert got.outside == before.outside, "bytes outside the request changed"
+    peer.free(rid)
+
+
+def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport, peer):
+    pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+        target = peer.connect(sender)
+        req = pool.alloc_request(100)
+        (rid, dst), (rid2, dst2) = peer.alloc(100), peer.alloc(100)
+        src = pool.index_set(req)
+        untouched = peer.digest(rid)
+        stale = sender.prepare(target, src, dst, 100)
+        report = sender.send(target, src, dst2, prepared=stale)
+        assert not report.prepared_ahead
+        assert peer.digest(rid2).per_component == digest_request(pool, req)
+        assert peer.digest(rid) == untouched, "the stale plan's pages were written"
+        again = IndexSet({c: np.array(a) for c, a in src.by_component.items()})   # equal indices, new arrays
+        fresh = sender.prepare(target, again, dst, 100)
+        assert sender.send(target, src, dst, prepared=fresh).prepared_ahead
+        assert not sender.send(target, src, dst, prepared=fresh).prepared_ahead   # its writes started once
+        assert not sender.send(target, src, dst, progress=None, prepared=sender.prepare(
+            target, src, dst, 100, streamed=True)).prepared_ahead   # laid out in layer groups: not this send's
+        assert peer.digest(rid).per_component == digest_request(pool, req)
+    for r in (rid, rid2):
+        peer.free(r)
+
+
+def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):
+    pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
+    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+        target = peer.connect(sender)
+        req = pool.alloc_request(64)
+        rid, dst = peer.alloc(64)
+        before = peer.digest(rid, outside=True)
+        prepared = sender.prepare(target, pool.index_set(req), dst, 64)
+        target.link.close()   # the peer was lost (or re-registered) while the KV computed
+        with pytest.raises(PeerUnreachable, match="the link is closed"):
+            sender.send(target, pool.index_set(req), dst, prepared=prepared)
+        assert peer.digest(rid, outside=True) == before
+        again = peer.connect(sender)   # a new link serves the request
+        sender.send(again, pool.index_set(req), dst, prepared=prepared)
+        assert peer.digest(rid).per_component == digest_request(pool, req)
+    peer.free(rid)
+
+
+def test_bad_indices_fail_at_prepare(transport, peer):
+    pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+        target = peer.connect(sender)
+        req = pool.alloc_request(40)
+        rid, dst = peer.alloc(40)
+        bad = dict(dst.by_component)
+        bad[Component.MAMBA] = np.array([9999], dtype=np.int32)
+        with pytest.raises(OutOfBounds, match="mamba: destination index 9999"):
+            sender.prepare(target, pool.index_set(req), IndexSet(bad), 40)
+    peer.free(rid)
