@@ -77,12 +77,14 @@ class PreparedSend:
     prepare_ms: float
     streamed: bool
     can_stage: bool
+    num_tokens: int | None
     used: bool = False
 
-    def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool) -> bool:
-        """Whether it is this send's: same peer link, indices, streaming and staging choice."""
+    def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool,
+             num_tokens: int | None) -> bool:
+        """Whether it is this send's: same peer link, indices, length, streaming and staging."""
         return (not self.used and self.peer is peer and self.streamed == streamed and self.can_stage == can_stage
-                and _same(self.src, src) and _same(self.dst, dst))
+                and self.num_tokens == num_tokens and _same(self.src, src) and _same(self.dst, dst))
 
 
 def _same(a: IndexSet, b: IndexSet) -> bool:
@@ -165,7 +167,7 @@ class KVSender(StagedSender):
         aux = peer.link.prepare_runs([plan.aux.runset]) if plan.aux is not None else None
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
-                            (time.perf_counter() - t0) * 1e3, streamed, can_stage)
+                            (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens)
 
     def _slot_bytes(self, peer: RemotePool) -> int:
         return min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
@@ -189,7 +191,7 @@ class KVSender(StagedSender):
         stopped = stopped or (lambda: False)
         streamed = progress is not None
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
-        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage)
+        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens)
         p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
         p.used = True
         writes = PendingWrites(peer.link.ordered)   # the body's writes in flight (streamed: one per layer group)

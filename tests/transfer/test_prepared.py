@@ -62,16 +62,18 @@ def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport
         src = pool.index_set(req)
         untouched = peer.digest(rid)
         stale = sender.prepare(target, src, dst, 100)
-        report = sender.send(target, src, dst2, prepared=stale)
+        report = sender.send(target, src, dst2, num_tokens=100, prepared=stale)
         assert not report.prepared_ahead
         assert peer.digest(rid2).per_component == digest_request(pool, req)
         assert peer.digest(rid) == untouched, "the stale plan's pages were written"
         again = IndexSet({c: np.array(a) for c, a in src.by_component.items()})   # equal indices, new arrays
         fresh = sender.prepare(target, again, dst, 100)
-        assert sender.send(target, src, dst, prepared=fresh).prepared_ahead
-        assert not sender.send(target, src, dst, prepared=fresh).prepared_ahead   # its writes started once
-        assert not sender.send(target, src, dst, progress=None, prepared=sender.prepare(
+        assert sender.send(target, src, dst, num_tokens=100, prepared=fresh).prepared_ahead
+        assert not sender.send(target, src, dst, num_tokens=100, prepared=fresh).prepared_ahead   # started once
+        assert not sender.send(target, src, dst, num_tokens=100, prepared=sender.prepare(
             target, src, dst, 100, streamed=True)).prepared_ahead   # laid out in layer groups: not this send's
+        assert not sender.send(target, src, dst, num_tokens=99, prepared=sender.prepare(
+            target, src, dst, 100)).prepared_ahead   # planned for another length
         assert peer.digest(rid).per_component == digest_request(pool, req)
     for r in (rid, rid2):
         peer.free(r)
@@ -86,11 +88,12 @@ def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer
         before = peer.digest(rid, outside=True)
         prepared = sender.prepare(target, pool.index_set(req), dst, 64)
         target.link.close()   # the peer was lost (or re-registered) while the KV computed
+        assert prepared.fits(target, pool.index_set(req), dst, False, False, 64)
         with pytest.raises(PeerUnreachable, match="the link is closed"):
-            sender.send(target, pool.index_set(req), dst, prepared=prepared)
+            sender.send(target, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid, outside=True) == before
         again = peer.connect(sender)   # a new link serves the request
-        sender.send(again, pool.index_set(req), dst, prepared=prepared)
+        sender.send(again, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid).per_component == digest_request(pool, req)
     peer.free(rid)
 
