@@ -30,8 +30,9 @@ class Destination:
 
     def take_prepared(self):
         """Its send as prepared while the KV computed (a KVSender PreparedSend), or None: the
-        job never started (cancelled now), or it failed (the send plans again and raises what
-        planning raises). The job ran on this peer's workers, queued before the caller."""
+        job failed (the send plans again and raises what planning raises), or never started
+        (cancelled now; on the peer's FIFO worker shard, where it was queued before the
+        caller's job, it has always started by the time the caller runs)."""
         job, self.prepared = self.prepared, None
         if job is None or job.cancel():
             return None

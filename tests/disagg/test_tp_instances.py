@@ -101,3 +101,30 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
         for sock in socks:
             sock.close()
         receiver.close()
+
+
+@pytest.mark.parametrize("decode_first", [True, False])
+def test_a_send_is_prepared_while_the_prompt_computes_once_decode_has_asked(prefill, decode_first, eventually):
+    """Decode's TransferRequest here before the pages are allocated: the send is laid out on a
+    transfer worker while the engine computes (the prefill answer says so); after compute: not."""
+    decode = DecodeServer(DecodeConfig(pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",)))
+    try:
+        tokens, out = np.arange(40) % 97, {}
+        asks = threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(12, tokens)))
+        if decode_first:
+            asks.start()
+            eventually(lambda: prefill.requests.get(12) is not None, 10, "decode's TransferRequest")
+            out["prefill"] = prefill.prefill(12, tokens)
+        else:   # the KV is computed before decode asks: nothing to prepare ahead
+            computes = threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(12, tokens)))
+            computes.start()
+            eventually(lambda: (r := prefill.requests.get(12)) is not None and r.kv is not None, 10, "computed")
+            asks.start()
+            computes.join(30)
+        asks.join(30)
+        assert out["prefill"]["state"] == "SUCCESS" and out["decode"]["verified"], out
+        assert out["prefill"]["prepared_ahead"] is decode_first
+        for server in (prefill, decode):
+            assert server.pool.available() == HybridPool(server.pool.config).available()
+    finally:
+        decode.close()
