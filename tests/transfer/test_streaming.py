@@ -27,7 +27,7 @@ from transfer.transports.ranges import RunSet
 
 from harness.peer_server import digest_tokens
 from transfer.tokens import Tokens, pool_lanes
-from test_two_process import _setup
+from harness.source import source_pool as _setup
 
 PRESETS = ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"]
 
@@ -179,9 +179,9 @@ class _Watched:
         class Started:
             nbytes = prepared.nbytes
 
-            def start(self):
+            def start(self, after=None):
                 mark()
-                return prepared.start()
+                return prepared.start(after)
         return Started()
 
 
@@ -282,3 +282,44 @@ def test_auto_streams_only_over_links_that_leave_the_compute_alone(mooncake):
         assert not link.overlaps_gpu_compute and sender.streams_well(RemotePool(link, tuple(sender.buffers)))
         assert streams_well("cpu", link) and not streams_well("cuda:1", link)
         assert streams_well("cuda", SimpleNamespace(overlaps_gpu_compute=True))   # cuda-ipc's copy kernel
+
+
+@pytest.mark.parametrize("kind", [pytest.param("cuda-ipc", marks=pytest.mark.gpu),
+                                  pytest.param("mooncake", marks=pytest.mark.gpu)], indirect=True)
+def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport, peer):
+    """The engine reports each layer while its kernels are still queued (a GPU sleep before
+    the layer's bytes change): the streamed send must move the computed bytes (cuda-ipc: each
+    copy waits for its layers' event on the device, and without that wait this test fails;
+    Mooncake: the host waits for it, and Mooncake's own copies out of GPU memory queue behind
+    the engine's stream as well). The send is prepared before the engine starts, so nothing on
+    its way synchronizes the device."""
+    pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
+    assert str(pool.config.device).startswith("cuda"), "a GPU test: run it with DISAGG_TEST_DEVICE=cuda"
+    layers = pool.config.model.num_layers
+    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT, stream_group_ms=1e-9)) as sender:
+        target = peer.connect(sender)
+        req = pool.alloc_request(301)
+        rid, dst = peer.alloc(301)
+        src = pool.index_set(req)
+        prepared = sender.prepare(target, src, dst, 301, streamed=True)
+        torch.cuda.synchronize()   # the pool's first bytes and the copy tables are in place
+        progress = LayerProgress(layers, pool.config.device)
+
+        def engine():
+            for layer in range(layers):
+                torch.cuda._sleep(50_000_000)   # ~30 ms of GPU time before this layer's KV is written
+                for value, part in enumerate(("k", "v")):
+                    pool.layer_view(layer, part).fill_(layer + 1 + value / 2)
+                progress.final(layer)           # reported at once: its kernels are still queued
+            progress.complete()
+        computing = threading.Thread(target=engine)
+        computing.start()
+        try:
+            report = sender.send(target, src, dst, 9, num_tokens=301, progress=progress, prepared=prepared)
+        finally:
+            computing.join()
+        torch.cuda.synchronize()
+        assert report.streamed and report.prepared_ahead and report.groups == layers
+        assert peer.digest(rid).per_component == digest_request(pool, req), "a layer went before its kernels ended"
+        peer.free(rid)
+        pool.free_request(req)

@@ -65,17 +65,18 @@ class CudaPrepared(PreparedWrite):
     def __init__(self, link: "CudaIpcLink", calls: list[Call], table: Table | None, nbytes: int):
         self._link, self._calls, self._table, self.nbytes = link, calls, table, nbytes
 
-    def start(self) -> CudaWrite:
+    def start(self, after=None) -> CudaWrite:
         if self._calls is None:
             raise RuntimeError("a prepared write starts once")
         calls, self._calls = self._calls, None
-        return self._link._start(calls, self._table, self.nbytes)
+        return self._link._start(calls, self._table, self.nbytes, after)
 
 
 class CudaIpcLink(Link):
     kind = KIND
     cost = COST
     ordered = True   # one stream: a later write starts after an earlier one landed
+    gates_on_events = True
 
     def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: Blob):
         import torch
@@ -97,12 +98,14 @@ class CudaIpcLink(Link):
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
 
-    def _start(self, calls: list[Call], table: Table | None, nbytes: int) -> CudaWrite:
+    def _start(self, calls: list[Call], table: Table | None, nbytes: int, after=None) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
             with driver.current(self._t.copier.context()):
+                if after is not None:   # the engine's kernels for these bytes first, on the device
+                    driver.wait_event(stream, after.cuda_event)
                 for call in calls:
                     call.launch(stream)
                 event = driver.event()
