@@ -9,10 +9,8 @@
 A layer is final once its KV (and, for a linear layer, its state) is in the pool and will not
 change. On a CUDA pool the engine's kernels may still be queued when it reports a layer, so
 final() records an event on the reporting thread's stream and wait() synchronizes it before
-it returns: the bytes a transport reads are the computed ones. A link that can wait for an
-event on the device (cuda-ipc) asks wait(sync=False) for the event instead and queues its
-copy behind it: the copy starts when the layer's kernels end, with no host round trip. wait()
-gives up with Cancelled as soon as `stopped()` says the request ended.
+it returns: the bytes a transport reads are the computed ones. wait() gives up with
+Cancelled as soon as `stopped()` says the request ended.
 """
 
 import threading
@@ -62,17 +60,15 @@ class LayerProgress:
             self._event = event or self._event
             self._cond.notify_all()
 
-    def wait(self, layers: int, stopped=lambda: False, idle=lambda: None, sync: bool = True):
+    def wait(self, layers: int, stopped=lambda: False, idle=lambda: None) -> None:
         """Block until layers [0, layers) are final (and their kernels done). `idle()` runs
-        every POLL_S meanwhile (the sender drives its writes in flight with it). sync=False:
-        return once they are reported, with the CUDA event their kernels end at (None on the
-        CPU), for a write to wait for on the device instead."""
-        return self._wait(lambda: self._final >= layers, stopped, idle, sync)
+        every POLL_S meanwhile (the sender drives its writes in flight with it)."""
+        self._wait(lambda: self._final >= layers, stopped, idle)
 
-    def wait_complete(self, stopped=lambda: False, idle=lambda: None, sync: bool = True):
-        return self._wait(lambda: self._complete, stopped, idle, sync)
+    def wait_complete(self, stopped=lambda: False, idle=lambda: None) -> None:
+        self._wait(lambda: self._complete, stopped, idle)
 
-    def _wait(self, ready, stopped, idle, sync: bool = True):
+    def _wait(self, ready, stopped, idle) -> None:
         while True:
             with self._cond:
                 if not ready() and not stopped():
@@ -83,10 +79,8 @@ class LayerProgress:
             if stopped():
                 raise Cancelled("send stopped while the KV was being computed: the request ended")
             idle()
-        if event is not None and sync:
+        if event is not None:
             event.synchronize()
-            return None
-        return event
 
     def _record(self):
         if not self._cuda:

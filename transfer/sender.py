@@ -195,9 +195,7 @@ class KVSender(StagedSender):
         p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
         p.used = True
         writes = PendingWrites(peer.link.ordered)   # the body's writes in flight (streamed: one per layer group)
-        gate = streamed and p.mode is Mode.DIRECT and peer.link.gates_on_events   # wait on the device
-        wait_layers = (lambda n: progress.wait(n, stopped, writes.poll, sync=not gate)) if streamed \
-            else (lambda n: None)
+        wait_layers = (lambda n: progress.wait(n, stopped, writes.poll)) if streamed else (lambda n: None)
         first_write: list[float] = []
         ranges, chunks, waited = p.ranges, 0, 0.0
         t_submit = time.perf_counter()
@@ -207,10 +205,10 @@ class KVSender(StagedSender):
                     if w is None:
                         continue
                     t = time.perf_counter()
-                    after = wait_layers(g.layers.stop)   # (gate: the event the layers' kernels end at)
+                    wait_layers(g.layers.stop)
                     waited += time.perf_counter() - t
                     self._before_write(stopped, first_write)
-                    writes.add(w.start(after))
+                    writes.add(w.start())
                 if not peer.link.ordered:   # the AUX row may only start once the body landed
                     t = time.perf_counter()
                     writes.wait()
@@ -226,12 +224,11 @@ class KVSender(StagedSender):
                                        wait_layers, first_write, share=0.5 if streamed else 1.0)
             ranges = chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0)
         try:
-            after = None
-            if progress is not None:   # the engine returned: the AUX row is written
-                after = progress.wait_complete(stopped, writes.poll, sync=not gate)
+            if progress is not None:
+                progress.wait_complete(stopped, writes.poll)   # the engine returned: the AUX row is written
             if p.aux is not None:  # last: its arrival means the body has landed
                 self._before_write(stopped, first_write)
-                writes.add(p.aux.start(after))   # (an ordered link: after the body)
+                writes.add(p.aux.start())   # (an ordered link: after the body)
             t = time.perf_counter()
             writes.wait()
             waited += time.perf_counter() - t

@@ -29,12 +29,13 @@ class Destination:
     report: dict = field(default_factory=dict)   # what its send did
 
     def take_prepared(self):
-        """Its send as prepared while the KV computed (a KVSender PreparedSend), or None: the
-        job failed (the send plans again and raises what planning raises), or never started
-        (cancelled now; on the peer's FIFO worker shard, where it was queued before the
-        caller's job, it has always started by the time the caller runs)."""
+        """Its send as prepared while the KV computed (a KVSender PreparedSend), or None (none
+        was asked for, or the job failed: the send plans again and raises what planning
+        raises). The job was queued on the peer's FIFO worker shard before the caller's, so a
+        worker has taken it by now: waiting for it cannot deadlock, and it is not cancelled
+        (a job taken but not yet marked running could still be)."""
         job, self.prepared = self.prepared, None
-        if job is None or job.cancel():
+        if job is None:
             return None
         try:
             return job.result()

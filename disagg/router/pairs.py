@@ -70,7 +70,9 @@ def merge_ranks(outs: list[dict]) -> dict:
         return {**outs[0], "state": "FAILED", "reason": f"the decode ranks generated different tokens: {tokens}"[:500]}
     merged = {**outs[0], "bytes": sum(out.get("bytes") or 0 for out in outs), "ranks": len(outs),
               "streamed": any(out.get("streamed") for out in outs),
-              "prepared_ahead": all(out.get("prepared_ahead") for out in outs),
+              # every rank that sent prepared its send ahead (a rank that feeds no decode rank sent nothing)
+              "prepared_ahead": all(out["prepared_ahead"] for out in outs if "prepared_ahead" in out)
+              and any("prepared_ahead" in out for out in outs),
               "verified": all(out.get("verified") for out in outs) if "verified" in outs[0] else None}
     checks = [(rank, out["check"]) for rank, out in enumerate(outs) if isinstance(out.get("check"), dict)]
     if checks:   # each decode rank checks its own shard: the first one that differs speaks for all

@@ -439,6 +439,9 @@ def test_prefill_prepares_nothing_for_a_request_that_ended_or_was_computed_first
     t.allocated(r, "src")
     t.destination(1, PEER, "dst", [0])
     r2 = t.prompt(2, TOKENS)
-    t.computed(r2, "kv")          # the KV was computed before decode's destination came
-    t.destination(2, PEER, "dst", [0])
-    assert prepared == [] and fx.submitted == [r2]
+    t.allocated(r2, "src")
+    t.computed(r2, "kv")          # the KV was computed before decode's destinations came
+    t.destination(2, PEER, "dst0", [0], rank=0, tp_size=2, receivers=frozenset({0, 1}))   # not sent yet
+    assert r2.phase is P.AWAITING_DECODE and prepared == []
+    t.destination(2, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))
+    assert prepared == [] and fx.submitted == [r2, r2]

@@ -33,3 +33,10 @@ def test_each_rank_checks_its_own_shard_and_a_failed_check_is_the_instances():
     assert merge_ranks([ok(check=good), ok(check=good)])["check"] == {**good, "ranks_checked": 2}
     out = merge_ranks([ok(check=good), ok(check=good), ok(check=bad)])
     assert out["state"] == "SUCCESS" and out["check"] == {**bad, "ranks_checked": 3, "rank": 2}
+
+
+def test_prepared_ahead_holds_when_every_rank_that_sent_prepared_its_send():
+    sent = {"prepared_ahead": True}
+    assert merge_ranks([ok(**sent), ok()])["prepared_ahead"]                # rank 1 fed no decode rank
+    assert not merge_ranks([ok(**sent), ok(prepared_ahead=False)])["prepared_ahead"]
+    assert not merge_ranks([ok(), ok()])["prepared_ahead"]                  # no rank sent anything

@@ -179,9 +179,9 @@ class _Watched:
         class Started:
             nbytes = prepared.nbytes
 
-            def start(self, after=None):
+            def start(self):
                 mark()
-                return prepared.start(after)
+                return prepared.start()
         return Started()
 
 
@@ -288,11 +288,10 @@ def test_auto_streams_only_over_links_that_leave_the_compute_alone(mooncake):
                                   pytest.param("mooncake", marks=pytest.mark.gpu)], indirect=True)
 def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport, peer):
     """The engine reports each layer while its kernels are still queued (a GPU sleep before
-    the layer's bytes change): the streamed send must move the computed bytes (cuda-ipc: each
-    copy waits for its layers' event on the device, and without that wait this test fails;
-    Mooncake: the host waits for it, and Mooncake's own copies out of GPU memory queue behind
-    the engine's stream as well). The send is prepared before the engine starts, so nothing on
-    its way synchronizes the device."""
+    the layer's bytes change): the streamed send must move the computed bytes; the sender waits
+    for each group's event before it starts the copy (without that wait the cuda-ipc case
+    fails; Mooncake's own copies out of GPU memory queue behind the engine's stream as well).
+    The send is prepared before the engine starts, so nothing on its way syncs the device."""
     pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
     assert str(pool.config.device).startswith("cuda"), "a GPU test: run it with DISAGG_TEST_DEVICE=cuda"
     layers = pool.config.model.num_layers

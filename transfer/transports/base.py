@@ -62,25 +62,20 @@ class PreparedWrite(ABC):
     nbytes: int
 
     @abstractmethod
-    def start(self, after=None) -> PendingWrite:
-        """Hand it to the link now; raises PeerUnreachable if the link closed meanwhile.
-        `after`: a CUDA event (torch.cuda.Event) marking the end of the kernels that computed
-        the bytes: a link that `gates_on_events` queues the write behind it on the device and
-        returns at once; any other waits for it here."""
+    def start(self) -> PendingWrite:
+        """Hand it to the link now; raises PeerUnreachable if the link closed meanwhile."""
 
 
 class _Later(PreparedWrite):
-    """The default: ranges flattened and checked now, written by write_async at start()."""
+    """The default: ranges flattened now, checked and written by write_async at start()."""
 
     def __init__(self, link: "Link", ranges: Ranges):
         self._link, self._ranges, self.nbytes = link, ranges, ranges.nbytes
 
-    def start(self, after=None) -> PendingWrite:
+    def start(self) -> PendingWrite:
         if self._ranges is None:
             raise RuntimeError("a prepared write starts once")
         ranges, self._ranges = self._ranges, None
-        if after is not None:
-            after.synchronize()
         return self._link.write_async(ranges)
 
 
@@ -168,9 +163,6 @@ class Link(ABC):
     # (a copy kernel on few SMs, a NIC reading GPU memory); False: they would cost the compute
     # more than streaming hides, so `auto` does not stream over this link.
     overlaps_gpu_compute = True
-    # True: a started write can wait for a CUDA event on the device (PreparedWrite.start(after=)),
-    # so a streamed layer group is queued as soon as the engine reports it, not once it is done
-    gates_on_events = False
 
     @abstractmethod
     def write_async(self, ranges: Ranges) -> PendingWrite:

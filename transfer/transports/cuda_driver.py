@@ -47,7 +47,6 @@ class Driver:
                                 ctypes.POINTER(_vp), _vp)
         self._htod = self._fn("cuMemcpyHtoDAsync_v2", _u64, _vp, ctypes.c_size_t, _vp)
         self._stream_sync = self._fn("cuStreamSynchronize", _vp)
-        self._stream_wait = self._fn("cuStreamWaitEvent", _vp, _vp, _u32)
         self._ev_create = self._fn("cuEventCreate", ctypes.POINTER(_vp), _u32)
         self._ev_record = self._fn("cuEventRecord", _vp, _vp)
         self._ev_query = self._fn("cuEventQuery", _vp)
@@ -131,11 +130,6 @@ class Driver:
 
     def launch(self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]) -> None:
         self.call(function, grid, block, args).launch(stream)
-
-    def wait_event(self, stream: int, event: int) -> None:
-        """Work queued on `stream` from now on starts once `event` (any CUDA event handle, e.g.
-        a torch.cuda.Event's) has completed; the host does not wait."""
-        self._check("cuStreamWaitEvent", self._stream_wait(stream, event, 0))
 
     def synchronize_stream(self, stream: int) -> None:
         self._check("cuStreamSynchronize", self._stream_sync(stream))

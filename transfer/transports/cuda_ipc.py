@@ -65,18 +65,17 @@ class CudaPrepared(PreparedWrite):
     def __init__(self, link: "CudaIpcLink", calls: list[Call], table: Table | None, nbytes: int):
         self._link, self._calls, self._table, self.nbytes = link, calls, table, nbytes
 
-    def start(self, after=None) -> CudaWrite:
+    def start(self) -> CudaWrite:
         if self._calls is None:
             raise RuntimeError("a prepared write starts once")
         calls, self._calls = self._calls, None
-        return self._link._start(calls, self._table, self.nbytes, after)
+        return self._link._start(calls, self._table, self.nbytes)
 
 
 class CudaIpcLink(Link):
     kind = KIND
     cost = COST
     ordered = True   # one stream: a later write starts after an earlier one landed
-    gates_on_events = True
 
     def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: Blob):
         import torch
@@ -98,18 +97,23 @@ class CudaIpcLink(Link):
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
 
-    def _start(self, calls: list[Call], table: Table | None, nbytes: int, after=None) -> CudaWrite:
+    def _start(self, calls: list[Call], table: Table | None, nbytes: int) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
             with driver.current(self._t.copier.context()):
-                if after is not None:   # the engine's kernels for these bytes first, on the device
-                    driver.wait_event(stream, after.cuda_event)
-                for call in calls:
-                    call.launch(stream)
-                event = driver.event()
-                event.record(stream)
+                try:
+                    for call in calls:
+                        call.launch(stream)
+                    event = driver.event()
+                    event.record(stream)
+                except BaseException:   # kernels queued before the failure still read the table:
+                    try:                # let them finish before it can be reused
+                        driver.synchronize_stream(stream)
+                    except TransportError:
+                        pass
+                    raise
         if table is not None:
             table.release()   # queued: stream order protects it from here on
         return CudaWrite(event, nbytes, table.host if table is not None else None)
@@ -151,8 +155,11 @@ class CudaIpcLink(Link):
         if self._closed:
             raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
         copier = self._t.copier
-        with self._t.driver.current(copier.context()):
-            calls, table, total = copier.prepare(work, self._stream) if work else ([], None, 0)
+        try:
+            with self._t.driver.current(copier.context()):
+                calls, table, total = copier.prepare(work, self._stream) if work else ([], None, 0)
+        except RuntimeError as exc:   # torch's pinned or device allocation (out of memory, ...)
+            raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
         return CudaPrepared(self, calls, table, total)
 
     def probe(self) -> None:

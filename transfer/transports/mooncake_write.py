@@ -127,10 +127,8 @@ class MooncakePrepared(PreparedWrite):
         self._link, self._args = link, (src, dst, length)
         self.nbytes = int(length.sum()) if len(length) else 0
 
-    def start(self, after=None) -> MooncakeWrite:
+    def start(self) -> MooncakeWrite:
         if self._args is None:
             raise RuntimeError("a prepared write starts once")
         args, self._args = self._args, None
-        if after is not None:   # Mooncake reads the memory from its own threads: the bytes must be there
-            after.synchronize()
         return self._link._start(*args)
