@@ -181,8 +181,8 @@ class KVSender(StagedSender):
         every write: true (the request was aborted) ends the send with Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
         as soon as its layers are final; the AUX row once progress is complete.
-        `prepared`: this send prepared ahead (prepare() with the same peer, indices, streaming
-        and staging); anything else is planned here.
+        `prepared`: this send prepared ahead (prepare() with the same peer, indices, length,
+        streaming and staging, not used before); anything else is planned here.
         Raises a TransferError or Cancelled; the receiver must treat the request as failed then.
         WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
         which may still land in the receiver's pages until the transport ends them.
