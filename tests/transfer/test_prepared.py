@@ -4,6 +4,8 @@ moves nothing, what lands is the bytes present when the send starts, a send prep
 other pages is planned again, a prepared write refuses a link closed meanwhile, and bad
 indices fail at prepare."""
 
+from contextlib import contextmanager
+
 import numpy as np
 import pytest
 import torch
@@ -53,12 +55,22 @@ def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport,
     peer.free(rid)
 
 
-def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport, peer):
-    pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+@contextmanager
+def _direct(transport, peer, preset: str, tokens: int):
+    """A direct sender connected to `peer`, one request of `tokens` allocated on both sides
+    (the receiver's freed after)."""
+    pool = source_pool(peer, preset, 4, Layout.PAGE_MAJOR)
     with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
-        target = peer.connect(sender)
-        req = pool.alloc_request(100)
-        (rid, dst), (rid2, dst2) = peer.alloc(100), peer.alloc(100)
+        rid, dst = peer.alloc(tokens)
+        try:
+            yield pool, sender, peer.connect(sender), pool.alloc_request(tokens), rid, dst
+        finally:
+            peer.free(rid)
+
+
+def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport, peer):
+    with _direct(transport, peer, "tiny-hybrid", 100) as (pool, sender, target, req, rid, dst):
+        rid2, dst2 = peer.alloc(100)
         src = pool.index_set(req)
         untouched = peer.digest(rid)
         stale = sender.prepare(target, src, dst, 100)
@@ -75,16 +87,11 @@ def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport
         assert not sender.send(target, src, dst, num_tokens=99, prepared=sender.prepare(
             target, src, dst, 100)).prepared_ahead   # planned for another length
         assert peer.digest(rid).per_component == digest_request(pool, req)
-    for r in (rid, rid2):
-        peer.free(r)
+        peer.free(rid2)
 
 
 def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):
-    pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
-        target = peer.connect(sender)
-        req = pool.alloc_request(64)
-        rid, dst = peer.alloc(64)
+    with _direct(transport, peer, "tiny-full", 64) as (pool, sender, target, req, rid, dst):
         before = peer.digest(rid, outside=True)
         prepared = sender.prepare(target, pool.index_set(req), dst, 64)
         target.link.close()   # the peer was lost (or re-registered) while the KV computed
@@ -92,20 +99,14 @@ def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer
         with pytest.raises(PeerUnreachable, match="the link is closed"):
             sender.send(target, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid, outside=True) == before
-        again = peer.connect(sender)   # a new link serves the request
+        again = peer.connect(sender)   # a new link serves the request (planned again: another link)
         sender.send(again, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid).per_component == digest_request(pool, req)
-    peer.free(rid)
 
 
 def test_bad_indices_fail_at_prepare(transport, peer):
-    pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
-        target = peer.connect(sender)
-        req = pool.alloc_request(40)
-        rid, dst = peer.alloc(40)
+    with _direct(transport, peer, "tiny-hybrid", 40) as (pool, sender, target, req, rid, dst):
         bad = dict(dst.by_component)
         bad[Component.MAMBA] = np.array([9999], dtype=np.int32)
         with pytest.raises(OutOfBounds, match="mamba: destination index 9999"):
             sender.prepare(target, pool.index_set(req), IndexSet(bad), 40)
-    peer.free(rid)

@@ -14,15 +14,12 @@ from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_pres
 from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
 from harness.peer_server import digest_request, digest_tokens
-from harness.source import DEVICE, device_for, source_pool
+from harness.source import DEVICE, source_pool
 from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
                              TransportError, WriteFailed)
 from transfer.faults import FaultPlan
 from transfer.sender import KVSender
 from transfer.transports import Ranges, TransportSettings, create
-
-
-_device, _setup = device_for, source_pool
 
 
 def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
@@ -49,7 +46,7 @@ def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"])
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_byte_exact_fragmented(transport, peer, preset, layout, mode):
-    pool = _setup(peer, preset, 4, layout)
+    pool = source_pool(peer, preset, 4, layout)
     report = _send(transport, peer, pool, 301, mode)
     assert report.mode is mode and report.transport == transport.kind
     if mode is Mode.STAGED:
@@ -65,35 +62,35 @@ def test_byte_exact_fragmented(transport, peer, preset, layout, mode):
 def test_byte_exact_across_page_sizes(transport, peer, preset, pages, layout, mode):
     """Pools of different page sizes: every token position the receiver holds (SWA: the
     window) arrives byte for byte, state and AUX as items, nothing outside the request."""
-    pool = _setup(peer, preset, pages[0], layout, peer_page=pages[1])
+    pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
     report = _send(transport, peer, pool, 301, mode, by_token=True)
     assert report.mode is mode
     assert peer.available().staging_free == 4
 
 
 def test_contiguous_pages_collapse_into_few_ranges(transport, peer):
-    pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR, fragment=False)
+    pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR, fragment=False)
     report = _send(transport, peer, pool, 400, Mode.DIRECT)
     assert report.ranges == 2  # one run of 100 pages + the AUX row
 
 
 def test_auto_mode_uses_the_cost_model(mooncake):
     with PeerProcess("tiny-full", 4, 4096) as peer:
-        pool = _setup(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
+        pool = source_pool(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
         assert _send(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.STAGED
-        pool = _setup(peer, "tiny-full", 64, Layout.PAGE_MAJOR, tokens=8192, fragment=False)
+        pool = source_pool(peer, "tiny-full", 64, Layout.PAGE_MAJOR, tokens=8192, fragment=False)
         assert _send(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.DIRECT  # one run: one range
 
 
 def test_more_ranges_than_the_engine_queue_holds(transport, peer):
     """5000 single-page ranges in one write: Mooncake alone rejects beyond ~2048 in flight."""
-    pool = _setup(peer, "tiny-full", 1, Layout.PAGE_MAJOR, tokens=12000)
+    pool = source_pool(peer, "tiny-full", 1, Layout.PAGE_MAJOR, tokens=12000)
     report = _send(transport, peer, pool, 5000, Mode.DIRECT)
     assert report.ranges > 4500
 
 
 def test_concurrent_senders_share_the_per_peer_budget(transport, peer):
-    pool = _setup(peer, "tiny-full", 1, Layout.PAGE_MAJOR, tokens=16000)
+    pool = source_pool(peer, "tiny-full", 1, Layout.PAGE_MAJOR, tokens=16000)
     reqs, dsts, rids = [], [], []
     for _ in range(4):
         reqs.append(pool.alloc_request(1800))
@@ -120,7 +117,7 @@ def test_concurrent_senders_share_the_per_peer_budget(transport, peer):
 
 
 def test_out_of_bounds_plan_is_refused_before_a_byte_moves(transport, peer):
-    pool = _setup(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+    pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
     req = pool.alloc_request(40)
     rid, dst = peer.alloc(40)
     before = peer.digest(rid, outside=True)
@@ -147,7 +144,7 @@ def test_engine_errors_become_typed_exceptions(mooncake):
     from transfer.transports import Offer
     from transfer.transports.mooncake import _Blob
     with PeerProcess("tiny-full", 4, 1024) as peer:
-        pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
+        pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
         with KVSender(mooncake, pool, TransferConfig()) as sender:
             t = peer.target()
             blob = msgspec.msgpack.decode(t.offers[0].blob, type=_Blob)
@@ -224,7 +221,7 @@ def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer
 def test_staged_failure_releases_every_slot(transport, peer):
     """The receiver never heard of this transfer: it refuses the chunks, the sender times out
     with StagingError, and both sides' staging slots are back."""
-    pool = _setup(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
+    pool = source_pool(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
     req = pool.alloc_request(600)
     rid, dst = peer.alloc(600)
     slots = peer.expect(5, rid, want_slots=2)
@@ -243,7 +240,7 @@ def test_staged_failure_releases_every_slot(transport, peer):
 def test_staging_area_on_another_device_than_the_pool(transport, peer):
     """Host staging for the pool's device (on a CPU machine both are the CPU: the path still
     runs through the separate-device branch check)."""
-    pool = _setup(peer, "tiny-hybrid", 4, Layout.LAYER_MAJOR)
+    pool = source_pool(peer, "tiny-hybrid", 4, Layout.LAYER_MAJOR)
     config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20, staging_device="cpu")
     if transport.kind == "cuda-ipc":   # a host staging area cannot be exposed to CUDA IPC: refused, named
         with pytest.raises(TransportError, match="not CUDA device memory"):
@@ -264,7 +261,7 @@ def test_staging_area_on_another_device_than_the_pool(transport, peer):
 def test_a_stopped_send_ends_before_its_next_write(transport, peer, mode):
     """An aborted request: the sender asks `stopped()` before each write, raises Cancelled,
     writes nothing more (never the AUX row that would mark the KV complete), frees its slots."""
-    pool = _setup(peer, "tiny-hybrid", 1, Layout.PAGE_MAJOR)
+    pool = source_pool(peer, "tiny-hybrid", 1, Layout.PAGE_MAJOR)
     req = pool.alloc_request(900)
     rid, dst = peer.alloc(900)
     before = peer.digest(rid, outside=True)
@@ -289,7 +286,7 @@ def test_a_stopped_send_ends_before_its_next_write(transport, peer, mode):
 
 
 def test_an_injected_write_fault_fails_the_send_with_a_typed_error(transport, peer):
-    pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
+    pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
     req = pool.alloc_request(64)
     rid, dst = peer.alloc(64)
     config = TransferConfig(mode=Mode.DIRECT, faults=FaultPlan({"send.write": 1.0}))
@@ -306,7 +303,7 @@ def test_an_aborted_staged_send_stops_waiting_for_acks(transport, peer):
     """The receiver stops acking an aborted transfer: the sender must not sit out the whole
     chunk timeout (30 s here) holding its pages and a transfer worker."""
     import time
-    pool = _setup(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
+    pool = source_pool(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
     req = pool.alloc_request(600)
     rid, dst = peer.alloc(600)
     slots = peer.expect(8, rid, want_slots=2)

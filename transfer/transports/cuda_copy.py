@@ -209,7 +209,8 @@ class RangeCopier:
         return [c for c in calls if c is not None], table, total
 
     def context(self) -> int:
-        """The device's primary context: current on the calling thread around submit()."""
+        """The device's primary context: current on the calling thread around prepare()
+        and a prepared write's launches."""
         if self._ctx is None:
             with self._init:
                 if self._ctx is None:

@@ -128,9 +128,6 @@ class Driver:
         parameter block packed now so that launching it later is one driver call."""
         return Call(self, function, grid, block, args)
 
-    def launch(self, function: int, grid: int, block: int, stream: int, args: tuple[int, ...]) -> None:
-        self.call(function, grid, block, args).launch(stream)
-
     def synchronize_stream(self, stream: int) -> None:
         self._check("cuStreamSynchronize", self._stream_sync(stream))
 
