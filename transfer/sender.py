@@ -26,7 +26,7 @@ from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
 from transfer.cost import choose_mode, layer_bounds, streams_well
 from transfer.endpoint import StagingInfo
-from transfer.errors import LayoutIncompatible
+from transfer.errors import Cancelled, LayoutIncompatible
 from transfer.peer import RemotePool
 from transfer.layers import LayerGroup, split_layers
 from transfer.plan import TransferPlan, build_plan
@@ -178,7 +178,8 @@ class KVSender(StagedSender):
              num_tokens: int | None = None, prepared: PreparedSend | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
         staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
-        every write: true (the request was aborted) ends the send with Cancelled.
+        planning and before every write: true (the request was aborted) ends the send with
+        Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
         as soon as its layers are final; the AUX row once progress is complete.
         `prepared`: this send prepared ahead (prepare() with the same peer, indices, length,
@@ -191,6 +192,8 @@ class KVSender(StagedSender):
         stopped = stopped or (lambda: False)
         streamed = progress is not None
         can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
+        if stopped():   # aborted while queued: not even planned
+            raise Cancelled("send stopped: the request was aborted")
         ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens)
         p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
         p.used = True

@@ -9,7 +9,8 @@ Who does what:
 - the HTTP thread of a request admits it, runs the model engine and waits for the end;
 - the loop thread owns the control socket (disagg.control.io) and the decode peers: it
   pulls messages, registers peers, sweeps silent ones;
-- a transfer worker (one shard of threads per decode peer) sends;
+- a transfer worker (one shard of threads per decode peer) prepares and sends
+  (prefill/jobs.py);
 - every phase change of a request goes through the RequestTable (prefill/requests.py).
 """
 
@@ -29,12 +30,13 @@ from disagg.control.io import RouterIO
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers
-from disagg.prefill.destinations import Destination, merged_report
-from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
+from disagg.prefill.destinations import merged_report
+from disagg.prefill.jobs import TransferJobs
+from disagg.prefill.requests import Phase, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError, RequestKV
 from kvpool.errors import SpecError
-from transfer.errors import TransferError, WritesAbandoned
+from transfer.errors import TransferError
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 
@@ -55,7 +57,7 @@ class PrefillConfig(WorkerSettings):
             raise ValueError(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}")
 
 
-class PrefillServer(Worker):
+class PrefillServer(TransferJobs, Worker):
     def __init__(self, config: PrefillConfig, model: ModelEngine | None = None):
         super().__init__(config, KVSender, model, swa_window_only=False)
         self.config = config
@@ -151,64 +153,6 @@ class PrefillServer(Worker):
     def _tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None:
         if not (isinstance(msg, TransferDone) and self.faults.hit("control.drop_done")):
             self.io.send(peer, msg)
-
-    def _may_stream(self, r: PrefillRequest) -> bool:
-        """`auto` streams only over a link that leaves the compute alone (not Mooncake TCP from a
-        CUDA pool); the table asks before it starts a worker while the engine computes."""
-        peers = [self.peers.get(d.peer) for d in r.dests.values()]
-        return not r.stream_auto or all(p is None or self.sender.streams_well(p.target) for p in peers)
-
-    def _submit(self, r: PrefillRequest, d: Destination) -> str | None:
-        peer = self.peers.get(d.peer)
-        if peer is None:
-            return "decode peer is not registered"
-        try:
-            peer.workers.submit(self._transfer, r, d)
-        except RuntimeError as exc:  # shut down (closing, or the peer was dropped)
-            return str(exc)
-        return None
-
-    def _prepare(self, r: PrefillRequest, d: Destination) -> None:
-        peer = self.peers.get(d.peer)
-        if peer is None:
-            return
-        try:
-            d.prepared = peer.workers.submit(self.sender.prepare, peer.target, r.src, d.dst, len(r.tokens), False,
-                                             bool(d.slots) and peer.relay is not None and peer.target.staging is not None)
-        except RuntimeError:   # shut down: the transfer worker would not run either
-            pass
-
-    # ---- a transfer worker -------------------------------------------------------------------
-    def _transfer(self, r: PrefillRequest, d: Destination) -> None:
-        """Send r's KV (our share of destination d's); the table tells d, and frees the pages
-        once every destination is done (or r failed)."""
-        ok, reason, done, settled = False, "", None, True
-        try:
-            peer = self.peers.get(d.peer)
-            if peer is None:
-                raise ProtocolError("decode peer is not registered")
-            if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
-                self.io.send(d.peer, TransferStarted(r.room, self.epoch))
-            t0 = time.perf_counter()
-            report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, r.room, d.slots, peer.relay,
-                                      stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None,
-                                      num_tokens=r.kv.num_tokens, prepared=d.take_prepared())
-            ms = (time.perf_counter() - t0) * 1e3
-            d.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
-                        "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
-                        "layer_groups": report.groups, "first_write_at": report.first_write_at,
-                        "transfer_cpu_ms": report.cpu_ms, "prepared_ahead": report.prepared_ahead,
-                        "prepare_ms": report.prepare_ms,
-                        # what decode waits for once compute is over: the part of the send not hidden
-                        "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
-            done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)
-            ok = True
-        except (DisaggError, KVPoolError) as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            settled = not isinstance(exc, WritesAbandoned)
-            log.warning("room %d: transfer failed: %s", r.room, exc)
-        finally:
-            self.requests.finished(r, ok, reason, done, settled, d)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:

@@ -128,3 +128,37 @@ def test_a_send_is_prepared_while_the_prompt_computes_once_decode_has_asked(pref
             assert server.pool.available() == HybridPool(server.pool.config).available()
     finally:
         decode.close()
+
+
+def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefill, eventually):
+    """Decode asked first, so the send is to be prepared while the prompt computes; every
+    transfer worker of that decode is busy until the request was aborted: neither its prepare
+    job nor its transfer job plans anything, both sides fail it, every page is free again."""
+    decode = DecodeServer(DecodeConfig(pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",)))
+    release, planned, real = threading.Event(), [], prefill.sender.prepare
+    prefill.sender.prepare = lambda *a, **k: (planned.append(a), real(*a, **k))[1]
+    try:
+        tokens, out = np.arange(40) % 97, {}
+        asks = threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(14, tokens)))
+        asks.start()
+        eventually(lambda: prefill.requests.get(14) is not None, 10, "decode's TransferRequest")
+        r = prefill.requests.get(14)
+        (d,) = r.dests.values()
+        workers = prefill.peers.get(d.peer).workers
+        for _ in range(prefill.config.transfer_workers):
+            workers.submit(release.wait, 30)
+        computes = threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(14, tokens)))
+        computes.start()
+        eventually(lambda: d.prepared is not None and d.writing, 10, "the prepare and transfer jobs queued")
+        assert prefill.requests.fail(r, "aborted while queued")
+        release.set()
+        computes.join(30)
+        asks.join(30)
+        assert out["prefill"]["state"] == "FAILED" and out["prefill"]["reason"] == "aborted while queued", out
+        assert out["decode"]["state"] != "SUCCESS", out
+        assert planned == []
+        for server in (prefill, decode):
+            assert server.pool.available() == HybridPool(server.pool.config).available()
+    finally:
+        release.set()
+        decode.close()
