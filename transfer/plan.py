@@ -1,10 +1,6 @@
-"""The transfer planner: pure numpy, no per-index Python loops.
-
-    src pages  [5, 6, 7, 20, 21, 9]      align -> same length (per component rules)
-    dst pages  [3, 4, 5,  8,  9, 1]      group -> runs contiguous on BOTH sides:
-    runs       (5->3, 3)  (20->8, 2)  (9->1, 1)
-    expand     runs x buffers -> ranges: (region, start * item_bytes), len = count * item_bytes
-    check      every index inside its buffer on both sides (so every range is inside it)
+"""The transfer planner: pure numpy, no per-index Python loops. Per component, the index
+work of transfer.runs (align, group into runs contiguous on both sides, check, expand); a
+TransferPlan holds the components' plans and the AUX row, validated before a byte moves.
 
 Buffers are numbered regions (transfer.buffers): ranges carry offsets, never addresses; the
 link resolves them and checks them again against what each side exposed.
@@ -19,103 +15,17 @@ being the slice of a segment's rows this pair owns: one range per row unless it 
 """
 
 import functools
-import logging
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from transfer.buffers import Buffer, by_component, component_difference
-from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
+from transfer.buffers import Buffer, by_component
+from transfer.errors import IndexMismatch, LayoutIncompatible
+from transfer.runs import Runs, align, check_indices, expand, group_runs, pair_buffers
 from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
-
-log = logging.getLogger(__name__)
-
-
-def align(src: np.ndarray, dst: np.ndarray, component: Component) -> tuple[np.ndarray, np.ndarray]:
-    """Equal-length (src, dst) for one component. Never mutates its inputs: the result is new
-    read-only arrays. A length mismatch of a component that is not truncatable raises
-    IndexMismatch."""
-    if len(src) != len(dst):
-        if not component.truncatable:
-            raise IndexMismatch(
-                f"{component.value}: {len(src)} source vs {len(dst)} destination indices must match exactly")
-        log.warning("%s: %d source vs %d destination indices; truncating to %d",
-                    component.value, len(src), len(dst), min(len(src), len(dst)))
-    n = min(len(src), len(dst))
-    out_src = np.array(src[:n], dtype=np.int64)
-    out_dst = np.array(dst[:n], dtype=np.int64)
-    out_src.setflags(write=False)
-    out_dst.setflags(write=False)
-    return out_src, out_dst
-
-
-@dataclass(frozen=True)
-class Runs:
-    src_start: np.ndarray  # int64 [n_runs]
-    dst_start: np.ndarray  # int64 [n_runs]
-    count: np.ndarray      # int64 [n_runs], items per run
-
-    def __len__(self) -> int:
-        return len(self.count)
-
-
-def group_runs(src: np.ndarray, dst: np.ndarray, src_page: int = 0, dst_page: int = 0) -> Runs:
-    """Maximal runs where both src and dst advance by exactly one item. With page sizes
-    (token rows of page-major lanes, transfer.tokens: contiguous only within a page) a run
-    also ends where a page of either side ends."""
-    n = len(src)
-    if n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return Runs(empty, empty, empty)
-    src = np.asarray(src, dtype=np.int64)
-    dst = np.asarray(dst, dtype=np.int64)
-    brk = (np.diff(src) != 1) | (np.diff(dst) != 1)
-    if src_page and dst_page:
-        brk |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    count = np.diff(np.append(starts, n))
-    return Runs(src[starts], dst[starts], count)
-
-
-def pair_buffers(component: Component, src: list[Buffer], dst: list[Buffer]) -> None:
-    """Raises LayoutIncompatible naming the first difference (transfer.buffers' one check)."""
-    diff = component_difference(component, src, dst)
-    if diff:
-        raise LayoutIncompatible(diff)
-
-
-def check_indices(component: Component, side: str, idx: np.ndarray, bufs: list[Buffer]) -> None:
-    """Every index names a real item of every buffer (1 <= i < num_items; 0 is the sentinel)."""
-    if len(idx) == 0:
-        return
-    num_items = min(b.num_items for b in bufs)
-    lo, hi = int(idx.min()), int(idx.max())
-    if lo < 1 or hi >= num_items:
-        raise OutOfBounds(f"{component.value}: {side} index {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
-
-
-def expand(runs: Runs, src: list[Buffer], dst: list[Buffer]) -> Ranges:
-    """runs x buffers -> ranges, buffer-major ([buffer 0 runs..., buffer 1 runs..., ...]).
-    Each buffer's block of ranges is checked against that buffer's own size."""
-    n_runs = len(runs)
-    item = np.array([b.item_bytes for b in src], dtype=np.int64)[:, None]
-    src_off = runs.src_start[None, :] * item   # [n_buffers, n_runs]
-    dst_off = runs.dst_start[None, :] * item
-    length = np.broadcast_to(runs.count[None, :] * item, src_off.shape)
-    if n_runs:
-        for side, off, bufs in (("source", src_off, src), ("destination", dst_off, dst)):
-            hi = (off + length).max(axis=1)
-            bad = np.flatnonzero((off.min(axis=1) < 0) | (hi > np.array([b.nbytes for b in bufs], dtype=np.int64)))
-            if len(bad):
-                b = bufs[int(bad[0])]
-                raise OutOfBounds(f"{Component(b.component).value} {side} buffer (layer {b.layer}, {b.part}): "
-                                  f"ranges up to byte {int(hi[bad[0]])} exceed its {b.nbytes}")
-    src_region = np.repeat(np.array([b.region for b in src], dtype=np.int64), n_runs)
-    dst_region = np.repeat(np.array([b.region for b in dst], dtype=np.int64), n_runs)
-    return Ranges(src_region, src_off.ravel(), dst_region, dst_off.ravel(), length.ravel())
 
 
 @dataclass(frozen=True)

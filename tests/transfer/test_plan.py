@@ -13,7 +13,8 @@ from transfer.config import Mode, TransferConfig
 from transfer.cost import choose_mode
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, StagingError
 from transfer.buffers import buffers_of, layout_difference
-from transfer.plan import align, build_plan, group_runs
+from transfer.plan import build_plan
+from transfer.runs import align, group_runs
 from transfer.staging import PIECE_ALIGN, chunk_plan
 from transfer.transports.mooncake import TCP_COST
 
@@ -37,7 +38,7 @@ def test_align_never_mutates_and_equalizes(src, dst, component):
 
 
 def test_align_warns_with_both_lengths(caplog):
-    with caplog.at_level(logging.WARNING, logger="transfer.plan"):
+    with caplog.at_level(logging.WARNING, logger="transfer.runs"):
         a, b = align(np.arange(1, 10, dtype=np.int32), np.arange(1, 8, dtype=np.int32), Component.SWA)
     assert len(a) == len(b) == 7
     assert "9 source vs 7 destination" in caplog.text

@@ -10,7 +10,8 @@ from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_pres
 from transfer.buffers import buffers_of
 from transfer.config import TransferConfig
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, StagingError
-from transfer.plan import build_plan, group_runs
+from transfer.plan import build_plan
+from transfer.runs import group_runs
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
 from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes
