@@ -10,8 +10,9 @@ computing its KV, this table, or the transfer workers sending it (one per destin
                       (pages allocated: each destination's send is prepared while computing)
     request first:    ORPHANED --------prompt (+ every one)---> COMPUTING        (KV may be ready
                       ORPHANED --prompt, a destination missing--> AWAITING_DECODE  before either)
-    streamed:         COMPUTING --pages handed over while computing--> STREAMING --KV ready-->
-                      TRANSFERRING   (a worker sends layer groups as they become final)
+    streamed:         COMPUTING --pages handed over at the engine's first layer--> STREAMING
+                      --KV ready--> TRANSFERRING (a worker sends layer groups as they become
+                      final; prefill/handover.py says why not sooner)
     TRANSFERRING --every destination sent--> DONE
     TRANSFERRING, STREAMING --fail (any destination)--> STOPPING --no worker writes--> FAILED
     any other live phase --fail--> FAILED

@@ -31,6 +31,7 @@ from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers
 from disagg.prefill.destinations import merged_report
+from disagg.prefill.handover import Handover
 from disagg.prefill.jobs import TransferJobs
 from disagg.prefill.requests import Phase, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
@@ -99,31 +100,30 @@ class PrefillServer(TransferJobs, Worker):
         streams = self._streams(mode, len(tokens))
         receivers = self._receivers(decode_tp) if decode_tp else None
         r = self.requests.prompt(room, tokens, stream_auto=mode == "auto", receivers=receivers, tp_size=decode_tp or 0)
-        refused, kv, first_token, handed = None, None, None, False
+        refused, kv, first_token, handover = None, None, None, None
         try:
             if not r.phase.ended:
                 deadline = time.monotonic() + self.config.deadlines.waiting_s
                 kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
                 self.faults.check("prefill.compute")
-                held, progress = kv, None
-                if streams:
-                    progress = LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
-                    handed = self.requests.streaming(r, kv, progress)   # a worker may send finished layers
-                    kv = None if handed else kv
+                if streams:   # the table takes the pages at the engine's first layer (prefill/handover.py)
+                    handover = Handover(self.requests, r, kv,
+                                        LayerProgress(self.pool.config.model.num_layers, self.pool.config.device))
                 else:   # the sends are laid out while the engine computes
                     self.requests.allocated(r, self.pool.index_set(kv))
-                first_token = self.model.prefill(self.pool, held, tokens, room,
-                                                 on_layer=progress.final if handed else None).first_token
+                first_token = self.model.prefill(self.pool, kv, tokens, room,
+                                                 on_layer=handover.final if handover else None).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                kv = None
+                held, kv = kv, None
                 self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
             if isinstance(exc, (Overloaded, ValueError)):
                 refused = exc
             self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
         finally:
-            if kv is not None:  # allocated but never handed over
+            handed = handover is not None and handover.handed
+            if kv is not None and not handed:  # allocated but never handed over
                 self._free(kv)
             if handed:          # a streamed request's pages are the table's: freed once no one uses them
                 self.requests.compute_ended(r, "prefill: the model engine failed")
