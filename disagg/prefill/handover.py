@@ -2,7 +2,8 @@
 
     HTTP thread   admit: pages held by the thread --> model.prefill(on_layer=Handover.final)
     engine        layer 0 final --> progress.final(0), then table.streaming(r, kv, progress):
-                                    the table holds the pages, a transfer worker starts
+                                    the table holds the pages; a transfer worker starts (once
+                                    every destination is here and may_stream agrees)
                   layer i final --> progress.final(i): the worker sends the groups now final
 
 Why at the first layer and not before the engine is called: an engine runs one forward pass
@@ -13,7 +14,8 @@ request that computed meanwhile would wait for that worker (tests/disagg/
 test_prefill_workers.py has both). Nothing is lost: no layer goes before the first is final.
 
 If the request ended before its first layer (an abort), the table refuses it and the HTTP
-thread keeps the pages, to free them once the engine returns, as for a request not streamed.
+thread keeps the pages, as for a request not streamed: computed() frees them when the engine
+returns, compute_ended() if it raises (that one decision is the table's, under its lock).
 """
 
 from kvpool import RequestKV
@@ -26,11 +28,10 @@ class Handover:
     def __init__(self, table, r, kv: RequestKV, progress: LayerProgress):
         self._table, self._r, self._kv, self.progress = table, r, kv, progress
         self._asked = False
-        self.handed = False   # the table holds the pages (the HTTP thread must not free them)
 
     def final(self, layer: int) -> None:
         """Layer `layer` is final (on a GPU: its kernels are queued; progress records an event)."""
         self.progress.final(layer)
         if not self._asked:
             self._asked = True
-            self.handed = self._table.streaming(self._r, self._kv, self.progress)
+            self._table.streaming(self._r, self._kv, self.progress)   # False: r ended (an abort)

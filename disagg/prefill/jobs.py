@@ -77,7 +77,8 @@ class TransferJobs:
             peer = self.peers.get(d.peer)
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
-            if not r.streamed:   # (a streamed one: the table says so once the KV is computed)
+            if not r.streamed and r.phase.sending:   # (streamed: the table says so once computed;
+                # aborted while queued: send() stops before it plans)
                 self.io.send(d.peer, TransferStarted(r.room, self.epoch))
             t0 = time.perf_counter()
             report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, r.room, d.slots, peer.relay,

@@ -146,9 +146,11 @@ class RequestTable:
                 self._prepare(r, d)
 
     def streaming(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> bool:
-        """The engine starts computing into `kv`, reporting to `progress`: the table holds the
-        pages from now on (a worker may send layers as they become final). False if r already
-        ended: the caller keeps (and frees) them."""
+        """The engine computes into `kv` (its first layer is final, prefill/handover.py),
+        reporting to `progress`: the table holds the pages from now on (a worker may send
+        layers as they become final, once every destination is here and may_stream agrees).
+        False if r already ended: the HTTP thread keeps them, and computed() or
+        compute_ended() frees them."""
         with self._lock:
             if r.phase.ended:
                 return False
@@ -177,16 +179,18 @@ class RequestTable:
             r.kv = kv
             self._maybe_start(r)
 
-    def compute_ended(self, r: PrefillRequest, why: str) -> None:
-        """The engine stopped without computed() (it failed): a streamed request's pages are
-        freed once no worker sends them; a live request fails with `why`."""
+    def compute_ended(self, r: PrefillRequest, kv: RequestKV, why: str) -> None:
+        """The engine raised (no computed()) while computing into `kv`: a live r fails with
+        `why`; the pages are freed now, or, if the table holds them (streamed), once no worker
+        sends them. One decision under the lock: a later streaming() finds r ended."""
         with self._lock:
-            if not r.computing:
-                return
+            held = r.computing and r.kv is kv
             r.computing = False
             if not r.phase.ended:
                 self._fail(r, why)
-            if r.phase.ended and r.phase is not Phase.STOPPING:
+            if not held:
+                self._free(kv)
+            elif r.phase is not Phase.STOPPING:
                 self._release(r)
 
     def _maybe_start(self, r: PrefillRequest) -> None:

@@ -122,11 +122,9 @@ class PrefillServer(TransferJobs, Worker):
                 refused = exc
             self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
         finally:
-            handed = handover is not None and handover.handed
-            if kv is not None and not handed:  # allocated but never handed over
-                self._free(kv)
-            if handed:          # a streamed request's pages are the table's: freed once no one uses them
-                self.requests.compute_ended(r, "prefill: the model engine failed")
+            if kv is not None:   # raised after the pages were allocated (the engine, an injected fault):
+                # the table fails r and decides who frees them
+                self.requests.compute_ended(r, kv, "prefill: the model engine failed")
         phase = self.requests.wait(r)
         if refused is not None:
             raise refused

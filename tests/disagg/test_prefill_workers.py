@@ -8,6 +8,7 @@ import threading
 import numpy as np
 import pytest
 
+from disagg.errors import DisaggError
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.engine.standin import StandInEngine
 from disagg.prefill.server import PrefillConfig, PrefillServer
@@ -25,11 +26,14 @@ class OneAtATime(StandInEngine):
         self.lock = threading.Lock()
         self.gates = {room: threading.Event() for room in rooms}
         self.arrived = {room: threading.Event() for room in rooms}
+        self.fails: dict[int, Exception] = {}   # room -> raised before its first layer
 
     def prefill(self, pool, req, token_ids, room, on_layer=None):
         self.arrived[room].set()
         assert self.gates[room].wait(60), f"room {room}: gate never opened"
         with self.lock:
+            if room in self.fails:
+                raise self.fails[room]
             return super().prefill(pool, req, token_ids, room, on_layer)
 
 
@@ -64,8 +68,9 @@ def test_a_streamed_request_waiting_for_the_engine_holds_no_transfer_worker(pair
     assert engine.arrived[1].wait(10)   # room 1's pages are allocated, its engine call waits at the gate
     eventually(lambda: len(prefill.requests.get(1).dests) == 1, 10, "decode's TransferRequest for room 1")
     engine.gates[2].set()
-    for t in run[2]:
-        t.start()
+    run[2][0].start()   # decode asks first, so room 2 streams too
+    eventually(lambda: (r := prefill.requests.get(2)) is not None and len(r.dests) == 1, 10, "room 2's request")
+    run[2][1].start()
     for t in run[2]:
         t.join(30)
     assert out[("prefill", 2)]["state"] == "SUCCESS" and out[("decode", 2)]["verified"], out
@@ -99,3 +104,47 @@ def test_a_streamed_request_that_fails_before_its_first_layer_frees_its_pages(pa
     assert out["decode"]["state"] != "SUCCESS", out
     for server in (prefill, decode):
         assert server.pool.available() == HybridPool(server.pool.config).available()
+
+
+@pytest.mark.parametrize("stream", ["on", "off"])
+@pytest.mark.parametrize("error", [DisaggError("the engine is out of memory"), RuntimeError("CUDA error")],
+                         ids=["DisaggError", "RuntimeError"])
+def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_sides(pair, eventually, stream, error):
+    """Whatever the engine raises before its first layer (nothing handed to the table yet):
+    the request fails at once on both sides (decode is told, not left to its deadline), its
+    pages are freed once, and the server serves the next request."""
+    prefill, decode, engine = pair
+    tokens, out = np.arange(40) % 97, {}
+
+    def prefill_call():
+        try:
+            out["prefill"] = prefill.prefill(1, tokens, stream=stream)
+        except RuntimeError as exc:   # not ours to turn into an answer: the HTTP layer's 500
+            out["prefill"] = exc
+
+    threads = [threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(1, tokens))),
+               threading.Thread(target=prefill_call)]
+    for t in threads:
+        t.start()
+    eventually(lambda: (r := prefill.requests.get(1)) is not None and len(r.dests) == 1, 10, "decode's request")
+    engine.fails[1] = error
+    engine.gates[1].set()
+    for t in threads:
+        t.join(10)
+    assert not any(t.is_alive() for t in threads), out   # decode heard the failure, not its deadline
+    assert out["decode"]["state"] != "SUCCESS", out
+    if isinstance(error, RuntimeError):
+        assert out["prefill"] is error
+    else:
+        assert out["prefill"]["state"] == "FAILED" and "out of memory" in out["prefill"]["reason"], out
+    assert prefill.requests.get(1) is None
+    for server in (prefill, decode):
+        assert server.pool.available() == HybridPool(server.pool.config).available()
+    engine.gates[2].set()   # the next request is served
+    threads = [threading.Thread(target=lambda: out.__setitem__("decode2", decode.decode(2, tokens))),
+               threading.Thread(target=lambda: out.__setitem__("prefill2", prefill.prefill(2, tokens, stream=stream)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out["prefill2"]["state"] == "SUCCESS" and out["decode2"]["verified"], out

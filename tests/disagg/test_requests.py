@@ -263,14 +263,12 @@ def test_prefill_streamed_failure_frees_only_after_the_engine_and_the_worker_let
     t.computed(r, "kv")
     assert fx.freed == ["kv"]
     assert [m.ok for _, m in fx.told if isinstance(m, TransferDone)] == [False]
-    t.compute_ended(r, "late")                            # (the HTTP thread's finally): nothing more
-    assert fx.freed == ["kv"]
 
 
 def test_prefill_engine_failure_while_streaming_waits_for_the_worker_then_frees():
     t, fx, r, progress = _streaming()
     t.destination(1, PEER, "dst", [0])
-    t.compute_ended(r, "prefill: the model engine failed")
+    t.compute_ended(r, "kv", "prefill: the model engine failed")
     assert r.phase is P.STOPPING and not fx.freed and r.reason == "prefill: the model engine failed"
     t.finished(r, False, "Cancelled")
     assert r.phase is P.FAILED and fx.freed == ["kv"]
