@@ -169,6 +169,12 @@ class KVSender(StagedSender):
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
                             (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens)
 
+    @staticmethod
+    def can_stage(peer: RemotePool, remote_slots: list[int] | None, channel: ChunkChannel | None) -> bool:
+        """Whether a send may go staged: the receiver leased it staging slots and a chunk
+        channel exists (prepare()'s `can_stage`, as send() decides it)."""
+        return bool(remote_slots) and channel is not None and peer.staging is not None
+
     def _slot_bytes(self, peer: RemotePool) -> int:
         return min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
 
@@ -191,7 +197,7 @@ class KVSender(StagedSender):
         t0, cpu0 = time.perf_counter(), time.thread_time()
         stopped = stopped or (lambda: False)
         streamed = progress is not None
-        can_stage = bool(remote_slots) and channel is not None and peer.staging is not None
+        can_stage = self.can_stage(peer, remote_slots, channel)
         if stopped():   # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
         ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens)

@@ -56,7 +56,7 @@ class TransferJobs:
         peer = self.peers.get(d.peer)
         if peer is None:
             return
-        stage = bool(d.slots) and peer.relay is not None and peer.target.staging is not None
+        stage = self.sender.can_stage(peer.target, d.slots, peer.relay)
         try:
             d.prepared = peer.workers.submit(self._prepare_send, r, peer.target, d, stage)
         except RuntimeError:   # shut down: the transfer worker would not run either
