@@ -98,8 +98,8 @@ def test_pick_names_why_a_shared_kind_could_not_be_used():
 class _Write(PendingWrite):
     """A write that lands when its own wait() is called (or at once), or fails."""
 
-    def __init__(self, landed=False, error=None):
-        self.nbytes, self.landed, self.error, self.waited = 1, landed, error, 0
+    def __init__(self, landed=False, error=None, log=None):
+        self.nbytes, self.landed, self.error, self.log = 1, landed, error, log if log is not None else []
 
     def poll(self):
         if self.error:
@@ -107,18 +107,19 @@ class _Write(PendingWrite):
         return self.landed
 
     def wait(self, timeout=None):
-        self.waited += 1
-        self.landed = True   # an ordered link: landing the last one landed those before it
+        self.log.append(self)
+        self.landed = True
 
 
-def test_pending_writes_on_an_ordered_link_sleep_in_the_last_write_and_report_failures_after_all_polled():
-    first, last = _Write(), _Write()
+def test_pending_writes_on_an_ordered_link_wait_each_write_in_order_and_report_failures_after_all_polled():
+    log = []
+    first, last = _Write(log=log), _Write(log=log)
     ordered = PendingWrites(ordered=True)
     for w in (first, last):
         ordered.add(w)
-    first.landed = True   # (what the link's order guarantees once the last landed)
     ordered.wait()
-    assert last.waited == 1 and first.waited == 0 and ordered.poll()
+    # each in its own wait, in order: a paced CUDA write learns its link's rate from its own end
+    assert log == [first, last] and ordered.poll()
     failed, later = _Write(error=WriteFailed("write", -1, "peer", 1)), _Write(landed=True)
     writes = PendingWrites(ordered=True)
     writes.add(failed)

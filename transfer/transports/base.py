@@ -5,7 +5,8 @@
         Exposure.offer() -> Offer   what a peer needs to reach them: kind, host, opaque blob
       connect(offer, exposure) -> Link
         Link.write_async(ranges)    (local region, offset) -> (peer region, offset), length
-          -> PendingWrite           pollable; wait() sleeps, never spins
+          -> PendingWrite           pollable; wait() sleeps (a GPU link watches the
+                                    last ~0.3 ms: pace.py)
         Link.write_runs(runsets)    the same, factorized (runs x buffer pairs); a transport
                                     that can expand on its own device overrides it
         Link.prepare_runs(runsets)  checked and laid out now (while the KV is still being
@@ -54,7 +55,8 @@ class PendingWrite(ABC):
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
-        """Block (sleeping, never spinning) until landed; raises on failure or timeout."""
+        """Block until landed, sleeping (a GPU link watches the last ~0.3 ms of a write's
+        expected time, transports/pace.py); raises on failure or timeout."""
 
 
 class PreparedWrite(ABC):
@@ -114,12 +116,14 @@ class PendingWrites(PendingWrite):
         return not remaining
 
     def wait(self, timeout: float | None = None) -> None:
-        """Sleep until every member landed: on an ordered link in the last member's own wait
-        (a CUDA event's blocking wait wakes within microseconds), else polling all."""
+        """Sleep until every member landed: on an ordered link in each member's own wait, in
+        order (each ends about when the next starts: a paced CUDA write learns its own time),
+        else polling all."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if self.ordered and self._writes:
+        if self.ordered:
             try:
-                self._writes[-1].wait(timeout)
+                for w in self._writes:
+                    w.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TransferError:
                 pass   # raised below by poll(), with the other members retired first
         while not self.poll():

@@ -5,8 +5,9 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
           into (buffer r / runs, run r % runs) -> (src, dst, len); nothing else runs on the
           GPU before it (a few long ranges: expanded on the host and cut into 256 KiB pieces)
     kernel: each warp copies whole ranges, 16-byte vectors where src, dst and length allow,
-            four loads in flight per lane; few blocks (default 32 x 512 threads) so it can
-            run beside compute
+            up to four loads in flight per lane (a range's tail too: a 1 KiB fragment's two
+            words load together), the next range's descriptor loaded while one is copied;
+            few blocks (default 32 x 512 threads) so it can run beside compute
 
     factorized table, int64:  | src_start[n] | dst_start[n] | count[n] | src_base[b] | dst_base[b] | item[b] |
     row r = bi * n + i:        src = src_base[bi] + src_start[i] * item[bi], len = count[i] * item[bi]
@@ -28,6 +29,7 @@ rows measured 10-20% faster end to end with the kernel doing everything
 """
 
 import threading
+from pathlib import Path
 
 import numpy as np
 
@@ -37,76 +39,7 @@ from transfer.transports.ranges import LaneRuns, RunSet
 
 _PIECE_BYTES = 256 << 10      # longer ranges are split so warps share the work evenly
 
-_KERNEL = r"""
-__device__ __forceinline__ void copy_one(const char* s, char* d, long long m, long long lane) {
-    if ((((unsigned long long)s | (unsigned long long)d | (unsigned long long)m) & 15) == 0) {
-        const uint4* s4 = (const uint4*)s;
-        uint4* d4 = (uint4*)d;
-        const long long m4 = m >> 4;
-        long long i = lane;
-        for (; i + 96 < m4; i += 128) {           // four 16-byte loads in flight per lane
-            uint4 a = s4[i], b = s4[i + 32], c = s4[i + 64], e = s4[i + 96];
-            d4[i] = a; d4[i + 32] = b; d4[i + 64] = c; d4[i + 96] = e;
-        }
-        for (; i < m4; i += 32) d4[i] = s4[i];
-    } else {
-        for (long long i = lane; i < m; i += 32) d[i] = s[i];
-    }
-}
-
-extern "C" __global__ void copy_ranges(const long long* __restrict__ src, const long long* __restrict__ dst,
-                                       const long long* __restrict__ len, long long n) {
-    const long long lane = threadIdx.x & 31;
-    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n; r += warps)
-        copy_one((const char*)src[r], (char*)dst[r], len[r], lane);
-}
-
-extern "C" __global__ void copy_runs(const long long* __restrict__ t, long long n, long long b) {
-    const long long lane = threadIdx.x & 31;
-    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const long long* sb = t + 3 * n;
-    const long long* db = sb + b;
-    const long long* it = db + b;
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
-        const long long bi = r / n, i = r - bi * n, item = it[bi];
-        copy_one((const char*)(sb[bi] + t[i] * item), (char*)(db[bi] + t[n + i] * item), t[2 * n + i] * item, lane);
-    }
-}
-
-__device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, long long ds, long long row,
-                                          long long k, long long lane) {
-    // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows
-    if ((((unsigned long long)s | (unsigned long long)d | ss | ds | row) & 15) == 0) {
-        const long long w = row >> 4, total = k * w;
-        for (long long x = lane; x < total; x += 32) {
-            const long long j = x / w, q = x - j * w;
-            ((uint4*)(d + j * ds))[q] = ((const uint4*)(s + j * ss))[q];
-        }
-    } else {
-        const long long total = k * row;
-        for (long long x = lane; x < total; x += 32) {
-            const long long j = x / row, q = x - j * row;
-            d[j * ds + q] = s[j * ss + q];
-        }
-    }
-}
-
-extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long n, long long b,
-                                      long long srows, long long drows) {
-    const long long lane = threadIdx.x & 31;
-    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const long long* L = t + 3 * n;   // per lane: address, pitch, offset, stride (src, dst), row bytes
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
-        const long long bi = r / n, i = r - bi * n, s = t[i], d = t[n + i], k = t[2 * n + i];
-        const long long ss = L[3 * b + bi], ds = L[7 * b + bi], row = L[8 * b + bi];
-        const char* src = (const char*)(L[bi] + s / srows * L[b + bi] + L[2 * b + bi] + s % srows * ss);
-        char* dst = (char*)(L[4 * b + bi] + d / drows * L[5 * b + bi] + L[6 * b + bi] + d % drows * ds);
-        if (ss == row && ds == row) copy_one(src, dst, k * row, lane);
-        else copy_rows(src, dst, ss, ds, row, k, lane);
-    }
-}
-"""
+_KERNEL = (Path(__file__).parent / "copy_kernel.cu").read_text()
 
 
 _HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host (numpy), more on the GPU

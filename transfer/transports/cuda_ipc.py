@@ -9,8 +9,9 @@ same host, over NVLink (or PCIe), with one copy kernel on the prefill GPU.
                                                    launches packed
                                                    start: one kernel expands and copies, each
                                                    warp whole ranges, 16-byte vectors where
-                                                   aligned; a blocking event marks the end
-                                                   (no spinning host thread)
+                                                   aligned; an event marks the end: the
+                                                   waiter sleeps through most of the write
+                                                   and watches its tail (pace.py)
 
 Addresses never travel: the offer names allocations by IPC handle and offset, the writer maps
 them where its driver puts them. A mapping gives no liveness signal (a write after the owner
@@ -34,6 +35,7 @@ from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.cuda_copy import RangeCopier, Table
 from transfer.transports.cuda_driver import Call, Driver, Event
 from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_decoder, host_identity, reach_problem
+from transfer.transports.pace import Pace, Watch
 
 COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full speed: always direct
 
@@ -41,8 +43,8 @@ COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full spe
 class CudaWrite(PendingWrite):
     POLL_S = 100e-6
 
-    def __init__(self, event: Event, nbytes: int, keep: object = None):
-        self._event, self.nbytes = event, nbytes
+    def __init__(self, event: Event, nbytes: int, watch: Watch, keep: object = None):
+        self._event, self.nbytes, self._watch = event, nbytes, watch
         self._keep = keep   # the pinned table its upload read (done once the write is)
 
     def poll(self) -> bool:
@@ -50,7 +52,7 @@ class CudaWrite(PendingWrite):
 
     def wait(self, timeout: float | None = None) -> None:
         if timeout is None:
-            self._event.synchronize()   # a blocking-sync event: the thread sleeps, it does not spin
+            self._watch.wait(self._event)   # sleeps through most of it, watches its tail (pace.py)
             return
         deadline = time.monotonic() + timeout
         while not self._event.query():
@@ -96,6 +98,7 @@ class CudaIpcLink(Link):
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
+        self._pace, self._last = Pace(COST.link_gbps), None   # the stream's clock; its last write's event
 
     def _start(self, calls: list[Call], table: Table | None, nbytes: int) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
@@ -103,6 +106,8 @@ class CudaIpcLink(Link):
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
             with driver.current(self._t.copier.context()):
+                alone = self._last is None or self._last.query()   # nothing of ours still runs
+                started = time.perf_counter()
                 try:
                     for call in calls:
                         call.launch(stream)
@@ -114,9 +119,11 @@ class CudaIpcLink(Link):
                     except TransportError:
                         pass
                     raise
+            self._last = event
+            watch = Watch(self._pace, nbytes, started, self._pace.queued(nbytes, started, alone), alone)
         if table is not None:
             table.release()   # queued: stream order protects it from here on
-        return CudaWrite(event, nbytes, table.host if table is not None else None)
+        return CudaWrite(event, nbytes, watch, table.host if table is not None else None)
 
     def _absolute(self, ranges: Ranges):
         """Flat ranges as kernel work: checked, then absolute addresses as items of one byte."""

@@ -1,0 +1,88 @@
+"""When a write on one in-order GPU stream should be done, and how to wait for it: sleep
+through most of it, watch its tail.
+
+    a blocking-sync event wakes its waiter 0.05-0.2 ms after the GPU finished (one H100,
+    docs/bench_transfer_gpu.json "wait_probe"): most of a 2k-token send's fixed cost, and
+    the gap between 0.82 and 0.85 of the NVLink ceiling at 32k. Spinning on cuEventQuery
+    sees the end within microseconds but holds a core for the whole write. So:
+
+      start ......... sleep ................ | tail: query | done   (expected end learned)
+                                           TAIL_S before the expected end
+
+    expected end = max(now, when the stream's earlier writes should end) + bytes / rate
+    rate         = learned from writes that ran alone on the stream (it was idle when they
+                   started): seen ending while watched, their time is a sample; found done
+                   after the sleep, they ran at least that fast (a rate learned too low, on a
+                   GPU busy with compute, climbs back); starts at the link's nominal rate
+A watch that runs SPIN_S past the expected end (the GPU slower or busier than learned)
+gives up spinning and blocks on the event instead.
+"""
+
+import threading
+import time
+from typing import Protocol
+
+
+class Pace:
+    """One stream's clock: the bytes queued on it and the rate its writes land at."""
+
+    MIN_SAMPLE = 8 << 20   # smaller writes are mostly launch latency: they teach no rate
+    WEIGHT = 0.25          # of a new sample in the learned rate
+
+    def __init__(self, gbps: float):
+        self.rate = gbps * 1e9     # bytes per second
+        self._busy_until = 0.0     # perf_counter time the stream's queued writes should end
+        self._lock = threading.Lock()
+
+    def queued(self, nbytes: int, now: float, idle: bool) -> float:
+        """A write of `nbytes` queued at `now` (`idle`: nothing of the stream's still ran):
+        its expected end."""
+        with self._lock:
+            begin = now if idle else max(now, self._busy_until)
+            self._busy_until = end = begin + nbytes / self.rate
+        return end
+
+    def learn(self, nbytes: int, seconds: float) -> None:
+        """A write that ran alone took `seconds` from its start to the end seen."""
+        if nbytes >= self.MIN_SAMPLE and seconds > 0:
+            with self._lock:
+                self.rate += self.WEIGHT * (nbytes / seconds - self.rate)
+
+    def at_least(self, nbytes: int, seconds: float) -> None:
+        """A write that ran alone was done within `seconds`."""
+        if nbytes >= self.MIN_SAMPLE and seconds > 0:
+            with self._lock:
+                self.rate = max(self.rate, nbytes / seconds)
+
+
+class Event(Protocol):   # what a Watch needs of a CUDA event (cuda_driver.Event)
+    def query(self) -> bool: ...
+    def synchronize(self) -> None: ...
+
+
+class Watch:
+    """Wait for one write: sleep until TAIL_S before its expected end, then query."""
+
+    TAIL_S = 300e-6   # covers time.sleep's overshoot (timer slack) and the learned rate's noise
+    SPIN_S = 2e-3     # past the expected end by this much: stop spinning, block on the event
+
+    def __init__(self, pace: Pace, nbytes: int, started: float, expected_end: float, alone: bool):
+        self.pace, self.nbytes, self.started, self.expected_end = pace, nbytes, started, expected_end
+        self.alone = alone   # the stream was idle when it started: its time is its own
+
+    def wait(self, event: Event) -> None:
+        now = time.perf_counter()
+        if self.expected_end - now > self.TAIL_S:
+            time.sleep(self.expected_end - now - self.TAIL_S)
+        if event.query():   # done during the sleep: when is unknown, only that it was by now
+            if self.alone:
+                self.pace.at_least(self.nbytes, time.perf_counter() - self.started)
+            return
+        give_up = max(time.perf_counter(), self.expected_end) + self.SPIN_S
+        while not event.query():
+            if time.perf_counter() > give_up:
+                event.synchronize()
+                break
+        if self.alone:
+            self.pace.learn(self.nbytes, time.perf_counter() - self.started)
+
