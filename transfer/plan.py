@@ -71,8 +71,8 @@ class ComponentPlan:
         items = int(self.runs.count.sum()) if self.field else len(self.runs)
         return items * self.streams
 
-    @property
-    def nbytes(self) -> int:
+    @functools.cached_property
+    def nbytes(self) -> int:   # (asked again when a send reports, after its writes landed)
         return int(self.runs.count.sum()) * sum(self.unit_bytes)
 
     @functools.cached_property
@@ -125,7 +125,7 @@ class TransferPlan:
     def components(self) -> tuple[ComponentPlan, ...]:
         return self.body + ((self.aux,) if self.aux else ())
 
-    @property
+    @functools.cached_property
     def nbytes(self) -> int:
         return sum(c.nbytes for c in self.components)
 
