@@ -6,16 +6,17 @@ through most of it, watch its tail.
     the gap between 0.82 and 0.85 of the NVLink ceiling at 32k. Spinning on cuEventQuery
     sees the end within microseconds but holds a core for the whole write. So:
 
-      start ......... sleep ................ | tail: query | done   (expected end learned)
-                                           TAIL_S before the expected end
+      started ...... sleep ............. | watch: query ... | done
+                                         ^ expected end - (TAIL_S + TAIL_SHARE x its duration)
 
-    expected end = max(now, when the stream's earlier writes should end) + bytes / rate
+    duration     = START_S + bytes / rate       (START_S: the launch reaching the GPU)
+    expected end = max(started, when the stream's earlier writes should end) + duration
     rate         = learned from writes that ran alone on the stream (it was idle when they
                    started): seen ending while watched, their time is a sample; found done
                    after the sleep, they ran at least that fast (a rate learned too low, on a
                    GPU busy with compute, climbs back); starts at the link's nominal rate
-A watch that runs SPIN_S past the expected end (the GPU slower or busier than learned)
-gives up spinning and blocks on the event instead.
+The watch covers time.sleep's overshoot and a rate off by up to TAIL_SHARE; one that runs
+SPIN_S past the expected end (the GPU slower or busier than learned) blocks on the event.
 """
 
 import threading
@@ -26,7 +27,8 @@ from typing import Protocol
 class Pace:
     """One stream's clock: the bytes queued on it and the rate its writes land at."""
 
-    MIN_SAMPLE = 8 << 20   # smaller writes are mostly launch latency: they teach no rate
+    START_S = 20e-6        # a launch reaches the GPU (cuLaunchKernel itself: ~12 us on an H100 host)
+    MIN_SAMPLE = 32 << 20  # smaller writes teach no rate (their time is mostly START_S)
     WEIGHT = 0.25          # of a new sample in the learned rate
 
     def __init__(self, gbps: float):
@@ -34,22 +36,23 @@ class Pace:
         self._busy_until = 0.0     # perf_counter time the stream's queued writes should end
         self._lock = threading.Lock()
 
-    def queued(self, nbytes: int, now: float, idle: bool) -> float:
+    def queued(self, nbytes: int, now: float, idle: bool) -> tuple[float, float]:
         """A write of `nbytes` queued at `now` (`idle`: nothing of the stream's still ran):
-        its expected end."""
+        (its expected end, its own expected duration)."""
         with self._lock:
+            duration = self.START_S + nbytes / self.rate
             begin = now if idle else max(now, self._busy_until)
-            self._busy_until = end = begin + nbytes / self.rate
-        return end
+            self._busy_until = end = begin + duration
+        return end, duration
 
     def learn(self, nbytes: int, seconds: float) -> None:
-        """A write that ran alone took `seconds` from its start to the end seen."""
-        if nbytes >= self.MIN_SAMPLE and seconds > 0:
+        """A write that ran alone took `seconds` from its launch to the end seen."""
+        if nbytes >= self.MIN_SAMPLE and seconds > self.START_S:
             with self._lock:
-                self.rate += self.WEIGHT * (nbytes / seconds - self.rate)
+                self.rate += self.WEIGHT * (nbytes / (seconds - self.START_S) - self.rate)
 
     def at_least(self, nbytes: int, seconds: float) -> None:
-        """A write that ran alone was done within `seconds`."""
+        """A write that ran alone was done within `seconds` of its launch."""
         if nbytes >= self.MIN_SAMPLE and seconds > 0:
             with self._lock:
                 self.rate = max(self.rate, nbytes / seconds)
@@ -61,19 +64,22 @@ class Event(Protocol):   # what a Watch needs of a CUDA event (cuda_driver.Event
 
 
 class Watch:
-    """Wait for one write: sleep until TAIL_S before its expected end, then query."""
+    """Wait for one write: sleep until its tail, then query (module docstring)."""
 
-    TAIL_S = 300e-6   # covers time.sleep's overshoot (timer slack) and the learned rate's noise
-    SPIN_S = 2e-3     # past the expected end by this much: stop spinning, block on the event
+    TAIL_S = 300e-6    # time.sleep's overshoot (timer slack, scheduling)
+    TAIL_SHARE = 0.1   # of the write's expected duration: the learned rate's error
+    SPIN_S = 2e-3      # past the expected end by this much: stop querying, block on the event
 
-    def __init__(self, pace: Pace, nbytes: int, started: float, expected_end: float, alone: bool):
-        self.pace, self.nbytes, self.started, self.expected_end = pace, nbytes, started, expected_end
+    def __init__(self, pace: Pace, nbytes: int, started: float, expected: tuple[float, float], alone: bool):
+        self.pace, self.nbytes, self.started = pace, nbytes, started
+        self.expected_end, duration = expected
+        self.wake = self.expected_end - self.TAIL_S - self.TAIL_SHARE * duration
         self.alone = alone   # the stream was idle when it started: its time is its own
 
     def wait(self, event: Event) -> None:
         now = time.perf_counter()
-        if self.expected_end - now > self.TAIL_S:
-            time.sleep(self.expected_end - now - self.TAIL_S)
+        if self.wake > now:
+            time.sleep(self.wake - now)
         if event.query():   # done during the sleep: when is unknown, only that it was by now
             if self.alone:
                 self.pace.at_least(self.nbytes, time.perf_counter() - self.started)
@@ -85,4 +91,3 @@ class Watch:
                 break
         if self.alone:
             self.pace.learn(self.nbytes, time.perf_counter() - self.started)
-
