@@ -45,6 +45,10 @@ def test_the_rate_follows_writes_that_ran_alone_launch_time_aside_and_small_ones
     for _ in range(40):
         pace.learn(400_000_000, Pace.START_S + 1e-3)   # 400 GB/s once the launch reached the GPU
     assert pace.rate == pytest.approx(400e9, rel=1e-3)
+    pace.learn(400_000_000, Pace.START_S + 2e-3)       # one slow write (compute beside it): 200 GB/s
+    slower = pace.rate
+    pace.learn(400_000_000, Pace.START_S + 1e-3)       # and a fast one again
+    assert 350e9 < slower < 400e9 and pace.rate > slower + (400e9 - slower) / 3   # falls slowly, rises quickly
 
 
 def test_a_long_write_is_slept_through_and_only_its_tail_is_watched():

@@ -13,8 +13,10 @@ through most of it, watch its tail.
     expected end = max(started, when the stream's earlier writes should end) + duration
     rate         = learned from writes that ran alone on the stream (it was idle when they
                    started): seen ending while watched, their time is a sample; found done
-                   after the sleep, they ran at least that fast (a rate learned too low, on a
-                   GPU busy with compute, climbs back); starts at the link's nominal rate
+                   after the sleep, they ran at least that fast; starts at the link's
+                   nominal rate. It rises quickly and falls slowly: a rate too high only
+                   makes the watch longer, one too low sleeps past the end (a GPU busy with
+                   compute gives samples that vary by 2-3x: one H100, "wait_probe")
 The watch covers time.sleep's overshoot and a rate off by up to TAIL_SHARE; one that runs
 SPIN_S past the expected end (the GPU slower or busier than learned) blocks on the event.
 """
@@ -29,7 +31,7 @@ class Pace:
 
     START_S = 20e-6        # a launch reaches the GPU (cuLaunchKernel itself: ~12 us on an H100 host)
     MIN_SAMPLE = 32 << 20  # smaller writes teach no rate (their time is mostly START_S)
-    WEIGHT = 0.25          # of a new sample in the learned rate
+    WEIGHT_UP, WEIGHT_DOWN = 0.5, 0.1   # of a new sample faster / slower than the learned rate
 
     def __init__(self, gbps: float):
         self.rate = gbps * 1e9     # bytes per second
@@ -48,8 +50,9 @@ class Pace:
     def learn(self, nbytes: int, seconds: float) -> None:
         """A write that ran alone took `seconds` from its launch to the end seen."""
         if nbytes >= self.MIN_SAMPLE and seconds > self.START_S:
+            sample = nbytes / (seconds - self.START_S)
             with self._lock:
-                self.rate += self.WEIGHT * (nbytes / (seconds - self.START_S) - self.rate)
+                self.rate += (self.WEIGHT_UP if sample > self.rate else self.WEIGHT_DOWN) * (sample - self.rate)
 
     def at_least(self, nbytes: int, seconds: float) -> None:
         """A write that ran alone was done within `seconds` of its launch."""
