@@ -9,6 +9,11 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:   # Python 3.10
+    import tomli as tomllib
+
 from disagg.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -185,5 +190,9 @@ def test_dockerfiles_copy_what_exists_and_run_disagg(dockerfile):
     for src in re.findall(r"^COPY (\S+)", text, re.M):
         assert (ROOT / src).exists(), src
     assert 'ENTRYPOINT ["disagg"]' in text
-    extra = re.search(r'"\.\[(mooncake-[a-z0-9]+)\]"', text).group(1)
-    assert extra in (ROOT / "pyproject.toml").read_text()
+    extras = re.search(r'"\.\[([a-z0-9,-]+)\]"', text).group(1).split(",")
+    known = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert all(e in known for e in extras), extras
+    assert any(e.startswith("mooncake-") for e in extras)
+    if dockerfile == "Dockerfile":   # the GPU image: cuda-ipc compiles its copy kernel with CuPy
+        assert any(any(d.startswith("cupy-") for d in known[e]) for e in extras), extras
