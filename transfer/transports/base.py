@@ -5,8 +5,8 @@
         Exposure.offer() -> Offer   what a peer needs to reach them: kind, host, opaque blob
       connect(offer, exposure) -> Link
         Link.write_async(ranges)    (local region, offset) -> (peer region, offset), length
-          -> PendingWrite           pollable; wait() sleeps (a GPU link watches the
-                                    last ~0.3 ms: pace.py)
+          -> PendingWrite           pollable; wait() sleeps (a GPU link watches a
+                                    write's expected tail: pace.py)
         Link.write_runs(runsets)    the same, factorized (runs x buffer pairs); a transport
                                     that can expand on its own device overrides it
         Link.prepare_runs(runsets)  checked and laid out now (while the KV is still being
@@ -55,8 +55,8 @@ class PendingWrite(ABC):
 
     @abstractmethod
     def wait(self, timeout: float | None = None) -> None:
-        """Block until landed, sleeping (a GPU link watches the last ~0.3 ms of a write's
-        expected time, transports/pace.py); raises on failure or timeout."""
+        """Block until landed, sleeping (a GPU link watches the tail of a write's expected
+        time, transports/pace.py); raises on failure or timeout."""
 
 
 class PreparedWrite(ABC):

@@ -19,6 +19,8 @@ through most of it, watch its tail.
                    compute gives samples that vary by 2-3x: one H100, "wait_probe")
 The watch covers time.sleep's overshoot and a rate off by up to TAIL_SHARE; one that runs
 SPIN_S past the expected end (the GPU slower or busier than learned) blocks on the event.
+The sleep is cut into SLICE_S slices with a query after each, so a rate learned too low
+costs at most one slice (and the end found teaches a rate within a slice of the truth).
 """
 
 import threading
@@ -72,6 +74,8 @@ class Watch:
     TAIL_S = 300e-6    # time.sleep's overshoot (timer slack, scheduling)
     TAIL_SHARE = 0.1   # of the write's expected duration: the learned rate's error
     SPIN_S = 2e-3      # past the expected end by this much: stop querying, block on the event
+    SLICE_S = 0.5e-3   # the sleep is cut into slices, a query after each: a rate learned too low
+                       # (a GPU that was busy) oversleeps the end by at most one slice
 
     def __init__(self, pace: Pace, nbytes: int, started: float, expected: tuple[float, float], alone: bool):
         self.pace, self.nbytes, self.started = pace, nbytes, started
@@ -80,15 +84,17 @@ class Watch:
         self.alone = alone   # the stream was idle when it started: its time is its own
 
     def wait(self, event: Event) -> None:
-        now = time.perf_counter()
-        if self.wake > now:
-            time.sleep(self.wake - now)
-        if event.query():   # done during the sleep: when is unknown, only that it was by now
-            if self.alone:
-                self.pace.at_least(self.nbytes, time.perf_counter() - self.started)
-            return
+        while True:
+            if event.query():   # done before we looked (asleep, or the waiter came late): when
+                if self.alone:  # is unknown, only that it was by now
+                    self.pace.at_least(self.nbytes, time.perf_counter() - self.started)
+                return
+            left = self.wake - time.perf_counter()
+            if left <= 0:
+                break
+            time.sleep(min(left, self.SLICE_S))
         give_up = max(time.perf_counter(), self.expected_end) + self.SPIN_S
-        while not event.query():
+        while not event.query():   # (each query releases the GIL)
             if time.perf_counter() > give_up:
                 event.synchronize()
                 break
