@@ -71,7 +71,7 @@ class PreparedSend:
     groups: tuple[LayerGroup, ...]     # one (the whole body) unless streamed
     mode: Mode
     writes: tuple[PreparedWrite | None, ...]   # direct: one per group (None: nothing in it); staged: ()
-    aux: PreparedWrite | None
+    aux: PreparedWrite | None          # None: none, or chained behind the body (an ordered link, not streamed)
     ranges: int                        # transport ranges of the direct writes
     plan_ms: float
     prepare_ms: float
@@ -165,6 +165,8 @@ class KVSender(StagedSender):
         writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
                        for g in groups) if mode is Mode.DIRECT else ()
         aux = peer.link.prepare_runs([plan.aux.runset]) if plan.aux is not None else None
+        if peer.link.ordered and not streamed and aux is not None and len(writes) == 1 and writes[0] is not None:
+            writes, aux = (peer.link.chain([writes[0], aux]),), None   # the AUX row behind the body, one hand-off
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
                             (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens)

@@ -90,6 +90,24 @@ def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport
         peer.free(rid2)
 
 
+def test_on_an_ordered_link_the_aux_row_goes_in_the_bodys_hand_off(transport, peer):
+    """cuda-ipc (and the memory transport): one start for body and AUX row, in that order;
+    Mooncake (unordered): the AUX row is its own write, started once the body landed."""
+    with _direct(transport, peer, "tiny-hybrid", 100) as (pool, sender, target, req, rid, dst):
+        src = pool.index_set(req)
+        prepared = sender.prepare(target, src, dst, 100)
+        chained = target.link.ordered
+        assert (prepared.aux is None) == chained and len(prepared.writes) == 1
+        assert prepared.writes[0].nbytes == (prepared.plan.nbytes if chained else prepared.plan.nbytes
+                                             - prepared.plan.aux.nbytes)
+        _compute(pool)
+        report = sender.send(target, src, dst, num_tokens=100, prepared=prepared)
+        assert report.prepared_ahead and report.nbytes == prepared.plan.nbytes
+        assert peer.digest(rid).per_component == digest_request(pool, req)   # the AUX row included
+        streamed = sender.prepare(target, src, dst, 100, streamed=True)
+        assert streamed.aux is not None   # streamed: the AUX row waits for the engine to return
+
+
 def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):
     with _direct(transport, peer, "tiny-full", 64) as (pool, sender, target, req, rid, dst):
         before = peer.digest(rid, outside=True)

@@ -134,3 +134,35 @@ def test_pending_writes_time_out_with_a_typed_error():
     writes.add(_Write())
     with pytest.raises(WriteFailed, match="not done within"):
         writes.wait(timeout=0.001)
+
+
+class _Prepared:
+    def __init__(self, log, fail=None):
+        self.nbytes, self.log, self.fail = 1, log, fail
+
+    def start(self):
+        if self.fail:
+            raise self.fail
+        w = _Write(log=self.log)
+        return w
+
+
+def test_a_chain_starts_in_order_and_a_failed_start_drains_what_started_first():
+    log = []
+    link = memory.MemoryLink.__new__(memory.MemoryLink)   # only its `ordered` and chain() are used
+    first, second = _Prepared(log), _Prepared(log)
+    started = link.chain([first, second]).start()
+    started.wait()
+    assert [type(w) for w in log] == [_Write, _Write] and started.poll() and started.nbytes == 2
+    log.clear()
+    failing = link.chain([_Prepared(log), _Prepared(log, fail=WriteFailed("write", -1, "peer", 1))])
+    with pytest.raises(WriteFailed):
+        failing.start()
+    assert len(log) == 1 and log[0].landed, "the write that started was left in flight"
+
+
+def test_an_unordered_link_cannot_chain():
+    class Unordered(memory.MemoryLink):
+        ordered = False
+    with pytest.raises(ValueError, match="does not land writes in order"):
+        Unordered.__new__(Unordered).chain([])

@@ -12,6 +12,7 @@
         Link.prepare_runs(runsets)  checked and laid out now (while the KV is still being
           -> PreparedWrite          computed), started later: start() -> PendingWrite is
                                     only the hand-off to the link
+        Link.chain(prepared)        an ordered link's writes as one hand-off, in order
         Link.probe(), Link.close()
         Link.cost                   the per-range / per-byte figures the planner's
                                     direct-vs-staged choice needs
@@ -79,6 +80,23 @@ class _Later(PreparedWrite):
             raise RuntimeError("a prepared write starts once")
         ranges, self._ranges = self._ranges, None
         return self._link.write_async(ranges)
+
+
+class _Chain(PreparedWrite):
+    """The default Link.chain: each write started in order, waited on as one."""
+
+    def __init__(self, writes: Sequence[PreparedWrite]):
+        self._writes, self.nbytes = list(writes), sum(w.nbytes for w in writes)
+
+    def start(self) -> PendingWrite:
+        started = PendingWrites(ordered=True)
+        try:
+            for w in self._writes:
+                started.add(w.start())
+        except BaseException:
+            started.drain()   # what started is done before the failure is reported
+            raise
+        return started
 
 
 class PendingWrites(PendingWrite):
@@ -185,6 +203,14 @@ class Link(ABC):
         are final is done here (a transport that can, checks bounds here too: OutOfBounds).
         By default flattened on the host and written (checked) by write_async at start()."""
         return _Later(self, Ranges.concat([r.flatten() for r in runsets]))
+
+    def chain(self, writes: Sequence[PreparedWrite]) -> PreparedWrite:
+        """Prepared writes of this link as one hand-off that lands them in order (an ordered
+        link only: a later one lands after an earlier one). A transport may start them in
+        one go (cuda-ipc: one launch sequence, one event)."""
+        if not self.ordered:
+            raise ValueError(f"{self.kind} does not land writes in order: they cannot be chained")
+        return _Chain(writes)
 
     def write_runs(self, runsets: Sequence[RunSet | LaneRuns], timeout: float | None = None) -> None:
         self.write_runs_async(runsets).wait(timeout)

@@ -62,16 +62,19 @@ class CudaWrite(PendingWrite):
 
 
 class CudaPrepared(PreparedWrite):
-    """A write whose table is on the device and whose launches are packed: start() queues them."""
+    """A write whose tables are on the device and whose launches are packed: start() queues them."""
 
-    def __init__(self, link: "CudaIpcLink", calls: list[Call], table: Table | None, nbytes: int):
-        self._link, self._calls, self._table, self.nbytes = link, calls, table, nbytes
+    def __init__(self, link: "CudaIpcLink", calls: list[Call], tables: Sequence[Table], nbytes: int):
+        self._link, self._calls, self._tables, self.nbytes = link, calls, tuple(tables), nbytes
 
     def start(self) -> CudaWrite:
+        return self._link._start(self._take(), self._tables, self.nbytes)
+
+    def _take(self) -> list[Call]:
         if self._calls is None:
             raise RuntimeError("a prepared write starts once")
         calls, self._calls = self._calls, None
-        return self._link._start(calls, self._table, self.nbytes)
+        return calls
 
 
 class CudaIpcLink(Link):
@@ -100,7 +103,7 @@ class CudaIpcLink(Link):
         self._stream = torch.cuda.Stream(transport.device)
         self._pace, self._last = Pace(COST.link_gbps), None   # the stream's clock; its last write's event
 
-    def _start(self, calls: list[Call], table: Table | None, nbytes: int) -> CudaWrite:
+    def _start(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
@@ -121,9 +124,9 @@ class CudaIpcLink(Link):
                     raise
             self._last = event
             watch = Watch(self._pace, nbytes, started, self._pace.queued(nbytes, started, alone), alone)
-        if table is not None:
+        for table in tables:
             table.release()   # queued: stream order protects it from here on
-        return CudaWrite(event, nbytes, watch, table.host if table is not None else None)
+        return CudaWrite(event, nbytes, watch, tuple(t.host for t in tables))
 
     def _absolute(self, ranges: Ranges):
         """Flat ranges as kernel work: checked, then absolute addresses as items of one byte."""
@@ -167,7 +170,17 @@ class CudaIpcLink(Link):
                 calls, table, total = copier.prepare(work, self._stream) if work else ([], None, 0)
         except RuntimeError as exc:   # torch's pinned or device allocation (out of memory, ...)
             raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
-        return CudaPrepared(self, calls, table, total)
+        return CudaPrepared(self, calls, (table,) if table is not None else (), total)
+
+    def chain(self, writes: Sequence[PreparedWrite]) -> PreparedWrite:
+        """One launch sequence on the stream, in order, and one event (a body and its AUX
+        row: one hand-off instead of two, ~0.03 ms less host time per send)."""
+        if not all(isinstance(w, CudaPrepared) and w._link is self for w in writes):
+            return super().chain(writes)
+        if any(w._calls is None for w in writes):
+            raise RuntimeError("a prepared write starts once")
+        calls = [c for w in writes for c in w._take()]
+        return CudaPrepared(self, calls, [t for w in writes for t in w._tables], sum(w.nbytes for w in writes))
 
     def probe(self) -> None:
         """A mapping says nothing about its owner (writes after it exited still "succeed"):
