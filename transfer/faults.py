@@ -15,7 +15,8 @@ from transfer.errors import InjectedFault
 
 POINTS = {
     "prefill.compute": "prefill: computing the prompt's KV fails",
-    "send.write": "prefill: a transport write fails (body, staged chunk or AUX; earlier writes landed)",
+    "send.write": "prefill: a transport write fails (body, staged chunk or AUX, or a body chained with its AUX "
+                  "row on an ordered link; earlier writes landed)",
     "control.drop_done": "prefill: a TransferDone is lost on the way to decode",
     "decode.alloc": "decode: allocating the destination fails",
     "recv.chunk": "decode: scattering a staged chunk fails",

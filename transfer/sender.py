@@ -186,8 +186,8 @@ class KVSender(StagedSender):
              num_tokens: int | None = None, prepared: PreparedSend | None = None) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
         staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
-        planning and before every write: true (the request was aborted) ends the send with
-        Cancelled.
+        planning and before every write (a body chained with its AUX row is one): true (the
+        request was aborted) ends the send with Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
         as soon as its layers are final; the AUX row once progress is complete.
         `prepared`: this send prepared ahead (prepare() with the same peer, indices, length,

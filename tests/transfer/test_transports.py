@@ -8,7 +8,7 @@ from harness import memory
 from kvpool import HybridPool, PoolConfig, get_preset
 from transfer.buffers import Buffer
 from transfer.config import TransferConfig
-from transfer.errors import LayoutIncompatible, TransportError, WriteFailed
+from transfer.errors import LayoutIncompatible, TransportError, WriteFailed, WritesAbandoned
 from transfer.sender import KVSender
 from transfer.transports import TRANSPORTS, Offer, PendingWrite, TransportSettings, pick, resolve
 from transfer.transports.base import PendingWrites
@@ -143,8 +143,9 @@ class _Prepared:
     def start(self):
         if self.fail:
             raise self.fail
-        w = _Write(log=self.log)
-        return w
+        self.log.append(self)   # started
+        self.write = _Write(log=self.log)
+        return self.write
 
 
 def test_a_chain_starts_in_order_and_a_failed_start_drains_what_started_first():
@@ -152,13 +153,33 @@ def test_a_chain_starts_in_order_and_a_failed_start_drains_what_started_first():
     link = memory.MemoryLink.__new__(memory.MemoryLink)   # only its `ordered` and chain() are used
     first, second = _Prepared(log), _Prepared(log)
     started = link.chain([first, second]).start()
+    assert log == [first, second], "a chain must start its writes in the order given"
     started.wait()
-    assert [type(w) for w in log] == [_Write, _Write] and started.poll() and started.nbytes == 2
+    assert log[2:] == [first.write, second.write] and started.poll() and started.nbytes == 2
     log.clear()
     failing = link.chain([_Prepared(log), _Prepared(log, fail=WriteFailed("write", -1, "peer", 1))])
     with pytest.raises(WriteFailed):
         failing.start()
-    assert len(log) == 1 and log[0].landed, "the write that started was left in flight"
+    assert len(log) == 2 and log[1].landed, "the write that started was left in flight"
+
+
+def test_a_chained_write_that_fails_while_landing_fails_the_send_that_holds_it():
+    """send() adds a chain's pending writes to its own set: a member's failure (a set raises
+    it once) must reach that set's wait, and a member given up on its drain."""
+    link = memory.MemoryLink.__new__(memory.MemoryLink)
+    body, aux = _Prepared([]), _Prepared([])
+    held = PendingWrites(ordered=True)
+    held.add(link.chain([body, aux]).start())
+    body.write.error = WriteFailed("write", -1, "peer", 1)
+    aux.write.landed = True
+    with pytest.raises(WriteFailed):
+        held.wait()
+    abandoned = PendingWrites(ordered=True)
+    inner = link.chain([_Prepared([])]).start()
+    inner.abandoned = WritesAbandoned("write", -1, "peer", 1, detail="the link closed with writes in flight")
+    abandoned.add(inner)
+    with pytest.raises(WritesAbandoned):
+        abandoned.drain()
 
 
 def test_an_unordered_link_cannot_chain():

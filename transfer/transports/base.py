@@ -113,6 +113,13 @@ class PendingWrites(PendingWrite):
         self.abandoned: WritesAbandoned | None = None   # a member given up on (its link closed)
 
     def add(self, write: PendingWrite) -> None:
+        """A write of the transfer; a set of them (a chain's) joins member by member, so that
+        a member's failure, raised once by the set that polls it, is not lost in a nested one."""
+        if isinstance(write, PendingWrites):
+            for w in write._writes:
+                self.add(w)
+            self.abandoned = self.abandoned or write.abandoned
+            return
         self._writes.append(write)
         self.nbytes += write.nbytes
 
