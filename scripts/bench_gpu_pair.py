@@ -110,8 +110,9 @@ def demo_rows(args) -> dict:
     return found
 
 
-def report(out: dict) -> bool:
-    """Print the figures against the targets; True if every row was verified."""
+def report(out: dict, two_gpus: bool = True) -> bool:
+    """Print the figures against the targets (on one GPU there is no NVLink ceiling to hold
+    them to); True if every row was verified."""
     ok = True
     anchor = {(r["layout"], r["page_size"], r["tokens"]): max(r["gbps"], r["ahead_gbps"])
               for p in out.get("anchor", {}).values() for r in p.get("rows", [])}
@@ -123,7 +124,8 @@ def report(out: dict) -> bool:
             vs = f"  {r['ahead_gbps'] / mc:6.1f}x Mooncake nvlink" if mc else ""
             print(f"{preset:<20} {r['layout']:<12} page {r['page_size']:>3} {r['tokens']:>6} tok  ceiling "
                   f"{r['ceiling_gbps']:6.1f} GB/s  whole {r['ratio']:.2f}  ahead {r['ahead_ratio']:.2f} "
-                  f"({r['ahead_ms']:.2f} ms) {'meets' if r['ahead_ratio'] >= TARGET else 'below'} {TARGET}"
+                  f"({r['ahead_ms']:.2f} ms) "
+                  f"{('meets ' if r['ahead_ratio'] >= TARGET else 'below ') + str(TARGET) if two_gpus else ''}"
                   f"{vs}{'' if r['verified'] else '  NOT VERIFIED'}")
     for name, d in out.get("demo", {}).items():
         if "error" in d:
@@ -166,7 +168,7 @@ def main() -> int:
         out[part] = runs[part]()
         if args.out:   # after each part: a run cut short keeps what it measured
             Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    return 0 if report(out) else 1
+    return 0 if report(out, torch.cuda.device_count() > 1) else 1
 
 
 if __name__ == "__main__":
