@@ -110,12 +110,26 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ t, long long 
 
 __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, long long ds, long long row,
                                           long long k, long long lane) {
-    // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows
+    // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows,
+    // four loads in flight per lane before their stores (a TP slice of a row is 0.25-0.5 KiB:
+    // one load at a time waited a round trip per word)
     if ((((unsigned long long)s | (unsigned long long)d | ss | ds | row) & 15) == 0) {
         const long long w = row >> 4, total = k * w;
-        for (long long x = lane; x < total; x += 32) {
-            const long long j = x / w, q = x - j * w;
-            ((uint4*)(d + j * ds))[q] = ((const uint4*)(s + j * ss))[q];
+        for (long long x = lane; x < total; x += 128) {
+            uint4 v[4];
+            long long to[4];
+#pragma unroll
+            for (int u = 0; u < 4; u++) {
+                const long long y = x + 32 * u;
+                if (y < total) {   // (no division for a slot past the end: a one-word row pays none)
+                    const long long j = y / w, q = y - j * w;
+                    v[u] = *(const uint4*)(s + j * ss + (q << 4));
+                    to[u] = j * ds + (q << 4);
+                }
+            }
+#pragma unroll
+            for (int u = 0; u < 4; u++)
+                if (x + 32 * u < total) *(uint4*)(d + to[u]) = v[u];
         }
     } else {
         const long long total = k * row;
