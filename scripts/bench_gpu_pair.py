@@ -3,9 +3,10 @@
 with two GPUs of one host (prefill's pool on GPU 0, decode's on GPU 1), one JSON file out per
 run (command, machine and date inside it).
 
-    python3 scripts/bench_gpu_pair.py --out pair.json                        # transfer, then demo
-    python3 scripts/bench_gpu_pair.py --parts transfer --out transfer.json   # ~5-6 min
-    python3 scripts/bench_gpu_pair.py --parts demo --out demo.json           # ~4-5 min
+    .venv/bin/python scripts/bench_gpu_pair.py --out pair.json                # transfer, then demo
+    .venv/bin/python scripts/bench_gpu_pair.py --parts transfer --out t.json  # ~5-6 min
+    .venv/bin/python scripts/bench_gpu_pair.py --parts demo --out demo.json   # ~4-5 min
+(the Python that has torch, CuPy and this package: scripts/setup.sh's .venv, or an image's python3)
 (times on one H100 shared by both sides; where a command may run 10 minutes, a part each)
 
 parts (each a subprocess with its own time limit; a part that fails is recorded and the
@@ -29,6 +30,8 @@ Every row is verified byte for byte on decode; the exit code is 1 if any row was
 import argparse
 import datetime
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -58,11 +61,27 @@ def machine() -> str:
 
 
 def call(cmd: list[str], timeout: float) -> tuple[dict | None, str]:
-    """Run one benchmark process; its stdout is its JSON (None and why, if not)."""
+    """Run one benchmark process; its stdout is its JSON (None and why, if not). It runs in a
+    process group of its own: past its limit the whole group (its peer, prefill, decode and
+    router processes, which hold GPU pools) is stopped, not only the process started here."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            start_new_session=True)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        return None, f"ran past its {timeout:.0f} s limit"
+        os.killpg(proc.pid, signal.SIGTERM)   # the demo's launcher stops its servers on SIGTERM
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        return None, f"ran past its {timeout:.0f} s limit; its last output: {(stderr or stdout or '')[-1200:]}"
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)   # whatever of the group outlived it
+        except ProcessLookupError:
+            pass
+    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     text = out.stdout.strip()
     for candidate in (text, text.splitlines()[-1] if text else ""):   # indented JSON, or a last line
         try:
@@ -104,6 +123,7 @@ def demo_rows(args) -> dict:
             found[name] = {"command": " ".join(cmd[1:]), "requests": result["requests"], "verified": result["verified"],
                            "streamed": result.get("streamed"), "prepared_ahead": result.get("prepared_ahead"),
                            "transports": result.get("transports"), "transfer_gb_per_s": result.get("transfer_gb_per_s"),
+                           "failed": result.get("failed"), "failures": result.get("failures"),
                            **{f"{phase}_ms": lat.get(phase) for phase in
                               ("transfer", "kv_ready_after_compute", "control", "prefill")}}
         print(f"  demo {name}: {'ok' if result else 'FAILED ' + why[-300:]}", flush=True)
@@ -121,7 +141,9 @@ def report(out: dict, two_gpus: bool = True) -> bool:
         for r in p.get("rows", []):
             ok &= r["verified"]
             mc = anchor.get((r["layout"], r["page_size"], r["tokens"])) if preset == "gpt-oss-120b" else None
-            vs = f"  {r['ahead_gbps'] / mc:6.1f}x Mooncake nvlink" if mc else ""
+            times = r["ahead_gbps"] / mc if mc else 0.0
+            verdict = ("meets" if times >= ANCHOR_X else "below") if r["page_size"] > 1 else "(no target)"
+            vs = f"  {times:6.1f}x Mooncake nvlink {verdict}" if mc else ""
             print(f"{preset:<20} {r['layout']:<12} page {r['page_size']:>3} {r['tokens']:>6} tok  ceiling "
                   f"{r['ceiling_gbps']:6.1f} GB/s  whole {r['ratio']:.2f}  ahead {r['ahead_ratio']:.2f} "
                   f"({r['ahead_ms']:.2f} ms) "
@@ -131,6 +153,8 @@ def report(out: dict, two_gpus: bool = True) -> bool:
         if "error" in d:
             continue
         ok &= d["verified"] == d["requests"]
+        if d.get("failures"):
+            print(f"demo {name}: failed requests {json.dumps(d['failures'])[:600]}")
         f = {k: (d[k] or {}).get("p50") for k in ("transfer_ms", "kv_ready_after_compute_ms", "control_ms")}
         print(f"demo {name:<16} {d['verified']}/{d['requests']} verified  transfer p50 {f['transfer_ms']} "
               f"p99 {(d['transfer_ms'] or {}).get('p99')} ms  {d['transfer_gb_per_s'] or 0:.1f} GB/s  KV ready after "

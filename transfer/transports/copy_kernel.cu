@@ -51,8 +51,8 @@ extern "C" __global__ void copy_ranges(const long long* __restrict__ src, const 
 //            ^ BATCH ranges' words in flight together
 //
 // One H100, device-local, 32 x 512 threads (docs/bench_transfer_gpu.json "batched_runs"): runs
-// of 512 B / 1 KiB / 1152 B 1.77 / 2.03 / 3.64 -> 1.10 / 1.27 / 2.28 ms per 0.6-2.2 GB; 656 B
-// runs (ending mid-sector: the batch gains nothing there) 3.22 -> 3.46. Longer or unaligned
+// of 512 B / 1 KiB / 1152 B 1.77 / 2.03 / 3.67 -> 1.10 / 1.27 / 2.30 ms per 0.6-2.2 GB; 656 B
+// runs (ending mid-sector: the batch gains nothing there) 3.24 -> 3.49. Longer or unaligned
 // ranges go one by one through copy_one (2 KiB runs: 2.69 -> 2.75, pages: unchanged).
 #define BATCH 4
 

@@ -6,9 +6,9 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
           GPU before it (a few long ranges: expanded on the host and cut into 256 KiB pieces)
     kernel: each warp copies whole ranges, 16-byte vectors where src, dst and length allow,
             up to four loads in flight per lane (a range's tail too: a 1 KiB fragment's two
-            words load together); expanding runs, a warp takes four short ones (<= 1.5 KiB)
-            at once, all their loads before any store (copy_kernel.cu draws it); few blocks
-            (default 32 x 512 threads) so it can run beside compute
+            words load together); expanding runs, a warp takes four short ones (16-byte
+            aligned, <= 1.5 KiB) at once, all their loads before any store (copy_kernel.cu
+            draws it); few blocks (default 32 x 512 threads) so it can run beside compute
 
     factorized table, int64:  | src_start[n] | dst_start[n] | count[n] | src_base[b] | dst_base[b] | item[b] |
     row r = bi * n + i:        src = src_base[bi] + src_start[i] * item[bi], len = count[i] * item[bi]
@@ -16,7 +16,8 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
         | src_start[n] | dst_start[n] | count[n] | per lane [b]: src addr, pitch, offset, stride,
           dst addr, pitch, offset, stride, row bytes |
         row r = bi * n + i:    src = addr[bi] + s // rows * pitch[bi] + offset[bi] + s % rows * stride[bi]
-                               (a TP slice of each row: the warp copies its rows' 16-byte words)
+                               (a TP slice of each row: the warp copies its rows' 16-byte words,
+                               four loads in flight per lane)
 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
