@@ -81,8 +81,7 @@ def call(cmd: list[str], timeout: float) -> tuple[dict | None, str]:
             os.killpg(proc.pid, signal.SIGKILL)   # whatever of the group outlived it
         except ProcessLookupError:
             pass
-    out = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-    text = out.stdout.strip()
+    text = stdout.strip()
     for candidate in (text, text.splitlines()[-1] if text else ""):   # indented JSON, or a last line
         try:
             found = json.loads(candidate)
@@ -90,7 +89,7 @@ def call(cmd: list[str], timeout: float) -> tuple[dict | None, str]:
             continue
         if isinstance(found, dict):
             return found, ""
-    return None, f"exit {out.returncode}: {(out.stderr or out.stdout)[-1500:]}"
+    return None, f"exit {proc.returncode}: {(stderr or stdout)[-1500:]}"
 
 
 def transfer_rows(transport: str, args) -> dict:
