@@ -30,6 +30,15 @@ def setup_logging(level: str = "info") -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None]) -> None:
+    """Start `api` (an ApiServer), serve until SIGTERM or SIGINT (see serve), then stop it."""
+    api.start()
+    try:
+        serve(readiness, on_ready)
+    finally:
+        api.stop()
+
+
 def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_every_s: float = 10.0) -> None:
     """Block until SIGTERM or SIGINT (Kubernetes stops pods with SIGTERM). Once `readiness()`
     says ready (as /ready does), call `on_ready` (the ready lines) once; until then log why

@@ -1,301 +1,302 @@
-"""A small JSON-over-HTTP server for every long-running process: /health, /ready, /metrics
-and the process's own POST routes. Bad requests get a 4xx with a reason; a failing handler
-gets a 500 with its message; the server keeps serving either way.
+"""HTTP for every long-running process, on aiohttp: /health, /ready, /metrics (GET or HEAD)
+and the process's own POST routes, each a function of a JSON body.
 
-    400 bad input    404 no route    405 GET of a POST route    408 body not sent in time
-    409 refused by the protocol
-    499 cancelled (client went away)    502 a worker failed the request (RequestFailed)
-    503 overloaded: more than `max_inflight` POSTs at once, more than `max_connections` open
-        connections, or the pool stayed full (Retry-After: 1); refused at once, never queued
+Why aiohttp, not uvicorn + starlette: it embeds in a process that is not built around it
+(one event loop on one thread, started and stopped with the worker; uvicorn wants to own the
+process and its signals), it is server and client in one (the router's calls to workers can
+move onto the same loop), and it parses HTTP, keep-alive, chunked bodies, `Expect:
+100-continue` and event streams the way clients expect, kept up by people who track what
+clients and attackers do. What it lacks, a deadline on a request's whole
+receipt and a bound on open connections, is `connections.py`; what we own here is the
+mapping from a route's outcome to an answer.
+
+A route is a plain function (it blocks: it waits for a transfer), so it runs on a thread
+of `routes_pool`; /health, /ready and /metrics run on their own small pool, so a server
+full of requests still answers its probes. One table maps an exception to a status:
+
+    400 bad input (BadRequest, ValueError, KeyError, TypeError, OverflowError)
+    404 no route    405 a POST route asked with another method    408 request not sent in time
+    409 refused by the protocol (any other DisaggError)    413 body too large
+    499 cancelled (the client went away)    5xx a worker failed the request (RequestFailed)
+    503 overloaded: more than `max_inflight` POSTs at once, the connection bound full of
+        requests, or the pool stayed full (Retry-After: 1); refused at once, never queued
+    500 anything else (a bug: logged with its traceback; the server keeps serving)
 
 A route may answer with server-sent events (an EventStream: `data: {json}` per event, then
-`data: [DONE]`, connection closed at the end); an error after the first event becomes an
-`{"error": ...}` event, since the status line is gone by then.
-
-Nobody can hold the server with connections that send slowly or not at all: a POST's body is
-read whole (within READ_TIMEOUT_S) before it takes an in-flight slot, every read of headers
-waits at most READ_TIMEOUT_S, an idle keep-alive connection is closed after it, and open
-connections are bounded. Why the standard library's server and not an ASGI server or
-aiohttp: every route blocks its thread for the whole request (it waits for a transfer), so
-an async server would hand each one to a thread pool anyway; with the bounds above the
-threads are bounded in number and in time, and there is no dependency to keep up with.
+`data: [DONE]`); an error after the first event becomes an `{"error": ...}` event, since the
+status line is gone by then.
 """
 
+import asyncio
+import contextvars
 import json
 import logging
-import select
 import socket
 import threading
-import time
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
+from disagg.api.connections import Connection, Connections, HttpLimits
 from disagg.api.fields import EventStream, Reply, Route
 from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed
 
 log = logging.getLogger(__name__)
 
-MAX_BODY_BYTES = 16 << 20
-READ_TIMEOUT_S = 10.0    # for a request's headers (per read) and for its whole body
-PROBE_EVERY_S = 0.5      # how often a half-closed client is asked whether it still listens
-_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-_call = threading.local()  # the connection of the POST this thread serves
+__all__ = ["ApiServer", "HttpLimits", "Service", "client_gone", "listen"]
+
+STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (   # first match wins
+    ((BadRequest, ValueError, KeyError, TypeError, OverflowError), 400),
+    (Overloaded, 503),
+    (Cancelled, 499),
+    (DisaggError, 409),       # (RequestFailed carries its own status)
+)
+_conn: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("http_connection", default=None)
 
 
 def client_gone() -> bool:
-    """In a POST handler: whether the client closed its connection (a cancel).
+    """In a route: whether its client closed the connection (a cancel)."""
+    conn = _conn.get()
+    return conn is not None and conn.gone()
 
-    A client that only half-closed (shut its sending side and still waits for the answer)
-    looks the same as a closed one until the server writes: so on end-of-stream an HTTP/1.1
-    client gets an interim `100 Continue` (which every HTTP/1.1 client must skip), and a
-    closed socket answers it with a reset that the next look sees. HTTP/1.0 has no interim
-    answers: there end-of-stream is a cancel."""
-    state = getattr(_call, "state", None)
-    if state is None:
-        return False
-    conn, http11, probed = state
+
+def status_of(exc: BaseException) -> int:
+    if isinstance(exc, RequestFailed):
+        return exc.status
+    for kinds, status in STATUS:
+        if isinstance(exc, kinds):
+            return status
+    return 500
+
+
+@dataclass(frozen=True)
+class Service:
+    """What a process serves: its POST routes and its probes.
+
+    `ready()` -> bool, or a dict with "ready" and "why"; `health()` -> a dict whose "status"
+    other than "ok" answers 503; `before_scrape` sets gauges read at scrape time; routes in
+    `unlimited` are never refused for load (an abort frees load)."""
+    routes: dict[str, Route]
+    ready: Callable[[], "bool | dict"]
+    registry: CollectorRegistry
+    health: Callable[[], dict] = lambda: {"status": "ok"}
+    before_scrape: Callable[[], None] | None = None
+    unlimited: tuple[str, ...] = ("/abort",)
+
+
+def _json(status: int, body: dict) -> web.Response:
+    return web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json",
+                        headers={"Retry-After": "1"} if status == 503 else None)
+
+
+def _error(status: int, exc: BaseException | str) -> web.Response:
+    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
+    return _json(status, {"error": text})
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (0: any free port), or ConfigError. Processes bind it
+    first, so a busy port is found before a pool is allocated."""
     try:
-        poller = select.poll()    # not select.select: descriptors past 1024 are common here
-        poller.register(conn, select.POLLIN)
-        if not poller.poll(0):
-            return False          # nothing to read: still there
-        if conn.recv(1, socket.MSG_PEEK) != b"":
-            return False          # a pipelined next request: still there
-        if not http11:
-            return True
-        now = time.monotonic()
-        if now - probed >= PROBE_EVERY_S:
-            conn.sendall(_CONTINUE)
-            _call.state = (conn, http11, now)
-        return False
-    except (OSError, ValueError):
-        return True               # reset: gone
-
-
-class _Server(ThreadingHTTPServer):
-    """A thread per connection, at most `max_connections` of them; one more is answered 503
-    and closed by the accepting thread."""
-    daemon_threads = True
-    request_queue_size = 1024   # listen backlog: a burst is accepted (or refused) in order, not dropped
-
-    def __init__(self, address, handler, max_connections: int):
-        self.max_connections, self._open, self._lock = max_connections, 0, threading.Lock()
-        super().__init__(address, handler)
-
-    def process_request(self, request, client_address):
-        with self._lock:
-            full = self._open >= self.max_connections
-            self._open += not full
-        if full:
-            body = json.dumps({"error": f"Overloaded: {self.max_connections} connections open"}).encode()
-            try:
-                request.settimeout(0.5)
-                request.sendall(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                                b"Retry-After: 1\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
-                                % (len(body), body))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        try:
-            super().process_request(request, client_address)
-        except BaseException:
-            self._release()
-            raise
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        with self._lock:
-            self._open -= 1
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family, backlog=1024)
+    except OSError as exc:
+        raise ConfigError(f"HTTP {host}:{port}: cannot bind ({exc.strerror or exc}); choose another port or 0 for "
+                          f"any free one") from None
 
 
 class ApiServer:
-    def __init__(self, host: str, port: int, routes: dict[str, Route], ready: Callable[[], bool],
-                 registry: CollectorRegistry, before_scrape: Callable[[], None] | None = None,
-                 max_inflight: int = 0, unlimited: tuple[str, ...] = ("/abort",),
-                 health: Callable[[], dict] | None = None, max_connections: int = 0):
-        self.routes, self.ready, self.registry = routes, ready, registry
-        self.before_scrape = before_scrape
-        self.health = health or (lambda: {"status": "ok"})   # "status" other than "ok": 503
-        self.max_inflight = max_inflight     # 0: no limit
-        self.unlimited = unlimited           # routes never refused for load (an abort frees load)
-        self._slots = threading.BoundedSemaphore(max_inflight) if max_inflight else None
-        api = self
+    """Serves `service` on `listener` (a socket from listen(), or (host, port) to bind now)
+    from start() to stop(), on a thread of its own."""
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-            timeout = READ_TIMEOUT_S   # every read; an idle keep-alive connection ends after it
-
-            def log_message(self, fmt, *args):  # route through logging, not stderr
-                log.debug("%s " + fmt, self.address_string(), *args)
-
-            def _send(self, code: int, body: bytes, ctype: str = "application/json", extra: dict | None = None) -> None:
-                try:
-                    self.send_response(code)
-                    self.send_header("Content-Type", ctype)
-                    for name, value in (extra or {}).items():
-                        self.send_header(name, value)
-                    self.send_header("Content-Length", str(len(body)))
-                    if code == 503:
-                        self.send_header("Retry-After", "1")
-                    if self.close_connection:
-                        self.send_header("Connection", "close")
-                    self.end_headers()
-                    self.wfile.write(body)
-                except OSError:  # the client went away: nothing to tell it
-                    self.close_connection = True
-
-            def _json(self, code: int, obj: dict) -> None:
-                self._send(code, json.dumps(obj).encode())
-
-            def _events(self, stream: EventStream) -> None:
-                """Server-sent events; headers with the first one. Raises what produce raises
-                before it (the caller answers with a status); after it, an error event."""
-                started = False
-
-                def send(event: dict | None) -> None:
-                    nonlocal started
-                    if not started:
-                        self.send_response(200)
-                        self.send_header("Content-Type", "text/event-stream")
-                        self.send_header("Cache-Control", "no-cache")
-                        self.send_header("Connection", "close")
-                        self.end_headers()
-                        started = True
-                    if event is not None:
-                        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
-                    self.wfile.flush()
-
-                self.close_connection = True   # no length: the end of the stream is the end of the body
-                try:
-                    stream.produce(send)
-                    send(None)
-                except Exception as exc:
-                    if not started:
-                        raise
-                    if not isinstance(exc, (DisaggError, OSError)):
-                        log.exception("event stream for %s failed", self.path)
-                    try:
-                        send({"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}})
-                    except OSError:
-                        return
-                try:
-                    self.wfile.write(b"data: [DONE]\n\n")
-                except OSError:   # the client went away
-                    pass
-
-            def do_GET(self):
-                if self.path == "/health":
-                    health = api.health()
-                    self._json(200 if health.get("status") == "ok" else 503, health)
-                elif self.path == "/ready":   # ready() -> bool, or a dict with "ready" and why
-                    state = api.ready()
-                    body = state if isinstance(state, dict) else {"ready": bool(state)}
-                    self._json(200 if body["ready"] else 503, body)
-                elif self.path == "/metrics":
-                    if api.before_scrape is not None:
-                        api.before_scrape()  # gauges read at scrape time, never stale
-                    self._send(200, generate_latest(api.registry), CONTENT_TYPE_LATEST)
-                elif self.path in api.routes:
-                    self._send(405, json.dumps({"error": f"{self.path} takes POST with a JSON body"}).encode(),
-                               extra={"Allow": "POST"})
-                else:
-                    self._json(404, {"error": f"no route {self.path}"})
-
-            def _body(self) -> bytes:
-                """The whole body, read within READ_TIMEOUT_S, or BadRequest/TimeoutError."""
-                if "Transfer-Encoding" in self.headers:
-                    raise BadRequest("send the body with a Content-Length, not a Transfer-Encoding")
-                try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                except ValueError:
-                    raise BadRequest("Content-Length must be an integer") from None
-                if not 0 <= length <= MAX_BODY_BYTES:
-                    raise BadRequest(f"body of {length} bytes refused (at most {MAX_BODY_BYTES})")
-                deadline, parts, got = time.monotonic() + READ_TIMEOUT_S, [], 0
-                while got < length:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise TimeoutError
-                    self.connection.settimeout(left)
-                    part = self.rfile.read1(length - got)
-                    if not part:
-                        raise BadRequest(f"body cut short: {got} of {length} bytes")
-                    parts.append(part)
-                    got += len(part)
-                self.connection.settimeout(READ_TIMEOUT_S)
-                return b"".join(parts)
-
-            def do_POST(self):
-                try:
-                    raw = self._body()
-                except TimeoutError:
-                    self.close_connection = True
-                    return self._json(408, {"error": f"body not sent within {READ_TIMEOUT_S:g} s"})
-                except (BadRequest, OSError) as exc:
-                    self.close_connection = True
-                    return self._json(400, {"error": f"BadRequest: {exc}"})
-                route = api.routes.get(self.path)
-                if route is None:
-                    return self._json(404, {"error": f"no route {self.path}"})
-                try:
-                    body = json.loads(raw or b"{}")
-                    if not isinstance(body, dict):
-                        raise BadRequest("body must be a JSON object")
-                except (BadRequest, ValueError) as exc:
-                    return self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
-                except RecursionError:   # e.g. 100,000 nested brackets
-                    return self._json(400, {"error": "BadRequest: JSON nested too deeply"})
-                limited = api._slots is not None and self.path not in api.unlimited
-                if limited and not api._slots.acquire(blocking=False):
-                    return self._json(503, {"error": f"Overloaded: {api.max_inflight} requests in flight"})
-                _call.state = (self.connection, self.request_version == "HTTP/1.1", float("-inf"))
-                try:
-                    out = route(body)
-                    if isinstance(out, EventStream):
-                        self._events(out)
-                    elif isinstance(out, Reply):
-                        self._json(out.status, out.body)
-                    else:
-                        self._json(200, out)
-                except (BadRequest, ValueError, KeyError, TypeError, OverflowError) as exc:
-                    self._json(400, {"error": f"{type(exc).__name__}: {exc}"})
-                except Overloaded as exc:
-                    self._json(503, {"error": f"Overloaded: {exc}"})
-                except Cancelled as exc:
-                    self._json(499, {"error": f"Cancelled: {exc}"})
-                except RequestFailed as exc:
-                    self._json(exc.status, {"error": f"RequestFailed: {exc}"})
-                except DisaggError as exc:
-                    self._json(409, {"error": f"{type(exc).__name__}: {exc}"})
-                except Exception as exc:  # a handler bug must not take the server down
-                    log.exception("handler for %s failed", self.path)
-                    self._json(500, {"error": f"{type(exc).__name__}: {exc}"})
-                finally:
-                    _call.state = None
-                    if limited:
-                        api._slots.release()
-
-        max_connections = max_connections or max(64, 4 * max_inflight)
-        try:
-            self.httpd = _Server((host, port), Handler, max_connections)
-        except OSError as exc:
-            raise ConfigError(f"HTTP {host}:{port}: cannot bind ({exc.strerror}); choose another port or 0 for "
-                              f"any free one") from None
-        self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
+    def __init__(self, listener: "socket.socket | tuple[str, int]", service: Service,
+                 limits: HttpLimits = HttpLimits()):
+        self.service, self.limits = service, limits
+        self._sock = listener if isinstance(listener, socket.socket) else listen(*listener)
+        self.port = self._sock.getsockname()[1]
+        self._slots = threading.BoundedSemaphore(limits.max_inflight) if limits.max_inflight else None
+        self.routes_pool = ThreadPoolExecutor(limits.max_connections, thread_name_prefix="http-route")
+        self._probes = ThreadPoolExecutor(4, thread_name_prefix="http-probe")
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="http", daemon=True)
+        app = web.Application(client_max_size=limits.max_body_bytes)
+        app.router.add_route("*", "/{path:.*}", self._handle)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=limits.idle_s)
+        self.connections: Connections | None = None
+        self._server: asyncio.AbstractServer | None = None
 
     def start(self) -> "ApiServer":
         self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result()
         return self
 
     def stop(self) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
+        if self._thread.is_alive():
+            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+        if not self._loop.is_running():
+            self._loop.close()
+        self._sock.close()
+        self.routes_pool.shutdown(wait=False, cancel_futures=True)
+        self._probes.shutdown(wait=False, cancel_futures=True)
+
+    async def _start(self) -> None:
+        await self._runner.setup()
+        self.connections = Connections(self.limits, self._runner.server, self._loop)
+        self._server = await self._loop.create_server(self.connections.protocol, sock=self._sock)
+
+    async def _stop(self) -> None:
+        self._server.close()
+        await self._runner.cleanup()
+
+    # --- one request
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        conn = self.connections.of(request.transport)
+        if conn is None:   # closed (evicted, or the client left) before its request was read
+            return _error(503, "Overloaded: the connection was closed to make room for another")
+        try:
+            response = await self._route(request, conn)
+        finally:
+            conn.answered()
+        if conn.eof:
+            response.force_close()   # a client that half-closed: answer, then close
+        return response
+
+    async def _route(self, request: web.Request, conn: Connection) -> web.StreamResponse:
+        if request.method in ("GET", "HEAD"):
+            conn.received()
+            return await self._get(request.path)
+        route = self.service.routes.get(request.path)
+        if route is None or request.method != "POST":
+            conn.received()
+            return _error(404, f"no route {request.path}") if route is None else \
+                _error(405, f"{request.path} takes POST with a JSON body")
+        conn.routing(request.version >= (1, 1))
+        return await self._post(request, conn, route)
+
+    async def _get(self, path: str) -> web.Response:
+        if path == "/metrics":
+            return await self._loop.run_in_executor(self._probes, self._metrics)
+        if path in ("/health", "/ready"):
+            return await self._loop.run_in_executor(self._probes, self._probe, path)
+        if path in self.service.routes:
+            response = _error(405, f"{path} takes POST with a JSON body")
+            response.headers["Allow"] = "POST"
+            return response
+        return _error(404, f"no route {path}")
+
+    def _probe(self, path: str) -> web.Response:
+        if path == "/health":
+            health = self.service.health()
+            return _json(200 if health.get("status") == "ok" else 503, health)
+        state = self.service.ready()
+        body = state if isinstance(state, dict) else {"ready": bool(state)}
+        return _json(200 if body["ready"] else 503, body)
+
+    def _metrics(self) -> web.Response:
+        if self.service.before_scrape is not None:
+            self.service.before_scrape()   # gauges read at scrape time, never stale
+        return web.Response(body=generate_latest(self.service.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def _post(self, request: web.Request, conn: Connection, route: Route) -> web.StreamResponse:
+        try:
+            body = await self._body(request, conn)
+        except BadRequest as exc:
+            response = _error(400, exc)
+            response.force_close()
+            return response
+        limited = self._slots is not None and request.path not in self.service.unlimited
+        if limited and not self._slots.acquire(blocking=False):
+            return _error(503, f"Overloaded: {self.limits.max_inflight} requests in flight")
+        try:
+            return await self._call(request, conn, route, body)
+        finally:
+            if limited:
+                self._slots.release()
+
+    async def _body(self, request: web.Request, conn: Connection) -> dict:
+        """The request's JSON object, or BadRequest. Its receipt is bounded by the connection's
+        deadline, which answers 408 itself."""
+        length = request.content_length
+        if length is not None and length > self.limits.max_body_bytes:
+            raise BadRequest(f"body of {length} bytes refused (at most {self.limits.max_body_bytes})")
+        read = asyncio.ensure_future(request.read())
+        ended = asyncio.ensure_future(conn.eof_event.wait())
+        await asyncio.wait({read, ended}, return_when=asyncio.FIRST_COMPLETED)
+        ended.cancel()
+        if not read.done():   # every byte sent came before the end of the stream: none will follow
+            read.cancel()
+            raise BadRequest("body cut short: the connection ended before the whole body arrived")
+        try:
+            raw = read.result()
+        except web.HTTPRequestEntityTooLarge:
+            raise BadRequest(f"body refused: more than {self.limits.max_body_bytes} bytes") from None
+        except (ConnectionError, asyncio.CancelledError):
+            raise BadRequest("body cut short: the connection ended before the whole body arrived") from None
+        conn.received()
+        try:
+            body = json.loads(raw or b"{}")
+        except ValueError as exc:
+            raise BadRequest(f"body is not JSON: {exc}") from None
+        except RecursionError:   # e.g. 100,000 nested brackets
+            raise BadRequest("JSON nested too deeply") from None
+        if not isinstance(body, dict):
+            raise BadRequest("body must be a JSON object")
+        return body
+
+    async def _call(self, request: web.Request, conn: Connection, route: Route, body: dict) -> web.StreamResponse:
+        _conn.set(conn)
+        try:
+            out = await self._loop.run_in_executor(self.routes_pool, contextvars.copy_context().run, route, body)
+            if isinstance(out, EventStream):
+                return await self._events(request, conn, out)
+            if isinstance(out, Reply):
+                return _json(out.status, out.body)
+            return _json(200, out)
+        except Exception as exc:
+            status = status_of(exc)
+            if status == 500:   # a route's bug must not take the server down
+                log.error("handler for %s failed", request.path, exc_info=exc)
+            return _error(status, exc)
+
+    async def _events(self, request: web.Request, conn: Connection, stream: EventStream) -> web.StreamResponse:
+        """Runs `stream.produce` on a route thread; its events go out from this loop."""
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response.force_close()   # no length: the end of the stream is the end of the body
+        loop = self._loop
+
+        async def write(event: dict | None) -> None:
+            if not response.prepared:
+                conn.started()
+                await response.prepare(request)
+            if event is not None:
+                await response.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+
+        def send(event: dict | None) -> None:
+            asyncio.run_coroutine_threadsafe(write(event), loop).result()
+
+        def produce() -> None:
+            stream.produce(send)
+            send(None)
+
+        try:
+            await loop.run_in_executor(self.routes_pool, contextvars.copy_context().run, produce)
+        except Exception as exc:
+            if not response.prepared:
+                raise
+            if not isinstance(exc, (DisaggError, OSError)):
+                log.error("event stream for %s failed", request.path, exc_info=exc)
+            if isinstance(exc, OSError):
+                return response   # the client went away: nothing to tell it
+            await write({"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}})
+        try:
+            await response.write(b"data: [DONE]\n\n")
+            await response.write_eof()
+        except OSError:
+            pass
+        return response

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 from disagg.api.fields import named_endpoint
 from disagg.worker.checks import positive_int, seconds, share
-from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
+from disagg.worker.flags import add_pool_flags, announce, http_limits, http_url, worker_settings
 
 if TYPE_CHECKING:
     from disagg.decode.server import DecodeConfig
@@ -42,40 +42,21 @@ def config_from(args: argparse.Namespace) -> "DecodeConfig":
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from disagg.api.fields import abort_route, optional_int, require_room, require_tokens
-    from disagg.api.metrics import WorkerMetrics
-    from disagg.api.server import ApiServer
+    from disagg.api.server import ApiServer, listen
+    from disagg.decode.routes import DecodeRoutes
     from disagg.decode.server import DecodeServer
-    from disagg.errors import BadRequest
-    from disagg.process import serve, setup_logging
+    from disagg.process import serve_api, setup_logging
 
     setup_logging(args.log_level)
+    listener = listen(args.http_host or args.host, args.http_port)
     torch.set_num_threads(args.torch_threads)
     server = DecodeServer(config_from(args))
-    metrics = WorkerMetrics("decode")
-
-    def observe(out: dict, ok: bool) -> None:
-        if ok:
-            metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
-            for phase in ("bootstrap", "wait", "verify", "decode", "check"):
-                metrics.seconds(phase, out)
-
-    def decode(body: dict) -> dict:
-        room, tokens = require_room(body), require_tokens(body)
-        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
-        bootstrap = body.get("bootstrap")
-        if bootstrap is not None and not (isinstance(bootstrap, str) and 0 < len(bootstrap) <= 256):
-            raise BadRequest("bootstrap must be the name or address of a bootstrap this decode is configured with")
-        return metrics.count(lambda: server.decode(room, tokens, max_new, bootstrap),
-                             lambda out: out["state"] == "SUCCESS", observe)
-
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/decode": decode, "/abort": abort_route(server.abort)},
-                    server.readiness, metrics.registry,
-                    lambda: metrics.observe_pool(server.pool.available()), max_inflight=args.max_inflight,
-                    health=server.health).start()
-    serve(server.readiness, lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
-                                             transports={t.kind: t.host for t in server.receiver.transports},
-                                             bootstrap=server.config.bootstrap_addr))
-    api.stop()
-    server.close()
+    try:
+        api = ApiServer(listener, DecodeRoutes(server).service(), http_limits(args))
+        serve_api(api, server.readiness,
+                  lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
+                                   transports={t.kind: t.host for t in server.receiver.transports},
+                                   bootstrap=server.config.bootstrap_addr))
+    finally:
+        server.close()
     return 0

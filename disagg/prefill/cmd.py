@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from disagg.api.fields import STREAM_LAYERS
 from disagg.worker.checks import port, milliseconds, positive_int
-from disagg.worker.flags import add_pool_flags, announce, http_url, worker_settings
+from disagg.worker.flags import add_pool_flags, announce, http_limits, http_url, worker_settings
 
 if TYPE_CHECKING:
     from disagg.prefill.server import PrefillConfig
@@ -55,39 +55,21 @@ def config_from(args: argparse.Namespace) -> "PrefillConfig":
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from disagg.api.fields import abort_route, optional_int, require_room, require_tokens, stream_layers
-    from disagg.api.metrics import WorkerMetrics
-    from disagg.api.server import ApiServer
-    from disagg.control.messages import MAX_TP_SIZE
+    from disagg.api.server import ApiServer, listen
+    from disagg.prefill.routes import PrefillRoutes
     from disagg.prefill.server import PrefillServer
-    from disagg.process import serve, setup_logging
+    from disagg.process import serve_api, setup_logging
 
     setup_logging(args.log_level)
+    listener = listen(args.http_host or args.host, args.http_port)
     torch.set_num_threads(args.torch_threads)
     server = PrefillServer(config_from(args))
-    metrics = WorkerMetrics("prefill")
-
-    def observe(out: dict, ok: bool) -> None:
-        if ok and "transport" in out:   # (a TP rank holding none of decode's share sends nothing)
-            metrics.bytes.labels("prefill", out["transport"]).inc(out["bytes"])
-            metrics.transfers.labels("prefill", out["mode"], out["transport"]).inc()
-            metrics.ranges.labels("prefill").observe(out["ranges"])
-            metrics.seconds("transfer", out)
-        metrics.seconds("prefill", out)
-
-    def prefill(body: dict) -> dict:
-        room, tokens, stream = require_room(body), require_tokens(body), stream_layers(body)
-        decode_tp = optional_int(body, "decode_tp", 0, 0, MAX_TP_SIZE) or None   # the router says it
-        return metrics.count(lambda: server.prefill(room, tokens, stream, decode_tp),
-                             lambda out: out["state"] == "SUCCESS", observe)
-
-    api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
-                    lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
-                    max_inflight=args.max_inflight, health=server.health).start()
-    serve(lambda: {"ready": server.ready, "why": "starting"},
-          lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
-                           bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
-                           transports={t.kind: t.host for t in server.sender.transports}))
-    api.stop()
-    server.close()
+    try:
+        api = ApiServer(listener, PrefillRoutes(server).service(), http_limits(args))
+        serve_api(api, lambda: {"ready": server.ready, "why": "starting"},
+                  lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
+                                   bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
+                                   transports={t.kind: t.host for t in server.sender.transports}))
+    finally:
+        server.close()
     return 0

@@ -5,6 +5,7 @@ import argparse
 from disagg.process import add_process_flags
 from disagg.router.router import Pair, RouterConfig
 from disagg.worker.checks import port, positive_int, seconds
+from disagg.worker.flags import add_http_limit_flags, announce, http_limits
 
 HELP = "run the router in front of prefill/decode pairs"
 
@@ -22,6 +23,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "when ready)")
     g.add_argument("--host", dest="http_host", help=argparse.SUPPRESS)   # former names
     g.add_argument("--port", dest="http_port", type=port, help=argparse.SUPPRESS)
+    add_http_limit_flags(g)
     g = p.add_argument_group("requests")
     g.add_argument("--timeout", type=seconds, default=60.0, help="seconds one request may take end to end (504 after)")
     g.add_argument("--max-inflight", type=positive_int, default=256, help="requests in flight at once (more: 503 "
@@ -37,36 +39,19 @@ def config_from(args: argparse.Namespace) -> RouterConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    from disagg import __version__
-    from disagg.api.fields import Reply
-    from disagg.api.metrics import WorkerMetrics
-    from disagg.api.server import ApiServer, client_gone
-    from disagg.process import serve, setup_logging
-    from disagg.router.openai import Completions
+    from disagg.api.server import ApiServer, listen
+    from disagg.process import serve_api, setup_logging
     from disagg.router.router import Router
-    from disagg.worker.flags import announce
+    from disagg.router.routes import RouterRoutes
 
     setup_logging(args.log_level)
+    listener = listen(args.http_host, args.http_port)
     router = Router(config_from(args))
-    metrics = WorkerMetrics("router")
-
-    def observe(out: dict, ok: bool) -> None:
-        if ok:
-            metrics.seconds("total", out["timings_ms"], "total")
-
-    def generate(body: dict, on_prefill=None) -> dict:
-        return metrics.count(lambda: router.generate(body, client_gone, on_prefill), lambda out: out["ok"], observe)
-
-    def generate_route(body: dict) -> Reply:   # a failed request: 5xx (or 409 if aborted), same JSON body
-        out = generate(body)
-        return Reply(out["status"], out)
-
-    routes = {"/generate": generate_route, "/v1/completions": Completions(generate), "/abort": router.abort}
-    api = ApiServer(args.http_host, args.http_port, routes, router.ready,
-                    metrics.registry, health=lambda: {"status": "ok", "role": "router", "version": __version__,
-                                                      "pairs": len(router.config.pairs)}).start()
-    serve(lambda: {"ready": True}, lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
-                                                    pairs=len(router.config.pairs)))
-    api.stop()
-    router.close()
+    try:
+        api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
+        serve_api(api, lambda: {"ready": True},
+                  lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
+                                   pairs=len(router.config.pairs)))
+    finally:
+        router.close()
     return 0

@@ -4,6 +4,7 @@ import argparse
 import json
 import sys
 
+from disagg.api.connections import HttpLimits
 from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
@@ -54,6 +55,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    "Kubernetes probes)")
     g.add_argument("--http-port", type=port, default=0, help="port to serve on (0: any free port, printed when "
                    "ready)")
+    add_http_limit_flags(g)
     g = p.add_argument_group("transfer")
     g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise for control and transfer "
                    "(the pod IP on Kubernetes; another host's peers must reach it)")
@@ -92,6 +94,18 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--inject-faults", default="", metavar="POINT=RATE,...",
                    help="fail on purpose at these points with these probabilities; points: " + ", ".join(POINTS))
     g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults (default: random)")
+
+
+def add_http_limit_flags(g) -> None:
+    g.add_argument("--http-receive-timeout", type=seconds, default=10.0, metavar="SECONDS",
+                   help="a request's headers and body must arrive within this, in total, from its first byte "
+                        "(408 and the connection closed after)")
+
+
+def http_limits(args: argparse.Namespace) -> HttpLimits:
+    """The HTTP server's limits: connections follow --max-inflight (with room for probes)."""
+    return HttpLimits(max_inflight=args.max_inflight, receive_s=args.http_receive_timeout,
+                      idle_s=max(args.http_receive_timeout, 5.0))
 
 
 def resolve_device(device: str) -> str:

@@ -10,7 +10,7 @@ import pytest
 import zmq
 from prometheus_client import CollectorRegistry
 
-from disagg.api.server import ApiServer
+from disagg.api.server import ApiServer, Service
 from disagg.errors import ConfigError
 from disagg.prefill.server import PrefillConfig, PrefillServer
 from disagg.worker.pool_settings import PoolSettings
@@ -29,7 +29,7 @@ def _health(api: ApiServer) -> tuple[int, dict]:
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the loop dies on purpose
 def test_a_dead_control_loop_makes_the_process_unhealthy(eventually):
     prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*"))
-    api = ApiServer("127.0.0.1", 0, {}, lambda: True, CollectorRegistry(), health=prefill.health).start()
+    api = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry(), health=prefill.health)).start()
     try:
         status, health = _health(api)
         assert status == 200 and health["status"] == "ok" and health["role"] == "prefill", health

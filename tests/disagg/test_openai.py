@@ -9,7 +9,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from disagg.api.server import ApiServer
+from disagg.api.server import ApiServer, Service
 from disagg.errors import BadRequest
 from disagg.router.openai import Completions, parse
 
@@ -30,8 +30,8 @@ def test_parse_takes_greedy_requests_and_names_what_it_refuses():
 
 
 def _stream_server(generate):
-    return ApiServer("127.0.0.1", 0, {"/v1/completions": Completions(generate)}, lambda: True,
-                     CollectorRegistry()).start()
+    return ApiServer(("127.0.0.1", 0), Service({"/v1/completions": Completions(generate)}, lambda: True,
+                                               CollectorRegistry())).start()
 
 
 def _post(api, body):

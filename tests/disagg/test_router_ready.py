@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from disagg.api.server import ApiServer
+from disagg.api.server import ApiServer, Service
 from disagg.errors import BadRequest
 from disagg.router.router import Pair, Router, RouterConfig
 
@@ -31,13 +31,13 @@ def _closed_port() -> int:
 
 
 def test_ready_names_the_pairs_that_are_down_and_why():
-    workers = {flag: ApiServer("127.0.0.1", 0, {}, lambda flag=flag: flag, CollectorRegistry()).start()
+    workers = {flag: ApiServer(("127.0.0.1", 0), Service({}, lambda flag=flag: flag, CollectorRegistry())).start()
                for flag in (True, False)}
     up, not_ready = (f"http://127.0.0.1:{workers[f].port}" for f in (True, False))
     dead = f"http://127.0.0.1:{_closed_port()}"
     try:
         router = Router(RouterConfig((Pair(up, dead, "main"), Pair(up, not_ready, "main"))))
-        api = ApiServer("127.0.0.1", 0, {"/generate": router.generate}, router.ready, CollectorRegistry()).start()
+        api = ApiServer(("127.0.0.1", 0), Service({"/generate": router.generate}, router.ready, CollectorRegistry())).start()
         try:
             status, body, _ = _get(f"http://127.0.0.1:{api.port}/ready")
             assert status == 503 and body["ready"] is False and body["pairs_up"] == 0 and "no prefill/decode" in body["why"]

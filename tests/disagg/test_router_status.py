@@ -15,7 +15,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry
 
-from disagg.api.server import ApiServer
+from disagg.api.server import ApiServer, Service
 from disagg.router.router import post_json
 
 OK_PREFILL = {"state": "SUCCESS", "prefill_ms": 1.0, "transfer_ms": 0.5, "first_token": 3}
@@ -38,7 +38,7 @@ def workers():
         if answer is None:
             return f"http://127.0.0.1:{_closed_port()}"
         routes = {"/prefill": lambda body: answer, "/decode": lambda body: answer, "/abort": lambda body: {}}
-        servers.append(ApiServer("127.0.0.1", 0, routes, lambda: True, CollectorRegistry()).start())
+        servers.append(ApiServer(("127.0.0.1", 0), Service(routes, lambda: True, CollectorRegistry())).start())
         return f"http://127.0.0.1:{servers[-1].port}"
 
     yield start

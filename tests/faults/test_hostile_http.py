@@ -4,6 +4,7 @@ router/prefill/decode processes."""
 
 import json
 import socket
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -11,13 +12,14 @@ import urllib.request
 
 import pytest
 
-from disagg.api.server import READ_TIMEOUT_S
+from disagg.api.connections import HttpLimits
 from disagg.router.router import post_json
 from disagg.tools.launcher import Launcher
 from fault_stack import inflight, pool_free
 
 pytestmark = pytest.mark.slow
 DECODE_INFLIGHT = 32
+READ_TIMEOUT_S = HttpLimits().receive_s
 COMMON = ["--preset", "tiny-full", "--device", "cpu", "--max-tokens", "8192", "--max-requests", "8"]
 
 
@@ -29,6 +31,7 @@ def stack():
                                 "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         yield {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"],
+               "bootstrap": prefill["bootstrap"],
                "initial": (pool_free(prefill["http"]), pool_free(decode["http"]))}
 
 
@@ -90,19 +93,132 @@ def _health(url: str) -> int:
         return exc.code
 
 
-def test_connections_past_the_bound_are_refused_at_once_and_the_rest_still_serve(stack, eventually):
-    bound = max(64, 4 * DECODE_INFLIGHT)
-    idle = [_connect(stack["decode"]) for _ in range(bound)]   # accepted in order: the next is one too many
+def test_idle_connections_at_the_bound_make_room_for_probes_and_requests(stack, eventually):
+    """Connections that send nothing fill the bound (max-inflight + headroom): the next one
+    still gets in, /health answers, and the connection idle longest is closed for it."""
+    bound = HttpLimits(max_inflight=DECODE_INFLIGHT).max_connections
+    idle = [_connect(stack["decode"]) for _ in range(bound)]
     try:
-        extra = _connect(stack["decode"])
-        with extra:
-            status, body = _read_answer(extra)
-        assert status == 503 and "connections open" in body["error"], body
+        assert _health(stack["decode"]) == 200          # before issue 35: 503 "64 connections open"
+        status, body = _read_answer(idle[0])             # the oldest idle one made room
+        assert status == 408 and "make room" in body["error"], body
+        _serves(stack)
     finally:
         for sock in idle:
             sock.close()
-    eventually(lambda: _health(stack["decode"]) == 200, 10, "the idle connections' threads ended")
-    _serves(stack)
+
+
+@pytest.fixture(scope="module")
+def small_router(stack):
+    """A router with a connection bound of 4 + 32 and a 2 s receipt deadline."""
+    with Launcher() as launcher:
+        yield launcher.start("router", "--pair", f"{stack['prefill']},{stack['decode']},{stack['bootstrap']}",
+                             "--max-inflight", "4", "--http-receive-timeout", "2")["http"]
+
+
+def _get_health(sock: socket.socket) -> int:
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    head = b""
+    while b"\r\n\r\n" not in head:
+        head += sock.recv(1)
+    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    while length:
+        length -= len(sock.recv(length))
+    return int(head.split()[1])
+
+
+def test_the_router_holds_as_many_connections_as_its_in_flight_bound(stack):
+    """Issue 35, defect 1: the router's bound was max(64, 4 * 0) whatever --max-inflight said:
+    100 concurrent clients got 503 "64 connections open". Now it follows --max-inflight (256)."""
+    socks = [_connect(stack["router"]) for _ in range(100)]
+    try:
+        assert [_get_health(sock) for sock in socks] == [200] * 100   # all open at once (keep-alive)
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _trickle(sock: socket.socket, stop: threading.Event) -> None:
+    """Slowloris: a request line, then one header byte at a time, never the end of the headers."""
+    try:
+        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+        while not stop.wait(0.25):
+            sock.sendall(b"a")
+    except OSError:
+        pass   # closed by the server: what the test waits for
+
+
+def test_trickled_headers_are_cut_off_at_one_total_deadline(small_router):
+    """Issue 35, defect 2: the timeout was per read, so a byte every 5 s held a connection for
+    as long as the client liked. Now headers and body have one deadline (2 s here)."""
+    sock, stop = _connect(small_router), threading.Event()
+    sender = threading.Thread(target=_trickle, args=(sock, stop))
+    t0 = time.monotonic()
+    sender.start()
+    try:
+        status, body = _read_answer(sock)
+    finally:
+        stop.set()
+        sender.join()
+        sock.close()
+    assert status == 408 and "not sent within 2 s" in body["error"], body
+    assert time.monotonic() - t0 < 2 + 3
+
+
+def test_slow_clients_at_the_bound_cannot_keep_real_requests_out(small_router):
+    """Issue 35, defect 2: 64 trickling connections kept the router down. Now a newcomer
+    evicts the one that has been receiving longest, and real requests are served."""
+    bound = HttpLimits(max_inflight=4).max_connections
+    socks = [_connect(small_router) for _ in range(bound)]
+    stop = threading.Event()
+    senders = [threading.Thread(target=_trickle, args=(sock, stop)) for sock in socks]
+    for t in senders:
+        t.start()
+    try:
+        for n in (50, 60, 70):
+            out = post_json(small_router + "/generate", {"prompt_len": n}, 30)
+            assert out.get("ok") and out.get("verified"), out
+    finally:
+        stop.set()
+        for sock in socks:
+            sock.close()
+        for t in senders:
+            t.join()
+
+
+def _dechunk(data: bytes) -> bytes:
+    out = b""
+    while True:
+        size, _, data = data.partition(b"\r\n")
+        n = int(size, 16)
+        if n == 0:
+            return out
+        out, data = out + data[:n], data[n + 2:]
+
+
+def test_a_half_closed_event_stream_carries_nothing_but_events(stack):
+    """Issue 35, defect 3: after a client half-closed, `100 Continue` (the probe for a client
+    gone) was written into the event stream once the first event had gone out."""
+    body = json.dumps({"prompt": list(range(1, 200)), "max_tokens": 256, "stream": True}).encode()
+    sock = _connect(stack["router"])
+    with sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.shutdown(socket.SHUT_WR)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    while data.startswith(b"HTTP/1.1 1"):   # interim answers before the stream began are allowed
+        data = data[data.index(b"\r\n\r\n") + 4:]
+    head, _, stream = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), head
+    assert b"HTTP/1.1" not in stream, stream[:500]
+    if b"transfer-encoding: chunked" in head.lower():
+        stream = _dechunk(stream)
+    events = [e for e in stream.split(b"\n\n") if e.strip()]
+    assert events[-1] == b"data: [DONE]" and all(e.startswith(b"data: ") for e in events), events[-3:]
+    tokens = [t for e in events[:-1] for t in json.loads(e[6:])["choices"][0]["token_ids"]] if events else []
+    assert len(tokens) == 256
 
 
 def test_a_client_that_half_closes_after_sending_gets_its_answer(stack):

@@ -1,0 +1,34 @@
+"""A decode worker's HTTP routes: POST /decode and /abort, with their metrics."""
+
+from disagg.api.fields import abort_route, optional_int, require_room, require_tokens
+from disagg.api.metrics import WorkerMetrics
+from disagg.api.server import Service
+from disagg.decode.server import DecodeServer
+from disagg.errors import BadRequest
+
+PHASES = ("bootstrap", "wait", "verify", "decode", "check")
+
+
+class DecodeRoutes:
+    def __init__(self, server: DecodeServer):
+        self.server, self.metrics = server, WorkerMetrics("decode")
+
+    def service(self) -> Service:
+        return Service({"/decode": self.decode, "/abort": abort_route(self.server.abort)},
+                       self.server.readiness, self.metrics.registry, health=self.server.health,
+                       before_scrape=lambda: self.metrics.observe_pool(self.server.pool.available()))
+
+    def decode(self, body: dict) -> dict:
+        room, tokens = require_room(body), require_tokens(body)
+        max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
+        bootstrap = body.get("bootstrap")
+        if bootstrap is not None and not (isinstance(bootstrap, str) and 0 < len(bootstrap) <= 256):
+            raise BadRequest("bootstrap must be the name or address of a bootstrap this decode is configured with")
+        return self.metrics.count(lambda: self.server.decode(room, tokens, max_new, bootstrap),
+                                  lambda out: out["state"] == "SUCCESS", self._observe)
+
+    def _observe(self, out: dict, ok: bool) -> None:
+        if ok:
+            self.metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
+            for phase in PHASES:
+                self.metrics.seconds(phase, out)

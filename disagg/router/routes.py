@@ -1,0 +1,33 @@
+"""The router's HTTP routes: POST /generate, /v1/completions and /abort, with their metrics."""
+
+from disagg import __version__
+from disagg.api.fields import Reply
+from disagg.api.metrics import WorkerMetrics
+from disagg.api.server import Service, client_gone
+from disagg.router.openai import Completions
+from disagg.router.router import Router
+
+
+class RouterRoutes:
+    def __init__(self, router: Router):
+        self.router, self.metrics = router, WorkerMetrics("router")
+
+    def service(self) -> Service:
+        return Service({"/generate": self.generate_route, "/v1/completions": Completions(self.generate),
+                        "/abort": self.router.abort}, self.router.ready, self.metrics.registry, health=self.health)
+
+    def health(self) -> dict:
+        return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.config.pairs)}
+
+    def generate(self, body: dict, on_prefill=None) -> dict:
+        return self.metrics.count(lambda: self.router.generate(body, client_gone, on_prefill),
+                                  lambda out: out["ok"], self._observe)
+
+    def generate_route(self, body: dict) -> Reply:
+        """A failed request is answered 5xx (or 409 if aborted) with the same JSON body."""
+        out = self.generate(body)
+        return Reply(out["status"], out)
+
+    def _observe(self, out: dict, ok: bool) -> None:
+        if ok:
+            self.metrics.seconds("total", out["timings_ms"], "total")
