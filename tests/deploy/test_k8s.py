@@ -1,13 +1,17 @@
-"""Kubernetes manifests: every overlay renders, validates against the Kubernetes schema
-offline, and every container command parses with disagg's own CLI."""
+"""Kubernetes manifests: every kustomization builds with the real `kubectl kustomize` (load
+restrictor on, as `kubectl apply -k` runs it), the output validates strictly against the
+Kubernetes schema offline, every image comes from the one image setting, and every container
+command parses with disagg's own CLI."""
 
 import re
 import shlex
-import sys
+import shutil
+import subprocess
 from pathlib import Path
 
 import kubernetes_validate
 import pytest
+import yaml
 
 try:
     import tomllib
@@ -17,35 +21,76 @@ except ModuleNotFoundError:   # Python 3.10
 from disagg.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "deploy" / "k8s"))
-from render import render  # noqa: E402
+K8S = ROOT / "deploy" / "k8s"
+IMAGE_SETTING = K8S / "image" / "kustomization.yaml"
 
+
+def _kind(path: Path) -> str:
+    return yaml.safe_load(path.read_text())["kind"]
+
+
+# Every kustomization a user may build (components are built through them).
+BUILDS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml") if _kind(p) == "Kustomization")
 OVERLAYS = ["base", "overlays/tcp", "overlays/rdma", "overlays/scale-out", "overlays/tp", "preflight"]
-K8S_VERSION = "1.30"
+K8S_VERSION = {"overlays/same-node": "1.34"}   # DRA (resource.k8s.io/v1) is GA from 1.34
+IMAGES = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in yaml.safe_load(IMAGE_SETTING.read_text())["images"]}
+
+
+def kubectl() -> str:
+    path = shutil.which("kubectl")
+    if path is None:
+        pytest.fail("kubectl is not installed: scripts/setup.sh installs it")
+    return path
+
+
+def kustomize(name: str) -> list[dict]:
+    """`kubectl kustomize deploy/k8s/NAME`, parsed; a build error fails with kubectl's message."""
+    run = subprocess.run([kubectl(), "kustomize", str(K8S / name)], capture_output=True, text=True, timeout=60)
+    if run.returncode != 0:
+        pytest.fail(f"kubectl kustomize deploy/k8s/{name}: {run.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(run.stdout) if d]
 
 
 def _containers(obj: dict) -> list[dict]:
-    return obj.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [])
+    spec = obj.get("spec", {}).get("template", {}).get("spec", {})
+    return spec.get("containers", []) + spec.get("initContainers", [])
 
 
-@pytest.fixture(scope="module", params=OVERLAYS)
-def rendered(request) -> tuple[str, list[dict]]:
-    return request.param, render(ROOT / "deploy" / "k8s" / request.param)
+@pytest.fixture(scope="module", params=BUILDS)
+def built(request) -> tuple[str, list[dict]]:
+    return request.param, kustomize(request.param)
 
 
-def test_every_object_validates_against_the_schema(rendered):
-    _, objects = rendered
+def test_every_kustomization_is_built():
+    assert set(OVERLAYS) | {"overlays/same-node"} <= set(BUILDS), BUILDS
+
+
+def test_every_object_validates_strictly_against_the_schema(built):
+    name, objects = built
     assert objects
     for obj in objects:
-        kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        kubernetes_validate.validate(obj, K8S_VERSION.get(name, "1.30"), strict=True)
 
 
-def test_every_container_command_parses_with_the_cli(rendered):
-    _, objects = rendered
+def test_every_image_comes_from_the_one_image_setting(built):
+    """deploy/k8s/image names the image once; a container whose image it does not map (a
+    placeholder left over, a tag written into a manifest) would be pulled from nowhere."""
+    _, objects = built
+    images = [c["image"] for obj in objects for c in _containers(obj)]
+    assert images and set(images) <= set(IMAGES.values()), (images, IMAGES)
+
+
+def test_no_kustomization_but_the_image_setting_sets_images():
+    for path in K8S.rglob("kustomization.yaml"):
+        if path != IMAGE_SETTING:
+            assert "images" not in yaml.safe_load(path.read_text()), path
+
+
+def test_every_container_command_parses_with_the_cli(built):
+    _, objects = built
     parser = build_parser()
     for obj in objects:
         for c in _containers(obj):
-            assert c["image"].split(":")[0].endswith("disagg"), c["image"]
             try:
                 args = parser.parse_args(c["args"])
             except SystemExit:
@@ -53,13 +98,15 @@ def test_every_container_command_parses_with_the_cli(rendered):
             assert args.command == c["args"][0]
 
 
-def test_workers_are_wired_for_a_cluster(rendered):
-    name, objects = rendered
+@pytest.mark.parametrize("name", OVERLAYS)
+def test_workers_are_wired_for_a_cluster(name):
+    objects = kustomize(name)
     by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-    if name == "preflight":
-        job = by[("Job", "disagg-preflight")]
-        assert "--router" in _containers(job)[0]["args"]
+    if name == "preflight":   # an HTTP client: the CPU image serves on any cluster
+        (c,) = _containers(by[("Job", "disagg-preflight")])
+        assert "--router" in c["args"] and c["image"] == IMAGES["disagg-cpu"]
         return
+    assert _containers(by[("Deployment", "disagg-router")])[0]["image"] == IMAGES["disagg-cpu"]
     config = by[("ConfigMap", "disagg-config")]["data"]
     for role in ("prefill", "decode"):
         sts = by[("StatefulSet", f"disagg-{role}")]
@@ -106,6 +153,8 @@ def test_workers_are_wired_for_a_cluster(rendered):
         for role in ("prefill", "decode"):
             (c,) = _containers(by[("StatefulSet", f"disagg-{role}")])
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
+            assert c["securityContext"]["runAsUser"] == 0   # a non-root process gets no capability
+            assert c["image"] == IMAGES["disagg-cuda"]
             assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
             assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
     if name == "overlays/scale-out":
@@ -151,10 +200,8 @@ def _admits_only_who_needs_it(by: dict) -> None:
 def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
     """overlays/same-node: prefill and decode in one pod (shared process namespace, one host
     identity), each on its own GPU of one DRA claim both containers see, so CUDA IPC works;
-    the router reaches both by port; everything validates (Kubernetes 1.34: DRA is GA)."""
-    objects = render(ROOT / "deploy" / "k8s" / "overlays" / "same-node")
-    for obj in objects:
-        kubernetes_validate.validate(obj, "1.34", strict=True)
+    the router reaches both by port, and its own front door comes with it."""
+    objects = kustomize("overlays/same-node")
     by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
     parser = build_parser()
     pod = by[("StatefulSet", "disagg-pair")]["spec"]["template"]["spec"]
@@ -168,6 +215,7 @@ def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
     assert {a.command for a in args.values()} == {"prefill", "decode"} == set(containers)
     for name, c in containers.items():
         assert c["resources"]["claims"] == [{"name": claim["name"]}]   # both see both GPUs
+        assert c["image"] == IMAGES["disagg-cuda"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
             assert c[probe]["httpGet"]["port"] in ports
