@@ -13,11 +13,6 @@ import kubernetes_validate
 import pytest
 import yaml
 
-try:
-    import tomllib
-except ModuleNotFoundError:   # Python 3.10
-    import tomli as tomllib
-
 from disagg.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -230,17 +225,3 @@ def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
                     f"http://disagg-pair-0.disagg-pair:{args['decode'].http_port}", args["prefill"].bootstrap_bind]
     service = by[("Service", "disagg-pair")]["spec"]
     assert {p["port"] for p in service["ports"]} == {args["prefill"].http_port, args["decode"].http_port}
-
-
-@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
-def test_dockerfiles_copy_what_exists_and_run_disagg(dockerfile):
-    text = (ROOT / "deploy" / "docker" / dockerfile).read_text()
-    for src in re.findall(r"^COPY (\S+)", text, re.M):
-        assert (ROOT / src).exists(), src
-    assert 'ENTRYPOINT ["disagg"]' in text
-    extras = re.search(r'"\.\[([a-z0-9,-]+)\]"', text).group(1).split(",")
-    known = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
-    assert all(e in known for e in extras), extras
-    assert any(e.startswith("mooncake-") for e in extras)
-    if dockerfile == "Dockerfile":   # the GPU image: cuda-ipc compiles its copy kernel with CuPy
-        assert any(any(d.startswith("cupy-") for d in known[e]) for e in extras), extras
