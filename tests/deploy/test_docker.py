@@ -93,7 +93,7 @@ def test_the_server_runs_unprivileged(dockerfile):
     user = steps[users[-1]][1]
     assert user.isdigit() and int(user) != 0, user
     assert not [kind for kind, _ in steps[users[-1]:] if kind in ("RUN", "COPY", "ADD")]
-    assert any(kind == "RUN" and f"--uid {user}" in args for kind, args in steps)
+    assert any(kind == "RUN" and f"--uid {user} --gid {user}" in args for kind, args in steps)   # as the pods run it
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)

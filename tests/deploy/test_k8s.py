@@ -81,6 +81,35 @@ def test_no_kustomization_but_the_image_setting_sets_images():
             assert "images" not in yaml.safe_load(path.read_text()), path
 
 
+def _image_user() -> int:
+    """The uid both images run as (their last USER; tests/deploy/test_docker.py checks them)."""
+    users = {re.findall(r"^USER (\S+)$", (ROOT / "deploy" / "docker" / f).read_text(), re.M)[-1]
+             for f in ("Dockerfile", "Dockerfile.cpu")}
+    (user,) = users
+    return int(user)
+
+
+def test_every_pod_runs_as_the_images_user_and_can_read_its_key(built):
+    """Pods run as the images' unprivileged uid (runAsNonRoot); the deployment key is a Secret
+    file owned by root, mode 0400, so a non-root process reads it only through fsGroup (the
+    kubelet gives that group read access). The one exception, rdma's workers, run as root for
+    IPC_LOCK and say so."""
+    _, objects = built
+    for obj in objects:
+        pod = obj.get("spec", {}).get("template", {}).get("spec")
+        if pod is None:
+            continue
+        pod_sc = pod.get("securityContext", {})
+        assert pod_sc.get("runAsNonRoot") is True and pod_sc.get("runAsUser") == _image_user(), obj["metadata"]["name"]
+        for c in _containers(obj):
+            sc = {**pod_sc, **c.get("securityContext", {})}
+            reads_key = any(m["name"] == "auth" for m in c.get("volumeMounts", []))
+            if sc["runAsUser"] == 0:
+                assert sc["runAsNonRoot"] is False and "IPC_LOCK" in sc["capabilities"]["add"], c["name"]
+            elif reads_key:
+                assert pod_sc.get("fsGroup") is not None, f"{obj['metadata']['name']}/{c['name']} cannot read the key"
+
+
 def test_every_container_command_parses_with_the_cli(built):
     _, objects = built
     parser = build_parser()
