@@ -28,6 +28,39 @@ if ((${#missing[@]})); then
     fi
 fi
 
+# --- kubectl: tests/deploy builds every overlay with `kubectl kustomize`, whose built-in
+# kustomize must be v5 (components, patches by target). Debian's own package
+# (kubernetes-client, 1.20: kustomize v2) cannot build them, so where no configured apt
+# repository offers `kubectl`, Kubernetes' own signed apt repository (pkgs.k8s.io) is added.
+KUBECTL_MINOR=${KUBECTL_MINOR:-v1.32}
+kubectl_ok() {
+    local v
+    v=$(kubectl version --client 2>/dev/null | sed -n 's/^Kustomize Version: v\([0-9][0-9]*\).*/\1/p')
+    [ -n "$v" ] && [ "$v" -ge 5 ]
+}
+if ! kubectl_ok; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        apt-get update -qq >/dev/null
+        if [ -z "$(apt-cache madison kubectl 2>/dev/null)" ]; then
+            log "adding Kubernetes' apt repository (pkgs.k8s.io, $KUBECTL_MINOR) for kubectl"
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl gpg ca-certificates >/dev/null
+            install -d -m 0755 /etc/apt/keyrings
+            curl -fsSL "https://pkgs.k8s.io/core:/stable:/$KUBECTL_MINOR/deb/Release.key" \
+                | gpg --dearmor --yes -o /etc/apt/keyrings/kubernetes-apt-keyring.gpg
+            echo "deb [signed-by=/etc/apt/keyrings/kubernetes-apt-keyring.gpg] https://pkgs.k8s.io/core:/stable:/$KUBECTL_MINOR/deb/ /" \
+                >/etc/apt/sources.list.d/kubernetes.list
+            apt-get update -qq >/dev/null
+        fi
+        log "apt-get install kubectl"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends kubectl >/dev/null
+        kubectl_ok || { log "the installed kubectl has no kustomize v5: $(kubectl version --client 2>&1 | tr '\n' ' ')"; exit 1; }
+    else
+        log "missing: kubectl with kustomize v5 (tests/deploy builds the manifests with it)"
+        log "install it as root (apt: pkgs.k8s.io), see https://kubernetes.io/docs/tasks/tools/install-kubectl-linux/"
+        exit 1
+    fi
+fi
+
 # --- venv
 if [ ! -x "$VENV/bin/python" ]; then
     log "creating $VENV"
