@@ -20,6 +20,7 @@ from disagg.tools import bench, demo, keygen, presets
 COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
             "bench": bench, "demo": demo, "presets": presets, "keygen": keygen}
 CONFIGURABLE = ("prefill", "decode", "router", "bootstrap", "bench", "demo")   # --config, --print-config
+SERVERS = ("prefill", "decode", "router")   # long-running: they exit at once once closed (process.exit_now)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "print_config", False):
             config.print_config(subs[command], command, args)
             return 0
-        return COMMANDS[args.command].run(args) or 0
+        code = COMMANDS[args.command].run(args) or 0
     except DisaggError as exc:   # a setting that cannot work (a forced transport, ...): one line, no traceback
         print(f"disagg {args.command}: error: {exc}", file=sys.stderr)
         return 2
@@ -64,6 +65,10 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:      # `disagg presets | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
         return 0
+    if args.command in SERVERS:
+        from disagg.process import exit_now
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

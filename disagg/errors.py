@@ -15,6 +15,7 @@ must not import disagg); the control plane's branch lives here.
      +-- Cancelled                           the request was aborted (client, router or peer)
      +-- ProtocolError                       a control-plane message refused, or a peer silent
      +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
+     +-- Unavailable                         no pair can serve: each is down, with why (HTTP 503)
      +-- BadRequest                          invalid API input (HTTP 400)
      +-- RequestFailed                       a worker failed the request (HTTP 5xx, OpenAI API)
      +-- TooLarge (also ValueError)          a request that never fits the pool (HTTP 400)
@@ -25,7 +26,7 @@ must not import disagg); the control plane's branch lives here.
 from transfer.errors import Cancelled, DisaggError, TransferError
 
 __all__ = ["BadRequest", "Cancelled", "ConfigError", "DisaggError", "Overloaded", "ProtocolError",
-           "RequestFailed", "TooLarge", "TransferError", "VerifyError"]
+           "RequestFailed", "TooLarge", "TransferError", "Unavailable", "VerifyError"]
 
 
 class ProtocolError(DisaggError):
@@ -36,8 +37,16 @@ class Overloaded(DisaggError):
     pass
 
 
+class Unavailable(DisaggError):
+    """Nothing that could serve the request is up now (the router's pairs): try again later."""
+
+
 class BadRequest(DisaggError):
-    pass
+    """`param`: the request field at fault, where one is (OpenAI's error object names it)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class RequestFailed(DisaggError):

@@ -2,10 +2,13 @@
 
 import argparse
 import logging
+import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 
 from disagg.worker.checks import positive_int
 
@@ -30,13 +33,33 @@ def setup_logging(level: str = "info") -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None]) -> None:
-    """Start `api` (an ApiServer), serve until SIGTERM or SIGINT (see serve), then stop it."""
+SLOW_STOP_S = 3.0   # a step of stopping that takes longer says what it waits for
+
+
+def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None],
+              close: Callable[[], None]) -> None:
+    """Start `api` (an ApiServer), serve until SIGTERM or SIGINT (see serve), then stop it
+    and `close` the role's server (its peers, transfers, pool)."""
     api.start()
     try:
         serve(readiness, on_ready)
     finally:
-        api.stop()
+        with _slow("the HTTP server (requests still being answered)"):
+            api.stop()
+        with _slow("peers, transfers and the pool to close"):
+            close()
+
+
+@contextmanager
+def _slow(what: str):
+    timer = threading.Timer(SLOW_STOP_S, lambda: os.write(2, f"disagg: still stopping: waiting for {what} "
+                                                             f"(Ctrl-C again to exit at once)\n".encode()))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
 
 
 def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_every_s: float = 10.0) -> None:
@@ -44,8 +67,16 @@ def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_ever
     says ready (as /ready does), call `on_ready` (the ready lines) once; until then log why
     not, at WARNING, every `warn_every_s`."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+
+    def stopping(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if stop.is_set():   # a second Ctrl-C while stopping: stop now, whatever is left
+            os.write(2, f"disagg: {name} again: exiting at once\n".encode())
+            os._exit(130)
+        os.write(2, f"disagg: {name}: stopping (closing connections, peers and the pool) ...\n".encode())
+        stop.set()   # (os.write: safe in a handler, unlike logging's lock)
+    signal.signal(signal.SIGTERM, stopping)
+    signal.signal(signal.SIGINT, stopping)
     warned = -warn_every_s
     while not stop.is_set():
         state = readiness()
@@ -57,3 +88,15 @@ def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_ever
             warned = time.monotonic()
         stop.wait(0.25)
     stop.wait()
+
+
+def exit_now(code: int) -> None:
+    """End a server process once it has closed what it holds: flush, then exit without the
+    interpreter's teardown (collecting a worker's objects at exit took 4-24 s, silently)."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)

@@ -82,8 +82,8 @@ def test_config_block_is_read_by_the_workers(tmp_path, line, text, command):
                            "--print-config"], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
     assert proc.returncode == 0, f"README.md:{line}: {proc.stderr[-2000:]}"
     given, effective = tomllib.loads(text), tomllib.loads(proc.stdout)[command]
-    for key, value in {**{k: v for k, v in given.items() if not isinstance(v, dict)},
-                       **given.get(command, {})}.items():
+    for key in {**{k: v for k, v in given.items() if not isinstance(v, dict)},
+                       **given.get(command, {})}:
         assert key in effective, f"README.md:{line}: {key} not taken by {command}"
 
 

@@ -19,7 +19,8 @@ full of requests still answers its probes. One table maps an exception to a stat
     409 refused by the protocol (any other DisaggError)    413 body too large
     499 cancelled (the client went away)    5xx a worker failed the request (RequestFailed)
     503 overloaded: more than `max_inflight` POSTs at once, the connection bound full of
-        requests, or the pool stayed full (Retry-After: 1); refused at once, never queued
+        requests, or the pool stayed full; or unavailable: every pair is down (Retry-After:
+        1); refused at once, never queued
     500 anything else (a bug: logged with its traceback; the server keeps serving)
 
 A route may answer with server-sent events (an EventStream: `data: {json}` per event, then
@@ -35,22 +36,22 @@ import socket
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from disagg.api.connections import Connection, Connections, HttpLimits
 from disagg.api.fields import EventStream, Reply, Route
-from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed
+from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed, Unavailable
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ApiServer", "HttpLimits", "Service", "client_gone", "listen"]
+__all__ = ["ApiServer", "HttpLimits", "Service", "client_gone", "default_error_body", "listen"]
 
 STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (   # first match wins
     ((BadRequest, ValueError, KeyError, TypeError, OverflowError), 400),
-    (Overloaded, 503),
+    ((Overloaded, Unavailable), 503),
     (Cancelled, 499),
     (DisaggError, 409),       # (RequestFailed carries its own status)
 )
@@ -72,29 +73,32 @@ def status_of(exc: BaseException) -> int:
     return 500
 
 
+def default_error_body(path: str, status: int, exc: BaseException | str) -> dict:
+    return {"error": exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"}
+
+
 @dataclass(frozen=True)
 class Service:
     """What a process serves: its POST routes and its probes.
 
     `ready()` -> bool, or a dict with "ready" and "why"; `health()` -> a dict whose "status"
     other than "ok" answers 503; `before_scrape` sets gauges read at scrape time; routes in
-    `unlimited` are never refused for load (an abort frees load)."""
+    `unlimited` are never refused for load (an abort frees load); `gets` are GET routes
+    beside the probes (a function returning the JSON body); `error_body(path, status, exc)`
+    shapes a failure's JSON (the OpenAI routes want OpenAI's error object)."""
     routes: dict[str, Route]
     ready: Callable[[], "bool | dict"]
     registry: CollectorRegistry
     health: Callable[[], dict] = lambda: {"status": "ok"}
     before_scrape: Callable[[], None] | None = None
     unlimited: tuple[str, ...] = ("/abort",)
+    gets: dict[str, Callable[[], dict]] = field(default_factory=dict)
+    error_body: Callable[[str, int, "BaseException | str"], dict] = default_error_body
 
 
 def _json(status: int, body: dict) -> web.Response:
     return web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json",
                         headers={"Retry-After": "1"} if status == 503 else None)
-
-
-def _error(status: int, exc: BaseException | str) -> web.Response:
-    text = exc if isinstance(exc, str) else f"{type(exc).__name__}: {exc}"
-    return _json(status, {"error": text})
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -157,7 +161,7 @@ class ApiServer:
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         conn = self.connections.of(request.transport)
         if conn is None:   # closed (evicted, or the client left) before its request was read
-            return _error(503, "Overloaded: the connection was closed to make room for another")
+            return self._error(request.path, 503, "Overloaded: the connection was closed to make room for another")
         try:
             response = await self._route(request, conn)
         finally:
@@ -173,8 +177,8 @@ class ApiServer:
         route = self.service.routes.get(request.path)
         if route is None or request.method != "POST":
             conn.received()
-            return _error(404, f"no route {request.path}") if route is None else \
-                _error(405, f"{request.path} takes POST with a JSON body")
+            return self._error(request.path, 404, f"no route {request.path}") if route is None else \
+                self._error(request.path, 405, f"{request.path} takes POST with a JSON body")
         conn.routing(request.version >= (1, 1))
         return await self._post(request, conn, route)
 
@@ -183,11 +187,16 @@ class ApiServer:
             return await self._loop.run_in_executor(self._probes, self._metrics)
         if path in ("/health", "/ready"):
             return await self._loop.run_in_executor(self._probes, self._probe, path)
+        if path in self.service.gets:
+            return _json(200, self.service.gets[path]())
         if path in self.service.routes:
-            response = _error(405, f"{path} takes POST with a JSON body")
+            response = self._error(path, 405, f"{path} takes POST with a JSON body")
             response.headers["Allow"] = "POST"
             return response
-        return _error(404, f"no route {path}")
+        return self._error(path, 404, f"no route {path}")
+
+    def _error(self, path: str, status: int, exc: BaseException | str) -> web.Response:
+        return _json(status, self.service.error_body(path, status, exc))
 
     def _probe(self, path: str) -> web.Response:
         if path == "/health":
@@ -207,12 +216,12 @@ class ApiServer:
         try:
             body = await self._body(request, conn)
         except BadRequest as exc:
-            response = _error(400, exc)
+            response = self._error(request.path, 400, exc)
             response.force_close()
             return response
         limited = self._slots is not None and request.path not in self.service.unlimited
         if limited and not self._slots.acquire(blocking=False):
-            return _error(503, f"Overloaded: {self.limits.max_inflight} requests in flight")
+            return self._error(request.path, 503, f"Overloaded: {self.limits.max_inflight} requests in flight")
         try:
             return await self._call(request, conn, route, body)
         finally:
@@ -262,7 +271,7 @@ class ApiServer:
             status = status_of(exc)
             if status == 500:   # a route's bug must not take the server down
                 log.error("handler for %s failed", request.path, exc_info=exc)
-            return _error(status, exc)
+            return self._error(request.path, status, exc)
 
     async def _events(self, request: web.Request, conn: Connection, stream: EventStream) -> web.StreamResponse:
         """Runs `stream.produce` on a route thread; its events go out from this loop."""
@@ -293,7 +302,7 @@ class ApiServer:
                 log.error("event stream for %s failed", request.path, exc_info=exc)
             if isinstance(exc, OSError):
                 return response   # the client went away: nothing to tell it
-            await write({"error": {"message": f"{type(exc).__name__}: {exc}", "type": type(exc).__name__}})
+            await write(self.service.error_body(request.path, status_of(exc), exc))
         try:
             await response.write(b"data: [DONE]\n\n")
             await response.write_eof()

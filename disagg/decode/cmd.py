@@ -51,12 +51,10 @@ def run(args: argparse.Namespace) -> int:
     listener = listen(args.http_host or args.host, args.http_port)
     torch.set_num_threads(args.torch_threads)
     server = DecodeServer(config_from(args))
-    try:
-        api = ApiServer(listener, DecodeRoutes(server).service(), http_limits(args))
-        serve_api(api, server.readiness,
-                  lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
-                                   transports={t.kind: t.host for t in server.receiver.transports},
-                                   bootstrap=server.config.bootstrap_addr))
-    finally:
-        server.close()
+    api = ApiServer(listener, DecodeRoutes(server).service(), http_limits(args))
+    serve_api(api, server.readiness,
+              lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
+                               transports={t.kind: t.host for t in server.receiver.transports},
+                               bootstrap=server.config.bootstrap_addr),
+              server.close)
     return 0

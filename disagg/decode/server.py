@@ -177,6 +177,12 @@ class DecodeServer(Worker):
         raise BadRequest(f"bootstrap {name[:100]!r} is not one this decode is configured with (--bootstrap-addr); "
                          f"known names: {', '.join(sorted(known))}")
 
+    def health(self) -> dict:
+        """/health, with the bootstraps a request may name (the router checks its pairs'
+        against them)."""
+        known = {"default": self.config.bootstrap_addr, **dict(self.config.bootstraps)}
+        return {**super().health(), "bootstraps": sorted({*known, *known.values()})}
+
     def readiness(self, timeout_s: float = 1.0) -> dict:
         """/ready: the pool is registered and the default bootstrap answers and knows a prefill
         rank; when not, why (what a person fixes: the address, the key, prefill not up yet)."""

@@ -64,12 +64,10 @@ def run(args: argparse.Namespace) -> int:
     listener = listen(args.http_host or args.host, args.http_port)
     torch.set_num_threads(args.torch_threads)
     server = PrefillServer(config_from(args))
-    try:
-        api = ApiServer(listener, PrefillRoutes(server).service(), http_limits(args))
-        serve_api(api, lambda: {"ready": server.ready, "why": "starting"},
-                  lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
-                                   bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
-                                   transports={t.kind: t.host for t in server.sender.transports}))
-    finally:
-        server.close()
+    api = ApiServer(listener, PrefillRoutes(server).service(), http_limits(args))
+    serve_api(api, lambda: {"ready": server.ready, "why": "starting"},
+              lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
+                               bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
+                               transports={t.kind: t.host for t in server.sender.transports}),
+              server.close)
     return 0

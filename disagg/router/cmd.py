@@ -30,12 +30,15 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    "with Retry-After)")
     g.add_argument("--vocab-size", type=positive_int, default=50000,
                    help="requests that give prompt_len get random token ids below this (the model's vocabulary)")
+    g.add_argument("--served-model-name", default="disagg", metavar="NAME",
+                   help="the model name GET /v1/models lists and /v1/completions answers with")
     add_process_flags(p)
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(tuple(args.pair), args.http_host, args.http_port, args.timeout,
-                        max_inflight=args.max_inflight, vocab_size=args.vocab_size)
+                        max_inflight=args.max_inflight, vocab_size=args.vocab_size,
+                        model_name=args.served_model_name)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,11 +50,9 @@ def run(args: argparse.Namespace) -> int:
     setup_logging(args.log_level)
     listener = listen(args.http_host, args.http_port)
     router = Router(config_from(args))
-    try:
-        api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
-        serve_api(api, lambda: {"ready": True},
-                  lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
-                                   pairs=len(router.config.pairs)))
-    finally:
-        router.close()
+    api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
+    serve_api(api, lambda: {"ready": True},
+              lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
+                               pairs=len(router.config.pairs)),
+              router.close)
     return 0

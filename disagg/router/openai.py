@@ -17,7 +17,11 @@ package) drive a disagg pair unchanged, given prompts as token ids.
     stream   the first token as soon as prefill has sent the KV (the first generated token
              comes from prefill: that is the time to first token), then one chunk per token
              when decode answers (decode answers once), then usage, then [DONE]
-    errors   400 what the caller can fix, 503 overloaded, 502 the pair failed, with its reason
+    errors   400 what the caller can fix, 503 overloaded, 502 the pair failed, with its reason,
+             as OpenAI's error object: {"error": {"message", "type", "param", "code"}} (so the
+             official client shows the message); an error after the first event is an event
+             holding that object
+GET /v1/models: the one model behind the router (--served-model-name), OpenAI's list shape.
 """
 
 import secrets
@@ -37,7 +41,24 @@ NEUTRAL = {
 FREE = ("prompt", "max_tokens", "model", "stream", "stream_options", "seed", "user", "ignore_eos")
 MAX_TOKENS = 4096
 
+# status -> OpenAI's error type (what its client raises is chosen by the status)
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 405: "invalid_request_error",
+               408: "timeout_error", 409: "request_aborted", 413: "invalid_request_error", 499: "request_cancelled",
+               503: "server_overloaded", 504: "timeout_error"}
+
 Generate = Callable[..., dict]   # Router.generate(body, on_prefill=...) as the router process runs it
+
+
+def error_body(status: int, exc: "BaseException | str") -> dict:
+    """OpenAI's error object for a failed /v1 request."""
+    message = exc if isinstance(exc, str) else str(exc) or type(exc).__name__
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": getattr(exc, "param", None), "code": None if status < 500 else str(status)}}
+
+
+def models(name: str) -> dict:
+    """GET /v1/models."""
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "disagg"}]}
 
 
 def _prompt(body: dict) -> list[int]:
@@ -46,9 +67,9 @@ def _prompt(body: dict) -> list[int]:
         prompt = prompt[0]                      # a batch of one
     if isinstance(prompt, str) or isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
         raise BadRequest("prompt must be token ids ([int, ...]): this router holds no tokenizer; "
-                         "tokenize on the client")
+                         "tokenize on the client", "prompt")
     if not isinstance(prompt, list) or not prompt or any(isinstance(t, list) for t in prompt):
-        raise BadRequest("prompt must be a non-empty list of token ids (or a list holding one such list)")
+        raise BadRequest("prompt must be a non-empty list of token ids (or a list holding one such list)", "prompt")
     return prompt
 
 
@@ -57,18 +78,18 @@ def parse(body: dict) -> tuple[list[int], int, bool, bool]:
     unknown = sorted(k for k in body if k not in FREE and k not in NEUTRAL)
     if unknown:
         raise BadRequest(f"unsupported field(s) {', '.join(unknown)}; /v1/completions takes "
-                         f"{', '.join(FREE)} and greedy values of {', '.join(NEUTRAL)}")
+                         f"{', '.join(FREE)} and greedy values of {', '.join(NEUTRAL)}", unknown[0])
     for key, allowed in NEUTRAL.items():
         value = body.get(key, allowed[0])
         if isinstance(value, bool) is not isinstance(allowed[0], bool) and value is not None or value not in allowed:
             raise BadRequest(f"{key}={value!r} is not supported: generation is greedy only "
-                             f"({key} may be {' or '.join(repr(a) for a in allowed)})")
+                             f"({key} may be {' or '.join(repr(a) for a in allowed)})", key)
     stream = body.get("stream", False)
     options = body.get("stream_options") or {}
     if not isinstance(stream, bool) or not isinstance(options, dict) or set(options) - {"include_usage"}:
-        raise BadRequest("stream must be true or false; stream_options may hold include_usage only")
+        raise BadRequest("stream must be true or false; stream_options may hold include_usage only", "stream")
     if body.get("model") is not None and not isinstance(body["model"], str):
-        raise BadRequest("model must be a string")
+        raise BadRequest("model must be a string", "model")
     return _prompt(body), optional_int(body, "max_tokens", 16, 1, MAX_TOKENS), stream, \
         bool(options.get("include_usage"))
 
@@ -76,13 +97,13 @@ def parse(body: dict) -> tuple[list[int], int, bool, bool]:
 class Completions:
     """The route: validates, then runs one request through `generate`."""
 
-    def __init__(self, generate: Generate):
-        self.generate = generate
+    def __init__(self, generate: Generate, model_name: str = "disagg"):
+        self.generate, self.model_name = generate, model_name
 
     def __call__(self, body: dict) -> dict | EventStream:
         prompt, max_tokens, stream, include_usage = parse(body)
         head = {"id": f"cmpl-{secrets.token_hex(12)}", "object": "text_completion", "created": int(time.time()),
-                "model": body.get("model") or "disagg"}
+                "model": body.get("model") or self.model_name}
         request = {"token_ids": prompt, "max_new_tokens": max_tokens, "request_id": head["id"]}
         usage = lambda n: {"prompt_tokens": len(prompt), "completion_tokens": n,  # noqa: E731
                            "total_tokens": len(prompt) + n}

@@ -26,14 +26,14 @@ import numpy as np
 
 from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
-from disagg.errors import BadRequest, Cancelled, Overloaded
+from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
+from disagg.router.monitor import PairMonitor, PairState
 from disagg.router.pairs import Pair, merge_ranks, side_name
 
 log = logging.getLogger(__name__)
 
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
 ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
-READY_PROBE_S = 1.0   # how long /ready waits for each side's own /ready
 
 
 @dataclass(frozen=True)
@@ -44,7 +44,9 @@ class RouterConfig:
     timeout_s: float = 60.0
     max_prompt_tokens: int = 1 << 20
     max_inflight: int = 256
-    vocab_size: int = 50000        # prompt_len requests draw token ids below this
+    vocab_size: int = 50000        # prompt_len requests draw token ids below this (unless the pair says)
+    model_name: str = "disagg"     # what /v1/models lists and /v1/completions answers name
+    probe_every_s: float = 1.0     # how often every rank's /ready and /health are asked (PairMonitor)
 
 
 def post_json(url: str, body: dict, timeout: float) -> dict:
@@ -87,22 +89,6 @@ def _failure_status(pre: dict, dec: dict, cancelled: bool) -> int:
     return 502
 
 
-def _side_ready(url: str) -> str | None:
-    """None when the worker at `url` answers /ready true, else why not."""
-    try:
-        with urllib.request.urlopen(url + "/ready", timeout=READY_PROBE_S) as resp:
-            ready = json.loads(resp.read()).get("ready") is True
-            return None if ready else "answers /ready false"
-    except urllib.error.HTTPError as exc:
-        try:
-            detail = json.loads(exc.read()).get("why", "")
-        except (ValueError, OSError, http.client.HTTPException, AttributeError):
-            detail = ""
-        return f"not ready (HTTP {exc.code}{': ' + detail if detail else ''})"
-    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
-        return f"unreachable at {url} ({getattr(exc, 'reason', exc)})"
-
-
 def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
     if "token_ids" in body:
         tokens = body["token_ids"]
@@ -135,25 +121,33 @@ class Router:
         ranks = max(len(p.prefill) + len(p.decode) for p in config.pairs)
         self._calls = ThreadPoolExecutor(ranks * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
-        self._probes = ThreadPoolExecutor(8, thread_name_prefix="router-ready")
         self._live: dict[str, threading.Event] = {}   # request_id -> cancel
+        self.monitor = PairMonitor(config.pairs, config.probe_every_s)
+        self.monitor.probe_all()   # a first look before serving: requests never go to a pair known down
+        self.monitor.start()
 
     def ready(self) -> dict:
-        """/ready: ready while at least one pair has both sides ready; each pair says why not.
-        Asks every side's own /ready at once (at most READY_PROBE_S)."""
-        sides = [(i, role, rank, url) for i, p in enumerate(self.config.pairs)
-                 for role, urls in (("prefill", p.prefill), ("decode", p.decode)) for rank, url in enumerate(urls)]
-        answers = list(self._probes.map(lambda side: _side_ready(side[3]), sides))
+        """/ready: ready while at least one pair is up; each pair says why not. From the
+        monitor's last look (at most probe_every_s old): never waits for a worker."""
+        states = self.monitor.states()
         pairs = [{"pair": i, "prefill": "+".join(p.prefill), "decode": "+".join(p.decode), "bootstrap": p.bootstrap,
-                  "up": True} for i, p in enumerate(self.config.pairs)]
-        for (i, role, rank, _), why in zip(sides, answers):
-            if why is not None:
-                pairs[i]["up"] = False
-                several = len(getattr(self.config.pairs[i], role)) > 1
-                pairs[i].setdefault("why", []).append(f"{role}{f' rank {rank}' if several else ''}: {why}")
+                  "up": bool(st.up), **({"why": list(st.why)} if not st.up else {})}
+                 for i, (p, st) in enumerate(zip(self.config.pairs, states))]
         up = sum(p["up"] for p in pairs)
         return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
                 **({} if up else {"why": "no prefill/decode pair has both sides ready"})}
+
+    def _pick(self) -> "tuple[int, Pair, PairState]":
+        """The next pair, round robin, skipping pairs known down; Unavailable (503) with their
+        reasons when every pair is down."""
+        states = self.monitor.states()
+        with self._lock:
+            for _ in range(len(self.config.pairs)):
+                i, pair = next(self._next)
+                if states[i].up is not False:
+                    return i, pair, states[i]
+        reasons = "; ".join(f"pair {i}: {', '.join(st.why)}" for i, st in enumerate(states))
+        raise Unavailable(f"no prefill/decode pair is up ({reasons})")
 
     def abort(self, body: dict) -> dict:
         request_id = body.get("request_id")
@@ -168,9 +162,14 @@ class Router:
     def generate(self, body: dict, client_gone=lambda: False, on_prefill=None) -> dict:
         """One request through a pair. `on_prefill(first_token)` (optional) is called on this
         thread as soon as prefill has finished, KV sent: the first generated token is known
-        then, before decode answers (what a streaming client sees first)."""
+        then, before decode answers (what a streaming client sees first). Every pair down:
+        a failed answer with status 503 and their reasons, sent to no worker."""
         try:
             out = self._generate(body, client_gone, on_prefill)
+        except Unavailable as exc:
+            log.warning("request refused (Unavailable): %s", exc)
+            return {"room": None, "pair": None, "ok": False, "status": 503, "prompt_tokens": 0, "output_tokens": [],
+                    "verified": False, "bytes": 0, "reason": str(exc), "timings_ms": {}}
         except (BadRequest, Overloaded) as exc:
             log.warning("request refused (%s): %s", type(exc).__name__, exc)
             raise
@@ -179,7 +178,8 @@ class Router:
         return out
 
     def _generate(self, body: dict, client_gone, on_prefill) -> dict:
-        tokens = _prompt(body, self.config.max_prompt_tokens, self.config.vocab_size)
+        pair_index, pair, state = self._pick()
+        tokens = _prompt(body, self.config.max_prompt_tokens, state.vocab_size or self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
@@ -194,7 +194,7 @@ class Router:
                     if request_id in self._live:
                         raise BadRequest(f"request_id {request_id!r} is already in flight")
                     self._live[request_id] = cancel
-            return self._run(tokens, max_new, cancel, client_gone, on_prefill, layers)
+            return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill, layers)
         finally:
             if request_id is not None:
                 with self._lock:
@@ -202,10 +202,8 @@ class Router:
                         del self._live[request_id]
             self._slots.release()
 
-    def _run(self, tokens: list[int], max_new: int, cancel: threading.Event, client_gone, on_prefill,
-             stream_layers: str | None = None) -> dict:
-        with self._lock:
-            pair_index, pair = next(self._next)
+    def _run(self, pair_index: int, pair: Pair, tokens: list[int], max_new: int, cancel: threading.Event,
+             client_gone, on_prefill, stream_layers: str | None = None) -> dict:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         timeout = self.config.timeout_s
@@ -289,4 +287,4 @@ class Router:
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)
         self._aborts.shutdown(wait=False, cancel_futures=True)
-        self._probes.shutdown(wait=False, cancel_futures=True)
+        self.monitor.close()

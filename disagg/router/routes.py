@@ -3,9 +3,16 @@
 from disagg import __version__
 from disagg.api.fields import Reply
 from disagg.api.metrics import WorkerMetrics
-from disagg.api.server import Service, client_gone
-from disagg.router.openai import Completions
+from disagg.api.server import Service, client_gone, default_error_body
+from disagg.router import openai
 from disagg.router.router import Router
+
+
+def error_body(path: str, status: int, exc: "BaseException | str") -> dict:
+    """OpenAI's error object on the /v1 routes, ours elsewhere."""
+    if path.startswith("/v1/"):
+        return openai.error_body(status, exc)
+    return default_error_body(path, status, exc)
 
 
 class RouterRoutes:
@@ -13,8 +20,11 @@ class RouterRoutes:
         self.router, self.metrics = router, WorkerMetrics("router")
 
     def service(self) -> Service:
-        return Service({"/generate": self.generate_route, "/v1/completions": Completions(self.generate),
-                        "/abort": self.router.abort}, self.router.ready, self.metrics.registry, health=self.health)
+        router = self.router
+        return Service({"/generate": self.generate_route, "/v1/completions": openai.Completions(self.generate, router.config.model_name),
+                        "/abort": self.router.abort}, self.router.ready, self.metrics.registry, health=self.health,
+                       gets={"/v1/models": lambda: openai.models(self.router.config.model_name)},
+                       error_body=error_body)
 
     def health(self) -> dict:
         return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.config.pairs)}

@@ -102,7 +102,8 @@ class Worker:
         dead = sorted(name for name, alive in self.threads().items() if not alive)
         return {"status": "unhealthy" if dead else "ok", **({"dead_threads": dead} if dead else {}),
                 "role": type(self).__name__.removesuffix("Server").lower(), "version": __version__,
-                "epoch": self.epoch, "preset": self.settings.pool.preset, "engine": self.model.name, "device": str(self.pool.config.device),
+                "epoch": self.epoch, "preset": self.settings.pool.preset, "engine": self.model.name,
+                "vocab_size": self.model.vocab_size, "device": str(self.pool.config.device),
                 "transports": [t.kind for t in self.endpoint.transports],
                 "auth": "curve" if self.gate.key.secure else "insecure"}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import CollectorRegistry
 
-from disagg.api.server import ApiServer
+from disagg.api.server import ApiServer, Service
 
 SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthcheck.py"
 
@@ -27,7 +27,7 @@ def check(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
 @pytest.fixture
 def server():
     state = {"status": "ok"}
-    api = ApiServer("127.0.0.1", 0, {}, lambda: True, CollectorRegistry(), health=lambda: dict(state)).start()
+    api = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry(), health=lambda: dict(state))).start()
     yield api, state
     api.stop()
 

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from disagg.api.server import ApiServer, Service
 from disagg.errors import BadRequest
 from disagg.router.openai import Completions, parse
+from disagg.router.routes import error_body
 
 
 def test_parse_takes_greedy_requests_and_names_what_it_refuses():
@@ -31,7 +32,7 @@ def test_parse_takes_greedy_requests_and_names_what_it_refuses():
 
 def _stream_server(generate):
     return ApiServer(("127.0.0.1", 0), Service({"/v1/completions": Completions(generate)}, lambda: True,
-                                               CollectorRegistry())).start()
+                                               CollectorRegistry(), error_body=error_body)).start()
 
 
 def _post(api, body):
@@ -62,5 +63,5 @@ def test_a_failure_before_the_first_event_is_a_status_and_after_it_an_error_even
             assert json.loads(events[0])["choices"][0]["token_ids"] == [42]
             assert "transfer timed out" in json.loads(events[1])["error"]["message"] and events[2:] == ["[DONE]"]
         else:
-            assert "pool gone" in json.loads(text)["error"]
+            assert "pool gone" in json.loads(text)["error"]["message"]   # OpenAI's error object
 

@@ -43,7 +43,10 @@ def test_ready_names_the_pairs_that_are_down_and_why():
             assert status == 503 and body["ready"] is False and body["pairs_up"] == 0 and "no prefill/decode" in body["why"]
             assert "decode: unreachable at " + dead in body["pairs"][0]["why"][0]
             assert body["pairs"][1]["why"] == ["decode: not ready (HTTP 503)"]
-            router.config = RouterConfig((Pair(up, up, "main"), Pair(up, dead, "main")))
+            router.close()
+            router = Router(RouterConfig((Pair(up, up, "main"), Pair(up, dead, "main"))))
+            api.service.routes["/generate"] = router.generate
+            object.__setattr__(api.service, "ready", router.ready)
             status, body, _ = _get(f"http://127.0.0.1:{api.port}/ready")
             assert status == 200 and body["pairs_up"] == 1 and [p["up"] for p in body["pairs"]] == [True, False]
             status, body, headers = _get(f"http://127.0.0.1:{api.port}/generate")
@@ -57,16 +60,26 @@ def test_ready_names_the_pairs_that_are_down_and_why():
 
 
 def test_refused_and_failed_requests_are_logged_at_warning(caplog):
+    """A request to a pair known down is refused at once (503, Unavailable) with the down
+    side's reason (issue 36, item 5: before, it was sent and failed after a deadline); a
+    request a pair takes and fails is logged with its room and pair."""
     dead = f"http://127.0.0.1:{_closed_port()}"
+    up = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry())).start()
+    url = f"http://127.0.0.1:{up.port}"
     router = Router(RouterConfig((Pair(dead, dead, "main"),)))
+    flaky = Router(RouterConfig((Pair(url, url, "main"),)))   # up, but its routes are missing: the request fails
     try:
         with caplog.at_level(logging.WARNING, logger="disagg.router.router"):
-            out = router.generate({"prompt_len": 4, "max_new_tokens": 1})
+            down = router.generate({"prompt_len": 4, "max_new_tokens": 1})
             with pytest.raises(BadRequest, match="prompt_len"):
-                router.generate({"prompt_len": 0})
+                flaky.generate({"prompt_len": 0})
+            out = flaky.generate({"prompt_len": 4, "max_new_tokens": 1})
     finally:
         router.close()
-    assert not out["ok"]
-    failed, refused = caplog.records[-2:]
-    assert f"room {out['room']}, pair 0" in failed.getMessage()
-    assert dead in failed.getMessage() and refused.getMessage().startswith("request refused (BadRequest)")
+        flaky.close()
+        up.stop()
+    assert not out["ok"] and down["status"] == 503 and "prefill: unreachable at " + dead in down["reason"]
+    down, refused, failed = caplog.records[-3:]
+    assert down.getMessage().startswith("request refused (Unavailable)") and dead in down.getMessage()
+    assert refused.getMessage().startswith("request refused (BadRequest)")
+    assert f"room {out['room']}, pair 0" in failed.getMessage() and "404" in failed.getMessage()

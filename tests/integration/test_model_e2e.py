@@ -105,7 +105,7 @@ def test_openai_completions_plain_and_streamed(stack):
                         ({"prompt": prompt, "frobnicate": 1}, "unsupported field(s) frobnicate"),
                         ({"prompt": prompt, "max_tokens": 0}, "max_tokens"), ({"prompt": []}, "non-empty")]:
         status, raw, _ = _post(url, body)
-        assert status == 400 and field in json.loads(raw)["error"], (body, raw)
+        assert status == 400 and field in json.loads(raw)["error"]["message"], (body, raw)   # OpenAI's error object
     status, raw, _ = _post(url, {"prompt": [VOCAB + 1], "stream": True})    # refused before the stream starts
-    assert status == 400 and "vocabulary" in json.loads(raw)["error"]
+    assert status == 400 and "vocabulary" in json.loads(raw)["error"]["message"]
     assert (pool_free(stack["prefill"]), pool_free(stack["decode"])) == before

@@ -31,7 +31,7 @@ def test_views_alias_the_registered_bytes(layout, device):
     buffer and item the descriptors name."""
     cfg = PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=64, max_requests=2, layout=layout, device=device)
     pool = HybridPool(cfg)
-    for comp, p in pool.pools.items():
+    for p in pool.pools.values():
         for pl in p.storage.packed.placements:
             seg = pl.segment
             view = p.layer_view(seg.layer, seg.part)

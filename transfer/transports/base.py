@@ -256,5 +256,5 @@ class Transport(ABC):
         they may reach is safe to reuse yet."""
         return 0
 
-    def close(self) -> None:
-        pass
+    def close(self) -> None:  # noqa: B027 (optional: a transport holding nothing has nothing to close)
+        """Release what the transport holds (its engine, registrations)."""

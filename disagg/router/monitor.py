@@ -1,0 +1,138 @@
+"""The router's view of its pairs, kept up to date in the background: /ready answers from it
+at once, and a request goes only to a pair that is up (or not yet probed).
+
+Every `every_s`, every rank of every pair is asked for its /ready and its /health, all at
+once, each within `timeout_s`. A pair is down, with the reasons a person needs, when
+
+    a rank cannot be reached, or answers /ready false        (its own `why`)
+    its decode was not given the pair's bootstrap             (a name mistake between the router's
+                                                               --pair and decode's --bootstrap-addr:
+                                                               a configuration error, never a 4xx)
+    its prefill and decode report different vocabularies     (different models)
+
+A pair's vocabulary (the smallest its ranks report) is what `prompt_len` requests draw their
+random token ids below.
+"""
+
+import http.client
+import json
+import logging
+import threading
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from disagg.router.pairs import Pair
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What one rank said: why it cannot serve (None: it can) and its /health."""
+    why: str | None
+    health: dict
+
+
+@dataclass(frozen=True)
+class PairState:
+    up: bool | None                 # None: not probed yet (a request may still try it)
+    why: tuple[str, ...] = ()
+    vocab_size: int | None = None   # the smallest vocabulary its ranks report
+
+
+def fetch(url: str, timeout_s: float) -> tuple[int, dict]:
+    """GET url -> (status, JSON object); status 0 with {"error": ...} when unreachable."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as resp:
+            return resp.status, _object(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            return exc.code, _object(exc.read(1 << 16))
+        except (OSError, http.client.HTTPException):
+            return exc.code, {}
+    except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
+        return 0, {"error": str(getattr(exc, "reason", exc))}
+
+
+def _object(raw: bytes) -> dict:
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def probe(url: str, timeout_s: float) -> Probe:
+    status, ready = fetch(url + "/ready", timeout_s)
+    if status == 0:
+        return Probe(f"unreachable at {url} ({ready.get('error', 'no answer')})", {})
+    _, health = fetch(url + "/health", timeout_s)
+    if status == 200 and ready.get("ready") is True:
+        return Probe(None, health)
+    why = ready.get("why")
+    return Probe(f"not ready (HTTP {status}{': ' + str(why)[:300] if why else ''})", health)
+
+
+def judge(pair: Pair, prefill: list[Probe], decode: list[Probe]) -> PairState:
+    """A pair's state from its ranks' probes."""
+    why = [f"{role}{f' rank {rank}' if len(probes) > 1 else ''}: {p.why}"
+           for role, probes in (("prefill", prefill), ("decode", decode))
+           for rank, p in enumerate(probes) if p.why is not None]
+    known = decode[0].health.get("bootstraps") if decode else None
+    if isinstance(known, list) and pair.bootstrap not in known:
+        why.append(f"decode was not given the pair's bootstrap {pair.bootstrap!r} (it knows "
+                   f"{', '.join(map(str, known))}): fix the router's --pair or decode's --bootstrap-addr")
+    vocabs = {role: {p.health["vocab_size"] for p in probes if type(p.health.get("vocab_size")) is int}
+              for role, probes in (("prefill", prefill), ("decode", decode))}
+    if vocabs["prefill"] and vocabs["decode"] and vocabs["prefill"] != vocabs["decode"]:
+        why.append(f"prefill and decode report different vocabularies ({sorted(vocabs['prefill'])} vs "
+                   f"{sorted(vocabs['decode'])}): they serve different models")
+    every = vocabs["prefill"] | vocabs["decode"]
+    return PairState(not why, tuple(why), min(every) if every else None)
+
+
+class PairMonitor:
+    def __init__(self, pairs: tuple[Pair, ...], every_s: float = 1.0, timeout_s: float = 2.0):
+        self.pairs, self.every_s, self.timeout_s = pairs, every_s, timeout_s
+        self._states = [PairState(None, ("not probed yet",))] * len(pairs)
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        ranks = sum(len(p.prefill) + len(p.decode) for p in pairs)
+        self._pool = ThreadPoolExecutor(min(32, ranks), thread_name_prefix="router-probe")
+        self._thread = threading.Thread(target=self._run, name="router-monitor", daemon=True)
+
+    def start(self) -> "PairMonitor":
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(self.timeout_s * 2 + 1)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def states(self) -> list[PairState]:
+        with self._lock:
+            return list(self._states)
+
+    def probe_all(self) -> None:
+        """One round: every rank at once; the states change together."""
+        urls = [url for p in self.pairs for url in (*p.prefill, *p.decode)]
+        probes = dict(zip(urls, self._pool.map(lambda url: probe(url, self.timeout_s), urls)))
+        states = [judge(p, [probes[u] for u in p.prefill], [probes[u] for u in p.decode]) for p in self.pairs]
+        with self._lock:
+            before, self._states = self._states, states
+        for i, (old, new) in enumerate(zip(before, states)):
+            if old.up is not False and new.up is False:
+                log.warning("pair %d is down: %s", i, "; ".join(new.why))
+            elif old.up is False and new.up:
+                log.info("pair %d is up again", i)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.probe_all()
+            except Exception:   # a bug here must not stop the probes (nor the router)
+                log.exception("probing the pairs failed")
+            self._stop.wait(self.every_s)
