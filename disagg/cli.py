@@ -23,11 +23,19 @@ CONFIGURABLE = ("prefill", "decode", "router", "bootstrap", "bench", "demo")   #
 SERVERS = ("prefill", "decode", "router")   # long-running: they exit at once once closed (process.exit_now)
 
 
+class Parser(argparse.ArgumentParser):
+    """A mistake is one line (the command, the flag, what would work) and a pointer to --help,
+    not the usage block before it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every flag)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The whole CLI; `.commands` maps each command to its own parser."""
-    parser = argparse.ArgumentParser(prog="disagg", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(prog="disagg", description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--version", action="version", version=f"disagg {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="command")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="command", parser_class=Parser)
     subs = {}
     for name, module in COMMANDS.items():
         subs[name] = p = sub.add_parser(name, help=module.HELP, description=module.HELP, allow_abbrev=False)
@@ -50,7 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                          {c: subs[c] for c in CONFIGURABLE})
         except config.SourceError as exc:
             subs[command].error(str(exc))   # usage + one line, exit 2
-    args = parser.parse_args(argv)
+    if command in CONFIGURABLE and "--print-config" in argv:   # what is set so far, required flags or not
+        for action in subs[command]._actions:
+            action.required = False
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:   # named on the command it was given to, not the top level
+        subs[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if getattr(args, "print_config", False):
             config.print_config(subs[command], command, args)

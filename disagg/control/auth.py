@@ -62,6 +62,10 @@ class AuthKey:
             raise ConfigError(f"auth key {path!r}: {exc}") from None
         if secret is None:
             raise ConfigError(f"auth key {path!r} holds no secret key (give the file `disagg keygen` wrote)")
+        mode = os.stat(path).st_mode
+        if mode & 0o004:   # (group-readable is how Kubernetes mounts a Secret for the pod's fsGroup)
+            log.warning("auth key %s is readable by every user of this machine (mode %o): anyone who reads it "
+                        "can join the deployment; chmod 600 %s", path, mode & 0o777, path)
         return AuthKey(public, secret)
 
     @staticmethod
@@ -202,7 +206,9 @@ def key_from(path: str | None, insecure: bool) -> AuthKey:
 
 
 def add_auth_flags(p) -> None:
-    g = p.add_argument_group("authentication")
+    # one of the two: the command line's choice beats the environment's (--insecure given by
+    # hand wins over a DISAGG_AUTH_KEY exported earlier), which beats the file's (disagg/config.py)
+    g = p.add_argument_group("authentication").add_mutually_exclusive_group()
     g.add_argument("--auth-key", default=None, metavar="FILE",
                    help="the deployment's CURVE key file, the same for every process (`disagg keygen FILE` "
                         "writes one)")

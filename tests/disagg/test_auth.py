@@ -120,3 +120,21 @@ def test_keygen_writes_a_key_the_processes_take(tmp_path):
     assert out.returncode == 0 and "public key" in out.stdout and AuthKey.load(str(path)).secure
     again = subprocess.run([sys.executable, "-m", "disagg", "keygen", str(path)], capture_output=True, text=True)
     assert again.returncode == 2 and "never overwritten" in again.stderr and "Traceback" not in again.stderr
+
+
+def test_a_key_file_every_user_can_read_is_warned_about(tmp_path, caplog):
+    """Issue 36: a world-readable key was accepted silently (ssh refuses one)."""
+    import logging
+
+    from disagg.control.auth import AuthKey
+    path = tmp_path / "deployment.key"
+    AuthKey.generate(str(path))
+    with caplog.at_level(logging.WARNING, logger="disagg.control.auth"):
+        AuthKey.load(str(path))
+        assert not caplog.records                  # 0600, as keygen writes it
+        os.chmod(path, 0o640)
+        AuthKey.load(str(path))
+        assert not caplog.records                  # group-readable: a Kubernetes Secret for the pod's fsGroup
+        os.chmod(path, 0o644)
+        AuthKey.load(str(path))
+    assert "readable by every user" in caplog.records[-1].getMessage() and "chmod 600" in caplog.records[-1].getMessage()

@@ -69,3 +69,31 @@ def test_a_bootstrap_port_in_use_says_how_to_share_it():
 def test_a_reader_that_leaves_early_is_no_error():
     out = _run(shell=f"{DISAGG} presets | head -1")
     assert out.returncode == 0 and "BrokenPipe" not in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_wrong_flag_is_named_on_its_command_in_one_line():
+    """Issue 36: a wrong flag to a subcommand showed the top-level usage block."""
+    out = _run("prefill", "--bogus-flag")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "disagg prefill: error: unrecognized arguments: --bogus-flag (`disagg prefill --help` lists every flag)"]
+
+
+def test_a_bad_value_is_one_line_without_the_usage_block():
+    out = _run("prefill", "--page-size", "12")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1 and "usage:" not in out.stderr
+
+
+def test_print_config_does_not_need_the_required_flags():
+    out = _run("router", "--print-config")
+    assert out.returncode == 0 and "max-inflight = 256" in out.stdout, out.stderr
+
+
+def test_insecure_on_the_command_line_beats_a_key_in_the_environment():
+    env = {k: v for k, v in os.environ.items() if k != "DISAGG_INSECURE"}
+    out = subprocess.run([DISAGG, "router", "--pair", "http://a:1,http://b:2,main", "--print-config"], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0   # (the router takes no key: the check is on a worker below)
+    env["DISAGG_AUTH_KEY"] = "/nonexistent.key"
+    out = subprocess.run([DISAGG, "prefill", "--insecure", "--print-config"], env=env, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "insecure = true" in out.stdout and "# auth-key = (unset)" in out.stdout, out.stderr
