@@ -41,6 +41,7 @@ from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.reshard import Shard, senders as senders_of  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.transports import TransportSettings, create  # noqa: E402
+from transfer.staging import RemoteSlots  # noqa: E402
 
 
 def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int) -> dict:
@@ -75,8 +76,8 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
 
             def one(r, s):
                 try:
-                    rep = senders[r].send(links[r, s], prefill[r][0].index_set(prefill[r][1]), targets[s][1], 1 + r,
-                                          slots[r, s], peers[s].channel, num_tokens=tokens)
+                    rep = senders[r].send(links[r, s], prefill[r][0].index_set(prefill[r][1]), targets[s][1],
+                                          RemoteSlots(1 + r, slots[r, s], peers[s].channel), num_tokens=tokens)
                     reports[r, s] = rep
                     ends[r, s] = time.perf_counter()
                 except Exception as exc:   # reported below
@@ -101,7 +102,7 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
             peers[s].release(1 + r)
         return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size,
                 "decode_page_size": args.peer_page, "tokens": tokens,
-                "senders": len(pairs), "mode": sorted({rep.mode.value for rep in reports.values()}),
+                "senders": len(pairs), "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
                 "ranges_per_request": sum(reports[p].ranges for p in pairs),
                 "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
                 "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True}

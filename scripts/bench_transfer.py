@@ -40,6 +40,7 @@ from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.plan import build_plan  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.transports import Ranges, Transport, TransportSettings, create  # noqa: E402
+from transfer.staging import RemoteSlots  # noqa: E402
 
 
 def shuffle_free_pages(pool: HybridPool, seed: int) -> None:
@@ -134,14 +135,14 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                 one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
                 t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
             reports = []
-            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, 1, slots, peer.channel,
+            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel),
                                                               num_tokens=tokens)), args.repeats)
             digest = digest_tokens if by_token else digest_request
             digest_ok = peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
             fill_random(pool, req, seed=tokens + 1)   # the prepared sends must move the new bytes
             ahead = []
             t_ahead, t_prepare = timed_ahead(
-                sender, target, lambda p: ahead.append(sender.send(target, src, dst, 1, slots, peer.channel,
+                sender, target, lambda p: ahead.append(sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel),
                                                                    num_tokens=tokens, prepared=p)),
                 args.repeats, src=src, dst=dst, num_tokens=tokens, can_stage=True)
             digest_ok = digest_ok and all(r.prepared_ahead for r in ahead) and \
@@ -151,7 +152,7 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
             gbps = rep.nbytes / t_ours / 1e9
             gbps_ahead = rep.nbytes / t_ahead / 1e9
             rows.append({"layout": layout.value, "page_size": page_size, "peer_page_size": peer_page,
-                         "tokens": tokens, "mode": rep.mode.value,
+                         "tokens": tokens, "mode": Mode(rep.mode).value,
                          "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
                          "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
                          "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,32 +32,14 @@ from transfer.layers import LayerGroup, split_layers
 from transfer.plan import TransferPlan, build_plan
 from transfer.progress import LayerProgress
 from transfer.staged_send import StagedSender
-from transfer.staging import ChunkChannel, chunk_plan
+from transfer.staging import RemoteSlots, chunk_plan
+from transfer.report import TransferReport
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes
 from transfer.tokens import Tokens, pool_lanes
 from transfer.transports import Offer, PreparedWrite, pick
 from transfer.transports.base import PendingWrites
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class TransferReport:
-    mode: Mode
-    transport: str     # the link's transport kind
-    nbytes: int
-    ranges: int        # transport ranges submitted
-    chunks: int        # staged chunks (0 for direct)
-    plan_ms: float     # planning (when prepared ahead: done before the send was called)
-    seconds: float     # the whole send call (planning included unless prepared ahead)
-    submit_ms: float = 0.0   # direct: host time handing the writes to the link
-    wait_ms: float = 0.0     # direct: time blocked until the link reported them landed
-    groups: int = 1          # layer groups sent (streamed: more than one)
-    first_write_at: float = 0.0   # wall clock (time.time) of the first body write
-    streamed: bool = False   # started before the KV was complete
-    cpu_ms: float = 0.0      # CPU time of the sending thread (host work beside a streamed compute)
-    prepare_ms: float = 0.0  # planning + laying the writes out (prepare()), wherever it ran
-    prepared_ahead: bool = False   # prepare() ran before the send (while the KV was computed)
 
 
 @dataclass(eq=False)
@@ -172,20 +154,19 @@ class KVSender(StagedSender):
                             (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens)
 
     @staticmethod
-    def can_stage(peer: RemotePool, remote_slots: list[int] | None, channel: ChunkChannel | None) -> bool:
+    def can_stage(peer: RemotePool, remote: RemoteSlots | None) -> bool:
         """Whether a send may go staged: the receiver leased it staging slots and a chunk
         channel exists (prepare()'s `can_stage`, as send() decides it)."""
-        return bool(remote_slots) and channel is not None and peer.staging is not None
+        return remote is not None and bool(remote.slots) and remote.channel is not None and peer.staging is not None
 
     def _slot_bytes(self, peer: RemotePool) -> int:
         return min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
 
-    def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, transfer_id: int = 0,
-             remote_slots: list[int] | None = None, channel: ChunkChannel | None = None,
-             stopped: Callable[[], bool] | None = None, progress: LayerProgress | None = None,
-             num_tokens: int | None = None, prepared: PreparedSend | None = None) -> TransferReport:
-        """Move `src` (local) into `dst` (peer). Staged mode needs `remote_slots` (receiver
-        staging slots leased to this transfer) and a `channel`. `stopped()` is asked before
+    def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, remote: RemoteSlots | None = None, *,
+             num_tokens: int | None = None, stopped: Callable[[], bool] | None = None,
+             progress: LayerProgress | None = None, prepared: PreparedSend | None = None) -> TransferReport:
+        """Move `src` (local) into `dst` (peer). Staged mode needs `remote` (the receiver's
+        staging slots leased to this transfer, and a chunk channel). `stopped()` is asked before
         planning and before every write (a body chained with its AUX row is one): true (the
         request was aborted) ends the send with Cancelled.
         With `progress` (the KV is still being computed) the body goes in layer groups, each
@@ -197,57 +178,80 @@ class KVSender(StagedSender):
         which may still land in the receiver's pages until the transport ends them.
         `num_tokens` (the request's length) is needed when the peer's page size is not ours."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        stopped = stopped or (lambda: False)
-        streamed = progress is not None
-        can_stage = self.can_stage(peer, remote_slots, channel)
-        if stopped():   # aborted while queued: not even planned
+        run = _InFlight(PendingWrites(peer.link.ordered), stopped or (lambda: False), progress)
+        if run.stopped():   # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
+        can_stage, streamed = self.can_stage(peer, remote), progress is not None
         ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens)
         p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
         p.used = True
-        writes = PendingWrites(peer.link.ordered)   # the body's writes in flight (streamed: one per layer group)
-        wait_layers = (lambda n: progress.wait(n, stopped, writes.poll)) if streamed else (lambda n: None)
-        first_write: list[float] = []
-        ranges, chunks, waited = p.ranges, 0, 0.0
-        t_submit = time.perf_counter()
-        if p.mode is Mode.DIRECT:
-            try:
-                for g, w in zip(p.groups, p.writes):
-                    if w is None:
-                        continue
-                    t = time.perf_counter()
-                    wait_layers(g.layers.stop)
-                    waited += time.perf_counter() - t
-                    self._before_write(stopped, first_write)
-                    writes.add(w.start())
-                if not peer.link.ordered:   # the AUX row may only start once the body landed
-                    t = time.perf_counter()
-                    writes.wait()
-                    waited += time.perf_counter() - t
-            except BaseException:
-                writes.drain()   # a failure is reported only once no write of ours is in flight
-                raise
-        else:
-            slot_bytes = self._slot_bytes(peer)
-            chunk_list = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
-                          for g in p.groups for c in chunk_plan(g.body, slot_bytes)]
-            chunks = self._send_staged(peer, p.plan.body, chunk_list, transfer_id, remote_slots, channel, stopped,
-                                       wait_layers, first_write, share=0.5 if streamed else 1.0)
-            ranges = chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0)
+        t_submit, chunks = time.perf_counter(), 0
         try:
-            if progress is not None:
-                progress.wait_complete(stopped, writes.poll)   # the engine returned: the AUX row is written
-            if p.aux is not None:  # last: its arrival means the body has landed
-                self._before_write(stopped, first_write)
-                writes.add(p.aux.start())   # (an ordered link: after the body)
-            t = time.perf_counter()
-            writes.wait()
-            waited += time.perf_counter() - t
+            if p.mode is Mode.DIRECT:
+                self._write_direct(peer, p, run)
+            else:
+                chunks = self._write_staged(peer, p, remote, run)
+            self._write_aux(p, run)
         except BaseException:
-            writes.drain()
+            run.writes.drain()   # a failure is reported only once no write of ours is in flight
             raise
-        submitted = (time.perf_counter() - t_submit - waited) * 1e3
-        return TransferReport(p.mode, peer.link.kind, p.plan.nbytes, ranges, chunks, p.plan_ms,
-                              time.perf_counter() - t0, submitted if p.mode is Mode.DIRECT else 0.0, waited * 1e3,
-                              sum(1 for g in p.groups if g.body), first_write[0] if first_write else 0.0, streamed,
-                              (time.thread_time() - cpu0) * 1e3, p.prepare_ms, ahead)
+        direct = p.mode is Mode.DIRECT
+        return TransferReport(
+            mode=p.mode, transport=peer.link.kind, nbytes=p.plan.nbytes, chunks=chunks,
+            ranges=p.ranges if direct else chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0),
+            groups=sum(1 for g in p.groups if g.body), streamed=streamed, prepared_ahead=ahead,
+            transfer_ms=(time.perf_counter() - t0) * 1e3, plan_ms=p.plan_ms, prepare_ms=p.prepare_ms,
+            submit_ms=(time.perf_counter() - t_submit - run.waited) * 1e3 if direct else 0.0,
+            wait_ms=run.waited * 1e3, cpu_ms=(time.thread_time() - cpu0) * 1e3,
+            first_write_at=run.first_write[0] if run.first_write else 0.0)
+
+    def _write_direct(self, peer: RemotePool, p: PreparedSend, run: "_InFlight") -> None:
+        """Start each layer group's prepared write once its layers are final; on a link that
+        does not land writes in order, wait until the body landed (the AUX row starts after)."""
+        for g, w in zip(p.groups, p.writes):
+            if w is not None:
+                run.blocked(lambda: run.layers(g.layers.stop))
+                self._before_write(run.stopped, run.first_write)
+                run.writes.add(w.start())
+        if not peer.link.ordered:
+            run.blocked(run.writes.wait)
+
+    def _write_staged(self, peer: RemotePool, p: PreparedSend, remote: RemoteSlots, run: "_InFlight") -> int:
+        """The body gathered into chunks through staging slots (transfer.staged_send); the
+        number of chunks."""
+        streamed = run.progress is not None
+        chunks = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
+                  for g in p.groups for c in chunk_plan(g.body, self._slot_bytes(peer))]
+        return self._send_staged(peer, p.plan.body, chunks, remote, run.stopped, run.layers, run.first_write,
+                                 share=0.5 if streamed else 1.0)
+
+    def _write_aux(self, p: PreparedSend, run: "_InFlight") -> None:
+        """The AUX row last, once the engine returned (its arrival means the body has landed;
+        on an ordered link it goes behind the body), then wait until every write landed."""
+        if run.progress is not None:
+            run.progress.wait_complete(run.stopped, run.writes.poll)
+        if p.aux is not None:
+            self._before_write(run.stopped, run.first_write)
+            run.writes.add(p.aux.start())
+        run.blocked(run.writes.wait)
+
+
+@dataclass(eq=False)
+class _InFlight:
+    """One send's writes in flight, what stops it, and where its time went (send()'s steps
+    share it)."""
+    writes: PendingWrites            # the body's writes (streamed: one per layer group) and the AUX row's
+    stopped: Callable[[], bool]
+    progress: LayerProgress | None   # streamed: which layers the engine has finished
+    first_write: list[float] = field(default_factory=list)   # wall clock of the first body write
+    waited: float = 0.0              # s blocked on layers or on the link (what submit_ms leaves out)
+
+    def layers(self, n: int) -> None:
+        """Block until layers [0, n) are final (at once unless streamed), retiring what landed."""
+        if self.progress is not None:
+            self.progress.wait(n, self.stopped, self.writes.poll)
+
+    def blocked(self, wait: Callable[[], None]) -> None:
+        t = time.perf_counter()
+        wait()
+        self.waited += time.perf_counter() - t

@@ -19,7 +19,7 @@ from transfer.endpoint import PoolEndpoint
 from transfer.errors import AckTimeout, Cancelled, StagingError, WritesAbandoned
 from transfer.peer import RemotePool
 from transfer.plan import ComponentPlan
-from transfer.staging import Chunk, ChunkChannel, gather
+from transfer.staging import Chunk, ChunkChannel, RemoteSlots, gather
 from transfer.transports import Ranges
 
 
@@ -47,9 +47,9 @@ class StagedSender(PoolEndpoint):
                 if time.monotonic() >= give_up:
                     raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
 
-    def _send_staged(self, peer: RemotePool, body: Sequence[ComponentPlan], chunks: list[Chunk], transfer_id: int,
-                     remote_slots: list[int], channel: ChunkChannel, stopped: Callable[[], bool],
-                     wait_layers: Callable[[int], None], first_write: list[float], share: float = 1.0) -> int:
+    def _send_staged(self, peer: RemotePool, body: Sequence[ComponentPlan], chunks: list[Chunk],
+                     remote: RemoteSlots, stopped: Callable[[], bool], wait_layers: Callable[[int], None],
+                     first_write: list[float], share: float = 1.0) -> int:
         """Gather chunk i+1 while a writer thread writes chunk i and waits for slot credits.
         A streamed transfer waits for a chunk's layers before gathering it, and takes local
         slots only then, and only `share` of them (others' transfers need some meanwhile)."""
@@ -65,8 +65,7 @@ class StagedSender(PoolEndpoint):
         ready: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
         writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer",
-                                  args=(peer, chunks, remote_slots, transfer_id, channel, free, ready, errors, stopped,
-                                        first_write))
+                                  args=(peer, chunks, remote, free, ready, errors, stopped, first_write))
         writer.start()
         try:
             for chunk in chunks:
@@ -82,14 +81,14 @@ class StagedSender(PoolEndpoint):
             ready.put(None)
             writer.join()
             self.staging.lease.release(local_slots)
-            channel.end(transfer_id)
+            remote.channel.end(remote.transfer_id)
         if errors:   # an abandoned write first: it may still land, which the caller must report
             raise next((e for e in errors if isinstance(e, WritesAbandoned)), errors[0])
         return len(chunks)
 
-    def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote_slots: list[int], transfer_id: int,
-                      channel: ChunkChannel, free: queue.Queue, ready: queue.Queue, errors: list,
-                      stopped: Callable[[], bool], first_write: list[float]) -> None:
+    def _write_chunks(self, peer: RemotePool, chunks: list[Chunk], remote: RemoteSlots, free: queue.Queue,
+                      ready: queue.Queue, errors: list, stopped: Callable[[], bool], first_write: list[float]) -> None:
+        remote_slots, transfer_id, channel = remote.slots, remote.transfer_id, remote.channel
         n_remote = len(remote_slots)
         timeout = self.config.chunk_timeout_s
         try:
@@ -100,11 +99,11 @@ class StagedSender(PoolEndpoint):
                 slot, chunk = item
                 if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
                     self._await_ack(channel, transfer_id, i - n_remote, timeout, stopped)
-                remote = remote_slots[i % n_remote]
+                into = remote_slots[i % n_remote]
                 self._before_write(stopped, first_write)
                 peer.link.write(Ranges.one(self.staging_region, self.staging.slot_offset(slot),
-                                           peer.staging.region, peer.slot_offset(remote), chunk.nbytes))
-                channel.notify(transfer_id, i, remote, list(chunk.pieces))
+                                           peer.staging.region, peer.slot_offset(into), chunk.nbytes))
+                channel.notify(transfer_id, i, into, list(chunk.pieces))
                 free.put(slot)
             if chunks:
                 self._await_ack(channel, transfer_id, len(chunks) - 1, timeout, stopped)

@@ -59,6 +59,16 @@ class ChunkChannel(Protocol):
 
 
 @dataclass(frozen=True)
+class RemoteSlots:
+    """What a staged send may write through: the receiver's staging slots leased to this
+    transfer, and the channel its chunk notices and acks go over (`transfer_id` names the
+    transfer there)."""
+    transfer_id: int
+    slots: Sequence[int]
+    channel: ChunkChannel | None
+
+
+@dataclass(frozen=True)
 class Chunk:
     pieces: tuple[Piece, ...]
     nbytes: int

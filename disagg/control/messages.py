@@ -25,10 +25,11 @@ from disagg.errors import ProtocolError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.endpoint import StagingInfo
+from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 3
+PROTOCOL_VERSION = 4   # 4: TransferDone carries the send's TransferReport
 MAX_TP_SIZE = 1024
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
@@ -86,10 +87,7 @@ class TransferDone(msgspec.Struct, tag=True, frozen=True):
     prefill_epoch: int
     ok: bool
     reason: str = ""
-    nbytes: int = 0
-    mode: str = ""
-    ranges: int = 0
-    transfer_ms: float = 0.0
+    report: TransferReport | None = None   # ok: what the send of this decode rank's share did
     # False: prefill gave up on writes its transport may still complete (the peer was lost
     # with writes in flight, transfer.transports.mooncake says why); the pages must not be
     # reused on this word: decode keeps them quarantined and asks again.

@@ -36,6 +36,7 @@ from disagg.control.deadlines import Deadlines, passed as deadline_passed
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
+from transfer.report import TransferReport, merged
 from transfer.reshard import Lanes
 
 
@@ -202,14 +203,11 @@ class RequestTable:
                 self._move(r, Phase.FAILED)
             self._lock.notify_all()
 
-    def report(self, r: DecodeRequest) -> dict:
-        """What the senders' TransferDone(ok) said, over all of them (bytes and ranges add up,
-        the slowest one's time)."""
+    def report(self, r: DecodeRequest) -> TransferReport | None:
+        """What the senders' TransferDone(ok) reported, merged (TransferReport.merge: they send
+        at once); None when none reported anything."""
         with self._lock:
-            done = [s.done for s in r.senders.values() if s.done is not None]
-        return {"bytes": sum(d.nbytes for d in done), "mode": "+".join(sorted({d.mode for d in done})),
-                "ranges": sum(d.ranges for d in done), "transfer_ms": max((d.transfer_ms for d in done), default=0.0),
-                "senders": len(done)}
+            return merged(s.done.report for s in r.senders.values() if s.done is not None)
 
     # ---- failures (any thread) --------------------------------------------------------------
     def fail(self, r: DecodeRequest, why: str) -> bool:

@@ -36,6 +36,7 @@ from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError
 from transfer.errors import StagingError
 from transfer.receiver import KVReceiver
+from transfer.report import TransferReport
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ class DecodeServer(Worker):
                 if not check["check"]["token_match"] or not check["check"].get("logits_match", True):
                     log.warning("room %d: generation differs from the colocated run: %s", room, check["check"])
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
-                    "output_tokens": output.tokens, **check, **self.requests.report(r), "kv_ready_at": r.kv_ready_at,
+                    "output_tokens": output.tokens, **check, **self._report(r), "kv_ready_at": r.kv_ready_at,
                     "transport": "+".join(sorted({p.transport for p in peers})), **timings}
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
@@ -152,6 +153,12 @@ class DecodeServer(Worker):
                     **timings}
         finally:
             self.requests.finish(r)
+
+    def _report(self, r: DecodeRequest) -> dict:
+        """What the senders reported of a request that arrived, merged, as the answer carries it
+        (every key, even if a sender reported nothing)."""
+        report = self.requests.report(r) or TransferReport(sends=0)
+        return {**report.to_dict(), "senders": len(r.senders)}
 
     def _free(self, r: DecodeRequest) -> None:
         """(The table's effect, under its lock.)"""

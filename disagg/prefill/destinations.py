@@ -9,9 +9,10 @@ A destination's worker sends and reports on its own; the request is sent when al
 """
 
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvpool import IndexSet
+from transfer.report import TransferReport, merged
 
 
 @dataclass(eq=False)
@@ -26,7 +27,7 @@ class Destination:
     told: bool = False          # it heard the end (TransferDone)
     prepared: Future | None = None   # its send laid out while the KV computes (KVSender.prepare
                                      # on its peer's workers); its transfer worker takes it
-    report: dict = field(default_factory=dict)   # what its send did
+    report: TransferReport | None = None   # what its send did (None: it has not finished)
 
     def take_prepared(self):
         """Its send as prepared while the KV computed (a KVSender PreparedSend), or None (none
@@ -44,18 +45,7 @@ class Destination:
 
 
 def merged_report(dests: list[Destination]) -> dict:
-    """One request's transfer report over its destinations: bytes and ranges add up, times are
-    the slowest destination's (they send at once), the first write the earliest."""
-    reports = [d.report for d in dests if d.report]
-    if len(reports) <= 1:
-        return dict(reports[0]) if reports else {}
-    first = [r["first_write_at"] for r in reports if r.get("first_write_at")]
-    return {**reports[0], "bytes": sum(r["bytes"] for r in reports), "ranges": sum(r["ranges"] for r in reports),
-            "mode": "+".join(sorted({r["mode"] for r in reports})),
-            "transfer_ms": max(r["transfer_ms"] for r in reports),
-            "transfer_cpu_ms": sum(r["transfer_cpu_ms"] for r in reports),
-            "after_compute_ms": max(r["after_compute_ms"] for r in reports),
-            "streamed": any(r["streamed"] for r in reports),
-            "prepared_ahead": all(r.get("prepared_ahead") for r in reports),
-            "prepare_ms": max(r.get("prepare_ms", 0.0) for r in reports),
-            "first_write_at": min(first) if first else None, "destinations": len(reports)}
+    """One request's transfer report over its destinations (TransferReport.merge: they send at
+    once), as the answer carries it; {} when none has sent."""
+    report = merged(d.report for d in dests)
+    return {**report.to_dict(), "destinations": report.sends} if report is not None else {}

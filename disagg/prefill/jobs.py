@@ -13,16 +13,19 @@ the request first: one aborted while they queued plans nothing.
 import logging
 import time
 
+import msgspec
+
 from disagg.control.messages import TransferDone, TransferStarted
 from disagg.control.io import RouterIO
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.destinations import Destination
-from disagg.prefill.peers import DecodePeers
+from disagg.prefill.peers import DecodePeer, DecodePeers
 from disagg.prefill.requests import PrefillRequest, RequestTable
 from kvpool import HybridPool, KVPoolError
 from transfer.errors import WritesAbandoned
 from transfer.peer import RemotePool
 from transfer.sender import KVSender
+from transfer.staging import RemoteSlots
 
 log = logging.getLogger(__name__)
 
@@ -56,11 +59,16 @@ class TransferJobs:
         peer = self.peers.get(d.peer)
         if peer is None:
             return
-        stage = self.sender.can_stage(peer.target, d.slots, peer.relay)
+        stage = self.sender.can_stage(peer.target, self._remote(r, d, peer))
         try:
             d.prepared = peer.workers.submit(self._prepare_send, r, peer.target, d, stage)
         except RuntimeError:   # shut down: the transfer worker would not run either
             pass
+
+    @staticmethod
+    def _remote(r: PrefillRequest, d: Destination, peer: DecodePeer) -> RemoteSlots:
+        """What a staged send to d writes through: its slots, over the peer's chunk relay."""
+        return RemoteSlots(r.room, d.slots, peer.relay)
 
     def _prepare_send(self, r: PrefillRequest, target: RemotePool, d: Destination, stage: bool):
         """(a transfer worker) d's send laid out; nothing if r ended while the job queued."""
@@ -80,19 +88,13 @@ class TransferJobs:
             if not r.streamed and r.phase.sending:   # (streamed: the table says so once computed;
                 # aborted while queued: send() stops before it plans)
                 self.io.send(d.peer, TransferStarted(r.room, self.epoch))
-            t0 = time.perf_counter()
-            report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, r.room, d.slots, peer.relay,
+            report = self.sender.send(peer.target, self.pool.index_set(r.kv), d.dst, self._remote(r, d, peer),
                                       stopped=lambda: not r.phase.sending, progress=r.progress if r.streamed else None,
                                       num_tokens=r.kv.num_tokens, prepared=d.take_prepared())
-            ms = (time.perf_counter() - t0) * 1e3
-            d.report = {"bytes": report.nbytes, "mode": report.mode.value, "transport": report.transport,
-                        "ranges": report.ranges, "transfer_ms": ms, "streamed": report.streamed,
-                        "layer_groups": report.groups, "first_write_at": report.first_write_at,
-                        "transfer_cpu_ms": report.cpu_ms, "prepared_ahead": report.prepared_ahead,
-                        "prepare_ms": report.prepare_ms,
-                        # what decode waits for once compute is over: the part of the send not hidden
-                        "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
-            done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)
+            # what decode waits for once compute is over: the part of the send not hidden
+            d.report = msgspec.structs.replace(
+                report, after_compute_ms=max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3))
+            done = TransferDone(r.room, self.epoch, True, report=d.report)
             ok = True
         except (DisaggError, KVPoolError) as exc:
             reason = f"{type(exc).__name__}: {exc}"

@@ -1,6 +1,6 @@
 """What the router sends a request through: a Pair of instances (a prefill instance and a
-decode instance, each one worker URL per TP rank), and one instance's answer merged from its
-ranks' answers.
+decode instance, each one worker URL per TP rank). One instance's answer is merged from its
+ranks' answers in router/answers.py.
 
     --pair http://p0:8080+http://p1:8080,http://d0:8080,main
            |-- prefill TP 2 ---------------| |-- decode TP 1 -| bootstrap
@@ -53,38 +53,3 @@ class Pair:
 
 def side_name(role: str, rank: int, pair: Pair) -> str:
     return f"{role} rank {rank}" if len(getattr(pair, role)) > 1 else role
-
-
-def merge_ranks(outs: list[dict]) -> dict:
-    """One instance's answer from its ranks' answers: the first failure if any rank failed (its
-    reason naming the rank); else rank 0's, with bytes summed, times the slowest rank's (the
-    ranks work at once) and the check of the first rank whose check failed. Decode ranks must
-    agree on the tokens they generated."""
-    if len(outs) == 1:
-        return outs[0]
-    for rank, out in enumerate(outs):
-        if out.get("state") != "SUCCESS":
-            return {**out, "reason": f"rank {rank}: {out.get('reason', '')}"}
-    tokens = [out.get("output_tokens") for out in outs]
-    if any(t != tokens[0] for t in tokens):
-        return {**outs[0], "state": "FAILED", "reason": f"the decode ranks generated different tokens: {tokens}"[:500]}
-    merged = {**outs[0], "bytes": sum(out.get("bytes") or 0 for out in outs), "ranks": len(outs),
-              "streamed": any(out.get("streamed") for out in outs),
-              # every rank that sent prepared its send ahead (a rank that feeds no decode rank sent nothing)
-              "prepared_ahead": all(out["prepared_ahead"] for out in outs if "prepared_ahead" in out)
-              and any("prepared_ahead" in out for out in outs),
-              "verified": all(out.get("verified") for out in outs) if "verified" in outs[0] else None}
-    checks = [(rank, out["check"]) for rank, out in enumerate(outs) if isinstance(out.get("check"), dict)]
-    if checks:   # each decode rank checks its own shard: the first one that differs speaks for all
-        bad = [(r, c) for r, c in checks if not (c.get("token_match") and c.get("logits_match", True))]
-        rank, check = (bad or checks)[0]
-        merged["check"] = {**check, "ranks_checked": len(checks), **({"rank": rank} if bad else {})}
-    for key, pick in (("first_write_at", min), *((k, max) for k in _SLOWEST)):
-        values = [out[key] for out in outs if isinstance(out.get(key), (int, float))]
-        if values:
-            merged[key] = pick(values)
-    return merged
-
-
-_SLOWEST = ("prefill_ms", "prefill_done_at", "transfer_ms", "after_compute_ms", "bootstrap_ms", "wait_ms",
-            "verify_ms", "decode_ms", "rebuild_ms", "check_ms", "kv_ready_at")

@@ -27,8 +27,9 @@ import numpy as np
 from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
+from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, merge_ranks, read_answer
 from disagg.router.monitor import PairMonitor, PairState
-from disagg.router.pairs import Pair, merge_ranks, side_name
+from disagg.router.pairs import Pair, side_name
 
 log = logging.getLogger(__name__)
 
@@ -72,21 +73,42 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         return {"state": "FAILED", "reason": f"{url}: {getattr(exc, 'reason', exc)}", "unreachable": True}
 
 
-def _failure_status(pre: dict, dec: dict, cancelled: bool) -> int:
+def _failure_status(pre: WorkerAnswer, dec: WorkerAnswer, cancelled: bool) -> int:
     """The HTTP status of a failed request: 4xx only for what the caller did (cancelled it);
     503 when a worker could not be reached (try again, or another router); 504 when a
     deadline passed; 500 when both sides succeeded but decode's verification did not; 502
     for every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
     if cancelled:
         return 409
-    if pre.get("unreachable") or dec.get("unreachable"):
+    if pre.unreachable or dec.unreachable:
         return 503
-    reasons = f"{pre.get('reason', '')} {dec.get('reason', '')}"
+    reasons = f"{pre.reason} {dec.reason}"
     if is_timeout(reasons) or "gave no answer within" in reasons:
         return 504
-    if pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS":
+    if pre.state == "SUCCESS" and dec.state == "SUCCESS":
         return 500
     return 502
+
+
+def _first_write_lead(pre: WorkerAnswer) -> float | None:
+    """Streamed: how long before the engine's last layer the first KV write went out."""
+    sent = pre.report
+    if sent is None or not sent.streamed or not sent.first_write_at or pre.prefill_done_at is None:
+        return None
+    return (pre.prefill_done_at - sent.first_write_at) * 1e3
+
+
+def _timings(pre: WorkerAnswer, dec: WorkerAnswer, ok: bool, total_ms: float) -> Timings:
+    """Each phase's time; "control" is the hand-off overhead: prefill done -> KV ready on
+    decode, less what the send took after compute (streamed) or the whole send."""
+    sent, control, after = pre.report, None, None
+    if ok and pre.prefill_done_at and dec.kv_ready_at and sent is not None:
+        after = (dec.kv_ready_at - pre.prefill_done_at) * 1e3
+        control = after - (sent.after_compute_ms if sent.streamed else sent.transfer_ms)
+    return Timings(bootstrap=dec.bootstrap_ms, prefill=pre.prefill_ms, transfer=sent.transfer_ms if sent else None,
+                   transfer_cpu=sent.cpu_ms if sent else None, wait=dec.wait_ms, verify=dec.verify_ms,
+                   decode=dec.decode_ms, rebuild=dec.rebuild_ms, check=dec.check_ms, control=control,
+                   kv_ready_after_compute=after, total=total_ms)
 
 
 def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
@@ -215,21 +237,21 @@ class Router:
                                          "bootstrap": pair.bootstrap})):
             for rank, url in enumerate(urls):   # every rank of both instances takes part
                 calls[self._calls.submit(post_json, f"{url}/{role}", body, timeout)] = (role, rank, url)
-        results: dict[tuple[str, int], dict] = {}
+        results: dict[tuple[str, int], WorkerAnswer] = {}
         pending, why, prefilled = set(calls), None, False
         while pending:
             done, pending = wait(pending, POLL_S, FIRST_COMPLETED)
             for f in done:
                 role, rank, _ = calls[f]
-                out = results[role, rank] = f.result()
-                if why is None and out.get("state") != "SUCCESS":
-                    why = f"{side_name(role, rank, pair)} failed: {out.get('reason', '')[:200]}"
+                out = results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
+                if why is None and out.state != "SUCCESS":
+                    why = f"{side_name(role, rank, pair)} failed: {out.reason[:200]}"
             if (why is None and not prefilled and on_prefill is not None
                     and all(("prefill", r) in results for r in range(len(pair.prefill)))):
                 prefilled = True   # every prefill rank sent its KV: the first token is known
-                if isinstance(results["prefill", 0].get("first_token"), int):
+                if results["prefill", 0].first_token is not None:
                     try:
-                        on_prefill(results["prefill", 0]["first_token"])
+                        on_prefill(results["prefill", 0].first_token)
                     except OSError:   # the streaming client went away: decode is aborted below
                         why = "cancelled by the client"
             if why is None and (cancel.is_set() or client_gone()):
@@ -241,48 +263,33 @@ class Router:
         if pending:   # aborted: its answer is awaited briefly, never for its whole deadline
             done, pending = wait(pending, ABORT_GRACE_S)
             for f in done:
-                results[calls[f][:2]] = f.result()
+                role, rank, _ = calls[f]
+                results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
             for f in pending:   # frozen or unreachable: answer the client without it
                 role, rank, _ = calls[f]
-                results[role, rank] = {"state": "FAILED", "reason": f"{side_name(role, rank, pair)} gave no answer "
-                                                                    f"within {ABORT_GRACE_S:g} s of being aborted"}
+                results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
+                                             f"{ABORT_GRACE_S:g} s of being aborted")
         pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))])
         dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))])
         cancelled = why == "cancelled by the client"
         if cancelled and client_gone():
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
-        if 503 in (pre.get("status"), dec.get("status")):
-            raise Overloaded(f"{dec.get('reason') if dec.get('status') == 503 else pre.get('reason')} "
-                             f"(room {room}, pair {pair_index})")
-        refused = [side["reason"] for side in (dec, pre) if side.get("status") == 400]
+        if 503 in (pre.status, dec.status):
+            raise Overloaded(f"{dec.reason if dec.status == 503 else pre.reason} (room {room}, pair {pair_index})")
+        refused = [side.reason for side in (dec, pre) if side.status == 400]
         if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
             raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
-        ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
-        status = 200 if ok else _failure_status(pre, dec, cancelled)
-        control = after = None  # prefill done -> KV ready on decode; minus what the send took after compute
-        if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
-            after = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3
-            control = after - (pre["after_compute_ms"] if pre.get("streamed") else pre["transfer_ms"])
-        return {
-            "room": room, "pair": pair_index, "ok": ok, "status": status, "prompt_tokens": len(tokens),
-            "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
-            **({"check": dec["check"]} if isinstance(dec.get("check"), dict) else {}),
-            "bytes": dec.get("bytes", 0), "mode": dec.get("mode"), "transport": dec.get("transport"),
-            "streamed": bool(pre.get("streamed")), "layer_groups": pre.get("layer_groups"),
-            # the send was planned and laid out while the prompt was computed (KVSender.prepare)
-            "prepared_ahead": bool(pre.get("prepared_ahead")),
-            # streamed: how long before the engine's last layer the first KV write went out
-            **({"first_write_before_compute_end_ms": (pre["prefill_done_at"] - pre["first_write_at"]) * 1e3}
-               if ok and pre.get("streamed") and pre.get("first_write_at") else {}),
-            "reason": "" if ok else (why if cancelled else dec.get("reason") or pre.get("reason") or "unknown"),
-            "timings_ms": {"bootstrap": dec.get("bootstrap_ms"), "prefill": pre.get("prefill_ms"),
-                           "transfer": pre.get("transfer_ms"), "transfer_cpu": pre.get("transfer_cpu_ms"),
-                           "wait": dec.get("wait_ms"),
-                           "verify": dec.get("verify_ms"), "decode": dec.get("decode_ms"),
-                           "rebuild": dec.get("rebuild_ms"), "check": dec.get("check_ms"), "control": control,
-                           "kv_ready_after_compute": after,
-                           "total": (time.perf_counter() - t0) * 1e3},
-        }
+        ok = pre.state == "SUCCESS" and dec.state == "SUCCESS" and dec.verified is True
+        return RouterAnswer(
+            room=room, pair=pair_index, ok=ok, status=200 if ok else _failure_status(pre, dec, cancelled),
+            prompt_tokens=len(tokens), output_tokens=dec.output_tokens, verified=bool(dec.verified), check=dec.check,
+            nbytes=dec.report.nbytes if dec.report else 0, mode=dec.report.mode if dec.report else None,
+            transport=dec.report.transport if dec.report else None, streamed=bool(pre.report and pre.report.streamed),
+            layer_groups=pre.report.groups if pre.report else None,
+            prepared_ahead=bool(pre.report and pre.report.prepared_ahead),
+            first_write_before_compute_end_ms=_first_write_lead(pre) if ok else None,
+            reason="" if ok else (why if cancelled else dec.reason or pre.reason or "unknown"),
+            timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3)).to_dict()
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)

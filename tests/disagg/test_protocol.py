@@ -10,6 +10,7 @@ from disagg.errors import ProtocolError
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from transfer.buffers import Buffer, buffers_of
 from transfer.endpoint import StagingInfo
+from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
@@ -27,7 +28,9 @@ SAMPLES = [
     P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", 1, DESCRIBED)),
     P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
     P.TransferStarted(123, 42),
-    P.TransferDone(123, 42, True, "", 1 << 20, "direct", 17, 3.5),
+    P.TransferDone(123, 42, True, "", TransferReport(mode="direct", transport="mooncake", nbytes=1 << 20, ranges=17,
+                                                   transfer_ms=3.5, streamed=True, groups=4, first_write_at=1e9)),
+    P.TransferDone(123, 42, False, "WriteFailed: boom", settled=False),
     P.Abort(123, "client cancelled"),
     P.Heartbeat(42),
     P.Registered(42),
@@ -114,3 +117,14 @@ def test_buffers_and_staging_in_a_registration_are_validated_when_decoded():
                        ("staging", [2, 0, 4096])):
         with pytest.raises(ProtocolError, match="undecodable"):
             d.decode(msgspec.msgpack.encode({**raw, field: bad}))
+
+
+def test_a_transfer_report_in_a_transfer_done_is_validated_when_decoded():
+    """The report is the prefill's word: a count or time it cannot be refuses the message."""
+    d = P.Decoder(P.ToDecode, "control")
+    good = P.TransferDone(1, 2, True, report=TransferReport(mode="staged", nbytes=64, chunks=1, ranges=2))
+    assert d.decode(P.encoder.encode(good)) == good
+    raw = msgspec.msgpack.decode(P.encoder.encode(good))
+    for bad in ({"bytes": -1}, {"transfer_ms": -2.0}, {"ranges": "many"}, {"mode": 3}):
+        with pytest.raises(ProtocolError, match="undecodable"):
+            d.decode(msgspec.msgpack.encode({**raw, "report": {**raw["report"], **bad}}))

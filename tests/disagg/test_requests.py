@@ -11,6 +11,7 @@ from disagg.control.messages import Abort, TransferDone
 from disagg.decode.requests import Phase as D, RequestTable as DecodeTable, Sender
 from disagg.errors import ProtocolError
 from disagg.prefill.requests import Phase as P, RequestTable as PrefillTable
+from transfer.report import TransferReport
 
 LONG = Deadlines(10, 10, 10)
 PEER, OTHER = b"decode-1", b"decode-2"
@@ -55,7 +56,7 @@ def test_prefill_meets_both_halves_in_either_order_and_sends_once(prompt_first):
     assert r.phase is P.COMPUTING and not fx.submitted
     t.computed(r, "kv")
     assert r.phase is P.TRANSFERRING and fx.submitted == [r] and not fx.freed
-    done = TransferDone(1, 5, True, nbytes=10)
+    done = TransferDone(1, 5, True, report=TransferReport(nbytes=10))
     t.finished(r, True, done=done)
     assert r.phase is P.DONE and fx.freed == ["kv"] and fx.told == [(PEER, done)] and t.get(1) is None
 
@@ -134,10 +135,10 @@ def test_decode_success_only_from_the_prefill_it_asked():
     assert r.phase is D.WAITING_FOR_INPUT
     t.started(1, "tcp://p:1", 9)
     assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1")[0] is r and t.receiving(1, "tcp://x:1")[0] is None
-    t.done(TransferDone(1, 9, True), "tcp://x:1")   # another prefill: ignored
+    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=7)), "tcp://x:1")   # another prefill: ignored
     assert r.phase is D.TRANSFERRING
-    t.done(TransferDone(1, 9, True), "tcp://p:1")
-    assert t.wait(r) is D.SUCCESS and t.report(r)["senders"] == 1
+    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=10)), "tcp://p:1")
+    assert t.wait(r) is D.SUCCESS and t.report(r).sends == 1 and t.report(r).nbytes == 10
     t.finish(r)
     assert fx.freed == [r] and t.get(1) is None and not fx.told
 
@@ -298,10 +299,10 @@ def test_prefill_waits_for_every_decode_rank_then_sends_each_its_share_and_ends_
     assert r.phase is P.AWAITING_DECODE and not fx.submitted   # decode rank 1 has not asked yet
     assert t.destination(1, OTHER, "dst1", [1], rank=1, tp_size=2, receivers=TWO) is None
     assert r.phase is P.TRANSFERRING and fx.submitted == [r, r] and r.writers == 2
-    first = TransferDone(1, 5, True, nbytes=10)
+    first = TransferDone(1, 5, True, report=TransferReport(nbytes=10))
     t.finished(r, True, done=first, dest=r.dests[1])
     assert r.phase is P.TRANSFERRING and fx.told == [(OTHER, first)] and not fx.freed   # its KV is complete
-    second = TransferDone(1, 5, True, nbytes=12)
+    second = TransferDone(1, 5, True, report=TransferReport(nbytes=12))
     t.finished(r, True, done=second, dest=r.dests[0])
     assert r.phase is P.DONE and fx.freed == ["kv"] and fx.told == [(OTHER, first), (PEER, second)]
     assert t.get(1) is None
@@ -354,11 +355,15 @@ def test_decode_succeeds_only_once_every_sender_is_done_and_sums_their_reports()
     assert t.sending(r, [a, b]) and r.slots == [0, 1]
     t.started(1, "tcp://p:2", 7)
     assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:2") == (r, b)
-    t.done(TransferDone(1, 9, True, nbytes=10, ranges=2, transfer_ms=3.0, mode="direct"), "tcp://p:1")
+    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=10, ranges=2, transfer_ms=3.0, mode="direct")),
+           "tcp://p:1")
     assert r.phase is D.TRANSFERRING   # rank 1's share has not landed
-    t.done(TransferDone(1, 7, True, nbytes=5, ranges=1, transfer_ms=4.0, mode="staged"), "tcp://p:2")
+    t.done(TransferDone(1, 7, True, report=TransferReport(nbytes=5, ranges=1, transfer_ms=4.0, mode="staged")),
+           "tcp://p:2")
     assert t.wait(r) is D.SUCCESS
-    assert t.report(r) == {"bytes": 15, "ranges": 3, "transfer_ms": 4.0, "mode": "direct+staged", "senders": 2}
+    report = t.report(r)
+    assert (report.nbytes, report.ranges, report.transfer_ms, report.mode, report.sends) == \
+        (15, 3, 4.0, "direct+staged", 2)
     t.finish(r)
     assert fx.freed == [r] and not fx.told
 

@@ -1,42 +1,66 @@
-"""How the router merges the answers of an instance's ranks into one (router/pairs.merge_ranks)."""
+"""How the router merges the answers of an instance's ranks into one (router/answers.merge_ranks),
+each read as the router reads a worker's JSON answer (read_answer)."""
 
-from disagg.router.pairs import merge_ranks
+from disagg.router.answers import merge_ranks, read_answer
 
 
-def ok(**more) -> dict:
-    return {"state": "SUCCESS", "output_tokens": [3, 4], "verified": True, "bytes": 10, "transfer_ms": 1.0, **more}
+def ok(**more):
+    """A rank's successful answer; one with transfer keys (`bytes`, ...) reports a send."""
+    return read_answer({"state": "SUCCESS", "output_tokens": [3, 4], "verified": True, **more}, "decode")
+
+
+def sent(**more):
+    return ok(**{"bytes": 10, "transfer_ms": 1.0, **more})
 
 
 def test_one_rank_is_its_own_answer():
-    assert merge_ranks([ok(bytes=7)]) == ok(bytes=7)
+    assert merge_ranks([sent(bytes=7)]) == sent(bytes=7)
 
 
 def test_the_first_failed_rank_speaks_and_is_named():
-    out = merge_ranks([ok(), {"state": "FAILED", "reason": "peer lost"}, {"state": "FAILED", "reason": "later"}])
-    assert out["state"] == "FAILED" and out["reason"] == "rank 1: peer lost"
+    out = merge_ranks([sent(), read_answer({"state": "FAILED", "reason": "peer lost"}, "decode rank 1"),
+                       read_answer({"state": "FAILED", "reason": "later"}, "decode rank 2")])
+    assert out.state == "FAILED" and out.reason == "rank 1: peer lost"
 
 
 def test_bytes_add_up_times_are_the_slowest_and_every_rank_must_be_verified():
-    out = merge_ranks([ok(transfer_ms=2.0), ok(transfer_ms=5.0, verified=False)])
-    assert out["bytes"] == 20 and out["transfer_ms"] == 5.0 and out["ranks"] == 2
-    assert out["verified"] is False
+    out = merge_ranks([sent(transfer_ms=2.0, wait_ms=3.0), sent(transfer_ms=5.0, wait_ms=1.0, verified=False)])
+    assert out.report.nbytes == 20 and out.report.transfer_ms == 5.0 and out.ranks == 2 and out.wait_ms == 3.0
+    assert out.verified is False
 
 
 def test_decode_ranks_that_generated_different_tokens_fail_the_request():
-    out = merge_ranks([ok(), ok(output_tokens=[3, 5])])
-    assert out["state"] == "FAILED" and "different tokens" in out["reason"]
+    out = merge_ranks([sent(), sent(output_tokens=[3, 5])])
+    assert out.state == "FAILED" and "different tokens" in out.reason
 
 
 def test_each_rank_checks_its_own_shard_and_a_failed_check_is_the_instances():
     good = {"token_match": True, "logits_match": True, "max_logit_diff": 0.0}
     bad = {"token_match": True, "logits_match": False, "max_logit_diff": 0.25}
-    assert merge_ranks([ok(check=good), ok(check=good)])["check"] == {**good, "ranks_checked": 2}
-    out = merge_ranks([ok(check=good), ok(check=good), ok(check=bad)])
-    assert out["state"] == "SUCCESS" and out["check"] == {**bad, "ranks_checked": 3, "rank": 2}
+    assert merge_ranks([sent(check=good), sent(check=good)]).check == {**good, "ranks_checked": 2}
+    out = merge_ranks([sent(check=good), sent(check=good), sent(check=bad)])
+    assert out.state == "SUCCESS" and out.check == {**bad, "ranks_checked": 3, "rank": 2}
 
 
 def test_prepared_ahead_holds_when_every_rank_that_sent_prepared_its_send():
-    sent = {"prepared_ahead": True}
-    assert merge_ranks([ok(**sent), ok()])["prepared_ahead"]                # rank 1 fed no decode rank
-    assert not merge_ranks([ok(**sent), ok(prepared_ahead=False)])["prepared_ahead"]
-    assert not merge_ranks([ok(), ok()])["prepared_ahead"]                  # no rank sent anything
+    assert merge_ranks([sent(prepared_ahead=True), ok()]).report.prepared_ahead     # rank 1 fed no decode rank
+    assert not merge_ranks([sent(prepared_ahead=True), sent(prepared_ahead=False)]).report.prepared_ahead
+    assert merge_ranks([ok(), ok()]).report is None                                  # no rank sent anything
+
+
+def test_the_ranks_reports_merge_by_the_one_rule():
+    out = merge_ranks([sent(mode="direct", first_write_at=5.0, streamed=True, layer_groups=4),
+                       sent(mode="staged", first_write_at=4.0, layer_groups=6)])
+    assert out.report.mode == "direct+staged" and out.report.first_write_at == 4.0
+    assert out.report.streamed and out.report.groups == 6 and out.report.sends == 2
+
+
+def test_a_worker_answer_that_is_not_one_is_a_failed_answer_naming_the_worker():
+    for raw, says in (([1], "a JSON list, not an object"), ("ok", "a JSON str, not an object"),
+                      ({"state": "SUCCESS", "output_tokens": "3 4"}, "Expected `array`, got `str`"),
+                      ({"state": "SUCCESS", "bytes": -5}, "Expected `int` >= 0"),
+                      ({"state": 1}, "Expected `str`, got `int`")):
+        out = read_answer(raw, "decode rank 1")
+        assert out.state == "FAILED" and out.reason.startswith("decode rank 1 gave a malformed answer: ")
+        assert says in out.reason, out.reason
+    assert read_answer({"state": "SUCCESS", "unknown": {"x": 1}, "report": "?"}, "decode").state == "SUCCESS"

@@ -85,3 +85,25 @@ def test_a_failed_request_has_a_service_status_and_keeps_its_body(workers, prefi
     if status != 200:
         logged = "request refused (Unavailable)" if status == 503 else "request failed: room"
         assert logged in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("prefill,decode,says", [
+    ([1, 2], OK_DECODE, "prefill gave a malformed answer: a JSON list, not an object"),
+    (OK_PREFILL, {**OK_DECODE, "bytes": "lots"}, "decode gave a malformed answer: Expected `int`, got `str` - at "
+                                                 "`$.bytes`"),
+    ({**OK_PREFILL, "first_token": "three"}, OK_DECODE, "prefill gave a malformed answer: Expected `int | null`"),
+    (OK_PREFILL, {**OK_DECODE, "output_tokens": {"0": 3}}, "decode gave a malformed answer"),
+    ({**OK_PREFILL, "transfer_ms": -1.0}, OK_DECODE, "prefill gave a malformed answer: Expected `float` >= 0.0"),
+])
+def test_a_malformed_worker_answer_is_a_failed_request_that_says_why(workers, prefill, decode, says):
+    """A worker's answer is untrusted: one the router cannot read fails the request (502, as
+    any failure a worker reports) with the reason, and the router goes on serving."""
+    proc, router = _router(workers(prefill), workers(decode))
+    try:
+        out = post_json(router + "/generate", {"prompt_len": 8}, 30)
+        assert out["ok"] is False and out["status"] == 502 and says in out["reason"], out
+        assert "timings_ms" in out and isinstance(out["room"], int)
+    finally:
+        proc.terminate()
+        _, err = proc.communicate(timeout=30)
+    assert "request failed: room" in err and "Traceback" not in err

@@ -16,6 +16,7 @@ from kvpool import Component, IndexSet, Layout
 from transfer.config import Mode, TransferConfig
 from transfer.errors import OutOfBounds, PeerUnreachable
 from transfer.sender import KVSender
+from transfer.staging import RemoteSlots
 
 
 def _compute(pool) -> None:
@@ -46,7 +47,8 @@ def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport,
         assert prepared.mode is mode
         assert peer.digest(rid, outside=True) == before, "prepare moved bytes"
         _compute(pool)
-        report = sender.send(target, src, dst, 3, slots, peer.channel, num_tokens=req.num_tokens, prepared=prepared)
+        report = sender.send(target, src, dst, RemoteSlots(3, slots, peer.channel), num_tokens=req.num_tokens,
+                             prepared=prepared)
         got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(3)
     assert report.prepared_ahead and report.mode is mode and report.prepare_ms > 0

@@ -20,6 +20,7 @@ from transfer.config import Mode, TransferConfig
 from transfer.errors import LayoutIncompatible
 from transfer.reshard import Shard, senders as senders_of
 from transfer.sender import KVSender
+from transfer.staging import RemoteSlots
 
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 PAGES = [(4, 4), (4, 16), (16, 1)]   # (prefill, decode), cycled over the cases
@@ -66,7 +67,7 @@ def reshard_into(transport, peer, preset, tp, pages, layout, mode, room=7):
             with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
                 target = peer.connect(sender)
                 slots = peer.expect(r + 1, rid, want_slots=2, sender=(pages[0], tp[0], r))
-                reports.append(sender.send(target, pool.index_set(req), dst, r + 1, slots, peer.channel,
+                reports.append(sender.send(target, pool.index_set(req), dst, RemoteSlots(r + 1, slots, peer.channel),
                                            num_tokens=TOKENS))
                 peer.release(r + 1)
         peer.verify(rid, tokens, room)
@@ -144,6 +145,6 @@ def test_a_streamed_send_between_tp_sizes_moves_every_slice_once(layout):
             for layer in range(model.num_layers):
                 progress.final(layer)
             progress.complete()
-            report = sender.send(target, pool.index_set(req), dst, 1, progress=progress, num_tokens=TOKENS)
+            report = sender.send(target, pool.index_set(req), dst, progress=progress, num_tokens=TOKENS)
         assert report.streamed
         peer.verify(rid, tokens, 5)

@@ -27,6 +27,7 @@ from transfer.transports.ranges import RunSet
 
 from harness.peer_server import digest_tokens
 from transfer.tokens import Tokens, pool_lanes
+from transfer.staging import RemoteSlots
 from harness.source import source_pool as _setup
 
 PRESETS = ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"]
@@ -226,7 +227,7 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
         engine = threading.Thread(target=_engine, args=(progress, watched, log))
         engine.start()
         try:
-            report = sender.send(target, pool.index_set(req), dst, 7, slots, peer.channel, progress=progress,
+            report = sender.send(target, pool.index_set(req), dst, RemoteSlots(7, slots, peer.channel), progress=progress,
                                  num_tokens=301)
         finally:
             engine.join()
@@ -255,7 +256,7 @@ def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mo
         engine.start()
         try:
             with pytest.raises(Cancelled):
-                sender.send(target, pool.index_set(req), dst, 8, slots, peer.channel, stopped=stop.is_set,
+                sender.send(target, pool.index_set(req), dst, RemoteSlots(8, slots, peer.channel), stopped=stop.is_set,
                             progress=progress)
         finally:
             engine.join()
@@ -314,7 +315,7 @@ def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport
         computing = threading.Thread(target=engine)
         computing.start()
         try:
-            report = sender.send(target, src, dst, 9, num_tokens=301, progress=progress, prepared=prepared)
+            report = sender.send(target, src, dst, num_tokens=301, progress=progress, prepared=prepared)
         finally:
             computing.join()
         torch.cuda.synchronize()

@@ -20,6 +20,7 @@ from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreacha
 from transfer.faults import FaultPlan
 from transfer.sender import KVSender
 from transfer.transports import Ranges, TransportSettings, create
+from transfer.staging import RemoteSlots
 
 
 def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
@@ -31,7 +32,7 @@ def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
         rid, dst = peer.alloc(tokens)
         before = peer.digest(rid, outside=True).outside
         slots = peer.expect(transfer_id, rid, want_slots=2)
-        report = sender.send(target, pool.index_set(req), dst, transfer_id, slots, peer.channel,
+        report = sender.send(target, pool.index_set(req), dst, RemoteSlots(transfer_id, slots, peer.channel),
                              num_tokens=req.num_tokens)
         got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(transfer_id)
@@ -103,7 +104,7 @@ def test_concurrent_senders_share_the_per_peer_budget(transport, peer):
 
         def run(i):
             try:
-                sender.send(target, pool.index_set(reqs[i]), dsts[i], i)
+                sender.send(target, pool.index_set(reqs[i]), dsts[i])
             except Exception as exc:  # collected and asserted below
                 errors.append(exc)
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
@@ -230,7 +231,7 @@ def test_staged_failure_releases_every_slot(transport, peer):
                                                   chunk_timeout_s=1.0)) as sender:
         target = peer.connect(sender)
         with pytest.raises(StagingError, match="no ack"):
-            sender.send(target, pool.index_set(req), dst, 5, slots, peer.channel)
+            sender.send(target, pool.index_set(req), dst, RemoteSlots(5, slots, peer.channel))
         assert sender.staging.lease.available() == sender.config.staging_slots
     assert peer.available().staging_free == 4
     # and the peer keeps serving
@@ -252,7 +253,7 @@ def test_staging_area_on_another_device_than_the_pool(transport, peer):
         req = pool.alloc_request(77)
         rid, dst = peer.alloc(77)
         slots = peer.expect(9, rid, want_slots=2)
-        sender.send(target, pool.index_set(req), dst, 9, slots, peer.channel)
+        sender.send(target, pool.index_set(req), dst, RemoteSlots(9, slots, peer.channel))
         peer.release(9)
         assert peer.digest(rid).per_component == digest_request(pool, req)
 
@@ -276,7 +277,7 @@ def test_a_stopped_send_ends_before_its_next_write(transport, peer, mode):
     with KVSender(transport, pool, config) as sender:
         target = peer.connect(sender)
         with pytest.raises(Cancelled, match="aborted"):
-            sender.send(target, pool.index_set(req), dst, 7, slots, peer.channel, stopped=stopped)
+            sender.send(target, pool.index_set(req), dst, RemoteSlots(7, slots, peer.channel), stopped=stopped)
         assert sender.staging.lease.available() == config.staging_slots
     peer.release(7)
     after = peer.digest(rid, outside=True)
@@ -313,7 +314,7 @@ def test_an_aborted_staged_send_stops_waiting_for_acks(transport, peer):
     with KVSender(transport, pool, config) as sender:
         target = peer.connect(sender)
         with pytest.raises(Cancelled, match="waiting for an ack"):
-            sender.send(target, pool.index_set(req), dst, 8, slots, peer.channel,
+            sender.send(target, pool.index_set(req), dst, RemoteSlots(8, slots, peer.channel),
                         stopped=lambda: time.monotonic() > aborted_at)
         assert time.monotonic() - aborted_at < 5
         assert sender.staging.lease.available() == config.staging_slots

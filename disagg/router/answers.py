@@ -1,0 +1,136 @@
+"""The answers the router reads and gives: a worker's answer to /prefill or /decode, typed
+(read_answer), one instance's answer merged from its ranks' (merge_ranks), and the router's
+own answer to /generate (RouterAnswer: the keys README's HTTP API section lists).
+
+A worker's answer comes from the network: read_answer makes anything that is not an answer
+(not a JSON object, a field of the wrong type, a negative byte count) a failed one that says
+why, never an exception. Keys it does not know are ignored. The transfer report's keys
+(transfer/report.py: `bytes`, `mode`, `transfer_ms`, ...) sit flat in the answer, as the
+workers have always sent them; they are read into `report`.
+"""
+
+from typing import Any
+
+import msgspec
+
+from transfer.report import REPORT_KEYS, TransferReport, merged
+
+
+class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
+    """A prefill or decode worker's answer, or post_json's word for a call that failed."""
+    state: str = ""                  # SUCCESS; anything else is a failure
+    reason: str = ""
+    status: int | None = None        # the HTTP status of a refused call (post_json)
+    unreachable: bool = False        # the worker could not be reached (post_json)
+    first_token: int | None = None   # prefill: the first generated token
+    verified: bool | None = None     # decode: every byte of the KV checked
+    output_tokens: list[int] = []    # decode
+    check: dict[str, Any] | None = None   # decode: compared with a colocated run (token_match, ...)
+    prefill_ms: float | None = None       # ms: prefill's compute
+    prefill_done_at: float | None = None  # s, wall clock: prefill's compute ended
+    bootstrap_ms: float | None = None     # ms, decode: looking prefill up
+    wait_ms: float | None = None          # ms, decode: from its TransferRequests to the KV's arrival
+    verify_ms: float | None = None        # ms, decode
+    decode_ms: float | None = None        # ms, decode
+    rebuild_ms: float | None = None       # ms, decode (a real model's engine)
+    check_ms: float | None = None         # ms, decode
+    kv_ready_at: float | None = None      # s, wall clock: decode had the whole KV
+    ranks: int = 1                        # the instance's ranks merged into it
+    report: TransferReport | None = None  # what its sends did (None: the answer carries no report)
+
+
+_SLOWEST = ("prefill_ms", "prefill_done_at", "bootstrap_ms", "wait_ms", "verify_ms", "decode_ms", "rebuild_ms",
+            "check_ms", "kv_ready_at")
+"""Times of an instance's ranks, which work at once: the instance's is the slowest rank's."""
+
+
+def failed(reason: str) -> WorkerAnswer:
+    return WorkerAnswer(state="FAILED", reason=reason)
+
+
+def read_answer(raw: object, who: str) -> WorkerAnswer:
+    """A worker's decoded JSON answer (post_json's result) as a WorkerAnswer; one that is
+    not an answer is a failed one naming `who` and what is wrong with it."""
+    if not isinstance(raw, dict):
+        return failed(f"{who} gave a malformed answer: a JSON {type(raw).__name__}, not an object")
+    try:
+        answer = msgspec.convert({k: v for k, v in raw.items() if k != "report"}, WorkerAnswer)
+        report = msgspec.convert(raw, TransferReport) if REPORT_KEYS & raw.keys() else None
+    except msgspec.ValidationError as exc:
+        return failed(f"{who} gave a malformed answer: {exc}")
+    return msgspec.structs.replace(answer, report=report)
+
+
+def merge_ranks(outs: list[WorkerAnswer]) -> WorkerAnswer:
+    """One instance's answer from its ranks' answers: the first failure if any rank failed (its
+    reason naming the rank); else rank 0's, with the reports merged (TransferReport.merge),
+    times the slowest rank's (the ranks work at once) and the check of the first rank whose
+    check failed. Decode ranks must agree on the tokens they generated."""
+    if len(outs) == 1:
+        return outs[0]
+    for rank, out in enumerate(outs):
+        if out.state != "SUCCESS":
+            return msgspec.structs.replace(out, reason=f"rank {rank}: {out.reason}")
+    tokens = [out.output_tokens for out in outs]
+    if any(t != tokens[0] for t in tokens):
+        return msgspec.structs.replace(outs[0], state="FAILED",
+                                       reason=f"the decode ranks generated different tokens: {tokens}"[:500])
+    slowest = {}
+    for name in _SLOWEST:
+        values = [getattr(out, name) for out in outs if getattr(out, name) is not None]
+        if values:
+            slowest[name] = max(values)
+    return msgspec.structs.replace(
+        outs[0], **slowest, ranks=len(outs), report=merged(out.report for out in outs), check=_check(outs),
+        verified=all(out.verified for out in outs) if outs[0].verified is not None else None)
+
+
+def _check(outs: list[WorkerAnswer]) -> dict | None:
+    """Each decode rank checks its own shard: the first one that differs speaks for all."""
+    checks = [(rank, out.check) for rank, out in enumerate(outs) if out.check is not None]
+    if not checks:
+        return None
+    bad = [(r, c) for r, c in checks if not (c.get("token_match") and c.get("logits_match", True))]
+    rank, check = (bad or checks)[0]
+    return {**check, "ranks_checked": len(checks), **({"rank": rank} if bad else {})}
+
+
+class Timings(msgspec.Struct, frozen=True, kw_only=True):
+    """The router's `timings_ms`: each phase in ms, null where the request did not get there."""
+    bootstrap: float | None
+    prefill: float | None
+    transfer: float | None
+    transfer_cpu: float | None
+    wait: float | None
+    verify: float | None
+    decode: float | None
+    rebuild: float | None
+    check: float | None
+    control: float | None                  # prefill done -> KV ready on decode, minus the send's own time
+    kv_ready_after_compute: float | None   # prefill done -> KV ready on decode
+    total: float
+
+
+class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """The router's answer to /generate (the fields with a default are left out when unset)."""
+    room: int
+    pair: int
+    ok: bool
+    status: int
+    prompt_tokens: int
+    output_tokens: list[int]
+    verified: bool
+    check: dict[str, Any] | None = None   # decode's check, when one was made
+    nbytes: int = msgspec.field(name="bytes")   # bytes the KV took (decode's count)
+    mode: str | None
+    transport: str | None
+    streamed: bool
+    layer_groups: int | None
+    prepared_ahead: bool   # the send was planned and laid out while the prompt was computed
+    # streamed: how long before the engine's last layer the first KV write went out
+    first_write_before_compute_end_ms: float | None = None
+    reason: str
+    timings_ms: Timings
+
+    def to_dict(self) -> dict:
+        return msgspec.to_builtins(self)
