@@ -30,13 +30,21 @@ def setup_logging(level: str = "info") -> None:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
+def stop_on_signals(stop: Callable[[], None]) -> None:
+    """Call `stop` on SIGTERM (what Kubernetes and `kill` send) and on SIGINT (Ctrl-C). Setting
+    a handler also undoes a SIGINT that the launching shell ignored (a background job of a
+    script, `nohup ... &`), so Ctrl-C and `kill -INT` stop the process wherever it started.
+    `stop` runs in the main thread between two bytecodes: it must only set a flag."""
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop())
+
+
 def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_every_s: float = 10.0) -> None:
     """Block until SIGTERM or SIGINT (Kubernetes stops pods with SIGTERM). Once `readiness()`
     says ready (as /ready does), call `on_ready` (the ready lines) once; until then log why
     not, at WARNING, every `warn_every_s`."""
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop.set)
     warned = -warn_every_s
     while not stop.is_set():
         state = readiness()

@@ -132,6 +132,10 @@ class BootstrapServer:
                 reply = Refused(f"internal error: {type(exc).__name__}")
             self._sock.send(encoder.encode(reply))
 
+    def interrupt(self) -> None:
+        """Make serve_forever return within one poll (safe from a signal handler: sets a flag)."""
+        self._stop.set()
+
     def start(self) -> "BootstrapServer":
         self._thread = threading.Thread(target=self.serve_forever, name="bootstrap", daemon=True)
         self._thread.start()
