@@ -4,7 +4,8 @@ reply (Refused with a reason for anything invalid) and the server keeps serving.
 The ranks registered at one bootstrap are one prefill instance: a rank whose TP size, pool
 or model differs from a live rank's is refused (and ranks beyond a new TP size are dropped).
 A registration is a lease: prefill renews it (the same registration again) every
-RENEW_S, and it is live for lease_s after the last renewal. A live rank is never taken over:
+RENEW_S, and it is live for lease_s after the last renewal; a lookup answers only a live
+rank (a lapsed entry is kept for its epoch, never handed out). A live rank is never taken over:
 a second instance of it is refused and told who holds it (LIVE_HOLDER). A newer epoch (a
 restarted prefill) replaces an entry whose lease ran out; an older epoch is always refused,
 so a stale process cannot take a rank back.
@@ -91,14 +92,24 @@ class BootstrapServer:
                     return Registered(epoch)
                 case Lookup(version=v, tp_rank=rank):
                     check_version(v)
-                    info = self.ranks.get(rank)
-                    if info is None:
-                        raise ProtocolError(f"no prefill rank {rank} registered")
-                    return PrefillInfo(info)
+                    return PrefillInfo(self._live(rank))
         except ProtocolError as exc:
             log.warning("bootstrap request refused: %s", exc)
             return Refused(str(exc))
         return Refused("unexpected message")
+
+    def _live(self, rank: int) -> RegisterPrefill:
+        """The holder of `rank` if its lease runs; else ProtocolError. An expired entry is kept
+        (its epoch still orders restarts) but never handed out: decode would register with a
+        prefill that stopped renewing (dead, frozen or cut off) and wait out its deadline."""
+        info = self.ranks.get(rank)
+        if info is None:
+            raise ProtocolError(f"no prefill rank {rank} registered")
+        age = time.monotonic() - self._renewed[rank]
+        if age >= self.config.lease_s:
+            raise ProtocolError(f"prefill rank {rank} ({info.control_endpoint}) stopped renewing its lease "
+                                f"{age:.1f} s ago: no live prefill holds it")
+        return info
 
     def _odd_rank(self, msg: RegisterPrefill, now: float) -> str | None:
         """Why `msg` cannot be a rank of the instance the live ranks form (the ranks behind one

@@ -65,6 +65,34 @@ def test_restarted_prefill_replaces_its_rank_once_the_old_lease_ran_out(keyed, e
         server.stop()
 
 
+def test_a_lookup_never_names_a_rank_whose_lease_lapsed(keyed, eventually):
+    """Issue 35, item 5: lookups named a prefill killed long ago; decode registered there and
+    waited out its deadline. A lapsed rank is refused with why; its successor is named."""
+    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", lease_s=0.5), keyed).start()
+    client = BootstrapClient(server.endpoint, keyed)
+    try:
+        client.register(_info(0, epoch=1))
+        assert client.lookup(PROTOCOL_VERSION, 0).epoch == 1
+        eventually(lambda: not _looks_up(client), 10, "the lapsed rank is no longer named")
+        with pytest.raises(ProtocolError, match=r"rank 0 \(tcp://127.0.0.1:7000\) stopped renewing its lease"):
+            client.lookup(PROTOCOL_VERSION, 0)
+        with pytest.raises(ProtocolError, match="older than registered 1"):   # its epoch still orders restarts
+            client.register(_info(0, epoch=0))
+        client.register(_info(0, epoch=2))
+        assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
+    finally:
+        client.close()
+        server.stop()
+
+
+def _looks_up(client) -> bool:
+    try:
+        client.lookup(PROTOCOL_VERSION, 0)
+        return True
+    except ProtocolError:
+        return False
+
+
 def _registers(client, info) -> bool:
     try:
         client.register(info)
