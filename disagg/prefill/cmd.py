@@ -82,9 +82,9 @@ def run(args: argparse.Namespace) -> int:
                              lambda out: out["state"] == "SUCCESS", observe)
 
     api = ApiServer(args.http_host or args.host, args.http_port, {"/prefill": prefill, "/abort": abort_route(server.abort)},
-                    lambda: server.ready, metrics.registry, lambda: metrics.observe_pool(server.available()),
+                    server.readiness, metrics.registry, lambda: metrics.observe_pool(server.available()),
                     max_inflight=args.max_inflight, health=server.health).start()
-    serve(lambda: {"ready": server.ready, "why": "starting"},
+    serve(server.readiness,
           lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
                            bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
                            transports={t.kind: t.host for t in server.sender.transports}))

@@ -1,21 +1,29 @@
-"""Stale registrations through real processes (issue 35, item 5): an external bootstrap, a
-prefill killed with SIGKILL, and a decode that must serve its replacement without a restart."""
+"""Stale registrations through real processes (issue 35, items 5 and 6): an external
+bootstrap; a prefill killed with SIGKILL, and a decode that must serve its replacement
+without a restart; a bootstrap killed and restarted, and a newcomer that must not take the
+live prefill's rank."""
 
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
 
 import pytest
 
+from disagg.bootstrap.server import BootstrapClient
+from disagg.control.messages import PROTOCOL_VERSION, LayoutInfo, RegisterPrefill
+from disagg.errors import ProtocolError
 from disagg.tools.launcher import Launcher
 from fault_stack import requests, start_router
+from transfer.buffers import Buffer
 
 pytestmark = pytest.mark.slow
 
 COMMON = ["--preset", "tiny-full", "--device", "cpu", "--max-tokens", "8192", "--max-requests", "8"]
 QUICK = ["--dead-after", "2", "--bootstrap-timeout", "2", "--waiting-timeout", "4"]
 _room = iter(range(1000, 10**6))
+LAYOUT = LayoutInfo(16, "page_major", [Buffer(0, 4096 * 8, 4096, "full", None, None)])
 
 
 def _decode_alone(decode: dict) -> dict:
@@ -73,3 +81,42 @@ def test_a_registration_that_was_never_answered_is_not_kept(eventually):
         assert failed["state"] == "FAILED" and "bootstrap_ms" not in failed, failed
         prefill2 = launcher.start("prefill", *COMMON, *QUICK, "--bootstrap-bind", "none", "--bootstrap-addr", boot)
         _serves(launcher, prefill2, decode)
+
+
+def test_a_restarted_bootstrap_gives_the_live_prefill_its_rank_back(keyed, eventually):
+    """Issue 35, item 6: right after a bootstrap restart a key holder took rank 0 on its first
+    try, before the live prefill renewed. The restarted bootstrap keeps each rank for its live
+    holder for a grace period: the newcomer is refused and the live prefill re-claims."""
+    with Launcher() as launcher:
+        boot = launcher.start("bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:*")
+        prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "none", "--bootstrap-addr", boot["bootstrap"])
+        decode = launcher.start("decode", *COMMON, "--bootstrap-addr", boot["bootstrap"])
+        _kill(launcher, boot)
+        launcher.start("bootstrap", "--bootstrap-bind", boot["bootstrap"])
+        client = BootstrapClient(boot["bootstrap"], keyed, timeout_s=10)
+        newcomer = RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", time.time_ns(), LAYOUT)
+        try:
+            with pytest.raises(ProtocolError, match="kept for its live holder|held by a live prefill"):
+                client.register(newcomer)
+            eventually(lambda: _named(client) == prefill["control"], 15, "the live prefill re-claimed rank 0")
+            with pytest.raises(ProtocolError, match="held by a live prefill"):
+                client.register(newcomer)
+        finally:
+            client.close()
+        assert _get(prefill["http"] + "/ready")["ready"] is True
+        _serves(launcher, prefill, decode)
+
+
+def _named(client: BootstrapClient) -> str | None:
+    try:
+        return client.lookup(PROTOCOL_VERSION, 0).control_endpoint
+    except ProtocolError:
+        return None
+
+
+def _get(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
