@@ -7,7 +7,9 @@ second; run() imports the rest. Flag values come from the command line, DISAGG_<
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from disagg import __version__, config
 from disagg.errors import DisaggError
@@ -48,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if threading.current_thread() is threading.main_thread():
+        # Ctrl-C works even where the launching shell ignored SIGINT (a background job, nohup):
+        # Python leaves an inherited SIG_IGN in place. Servers then set their own handlers.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     argv = sys.argv[1:] if argv is None else list(argv)
     parser = build_parser()
     subs = parser.commands

@@ -62,21 +62,32 @@ def _slow(what: str):
         timer.cancel()
 
 
+def stop_on_signals(stop: Callable[[], None]) -> None:
+    """Call `stop` on SIGTERM (what Kubernetes and `kill` send) and on SIGINT (Ctrl-C), after
+    saying at once that the process stops; a second signal while it stops exits at once.
+    Setting a handler also undoes a SIGINT that the launching shell ignored (a background job
+    of a script, `nohup ... &`), so Ctrl-C and `kill -INT` stop the process wherever it
+    started. `stop` runs in the main thread between two bytecodes: it must only set a flag."""
+    stopping = threading.Event()
+
+    def handler(signum, _frame) -> None:
+        name = signal.Signals(signum).name
+        if stopping.is_set():
+            os.write(2, f"disagg: {name} again: exiting at once\n".encode())
+            os._exit(130)
+        stopping.set()
+        os.write(2, f"disagg: {name}: stopping ...\n".encode())   # (os.write: no logging lock in a handler)
+        stop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
 def serve(readiness: Callable[[], dict], on_ready: Callable[[], None], warn_every_s: float = 10.0) -> None:
     """Block until SIGTERM or SIGINT (Kubernetes stops pods with SIGTERM). Once `readiness()`
     says ready (as /ready does), call `on_ready` (the ready lines) once; until then log why
     not, at WARNING, every `warn_every_s`."""
     stop = threading.Event()
-
-    def stopping(signum, _frame) -> None:
-        name = signal.Signals(signum).name
-        if stop.is_set():   # a second Ctrl-C while stopping: stop now, whatever is left
-            os.write(2, f"disagg: {name} again: exiting at once\n".encode())
-            os._exit(130)
-        os.write(2, f"disagg: {name}: stopping (closing connections, peers and the pool) ...\n".encode())
-        stop.set()   # (os.write: safe in a handler, unlike logging's lock)
-    signal.signal(signal.SIGTERM, stopping)
-    signal.signal(signal.SIGINT, stopping)
+    stop_on_signals(stop.set)
     warned = -warn_every_s
     while not stop.is_set():
         state = readiness()

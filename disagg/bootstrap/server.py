@@ -3,14 +3,20 @@ reply (Refused with a reason for anything invalid) and the server keeps serving.
 
 The ranks registered at one bootstrap are one prefill instance: a rank whose TP size, pool
 or model differs from a live rank's is refused (and ranks beyond a new TP size are dropped).
-A registration is a lease: prefill renews it (the same registration again) every
-RENEW_S, and it is live for lease_s after the last renewal. A live rank is never taken over:
-a second instance of it is refused and told who holds it (LIVE_HOLDER). A newer epoch (a
-restarted prefill) replaces an entry whose lease ran out; an older epoch is always refused,
-so a stale process cannot take a rank back.
-Epochs are start times (ns): one from more than EPOCH_SLACK_S in the future is refused, so
-no registration can hold a rank forever. No frame ends the loop: a message of more than one
-frame is refused, and anything else that goes wrong with one request is logged and refused.
+A registration is a lease: prefill takes its rank at start (RegisterPrefill), then renews it
+(RenewPrefill) every RENEW_S, and it is live for lease_s after the last renewal; a lookup
+answers only a live rank (a lapsed entry is kept for its epoch, never handed out). A live
+rank is never taken over: a second instance of it is refused and told who holds it
+(LIVE_HOLDER). A newer epoch (a restarted prefill) replaces an entry whose lease ran out; an
+older epoch is always refused, so a stale process cannot take a rank back.
+A restarted bootstrap knows no rank, while the live ranks' leases still run: for grace_s
+(a lease and a renewal interval) after its start only renewals take ranks, so each live
+rank re-claims its own before a newcomer could (RECLAIMING). The rank of a prefill the
+bootstrap runs inside is held from the start.
+Epochs are start times (ns): one more than EPOCH_SLACK_S ahead of the bootstrap's clock is
+refused (a later epoch out-ranks every honest restart, so it could hold a rank until the
+clock caught up). No frame ends the loop: a message of more than one frame is refused, and
+anything else that goes wrong with one request is logged and refused.
 """
 
 import logging
@@ -23,23 +29,29 @@ import zmq
 
 from disagg.control.auth import Gate
 from disagg.control.messages import (MAX_TP_SIZE, BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo,
-                                     RegisterPrefill, Registered, Refused, check_version, encoder)
+                                     RegisterPrefill, Registered, Refused, RenewPrefill, check_version, encoder)
 from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
 LIVE_HOLDER = "held by a live prefill"   # in a refusal: wait for its lease to run out, or give up
-EPOCH_SLACK_S = 60.0   # clock skew allowed between a prefill host and the bootstrap's
+RECLAIMING = "kept for its live holder"  # in a refusal: the bootstrap restarted; wait out its grace period
+RENEW_S = 1.0          # a prefill renews its lease this often
+LEASE_S = 3.0          # a rank is live this long after its last renewal
+EPOCH_SLACK_S = 5.0    # how far ahead of the bootstrap's clock an epoch may be (hosts' clock skew)
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
-    bind: str = "tcp://0.0.0.0:8998"
-    lease_s: float = 3.0    # a rank is live this long after its prefill last renewed it
+    bind: str = "tcp://127.0.0.1:8998"
+    lease_s: float = LEASE_S    # a rank is live this long after its prefill last renewed it
+    grace_s: float = LEASE_S + RENEW_S   # after a start, only renewals take ranks (a live rank's is due by then)
 
 
 class BootstrapServer:
-    def __init__(self, config: BootstrapConfig, gate: Gate):
+    def __init__(self, config: BootstrapConfig, gate: Gate, own: RegisterPrefill | None = None):
+        """`own`: the rank of the prefill this bootstrap runs inside, held from the start (it
+        started with it, so no live holder of that rank can be waiting to renew)."""
         self.config = config
         self._sock = gate.server(gate.ctx.socket(zmq.REP), "bootstrap")
         try:
@@ -53,6 +65,9 @@ class BootstrapServer:
         self._decoder = Decoder(BootstrapRequest, "bootstrap")
         self.ranks: dict[int, RegisterPrefill] = {}
         self._renewed: dict[int, float] = {}   # rank -> monotonic time of its last registration
+        self._started = time.monotonic()
+        if own is not None:
+            self.ranks[own.tp_rank], self._renewed[own.tp_rank] = own, self._started
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -60,45 +75,72 @@ class BootstrapServer:
         try:
             msg = self._decoder.decode(frame)
             match msg:
-                case RegisterPrefill(version=v, tp_rank=rank, tp_size=size, epoch=epoch):
-                    check_version(v)
-                    if not 1 <= size <= MAX_TP_SIZE:
-                        raise ProtocolError(f"tp_size {size} outside [1, {MAX_TP_SIZE}]")
-                    if not 0 <= rank < size:
-                        raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
-                    if epoch > time.time_ns() + int(EPOCH_SLACK_S * 1e9):
-                        raise ProtocolError(f"epoch {epoch} is from the future (epochs are start times in ns)")
-                    old, now = self.ranks.get(rank), time.monotonic()
-                    if old is not None and epoch < old.epoch:
-                        raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch}")
-                    if old == msg:   # the holder renews its lease
-                        self._renewed[rank] = now
-                        return Registered(epoch)
-                    age = now - self._renewed.get(rank, float("-inf"))
-                    if old is not None and age < self.config.lease_s:
-                        log.warning("refused a second prefill for rank %d (%s): rank %d is held by %s", rank,
-                                    msg.control_endpoint, rank, old.control_endpoint)
-                        raise ProtocolError(f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch "
-                                            f"{old.epoch}, renewed {age:.1f} s ago); stop it first or give this "
-                                            f"one another --tp-rank")
-                    odd = self._odd_rank(msg, now)
-                    if odd:
-                        raise ProtocolError(odd)
-                    self.ranks[rank], self._renewed[rank] = msg, now
-                    for stale in [r for r in self.ranks if r >= size]:   # of an instance of more ranks before
-                        del self.ranks[stale], self._renewed[stale]
-                    log.info("prefill rank %d registered (epoch %d, %s)", rank, epoch, msg.control_endpoint)
-                    return Registered(epoch)
+                case RenewPrefill(info=info):
+                    return self._register(info, renewal=True)
+                case RegisterPrefill():
+                    return self._register(msg, renewal=False)
                 case Lookup(version=v, tp_rank=rank):
                     check_version(v)
-                    info = self.ranks.get(rank)
-                    if info is None:
-                        raise ProtocolError(f"no prefill rank {rank} registered")
-                    return PrefillInfo(info)
+                    return PrefillInfo(self._live(rank))
         except ProtocolError as exc:
             log.warning("bootstrap request refused: %s", exc)
             return Refused(str(exc))
         return Refused("unexpected message")
+
+    def _register(self, msg: RegisterPrefill, renewal: bool) -> Registered:
+        """Take or renew a rank (a renewal: its holder, or a live rank re-claiming it from a
+        restarted bootstrap); ProtocolError saying why not."""
+        rank, size, epoch = msg.tp_rank, msg.tp_size, msg.epoch
+        check_version(msg.version)
+        if not 1 <= size <= MAX_TP_SIZE:
+            raise ProtocolError(f"tp_size {size} outside [1, {MAX_TP_SIZE}]")
+        if not 0 <= rank < size:
+            raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
+        ahead_s = (epoch - time.time_ns()) / 1e9
+        if ahead_s > EPOCH_SLACK_S:
+            raise ProtocolError(f"epoch {epoch} is {ahead_s:.0f} s ahead of this bootstrap's clock (at most "
+                                f"{EPOCH_SLACK_S:g} s allowed; epochs are start times in ns): sync the hosts' clocks")
+        old, now = self.ranks.get(rank), time.monotonic()
+        if old is not None and epoch < old.epoch:
+            raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch} (held by "
+                                f"{old.control_endpoint}); only a restarted prefill can take it back")
+        if old == msg:   # the holder renews its lease
+            self._renewed[rank] = now
+            return Registered(epoch)
+        age = now - self._renewed.get(rank, float("-inf"))
+        if old is not None and age < self.config.lease_s:
+            log.warning("refused %s prefill for rank %d (%s): rank %d is held by %s",
+                        "a renewing" if renewal else "a second", rank, msg.control_endpoint, rank,
+                        old.control_endpoint)
+            raise ProtocolError(f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch {old.epoch}, "
+                                f"renewed {age:.1f} s ago); stop it first or give this one another --tp-rank")
+        up_s = now - self._started
+        if not renewal and up_s < self.config.grace_s:
+            raise ProtocolError(f"rank {rank} is {RECLAIMING}: this bootstrap started {up_s:.1f} s ago and "
+                                f"waits {self.config.grace_s:g} s for live ranks to renew before a new prefill "
+                                f"takes one")
+        odd = self._odd_rank(msg, now)
+        if odd:
+            raise ProtocolError(odd)
+        self.ranks[rank], self._renewed[rank] = msg, now
+        for stale in [r for r in self.ranks if r >= size]:   # of an instance of more ranks before
+            del self.ranks[stale], self._renewed[stale]
+        log.info("prefill rank %d %s (epoch %d, %s)", rank, "re-claimed" if renewal else "registered", epoch,
+                 msg.control_endpoint)
+        return Registered(epoch)
+
+    def _live(self, rank: int) -> RegisterPrefill:
+        """The holder of `rank` if its lease runs; else ProtocolError. An expired entry is kept
+        (its epoch still orders restarts) but never handed out: decode would register with a
+        prefill that stopped renewing (dead, frozen or cut off) and wait out its deadline."""
+        info = self.ranks.get(rank)
+        if info is None:
+            raise ProtocolError(f"no prefill rank {rank} registered")
+        age = time.monotonic() - self._renewed[rank]
+        if age >= self.config.lease_s:
+            raise ProtocolError(f"prefill rank {rank} ({info.control_endpoint}) stopped renewing its lease "
+                                f"{age:.1f} s ago: no live prefill holds it")
+        return info
 
     def _odd_rank(self, msg: RegisterPrefill, now: float) -> str | None:
         """Why `msg` cannot be a rank of the instance the live ranks form (the ranks behind one
@@ -132,6 +174,10 @@ class BootstrapServer:
                 reply = Refused(f"internal error: {type(exc).__name__}")
             self._sock.send(encoder.encode(reply))
 
+    def interrupt(self) -> None:
+        """Make serve_forever return within one poll (safe from a signal handler: sets a flag)."""
+        self._stop.set()
+
     def start(self) -> "BootstrapServer":
         self._thread = threading.Thread(target=self.serve_forever, name="bootstrap", daemon=True)
         self._thread.start()
@@ -146,6 +192,10 @@ class BootstrapServer:
         if self._thread is not None:
             self._thread.join()
         self._sock.close(linger=0)
+
+
+class Refusal(ProtocolError):
+    """The bootstrap answered, and said no (as opposed to not answering)."""
 
 
 class BootstrapClient:
@@ -176,11 +226,14 @@ class BootstrapClient:
                                 f"running, and does it hold this deployment's auth key?)")
         reply = self._decoder.decode(self._sock.recv())
         if isinstance(reply, Refused):
-            raise ProtocolError(f"bootstrap refused: {reply.reason}")
+            raise Refusal(f"bootstrap refused: {reply.reason}")
         return reply
 
     def register(self, info: RegisterPrefill) -> None:
         self.call(info)
+
+    def renew(self, info: RegisterPrefill) -> None:
+        self.call(RenewPrefill(info))
 
     def lookup(self, version: int, tp_rank: int = 0) -> RegisterPrefill:
         reply = self.call(Lookup(version, tp_rank))

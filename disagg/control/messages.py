@@ -29,7 +29,7 @@ from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 4   # 4: TransferDone carries the send's TransferReport
+PROTOCOL_VERSION = 4   # 4: TransferDone carries the send's TransferReport; RenewPrefill
 MAX_TP_SIZE = 1024
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
@@ -44,6 +44,12 @@ class RegisterPrefill(msgspec.Struct, tag=True, frozen=True):
     control_endpoint: str     # tcp://host:port of the prefill rank's ROUTER
     epoch: int                # instance epoch: new on every start
     layout: LayoutInfo
+
+
+class RenewPrefill(msgspec.Struct, tag=True, frozen=True):
+    """A rank's holder renewing its lease (every RENEW_S), or re-claiming it from a bootstrap
+    that restarted; RegisterPrefill is a prefill taking a rank at start."""
+    info: RegisterPrefill
 
 
 class Lookup(msgspec.Struct, tag=True, frozen=True):
@@ -126,7 +132,7 @@ class Refused(msgspec.Struct, tag=True, frozen=True):
     reason: str
 
 
-BootstrapRequest = RegisterPrefill | Lookup
+BootstrapRequest = RegisterPrefill | RenewPrefill | Lookup
 BootstrapReply = Registered | PrefillInfo | Refused
 ToPrefill = RegisterDecode | TransferRequest | ChunkDone | Abort | Heartbeat
 ToDecode = Registered | Refused | TransferStarted | ChunkLanded | TransferDone | Heartbeat

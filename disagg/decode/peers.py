@@ -1,6 +1,7 @@
-"""The prefill peers of one decode: bootstrap lookups (cached), one registration per prefill
-epoch, and liveness. Request threads look peers up and wait for their registration; the loop
-thread records answers and heartbeats and drops silent peers (under one lock)."""
+"""The prefill peers of one decode: bootstrap lookups (cached until the peer is lost or its
+registration fails), one registration per prefill epoch, and liveness. Request threads look
+peers up and wait for their registration; the loop thread records answers and heartbeats and
+drops silent peers (under one lock)."""
 
 import threading
 import time
@@ -34,6 +35,7 @@ class PrefillPeers:
         self._peers: dict[str, PrefillPeer] = {}              # control endpoint -> peer
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
         self._liveness = Liveness(dead_after_s)               # registered peers only
+        self._abandoned: set[str] = set()                     # registration failed: close the socket
 
     # ---- request threads ---------------------------------------------------------------------
     def lookup(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> RegisterPrefill:
@@ -65,14 +67,26 @@ class PrefillPeers:
                 peer = self._peers[info.control_endpoint] = PrefillPeer(info)
             return peer, fresh
 
-    @staticmethod
-    def wait_registered(peer: PrefillPeer, deadline: float) -> PrefillPeer:
-
+    def wait_registered(self, peer: PrefillPeer, deadline: float) -> PrefillPeer:
+        """The peer once it accepted our registration. Unanswered in time or refused, it is
+        forgotten with its lookups (the next request looks the rank up and registers again:
+        the bootstrap may name another prefill by then) and its socket is left to the loop
+        thread to close (`abandoned`)."""
         if not peer.registered.wait(max(0.0, deadline - time.monotonic())):
-            raise ProtocolError(f"prefill {peer.endpoint} did not answer the registration in time")
+            self._abandon(peer)
+            raise ProtocolError(f"prefill {peer.endpoint} did not answer the registration in time (the next "
+                                f"request looks it up again)")
         if peer.refused:
+            self._abandon(peer)
             raise ProtocolError(f"prefill refused registration: {peer.refused}")
         return peer
+
+    def _abandon(self, peer: PrefillPeer) -> None:
+        with self._lock:
+            if self._peers.get(peer.endpoint) is not peer:   # another request got there first
+                return
+            self._forget(peer.endpoint)
+            self._abandoned.add(peer.endpoint)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def registered(self, endpoint: str, epoch: int, transport: str) -> None:
@@ -110,10 +124,22 @@ class PrefillPeers:
         with self._lock:
             return [e for e in self._peers if self._liveness.known(e)]
 
+    def abandoned(self) -> list[str]:
+        """(Loop thread.) Endpoints whose registration failed and that no request has joined
+        since: their sockets are to be closed (a later registration connects afresh)."""
+        with self._lock:
+            gone = [e for e in self._abandoned if e not in self._peers]
+            self._abandoned.clear()
+            return gone
+
     def lost(self, endpoint: str) -> None:
         """Forget the peer and its lookups: the next request looks it up and registers again."""
         with self._lock:
-            self._peers.pop(endpoint, None)
-            self._liveness.forget(endpoint)
-            for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
-                del self._lookups[key]
+            self._forget(endpoint)
+
+    def _forget(self, endpoint: str) -> None:
+        """(Under the lock.)"""
+        self._peers.pop(endpoint, None)
+        self._liveness.forget(endpoint)
+        for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
+            del self._lookups[key]

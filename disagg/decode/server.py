@@ -222,6 +222,8 @@ class DecodeServer(Worker):
             if now >= next_beat:
                 for endpoint in self.peers.silent():
                     self._peer_lost(endpoint, f"prefill {endpoint} silent for {self.config.dead_after_s:.0f} s")
+                for endpoint in self.peers.abandoned():   # its registration failed
+                    self.io.drop(endpoint)
                 for endpoint in self.peers.registered_endpoints():
                     self.io.reply(endpoint, Heartbeat(self.epoch))
                 next_beat = now + self.config.heartbeat_interval_s

@@ -20,9 +20,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("prefill")
     g.add_argument("--control-port", type=port, default=0, help="port of the control socket decode workers "
                    "connect to (0: any free port; the bootstrap tells decode which)")
-    g.add_argument("--bootstrap-bind", default="tcp://0.0.0.0:8998", metavar="tcp://HOST:PORT|none",
-                   help="run the bootstrap server inside this process, here; none: register with --bootstrap-addr "
-                        "instead (a second prefill on one host needs one of the two)")
+    g.add_argument("--bootstrap-bind", default=None, metavar="tcp://HOST:PORT|none",
+                   help="run the bootstrap server inside this process, here (default: port 8998 on --host, the "
+                        "address the other listeners use); none: register with --bootstrap-addr instead (a second "
+                        "prefill on one host needs one of the two)")
     g.add_argument("--bootstrap-addr", default=None, metavar="tcp://HOST:PORT",
                    help="an external bootstrap (`disagg bootstrap`) to register with")
     g.add_argument("--transfer-workers", type=positive_int, default=4, help="parallel transfers per decode peer")
@@ -41,13 +42,21 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                         "tests can watch layer-wise streaming hide the transfer (0: none)")
 
 
+def bootstrap_bind(args: argparse.Namespace) -> str | None:
+    """Where the bootstrap inside this prefill listens: --bootstrap-bind, by default port 8998 on
+    --host (every listener on the host the operator chose); None: none runs here."""
+    if args.bootstrap_bind == "none":
+        return None
+    return args.bootstrap_bind or f"tcp://{args.host}:8998"
+
+
 def config_from(args: argparse.Namespace) -> "PrefillConfig":
     from disagg.prefill.server import PrefillConfig
     settings = worker_settings(args)
     settings["transfer"] = dataclasses.replace(settings["transfer"], stream_group_ms=args.stream_group_ms)
     settings["simulate_layer_ms"] = args.simulate_layer_ms
     return PrefillConfig(**settings, control_port=args.control_port,
-                         bootstrap_bind=None if args.bootstrap_bind == "none" else args.bootstrap_bind,
+                         bootstrap_bind=bootstrap_bind(args),
                          bootstrap_addr=args.bootstrap_addr, transfer_workers=args.transfer_workers,
                          stream_layers=args.stream_layers, stream_min_tokens=args.stream_min_tokens)
 
@@ -65,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     server = PrefillServer(config_from(args))
     api = ApiServer(listener, PrefillRoutes(server).service(), http_limits(args))
-    serve_api(api, lambda: {"ready": server.ready, "why": "starting"},
+    serve_api(api, server.readiness,
               lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
                                bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
                                transports={t.kind: t.host for t in server.sender.transports}),

@@ -69,15 +69,18 @@ class PrefillServer(TransferJobs, Worker):
                                      self._may_stream, self._prepare)
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
                                  self.epoch)
-        self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate).start() \
+        rank = RegisterPrefill(PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint,
+                               self.epoch, self.layout)
+        # (a bootstrap of our own holds our rank from its start: it started with us)
+        self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate,
+                                         own=None if config.bootstrap_addr else rank).start() \
             if config.bootstrap_bind else None
         self.bootstrap_endpoint = config.bootstrap_addr or (self.bootstrap.endpoint if self.bootstrap else None)
         if self.bootstrap_endpoint is None:
             raise ValueError("give bootstrap_bind or bootstrap_addr")
         self._loop_thread = threading.Thread(target=self._loop, name="prefill-loop", daemon=True)
         self._loop_thread.start()
-        self.lease = BootstrapLease(self.gate, self.bootstrap_endpoint, RegisterPrefill(
-            PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint, self.epoch, self.layout))
+        self.lease = BootstrapLease(self.gate, self.bootstrap_endpoint, rank)
         try:
             self.lease.acquire()
         except DisaggError:
@@ -224,6 +227,24 @@ class PrefillServer(TransferJobs, Worker):
 
     def available(self) -> dict[str, int]:
         return self.pool.available()
+
+    def readiness(self) -> dict:
+        """/ready: started, and the bootstrap still lists us as our rank's holder (else decode
+        is sent to another prefill, and prompts sent here would wait for it in vain)."""
+        if not self.ready:
+            return {"ready": False, "why": "starting"}
+        lost = self.lease.lost
+        if lost:
+            return {"ready": False, "why": f"bootstrap {self.bootstrap_endpoint} no longer lists this prefill as "
+                                          f"rank {self.config.pool.tp_rank}: {lost}"}
+        return {"ready": True, "bootstrap": self.bootstrap_endpoint}
+
+    def health(self) -> dict:
+        """/health stays "ok" when the rank is lost (/ready says so): the process is whole, a
+        restart cannot take a rank from a live holder, and decode that registered here is
+        still served. It shows the lease, for a person looking."""
+        hold, why = self.lease.state
+        return {**super().health(), "bootstrap_lease": hold.value + (f": {why}" if why else "")}
 
     def threads(self) -> dict[str, bool]:
         """For /health: whether each thread this process cannot serve without is alive."""

@@ -26,7 +26,7 @@ def _register(rank: int = 0) -> RegisterPrefill:
 
 @pytest.fixture()
 def bootstrap(keyed):
-    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*"), keyed).start()
+    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", grace_s=0), keyed).start()
     yield server
     server.stop()
 

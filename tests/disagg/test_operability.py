@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from harness.processes import reap, spawn
+
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 
 
@@ -26,8 +28,7 @@ def _free_port() -> int:
 
 def _start(*args: str) -> subprocess.Popen:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    return subprocess.Popen([DISAGG, *args, "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env)
+    return spawn([DISAGG, *args, "--insecure"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def _ready(url: str) -> tuple[int, dict]:
@@ -41,8 +42,12 @@ def _ready(url: str) -> tuple[int, dict]:
 
 
 def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """SIGTERM, and what it said; its group is killed whatever happens (a hung stop included)."""
     proc.send_signal(signal.SIGTERM)
-    return proc.communicate(timeout=60)
+    try:
+        return proc.communicate(timeout=60)
+    finally:
+        reap(proc)
 
 
 def test_decode_with_a_wrong_bootstrap_says_why_and_is_not_announced(eventually):
@@ -103,8 +108,8 @@ def _gone(pid: int) -> bool:
 
 def test_demo_ends_its_processes_on_sigterm_without_a_traceback(eventually):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    demo = subprocess.Popen([DISAGG, "demo", "--requests", "100000", "--prompt-len", "16:64", "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    demo = spawn([DISAGG, "demo", "--requests", "100000", "--prompt-len", "16:64", "--no-progress"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         for line in demo.stderr:   # progress: one line per process as it comes up
             if "router ready on" in line:
@@ -113,12 +118,10 @@ def test_demo_ends_its_processes_on_sigterm_without_a_traceback(eventually):
         assert len(children) == 3
         demo.send_signal(signal.SIGTERM)
         out, err = demo.communicate(timeout=90)
+        assert demo.returncode == 130 and "disagg demo: interrupted" in err and "Traceback" not in err
+        eventually(lambda: all(_gone(pid) for pid in children), 30, "the demo's prefill, decode and router ended")
     finally:
-        if demo.poll() is None:
-            demo.kill()
-            demo.communicate()
-    assert demo.returncode == 130 and "disagg demo: interrupted" in err and "Traceback" not in err
-    eventually(lambda: all(_gone(pid) for pid in children), 30, "the demo's prefill, decode and router ended")
+        reap(demo)   # (its group: the demo, and what it left behind if this failed)
 
 
 def test_a_worker_says_at_once_that_it_stops_and_exits_without_its_teardown():

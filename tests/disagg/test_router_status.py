@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 
 from disagg.api.server import ApiServer, Service
 from disagg.router.router import post_json
+from harness.processes import reap, spawn
 
 OK_PREFILL = {"state": "SUCCESS", "prefill_ms": 1.0, "transfer_ms": 0.5, "first_token": 3}
 OK_DECODE = {"state": "SUCCESS", "verified": True, "output_tokens": [3], "bytes": 64, "mode": "direct",
@@ -48,9 +49,13 @@ def workers():
 
 def _router(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    proc = subprocess.Popen([sys.executable, "-m", "disagg", "router", "--pair", f"{prefill},{decode},main"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    return proc, json.loads(proc.stdout.readline())["http"]
+    proc = spawn([sys.executable, "-m", "disagg", "router", "--pair", f"{prefill},{decode},main"],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        return proc, json.loads(proc.stdout.readline())["http"]
+    except BaseException:
+        reap(proc)
+        raise
 
 
 @pytest.mark.parametrize("prefill,decode,status,says", [
@@ -81,7 +86,10 @@ def test_a_failed_request_has_a_service_status_and_keeps_its_body(workers, prefi
         assert again["ok"] is (status == 200) and says in again["reason"]
     finally:
         proc.terminate()
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        finally:
+            reap(proc)
     if status != 200:
         logged = "request refused (Unavailable)" if status == 503 else "request failed: room"
         assert logged in err and "Traceback" not in err, err

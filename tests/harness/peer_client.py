@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
@@ -16,6 +17,7 @@ import numpy as np
 import zmq
 
 from harness.pair_channel import PairChannel
+from harness.processes import reap, spawn
 from harness.peer_server import PeerCore
 from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fragment, Free,
                           Hello, Release, Reply, Stop, Target, Verify)
@@ -104,13 +106,16 @@ class PeerProcess(_Driver):
                "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio)]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env)
-        ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
-        line = self.proc.stdout.readline() if ready else ""
-        if not line:
-            self.proc.kill()
-            raise TransferError(f"peer server did not start (exit code {self.proc.poll()})")
-        endpoints = json.loads(line)
+        self.proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        try:
+            ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
+            line = self.proc.stdout.readline() if ready else ""
+            if not line:
+                raise TransferError(f"peer server did not start (exit code {self.proc.poll()})")
+            endpoints = json.loads(line)
+        except BaseException:
+            reap(self.proc, signal.SIGKILL)
+            raise
         ctx = zmq.Context.instance()
         self.sock = ctx.socket(zmq.REQ)
         self.sock.connect(endpoints["command"])
@@ -131,11 +136,10 @@ class PeerProcess(_Driver):
                 self.call(Stop(), timeout=10)
                 self.proc.wait(timeout=10)
             except (TransferError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        reap(self.proc, signal.SIGKILL, 0)   # (whatever it left: nothing, unless it hung)
         self.sock.close(linger=0)
         self.channel.socket.close(linger=0)
-        self.proc.stdout.close()
 
 
 class LocalChannel:

@@ -6,16 +6,19 @@ import sys
 
 import pytest
 
+from harness.processes import running
+
 pytestmark = pytest.mark.slow
 
 
 def test_demo_json_summary_and_plot(tmp_path):
     png = tmp_path / "bench.png"
-    out = subprocess.run([sys.executable, "-m", "disagg", "demo", "--requests", "10", "--concurrency", "3",
-                          "--prompt-len", "16:600", "--json", "--no-progress", "--plot", str(png)],
-                         capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    with running([sys.executable, "-m", "disagg", "demo", "--requests", "10", "--concurrency", "3",
+                  "--prompt-len", "16:600", "--json", "--no-progress", "--plot", str(png)],
+                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as demo:   # (its workers too)
+        stdout, stderr = demo.communicate(timeout=240)
+    assert demo.returncode == 0, stdout[-2000:] + stderr[-2000:]
+    summary = json.loads(stdout.strip().splitlines()[-1])
     assert summary["requests"] == summary["verified"] == 10 and summary["failed"] == 0
     assert summary["gb_per_s"] > 0 and summary["bytes"] > 0
     for phase in ("total", "transfer", "control", "verify"):

@@ -185,6 +185,10 @@ class MooncakeTransport(Transport):
             raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}: {' | '.join(said())}")
         self.host, self.protocol = host, protocol
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
+        log.info("mooncake: its handshake port %d and its TCP data port listen on every address of this host, "
+                 "whatever the host given (%s): Mooncake binds no single address; only a NetworkPolicy or a "
+                 "firewall restricts them (both in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, default 15000-17000; "
+                 "docs/security.md)", self._te.get_rpc_port(), host)
         self.cost = TCP_COST
         self.max_inflight_per_peer = max_inflight_per_peer
         self._budgets: dict[str, PeerBudget] = {}
