@@ -38,8 +38,9 @@ class PrefillPeers:
         self._abandoned: set[str] = set()                     # registration failed: close the socket
 
     # ---- request threads ---------------------------------------------------------------------
-    def lookup(self, bootstrap: str, deadline: float, tp_rank: int = 0) -> RegisterPrefill:
-        """Prefill rank `tp_rank` as the bootstrap names it (cached until the peer is lost)."""
+    def lookup(self, bootstrap: str, deadline: float, tp_rank: int = 0, check_layout: bool = True) -> RegisterPrefill:
+        """Prefill rank `tp_rank` as the bootstrap names it (cached until the peer is lost);
+        ProtocolError if its layout differs from ours (unless `check_layout` is off)."""
         with self._lock:
             info = self._lookups.get((bootstrap, tp_rank))
         if info is None:
@@ -51,11 +52,11 @@ class PrefillPeers:
             if info.tp_rank != tp_rank:
                 raise ProtocolError(f"bootstrap {bootstrap} answered for prefill rank {tp_rank} with rank "
                                     f"{info.tp_rank}")
-            diff = layout_difference(prefill=info.layout, decode=self.layout)
-            if diff:
-                raise ProtocolError(f"prefill layout differs: {diff}")
             with self._lock:
                 self._lookups[(bootstrap, tp_rank)] = info
+        diff = layout_difference(prefill=info.layout, decode=self.layout) if check_layout else None
+        if diff:
+            raise ProtocolError(f"prefill layout differs: {diff}")
         return info
 
     def join(self, info: RegisterPrefill) -> tuple[PrefillPeer, bool]:

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from disagg.bootstrap.server import BootstrapClient
 from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
-from disagg.decode.peers import PrefillPeer, PrefillPeers
+from disagg.decode.introducer import Introducer, ReadinessWatch
+from disagg.decode.peers import PrefillPeers
 from disagg.decode.instances import SenderRanks
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
@@ -39,6 +39,8 @@ from transfer.receiver import KVReceiver
 from transfer.report import TransferReport
 
 log = logging.getLogger(__name__)
+
+READY_TIMEOUT_S = 5.0   # the readiness watch's introduction: at most this (or the bootstrap deadline)
 
 
 @dataclass(frozen=True)
@@ -63,31 +65,20 @@ class DecodeServer(Worker):
         self.requests = RequestTable(config.deadlines, config.quarantine_s, self._free, self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
+        self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
+        self.watch = ReadinessWatch(self.introducer, config.bootstrap_addr,
+                                    min(config.deadlines.bootstrap_s, READY_TIMEOUT_S))
         self._loop_thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._loop_thread.start()
         self.ready = True
+        self.watch.start()
+
+    def _registration(self) -> RegisterDecode:
+        pc = self.pool.config
+        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.receiver.offers(),
+                              self.receiver.staging_info(), pc.tp_size, pc.tp_rank)
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def _senders_for(self, bootstrap: str, deadline: float) -> list[PrefillPeer]:
-        """The registered prefill ranks behind `bootstrap` that hold some of our heads (one if
-        the instances' TP sizes are equal: our rank; registering once per epoch)."""
-        first = self.peers.lookup(bootstrap, deadline, 0)
-        ranks = self.instances.sender_ranks(first)
-        peers = []
-        for rank in ranks:
-            info = first if rank == 0 else self.peers.lookup(bootstrap, deadline, rank)
-            if info.tp_size != first.tp_size:
-                raise ProtocolError(f"prefill ranks behind {bootstrap} disagree on their TP size (rank 0: "
-                                    f"{first.tp_size}, rank {rank}: {info.tp_size}): an instance is restarting")
-            peer, fresh = self.peers.join(info)
-            if fresh:
-                pc = self.pool.config
-                self.io.send(peer.endpoint, RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout,
-                                                           self.receiver.offers(), self.receiver.staging_info(),
-                                                           pc.tp_size, pc.tp_rank), connect=True)
-            peers.append(peer)
-        return [self.peers.wait_registered(peer, deadline) for peer in peers]
-
     def _admit(self, r: DecodeRequest, num_tokens: int, deadline: float) -> None:
         def alloc():
             if self.faults.hit("decode.alloc"):
@@ -111,7 +102,7 @@ class DecodeServer(Worker):
             if r.phase.ended:   # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
-            peers = self._senders_for(bootstrap_endpoint, deadline)
+            peers = self.introducer.senders(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
             t1 = time.perf_counter()
@@ -190,20 +181,13 @@ class DecodeServer(Worker):
         known = {"default": self.config.bootstrap_addr, **dict(self.config.bootstraps)}
         return {**super().health(), "bootstraps": sorted({*known, *known.values()})}
 
-    def readiness(self, timeout_s: float = 1.0) -> dict:
-        """/ready: the pool is registered and the default bootstrap answers and knows a prefill
-        rank; when not, why (what a person fixes: the address, the key, prefill not up yet)."""
+    def readiness(self) -> dict:
+        """/ready, at once: the pool is registered and this decode is registered with the
+        prefill behind its default bootstrap (ReadinessWatch keeps it so); when not, why (what
+        a person fixes: the address, the key, prefill not up yet, a different model)."""
         if not self.ready:
             return {"ready": False, "why": "starting: pool and transports not registered yet"}
-        client = BootstrapClient(self.config.bootstrap_addr, self.gate, timeout_s)
-        try:
-            client.lookup(PROTOCOL_VERSION)
-            return {"ready": True, "bootstrap": self.config.bootstrap_addr}
-        except ProtocolError as exc:
-            return {"ready": False, "bootstrap": self.config.bootstrap_addr,
-                    "why": f"{exc}; it is this decode's --bootstrap-addr"}
-        finally:
-            client.close()
+        return self.watch.state()
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -274,9 +258,10 @@ class DecodeServer(Worker):
 
     def threads(self) -> dict[str, bool]:
         """For /health: whether each thread this process cannot serve without is alive."""
-        return {**super().threads(), "loop": self._loop_thread.is_alive()}
+        return {**super().threads(), "loop": self._loop_thread.is_alive(), "ready-watch": self.watch.alive()}
 
     def close(self) -> None:
+        self.watch.stop()
         self._stop.set()
         self._loop_thread.join()
         self.io.close()

@@ -7,6 +7,7 @@ from any thread (a dict read).
 """
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -45,6 +46,7 @@ class DecodePeers:
         self.liveness = Liveness(dead_after_s)
         self._peers: dict[bytes, DecodePeer] = {}
         self._receivers: dict[int, frozenset[int]] = {}   # decode TP size -> ranks we send to
+        self._refusals: dict[str, float] = {}              # reason -> when last logged
 
     def get(self, identity: bytes) -> DecodePeer | None:
         return self._peers.get(identity)
@@ -69,6 +71,15 @@ class DecodePeers:
         holders = [h for h in map(self._peers.get, owners) if h is not None]
         return not holders or any(h.epoch == peer.epoch for h in holders)
 
+    def _refused(self, reason: str) -> None:
+        """A refused registration at WARNING: a decode paired with the wrong model (or TP, or
+        transport) is a deployment mistake someone must see; the same reason once a minute
+        (a decode's readiness watch tries again every second)."""
+        now = time.monotonic()
+        if now - self._refusals.get(reason, float("-inf")) >= 60.0:
+            self._refusals[reason] = now
+            log.warning("refused a decode's registration: %s", reason)
+
     def register(self, identity: bytes, msg: RegisterDecode) -> Registered | Refused:
         try:
             check_version(msg.version)
@@ -83,6 +94,7 @@ class DecodePeers:
             target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size,
                                          tp=(msg.tp_size, msg.tp_rank))
         except (ProtocolError, TransferError) as exc:
+            self._refused(str(exc))
             return Refused(str(exc))
         old = self._peers.get(identity)
         if old is not None:
