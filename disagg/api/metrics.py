@@ -39,6 +39,12 @@ class WorkerMetrics:
         self.pool_free = {unit: Gauge(f"disagg_pool_free_{unit}", text, ["role", "allocator"], registry=r)
                           for unit, text in POOL_UNITS.items()}
         self.inflight = Gauge("disagg_inflight_requests", "requests being served (queue depth)", ["role"], registry=r)
+        self.capacity = Gauge("disagg_capacity_requests", "requests this process takes at once (--max-inflight)",
+                              ["role"], registry=r)
+        self.connections = Gauge("disagg_http_connections_requests", "open HTTP connections (each may carry a "
+                                 "request)", ["role"], registry=r)
+        self.answers = Counter("disagg_http_answers_total", "HTTP answers by route and status (400s and 503s too)",
+                               ["role", "route", "status"], registry=r)
         self.role = role
 
     def observe_pool(self, available: dict[str, int]) -> None:
@@ -76,9 +82,27 @@ class WorkerMetrics:
             self.latency.labels(self.role, phase).observe(ms / 1e3)
 
     def failure(self, reason: str) -> None:
-        """Count a failure under a coarse reason (the first word: bounded label cardinality)."""
+        """Count a failure under a coarse reason: the side it names and its kind (bounded label
+        cardinality)."""
         self.requests.labels(self.role, "failed").inc()
-        self.failures.labels(self.role, reason.split(":")[0].split(" ")[0][:40] or "unknown").inc()
+        self.failures.labels(self.role, failure_label(reason)).inc()
+
+
+# the kind of a failure, by what its reason says (first match); anything else is "other"
+FAILURE_KINDS = (("cancel", "cancelled"), ("abort", "cancelled"), ("deadline", "timeout"), ("timed out", "timeout"),
+                 ("no answer", "timeout"), ("unreachable", "unreachable"), ("refused", "refused"),
+                 ("layout", "layout"), ("overloaded", "overloaded"), ("verif", "verify"), ("check", "check"),
+                 ("outofspace", "out_of_space"), ("out of space", "out_of_space"), ("malformed", "malformed"),
+                 ("transfer", "transfer"), ("silent", "peer_lost"), ("lost", "peer_lost"))
+
+
+def failure_label(reason: str) -> str:
+    """"decode failed: TRANSFERRING deadline of 30 s passed" -> "decode:timeout"."""
+    first = reason.split(":")[0].split(" ")[0][:40].lower()
+    side = first if first in ("prefill", "decode", "router") else ""
+    text = reason.lower()
+    kind = next((k for word, k in FAILURE_KINDS if word in text), "other")
+    return f"{side}:{kind}" if side else kind
 
 
 def pool_key(key: str) -> tuple[str, str]:

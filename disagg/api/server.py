@@ -43,6 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from disagg.api.connections import Connection, Connections, HttpLimits
 from disagg.api.fields import EventStream, Reply, Route
+from disagg.api.metrics import WorkerMetrics
 from disagg.errors import BadRequest, Cancelled, ConfigError, DisaggError, Overloaded, RequestFailed, Unavailable
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (   # first match wins
     (Cancelled, 499),
     (DisaggError, 409),       # (RequestFailed carries its own status)
 )
+PROBES = ("/health", "/ready", "/metrics")
 _conn: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("http_connection", default=None)
 
 
@@ -85,7 +87,9 @@ class Service:
     other than "ok" answers 503; `before_scrape` sets gauges read at scrape time; routes in
     `unlimited` are never refused for load (an abort frees load); `gets` are GET routes
     beside the probes (a function returning the JSON body); `error_body(path, status, exc)`
-    shapes a failure's JSON (the OpenAI routes want OpenAI's error object)."""
+    shapes a failure's JSON (the OpenAI routes want OpenAI's error object); with `metrics`
+    (the role's, on `registry`), every answer is counted by route and status, and open
+    connections and the in-flight bound are gauges."""
     routes: dict[str, Route]
     ready: Callable[[], "bool | dict"]
     registry: CollectorRegistry
@@ -94,6 +98,7 @@ class Service:
     unlimited: tuple[str, ...] = ("/abort",)
     gets: dict[str, Callable[[], dict]] = field(default_factory=dict)
     error_body: Callable[[str, int, "BaseException | str"], dict] = default_error_body
+    metrics: "WorkerMetrics | None" = None   # where the server counts its answers, connections, capacity
 
 
 def _json(status: int, body: dict) -> web.Response:
@@ -168,7 +173,14 @@ class ApiServer:
             conn.answered()
         if conn.eof:
             response.force_close()   # a client that half-closed: answer, then close
+        self._count(request.path, response.status)
         return response
+
+    def _count(self, path: str, status: int) -> None:
+        m = self.service.metrics
+        if m is not None:
+            known = path in self.service.routes or path in self.service.gets or path in PROBES
+            m.answers.labels(m.role, path if known else "other", str(status)).inc()
 
     async def _route(self, request: web.Request, conn: Connection) -> web.StreamResponse:
         if request.method in ("GET", "HEAD"):
@@ -185,7 +197,7 @@ class ApiServer:
     async def _get(self, path: str) -> web.Response:
         if path == "/metrics":
             return await self._loop.run_in_executor(self._probes, self._metrics)
-        if path in ("/health", "/ready"):
+        if path in PROBES[:2]:
             return await self._loop.run_in_executor(self._probes, self._probe, path)
         if path in self.service.gets:
             return _json(200, self.service.gets[path]())
@@ -209,6 +221,10 @@ class ApiServer:
     def _metrics(self) -> web.Response:
         if self.service.before_scrape is not None:
             self.service.before_scrape()   # gauges read at scrape time, never stale
+        m = self.service.metrics
+        if m is not None:
+            m.connections.labels(m.role).set(self.connections.count)
+            m.capacity.labels(m.role).set(self.limits.max_inflight)
         return web.Response(body=generate_latest(self.service.registry),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 

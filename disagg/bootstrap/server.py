@@ -222,7 +222,7 @@ class BootstrapClient:
         if not self._sock.poll(int(self.timeout_s * 1000)):
             self._sock.close()
             self._sock = self._connect()
-            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s:g} s (is it "
+            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s:.3g} s (is it "
                                 f"running, and does it hold this deployment's auth key?)")
         reply = self._decoder.decode(self._sock.recv())
         if isinstance(reply, Refused):

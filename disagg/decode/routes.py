@@ -16,6 +16,7 @@ class DecodeRoutes:
     def service(self) -> Service:
         return Service({"/decode": self.decode, "/abort": abort_route(self.server.abort)},
                        self.server.readiness, self.metrics.registry, health=self.server.health,
+                       metrics=self.metrics,
                        before_scrape=lambda: self.metrics.observe_pool(self.server.pool.available()))
 
     def decode(self, body: dict) -> dict:

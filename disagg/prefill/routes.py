@@ -14,6 +14,7 @@ class PrefillRoutes:
     def service(self) -> Service:
         return Service({"/prefill": self.prefill, "/abort": abort_route(self.server.abort)},
                        lambda: self.server.ready, self.metrics.registry, health=self.server.health,
+                       metrics=self.metrics,
                        before_scrape=lambda: self.metrics.observe_pool(self.server.available()))
 
     def prefill(self, body: dict) -> dict:

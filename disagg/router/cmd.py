@@ -51,8 +51,10 @@ def run(args: argparse.Namespace) -> int:
     listener = listen(args.http_host, args.http_port)
     router = Router(config_from(args))
     api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
-    serve_api(api, lambda: {"ready": True},
-              lambda: announce(role="router", http=f"http://{args.http_host}:{api.port}",
-                               pairs=len(router.config.pairs)),
-              router.close)
+    def ready_line() -> None:   # the router serves (503 with the reasons) while its pairs are down
+        state = router.ready()
+        down = None if state["ready"] else "; ".join(f"pair {p['pair']}: {', '.join(p['why'])}" for p in state["pairs"])
+        announce(role="router", http=f"http://{args.http_host}:{api.port}", not_ready=down,
+                 pairs=len(router.config.pairs), pairs_up=state["pairs_up"])
+    serve_api(api, lambda: {"ready": True}, ready_line, router.close)
     return 0

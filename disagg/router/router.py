@@ -33,6 +33,7 @@ from disagg.router.pairs import Pair, side_name
 
 log = logging.getLogger(__name__)
 
+GENERATE_FIELDS = frozenset({"token_ids", "prompt_len", "seed", "max_new_tokens", "request_id", "stream_layers"})
 POLL_S = 0.1   # how often a waiting request looks for a client cancel
 ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
 
@@ -61,16 +62,25 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
             raw = exc.read(1 << 20)
         except (http.client.HTTPException, OSError) as cut:
             raw = f"(answer cut short: {cut})".encode()
-        detail = raw[:500].decode(errors="replace")
         try:
             parsed = json.loads(raw)
         except ValueError:
             parsed = None
-        return {"state": "FAILED", "status": exc.code, "reason": f"HTTP {exc.code}: {detail}",
-                **(parsed if isinstance(parsed, dict) else {})}
+        parsed = parsed if isinstance(parsed, dict) else {}
+        return {"state": "FAILED", "status": exc.code, **parsed,
+                "reason": f"HTTP {exc.code}: {_message(parsed) or raw[:500].decode(errors='replace')}"}
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
         return {"state": "FAILED", "reason": f"{url}: {getattr(exc, 'reason', exc)}", "unreachable": True}
+
+
+def _message(answer: dict) -> str:
+    """What a failed answer says, as text (not its JSON): its reason, or its error (ours is a
+    string, OpenAI's an object with a message)."""
+    said = answer.get("reason") or answer.get("error")
+    if isinstance(said, dict):
+        said = said.get("message")
+    return str(said)[:500] if said else ""
 
 
 def _failure_status(pre: WorkerAnswer, dec: WorkerAnswer, cancelled: bool) -> int:
@@ -200,7 +210,15 @@ class Router:
         return out
 
     def _generate(self, body: dict, client_gone, on_prefill) -> dict:
-        pair_index, pair, state = self._pick()
+        unknown = sorted(set(body) - GENERATE_FIELDS)
+        if unknown:   # (`max_new_token` used to give 1 token without a word)
+            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; /generate takes "
+                             f"{', '.join(sorted(GENERATE_FIELDS))}", unknown[0])
+        try:
+            pair_index, pair, state = self._pick()
+        except Unavailable:   # a request that is wrong is still a 400, pairs down or not
+            _prompt(body, self.config.max_prompt_tokens, 1)
+            raise
         tokens = _prompt(body, self.config.max_prompt_tokens, state.vocab_size or self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")

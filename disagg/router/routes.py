@@ -24,7 +24,7 @@ class RouterRoutes:
         return Service({"/generate": self.generate_route, "/v1/completions": openai.Completions(self.generate, router.config.model_name),
                         "/abort": self.router.abort}, self.router.ready, self.metrics.registry, health=self.health,
                        gets={"/v1/models": lambda: openai.models(self.router.config.model_name)},
-                       error_body=error_body)
+                       error_body=error_body, metrics=self.metrics)
 
     def health(self) -> dict:
         return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.config.pairs)}

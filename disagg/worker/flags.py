@@ -158,12 +158,16 @@ def http_url(args: argparse.Namespace, port: int) -> str:
     return f"http://{args.host if host == '0.0.0.0' else host}:{port}"
 
 
-def announce(role: str, http: str, **more) -> None:
-    """Once the process is ready: a line for a person on stderr ("decode ready on http://...")
-    and one JSON line on stdout for launchers such as `disagg demo`."""
+def announce(role: str, http: str, not_ready: str | None = None, **more) -> None:
+    """Once the process serves: a line for a person on stderr ("decode ready on http://...",
+    or, for a router whose pairs are all down, that it serves but is not ready, and why) and
+    one JSON line on stdout for launchers such as `disagg demo`."""
     extra = "".join(f", {k} {v}" for k, v in more.items() if isinstance(v, (str, int)) and k != "pool")
     pool = more.get("pool", {})
     if pool:
         extra += f", pool {pool['human']} on {pool['device']}"
-    print(f"disagg {role} ready on {http}{extra}", file=sys.stderr, flush=True)
+    state = "ready" if not_ready is None else "serving (not ready: " + not_ready + ")"
+    print(f"disagg {role} {state} on {http}{extra}", file=sys.stderr, flush=True)
+    if not_ready is not None:
+        more["ready"] = False
     print(json.dumps({"role": role, "http": http, **more}), flush=True)

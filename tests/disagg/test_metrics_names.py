@@ -68,3 +68,46 @@ def test_inflight_requests_while_one_is_served():
     m.count(lambda: seen.append(inflight(scraped(m))) or {}, lambda out: True)
     assert seen == [1.0] and inflight(scraped(m)) == 0.0
     assert 'disagg_inflight_requests{role="router"} 0.0' in scraped(m)
+
+
+@pytest.mark.parametrize("reason, label", [
+    ("decode failed: TRANSFERRING deadline of 30 s passed", "decode:timeout"),
+    ("prefill failed: layout mismatch: full: kv_heads", "prefill:layout"),
+    ("decode gave a malformed answer: Expected `int`", "decode:malformed"),
+    ("cancelled by the client", "cancelled"),
+    ("no prefill/decode pair is up (pair 0: decode: unreachable at http://x:1)", "unreachable"),
+    ("something nobody foresaw", "other"),
+])
+def test_a_failure_is_labelled_by_side_and_kind(reason, label):
+    """Issue 36: failures were labelled by their first word only ("decode"), which says nothing."""
+    from disagg.api.metrics import failure_label
+    assert failure_label(reason) == label
+
+
+def test_the_http_server_counts_every_answer_and_states_its_capacity():
+    """Issue 36: the router's /metrics did not count 400s and had no capacity gauge."""
+    import urllib.error
+    import urllib.request
+
+    from disagg.api.server import ApiServer, HttpLimits, Service
+    from disagg.errors import BadRequest
+
+    def refuse(body):
+        raise BadRequest("no")
+    m = WorkerMetrics("router")
+    api = ApiServer(("127.0.0.1", 0), Service({"/generate": refuse}, lambda: True, m.registry, metrics=m),
+                    HttpLimits(max_inflight=7)).start()
+    url = f"http://127.0.0.1:{api.port}"
+    try:
+        for path, data in (("/generate", b"{}"), ("/nowhere", None), ("/health", None)):
+            try:
+                urllib.request.urlopen(urllib.request.Request(url + path, data), timeout=10).read()
+            except urllib.error.HTTPError:
+                pass
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    finally:
+        api.stop()
+    assert 'disagg_http_answers_total{role="router",route="/generate",status="400"} 1.0' in text
+    assert 'disagg_http_answers_total{role="router",route="other",status="404"} 1.0' in text
+    assert 'disagg_http_answers_total{role="router",route="/health",status="200"} 1.0' in text
+    assert 'disagg_capacity_requests{role="router"} 7.0' in text and "disagg_http_connections_requests" in text

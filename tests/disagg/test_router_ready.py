@@ -83,3 +83,25 @@ def test_refused_and_failed_requests_are_logged_at_warning(caplog):
     assert down.getMessage().startswith("request refused (Unavailable)") and dead in down.getMessage()
     assert refused.getMessage().startswith("request refused (BadRequest)")
     assert f"room {out['room']}, pair 0" in failed.getMessage() and "404" in failed.getMessage()
+
+
+def test_unknown_fields_are_refused_and_a_workers_refusal_is_not_nested_json():
+    """Issue 36 minors: `/generate` ignored unknown fields (`max_new_token` gave 1 token
+    silently); a worker's 400 reached the client as JSON inside a string."""
+    def refuse(body):
+        raise BadRequest("token id 600 is outside the model's vocabulary of 512")
+    worker = ApiServer(("127.0.0.1", 0), Service({"/prefill": refuse, "/decode": refuse}, lambda: True,
+                                                 CollectorRegistry())).start()
+    url = f"http://127.0.0.1:{worker.port}"
+    router = Router(RouterConfig((Pair(url, url, "main"),)))
+    try:
+        with pytest.raises(BadRequest, match="unknown field.*'max_new_token'") as caught:
+            router.generate({"prompt_len": 4, "max_new_token": 8})
+        assert caught.value.param == "max_new_token"
+        with pytest.raises(BadRequest) as caught:
+            router.generate({"token_ids": [600]})
+        said = str(caught.value)
+        assert "HTTP 400: BadRequest: token id 600 is outside" in said and '{"' not in said, said
+    finally:
+        router.close()
+        worker.stop()
