@@ -55,7 +55,9 @@ class ReadinessWatch:
 
     def __init__(self, introducer: Introducer, bootstrap: str, timeout_s: float, every_s: float = 1.0):
         self.introducer, self.bootstrap, self.timeout_s, self.every_s = introducer, bootstrap, timeout_s, every_s
-        self._state = {"ready": False, "why": "starting: not yet introduced to the prefill behind the bootstrap"}
+        self._state = {"ready": False, "bootstrap": bootstrap,
+                       "why": f"starting: introducing this decode to the prefill behind its --bootstrap-addr "
+                              f"{bootstrap}"}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-ready", daemon=True)
 

@@ -40,8 +40,6 @@ from transfer.report import TransferReport
 
 log = logging.getLogger(__name__)
 
-READY_TIMEOUT_S = 5.0   # the readiness watch's introduction: at most this (or the bootstrap deadline)
-
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerSettings):
@@ -66,8 +64,7 @@ class DecodeServer(Worker):
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
         self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
-        self.watch = ReadinessWatch(self.introducer, config.bootstrap_addr,
-                                    min(config.deadlines.bootstrap_s, READY_TIMEOUT_S))
+        self.watch = ReadinessWatch(self.introducer, config.bootstrap_addr, config.deadlines.bootstrap_s)
         self._loop_thread = threading.Thread(target=self._loop, name="decode-loop", daemon=True)
         self._loop_thread.start()
         self.ready = True
