@@ -94,7 +94,9 @@ class LinearStateSpec:
     temporal (SSM / recurrent) state [heads, d1, d2]. Heads split by TP; so do the conv
     channels, each of their groups on its own (`conv_groups`: (units, channels per unit) in
     channel order, e.g. Mamba2 [x | B | C] = ((heads, head_dim), (groups, d_state), (groups,
-    d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each."""
+    d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each.
+    `tp_refusal`: why TP may not split this state at all (its channel groups are not known:
+    a blind split would hand every rank the wrong channels); empty where it may."""
 
     layers: tuple[int, ...]
     conv_dim: int
@@ -105,6 +107,7 @@ class LinearStateSpec:
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
     conv_groups: tuple[tuple[int, int], ...] | None = None
+    tp_refusal: str = ""
 
     def __post_init__(self) -> None:
         _check_layers("linear state", self.layers)

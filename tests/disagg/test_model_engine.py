@@ -64,7 +64,7 @@ def test_disaggregated_equals_colocated(preset, page_size, device):
         dreq = transfer(eng, prefill, decode, tokens)
         out = eng.decode(decode, dreq, tokens, max_new_tokens=10)
         check = eng.check(tokens, out)
-        assert check["token_match"] and check["logits_match"], (n, check)
+        assert check["token_match"] and check["logits_match"] and check["shard_match"], (n, check)
         assert len(out.tokens) == 10 and dreq.num_tokens == n + 9
         decode.free_request(dreq)
     assert (decode.available(), prefill.available()) == empty

@@ -105,18 +105,22 @@ class CacheIO:
         return self.shard.index(c, layer, "k", 2)        # view [items, P, heads, dim]
 
     # ---- cache -> pool -------------------------------------------------------------------
-    def write_layer(self, req: RequestKV, layer: int, cl, n: int, first: int) -> None:
+    def _targets(self, req: RequestKV, layer: int, cl, n: int, first: int):
+        """(part, pool view, index into it, this rank's values of the cache) for what layer
+        `layer` keeps of positions [first, n) and its state: written by write_layer, compared
+        by differences."""
         kind = self.kinds[layer]
-        if kind == "none":
-            return
         if kind == "linear":
             item = _state_item(self.pool, req)
             conv = self.pool.layer_view(layer, "conv")
             conv_index = self.shard.index(Component.MAMBA, layer, "conv", 1)
-            conv[item] = _pick(cl.conv_states[0][0], conv_index)[:, 1:]   # drop the column transformers never reads
+            # the oldest column transformers keeps is never read: the pool drops it
+            yield "conv", conv, (item,), _pick(cl.conv_states[0][0], conv_index)[:, 1:]
             temporal = self.pool.layer_view(layer, "temporal")
             state_index = self.shard.index(Component.MAMBA, layer, "temporal", 1)
-            temporal[item] = _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
+            yield "temporal", temporal, (item,), _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
+            return
+        if kind == "none":
             return
         c = Component.SWA if kind == "swa" else Component.FULL
         held = cl.keys.shape[-2]                             # the cache holds tokens [n - held, n)
@@ -125,15 +129,32 @@ class CacheIO:
         rows = torch.from_numpy(positions[keep] - (n - held)).to(cl.keys.device)
         if kind == "mla":
             latent = torch.cat([cl.keys[0, 0], cl.values[0, 0]], dim=-1)     # [T, kv_lora_rank + rope]
-            self.pool.layer_view(layer, "latent")[items, slots] = latent[rows]
+            yield "latent", self.pool.layer_view(layer, "latent"), (items, slots), latent[rows]
         else:
             heads = self._heads(c, layer)
-            self.pool.layer_view(layer, "k")[items, slots] = _pick(cl.keys[0], heads).transpose(0, 1)[rows]
-            self.pool.layer_view(layer, "v")[items, slots] = _pick(cl.values[0], heads).transpose(0, 1)[rows]
+            yield "k", self.pool.layer_view(layer, "k"), (items, slots), _pick(cl.keys[0], heads).transpose(0, 1)[rows]
+            yield "v", self.pool.layer_view(layer, "v"), (items, slots), _pick(cl.values[0], heads).transpose(0, 1)[rows]
         if layer in self.nsa_layers:
             items, slots, keep = _items(self.pool, Component.NSA, req, positions)
-            self.pool.layer_view(layer, "key")[items, slots] = cl.indexer_keys[0][rows]
+            yield "key", self.pool.layer_view(layer, "key"), (items, slots), cl.indexer_keys[0][rows]
+
+    def write_layer(self, req: RequestKV, layer: int, cl, n: int, first: int) -> None:
+        for _, view, at, values in self._targets(req, layer, cl, n, first):
+            view[at] = values
+        if layer in self.nsa_layers:   # unquantized keys: one (unused, 1.0) scale per token
+            items, slots, _ = _items(self.pool, Component.NSA, req, np.arange(first, n))
             self.pool.layer_view(layer, "scale")[items, slots] = 1.0
+
+    def differences(self, req: RequestKV, n: int, cache) -> list[str]:
+        """Where this rank's bytes in the pool for a request of n tokens differ from this
+        rank's units of `cache` (the colocated run's cache of the same n tokens), as
+        "layer L part" names; [] where every byte is this rank's shard of it."""
+        out = []
+        for layer, cl in enumerate(cache.layers):
+            for part, view, at, values in self._targets(req, layer, cl, n, 0):
+                if not torch.equal(view[at], values.to(view.device)):
+                    out.append(f"layer {layer} {part}")
+        return out
 
     # ---- pool -> cache -------------------------------------------------------------------
     def _rows(self, req: RequestKV, c: Component, layer: int, part: str, positions: np.ndarray) -> torch.Tensor:

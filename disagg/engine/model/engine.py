@@ -32,7 +32,7 @@ from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prom
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
-from disagg.engine.model.geometry import conv_groups, spec_from_cache
+from disagg.engine.model.geometry import spec_from_cache
 from disagg.errors import ConfigError, VerifyError
 from kvpool import HybridPool, RequestKV
 
@@ -81,7 +81,7 @@ class TransformersEngine:
         if len(probe.layers) != len(decoder):
             raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
         self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size,
-                                                  conv_groups(self.config))
+                                                  decoder)
 
     def _cache(self):
         return self._new_cache(config=self.config)
@@ -170,7 +170,7 @@ class TransformersEngine:
             logits.append(step)
             tokens.append(int(step.argmax()))
         timings.update(rebuild=(t1 - t0) * 1e3, steps=(time.perf_counter() - t1) * 1e3)
-        return DecodeOutput(tokens, logits, timings)
+        return DecodeOutput(tokens, logits, timings, held_differences=lambda whole: io.differences(req, n, whole))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -178,17 +178,27 @@ class TransformersEngine:
 
     def reference(self, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         """The colocated run: the whole model in this process, no pool."""
+        return self._reference(token_ids, max_new_tokens)[0]
+
+    def _reference(self, token_ids: np.ndarray, max_new_tokens: int):
+        """(the colocated run's output, its cache after the prompt and every token but the last)."""
         step, cache = self._forward(token_ids, self._cache())
         tokens, logits = [int(step.argmax())], []
         for _ in range(max_new_tokens - 1):
             step, cache = self._forward([tokens[-1]], cache)
             logits.append(step)
             tokens.append(int(step.argmax()))
-        return DecodeOutput(tokens, logits)
+        return DecodeOutput(tokens, logits), cache
 
     def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
-        want = self.reference(token_ids, len(output.tokens))
+        """Tokens and logits against the colocated run, and the bytes this rank holds against
+        its shard of the colocated run's cache (decode writes every step back, so the pool now
+        holds the cache the colocated run ends with): a rank holding the wrong units fails
+        here even where recomputing the others from the prompt gives the right outputs."""
+        want, cache = self._reference(token_ids, len(output.tokens))
         out = compare_tokens(want.tokens, output.tokens)
         same = [torch.equal(a, b) for a, b in zip(want.logits, output.logits)]
         diff = max((float((a - b).abs().max()) for a, b in zip(want.logits, output.logits)), default=0.0)
-        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff}
+        held = output.held_differences(cache) if output.held_differences is not None and out["token_match"] else []
+        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff,
+                "shard_match": out["token_match"] and not held, "shard_differences": held[:4]}
