@@ -187,3 +187,32 @@ def test_chunked_attention_is_the_families_eager_attention_on_blocks_of_queries(
     dreq = transfer(chunked, prefill, decode, tokens)
     check = chunked.check(tokens, chunked.decode(decode, dreq, tokens, max_new_tokens=6))
     assert check["token_match"] and check["logits_match"], check
+
+
+# families whose cache layers the pool cannot hold: refused when the engine is built, in one
+# line that says what the layer keeps (once an AttributeError on a None state)
+REFUSED = [
+    ("mamba2", dict(num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2, state_size=8), "filled no state"),
+    ("falcon_mamba", dict(num_hidden_layers=2, state_size=8), "filled no state"),
+    ("lfm2", dict(**_ATTN, num_hidden_layers=2, layer_types=["conv", "full_attention"]), "conv state and no recurrent"),
+]
+
+
+@pytest.mark.parametrize("model_type,config,words", REFUSED, ids=[r[0] for r in REFUSED])
+def test_families_the_pool_cannot_hold_are_refused_in_one_line(model_type, config, words, monkeypatch):
+    monkeypatch.setitem(FAMILIES, "tiny-x", Family("tiny-x", model_type, config))
+    with pytest.raises(ConfigError, match=words) as exc:
+        registry.create("model", "tiny-x", "cpu")
+    assert "\n" not in str(exc.value) and "layer 0" in str(exc.value)
+
+
+def test_a_layer_with_several_states_is_refused_not_half_carried():
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from disagg.engine.model.geometry import _states
+    layer = LinearAttentionLayer(number_of_states=2)
+    for i in range(2):
+        layer.update_conv_state(torch.zeros(1, 8, 4), state_idx=i)
+        layer.update_recurrent_state(torch.zeros(1, 2, 4, 4), state_idx=i)
+    with pytest.raises(ConfigError, match="layer 5 .* keeps 2 conv/recurrent states per layer"):
+        _states("m", 5, layer)

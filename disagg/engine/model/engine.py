@@ -77,7 +77,11 @@ class TransformersEngine:
         decoder = self.model.base_model.layers
         for i, layer in enumerate(decoder):
             layer.register_forward_hook(lambda *_, i=i: self._layer_done and self._layer_done(i))
-        _, probe = self._forward(np.array(PROBE), self._cache())
+        try:
+            _, probe = self._forward(np.array(PROBE), self._cache())
+        except Exception as exc:   # the model code refuses our cache (e.g. a cache of linear layers only)
+            raise ConfigError(f"{preset}: the model's forward pass over a {len(PROBE)}-token probe with a "
+                              f"DynamicCache failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
         if len(probe.layers) != len(decoder):
             raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
         self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size,

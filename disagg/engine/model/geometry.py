@@ -47,9 +47,30 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+def _states(name: str, layer: int, cl) -> None:
+    """A linear layer must hold exactly one conv state and one recurrent state (what the pool
+    stores per layer): anything else is refused in words, never half carried."""
+    what = f"{name}: layer {layer} ({type(cl).__name__})"
+    conv = {i for i, t in cl.conv_states.items() if t is not None}
+    rec = {i for i, t in cl.recurrent_states.items() if t is not None}
+    if len(cl.conv_states) > 1 or conv - {0} or rec - {0}:
+        raise ConfigError(f"{what} keeps {len(cl.conv_states)} conv/recurrent states per layer; the pool holds "
+                          "one of each (the others would be lost)")
+    if not conv and not rec:
+        raise ConfigError(f"{what} filled no state in the cache it was given (the model keeps its state elsewhere, "
+                          "as pure state-space models such as mamba and mamba2 do); not supported")
+    if not rec:
+        raise ConfigError(f"{what} keeps a conv state and no recurrent state (a short-convolution layer, as "
+                          "lfm2's); the pool has no geometry for conv-only layers yet")
+    if not conv:
+        raise ConfigError(f"{what} keeps a recurrent state and no conv state; the pool has no geometry for that")
+
+
 def _kind(name: str, layer: int, cl, is_mla: bool) -> str:
     has_state = hasattr(cl, "conv_states")
     has_kv = getattr(cl, "keys", None) is not None
+    if has_state:
+        _states(name, layer, cl)
     if has_state and has_kv:
         raise ConfigError(f"{name}: layer {layer} ({type(cl).__name__}) holds attention K/V and a linear "
                           f"state side by side (falcon_h1 style); the pool has no geometry for that yet")
@@ -167,6 +188,9 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
                                  conv_dtype=_one("conv dtypes", by(["linear"], lambda c: _dtype(c.conv_states[0]))),
                                  temporal_dtype=_one("state dtypes", by(["linear"], lambda c: _dtype(c.recurrent_states[0]))),
                                  conv_groups=None if refusals else groups.pop(), tp_refusal="; ".join(refusals))
+    if full is None and swa is None:
+        raise ConfigError(f"{name}: no layer keeps attention K/V (a pure state-space model): the pool indexes "
+                          "every request by its attention pages; not supported")
     spec = ModelSpec(name, len(kinds), full=full, swa=swa, nsa=nsa, linear=linear, default_page_size=page_size,
                      notes="derived from the model's own cache")
     return spec, states
