@@ -216,3 +216,26 @@ def test_a_layer_with_several_states_is_refused_not_half_carried():
         layer.update_recurrent_state(torch.zeros(1, 2, 4, 4), state_idx=i)
     with pytest.raises(ConfigError, match="layer 5 .* keeps 2 conv/recurrent states per layer"):
         _states("m", 5, layer)
+
+
+# model types with no family entry of ours, from their config alone (--model-type/--model-config)
+FROM_CONFIG = [
+    ("olmo_hybrid", dict(**_ATTN, hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=4,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, initializer_range=0.5, pad_token_id=None, eos_token_id=None)),
+]
+
+
+@pytest.mark.parametrize("model_type,config", FROM_CONFIG, ids=[f[0] for f in FROM_CONFIG])
+def test_a_model_type_from_its_config_alone_runs_exact(model_type, config, device):
+    import json
+
+    from disagg.engine.model.source import ModelSource
+    eng = registry.create("auto", "unused", device, source=ModelSource(model_type=model_type,
+                                                                        config_json=json.dumps(config), page_size=4))
+    assert eng.spec.linear.conv_groups == ((2, 8), (2, 8), (4, 8)) and eng.identity["weights"].startswith("sha256:")
+    prefill, decode = pools(eng, device, 4)
+    tokens = prompt(13, eng.vocab_size)
+    dreq = transfer(eng, prefill, decode, tokens)
+    check = eng.check(tokens, eng.decode(decode, dreq, tokens, max_new_tokens=5))
+    assert check["token_match"] and check["logits_match"] and check["shard_match"], check

@@ -33,6 +33,7 @@ from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
 from disagg.engine.model.geometry import spec_from_cache
+from disagg.engine.model.source import PLAIN_EAGER, ModelSource, config_hash, load_directory, weights_fingerprint
 from disagg.errors import ConfigError, VerifyError
 from kvpool import HybridPool, RequestKV
 
@@ -56,21 +57,24 @@ def _fingerprint(buffers, items: np.ndarray) -> str:
 class TransformersEngine:
     name = "model"
 
-    def __init__(self, preset: str, device: str = "cpu", seed: int = 0, attn_chunk: int = attention.CHUNK):
-        """attn_chunk: queries per block of the eager attention (disagg.engine.model.attention)."""
-        f = family(preset)
+    def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
+                 attn_chunk: int = attention.CHUNK):
+        """preset: a family of ours, or a ModelSource (--model / --model-type); attn_chunk:
+        queries per block of the eager attention (disagg.engine.model.attention)."""
         go_offline()
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import DynamicCache
         self._new_cache = DynamicCache
-        self.config = hf_config(f)
-        with torch.random.fork_rng(devices=[]):   # built on CPU from the seed: the same weights anywhere
-            torch.manual_seed(seed)
-            impl = attention.register(attn_chunk) if f.chunked_attention else "eager"
-            model = AutoModelForCausalLM.from_config(self.config, attn_implementation=impl,
-                                                     dtype=getattr(torch, f.dtype))
+        impl = lambda chunked: attention.register(attn_chunk) if chunked else "eager"  # noqa: E731
+        if isinstance(preset, ModelSource) and preset.path is not None:
+            self.config, model = load_directory(preset, device, lambda t: impl(t not in PLAIN_EAGER))
+            name, page_size = preset.name, preset.page_size
+        else:
+            f = preset.family() if isinstance(preset, ModelSource) else family(preset)
+            self.config, model = self._random(f, seed, impl(f.chunked_attention))
+            name, page_size = f.preset, f.page_size
         self.model = model.to(device).eval()
         self.device = torch.device(device)
-        self.preset = preset
+        self.preset = name
         self.vocab_size = int(self.config.vocab_size)
         self._lock = threading.Lock()
         self._layer_done: Callable[[int], None] | None = None
@@ -80,12 +84,29 @@ class TransformersEngine:
         try:
             _, probe = self._forward(np.array(PROBE), self._cache())
         except Exception as exc:   # the model code refuses our cache (e.g. a cache of linear layers only)
-            raise ConfigError(f"{preset}: the model's forward pass over a {len(PROBE)}-token probe with a "
+            raise ConfigError(f"{name}: the model's forward pass over a {len(PROBE)}-token probe with a "
                               f"DynamicCache failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
         if len(probe.layers) != len(decoder):
-            raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
-        self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size,
+            raise ConfigError(f"{name}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
+        self.spec, self._states = spec_from_cache(name, probe, hasattr(self.config, "kv_lora_rank"), page_size,
                                                   decoder)
+        # what the other side checks at registration: the same model, not only the same geometry
+        self.identity = {"config_hash": config_hash(self.config), "weights": weights_fingerprint(self.model)}
+
+    @staticmethod
+    def _random(f, seed: int, impl: str):
+        """(config, model) of a family with seeded random weights (built on CPU from the seed:
+        the same weights on any device)."""
+        from transformers import AutoModelForCausalLM
+        config = hf_config(f)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                return config, AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                                                dtype=getattr(torch, f.dtype))
+            except Exception as exc:   # e.g. a model type with no causal-LM class, a padding id past the vocabulary
+                raise ConfigError(f"{f.preset}: transformers cannot build it: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
 
     def _cache(self):
         return self._new_cache(config=self.config)

@@ -30,7 +30,7 @@ from disagg.errors import ConfigError
 
 # No hub access at run time, ever: every model is built from a config in this file.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-               "TRANSFORMERS_VERBOSITY": "error"}
+               "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 _BASE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, initializer_range=0.5, eos_token_id=None,
              bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
@@ -55,6 +55,7 @@ class Family:
     # branches on the implementation's name (DeepSeek-V3.2 applies its NSA top-k mask only
     # under "eager"/"sdpa": under another name the indexer keys would stop mattering)
     chunked_attention: bool = True
+    tiny: bool = True                 # the config goes over _BASE (hidden 64, vocabulary 512, init 0.5)
 
     @property
     def vocab_size(self) -> int:
@@ -131,4 +132,8 @@ def hf_config(f: Family):
     """transformers' config object for a family (imports transformers: seconds, once)."""
     go_offline()
     from transformers import AutoConfig
-    return AutoConfig.for_model(f.model_type, **{**_BASE, **f.config})
+    try:
+        return AutoConfig.for_model(f.model_type, **({**_BASE, **f.config} if f.tiny else f.config))
+    except Exception as exc:   # an unknown model type, a config its class refuses (transformers' own words)
+        words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise ConfigError(f"{f.preset}: config refused: {words[:400]}") from None
