@@ -160,7 +160,7 @@ class ModelSpec:
             for layer in group.layers if group is not None else ():
                 if layer >= self.num_layers:
                     raise SpecError(f"{self.name}: {kind} layer {layer} >= num_layers {self.num_layers}")
-                if layer in seen:
+                if layer in seen and kind != "linear":   # K/V and a state side by side (falcon_h1): both
                     raise SpecError(f"{self.name}: layer {layer} is both {seen[layer]} and {kind}")
                 seen[layer] = kind
         if self.nsa is not None:
@@ -171,7 +171,8 @@ class ModelSpec:
         check_page_size(self.default_page_size)
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer: 'full', 'mla', 'swa', 'linear' or 'none' (no KV)."""
+        """Per layer: 'full', 'mla', 'swa', 'linear' or 'none' (no KV); a layer of attention
+        and a linear state side by side is its attention kind (it is in `linear.layers` too)."""
         kinds = ["none"] * self.num_layers
         if self.full is not None:
             name = "mla" if isinstance(self.full, MLASpec) else "full"
@@ -179,7 +180,7 @@ class ModelSpec:
                 kinds[layer] = name
         for kind, group in (("swa", self.swa), ("linear", self.linear)):
             for layer in group.layers if group is not None else ():
-                kinds[layer] = kind
+                kinds[layer] = kind if kinds[layer] == "none" else kinds[layer]
         return tuple(kinds)
 
 

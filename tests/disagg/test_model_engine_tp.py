@@ -21,7 +21,7 @@ FAMILIES = ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-
 TP_PAIRS = [(1, 2), (2, 1), (2, 4), (4, 2), (1, 4), (4, 1)]
 # Mamba2 hybrids whose conv groups are read off their mixers (bamba's rank 0 of 2 once got
 # channels 0-79 instead of x 0-63, B 128-135, C 144-151, and the outputs still matched)
-MAMBA2 = ["tiny-model-bamba", "tiny-model-granite-hybrid"]
+MAMBA2 = ["tiny-model-bamba", "tiny-model-granite-hybrid", "tiny-model-falcon-h1"]
 
 
 def engine(preset: str, device: str):
@@ -118,7 +118,7 @@ def test_a_flipped_byte_in_one_ranks_shard_fails_that_ranks_check_only(preset, l
         reshard_copy(prefill, dst, dreq, len(tokens))
         if rank == 1:                                        # the last kept position's row / the slot
             kind = eng.spec.layer_kinds()[layer]
-            c = Component.MAMBA if kind == "linear" else Component.SWA if kind == "swa" else Component.FULL
+            c = Component.MAMBA if part in ("conv", "temporal") else Component.SWA if kind == "swa" else Component.FULL
             at, _ = _rows(dst, dreq, c, layer, part, len(tokens))
             view, last = dst.layer_view(layer, part), tuple(i[-1:] for i in at)
             row = view[last].clone()

@@ -1,5 +1,6 @@
 """A user's own model from disk through real processes: tiny random-weight checkpoints of
-three families (bamba is not one of our presets; gpt-oss and qwen3-next are), saved with
+four families (bamba and falcon-h1, whose layers hold K/V and a Mamba2 state side by side,
+came from outside our presets; gpt-oss and qwen3-next are among them), saved with
 save_pretrained and served with `--model DIR` by prefill and decode (transformers, offline),
 every request's tokens, logits (bitwise) and each decode rank's bytes equal to a colocated
 run. A different checkpoint of the same architecture on the other side is refused at
@@ -21,6 +22,8 @@ TINY = dict(hidden_size=64, intermediate_size=128, vocab_size=512, initializer_r
 CHECKPOINTS = {   # name: (model type, config)
     "bamba": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3], mamba_n_heads=4, mamba_d_head=32,
                             mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)),
+    "falcon-h1": ("falcon_h1", dict(num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16,
+                                    mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)),
     "gpt-oss": ("gpt_oss", dict(num_hidden_layers=2, sliding_window=8, num_local_experts=4, num_experts_per_tok=2,
                                 layer_types=["sliding_attention", "full_attention"])),
     "qwen3-next": ("qwen3_next", dict(num_hidden_layers=4, linear_key_head_dim=8, linear_value_head_dim=8,

@@ -86,7 +86,8 @@ class CacheIO:
     def __init__(self, pool: HybridPool, states: dict[int, StateShape]):
         self.pool = pool
         spec = pool.config.model
-        self.kinds = spec.layer_kinds()
+        self.kinds = spec.layer_kinds()                  # attention kind, or linear / none
+        self.stateful = set(spec.linear.layers) if spec.linear is not None else set()   # conv + temporal state
         self.nsa_layers = set(spec.nsa.layers) if spec.nsa is not None else set()
         self.window = spec.swa.window if spec.swa is not None else None
         self.states = states
@@ -95,8 +96,9 @@ class CacheIO:
 
     def _split(self, layer: int, kind: str) -> bool:
         """Whether this rank holds only some units of the layer (MLA and NSA: never)."""
-        if kind == "linear":
-            return any(self.shard.index(Component.MAMBA, layer, part, 1) is not None for part in ("conv", "temporal"))
+        if layer in self.stateful and any(self.shard.index(Component.MAMBA, layer, part, 1) is not None
+                                          for part in ("conv", "temporal")):
+            return True
         if kind in ("full", "swa"):
             return self._heads(Component.SWA if kind == "swa" else Component.FULL, layer) is not None
         return False
@@ -110,7 +112,7 @@ class CacheIO:
         `layer` keeps of positions [first, n) and its state: written by write_layer, compared
         by differences."""
         kind = self.kinds[layer]
-        if kind == "linear":
+        if layer in self.stateful:
             item = _state_item(self.pool, req)
             conv = self.pool.layer_view(layer, "conv")
             conv_index = self.shard.index(Component.MAMBA, layer, "conv", 1)
@@ -119,8 +121,7 @@ class CacheIO:
             temporal = self.pool.layer_view(layer, "temporal")
             state_index = self.shard.index(Component.MAMBA, layer, "temporal", 1)
             yield "temporal", temporal, (item,), _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
-            return
-        if kind == "none":
+        if kind in ("none", "linear"):
             return
         c = Component.SWA if kind == "swa" else Component.FULL
         held = cl.keys.shape[-2]                             # the cache holds tokens [n - held, n)
@@ -181,7 +182,7 @@ class CacheIO:
         cache = DynamicCache(config=config)
         for layer, kind in enumerate(self.kinds):
             cl, ref = cache.layers[layer], (whole.layers[layer] if self.sharded else None)
-            if kind == "linear":
+            if layer in self.stateful:
                 shape, item = self.states[layer], _state_item(self.pool, req)
                 conv = self.pool.layer_view(layer, "conv")[item]
                 conv = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)
@@ -192,7 +193,7 @@ class CacheIO:
                 temporal = _merge(temporal, None if ref is None else ref.recurrent_states[0][0],
                                   self.shard.index(Component.MAMBA, layer, "temporal", 1))
                 cl.update_recurrent_state(temporal.unsqueeze(0).clone())
-            elif kind == "swa":
+            if kind == "swa":
                 cl.update(*self._kv(req, Component.SWA, layer, np.arange(max(0, n - (self.window - 1)), n), ref))
                 cl.cumulative_length = n        # positions of later tokens count every token seen
             elif kind in ("full", "mla"):

@@ -11,6 +11,7 @@ family. Weights are random from a seed, so both sides build the same model with 
     tiny-model-jamba          jamba           Mamba1 conv + SSM | full K/V
     tiny-model-bamba          bamba           Mamba2 conv + SSM (2 groups) | full K/V
     tiny-model-granite-hybrid granitemoehybrid Mamba2 conv + SSM (2 groups) | full K/V, MoE
+    tiny-model-falcon-h1      falcon_h1       full K/V and Mamba2 conv + SSM side by side in every layer
     tiny-model-deepseek-v3    deepseek_v3     MLA: latent (32) + rope key (8)
     tiny-model-deepseek-v32   deepseek_v32    MLA + NSA indexer keys (16)
 
@@ -89,6 +90,9 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
     Family("tiny-model-granite-hybrid", "granitemoehybrid", dict(
         **_ATTN, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
         shared_intermediate_size=32, **_MAMBA2)),
+    Family("tiny-model-falcon-h1", "falcon_h1", dict(
+        **_ATTN, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=16)),
     Family("tiny-model-deepseek-v3", "deepseek_v3", dict(**_MLA, num_hidden_layers=3)),
     # 8 indexer heads: with fewer, exact-zero score ties make the top-k order depend on shapes
     Family("tiny-model-deepseek-v32", "deepseek_v32", dict(

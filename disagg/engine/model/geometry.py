@@ -9,6 +9,8 @@ cannot drift apart.
     DynamicIndexedLayer               mla+nsa  FULL latent, NSA key [index_head_dim] + scale
     DynamicSlidingWindowLayer         swa      SWA   k, v (window = the layer's sliding_window)
     LinearAttentionLayer              linear   MAMBA conv [channels, kernel-1] + temporal state
+    LinearAttentionAndFullAttention-  full     FULL k, v and MAMBA conv + temporal state: the layer is
+      Layer (falcon_h1, zamba2)                in both components (ModelSpec: full and linear layers)
     DummyLayer (MLP / MoE layers)     none     -
 
 Conv state: transformers keeps `kernel` columns and never reads the oldest; the pool keeps
@@ -71,10 +73,7 @@ def _kind(name: str, layer: int, cl, is_mla: bool) -> str:
     has_kv = getattr(cl, "keys", None) is not None
     if has_state:
         _states(name, layer, cl)
-    if has_state and has_kv:
-        raise ConfigError(f"{name}: layer {layer} ({type(cl).__name__}) holds attention K/V and a linear "
-                          f"state side by side (falcon_h1 style); the pool has no geometry for that yet")
-    if has_state:
+    if has_state and not has_kv:
         return "linear"
     if not has_kv:
         return "none"
@@ -171,8 +170,9 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
                             dtype=_one("SWA dtypes", by(["swa"], lambda c: _dtype(c.keys))),
                             window=_one("sliding windows", by(["swa"], lambda c: c.sliding_window)))
     states, layouts = {}, set()
-    if layers("linear"):
-        for i in layers("linear"):
+    stateful = tuple(i for i, cl in enumerate(cache.layers) if hasattr(cl, "conv_states"))
+    if stateful:
+        for i in stateful:
             cl = cache.layers[i]
             states[i] = StateShape(cl.conv_states[0].shape[-1], tuple(cl.recurrent_states[0].shape[1:]))
             layouts.add(ConvGroups(refusal="no decoder modules to read conv groups off") if decoder is None else
@@ -183,10 +183,11 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
         refusals = sorted({g.refusal for g in layouts if g.refusal})
         if len(groups) > 1:
             refusals.append(f"conv channel groups differ between layers ({sorted(map(str, groups))})")
-        linear = LinearStateSpec(layers("linear"), _one("conv channels", by(["linear"], lambda c: c.conv_states[0].shape[1])),
+        of = lambda f: {f(cache.layers[i]) for i in stateful}  # noqa: E731
+        linear = LinearStateSpec(stateful, _one("conv channels", of(lambda c: c.conv_states[0].shape[1])),
                                  _one("conv kernels", {s.conv_kernel for s in states.values()}) - 1, heads, d1, d2,
-                                 conv_dtype=_one("conv dtypes", by(["linear"], lambda c: _dtype(c.conv_states[0]))),
-                                 temporal_dtype=_one("state dtypes", by(["linear"], lambda c: _dtype(c.recurrent_states[0]))),
+                                 conv_dtype=_one("conv dtypes", of(lambda c: _dtype(c.conv_states[0]))),
+                                 temporal_dtype=_one("state dtypes", of(lambda c: _dtype(c.recurrent_states[0]))),
                                  conv_groups=None if refusals else groups.pop(), tp_refusal="; ".join(refusals))
     if full is None and swa is None:
         raise ConfigError(f"{name}: no layer keeps attention K/V (a pure state-space model): the pool indexes "
