@@ -133,6 +133,8 @@ def segments(model: ModelSpec, component: Component, page_size: int, tp_size: in
         lin = model.linear
         if lin is None:
             raise SpecError(f"{model.name} has no linear-state layers")
+        if tp_size > 1 and lin.tp_refusal:
+            raise SpecError(f"{model.name}: TP {tp_size} refused for its linear-state layers: {lin.tp_refusal}")
         conv_dim = sum(_held(model, "conv groups", u, tp_size) * ch for u, ch in lin.conv_layout)
         heads = _held(model, "temporal heads", lin.temporal_heads, tp_size)
         out = []

@@ -94,7 +94,9 @@ class LinearStateSpec:
     temporal (SSM / recurrent) state [heads, d1, d2]. Heads split by TP; so do the conv
     channels, each of their groups on its own (`conv_groups`: (units, channels per unit) in
     channel order, e.g. Mamba2 [x | B | C] = ((heads, head_dim), (groups, d_state), (groups,
-    d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each."""
+    d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each.
+    `tp_refusal`: why TP may not split this state at all (its channel groups are not known:
+    a blind split would hand every rank the wrong channels); empty where it may."""
 
     layers: tuple[int, ...]
     conv_dim: int
@@ -105,6 +107,7 @@ class LinearStateSpec:
     conv_dtype: str = "bfloat16"
     temporal_dtype: str = "float32"
     conv_groups: tuple[tuple[int, int], ...] | None = None
+    tp_refusal: str = ""
 
     def __post_init__(self) -> None:
         _check_layers("linear state", self.layers)
@@ -157,7 +160,7 @@ class ModelSpec:
             for layer in group.layers if group is not None else ():
                 if layer >= self.num_layers:
                     raise SpecError(f"{self.name}: {kind} layer {layer} >= num_layers {self.num_layers}")
-                if layer in seen:
+                if layer in seen and kind != "linear":   # K/V and a state side by side (falcon_h1): both
                     raise SpecError(f"{self.name}: layer {layer} is both {seen[layer]} and {kind}")
                 seen[layer] = kind
         if self.nsa is not None:
@@ -168,7 +171,8 @@ class ModelSpec:
         check_page_size(self.default_page_size)
 
     def layer_kinds(self) -> tuple[str, ...]:
-        """Per layer: 'full', 'mla', 'swa', 'linear' or 'none' (no KV)."""
+        """Per layer: 'full', 'mla', 'swa', 'linear' or 'none' (no KV); a layer of attention
+        and a linear state side by side is its attention kind (it is in `linear.layers` too)."""
         kinds = ["none"] * self.num_layers
         if self.full is not None:
             name = "mla" if isinstance(self.full, MLASpec) else "full"
@@ -176,7 +180,7 @@ class ModelSpec:
                 kinds[layer] = name
         for kind, group in (("swa", self.swa), ("linear", self.linear)):
             for layer in group.layers if group is not None else ():
-                kinds[layer] = kind
+                kinds[layer] = kind if kinds[layer] == "none" else kinds[layer]
         return tuple(kinds)
 
 

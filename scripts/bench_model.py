@@ -7,7 +7,9 @@ layer), transfer, cache rebuild on decode, decode steps, the colocated check.
     .venv/bin/python scripts/bench_model.py [--device cuda] [--presets tiny-model-gpt-oss,...]
         [--requests 8] [--prompt-len 1:200] [--max-new-tokens 8] [--out FILE.json]
 
-Prints one line per family; --out writes every demo summary with the command, the machine and
+Every tiny-model-* family runs by default: the attention families, the GDN and Mamba hybrids
+(qwen3-next, nemotron-h, jamba, bamba, granite-hybrid), falcon-h1 (K/V and a Mamba2 state in
+one layer) and the MLA ones. Prints one line per family; --out writes every demo summary with the command, the machine and
 the date. Exits non-zero when any request failed or differed from the colocated run.
 """
 
@@ -100,6 +102,7 @@ def line(preset: str, s: dict) -> str:
     split = "  ".join(f"{k} {lat[k]['p50']:.1f}" for k in SPLIT if k in lat)
     return (f"{preset:26s} {s['requests'] - s['failed']}/{s['requests']} ok  token_match {m.get('match')}/"
             f"{m.get('checked')}  logits {m.get('logits_match')}/{m.get('checked')}  "
+            f"shard {m.get('shard_match', m.get('match'))}/{m.get('checked')}  "
             f"{','.join(s.get('transports', {}))}  p50 ms: {split}")
 
 

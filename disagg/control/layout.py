@@ -7,7 +7,10 @@ what differs and which side is which; the check itself compares pool layout, buf
 the sliding window (it decides which pages each side keeps and nothing in the buffers shows
 it; a side that sends no description cannot be checked for it). Page sizes may differ
 (transfer.tokens moves such pools' KV by token): then the models must be described alike,
-the one case where the description decides. Every field is bounded when
+the one case where the description decides. A model engine also names its model's config
+hash and weights fingerprint (engine/model/source.py): where both sides describe their model
+and those differ, registration is refused at any page size (another checkpoint of one
+architecture has the same pools and different outputs). Every field is bounded when
 decoded: a peer's description is untrusted.
 """
 
@@ -24,6 +27,7 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS, patt
 DType = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")]
 Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]     # layers, TP size
 Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]       # heads, dims, windows
+Hash = Annotated[str, msgspec.Meta(min_length=1, max_length=80, pattern=r"^[a-z0-9]+:[0-9a-f]+$")]  # sha256:hex
 
 
 class AttentionDescription(msgspec.Struct, frozen=True):
@@ -73,6 +77,10 @@ class ModelDescription(msgspec.Struct, frozen=True):
     swa: AttentionDescription | None = None
     nsa: NSADescription | None = None
     linear: LinearDescription | None = None
+    # which model, not only which geometry (a model engine's; engine/model/source.py): two
+    # checkpoints of one architecture have the same pools and different outputs
+    config_hash: Hash | None = None
+    weights: Hash | None = None
 
 
 def _clip_name(name: str) -> str:
@@ -80,8 +88,9 @@ def _clip_name(name: str) -> str:
     return name or "?"
 
 
-def describe_model(model: ModelSpec, tp_size: int = 1) -> ModelDescription:
-    """What a side tells its peer about `model` (a pool's config.model, split `tp_size` ways)."""
+def describe_model(model: ModelSpec, tp_size: int = 1, identity: dict | None = None) -> ModelDescription:
+    """What a side tells its peer about `model` (a pool's config.model, split `tp_size` ways);
+    `identity`: the engine's config_hash and weights fingerprint, where it has them."""
     def attention(a: AttentionSpec | None) -> AttentionDescription | None:
         if a is None:
             return None
@@ -99,6 +108,7 @@ def describe_model(model: ModelSpec, tp_size: int = 1) -> ModelDescription:
                                                           lin.temporal_heads, lin.temporal_d1, lin.temporal_d2,
                                                           lin.conv_dtype, lin.temporal_dtype,
                                                           [tuple(g) for g in lin.conv_layout]),
+        **(identity or {}),
     )
 
 
@@ -133,9 +143,21 @@ def _properties(d) -> list[tuple[str, object]]:
             ("conv groups (units x channels)", " + ".join(f"{u} x {c}" for u, c in d.conv_groups or ()) or "not described")]
 
 
+def identity_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
+    """Where the two sides hold different models of one geometry (another checkpoint, another
+    config), in words; nothing where neither side describes it (geometry presets, stand-in)."""
+    out = []
+    for what, p, d in (("model config", prefill.config_hash, decode.config_hash),
+                       ("weights", prefill.weights, decode.weights)):
+        if p != d:
+            out.append(f"{what}: prefill {p or 'not described'}, decode {d or 'not described'} "
+                       f"(both sides must load the same model)")
+    return out
+
+
 def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
     """Every difference between the two sides' models, in words ("what: prefill X, decode Y")."""
-    out = []
+    out = identity_differences(prefill, decode)
     if prefill.num_layers != decode.num_layers:   # (TP sizes may differ: transfer.reshard)
         out.append(f"layers: prefill {prefill.num_layers}, decode {decode.num_layers}")
     kinds = [k for k in _LABELS if getattr(prefill, k) is not None or getattr(decode, k) is not None]
@@ -181,7 +203,8 @@ def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
     windows = [i.model.swa.window if i.model is not None and i.model.swa is not None else None
                for i in (prefill, decode)]
     same_window = None in windows or windows[0] == windows[1]
-    same_model = (same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))
+    same_model = ((same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))) \
+        and not (described and identity_differences(prefill.model, decode.model))
     if prefill.layout == decode.layout and buffers is None and same_window and same_model:
         return None
     words = []

@@ -33,6 +33,9 @@ class DecodeOutput:
     tokens: list[int]                                            # the first token (from prefill) and the rest
     logits: list[torch.Tensor] = field(default_factory=list)    # [vocab] float32 per generated step after the first
     timings_ms: dict[str, float] = field(default_factory=dict)  # the engine's own split, e.g. rebuild / steps
+    # where this rank's pool bytes differ from its units of the colocated run's cache of the
+    # same tokens (a callable of that cache, so only a checked request pays for the compare)
+    held_differences: Callable[[object], list[str]] | None = field(default=None, compare=False, repr=False)
 
 
 def prompt_digest(token_ids: np.ndarray) -> bytes:

@@ -154,7 +154,9 @@ def summarize(results: list[dict], wall: float) -> dict:
         "latency_ms": latency, "failures": failures,
         # generations compared with a colocated run of the same model (decode --check-rate)
         "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
-                        "logits_match": sum(1 for c in checked if c.get("logits_match", c.get("token_match")))},
+                        "logits_match": sum(1 for c in checked if c.get("logits_match", c.get("token_match"))),
+                        # the bytes each decode rank held were its shard of the colocated run's cache
+                        "shard_match": sum(1 for c in checked if c.get("shard_match", c.get("token_match")))},
     }
 
 
@@ -199,8 +201,8 @@ def print_summary(s: dict) -> None:
         _print_failures(s["failures"])
     m = s.get("token_match", {})
     if m.get("checked"):
-        print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']} "
-              f"(against the same prompt run colocated)")
+        print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']}  "
+              f"shard bytes {m.get('shard_match', m['match'])}/{m['checked']} (against the same prompt run colocated)")
 
 
 def _print_failures(failures: dict[str, int]) -> None:
@@ -238,6 +240,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def mismatches(summary: dict) -> int:
-    """Checked generations that differ from the colocated run (tokens or logits)."""
+    """Checked generations that differ from the colocated run (tokens, logits or the bytes held)."""
     m = summary.get("token_match", {})
-    return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0))
+    return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0), m.get("shard_match", m.get("match", 0)))

@@ -10,6 +10,7 @@ from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
 from disagg.tools.bench import add_workload_flags, mismatches, one_json, print_summaries, run_workloads
 from disagg.worker.checks import positive_int, power_of_two
+from disagg.worker.flags import add_model_flags, model_source
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
 from transfer.config import Mode
@@ -25,6 +26,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine", default="auto", choices=registry.CHOICES,
                    help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg "
                         "prefill --help); every model generation is checked against a colocated run")
+    add_model_flags(g)
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page (default: the preset's)")
     g.add_argument("--prefill-page-size", type=power_of_two, default=None, metavar="N",
                    help="prefill's tokens per page, where the two sides differ (default: --page-size); the KV "
@@ -73,10 +75,14 @@ def urls(ranks: list[dict]) -> str:
 def run(args: argparse.Namespace) -> int:
     from disagg.tools.launcher import Launcher
 
+    source = model_source(args)
     if args.preset is None:
         args.preset = "tiny-model-gpt-oss" if args.engine == "model" else "tiny-hybrid"
-    engine = registry.resolve(args.engine, args.preset)
-    pool = ["--preset", args.preset, "--engine", args.engine, "--max-tokens", str(args.max_tokens),
+    engine = registry.resolve(args.engine, args.preset, source)
+    models = [f"--{flag.replace('_', '-')}={getattr(args, flag)}" for flag in ("model", "model_type", "model_config")
+              if getattr(args, flag) is not None] + ["--dtype", args.dtype]
+    name = source.name if source is not None else args.preset
+    pool = ["--preset", args.preset, *models, "--engine", args.engine, "--max-tokens", str(args.max_tokens),
             "--max-requests", str(args.max_requests), "--layout", args.layout, "--transport", args.transport,
             "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
     pages = {side: (["--page-size", str(n)] if n else [])
@@ -85,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     prefill_device, decode_device = devices(args.device)
     say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
     with Launcher(logs=args.worker_logs) as launcher:
-        say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
+        say(f"starting prefill ({name}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
         prefill = launcher.start_instance(
             "prefill", args.prefill_tp, *pool, *pages["prefill"], "--device", prefill_device,
             "--bootstrap-bind", "tcp://127.0.0.1:*",
@@ -98,14 +104,15 @@ def run(args: argparse.Namespace) -> int:
                                          "--check-rate", "1")
         say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
             f"{decode[0]['pool']['human']} per rank")
-        vocab = ["--vocab-size", str(FAMILIES[args.preset].vocab_size)] if engine == "model" else []
+        vocab_size = source.vocab_size if source is not None else FAMILIES[args.preset].vocab_size
+        vocab = ["--vocab-size", str(vocab_size)] if engine == "model" and vocab_size else []
         router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}",
                                 *vocab)
         say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
             f"prompts of {args.prompt_len} tokens")
         summaries = run_workloads(router["http"], args)
     for summary in summaries.values():
-        summary["preset"], summary["engine"] = args.preset, engine
+        summary["preset"], summary["engine"] = name, engine
         summary["tp"] = f"{args.prefill_tp}:{args.decode_tp}"
     if args.json:
         print(json.dumps(one_json(summaries)))

@@ -28,6 +28,7 @@ from disagg.control.layout import LayoutInfo, describe_model
 from disagg.control.deadlines import Deadlines
 from disagg.engine import registry
 from disagg.engine.base import ModelEngine
+from disagg.engine.model.source import ModelSource
 from disagg.worker.pool_settings import PoolSettings, memory
 from disagg.errors import BadRequest, ConfigError
 from kvpool import HybridPool
@@ -53,6 +54,7 @@ class WorkerSettings:
     auth: AuthKey = AuthKey()               # the deployment's key (none: insecure, logged loudly)
     engine: str = "auto"                    # the model engine (disagg.engine.registry)
     simulate_layer_ms: float = 0.0          # stand-in engine: simulated compute per layer in prefill
+    model_source: ModelSource | None = None  # --model / --model-type (None: the preset's own model)
 
 
 class Worker:
@@ -60,7 +62,7 @@ class Worker:
                  swa_window_only: bool):
         self.settings = settings
         self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device(),
-                                              settings.simulate_layer_ms)
+                                              settings.simulate_layer_ms, settings.model_source)
         try:
             pool_config = settings.pool.pool_config(self.model.spec)
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
@@ -77,7 +79,8 @@ class Worker:
         self.faults = self.endpoint.faults
         self.epoch = time.time_ns()
         self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers,
-                                 describe_model(self.pool.config.model, self.pool.config.tp_size))
+                                 describe_model(self.pool.config.model, self.pool.config.tp_size,
+                                                getattr(self.model, "identity", None)))
         self._ctx = zmq.Context()
         self.gate = Gate(self._ctx, settings.auth, type(self).__name__)
         self._stop = threading.Event()

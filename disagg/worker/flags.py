@@ -31,6 +31,7 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="what computes KV: model = transformers model code with seeded random weights "
                         "(tiny-model-*, model-* presets), standin = deterministic bytes (any preset, fast); "
                         "auto: model for those presets, else standin")
+    add_model_flags(g)
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page, a power of two "
                    "(default: the preset's)")
     cap = g.add_mutually_exclusive_group()
@@ -96,6 +97,32 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults (default: random)")
 
 
+def add_model_flags(g) -> None:
+    """Where the model engine's model comes from, beside --preset (disagg.engine.model.source)."""
+    g.add_argument("--model", default=None, metavar="PATH",
+                   help="a local HuggingFace model directory (config.json + *.safetensors), loaded with transformers "
+                        "offline; the pool geometry is read off it (implies the model engine; both sides must hold "
+                        "the same model: config and weights are checked at registration)")
+    g.add_argument("--model-type", default=None, metavar="TYPE",
+                   help="instead of --model: seeded random weights of this transformers model_type (bamba, "
+                        "falcon_h1, ...) with --model-config")
+    g.add_argument("--model-config", default=None, metavar="JSON",
+                   help="the --model-type's config fields as a JSON object, e.g. '{\"num_hidden_layers\": 4}'")
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="weights and KV dtype of --model / --model-type (auto: the config's; float32 for "
+                        "--model-type)")
+
+
+def model_source(args: argparse.Namespace, page_size: int | None = None):
+    """The ModelSource of --model / --model-type (None: the preset's own), refused in one line."""
+    if args.model is None and args.model_type is None:
+        if args.model_config is not None:
+            raise ConfigError("--model-config goes with --model-type")
+        return None
+    from disagg.engine.model.source import ModelSource
+    return ModelSource(args.model, args.model_type, args.model_config, args.dtype, page_size or 16)
+
+
 def add_http_limit_flags(g) -> None:
     g.add_argument("--http-receive-timeout", type=seconds, default=10.0, metavar="SECONDS",
                    help="a request's headers and body must arrive within this, in total, from its first byte "
@@ -121,7 +148,8 @@ def pool_settings(args: argparse.Namespace) -> PoolSettings:
     if not 0 <= args.tp_rank < args.tp_size:
         raise ConfigError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size} (0 .. {args.tp_size - 1})")
     max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
-    return PoolSettings(args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
+    source = model_source(args)
+    return PoolSettings(source.name if source is not None else args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
                         args.layout, args.device, args.tp_size, args.tp_rank)
 
 
@@ -149,7 +177,8 @@ def worker_settings(args: argparse.Namespace) -> dict:
     return dict(pool=pool_settings(args), host=args.host, transports=transports(args),
                 transport_settings=transport_settings(args), transfer=transfer_config(args),
                 deadlines=deadlines(args), dead_after_s=args.dead_after, queue_wait_s=args.queue_wait,
-                max_waiting=args.max_waiting, auth=key_of(args), engine=args.engine)
+                max_waiting=args.max_waiting, auth=key_of(args), engine=args.engine,
+                model_source=model_source(args, args.page_size))
 
 
 def http_url(args: argparse.Namespace, port: int) -> str:

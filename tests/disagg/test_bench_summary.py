@@ -25,7 +25,7 @@ def test_bench_counts_a_checked_generation_that_differs_as_a_failure():
     results = [{"ok": True, "verified": True, "bytes": 1, "timings_ms": {"total": 1.0}, "check": c}
                for c in (same, same, {"token_match": True, "logits_match": False}, None)]
     summary = summarize(results, 1.0)
-    assert summary["token_match"] == {"checked": 3, "match": 3, "logits_match": 2}
+    assert summary["token_match"] == {"checked": 3, "match": 3, "logits_match": 2, "shard_match": 3}
     assert mismatches(summary) == 1
     assert mismatches(summarize(results[:2], 1.0)) == 0
 

@@ -39,6 +39,16 @@ def _run(*args: str, shell: str | None = None) -> subprocess.CompletedProcess:
      "tiny-swa: full kv_heads (2) neither divisible by nor a divisor of TP size 3"),
     (["prefill", *POOL, "--tp-size", "2", "--tp-rank", "2"], "--tp-rank 2 is not a rank of --tp-size 2 (0 .. 1)"),
     (["router", "--pair", "http://a:1+http://a:1,http://b:1,main"], "a rank's URL given twice"),
+    (["prefill", *POOL[2:], "--model", "/nonexistent/model"], "--model /nonexistent/model: not a model directory"),
+    (["prefill", *POOL[2:], "--model-type", "bamba", "--model-config", "{nope"], "--model-config is not JSON"),
+    (["prefill", *POOL[2:], "--model-type", "mamba2", "--device", "cpu", "--model-config",
+      '{"hidden_size": 64, "num_hidden_layers": 2, "num_heads": 4, "head_dim": 32, "n_groups": 2, "state_size": 8, '
+      '"vocab_size": 512}'], "layer 0 (LinearAttentionLayer) filled no state"),
+    (["prefill", *POOL[2:], "--model-type", "lfm2", "--device", "cpu", "--model-config",
+      '{"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, '
+      '"num_key_value_heads": 2, "vocab_size": 512, "pad_token_id": null, "layer_types": ["conv", "full_attention"]}'],
+     "keeps a conv state and no recurrent state"),
+    (["prefill", *POOL[2:], "--model-type", "no_such_type", "--device", "cpu"], "no_such_type-random: config refused"),
     (["demo", "--preset", "tiny-full", "--max-tokens", "2", "--requests", "1"],
      "`disagg prefill` did not become ready (exit code 2): disagg prefill: error: capacity holds no page"),
 ])

@@ -251,3 +251,18 @@ def test_a_pair_of_different_presets_fails_requests_with_the_words():
         sock.close()
         decode.close()
         prefill.close()
+
+
+def test_another_checkpoint_of_one_geometry_is_refused_naming_the_difference():
+    """Same pools, same geometry, different weights (or config): the models are not the same."""
+    from disagg.control.layout import LayoutInfo, describe_model, layout_difference
+    spec = get_preset("tiny-hybrid")
+    a = {"config_hash": "sha256:" + "a" * 32, "weights": "sha256:" + "1" * 32}
+    b = {**a, "weights": "sha256:" + "2" * 32}
+    info = lambda ident: LayoutInfo(4, "page_major", [], describe_model(spec, 1, ident))  # noqa: E731
+    assert layout_difference(info(a), info(a)) is None and layout_difference(info(None), info(None)) is None
+    why = layout_difference(info(a), info(b))
+    assert why == (f"prefill tiny-hybrid vs decode tiny-hybrid: weights: prefill sha256:{'1' * 32}, decode "
+                   f"sha256:{'2' * 32} (both sides must load the same model)"), why
+    assert "model config: prefill sha256:" in layout_difference(info(a), info({**b, "config_hash": "sha256:bb"}))
+    assert "weights: prefill sha256:" in layout_difference(info(a), info(None))

@@ -64,7 +64,7 @@ def test_disaggregated_equals_colocated(preset, page_size, device):
         dreq = transfer(eng, prefill, decode, tokens)
         out = eng.decode(decode, dreq, tokens, max_new_tokens=10)
         check = eng.check(tokens, out)
-        assert check["token_match"] and check["logits_match"], (n, check)
+        assert check["token_match"] and check["logits_match"] and check["shard_match"], (n, check)
         assert len(out.tokens) == 10 and dreq.num_tokens == n + 9
         decode.free_request(dreq)
     assert (decode.available(), prefill.available()) == empty
@@ -88,7 +88,7 @@ CORRUPTIONS = [
     ("tiny-model-gpt-oss", 1, "k"), ("tiny-model-gpt-oss", 0, "k"), ("tiny-model-mimo", 1, "k"),
     ("tiny-model-qwen3-next", 0, "conv"), ("tiny-model-qwen3-next", 2, "temporal"),
     ("tiny-model-nemotron-h", 0, "conv"), ("tiny-model-nemotron-h", 0, "temporal"),
-    ("tiny-model-jamba", 0, "temporal"),
+    ("tiny-model-jamba", 0, "temporal"), ("tiny-model-falcon-h1", 0, "temporal"), ("tiny-model-falcon-h1", 1, "k"),
     ("tiny-model-deepseek-v3", 0, "latent"), ("tiny-model-deepseek-v32", 0, "key"),
 ]
 
@@ -103,7 +103,7 @@ def test_one_corrupted_byte_fails_the_check(preset, layer, part, device):
     dreq = transfer(eng, prefill, decode, tokens)
     kind = eng.spec.layer_kinds()[layer]
     view = decode.layer_view(layer, part)
-    if kind == "linear":
+    if part in ("conv", "temporal"):
         row = view[int(decode.index_set(dreq)[Component.MAMBA][0])]
     else:
         c = {"swa": Component.SWA, "full": Component.FULL}.get(kind, Component.NSA if part == "key" else Component.FULL)
@@ -165,10 +165,9 @@ def test_geometry_is_the_models_and_mismatches_are_refused(device, monkeypatch):
         eng.check_pool(pools(other, device, 4)[0])
     with pytest.raises(ConfigError, match="geometry only"):
         registry.create("model", "tiny-hybrid", device)
-    monkeypatch.setitem(FAMILIES, "tiny-model-falcon-h1", Family("tiny-model-falcon-h1", "falcon_h1", dict(
-        **_ATTN, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8)))
-    with pytest.raises(ConfigError, match="layer 0 .* side by side"):
-        registry.create("model", "tiny-model-falcon-h1", device)
+    falcon = engine("tiny-model-falcon-h1", device)     # K/V and a Mamba2 state in every layer: in both
+    assert falcon.spec.full.layers == falcon.spec.linear.layers == (0, 1)
+    assert falcon.spec.layer_kinds() == ("full", "full")
 
 
 @pytest.mark.parametrize("preset", [f for f in TINY if FAMILIES[f].chunked_attention])
@@ -187,3 +186,55 @@ def test_chunked_attention_is_the_families_eager_attention_on_blocks_of_queries(
     dreq = transfer(chunked, prefill, decode, tokens)
     check = chunked.check(tokens, chunked.decode(decode, dreq, tokens, max_new_tokens=6))
     assert check["token_match"] and check["logits_match"], check
+
+
+# families whose cache layers the pool cannot hold: refused when the engine is built, in one
+# line that says what the layer keeps (once an AttributeError on a None state)
+REFUSED = [
+    ("mamba2", dict(num_hidden_layers=2, num_heads=4, head_dim=32, n_groups=2, state_size=8), "filled no state"),
+    ("falcon_mamba", dict(num_hidden_layers=2, state_size=8), "filled no state"),
+    ("lfm2", dict(**_ATTN, num_hidden_layers=2, layer_types=["conv", "full_attention"]), "conv state and no recurrent"),
+]
+
+
+@pytest.mark.parametrize("model_type,config,words", REFUSED, ids=[r[0] for r in REFUSED])
+def test_families_the_pool_cannot_hold_are_refused_in_one_line(model_type, config, words, monkeypatch):
+    monkeypatch.setitem(FAMILIES, "tiny-x", Family("tiny-x", model_type, config))
+    with pytest.raises(ConfigError, match=words) as exc:
+        registry.create("model", "tiny-x", "cpu")
+    assert "\n" not in str(exc.value) and "layer 0" in str(exc.value)
+
+
+def test_a_layer_with_several_states_is_refused_not_half_carried():
+    from transformers.cache_utils import LinearAttentionLayer
+
+    from disagg.engine.model.geometry import _states
+    layer = LinearAttentionLayer(number_of_states=2)
+    for i in range(2):
+        layer.update_conv_state(torch.zeros(1, 8, 4), state_idx=i)
+        layer.update_recurrent_state(torch.zeros(1, 2, 4, 4), state_idx=i)
+    with pytest.raises(ConfigError, match="layer 5 .* keeps 2 conv/recurrent states per layer"):
+        _states("m", 5, layer)
+
+
+# model types with no family entry of ours, from their config alone (--model-type/--model-config)
+FROM_CONFIG = [
+    ("olmo_hybrid", dict(**_ATTN, hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=4,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, initializer_range=0.5, pad_token_id=None, eos_token_id=None)),
+]
+
+
+@pytest.mark.parametrize("model_type,config", FROM_CONFIG, ids=[f[0] for f in FROM_CONFIG])
+def test_a_model_type_from_its_config_alone_runs_exact(model_type, config, device):
+    import json
+
+    from disagg.engine.model.source import ModelSource
+    eng = registry.create("auto", "unused", device, source=ModelSource(model_type=model_type,
+                                                                        config_json=json.dumps(config), page_size=4))
+    assert eng.spec.linear.conv_groups == ((2, 8), (2, 8), (4, 8)) and eng.identity["weights"].startswith("sha256:")
+    prefill, decode = pools(eng, device, 4)
+    tokens = prompt(13, eng.vocab_size)
+    dreq = transfer(eng, prefill, decode, tokens)
+    check = eng.check(tokens, eng.decode(decode, dreq, tokens, max_new_tokens=5))
+    assert check["token_match"] and check["logits_match"] and check["shard_match"], check

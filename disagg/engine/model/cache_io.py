@@ -86,7 +86,8 @@ class CacheIO:
     def __init__(self, pool: HybridPool, states: dict[int, StateShape]):
         self.pool = pool
         spec = pool.config.model
-        self.kinds = spec.layer_kinds()
+        self.kinds = spec.layer_kinds()                  # attention kind, or linear / none
+        self.stateful = set(spec.linear.layers) if spec.linear is not None else set()   # conv + temporal state
         self.nsa_layers = set(spec.nsa.layers) if spec.nsa is not None else set()
         self.window = spec.swa.window if spec.swa is not None else None
         self.states = states
@@ -95,8 +96,9 @@ class CacheIO:
 
     def _split(self, layer: int, kind: str) -> bool:
         """Whether this rank holds only some units of the layer (MLA and NSA: never)."""
-        if kind == "linear":
-            return any(self.shard.index(Component.MAMBA, layer, part, 1) is not None for part in ("conv", "temporal"))
+        if layer in self.stateful and any(self.shard.index(Component.MAMBA, layer, part, 1) is not None
+                                          for part in ("conv", "temporal")):
+            return True
         if kind in ("full", "swa"):
             return self._heads(Component.SWA if kind == "swa" else Component.FULL, layer) is not None
         return False
@@ -105,18 +107,21 @@ class CacheIO:
         return self.shard.index(c, layer, "k", 2)        # view [items, P, heads, dim]
 
     # ---- cache -> pool -------------------------------------------------------------------
-    def write_layer(self, req: RequestKV, layer: int, cl, n: int, first: int) -> None:
+    def _targets(self, req: RequestKV, layer: int, cl, n: int, first: int):
+        """(part, pool view, index into it, this rank's values of the cache) for what layer
+        `layer` keeps of positions [first, n) and its state: written by write_layer, compared
+        by differences."""
         kind = self.kinds[layer]
-        if kind == "none":
-            return
-        if kind == "linear":
+        if layer in self.stateful:
             item = _state_item(self.pool, req)
             conv = self.pool.layer_view(layer, "conv")
             conv_index = self.shard.index(Component.MAMBA, layer, "conv", 1)
-            conv[item] = _pick(cl.conv_states[0][0], conv_index)[:, 1:]   # drop the column transformers never reads
+            # the oldest column transformers keeps is never read: the pool drops it
+            yield "conv", conv, (item,), _pick(cl.conv_states[0][0], conv_index)[:, 1:]
             temporal = self.pool.layer_view(layer, "temporal")
             state_index = self.shard.index(Component.MAMBA, layer, "temporal", 1)
-            temporal[item] = _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
+            yield "temporal", temporal, (item,), _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
+        if kind in ("none", "linear"):
             return
         c = Component.SWA if kind == "swa" else Component.FULL
         held = cl.keys.shape[-2]                             # the cache holds tokens [n - held, n)
@@ -125,15 +130,32 @@ class CacheIO:
         rows = torch.from_numpy(positions[keep] - (n - held)).to(cl.keys.device)
         if kind == "mla":
             latent = torch.cat([cl.keys[0, 0], cl.values[0, 0]], dim=-1)     # [T, kv_lora_rank + rope]
-            self.pool.layer_view(layer, "latent")[items, slots] = latent[rows]
+            yield "latent", self.pool.layer_view(layer, "latent"), (items, slots), latent[rows]
         else:
             heads = self._heads(c, layer)
-            self.pool.layer_view(layer, "k")[items, slots] = _pick(cl.keys[0], heads).transpose(0, 1)[rows]
-            self.pool.layer_view(layer, "v")[items, slots] = _pick(cl.values[0], heads).transpose(0, 1)[rows]
+            yield "k", self.pool.layer_view(layer, "k"), (items, slots), _pick(cl.keys[0], heads).transpose(0, 1)[rows]
+            yield "v", self.pool.layer_view(layer, "v"), (items, slots), _pick(cl.values[0], heads).transpose(0, 1)[rows]
         if layer in self.nsa_layers:
             items, slots, keep = _items(self.pool, Component.NSA, req, positions)
-            self.pool.layer_view(layer, "key")[items, slots] = cl.indexer_keys[0][rows]
+            yield "key", self.pool.layer_view(layer, "key"), (items, slots), cl.indexer_keys[0][rows]
+
+    def write_layer(self, req: RequestKV, layer: int, cl, n: int, first: int) -> None:
+        for _, view, at, values in self._targets(req, layer, cl, n, first):
+            view[at] = values
+        if layer in self.nsa_layers:   # unquantized keys: one (unused, 1.0) scale per token
+            items, slots, _ = _items(self.pool, Component.NSA, req, np.arange(first, n))
             self.pool.layer_view(layer, "scale")[items, slots] = 1.0
+
+    def differences(self, req: RequestKV, n: int, cache) -> list[str]:
+        """Where this rank's bytes in the pool for a request of n tokens differ from this
+        rank's units of `cache` (the colocated run's cache of the same n tokens), as
+        "layer L part" names; [] where every byte is this rank's shard of it."""
+        out = []
+        for layer, cl in enumerate(cache.layers):
+            for part, view, at, values in self._targets(req, layer, cl, n, 0):
+                if not torch.equal(view[at], values.to(view.device)):
+                    out.append(f"layer {layer} {part}")
+        return out
 
     # ---- pool -> cache -------------------------------------------------------------------
     def _rows(self, req: RequestKV, c: Component, layer: int, part: str, positions: np.ndarray) -> torch.Tensor:
@@ -160,7 +182,7 @@ class CacheIO:
         cache = DynamicCache(config=config)
         for layer, kind in enumerate(self.kinds):
             cl, ref = cache.layers[layer], (whole.layers[layer] if self.sharded else None)
-            if kind == "linear":
+            if layer in self.stateful:
                 shape, item = self.states[layer], _state_item(self.pool, req)
                 conv = self.pool.layer_view(layer, "conv")[item]
                 conv = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)
@@ -171,7 +193,7 @@ class CacheIO:
                 temporal = _merge(temporal, None if ref is None else ref.recurrent_states[0][0],
                                   self.shard.index(Component.MAMBA, layer, "temporal", 1))
                 cl.update_recurrent_state(temporal.unsqueeze(0).clone())
-            elif kind == "swa":
+            if kind == "swa":
                 cl.update(*self._kv(req, Component.SWA, layer, np.arange(max(0, n - (self.window - 1)), n), ref))
                 cl.cumulative_length = n        # positions of later tokens count every token seen
             elif kind in ("full", "mla"):

@@ -32,7 +32,8 @@ from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prom
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
-from disagg.engine.model.geometry import conv_groups, spec_from_cache
+from disagg.engine.model.geometry import spec_from_cache
+from disagg.engine.model.source import PLAIN_EAGER, ModelSource, config_hash, load_directory, weights_fingerprint
 from disagg.errors import ConfigError, VerifyError
 from kvpool import HybridPool, RequestKV
 
@@ -56,32 +57,56 @@ def _fingerprint(buffers, items: np.ndarray) -> str:
 class TransformersEngine:
     name = "model"
 
-    def __init__(self, preset: str, device: str = "cpu", seed: int = 0, attn_chunk: int = attention.CHUNK):
-        """attn_chunk: queries per block of the eager attention (disagg.engine.model.attention)."""
-        f = family(preset)
+    def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
+                 attn_chunk: int = attention.CHUNK):
+        """preset: a family of ours, or a ModelSource (--model / --model-type); attn_chunk:
+        queries per block of the eager attention (disagg.engine.model.attention)."""
         go_offline()
-        from transformers import AutoModelForCausalLM, DynamicCache
+        from transformers import DynamicCache
         self._new_cache = DynamicCache
-        self.config = hf_config(f)
-        with torch.random.fork_rng(devices=[]):   # built on CPU from the seed: the same weights anywhere
-            torch.manual_seed(seed)
-            impl = attention.register(attn_chunk) if f.chunked_attention else "eager"
-            model = AutoModelForCausalLM.from_config(self.config, attn_implementation=impl,
-                                                     dtype=getattr(torch, f.dtype))
+        impl = lambda chunked: attention.register(attn_chunk) if chunked else "eager"  # noqa: E731
+        if isinstance(preset, ModelSource) and preset.path is not None:
+            self.config, model = load_directory(preset, device, lambda t: impl(t not in PLAIN_EAGER))
+            name, page_size = preset.name, preset.page_size
+        else:
+            f = preset.family() if isinstance(preset, ModelSource) else family(preset)
+            self.config, model = self._random(f, seed, impl(f.chunked_attention))
+            name, page_size = f.preset, f.page_size
         self.model = model.to(device).eval()
         self.device = torch.device(device)
-        self.preset = preset
+        self.preset = name
         self.vocab_size = int(self.config.vocab_size)
         self._lock = threading.Lock()
         self._layer_done: Callable[[int], None] | None = None
         decoder = self.model.base_model.layers
         for i, layer in enumerate(decoder):
             layer.register_forward_hook(lambda *_, i=i: self._layer_done and self._layer_done(i))
-        _, probe = self._forward(np.array(PROBE), self._cache())
+        try:
+            _, probe = self._forward(np.array(PROBE), self._cache())
+        except Exception as exc:   # the model code refuses our cache (e.g. a cache of linear layers only)
+            raise ConfigError(f"{name}: the model's forward pass over a {len(PROBE)}-token probe with a "
+                              f"DynamicCache failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
         if len(probe.layers) != len(decoder):
-            raise ConfigError(f"{preset}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
-        self.spec, self._states = spec_from_cache(preset, probe, hasattr(self.config, "kv_lora_rank"), f.page_size,
-                                                  conv_groups(self.config))
+            raise ConfigError(f"{name}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
+        self.spec, self._states = spec_from_cache(name, probe, hasattr(self.config, "kv_lora_rank"), page_size,
+                                                  decoder)
+        # what the other side checks at registration: the same model, not only the same geometry
+        self.identity = {"config_hash": config_hash(self.config), "weights": weights_fingerprint(self.model)}
+
+    @staticmethod
+    def _random(f, seed: int, impl: str):
+        """(config, model) of a family with seeded random weights (built on CPU from the seed:
+        the same weights on any device)."""
+        from transformers import AutoModelForCausalLM
+        config = hf_config(f)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            try:
+                return config, AutoModelForCausalLM.from_config(config, attn_implementation=impl,
+                                                                dtype=getattr(torch, f.dtype))
+            except Exception as exc:   # e.g. a model type with no causal-LM class, a padding id past the vocabulary
+                raise ConfigError(f"{f.preset}: transformers cannot build it: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
 
     def _cache(self):
         return self._new_cache(config=self.config)
@@ -170,7 +195,7 @@ class TransformersEngine:
             logits.append(step)
             tokens.append(int(step.argmax()))
         timings.update(rebuild=(t1 - t0) * 1e3, steps=(time.perf_counter() - t1) * 1e3)
-        return DecodeOutput(tokens, logits, timings)
+        return DecodeOutput(tokens, logits, timings, held_differences=lambda whole: io.differences(req, n, whole))
 
     def _sync(self) -> None:
         if self.device.type == "cuda":
@@ -178,17 +203,27 @@ class TransformersEngine:
 
     def reference(self, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
         """The colocated run: the whole model in this process, no pool."""
+        return self._reference(token_ids, max_new_tokens)[0]
+
+    def _reference(self, token_ids: np.ndarray, max_new_tokens: int):
+        """(the colocated run's output, its cache after the prompt and every token but the last)."""
         step, cache = self._forward(token_ids, self._cache())
         tokens, logits = [int(step.argmax())], []
         for _ in range(max_new_tokens - 1):
             step, cache = self._forward([tokens[-1]], cache)
             logits.append(step)
             tokens.append(int(step.argmax()))
-        return DecodeOutput(tokens, logits)
+        return DecodeOutput(tokens, logits), cache
 
     def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
-        want = self.reference(token_ids, len(output.tokens))
+        """Tokens and logits against the colocated run, and the bytes this rank holds against
+        its shard of the colocated run's cache (decode writes every step back, so the pool now
+        holds the cache the colocated run ends with): a rank holding the wrong units fails
+        here even where recomputing the others from the prompt gives the right outputs."""
+        want, cache = self._reference(token_ids, len(output.tokens))
         out = compare_tokens(want.tokens, output.tokens)
         same = [torch.equal(a, b) for a, b in zip(want.logits, output.logits)]
         diff = max((float((a - b).abs().max()) for a, b in zip(want.logits, output.logits)), default=0.0)
-        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff}
+        held = output.held_differences(cache) if output.held_differences is not None and out["token_match"] else []
+        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff,
+                "shard_match": out["token_match"] and not held, "shard_differences": held[:4]}

@@ -9,6 +9,9 @@ family. Weights are random from a seed, so both sides build the same model with 
     tiny-model-qwen3-next     qwen3_next      gated-delta-net conv + recurrent state | full K/V
     tiny-model-nemotron-h     nemotron_h      Mamba2 conv + SSM | full K/V | MLP/MoE (none)
     tiny-model-jamba          jamba           Mamba1 conv + SSM | full K/V
+    tiny-model-bamba          bamba           Mamba2 conv + SSM (2 groups) | full K/V
+    tiny-model-granite-hybrid granitemoehybrid Mamba2 conv + SSM (2 groups) | full K/V, MoE
+    tiny-model-falcon-h1      falcon_h1       full K/V and Mamba2 conv + SSM side by side in every layer
     tiny-model-deepseek-v3    deepseek_v3     MLA: latent (32) + rope key (8)
     tiny-model-deepseek-v32   deepseek_v32    MLA + NSA indexer keys (16)
 
@@ -28,12 +31,15 @@ from disagg.errors import ConfigError
 
 # No hub access at run time, ever: every model is built from a config in this file.
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1",
-               "TRANSFORMERS_VERBOSITY": "error"}
+               "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
 
 _BASE = dict(hidden_size=64, intermediate_size=128, vocab_size=512, initializer_range=0.5, eos_token_id=None,
              bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
 _REAL = dict(vocab_size=32000, initializer_range=0.02)   # real-size: the usual init (0.5 would overflow)
 _ATTN = dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+# Mamba2 of 4 heads x 32 and 2 groups of d_state 8: conv [x 128 | B 16 | C 16], so a TP split
+# by channel instead of by group shows (rank 0 of 2: x 0-63, B 128-135, C 144-151)
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16)
 _MLA = dict(num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8,
             v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
             n_group=1, topk_group=1, first_k_dense_replace=1)
@@ -50,6 +56,7 @@ class Family:
     # branches on the implementation's name (DeepSeek-V3.2 applies its NSA top-k mask only
     # under "eager"/"sdpa": under another name the indexer keys would stop mattering)
     chunked_attention: bool = True
+    tiny: bool = True                 # the config goes over _BASE (hidden 64, vocabulary 512, init 0.5)
 
     @property
     def vocab_size(self) -> int:
@@ -78,6 +85,14 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
     Family("tiny-model-jamba", "jamba", dict(
         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, attn_layer_period=2, attn_layer_offset=1,
         num_experts=4, expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8)),
+    Family("tiny-model-bamba", "bamba", dict(
+        **_ATTN, num_hidden_layers=4, attn_layer_indices=[1, 3], **_MAMBA2)),
+    Family("tiny-model-granite-hybrid", "granitemoehybrid", dict(
+        **_ATTN, num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=4,
+        shared_intermediate_size=32, **_MAMBA2)),
+    Family("tiny-model-falcon-h1", "falcon_h1", dict(
+        **_ATTN, num_hidden_layers=2, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2,
+        mamba_d_state=8, mamba_chunk_size=16)),
     Family("tiny-model-deepseek-v3", "deepseek_v3", dict(**_MLA, num_hidden_layers=3)),
     # 8 indexer heads: with fewer, exact-zero score ties make the top-k order depend on shapes
     Family("tiny-model-deepseek-v32", "deepseek_v32", dict(
@@ -121,4 +136,8 @@ def hf_config(f: Family):
     """transformers' config object for a family (imports transformers: seconds, once)."""
     go_offline()
     from transformers import AutoConfig
-    return AutoConfig.for_model(f.model_type, **{**_BASE, **f.config})
+    try:
+        return AutoConfig.for_model(f.model_type, **({**_BASE, **f.config} if f.tiny else f.config))
+    except Exception as exc:   # an unknown model type, a config its class refuses (transformers' own words)
+        words = " ".join(line.strip() for line in str(exc).splitlines() if line.strip())
+        raise ConfigError(f"{f.preset}: config refused: {words[:400]}") from None
