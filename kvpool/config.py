@@ -109,6 +109,8 @@ class PoolConfig:
                 )
             full_pages = int(left // (per_page + self.swa_ratio * swa_row)) if has_paged else 0
         swa_pages = int(full_pages * self.swa_ratio) if Component.SWA in rows else 0
+        if self.max_tokens is not None and Component.SWA in rows:   # a token capacity: at least one window
+            swa_pages = max(swa_pages, min(full_pages, self.swa_window_pages()))
         if has_paged and full_pages < 1:
             raise SpecError(f"capacity holds no page of {self.page_size} tokens")
         if Component.SWA in rows and swa_pages < self.swa_window_pages():

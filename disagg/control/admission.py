@@ -21,19 +21,21 @@ T = TypeVar("T")
 
 
 class Admission:
-    def __init__(self, capacity: Callable[[int], bool], max_waiting: int, wait_s: float):
-        """`capacity(num_tokens)`: whether a request of that size fits in the empty pool."""
+    def __init__(self, shortfall: Callable[[int], str | None], max_waiting: int, wait_s: float):
+        """`shortfall(num_tokens)`: why a request of that size can never fit the empty pool
+        (naming the component that is short), or None when it fits."""
         if max_waiting < 0 or wait_s < 0:
             raise ValueError("max_waiting and wait_s must be >= 0")
-        self.fits_empty, self.max_waiting, self.wait_s = capacity, max_waiting, wait_s
+        self.shortfall, self.max_waiting, self.wait_s = shortfall, max_waiting, wait_s
         self._freed = threading.Condition()
         self._generation = 0    # bumped on every release: waiters retry only after one
         self.waiting = 0
 
     def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None) -> T:
         """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time."""
-        if not self.fits_empty(num_tokens):
-            raise TooLarge(f"a request of {num_tokens} tokens does not fit in this pool even when empty")
+        why = self.shortfall(num_tokens)
+        if why is not None:
+            raise TooLarge(f"a request of {num_tokens} tokens does not fit in this pool: {why}")
         give_up = time.monotonic() + self.wait_s
         if deadline is not None:
             give_up = min(give_up, deadline)

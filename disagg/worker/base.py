@@ -64,14 +64,14 @@ class Worker:
         self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device(),
                                               settings.simulate_layer_ms, settings.model_source)
         try:
-            pool_config = settings.pool.pool_config(self.model.spec)
+            pool_config = settings.pool.pool_config(self.model.spec, swa_window_only)
         except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
             raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
                               f"--max-tokens or --pool-bytes, --max-requests, --tp-size)") from None
         self.pool_summary = memory(pool_config, settings.transfer.staging_slots * settings.transfer.staging_slot_bytes)
         log.info("pool %s: %s", settings.pool.preset, self.pool_summary["line"])
         self.pool = HybridPool(pool_config)
-        self.admission = Admission(partial(self.pool.fits_when_empty, swa_window_only=swa_window_only),
+        self.admission = Admission(partial(self.pool.shortfall, swa_window_only=swa_window_only),
                                    settings.max_waiting,
                                    settings.queue_wait_s)
         self.endpoint = endpoint_class(create(settings.transports, settings.transport_settings), self.pool,

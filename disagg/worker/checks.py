@@ -57,6 +57,14 @@ def share(text: str) -> float:
     return value
 
 
+def share_above_zero(text: str) -> float:
+    """A fraction in (0, 1] (--swa-share)."""
+    value = _number(text, float, "a number")
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"{value:g} is not in (0, 1]")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0 meaning any free one."""
     value = _number(text, int, "a port number")

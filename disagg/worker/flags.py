@@ -8,7 +8,8 @@ from disagg.api.connections import HttpLimits
 from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
-from disagg.worker.checks import byte_size, cuda_device, device_name, port, positive_int, power_of_two, seconds
+from disagg.worker.checks import (byte_size, cuda_device, device_name, port, positive_int, power_of_two,
+                                  seconds, share_above_zero)
 from disagg.worker.pool_settings import PoolSettings
 from disagg.engine import registry
 from disagg.errors import ConfigError
@@ -51,6 +52,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="tensor-parallel ranks of this instance: one worker process per rank, each holding its "
                         "share of the heads (prefill and decode may differ: the KV is resharded on the way)")
     g.add_argument("--tp-rank", type=int, default=0, help="this worker's tensor-parallel rank (0 .. tp-size - 1)")
+    g.add_argument("--swa-share", type=share_above_zero, default=None, metavar="SHARE",
+                   help="sliding-window pages as a share of full-attention pages (default: 1 on prefill, which "
+                        "keeps every SWA page of a prompt while computing it; 0.5 on decode, which keeps the "
+                        "window only)")
     g = p.add_argument_group("HTTP (/health, /ready, /metrics and the API)")
     g.add_argument("--http-host", default=None, help="address to serve on (default: --host; 0.0.0.0 for "
                    "Kubernetes probes)")
@@ -149,8 +154,9 @@ def pool_settings(args: argparse.Namespace) -> PoolSettings:
         raise ConfigError(f"--tp-rank {args.tp_rank} is not a rank of --tp-size {args.tp_size} (0 .. {args.tp_size - 1})")
     max_tokens = args.max_tokens if args.max_tokens or args.pool_bytes else 65536
     source = model_source(args)
-    return PoolSettings(source.name if source is not None else args.preset, args.page_size, max_tokens, args.pool_bytes, args.max_requests,
-                        args.layout, args.device, args.tp_size, args.tp_rank)
+    return PoolSettings(source.name if source is not None else args.preset, args.page_size, max_tokens,
+                        args.pool_bytes, args.max_requests, args.layout, args.device, args.tp_size, args.tp_rank,
+                        args.swa_share)
 
 
 def transfer_config(args: argparse.Namespace) -> TransferConfig:

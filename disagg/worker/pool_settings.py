@@ -22,21 +22,25 @@ class PoolSettings:
     device: str = "auto"
     tp_size: int = 1                    # ranks of this instance; the pool holds rank tp_rank's heads
     tp_rank: int = 0
+    swa_share: float | None = None      # SWA pages as a share of full pages; None: the role's default
 
     def resolved_device(self) -> str:
         """--device auto -> cuda where torch sees a GPU, else cpu (the pool's own rule)."""
         from kvpool.config import resolve_device   # imports torch: not for --help
         return resolve_device(self.device)
 
-    def pool_config(self, model: ModelSpec | None = None) -> "PoolConfig":
+    def pool_config(self, model: ModelSpec | None = None, swa_window_only: bool = False) -> "PoolConfig":
         """The pool of this preset, or of `model` (the geometry a model engine read off its
-        model's cache)."""
+        model's cache). SWA pages, unless --swa-share says: as many as full pages where a
+        request holds every SWA page (prefill computes the whole prompt: a prompt that fits
+        the full pool fits the SWA pool), half where it holds the window only (decode)."""
         from kvpool.config import PoolConfig
         model = model or get_preset(self.preset)
+        share = self.swa_share or (0.5 if swa_window_only else 1.0)
         return PoolConfig(model, self.page_size or model.default_page_size, max_tokens=self.max_tokens,
                           byte_budget=self.byte_budget, max_requests=self.max_requests,
                           layout=Layout(self.layout), device=self.device,
-                          tp_size=self.tp_size, tp_rank=self.tp_rank)
+                          tp_size=self.tp_size, tp_rank=self.tp_rank, swa_ratio=share)
 
 
 def memory(config: "PoolConfig", staging_bytes: int = 0) -> dict:

@@ -84,8 +84,19 @@ class HybridPool(KVPool):
     def fits_when_empty(self, num_tokens: int, swa_window_only: bool = False) -> bool:
         """Whether a request of `num_tokens` could be allocated at all (in the empty pool):
         False means waiting for space is pointless."""
+        return self.shortfall(num_tokens, swa_window_only) is None
+
+    def shortfall(self, num_tokens: int, swa_window_only: bool = False) -> str | None:
+        """Why a request of `num_tokens` can never be allocated, naming the component that is
+        short (None: it fits the empty pool)."""
         first = self._window_first(num_tokens) if swa_window_only else 0
-        return all(n <= allocator.capacity for allocator, n in self._needs(num_tokens, first))
+        for allocator, n in self._needs(num_tokens, first):
+            if n > allocator.capacity:
+                paged = isinstance(allocator, PagedAllocator)
+                held = f"{allocator.capacity} ({allocator.capacity * self.page_size} tokens)" if paged \
+                    else str(allocator.capacity)
+                return f"the {allocator.name} hold {held} even when empty; this request needs {n}"
+        return None
 
     def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
         """Allocate; SWA pages back positions [swa_first, num_pages)."""
