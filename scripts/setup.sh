@@ -2,8 +2,19 @@
 # Idempotent set-up on a fresh machine: Debian libraries the Mooncake wheel loads, a venv in
 # .venv, torch (CPU build unless an NVIDIA GPU is present), the Mooncake wheel that fits the
 # machine, and this package in editable mode with its test and model (transformers) extras.
+#   --with vllm   also the vLLM test venv (.venv-vllm): scripts/setup_vllm.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WITH=()
+while (($#)); do
+    case $1 in
+        --with) WITH+=("${2:?--with needs a name: vllm}"); shift 2 ;;
+        *) printf '[setup] unknown argument %s (known: --with vllm)\n' "$1" >&2; exit 2 ;;
+    esac
+done
+for w in ${WITH[@]+"${WITH[@]}"}; do
+    [ "$w" = vllm ] || { printf '[setup] --with %s: only vllm is known\n' "$w" >&2; exit 2; }
+done
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
@@ -109,3 +120,6 @@ fi
 log "installing disagg[test,model,$extra] (editable)"
 pip_install -e ".[test,model,$extra]"
 "$PY" -c "import torch, mooncake.engine, zmq, msgspec, transformers; print('[setup] ok: torch', torch.__version__)" >&2
+for w in ${WITH[@]+"${WITH[@]}"}; do
+    PYTHON="$PYTHON" scripts/setup_vllm.sh
+done

@@ -1,6 +1,7 @@
 """Shared fixtures. Pools are built on DISAGG_TEST_DEVICE (default: cpu); tests marked `gpu`
 are deselected (not skipped) where no CUDA device exists."""
 
+import importlib.util
 import os
 import time
 
@@ -9,6 +10,15 @@ import torch
 import zmq
 
 from disagg.control.auth import AuthKey, Gate
+
+# tests/vllm_connector needs vLLM, which has a venv of its own (.venv-vllm: scripts/setup.sh --with vllm;
+# scripts/test.sh runs them there): the main venv does not collect them.
+def _has_vllm() -> bool:
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None   # (not a folder named vllm on the path)
+
+
+collect_ignore = [] if _has_vllm() else ["vllm_connector"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,0 +1,93 @@
+"""DisaggConnector: disagg's transfer layer as a vLLM KV connector (vLLM 0.32).
+
+    --kv-transfer-config '{"kv_connector": "DisaggConnector",
+                           "kv_connector_module_path": "disagg.vllm.connector",
+                           "kv_role": "kv_producer",      # prefill; "kv_consumer" on decode
+                           "kv_connector_extra_config": {"bootstrap": "tcp://127.0.0.1:8998"}}'
+
+vLLM builds it twice: in the scheduler (role SCHEDULER: disagg.vllm.scheduler) and in each
+worker (role WORKER: disagg.vllm.worker); the scheduler's per-step metadata is the only thing
+that passes between them. This is the one module that imports vLLM.
+"""
+
+from typing import Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+from vllm.v1.request import RequestStatus
+
+from disagg.vllm.scheduler import DisaggScheduler, StepMeta
+
+COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+
+
+class DisaggConnectorMetadata(KVConnectorMetadata):
+    """One scheduler step's sends, loads and releases, for every worker."""
+
+    def __init__(self, step: StepMeta):
+        self.step = step
+
+
+class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = vllm_config.kv_transfer_config
+        self._extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
+        self._scheduler: DisaggScheduler | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = DisaggScheduler(vllm_config.cache_config.block_size, cfg.is_kv_producer,
+                                              cfg.is_kv_consumer, self._extra.get("bootstrap"))
+        else:
+            from disagg.vllm.worker import DisaggWorker   # the transfer layer: worker processes only
+            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra)
+
+    # ---- scheduler side -----------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        return DisaggConnectorMetadata(self._scheduler.build_meta())
+
+    def update_connector_output(self, connector_output) -> None:
+        self._scheduler.loaded(set(connector_output.finished_recving or ()))
+
+    def request_finished(self, request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request, block_ids: tuple[list[int], ...]):
+        return self._scheduler.request_finished(request, block_ids, request.status in COMPLETED)
+
+    # ---- worker side ----------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        self._worker.step(self._get_connector_metadata().step)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are async (between steps): a request runs only once its KV has landed."""
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata, **kwargs) -> None:
+        """The producer sends a finished prompt's blocks from vLLM's cache once a consumer asks."""
+
+    def wait_for_save(self) -> None:
+        """Nothing is saved during the forward pass (see save_kv_layer)."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.load_errors()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()

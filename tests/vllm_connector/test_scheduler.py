@@ -1,0 +1,166 @@
+"""DisaggConnector's scheduler side through vLLM's real scheduler (vLLM's own test helpers, no
+model run): the producer holds a finished prompt's blocks until its workers report them sent;
+the consumer loads only the tokens beyond its own prefix-cache hit, waits for them, then runs;
+aborts on either side; a failed load."""
+
+import pytest
+
+from disagg.vllm.connector import DisaggConnectorMetadata
+from disagg.vllm.params import RemotePrefill
+
+BS = 16
+BOOT = "tcp://127.0.0.1:8998"
+
+
+def _scheduler(u, model, role):
+    cfg = u.create_vllm_config(model=str(model), block_size=BS, kv_connector="DisaggConnector",
+                               kv_connector_module_path="disagg.vllm.connector", kv_role=role,
+                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32")
+    return u.create_scheduler(cfg, num_blocks=64)
+
+
+def _meta(out) -> DisaggConnectorMetadata:
+    assert isinstance(out.kv_connector_metadata, DisaggConnectorMetadata)
+    return out.kv_connector_metadata.step
+
+
+def _free_blocks(s) -> int:
+    return s.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
+def test_producer_holds_blocks_until_sent(vllm_utils, tiny_llama):
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_producer")
+    free0 = _free_blocks(s)
+    req = u.create_request(num_tokens=40, do_remote_decode=True, block_size=BS)
+    s.add_request(req)
+    out = s.schedule()
+    eco = s.update_from_output(out, u.create_model_runner_output([req]))
+    params = eco[0].outputs[0].kv_transfer_params
+    remote = RemotePrefill(**params["disagg"])
+    assert params["do_remote_prefill"] is True and remote.bootstrap == BOOT and remote.num_tokens == 40
+    assert _free_blocks(s) == free0 - 3                  # held: 40 tokens in 3 blocks of 16
+    step = _meta(s.schedule())
+    [send] = step.sends
+    assert (send.req_id, send.room, send.num_tokens, len(send.block_ids[0])) == (req.request_id, remote.room, 40, 3)
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_sending={req.request_id}))
+    assert _free_blocks(s) == free0
+    u.assert_scheduler_empty(s)
+
+
+def test_producer_abort_holds_nothing(vllm_utils, tiny_llama):
+    from vllm.v1.request import RequestStatus
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_producer")
+    req = u.create_request(num_tokens=40, do_remote_decode=True, block_size=BS)
+    s.add_request(req)
+    s.schedule()
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert _meta(s.schedule()).sends == []
+    u.assert_scheduler_empty(s)
+
+
+def _remote_request(u, num_tokens, common_prefix_len=0, room=7):
+    req = u.create_request(num_tokens=num_tokens, common_prefix_len=common_prefix_len, block_size=BS)
+    req.kv_transfer_params = RemotePrefill(room, BOOT, num_tokens).to_params()
+    return req
+
+
+def test_consumer_waits_for_remote_kv_then_runs(vllm_utils, tiny_llama):
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_consumer")
+    req = _remote_request(u, 40)
+    s.add_request(req)
+    step = _meta(s.schedule())
+    [load] = step.loads
+    assert (load.first_token, load.num_tokens, len(load.block_ids[0])) == (0, 40, 3)
+    assert load.remote.room == 7
+    assert not s.running                                  # waiting for the KV
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
+    out = s.schedule()
+    assert [r.req_id for r in out.scheduled_new_reqs] == [req.request_id]
+    assert out.num_scheduled_tokens[req.request_id] == 1   # only the last prompt token is recomputed
+    s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
+    s.schedule()
+    u.assert_scheduler_empty(s)
+
+
+def test_consumer_loads_only_beyond_its_prefix_cache_hit(vllm_utils, tiny_llama):
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_consumer")
+    warm = u.create_request(num_tokens=40, common_prefix_len=32, block_size=BS)   # computed here
+    s.add_request(warm)
+    out = s.schedule()
+    s.update_from_output(out, u.create_model_runner_output([warm], use_eos=True))
+    req = _remote_request(u, 48, common_prefix_len=32)
+    s.add_request(req)
+    [load] = _meta(s.schedule()).loads
+    assert (load.first_token, load.num_tokens, len(load.block_ids[0])) == (32, 16, 1)   # 2 blocks cached locally
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
+    out = s.schedule()
+    s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
+    s.schedule()
+    u.assert_scheduler_empty(s)
+
+
+def test_consumer_abort_releases_room_and_keeps_blocks_until_load_ends(vllm_utils, tiny_llama):
+    from vllm.v1.request import RequestStatus
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_consumer")
+    free0 = _free_blocks(s)
+    req = _remote_request(u, 40)
+    s.add_request(req)
+    s.schedule()
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    assert _free_blocks(s) == free0 - 3                   # a write may still land: vLLM holds them
+    [rel] = _meta(s.schedule()).releases
+    assert (rel.remote.room, rel.req_id) == (7, req.request_id)
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
+    s.schedule()
+    assert _free_blocks(s) == free0
+    u.assert_scheduler_empty(s)
+
+
+def test_consumer_abort_before_scheduling_releases_room(vllm_utils, tiny_llama):
+    from vllm.v1.request import RequestStatus
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_consumer")
+    req = _remote_request(u, 40, room=9)
+    s.add_request(req)
+    s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    step = _meta(s.schedule())
+    assert [(r.remote.room, r.req_id) for r in step.releases] == [(9, None)] and step.loads == []
+    u.assert_scheduler_empty(s)
+
+
+def test_failed_load_is_recomputed(vllm_utils, tiny_llama):
+    u = vllm_utils
+    cfg = u.create_vllm_config(model=str(tiny_llama), block_size=BS, kv_connector="DisaggConnector",
+                               kv_connector_module_path="disagg.vllm.connector", kv_role="kv_consumer",
+                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32",
+                               kv_load_failure_policy="recompute")
+    s = u.create_scheduler(cfg, num_blocks=64)
+    req = _remote_request(u, 40)
+    s.add_request(req)
+    [load] = _meta(s.schedule()).loads
+    bad = set(load.block_ids[0])
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id},
+                                                                     invalid_block_ids=bad))
+    out = s.schedule()
+    assert out.num_scheduled_tokens[req.request_id] == 40  # every prompt token computed here
+    s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
+    s.schedule()
+    u.assert_scheduler_empty(s)
+
+
+@pytest.mark.parametrize("disagg", [{"room": 0, "bootstrap": BOOT, "num_tokens": 4},
+                                    {"room": 1, "bootstrap": "http://x", "num_tokens": 4},
+                                    {"room": 1, "bootstrap": BOOT, "num_tokens": 4, "extra": 1}, "nope"])
+def test_malformed_params_compute_locally(vllm_utils, tiny_llama, disagg):
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_consumer")
+    req = u.create_request(num_tokens=40, block_size=BS)
+    req.kv_transfer_params = {"do_remote_prefill": True, "disagg": disagg}
+    s.add_request(req)
+    out = s.schedule()
+    assert _meta(out).loads == [] and out.num_scheduled_tokens[req.request_id] == 40
