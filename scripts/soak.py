@@ -7,9 +7,12 @@ in flight has ended, the survivor's pool must be back at its initial free counts
 otherwise), the victim restarts with a new router, and the load resumes; at the end both
 pools must be back. Every successful request is verified on decode, so
 a corrupted byte shows up as ok-but-unverified, counted separately. Optionally a share of the
-requests is cancelled by its client (router POST /abort) and failures are injected.
+requests is cancelled by its client (router POST /abort) and failures are injected. With
+--hostile, attackers run beside the load all along: slow clients trickling header bytes to the
+router (slowloris), idle connections held open at its connection bound, and a decode frozen
+(SIGSTOP) for a few seconds between kills; real requests must keep being served.
 
-    .venv/bin/python scripts/soak.py --duration 600 [--cancel-rate 0.05]
+    .venv/bin/python scripts/soak.py --duration 600 [--cancel-rate 0.05] [--hostile]
         [--inject-faults send.write=0.01,decode.alloc=0.01] [--json]
 """
 
@@ -19,6 +22,7 @@ import os
 import random
 import re
 import signal
+import socket
 import sys
 import threading
 import time
@@ -46,6 +50,60 @@ def wait_for(check, timeout: float) -> bool:
     return False
 
 
+def _connect(url: str) -> socket.socket | None:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        return socket.create_connection((host, int(port)), timeout=5)
+    except OSError:
+        return None
+
+
+def slowloris(state: dict, stop: threading.Event, stats: dict, lock: threading.Lock) -> None:
+    """One slow client: a request line, then a header byte every 0.5 s, reconnecting whenever
+    the router cuts it off (what the receipt deadline and eviction must do)."""
+    while not stop.is_set():
+        sock = _connect(state["router"])
+        if sock is None:
+            stop.wait(0.5)
+            continue
+        try:
+            sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            while not stop.wait(0.5):
+                sock.sendall(b"a")
+        except OSError:
+            with lock:
+                stats["hostile"]["slow_cut_off"] += 1
+        finally:
+            sock.close()
+
+
+def idler(state: dict, stop: threading.Event, stats: dict, lock: threading.Lock, n: int) -> None:
+    """`n` connections that send nothing, reopened as the router closes them."""
+    held: list[socket.socket] = []
+    while not stop.wait(0.5):
+        alive = []
+        for sock in held:
+            sock.setblocking(False)
+            try:
+                gone = sock.recv(1 << 16) == b""
+            except BlockingIOError:
+                gone = False
+            except OSError:
+                gone = True
+            (sock.close() if gone else alive.append(sock))
+            if gone:
+                with lock:
+                    stats["hostile"]["idle_closed"] += 1
+        held = alive
+        while len(held) < n and not stop.is_set():
+            sock = _connect(state["router"])
+            if sock is None:
+                break
+            held.append(sock)
+    for sock in held:
+        sock.close()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=600)
@@ -57,6 +115,8 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests the client aborts")
     ap.add_argument("--inject-faults", default="", help="POINT=RATE,... for both workers (transfer/faults.py)")
+    ap.add_argument("--hostile", action="store_true",
+                    help="slow clients, idle connections at the router's bound and a frozen decode beside the load")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -66,7 +126,8 @@ def main() -> int:
     if args.inject_faults:
         common += ["--inject-faults", args.inject_faults, "--fault-seed", str(args.seed)]
     stats = {"requests": 0, "ok": 0, "failed": 0, "cancelled": 0, "corrupted": 0, "kills": {"prefill": 0, "decode": 0},
-             "leaks": [], "failures": {}}
+             "leaks": [], "failures": {}, "hostile": {"slow_cut_off": 0, "idle_closed": 0, "freezes": 0,
+                                                      "ok_while_frozen_or_after": 0}}
     lock = threading.Lock()
     state: dict = {}
     stop = threading.Event()
@@ -129,6 +190,10 @@ def main() -> int:
         with urllib.request.urlopen(state["decode"]["http"] + "/health", timeout=10) as resp:
             stats["auth"] = json.loads(resp.read())["auth"]   # curve: the launcher gave the pair a key
         threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(args.concurrency)]
+        if args.hostile:   # the router's bound is --max-inflight (256) + 32: fill it with idlers and tricklers
+            threads += [threading.Thread(target=slowloris, args=(state, stop, stats, lock), daemon=True)
+                        for _ in range(64)]
+            threads.append(threading.Thread(target=idler, args=(state, stop, stats, lock, 240), daemon=True))
         for t in threads:
             t.start()
         end = time.monotonic() + args.duration
@@ -137,6 +202,14 @@ def main() -> int:
             time.sleep(min(rng.uniform(kmin, kmax), max(0.0, end - time.monotonic())))  # load runs meanwhile
             if time.monotonic() >= end:
                 break
+            if args.hostile and victim == "decode":   # a frozen decode first: its requests fail, it thaws, it serves
+                ok_before = stats["ok"]
+                os.kill(procs["decode"].pid, signal.SIGSTOP)
+                time.sleep(3)
+                os.kill(procs["decode"].pid, signal.SIGCONT)
+                stats["hostile"]["freezes"] += 1
+                wait_for(lambda: stats["ok"] > ok_before, 60)
+                stats["hostile"]["ok_while_frozen_or_after"] += stats["ok"] - ok_before
             survivor = "prefill" if victim == "decode" else "decode"
             os.kill(procs[victim].pid, signal.SIGKILL)
             stats["kills"][victim] += 1
@@ -163,7 +236,9 @@ def main() -> int:
         print(json.dumps(stats))
     else:
         print(json.dumps(stats, indent=2))
-    return 0 if not stats["leaks"] and stats["corrupted"] == 0 else 1
+    served = stats["ok"] > 0 and (not args.hostile or stats["hostile"]["ok_while_frozen_or_after"] > 0
+                                  or stats["hostile"]["freezes"] == 0)
+    return 0 if not stats["leaks"] and stats["corrupted"] == 0 and served else 1
 
 
 if __name__ == "__main__":
