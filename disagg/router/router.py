@@ -67,8 +67,9 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         except ValueError:
             parsed = None
         parsed = parsed if isinstance(parsed, dict) else {}
-        return {"state": "FAILED", "status": exc.code, **parsed,
-                "reason": f"HTTP {exc.code}: {_message(parsed) or raw[:500].decode(errors='replace')}"}
+        said = parsed.get("reason") if isinstance(parsed.get("reason"), str) else \
+            f"HTTP {exc.code}: {_message(parsed) or raw[:500].decode(errors='replace')}"
+        return {"state": "FAILED", "status": exc.code, **parsed, "reason": said}
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
         return {"state": "FAILED", "reason": f"{url}: {getattr(exc, 'reason', exc)}", "unreachable": True}
