@@ -107,3 +107,41 @@ def test_insecure_on_the_command_line_beats_a_key_in_the_environment():
     out = subprocess.run([DISAGG, "prefill", "--insecure", "--print-config"], env=env, capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 0 and "insecure = true" in out.stdout and "# auth-key = (unset)" in out.stdout, out.stderr
+
+
+def test_a_busy_http_port_is_found_before_the_pool_is_allocated():
+    """Issue 36: the HTTP port was bound only after the pool (gigabytes) had been allocated."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run("decode", "--preset", "tiny-full", "--max-tokens", "1024", "--http-port", str(port),
+                   "--bootstrap-addr", "tcp://127.0.0.1:9")
+    assert out.returncode == 2 and f"HTTP 127.0.0.1:{port}: cannot bind" in out.stderr, out.stderr
+    assert "pool tiny-full" not in out.stderr and "Traceback" not in out.stderr   # (the pool's size line comes first)
+
+
+def test_the_routers_line_says_when_it_serves_but_is_not_ready():
+    """Issue 36: the router printed 'ready' while its /ready was false."""
+    import json
+    import select
+
+    from harness.processes import reap, spawn
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    dead = f"http://127.0.0.1:{_free_port()}"
+    proc = spawn([DISAGG, "router", "--pair", f"{dead},{dead},main"], stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        assert select.select([proc.stdout], [], [], 60)[0]
+        line = json.loads(proc.stdout.readline())
+        human = next(l for l in proc.stderr if "disagg router" in l)
+    finally:
+        reap(proc)
+    assert line["ready"] is False and line["pairs_up"] == 0
+    assert human.startswith("disagg router serving (not ready: pair 0: prefill: unreachable at"), human
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -105,6 +105,8 @@ def test_the_http_server_counts_every_answer_and_states_its_capacity():
             except urllib.error.HTTPError:
                 pass
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        head = urllib.request.urlopen(urllib.request.Request(url + "/metrics", method="HEAD"), timeout=10)
+        assert head.status == 200 and head.read() == b""   # HEAD /metrics was a 501
     finally:
         api.stop()
     assert 'disagg_http_answers_total{role="router",route="/generate",status="400"} 1.0' in text
