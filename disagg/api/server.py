@@ -29,6 +29,7 @@ status line is gone by then.
 """
 
 import asyncio
+import concurrent.futures
 import contextvars
 import json
 import logging
@@ -57,6 +58,7 @@ STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (   # first match wins
     (DisaggError, 409),       # (RequestFailed carries its own status)
 )
 PROBES = ("/health", "/ready", "/metrics")
+STOP_GRACE_S = 3.0   # on stop, how long requests under way may take to be answered
 _conn: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("http_connection", default=None)
 
 
@@ -133,7 +135,8 @@ class ApiServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="http", daemon=True)
         app = web.Application(client_max_size=limits.max_body_bytes)
         app.router.add_route("*", "/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=limits.idle_s)
+        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=limits.idle_s,
+                                     shutdown_timeout=STOP_GRACE_S)
         self.connections: Connections | None = None
         self._server: asyncio.AbstractServer | None = None
 
@@ -143,10 +146,14 @@ class ApiServer:
         return self
 
     def stop(self) -> None:
+        """Stop taking connections; requests under way get STOP_GRACE_S to be answered."""
         if self._thread.is_alive():
-            asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(10)
+            try:
+                asyncio.run_coroutine_threadsafe(self._stop(), self._loop).result(STOP_GRACE_S + 5)
+            except (TimeoutError, concurrent.futures.TimeoutError):
+                log.warning("HTTP server: requests still under way after %g s; stopping without them", STOP_GRACE_S)
             self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(10)
+            self._thread.join(5)
         if not self._loop.is_running():
             self._loop.close()
         self._sock.close()
