@@ -3,6 +3,7 @@
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -38,7 +39,8 @@ PHASE_MEANING = {
     "decode": "decode: generating --max-new-tokens tokens from the received KV (rebuild included; on a model "
               "engine's TP rank also the prompt computed for the other ranks' units)",
     "rebuild": "decode, model engine: reading the pool into the model's cache before the first step",
-    "check": "decode, --check-rate: the same prompt run colocated and compared (tokens, logits)",
+    "check": "decode, --check-rate: the same prompt run colocated and compared (tokens; logits too where the "
+             "engine has them: the model engine, not the stand-in)",
 }
 
 
@@ -135,12 +137,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             q = np.percentile(values, [50, 90, 99])
             latency[phase] = {"p50": round(q[0], 2), "p90": round(q[1], 2), "p99": round(q[2], 2),
                               "mean": round(statistics.fmean(values), 2)}
-    checked = [r["check"] for r in ok if isinstance(r.get("check"), dict)]
-    failures: dict[str, int] = {}
-    for r in results:
-        if not r.get("ok"):
-            key = str(r.get("reason") or r.get("error") or "unknown")   # whole: the end often says why
-            failures[key] = failures.get(key, 0) + 1
+    failures, failure_rooms = group_failures([r for r in results if not r.get("ok")])
     return {
         "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),
         "failed": len(results) - len(ok), "wall_s": round(wall, 3),
@@ -151,11 +148,42 @@ def summarize(results: list[dict], wall: float) -> dict:
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "streamed": sum(1 for r in ok if r.get("streamed")),
         "prepared_ahead": sum(1 for r in ok if r.get("prepared_ahead")),
-        "latency_ms": latency, "failures": failures,
-        # generations compared with a colocated run of the same model (decode --check-rate)
-        "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
-                        "logits_match": sum(1 for c in checked if c.get("logits_match", c.get("token_match")))},
+        "latency_ms": latency, "failures": failures, "failure_rooms": failure_rooms,
+        "token_match": check_counts([r["check"] for r in ok if isinstance(r.get("check"), dict)]),
     }
+
+
+def check_counts(checks: list[dict]) -> dict:
+    """Generations compared with a colocated run (decode --check-rate). Logits are counted only
+    where a check compared them: the stand-in engine has none, so its checks are tokens only."""
+    with_logits = [c for c in checks if "logits_match" in c]
+    return {"checked": len(checks), "match": sum(1 for c in checks if c.get("token_match")),
+            "logits_checked": len(with_logits), "logits_match": sum(1 for c in with_logits if c["logits_match"]),
+            "differ": sum(1 for c in checks if not (c.get("token_match") and c.get("logits_match", True)))}
+
+
+ROOM = re.compile(r"\b(rooms?) (\d+)")
+
+
+def group_failures(failed: list[dict]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Failure reasons -> count, and a few example rooms of each. Reasons are kept whole (the
+    end often says why) but a room number is replaced by `*`, so one cause is one line however
+    many rooms it hit."""
+    counts: dict[str, int] = {}
+    rooms: dict[str, list[int]] = {}
+    for r in failed:
+        reason = str(r.get("reason") or r.get("error") or "unknown")
+        key = ROOM.sub(r"\1 *", reason)
+        counts[key] = counts.get(key, 0) + 1
+        room = r.get("room") if isinstance(r.get("room"), int) else next(
+            (int(m.group(2)) for m in ROOM.finditer(reason)), None)
+        examples = rooms.setdefault(key, [])
+        if room is not None and room not in examples and len(examples) < EXAMPLE_ROOMS:
+            examples.append(room)
+    return counts, {k: v for k, v in rooms.items() if v}
+
+
+EXAMPLE_ROOMS = 3
 
 
 def significant(x: float, digits: int = 3) -> str:
@@ -174,7 +202,7 @@ def _counts(d: dict) -> str:
 def print_summary(s: dict) -> None:
     if s["requests"] and s["failed"] == s["requests"]:
         print(f"all {s['requests']} requests failed (wall {s['wall_s']:.2f} s); reasons:")
-        _print_failures(s["failures"])
+        _print_failures(s["failures"], s.get("failure_rooms", {}))
         return
     print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  "
           f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s")
@@ -186,28 +214,39 @@ def print_summary(s: dict) -> None:
     lat = s["latency_ms"]
     if lat:
         print()
-        print(f"{'phase':<10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
+        width = max(len("phase"), *(len(p) for p in lat))   # the longest name sets the column
+        print(f"{'phase':<{width}} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
         for phase, q in lat.items():
-            print(f"{phase:<10} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
+            print(f"{phase:<{width}} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
         print()
-        width = max(len(p) for p in lat)
         for phase in lat:
             print(f"  {phase:<{width}}  {PHASE_MEANING.get(phase, '')}")
     if s["failures"]:
         print()
         print(f"{s['failed']} of {s['requests']} requests failed; reasons:")
-        _print_failures(s["failures"])
+        _print_failures(s["failures"], s.get("failure_rooms", {}))
     m = s.get("token_match", {})
     if m.get("checked"):
-        print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']} "
-              f"(against the same prompt run colocated)")
+        print(check_line(m))
 
 
-def _print_failures(failures: dict[str, int]) -> None:
-    """One line per reason, most frequent first; reasons whole (their end often says why)."""
+def check_line(m: dict) -> str:
+    """What the colocated comparison compared: logits only where the engine has them."""
+    if m.get("logits_checked"):
+        logits = f"  logits bit-identical {m['logits_match']}/{m['logits_checked']}"
+    else:
+        logits = " (tokens only: the engine has no logits to compare)"
+    return f"token_match {m['match']}/{m['checked']}{logits} (against the same prompt run colocated)"
+
+
+def _print_failures(failures: dict[str, int], rooms: dict[str, list[int]]) -> None:
+    """One line per reason (room numbers as `*`), most frequent first, with a few of its rooms;
+    reasons whole (their end often says why)."""
     width = len(str(max(failures.values(), default=0)))
     for reason, n in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"  {n:>{width}} x {reason}")
+        some = rooms.get(reason, [])
+        more = ", ..." if n > len(some) and some else ""
+        print(f"  {n:>{width}} x {reason}" + (f"  [rooms {', '.join(map(str, some))}{more}]" if some else ""))
 
 
 def print_summaries(summaries: dict[str, dict]) -> None:
@@ -239,5 +278,4 @@ def run(args: argparse.Namespace) -> int:
 
 def mismatches(summary: dict) -> int:
     """Checked generations that differ from the colocated run (tokens or logits)."""
-    m = summary.get("token_match", {})
-    return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0))
+    return summary.get("token_match", {}).get("differ", 0)

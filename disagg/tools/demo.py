@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
              for side, n in (("prefill", args.prefill_page_size or args.page_size),
                              ("decode", args.decode_page_size or args.page_size))}
     prefill_device, decode_device = devices(args.device)
-    say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    say = lambda text: print(text, file=sys.stderr, flush=True)   # progress: stderr, so --json keeps stdout
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({args.preset}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
         prefill = launcher.start_instance(
