@@ -8,6 +8,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -84,15 +85,41 @@ def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
     return rng.integers(lo, hi + 1, n).tolist()
 
 
+@dataclass(frozen=True)
+class Run:
+    """One workload as sent: each answer, when it came (s since the start), and the wall time."""
+    label: str          # "" for a single run; stream_off / stream_on with --stream-layers both
+    results: list[dict]
+    finished: list[float]
+    wall: float
+
+
 def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
-    """The workload once, or with --stream-layers both twice (off, then on): label -> summary."""
+    """The workload once, or with --stream-layers both twice (off, then on): label -> summary.
+    With --plot, one PNG shows every run."""
     if args.stream_layers != "both":
         return {"": run_workload(router, args)}
-    return {f"stream_{mode}": run_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}))
-            for mode in ("off", "on")}
+    runs = [send_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}), f"stream_{mode}")
+            for mode in ("off", "on")]
+    write_plot(runs, args)
+    return {run.label: summarize(run.results, run.wall) for run in runs}
 
 
 def run_workload(router: str, args: argparse.Namespace) -> dict:
+    """Send the workload (plotted with --plot) and summarize it."""
+    run = send_workload(router, args)
+    write_plot([run], args)
+    return summarize(run.results, run.wall)
+
+
+def write_plot(runs: list[Run], args: argparse.Namespace) -> None:
+    if args.plot:
+        from disagg.tools.plot import plot, plot_title
+        plot(runs, args.plot, plot_title(args, runs))
+        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
+
+
+def send_workload(router: str, args: argparse.Namespace, label: str = "") -> Run:
     """Send the workload, `args.concurrency` at a time; on Ctrl-C or an error, requests not
     yet sent are cancelled and the exception goes up at once (the caller's cleanup runs)."""
     rng = np.random.default_rng(args.seed)
@@ -117,12 +144,7 @@ def run_workload(router: str, args: argparse.Namespace) -> dict:
     finally:
         bar.close()
     pool.shutdown()
-    wall = time.perf_counter() - t0
-    if args.plot:
-        from disagg.tools.plot import plot, plot_title
-        plot(results, finished, wall, args.plot, plot_title(args, results))
-        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
-    return summarize(results, wall)
+    return Run(label, results, finished, time.perf_counter() - t0)
 
 
 # ---- the summary ---------------------------------------------------------------------------------
@@ -268,6 +290,9 @@ def one_json(summaries: dict[str, dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:   # the plot's title names the preset: the workers behind the router know it
+        from disagg.tools.deployment import router_preset
+        args.preset = router_preset(args.router)
     summaries = run_workloads(args.router, args)
     if args.json:
         print(json.dumps(one_json(summaries)))
