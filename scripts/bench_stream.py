@@ -4,10 +4,11 @@ prefill, decode and router processes) runs the same workload twice, streaming of
 (`--stream-layers both`), and this prints per run: prefill compute time, and the time from
 compute end to the KV ready on decode (what streaming hides), side by side.
 
-    # CPU, stand-in engine with a simulated compute time per layer, Mooncake TCP:
-    .venv/bin/python scripts/bench_stream.py --presets gpt-oss-120b --simulate-layer-ms 10
+    # CPU, stand-in engine with a simulated compute time per layer, Mooncake TCP (about 30 s;
+    # gpt-oss-120b's geometry moves 72 KiB per token, so a CPU takes a short prompt):
+    .venv/bin/python scripts/bench_stream.py --presets gpt-oss-120b --prompt-len 1024 --requests 2 --simulate-layer-ms 5
     # GPU, real model code (random weights), both transports:
-    python3 scripts/bench_stream.py --device cuda --presets model-gpt-oss-120b,model-qwen3-next-80b \
+    .venv/bin/python scripts/bench_stream.py --device cuda --presets model-gpt-oss-120b,model-qwen3-next-80b \
         --transports cuda-ipc,mooncake --prompt-len 32768 --out docs/bench_stream_gpu.json
 
 Figures per row (p50 over the requests, ms): compute = prefill (KV computed into the pool);
@@ -36,7 +37,7 @@ def machine(device: str) -> str:
 def demo(preset: str, transport: str, args) -> tuple[dict, str]:
     cmd = [sys.executable, "-m", "disagg", "demo", "--preset", preset, "--device", args.device, "--transport",
            transport, "--requests", str(args.requests), "--concurrency", "1", "--prompt-len", str(args.prompt_len),
-           "--max-new-tokens", str(args.max_new_tokens), "--max-tokens", str(max(65536, 2 * args.prompt_len)),
+           "--max-new-tokens", str(args.max_new_tokens), "--max-tokens", str(pool_tokens(args)),
            "--stream-layers", "both", "--json", "--no-progress"]
     if args.simulate_layer_ms:
         cmd += ["--simulate-layer-ms", str(args.simulate_layer_ms)]
@@ -45,6 +46,13 @@ def demo(preset: str, transport: str, args) -> tuple[dict, str]:
         return json.loads(out.stdout.strip().splitlines()[-1]), " ".join(cmd[1:])
     except (IndexError, ValueError):
         return {"error": (out.stderr or out.stdout)[-2000:], "exit_code": out.returncode}, " ".join(cmd[1:])
+
+
+def pool_tokens(args) -> int:
+    """Each side's pool: --max-tokens, else room for two requests (one runs at a time; the
+    second place is slack). Sized by the workload, not a fixed 64k tokens, which for a large
+    geometry is gigabytes a CPU machine need not hold for a short prompt."""
+    return args.max_tokens or max(4096, 2 * (args.prompt_len + args.max_new_tokens))
 
 
 def p50(summary: dict, phase: str) -> float | None:
@@ -76,6 +84,8 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="per run (off and on each)")
     ap.add_argument("--max-new-tokens", type=int, default=2)
     ap.add_argument("--simulate-layer-ms", type=float, default=0.0, help="stand-in engine: compute per layer")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="pool capacity per side, in tokens (default: 2 x (prompt + new tokens), at least 4096)")
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per demo")
     ap.add_argument("--out", default=None, help="write the rows as JSON here, with the command, machine and date")
     args = ap.parse_args()

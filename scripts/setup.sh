@@ -16,6 +16,12 @@ for w in ${WITH[@]+"${WITH[@]}"}; do
     [ "$w" = vllm ] || { printf '[setup] --with %s: only vllm is known\n' "$w" >&2; exit 2; }
 done
 
+with_extras() {   # what --with asked for, once the main venv is in place
+    for w in ${WITH[@]+"${WITH[@]}"}; do
+        PYTHON="$PYTHON" scripts/setup_"$w".sh
+    done
+}
+
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 log() { printf '[setup] %s\n' "$*" >&2; }
@@ -84,6 +90,25 @@ pip_install() { "$PY" -m pip install -q --disable-pip-version-check "$@" 2> >(gr
 has_gpu=0
 if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then has_gpu=1; fi
 
+# --- already in place? pip takes 16-37 s even when nothing changes, so a stamp in the venv
+# records what the last complete set-up installed from: pyproject.toml's hash, whether a GPU
+# was seen (it picks torch's build and the extras) and this checkout's path. It is written
+# only once everything below succeeded; with the same key, and the venv still importing what
+# disagg needs, nothing is installed. A changed pyproject.toml, a new venv or a GPU that
+# appeared runs the whole set-up again.
+STAMP="$VENV/.disagg-setup-stamp"
+key="pyproject.toml $(sha256sum pyproject.toml | cut -d' ' -f1), gpu $has_gpu, $(pwd -P)"
+imports_ok() {
+    "$PY" -c "import importlib.metadata as m; m.distribution('disagg')
+import torch, mooncake.engine, zmq, msgspec, transformers; print('[setup] ok: torch', torch.__version__)" >&2
+}
+if [ -f "$STAMP" ] && [ "$(head -n 1 "$STAMP")" = "$key" ] && imports_ok 2>/dev/null; then
+    log "ok: $(sed -n 2p "$STAMP") already installed (pyproject.toml unchanged); pip not run"
+    with_extras
+    exit 0
+fi
+rm -f "$STAMP"
+
 # --- torch: never let pip pull a multi-GB CUDA build onto a CPU machine.
 if ! "$PY" -c "import torch" 2>/dev/null; then
     if ((has_gpu)); then
@@ -119,7 +144,9 @@ fi
 
 log "installing disagg[test,model,$extra] (editable)"
 pip_install -e ".[test,model,$extra]"
-"$PY" -c "import torch, mooncake.engine, zmq, msgspec, transformers; print('[setup] ok: torch', torch.__version__)" >&2
-for w in ${WITH[@]+"${WITH[@]}"}; do
-    PYTHON="$PYTHON" scripts/setup_vllm.sh
-done
+if ! imports_ok; then
+    log "the venv $VENV cannot import what disagg needs (above)"
+    exit 1
+fi
+printf '%s\n%s\n' "$key" "disagg[test,model,$extra]" >"$STAMP"
+with_extras

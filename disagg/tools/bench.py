@@ -3,10 +3,12 @@
 import argparse
 import json
 import math
+import re
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 
 import numpy as np
 from tqdm import tqdm
@@ -38,7 +40,8 @@ PHASE_MEANING = {
     "decode": "decode: generating --max-new-tokens tokens from the received KV (rebuild included; on a model "
               "engine's TP rank also the prompt computed for the other ranks' units)",
     "rebuild": "decode, model engine: reading the pool into the model's cache before the first step",
-    "check": "decode, --check-rate: the same prompt run colocated and compared (tokens, logits)",
+    "check": "decode, --check-rate: the same prompt run colocated and compared (tokens; logits too where the "
+             "engine has them: the model engine, not the stand-in)",
 }
 
 
@@ -82,15 +85,41 @@ def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
     return rng.integers(lo, hi + 1, n).tolist()
 
 
+@dataclass(frozen=True)
+class Run:
+    """One workload as sent: each answer, when it came (s since the start), and the wall time."""
+    label: str          # "" for a single run; stream_off / stream_on with --stream-layers both
+    results: list[dict]
+    finished: list[float]
+    wall: float
+
+
 def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
-    """The workload once, or with --stream-layers both twice (off, then on): label -> summary."""
+    """The workload once, or with --stream-layers both twice (off, then on): label -> summary.
+    With --plot, one PNG shows every run."""
     if args.stream_layers != "both":
         return {"": run_workload(router, args)}
-    return {f"stream_{mode}": run_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}))
-            for mode in ("off", "on")}
+    runs = [send_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}), f"stream_{mode}")
+            for mode in ("off", "on")]
+    write_plot(runs, args)
+    return {run.label: summarize(run.results, run.wall) for run in runs}
 
 
 def run_workload(router: str, args: argparse.Namespace) -> dict:
+    """Send the workload (plotted with --plot) and summarize it."""
+    run = send_workload(router, args)
+    write_plot([run], args)
+    return summarize(run.results, run.wall)
+
+
+def write_plot(runs: list[Run], args: argparse.Namespace) -> None:
+    if args.plot:
+        from disagg.tools.plot import plot, plot_title
+        plot(runs, args.plot, plot_title(args, runs))
+        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
+
+
+def send_workload(router: str, args: argparse.Namespace, label: str = "") -> Run:
     """Send the workload, `args.concurrency` at a time; on Ctrl-C or an error, requests not
     yet sent are cancelled and the exception goes up at once (the caller's cleanup runs)."""
     rng = np.random.default_rng(args.seed)
@@ -115,12 +144,7 @@ def run_workload(router: str, args: argparse.Namespace) -> dict:
     finally:
         bar.close()
     pool.shutdown()
-    wall = time.perf_counter() - t0
-    if args.plot:
-        from disagg.tools.plot import plot, plot_title
-        plot(results, finished, wall, args.plot, plot_title(args, results))
-        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
-    return summarize(results, wall)
+    return Run(label, results, finished, time.perf_counter() - t0)
 
 
 # ---- the summary ---------------------------------------------------------------------------------
@@ -135,12 +159,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             q = np.percentile(values, [50, 90, 99])
             latency[phase] = {"p50": round(q[0], 2), "p90": round(q[1], 2), "p99": round(q[2], 2),
                               "mean": round(statistics.fmean(values), 2)}
-    checked = [r["check"] for r in ok if isinstance(r.get("check"), dict)]
-    failures: dict[str, int] = {}
-    for r in results:
-        if not r.get("ok"):
-            key = str(r.get("reason") or r.get("error") or "unknown")   # whole: the end often says why
-            failures[key] = failures.get(key, 0) + 1
+    failures, failure_rooms = group_failures([r for r in results if not r.get("ok")])
     return {
         "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),
         "failed": len(results) - len(ok), "wall_s": round(wall, 3),
@@ -151,13 +170,45 @@ def summarize(results: list[dict], wall: float) -> dict:
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "streamed": sum(1 for r in ok if r.get("streamed")),
         "prepared_ahead": sum(1 for r in ok if r.get("prepared_ahead")),
-        "latency_ms": latency, "failures": failures,
-        # generations compared with a colocated run of the same model (decode --check-rate)
-        "token_match": {"checked": len(checked), "match": sum(1 for c in checked if c.get("token_match")),
-                        "logits_match": sum(1 for c in checked if c.get("logits_match", c.get("token_match"))),
-                        # the bytes each decode rank held were its shard of the colocated run's cache
-                        "shard_match": sum(1 for c in checked if c.get("shard_match", c.get("token_match")))},
+        "latency_ms": latency, "failures": failures, "failure_rooms": failure_rooms,
+        "token_match": check_counts([r["check"] for r in ok if isinstance(r.get("check"), dict)]),
     }
+
+
+def check_counts(checks: list[dict]) -> dict:
+    """Generations compared with a colocated run (decode --check-rate). Logits are counted only
+    where a check compared them: the stand-in engine has none, so its checks are tokens only."""
+    with_logits = [c for c in checks if "logits_match" in c]
+    with_shard = [c for c in checks if "shard_match" in c]   # the bytes each decode rank held: its shard
+    return {"checked": len(checks), "match": sum(1 for c in checks if c.get("token_match")),
+            "logits_checked": len(with_logits), "logits_match": sum(1 for c in with_logits if c["logits_match"]),
+            "shard_checked": len(with_shard), "shard_match": sum(1 for c in with_shard if c["shard_match"]),
+            "differ": sum(1 for c in checks if not (c.get("token_match") and c.get("logits_match", True)
+                                                    and c.get("shard_match", True)))}
+
+
+ROOM = re.compile(r"\b(rooms?) (\d+)")
+
+
+def group_failures(failed: list[dict]) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Failure reasons -> count, and a few example rooms of each. Reasons are kept whole (the
+    end often says why) but a room number is replaced by `*`, so one cause is one line however
+    many rooms it hit."""
+    counts: dict[str, int] = {}
+    rooms: dict[str, list[int]] = {}
+    for r in failed:
+        reason = str(r.get("reason") or r.get("error") or "unknown")
+        key = ROOM.sub(r"\1 *", reason)
+        counts[key] = counts.get(key, 0) + 1
+        room = r.get("room") if isinstance(r.get("room"), int) else next(
+            (int(m.group(2)) for m in ROOM.finditer(reason)), None)
+        examples = rooms.setdefault(key, [])
+        if room is not None and room not in examples and len(examples) < EXAMPLE_ROOMS:
+            examples.append(room)
+    return counts, {k: v for k, v in rooms.items() if v}
+
+
+EXAMPLE_ROOMS = 3
 
 
 def significant(x: float, digits: int = 3) -> str:
@@ -176,7 +227,7 @@ def _counts(d: dict) -> str:
 def print_summary(s: dict) -> None:
     if s["requests"] and s["failed"] == s["requests"]:
         print(f"all {s['requests']} requests failed (wall {s['wall_s']:.2f} s); reasons:")
-        _print_failures(s["failures"])
+        _print_failures(s["failures"], s.get("failure_rooms", {}))
         return
     print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  "
           f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s")
@@ -188,28 +239,40 @@ def print_summary(s: dict) -> None:
     lat = s["latency_ms"]
     if lat:
         print()
-        print(f"{'phase':<10} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
+        width = max(len("phase"), *(len(p) for p in lat))   # the longest name sets the column
+        print(f"{'phase':<{width}} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
         for phase, q in lat.items():
-            print(f"{phase:<10} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
+            print(f"{phase:<{width}} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
         print()
-        width = max(len(p) for p in lat)
         for phase in lat:
             print(f"  {phase:<{width}}  {PHASE_MEANING.get(phase, '')}")
     if s["failures"]:
         print()
         print(f"{s['failed']} of {s['requests']} requests failed; reasons:")
-        _print_failures(s["failures"])
+        _print_failures(s["failures"], s.get("failure_rooms", {}))
     m = s.get("token_match", {})
     if m.get("checked"):
-        print(f"token_match {m['match']}/{m['checked']}  logits bit-identical {m['logits_match']}/{m['checked']}  "
-              f"shard bytes {m.get('shard_match', m['match'])}/{m['checked']} (against the same prompt run colocated)")
+        print(check_line(m))
 
 
-def _print_failures(failures: dict[str, int]) -> None:
-    """One line per reason, most frequent first; reasons whole (their end often says why)."""
+def check_line(m: dict) -> str:
+    """What the colocated comparison compared: logits only where the engine has them."""
+    if m.get("logits_checked"):
+        logits = f"  logits bit-identical {m['logits_match']}/{m['logits_checked']}"
+    else:
+        logits = " (tokens only: the engine has no logits to compare)"
+    shard = f"  shard bytes {m['shard_match']}/{m['shard_checked']}" if m.get("shard_checked") else ""
+    return f"token_match {m['match']}/{m['checked']}{logits}{shard} (against the same prompt run colocated)"
+
+
+def _print_failures(failures: dict[str, int], rooms: dict[str, list[int]]) -> None:
+    """One line per reason (room numbers as `*`), most frequent first, with a few of its rooms;
+    reasons whole (their end often says why)."""
     width = len(str(max(failures.values(), default=0)))
     for reason, n in sorted(failures.items(), key=lambda kv: (-kv[1], kv[0])):
-        print(f"  {n:>{width}} x {reason}")
+        some = rooms.get(reason, [])
+        more = ", ..." if n > len(some) and some else ""
+        print(f"  {n:>{width}} x {reason}" + (f"  [rooms {', '.join(map(str, some))}{more}]" if some else ""))
 
 
 def print_summaries(summaries: dict[str, dict]) -> None:
@@ -231,6 +294,9 @@ def one_json(summaries: dict[str, dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.plot:   # the plot's title names the preset: the workers behind the router know it
+        from disagg.tools.deployment import router_preset
+        args.preset = router_preset(args.router)
     summaries = run_workloads(args.router, args)
     if args.json:
         print(json.dumps(one_json(summaries)))
@@ -241,5 +307,4 @@ def run(args: argparse.Namespace) -> int:
 
 def mismatches(summary: dict) -> int:
     """Checked generations that differ from the colocated run (tokens, logits or the bytes held)."""
-    m = summary.get("token_match", {})
-    return m.get("checked", 0) - min(m.get("match", 0), m.get("logits_match", 0), m.get("shard_match", m.get("match", 0)))
+    return summary.get("token_match", {}).get("differ", 0)

@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
              for side, n in (("prefill", args.prefill_page_size or args.page_size),
                              ("decode", args.decode_page_size or args.page_size))}
     prefill_device, decode_device = devices(args.device)
-    say = (lambda *_: None) if args.json else (lambda text: print(text, file=sys.stderr, flush=True))
+    say = lambda text: print(text, file=sys.stderr, flush=True)   # progress: stderr, so --json keeps stdout
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({name}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
         prefill = launcher.start_instance(
@@ -104,10 +104,8 @@ def run(args: argparse.Namespace) -> int:
                                          "--check-rate", "1")
         say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
             f"{decode[0]['pool']['human']} per rank")
-        vocab_size = source.vocab_size if source is not None else FAMILIES[args.preset].vocab_size
-        vocab = ["--vocab-size", str(vocab_size)] if engine == "model" and vocab_size else []
-        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}",
-                                *vocab)
+        # (prompt_len ids are drawn below the vocabulary the workers report in /health)
+        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
         say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
             f"prompts of {args.prompt_len} tokens")
         summaries = run_workloads(router["http"], args)

@@ -25,15 +25,52 @@ def test_bench_counts_a_checked_generation_that_differs_as_a_failure():
     results = [{"ok": True, "verified": True, "bytes": 1, "timings_ms": {"total": 1.0}, "check": c}
                for c in (same, same, {"token_match": True, "logits_match": False}, None)]
     summary = summarize(results, 1.0)
-    assert summary["token_match"] == {"checked": 3, "match": 3, "logits_match": 2, "shard_match": 3}
+    assert summary["token_match"] == {"checked": 3, "match": 3, "logits_checked": 3, "logits_match": 2,
+                                      "shard_checked": 0, "shard_match": 0, "differ": 1}
     assert mismatches(summary) == 1
     assert mismatches(summarize(results[:2], 1.0)) == 0
+    token_differs = summarize([{"ok": True, "timings_ms": {}, "check": {"token_match": False, "first_mismatch": 2}}], 1.0)
+    assert mismatches(token_differs) == 1   # a stand-in check (no logits) that differs counts too
+
+
+def test_a_stand_in_check_is_said_to_compare_tokens_only(capsys):
+    """Issue 36: the stand-in engine has no logits, yet the summary said "logits bit-identical
+    4/4". What the stand-in's check returns: token_match and first_mismatch, nothing more."""
+    standin = {"token_match": True, "first_mismatch": None}
+    print_summary(summarize([{**ok_result(5.0), "check": standin}] * 4, 1.0))
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("token_match"))
+    assert line.startswith("token_match 4/4") and "bit-identical" not in line and "tokens only" in line, line
+    model = {"token_match": True, "logits_match": True, "max_logit_diff": 0.0}
+    summary = summarize([{**ok_result(5.0), "check": c} for c in (model, model, standin)], 1.0)
+    assert summary["token_match"]["logits_checked"] == 2 and summary["token_match"]["logits_match"] == 2
+    print_summary(summary)
+    assert "logits bit-identical 2/2" in capsys.readouterr().out
 
 
 def test_failure_reasons_are_kept_whole_and_grouped():
     why = "decode failed: prefill layout differs: " + "x" * 300 + " (head_dim x kv_heads: prefill 64x8, decode 64x12)"
     summary = summarize([{"ok": False, "reason": why}, {"ok": False, "reason": why}, {"status": 503, "error": "busy"}], 1.0)
     assert summary["failures"] == {why: 2, "busy": 1} and summary["failed"] == 3
+
+
+def test_one_cause_in_many_rooms_is_one_line_with_example_rooms(capsys):
+    """Issue 36: each reason carried its room, so 40 requests refused for one cause printed
+    40 lines. The room number leaves the grouping key; a few rooms stay as examples."""
+    results = [{"ok": False, "status": 503, "room": 7000 + i,
+                "reason": f"decode: prefill refused the connection (room {7000 + i}, pair 0)"} for i in range(40)]
+    results += [{"ok": False, "reason": "prefill failed: room 12: the router says decode TP size 2, decode's "
+                                        "request 1"}]
+    summary = summarize(results + [ok_result(4.0)], 1.0)
+    assert summary["failures"] == {"decode: prefill refused the connection (room *, pair 0)": 40,
+                                   "prefill failed: room *: the router says decode TP size 2, decode's request 1": 1}
+    assert summary["failure_rooms"] == {"decode: prefill refused the connection (room *, pair 0)": [7000, 7001, 7002],
+                                        "prefill failed: room *: the router says decode TP size 2, decode's "
+                                        "request 1": [12]}
+    print_summary(summary)
+    lines = [line.strip() for line in capsys.readouterr().out.splitlines() if " x " in line]
+    assert lines == ["40 x decode: prefill refused the connection (room *, pair 0)  [rooms 7000, 7001, 7002, ...]",
+                     " 1 x prefill failed: room *: the router says decode TP size 2, decode's request 1  [rooms 12]"
+                     .strip()]
 
 
 def test_json_keys_name_their_unit():
@@ -60,6 +97,21 @@ def test_the_table_has_one_decimal_no_dict_reprs_and_a_legend_for_every_phase(ca
                    and PHASE_MEANING[phase] in line) == 1, phase
     # rates: a few significant figures, never 6 decimals or exponents
     assert "0.0180 GB/s aggregate" in out and "e-0" not in out
+
+
+def test_the_table_stays_aligned_whatever_the_phase_names(capsys):
+    """Issue 36: "kv_ready_after_compute" and "transfer_cpu" pushed their rows right of the
+    header. Every row's columns end where the header's do."""
+    print_summary(summarize([ok_result(12.3), ok_result(40.0)], 0.5))
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if line.startswith("phase "))
+    end = header.index("mean ms") + len("mean ms")
+    rows = [line for line in lines if line.split()[:1] and line.split()[0] in PHASES and len(line.split()) == 5]
+    assert len(rows) == len(PHASES) and "kv_ready_after_compute" in {r.split()[0] for r in rows}
+    for name in ("p50 ms", "p90 ms", "p99 ms"):   # each number ends under its heading
+        col = header.index(name) + len(name)
+        assert {row[:col].rstrip()[-1:].isdigit() and row[col:col + 1] == " " for row in rows} == {True}, name
+    assert {len(row) for row in rows} == {end}, (header, rows)
 
 
 def test_when_every_request_failed_it_says_so_and_lists_the_reasons(capsys):
