@@ -30,6 +30,7 @@
   (docs/contract.md, "When things fail").
 """
 
+import argparse
 import contextlib
 import logging
 import os
@@ -39,6 +40,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -46,12 +48,14 @@ import numpy as np
 from transfer.errors import (EngineInitError, PeerUnreachable, RegistrationError, TransportError, WriteFailed,
                              WritesAbandoned)
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
+from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
 KIND = "mooncake"
+PROTOCOLS = ("tcp", "rdma")
 # Measured with Mooncake TCP on a 2-vCPU machine (docs/contract.md, "Figures behind the defaults").
 TCP_COST = LinkCost(per_range_us=28.0, link_gbps=2.2)
 _ENV_DEFAULTS = {
@@ -289,7 +293,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_names: str = "",
                  max_inflight_per_peer: int = 1024, progress_timeout_s: int | None = 5):
-        if protocol not in ("tcp", "rdma"):
+        if protocol not in PROTOCOLS:
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if max_inflight_per_peer < 1:
             raise ValueError("max_inflight_per_peer must be >= 1")
@@ -375,3 +379,33 @@ class MooncakeTransport(Transport):
             if budget is None:
                 budget = self._budgets[peer] = PeerBudget(self.max_inflight_per_peer)
             return budget
+
+
+# ---- as the registry sees it (transfer/transports/kind.py) ----
+
+@dataclass(frozen=True)
+class MooncakeSettings:
+    protocol: str = "tcp"      # tcp or rdma
+    rdma_devices: str = ""     # NIC names for rdma ("" = all)
+
+    def __post_init__(self) -> None:
+        if self.protocol not in PROTOCOLS:
+            raise ValueError(f"mooncake protocol must be tcp or rdma, got {self.protocol!r}")
+
+
+def _add_flags(g) -> None:
+    g.add_argument("--mooncake-protocol", default=MooncakeSettings.protocol, choices=PROTOCOLS,
+                   help="Mooncake's own protocol")
+    g.add_argument("--rdma-devices", default=MooncakeSettings.rdma_devices, metavar="NIC,...",
+                   help="RDMA NICs for Mooncake, e.g. mlx5_0,mlx5_1 (empty: all)")
+
+
+def _settings_from(args: argparse.Namespace) -> MooncakeSettings:
+    return MooncakeSettings(args.mooncake_protocol, args.rdma_devices)
+
+
+def _create(common: TransportSettings, own: MooncakeSettings) -> MooncakeTransport:
+    return MooncakeTransport(common.host, own.protocol, own.rdma_devices)
+
+
+MOONCAKE = TransportKind(KIND, _create, MooncakeSettings, _add_flags, _settings_from)
