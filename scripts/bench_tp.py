@@ -40,7 +40,7 @@ from kvpool.geometry import components  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.reshard import Shard, senders as senders_of  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
-from transfer.transports import TransportSettings, create  # noqa: E402
+from transfer.transports import TRANSPORTS, TransportSettings, create  # noqa: E402
 from transfer.staging import RemoteSlots  # noqa: E402
 
 
@@ -123,7 +123,7 @@ def main() -> int:
     ap.add_argument("--layouts", default="page_major,layer_major")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--transport", default="mooncake")
+    ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names())
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()

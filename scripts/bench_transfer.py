@@ -39,7 +39,7 @@ from transfer.buffers import buffers_of  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.plan import build_plan  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
-from transfer.transports import Ranges, Transport, TransportSettings, create  # noqa: E402
+from transfer.transports import TRANSPORTS, Ranges, Transport, TransportSettings, create  # noqa: E402
 from transfer.staging import RemoteSlots  # noqa: E402
 
 
@@ -208,11 +208,12 @@ def main() -> int:
                     help="comma-separated page sizes; P:Q for prefill P and decode Q (moved by token)")
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
-    ap.add_argument("--transport", default="mooncake", help="the transport under test (both sides)")
+    ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names(),
+                    help="the transport under test (both sides)")
     ap.add_argument("--tokens", default=None, help="comma-separated token counts (default: 2048, and 32768 "
                                                    "unless --quick)")
     ap.add_argument("--layouts", default="page_major,layer_major")
-    ap.add_argument("--cuda-ipc-blocks", type=int, default=32, help="blocks the cuda-ipc copy kernel takes")
+    TRANSPORTS.add_flags(ap)   # each transport's own (--cuda-ipc-blocks, --mooncake-protocol, ...)
     ap.add_argument("--mooncake-nvlink", action="store_true",
                     help="Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK=1 on both sides)")
     ap.add_argument("--peer-gpu", type=int, default=None,
@@ -232,8 +233,7 @@ def main() -> int:
         args.peer_device = "cuda"
     else:
         args.peer_device = args.device
-    [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device,
-                                                            cuda_ipc_blocks=args.cuda_ipc_blocks))
+    [transport] = create([args.transport], TransportSettings("127.0.0.1", args.device, TRANSPORTS.own_settings(args)))
     if not args.json:
         print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
               "block of the same bytes, same processes")

@@ -14,6 +14,7 @@ from disagg.worker.flags import add_model_flags, model_source
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS
 from transfer.config import Mode
+from transfer.transports import TRANSPORTS
 
 HELP = "start a local prefill/decode pair and router, run a workload, verify every request"
 
@@ -46,7 +47,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="direct, staged, or auto (chosen per request)")
     g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pool device: cpu, or cuda (prefill on "
                    "the first GPU, decode on the second where there are two or more)")
-    g.add_argument("--transport", default="auto", choices=["auto", "mooncake", "cuda-ipc"],
+    g.add_argument("--transport", default="auto", choices=TRANSPORTS.choices(),
                    help="how KV moves between the two (auto: cuda-ipc for CUDA pools on one host, else mooncake)")
     g.add_argument("--simulate-layer-ms", type=float, default=0.0, metavar="MS",
                    help="stand-in engine: simulated prefill compute per layer, to watch --stream-layers hide the "

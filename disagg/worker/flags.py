@@ -65,15 +65,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("transfer")
     g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise for control and transfer "
                    "(the pod IP on Kubernetes; another host's peers must reach it)")
-    g.add_argument("--transport", default="auto", choices=["auto", *TRANSPORTS.names()],
+    g.add_argument("--transport", default="auto", choices=TRANSPORTS.choices(),
                    help="how KV bytes move; auto: every transport this machine runs, the peers pick the first "
                         "both have (cuda-ipc for CUDA pools on one host, else mooncake)")
-    g.add_argument("--mooncake-protocol", default="tcp", choices=["tcp", "rdma"], help="Mooncake's own protocol")
-    g.add_argument("--rdma-devices", default="", metavar="NIC,...",
-                   help="RDMA NICs for Mooncake, e.g. mlx5_0,mlx5_1 (empty: all)")
-    g.add_argument("--cuda-ipc-blocks", type=positive_int, default=32,
-                   help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside "
-                        "compute")
+    TRANSPORTS.add_flags(g)   # each transport's own (--mooncake-protocol, --cuda-ipc-blocks, ...)
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode],
                    help="direct = one write per contiguous run; staged = gather into staging slots, one write per "
                         "slot, scatter on decode (for many small runs); auto: chosen per request by a cost model")
@@ -170,8 +165,7 @@ def transports(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def transport_settings(args: argparse.Namespace) -> TransportSettings:
-    return TransportSettings(args.host, args.mooncake_protocol, args.rdma_devices, resolve_device(args.device),
-                             args.cuda_ipc_blocks)
+    return TransportSettings(args.host, resolve_device(args.device), TRANSPORTS.own_settings(args))
 
 
 def deadlines(args: argparse.Namespace) -> Deadlines:

@@ -126,10 +126,42 @@ def test_pool_bytes_takes_human_units():
 @pytest.mark.parametrize("command", ["", *CONFIGURABLE, "presets", "keygen"])
 def test_help_imports_no_torch(command):
     code = ("import sys\nfrom disagg.cli import main\ntry:\n    main([%r, '--help'] if %r else ['--help'])\n"
-            "except SystemExit:\n    pass\nprint('torch' in sys.modules, 'transformers' in sys.modules)")
+            "except SystemExit:\n    pass\nprint([m for m in ('torch', 'transformers', 'mooncake', 'cupy') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code % (command, command)], capture_output=True, text=True,
                          timeout=60)
-    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "False False", out.stdout[-300:]
+    assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-300:]
+
+
+def test_a_transports_own_flags_come_from_every_source(tmp_path):
+    """Each transport declares its flags (transfer/transports/kind.py); they are read from the
+    command line, DISAGG_<FLAG> and --config like any other flag."""
+    cfg = tmp_path / "disagg.toml"
+    cfg.write_text('rdma-devices = "mlx5_1"\n')
+    values = _effective("prefill", "--config", str(cfg), "--cuda-ipc-blocks", "8", DISAGG_MOONCAKE_PROTOCOL="rdma")
+    assert (values["mooncake-protocol"], values["rdma-devices"], values["cuda-ipc-blocks"]) == ("rdma", "mlx5_1", 8)
+    out = _run("decode", "--cuda-ipc-blocks", "0")
+    assert out.returncode == 2 and "--cuda-ipc-blocks: 0 must be at least 1" in out.stderr
+
+
+def test_every_transport_choice_and_setting_comes_from_the_registry():
+    """A kind registered once (the tests' memory transport, harness/memory.py) is a --transport
+    choice of the workers and the demo, with its flags, and its settings reach the worker."""
+    from harness import memory
+    from disagg.worker import flags
+    from transfer.transports import TRANSPORTS
+    from transfer.transports.mooncake import MooncakeSettings
+    memory.register()
+    parser = build_parser()
+    for command in ("prefill", "decode", "demo"):
+        [choices] = [a.choices for a in parser.commands[command]._actions if a.dest == "transport"]
+        assert list(choices) == TRANSPORTS.choices() and "memory" in choices, command
+    args = parser.parse_args(["prefill", "--transport", "memory", "--memory-fail-writes", "--device", "cpu",
+                              "--mooncake-protocol", "rdma", "--insecure"])
+    settings = flags.worker_settings(args)
+    assert settings["transports"] == ("memory",)
+    assert settings["transport_settings"].of(memory.MemorySettings) == memory.MemorySettings(fail_writes=True)
+    assert settings["transport_settings"].of(MooncakeSettings).protocol == "rdma"
 
 
 def test_flags_sit_in_groups_that_say_what_they_are_for():

@@ -10,11 +10,12 @@ the peer's memory elsewhere, the link resolves (region, offset) itself. Host mem
 import ctypes
 import itertools
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 
 from transfer.errors import PeerUnreachable, TransportError, WriteFailed
-from transfer.transports import TRANSPORTS, LinkCost, Offer, Ranges, Transport
+from transfer.transports import TRANSPORTS, LinkCost, Offer, Ranges, Transport, TransportKind, TransportSettings
 from transfer.transports.base import Exposure, Link, PendingWrite
 from transfer.transports.ranges import check_ranges
 
@@ -108,7 +109,27 @@ class MemoryTransport(Transport):
         return MemoryLink(self, local, int.from_bytes(offer.blob, "little"))
 
 
+# ---- as the registry sees it, declared like any transport's (transfer/transports/kind.py) ----
+
+@dataclass(frozen=True)
+class MemorySettings:
+    fail_writes: bool = False   # every write fails (a unit-level fault)
+
+
+def _add_flags(g) -> None:
+    g.add_argument("--memory-fail-writes", action="store_true",
+                   help="the memory transport fails every write (tests only)")
+
+
+def _create(common: TransportSettings, own: MemorySettings) -> MemoryTransport:
+    return MemoryTransport(own.fail_writes)
+
+
+MEMORY = TransportKind(KIND, _create, MemorySettings, _add_flags, lambda args: MemorySettings(args.memory_fail_writes),
+                       auto=False)   # never part of --transport auto: it works within one process only
+
+
 def register() -> None:
-    """Make --transport memory available in this process (not part of --transport auto)."""
+    """Make --transport memory available in this process (idempotent: tests call it freely)."""
     if KIND not in TRANSPORTS.names():
-        TRANSPORTS.add(KIND, lambda settings: MemoryTransport(), auto=False)
+        TRANSPORTS.add(MEMORY)   # the one registry line

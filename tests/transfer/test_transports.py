@@ -1,6 +1,9 @@
 """The transport registry, the per-peer choice of transport, and a transfer's set of pending
 writes (no bytes move here)."""
 
+import argparse
+import ctypes
+
 import msgspec
 import pytest
 
@@ -10,7 +13,9 @@ from transfer.buffers import Buffer
 from transfer.config import TransferConfig
 from transfer.errors import LayoutIncompatible, TransportError, WriteFailed, WritesAbandoned
 from transfer.sender import KVSender
-from transfer.transports import TRANSPORTS, Offer, PendingWrite, TransportSettings, pick, resolve
+from transfer.transports import TRANSPORTS, Offer, PendingWrite, Ranges, TransportSettings, create, pick, resolve
+from transfer.transports.cuda_ipc import CudaIpcSettings
+from transfer.transports.mooncake import MooncakeSettings
 from transfer.transports.base import PendingWrites
 
 
@@ -23,7 +28,48 @@ def test_auto_and_names_resolve_and_unknown_names_are_refused():
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known: auto, cuda-ipc, mooncake"):
         resolve("carrier-pigeon")
     with pytest.raises(ValueError, match="tcp or rdma"):
-        TransportSettings(mooncake_protocol="udp")
+        MooncakeSettings(protocol="udp")
+    with pytest.raises(ValueError, match="one settings record per transport"):
+        TransportSettings(own=(MooncakeSettings(), MooncakeSettings("rdma")))
+
+
+def test_a_registered_kind_is_created_by_name_with_its_own_settings():
+    """The test harness's memory transport, registered like Mooncake and CUDA IPC (one line,
+    harness/memory.py): create() starts it by name, with its own record or its defaults, and
+    it moves bytes between two exposures of this process."""
+    memory.register()
+    src, dst = bytearray(b"abcdefgh" * 4), bytearray(32)
+    regions = [(_address(src), len(src))], [(_address(dst), len(dst))]
+    [plain] = create(["memory"], TransportSettings())
+    [failing] = create(["memory"], TransportSettings(own=(memory.MemorySettings(fail_writes=True),)))
+    assert isinstance(plain, memory.MemoryTransport) and not plain.fail_writes and failing.fail_writes
+    ours, theirs = plain.expose(regions[0]), plain.expose(regions[1])
+    ranges = Ranges.one(0, 8, 0, 4, 16)
+    plain.connect(theirs.offer(), ours).write_async(ranges).wait()
+    assert bytes(dst[4:20]) == bytes(src[8:24]) and not any(dst[:4]) and not any(dst[20:])
+    with pytest.raises(WriteFailed, match="injected by the memory transport"):
+        failing.connect(theirs.offer(), failing.expose(regions[0])).write_async(ranges)
+
+
+def test_a_kinds_flags_land_on_a_parser_and_its_settings_come_back_from_the_parsed_args():
+    memory.register()
+    parser = argparse.ArgumentParser()
+    TRANSPORTS.add_flags(parser)
+    for kind in ("--memory-fail-writes", "--mooncake-protocol", "--rdma-devices", "--cuda-ipc-blocks"):
+        assert kind in parser._option_string_actions, kind
+    own = TransportSettings(own=TRANSPORTS.own_settings(parser.parse_args(
+        ["--memory-fail-writes", "--mooncake-protocol", "rdma", "--rdma-devices", "mlx5_0", "--cuda-ipc-blocks", "8"])))
+    assert own.of(memory.MemorySettings) == memory.MemorySettings(fail_writes=True)
+    assert own.of(MooncakeSettings) == MooncakeSettings("rdma", "mlx5_0")
+    assert own.of(CudaIpcSettings) == CudaIpcSettings(blocks=8)
+    defaults = TransportSettings(own=TRANSPORTS.own_settings(parser.parse_args([])))
+    assert defaults.of(MooncakeSettings) == MooncakeSettings() == TransportSettings().of(MooncakeSettings)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--cuda-ipc-blocks", "0"])
+
+
+def _address(buf: bytearray) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))
 
 
 def test_the_first_offer_we_can_reach_wins_in_the_offerers_order():

@@ -1,4 +1,6 @@
-"""Transports by name: a registry of creators, checked when flags are parsed.
+"""Transports by name: a registry of the kinds (transfer/transports/kind.py), iterated for the
+workers' flags, the --transport choices, `auto` and create(). Adding a transport is its module
+(a Transport and its TransportKind) plus one line below.
 
     --transport auto        every transport that suits this process, in preference order:
                             cuda-ipc (pools on CUDA; peers on the same host), then mooncake
@@ -9,100 +11,81 @@ Per peer, the receiver offers its transports in its order of preference; the sen
 the first offer one of its own transports can reach (pick) and says which in its reply.
 """
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import argparse
+from collections.abc import Iterator, Sequence
 
 from transfer.errors import TransportError
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
+from transfer.transports.cuda_ipc import CUDA_IPC
+from transfer.transports.kind import TransportKind, TransportSettings
+from transfer.transports.mooncake import MOONCAKE
 from transfer.transports.ranges import Ranges
 
 __all__ = ["Exposure", "Link", "LinkCost", "Offer", "PendingWrite", "PreparedWrite", "Ranges", "Transport",
-           "TransportSettings", "TRANSPORTS", "create", "pick", "resolve"]
-
-
-@dataclass(frozen=True)
-class TransportSettings:
-    """What the transports of one process need to start."""
-    host: str = "127.0.0.1"            # bound and advertised
-    mooncake_protocol: str = "tcp"     # tcp or rdma
-    rdma_devices: str = ""             # NIC names for rdma ("" = all)
-    device: str = "cpu"                # where the pool lives: cpu, cuda, cuda:N
-    cuda_ipc_blocks: int = 32          # SMs' worth of blocks the copy kernel takes
-
-    @property
-    def cuda_index(self) -> int | None:
-        """The CUDA device index the pool is on (None: not on CUDA)."""
-        if not self.device.startswith("cuda"):
-            return None
-        _, _, index = self.device.partition(":")
-        return int(index) if index else None
-
-    def __post_init__(self) -> None:
-        if self.mooncake_protocol not in ("tcp", "rdma"):
-            raise ValueError(f"mooncake protocol must be tcp or rdma, got {self.mooncake_protocol!r}")
-
-
-Creator = Callable[[TransportSettings], Transport]
-Suits = Callable[[TransportSettings], bool]
+           "TransportKind", "TransportSettings", "TRANSPORTS", "create", "pick", "resolve"]
 
 
 class Registry:
-    """name -> creator, in preference order; `auto` entries that suit a process's settings
-    make up its --transport auto."""
+    """The transport kinds by name, in preference order; those that join `auto` and suit a
+    process's settings make up its --transport auto."""
 
     def __init__(self) -> None:
-        self._creators: dict[str, tuple[Creator, bool, Suits]] = {}
+        self._kinds: dict[str, TransportKind] = {}
 
-    def add(self, name: str, creator: Creator, auto: bool = True, suits: Suits = lambda s: True) -> None:
-        if name in self._creators or name == "auto":
-            raise ValueError(f"transport {name!r} is registered already (or reserved)")
-        self._creators[name] = (creator, auto, suits)
+    def add(self, kind: TransportKind) -> None:
+        if kind.name in self._kinds or kind.name == "auto":
+            raise ValueError(f"transport {kind.name!r} is registered already (or reserved)")
+        self._kinds[kind.name] = kind
+
+    def __iter__(self) -> Iterator[TransportKind]:
+        return iter(list(self._kinds.values()))
 
     def names(self) -> list[str]:
-        return list(self._creators)
+        return list(self._kinds)
+
+    def kind(self, name: str) -> TransportKind:
+        try:
+            return self._kinds[name]
+        except KeyError:
+            raise ValueError(f"unknown transport {name!r}; known: auto, {', '.join(self._kinds)}") from None
 
     def auto(self, settings: TransportSettings) -> list[str]:
-        return [n for n, (_, auto, suits) in self._creators.items() if auto and suits(settings)]
+        return [k.name for k in self._kinds.values() if k.auto and k.suits(settings)]
 
-    def creator(self, name: str) -> Creator:
-        try:
-            return self._creators[name][0]
-        except KeyError:
-            raise ValueError(f"unknown transport {name!r}; known: auto, {', '.join(self._creators)}") from None
+    def choices(self) -> list[str]:
+        """What --transport takes."""
+        return ["auto", *self._kinds]
 
+    def add_flags(self, group) -> None:
+        """Every kind's own flags, on an argparse group."""
+        for kind in self:
+            kind.add_flags(group)
 
-def _mooncake(s: TransportSettings) -> Transport:
-    from transfer.transports.mooncake import MooncakeTransport  # imports mooncake: only when asked for
-    return MooncakeTransport(s.host, s.mooncake_protocol, s.rdma_devices)
-
-
-def _cuda_ipc(s: TransportSettings) -> Transport:
-    from transfer.transports.cuda_ipc import CudaIpcTransport  # imports torch.cuda, cupy: only when asked
-    return CudaIpcTransport(s.cuda_index, blocks=s.cuda_ipc_blocks)
-
-
-def _on_cuda(s: TransportSettings) -> bool:
-    return s.cuda_index is not None or s.device == "cuda"
+    def own_settings(self, args: argparse.Namespace) -> tuple:
+        """Every kind's own settings record, from the flags add_flags added."""
+        return tuple(kind.own(args) for kind in self)
 
 
 TRANSPORTS = Registry()
-TRANSPORTS.add("cuda-ipc", _cuda_ipc, suits=_on_cuda)
-TRANSPORTS.add("mooncake", _mooncake)
+TRANSPORTS.add(CUDA_IPC)    # (preference order: the first a process suits is offered first)
+TRANSPORTS.add(MOONCAKE)
 
 
 def resolve(choice: str, settings: TransportSettings | None = None) -> tuple[str, ...]:
     """A --transport value -> the transport names it stands for (ValueError if unknown)."""
     if choice == "auto":
         return tuple(TRANSPORTS.auto(settings or TransportSettings()))
-    TRANSPORTS.creator(choice)
+    TRANSPORTS.kind(choice)
     return (choice,)
 
 
 def create(names: Sequence[str], settings: TransportSettings) -> list[Transport]:
+    """The named transports, started with their settings (each kind's own record, or its
+    defaults); if one fails to start, those started before it are closed."""
     out = []
     try:
         for name in names:
-            out.append(TRANSPORTS.creator(name)(settings))
+            out.append(TRANSPORTS.kind(name).start(settings))
     except BaseException:
         for t in out:
             t.close()

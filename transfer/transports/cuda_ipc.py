@@ -21,10 +21,12 @@ cudaMalloc memory can be exported: memory from expandable segments (VMM) is refu
 The CUDA driver is reached through ctypes (cuda_driver.py); CuPy compiles the kernel (NVRTC).
 """
 
+import argparse
 import os
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import numpy as np
@@ -34,6 +36,7 @@ from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWri
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.cuda_copy import RangeCopier, Table
 from transfer.transports.cuda_driver import Call, Driver, Event
+from transfer.transports.kind import TransportKind, TransportSettings, positive_int
 from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_decoder, host_identity, reach_problem
 from transfer.transports.pace import Pace, Watch
 
@@ -245,3 +248,36 @@ class CudaIpcTransport(Transport):
         if any(len(r.handle) != 64 or r.offset < 0 or r.nbytes <= 0 for r in blob.regions):
             raise TransportError(f"malformed {KIND} offer: bad region")
         return CudaIpcLink(self, local, blob)
+
+
+# ---- as the registry sees it (transfer/transports/kind.py) ----
+
+@dataclass(frozen=True)
+class CudaIpcSettings:
+    blocks: int = 32    # thread blocks (SMs' worth) the copy kernel takes
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1:
+            raise ValueError(f"cuda-ipc blocks must be at least 1, got {self.blocks}")
+
+
+def _add_flags(g) -> None:
+    g.add_argument("--cuda-ipc-blocks", type=positive_int, default=CudaIpcSettings.blocks,
+                   help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside "
+                        "compute")
+
+
+def _settings_from(args: argparse.Namespace) -> CudaIpcSettings:
+    return CudaIpcSettings(args.cuda_ipc_blocks)
+
+
+def _create(common: TransportSettings, own: CudaIpcSettings) -> CudaIpcTransport:
+    return CudaIpcTransport(common.cuda_index, blocks=own.blocks)
+
+
+def _on_cuda(common: TransportSettings) -> bool:
+    """Joins `auto` only for pools on CUDA (its peers must be on this host too: offers say)."""
+    return common.on_cuda
+
+
+CUDA_IPC = TransportKind(KIND, _create, CudaIpcSettings, _add_flags, _settings_from, suits=_on_cuda)
