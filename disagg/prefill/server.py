@@ -11,7 +11,9 @@ Who does what:
   pulls messages, registers peers, sweeps silent ones;
 - a transfer worker (one shard of threads per decode peer) prepares and sends
   (prefill/jobs.py);
-- every phase change of a request goes through the RequestTable (prefill/requests.py).
+- every state change of a request goes through the RequestTable (prefill/requests.py), whose
+  effects (free, tell decode, prepare, send) are its TransferJobs' (prefill/jobs.py): built
+  here with their collaborators and given to the table once; neither calls the server.
 """
 
 import logging
@@ -25,17 +27,15 @@ from disagg.api.fields import STREAM_LAYERS
 from disagg.bootstrap.lease import BootstrapLease
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
 from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
-                                     Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
+                                     Refused, TransferDone, TransferRequest, indices_from_wire)
 from disagg.control.io import RouterIO
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
 from disagg.prefill.peers import DecodePeers
-from disagg.prefill.destinations import merged_report
-from disagg.prefill.handover import Handover
 from disagg.prefill.jobs import TransferJobs
-from disagg.prefill.requests import Phase, RequestTable
+from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
-from kvpool import KVPoolError, RequestKV
+from kvpool import KVPoolError
 from kvpool.errors import SpecError
 from transfer.errors import TransferError
 from transfer.progress import LayerProgress
@@ -58,17 +58,17 @@ class PrefillConfig(WorkerSettings):
             raise ValueError(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}")
 
 
-class PrefillServer(TransferJobs, Worker):
+class PrefillServer(Worker):
     def __init__(self, config: PrefillConfig, model: ModelEngine | None = None):
         super().__init__(config, KVSender, model, swa_window_only=False)
         self.config = config
         self.sender: KVSender = self.endpoint
         self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
-        self.requests = RequestTable(self.epoch, config.deadlines, self._free, self._tell, self._submit,
-                                     self._may_stream, self._prepare)
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
                                  self.epoch)
+        self.requests = RequestTable(self.epoch, config.deadlines,
+                                     TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission))
         rank = RegisterPrefill(PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint,
                                self.epoch, self.layout)
         # (a bootstrap of our own holds our rank from its start: it started with us)
@@ -103,19 +103,19 @@ class PrefillServer(TransferJobs, Worker):
         streams = self._streams(mode, len(tokens))
         receivers = self._receivers(decode_tp) if decode_tp else None
         r = self.requests.prompt(room, tokens, stream_auto=mode == "auto", receivers=receivers, tp_size=decode_tp or 0)
-        refused, kv, first_token, handover = None, None, None, None
+        refused, kv, first_token = None, None, None
         try:
             if not r.phase.ended:
                 deadline = time.monotonic() + self.config.deadlines.waiting_s
                 kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
                 self.faults.check("prefill.compute")
-                if streams:   # the table takes the pages at the engine's first layer (prefill/handover.py)
-                    handover = Handover(self.requests, r, kv,
-                                        LayerProgress(self.pool.config.model.num_layers, self.pool.config.device))
+                on_layer = None
+                if streams:   # the table takes the pages at the engine's first layer (RequestTable.handover)
+                    on_layer = self.requests.handover(
+                        r, kv, LayerProgress(self.pool.config.model.num_layers, self.pool.config.device))
                 else:   # the sends are laid out while the engine computes
                     self.requests.allocated(r, self.pool.index_set(kv))
-                first_token = self.model.prefill(self.pool, kv, tokens, room,
-                                                 on_layer=handover.final if handover else None).first_token
+                first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
                 held, kv = kv, None
@@ -133,7 +133,13 @@ class PrefillServer(TransferJobs, Worker):
             raise refused
         done = phase is Phase.DONE
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
-                **({"first_token": first_token} if done else {}), **r.timings, **merged_report(list(r.dests.values()))}
+                **({"first_token": first_token} if done else {}), **r.timings, **self._report(r)}
+
+    def _report(self, r: PrefillRequest) -> dict:
+        """What its destinations' sends reported, merged, as the answer carries it ({} when
+        none has sent: a rank that feeds no decode rank, or a failure before any send)."""
+        report = self.requests.report(r)
+        return {**report.to_dict(), "destinations": report.sends} if report is not None else {}
 
     def _receivers(self, decode_tp: int) -> frozenset[int]:
         try:
@@ -145,15 +151,6 @@ class PrefillServer(TransferJobs, Worker):
         if mode not in STREAM_LAYERS:
             raise BadRequest(f"stream_layers must be one of {', '.join(STREAM_LAYERS)}, not {mode!r}")
         return mode == "on" or (mode == "auto" and num_tokens >= self.config.stream_min_tokens)
-
-    # ---- effects the table asks for (under its lock) -----------------------------------------
-    def _free(self, kv: RequestKV) -> None:
-        self.pool.free_request(kv)
-        self.admission.released()
-
-    def _tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None:
-        if not (isinstance(msg, TransferDone) and self.faults.hit("control.drop_done")):
-            self.io.send(peer, msg)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:

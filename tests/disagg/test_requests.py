@@ -10,7 +10,8 @@ from disagg.control.deadlines import Deadlines
 from disagg.control.messages import Abort, TransferDone
 from disagg.decode.requests import Phase as D, RequestTable as DecodeTable, Sender
 from disagg.errors import ProtocolError
-from disagg.prefill.requests import Phase as P, RequestTable as PrefillTable
+from disagg.prefill import requests as prefill_requests
+from disagg.prefill.requests import Compute as C, Delivery, IllegalTransition, Phase as P, RequestTable as PrefillTable
 from transfer.report import TransferReport
 
 LONG = Deadlines(10, 10, 10)
@@ -18,10 +19,12 @@ PEER, OTHER = b"decode-1", b"decode-2"
 
 
 class Effects:
-    """Records what a table asked for."""
+    """Records what a table asked for (the decode table's free and send; the prefill table's
+    jobs: prefill/jobs.py's TransferJobs)."""
 
-    def __init__(self, refuse: str | None = None):
-        self.freed, self.told, self.submitted, self.refuse = [], [], [], refuse
+    def __init__(self, refuse: str | None = None, may_stream=lambda r: True, prepare=lambda r, d: None):
+        self.freed, self.told, self.submitted, self.progress, self.refuse = [], [], [], [], refuse
+        self.may_stream, self.prepare = may_stream, prepare
 
     def free(self, kv) -> None:
         self.freed.append(kv)
@@ -29,14 +32,15 @@ class Effects:
     def tell(self, peer, msg) -> None:
         self.told.append((peer, msg))
 
-    def submit(self, r, dest=None):
+    def submit(self, r, dest, progress, finished):
         self.submitted.append(r)
+        self.progress.append(progress)   # streamed: the worker waits on the engine's layers
         return self.refuse
 
 
-def prefill_table(deadlines=LONG, refuse=None):
-    fx = Effects(refuse)
-    return PrefillTable(epoch=5, deadlines=deadlines, free=fx.free, tell=fx.tell, submit=fx.submit), fx
+def prefill_table(deadlines=LONG, refuse=None, **jobs):
+    fx = Effects(refuse, **jobs)
+    return PrefillTable(epoch=5, deadlines=deadlines, jobs=fx), fx
 
 
 TOKENS = np.arange(8)
@@ -228,7 +232,7 @@ def test_prefill_streams_once_both_halves_met_and_says_started_only_when_compute
     if prompt_first:
         assert r.phase is P.AWAITING_DECODE and not fx.submitted
         t.destination(1, PEER, "dst", [0])
-    assert r.phase is P.STREAMING and fx.submitted == [r] and r.streamed and not fx.told
+    assert r.phase is P.STREAMING and fx.submitted == [r] and fx.progress == [progress] and not fx.told
     t.computed(r, "kv")
     assert r.phase is P.TRANSFERRING and progress.final_layers == 4
     assert [type(m).__name__ for _, m in fx.told] == ["TransferStarted"]   # decode's transfer deadline starts now
@@ -240,15 +244,13 @@ def test_prefill_streams_only_where_may_stream_says_so_else_starts_once_computed
     """auto over a link that would slow the compute: no worker while the engine computes (it
     would only wait), one once the KV is computed, and the request is not streamed."""
     from transfer.progress import LayerProgress
-    fx = Effects()
-    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
-                     may_stream=lambda r: not r.stream_auto)
+    t, fx = prefill_table(may_stream=lambda r: not r.stream_auto)
     r = t.prompt(1, TOKENS, stream_auto=True)
     t.destination(1, PEER, "dst", [0])
     assert t.streaming(r, "kv", LayerProgress(4))
     assert r.phase is P.COMPUTING and not fx.submitted
     t.computed(r, "kv")
-    assert r.phase is P.TRANSFERRING and fx.submitted == [r] and not r.streamed
+    assert r.phase is P.TRANSFERRING and fx.submitted == [r] and fx.progress == [None]
     t.finished(r, True, done=TransferDone(1, 5, True))
     assert r.phase is P.DONE and fx.freed == ["kv"]
 
@@ -412,9 +414,7 @@ def test_prefill_prepares_each_destinations_send_while_computing_once_both_are_k
     """A destination's send is laid out once the pages (their indices) and the destination
     are both known and the KV is not computed yet: once each, never after computed()."""
     prepared = []
-    fx = Effects()
-    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
-                     prepare=lambda r, d: (prepared.append((r.room, d.rank, r.src)), setattr(d, "prepared", "job")))
+    t, fx = prefill_table(prepare=lambda r, d: (prepared.append((r.room, d.rank, r.src)), "job")[1])
     r = None
     for step in order.split(", "):
         if step == "decode":
@@ -434,9 +434,7 @@ def test_prefill_prepares_each_destinations_send_while_computing_once_both_are_k
 
 def test_prefill_prepares_nothing_for_a_request_that_ended_or_was_computed_first():
     prepared = []
-    fx = Effects()
-    t = PrefillTable(epoch=5, deadlines=LONG, free=fx.free, tell=fx.tell, submit=fx.submit,
-                     prepare=lambda r, d: prepared.append(r.room))
+    t, fx = prefill_table(prepare=lambda r, d: prepared.append(r.room))
     r = t.prompt(1, TOKENS)
     t.abort(1, "client left")
     t.allocated(r, "src")
@@ -448,3 +446,93 @@ def test_prefill_prepares_nothing_for_a_request_that_ended_or_was_computed_first
     assert r2.phase is P.AWAITING_DECODE and prepared == []
     t.destination(2, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))
     assert prepared == [] and fx.submitted == [r2, r2]
+
+
+# ---- the prefill record's three axes: each moves forward only, along its listed moves ---------
+
+@pytest.mark.parametrize("axis", [P, C, Delivery])
+def test_prefill_axes_move_forward_only_and_a_move_not_listed_raises(axis):
+    """Every axis is a graph without a cycle (no state comes back), and step() refuses every
+    move it does not list, a state to itself included."""
+    order = list(axis)
+    for now in axis:
+        for to in axis:
+            if order.index(to) <= order.index(now) and not (axis is P and (now, to) == (P.ORPHANED,
+                                                                                      P.AWAITING_DECODE)):
+                with pytest.raises(IllegalTransition, match=f"{now.name} -> {to.name}"):
+                    prefill_requests.step(now, to)
+    # ORPHANED -> AWAITING_DECODE is the one move against the enum's order; it is still forward:
+    assert prefill_requests.step(P.ORPHANED, P.AWAITING_DECODE) is P.AWAITING_DECODE
+    with pytest.raises(IllegalTransition):
+        prefill_requests.step(P.AWAITING_DECODE, P.ORPHANED)
+    ended = [s for s in axis if s in (P.DONE, P.FAILED, C.RELEASED, Delivery.TOLD)]
+    for last in ended:
+        for to in axis:
+            with pytest.raises(IllegalTransition):
+                prefill_requests.step(last, to)
+
+
+def test_prefill_each_axis_follows_one_request_through_a_streamed_send():
+    t, fx, r, progress = _streaming()
+    assert (r.phase, r.compute) == (P.AWAITING_DECODE, C.STREAMING)
+    t.destination(1, PEER, "dst", [0])
+    d = r.dests[0]
+    assert (r.phase, r.compute, d.delivery) == (P.STREAMING, C.STREAMING, Delivery.WRITING)
+    t.computed(r, "kv")
+    assert (r.phase, r.compute, d.delivery) == (P.TRANSFERRING, C.COMPUTED, Delivery.WRITING)
+    t.finished(r, True, done=TransferDone(1, 5, True, report=TransferReport(nbytes=3)))
+    assert (r.phase, r.compute, d.delivery) == (P.DONE, C.RELEASED, Delivery.TOLD) and fx.freed == ["kv"]
+    assert t.report(r).nbytes == 3
+
+
+def test_prefill_a_transition_the_table_does_not_list_raises_and_changes_nothing():
+    """A second report from one worker, a second computed(), a handover after the pages were
+    computed, and a destination that never started reporting are bugs: they raise, and the
+    request, its pages and decode are left as they were (no double free, no second word)."""
+    t, fx = prefill_table()
+    r = t.prompt(1, TOKENS)
+    t.destination(1, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO)
+    t.destination(1, OTHER, "d1", [], rank=1, tp_size=2, receivers=TWO)
+    t.computed(r, "kv")
+    with pytest.raises(IllegalTransition, match="Compute COMPUTED -> COMPUTED"):
+        t.computed(r, "kv again")
+    with pytest.raises(IllegalTransition, match="Compute COMPUTED -> STREAMING"):
+        t.streaming(r, "kv", None)
+    first = TransferDone(1, 5, True)
+    t.finished(r, True, done=first, dest=r.dests[0])
+    with pytest.raises(IllegalTransition, match="Delivery TOLD -> STOPPED"):
+        t.finished(r, True, done=first, dest=r.dests[0])
+    assert r.phase is P.TRANSFERRING and r.dests[1].delivery is Delivery.WRITING and r.kv == "kv"
+    assert fx.told == [(PEER, first)] and not fx.freed
+    t.finished(r, True, done=TransferDone(1, 5, True), dest=r.dests[1])
+    assert r.phase is P.DONE and fx.freed == ["kv"]
+    with pytest.raises(IllegalTransition, match="Compute RELEASED"):
+        t.computed(r, "kv")   # the pages went back once: never twice
+    assert fx.freed == ["kv"]
+    # a destination whose worker never started cannot report
+    t, fx = prefill_table()
+    r = t.prompt(2, TOKENS)
+    t.destination(2, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO)
+    with pytest.raises(IllegalTransition, match="Delivery WAITING -> STOPPED"):
+        t.finished(r, False, "boom", dest=r.dests[0])
+    assert r.phase is P.AWAITING_DECODE and not fx.told and t.get(2) is r
+
+
+def test_prefill_pages_the_table_holds_are_freed_once_by_whoever_lets_go_last():
+    """The Compute axis decides who frees: the HTTP thread's pages (PENDING, ALLOCATED) when
+    r ended before the table took them; the table's (STREAMING -> COMPUTED or BROKEN) once
+    the engine and the last worker let go."""
+    t, fx = prefill_table()
+    r = t.prompt(1, TOKENS)
+    t.allocated(r, "src")
+    assert r.compute is C.ALLOCATED
+    t.fail(r, "aborted")
+    t.compute_ended(r, "kv", "prefill: the model engine failed")
+    assert r.compute is C.RELEASED and fx.freed == ["kv"] and r.reason == "aborted"
+    t, fx, r, progress = _streaming()
+    t.destination(1, PEER, "dst", [0])
+    t.compute_ended(r, "kv", "prefill: the model engine failed")
+    assert (r.phase, r.compute) == (P.STOPPING, C.BROKEN) and not fx.freed
+    t.finished(r, False, "Cancelled")
+    assert (r.phase, r.compute, r.dests[0].delivery) == (P.FAILED, C.RELEASED, Delivery.TOLD)
+    assert fx.freed == ["kv"]

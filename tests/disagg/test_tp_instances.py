@@ -12,6 +12,7 @@ import zmq
 from disagg.control.messages import (PROTOCOL_VERSION, Decoder, Heartbeat, LayoutInfo, RegisterDecode, Registered,
                                      Refused, ToDecode, TransferDone, TransferRequest, encoder, indices_to_wire)
 from disagg.decode.server import DecodeConfig, DecodeServer
+from disagg.prefill.requests import Delivery
 from disagg.prefill.server import PrefillConfig, PrefillServer
 from disagg.worker.pool_settings import PoolSettings
 from harness import memory
@@ -149,7 +150,7 @@ def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefil
             workers.submit(release.wait, 30)
         computes = threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(14, tokens)))
         computes.start()
-        eventually(lambda: d.prepared is not None and d.writing, 10, "the prepare and transfer jobs queued")
+        eventually(lambda: d.prepared is not None and d.delivery is Delivery.WRITING, 10, "the prepare and transfer jobs queued")
         assert prefill.requests.fail(r, "aborted while queued")
         release.set()
         computes.join(30)
