@@ -58,4 +58,5 @@ def merged_report(dests: list[Destination]) -> dict:
             "streamed": any(r["streamed"] for r in reports),
             "prepared_ahead": all(r.get("prepared_ahead") for r in reports),
             "prepare_ms": max(r.get("prepare_ms", 0.0) for r in reports),
-            "first_write_at": min(first) if first else None, "destinations": len(reports)}
+            "first_write_at": min(first) if first else None, "destinations": len(reports),
+            "transfer_end_at": max(r["transfer_end_at"] for r in reports)}   # issue 40: the last send's end

@@ -91,7 +91,10 @@ class TransferJobs:
                         "transfer_cpu_ms": report.cpu_ms, "prepared_ahead": report.prepared_ahead,
                         "prepare_ms": report.prepare_ms,
                         # what decode waits for once compute is over: the part of the send not hidden
-                        "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)}
+                        "after_compute_ms": max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3),
+                        # wall clock the send ended: the router's control phase starts at the
+                        # latest one of any rank (router/phases.py), never at a duration's start
+                        "transfer_end_at": time.time()}
             done = TransferDone(r.room, self.epoch, True, "", report.nbytes, report.mode.value, report.ranges, ms)
             ok = True
         except (DisaggError, KVPoolError) as exc:

@@ -87,4 +87,5 @@ def merge_ranks(outs: list[dict]) -> dict:
 
 
 _SLOWEST = ("prefill_ms", "prefill_done_at", "transfer_ms", "after_compute_ms", "bootstrap_ms", "wait_ms",
-            "verify_ms", "decode_ms", "rebuild_ms", "check_ms", "kv_ready_at")
+            "verify_ms", "decode_ms", "rebuild_ms", "check_ms", "kv_ready_at",
+            "transfer_end_at")   # issue 40: the last rank's send end starts the control phase (phases.py)

@@ -1,7 +1,7 @@
 """Router: HTTP POST /generate -> pick a prefill/decode pair (round robin), assign a unique
 room, call both sides concurrently, merge their outcome and per-phase timings. "control" is
-the hand-off overhead: from prefill done to KV ready on decode, minus the transfer itself
-(wall clocks of two hosts: exact on one host, as good as their clock sync across hosts).
+the hand-off overhead: from the last KV write's end to KV ready on decode (phases.py; wall
+clocks of two hosts: exact on one host, as good as their clock sync across hosts).
 
 Aborts: when one side fails while the other still works, the other is aborted at once (its
 slots come back now, not at its deadline) and the client is answered within ABORT_GRACE_S
@@ -28,6 +28,7 @@ from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded
 from disagg.router.pairs import Pair, merge_ranks, side_name
+from disagg.router.phases import handoff_ms
 
 log = logging.getLogger(__name__)
 
@@ -261,10 +262,8 @@ class Router:
             raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
         ok = pre.get("state") == "SUCCESS" and dec.get("state") == "SUCCESS" and dec.get("verified") is True
         status = 200 if ok else _failure_status(pre, dec, cancelled)
-        control = after = None  # prefill done -> KV ready on decode; minus what the send took after compute
-        if ok and pre.get("prefill_done_at") and dec.get("kv_ready_at") and pre.get("transfer_ms") is not None:
-            after = (dec["kv_ready_at"] - pre["prefill_done_at"]) * 1e3
-            control = after - (pre["after_compute_ms"] if pre.get("streamed") else pre["transfer_ms"])
+        # prefill done -> KV ready on decode, and the hand-off after the last send ended (phases.py)
+        after, control = handoff_ms(pre, dec) if ok else (None, None)
         return {
             "room": room, "pair": pair_index, "ok": ok, "status": status, "prompt_tokens": len(tokens),
             "output_tokens": dec.get("output_tokens", []), "verified": bool(dec.get("verified")),
