@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""TP resharding benchmark: N prefill ranks into M decode ranks, every pair at once.
+"""TP resharding benchmark: N prefill ranks into M decode ranks, every pair at once, beside
+the 1 -> 1 transfer of the same bytes (same model, same tokens).
 
 The N prefill pools live in this process, each written by the stand-in engine (a rank's
 bytes are its heads of the whole model's row); each of the M decode ranks is a harness peer
@@ -9,10 +10,12 @@ Every decode rank then checks its KV with the stand-in's verify (byte for byte).
 
     per decode rank  bytes it received / time until its last sender finished
     aggregate        all bytes / the wall time of the whole exchange
-    ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same layout
+    x_1to1           wall time / the 1 -> 1 row's of the same layout and page sizes (the issue
+                     40 bar: <= 1.5); x_equal_pages: / the 1 -> 1 row of equal page sizes
+    ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same group
 
-    .venv/bin/python scripts/bench_tp.py [--tp 2:2,1:2,4:1] [--tokens 32768] [--page-size 64:16]
-                                         [--device cuda] [--json]
+    .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
+                                         [--page-sizes 16,64:16] [--device cuda] [--json]
 """
 
 import argparse
@@ -34,6 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
 
 from disagg.engine.standin import StandInEngine  # noqa: E402
+from disagg.worker.flags import STAGING_SLOTS  # noqa: E402
 from harness.peer_client import PeerProcess  # noqa: E402
 from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
 from kvpool.geometry import components  # noqa: E402
@@ -49,7 +53,7 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
     capacity = int(tokens * 2.5)   # room for every SWA page of the prompt at swa_ratio 0.5
     room = 11
     ids = np.random.default_rng(tokens).integers(0, 50000, tokens)
-    cfg = TransferConfig(mode=Mode(args.mode))
+    cfg = TransferConfig(mode=Mode(args.mode), staging_slots=STAGING_SLOTS)   # a worker's default
     prefill = []
     for r in range(n):
         pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=capacity, max_requests=2, layout=layout,
@@ -92,7 +96,7 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
                 raise errors[0]
             samples.append((t0, dict(ends)))
         walls = [max(e.values()) - t0 for t0, e in samples[1:]]
-        wall = statistics.median(walls)
+        wall = statistics.median_low(walls)
         t0, ends = samples[1:][walls.index(wall)]
         by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
         rank_gbps = [by_rank[s] / (max(ends[p] for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
@@ -116,11 +120,12 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-120b")
-    ap.add_argument("--tp", default="2:2,1:2,4:1,2:4", help="prefill:decode TP sizes; the first N:N is the baseline")
-    ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--page-size", default="16", metavar="P[:Q]",
-                    help="tokens per page: P on both sides, or P on prefill and Q on decode")
-    ap.add_argument("--layouts", default="page_major,layer_major")
+    ap.add_argument("--tp", default="1:1,2:1,4:1,8:1,1:8,8:2",
+                    help="prefill:decode TP sizes; 1:1 is the reference, the first N:N the equal-TP baseline")
+    ap.add_argument("--tokens", type=int, default=4096)
+    ap.add_argument("--page-sizes", "--page-size", default="16,64:16", metavar="P[:Q],...",
+                    help="tokens per page, one group of rows each: P on both sides, or P on prefill and Q on decode")
+    ap.add_argument("--layouts", default="page_major")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names())
@@ -128,28 +133,35 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
-    args.page_size, _, peer_page = args.page_size.partition(":")
-    args.page_size = int(args.page_size)
-    args.peer_page = int(peer_page or args.page_size)
+    groups = [(int(p), int(q or p)) for p, _, q in (g.partition(":") for g in args.page_sizes.split(","))]
     env = dict(os.environ)
     args.peer_device = "cuda" if args.device.startswith("cuda") else args.device
     [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
     rows = []
-    peers = [PeerProcess(args.preset, args.peer_page, 4096, transport=args.transport, env=env,
+    peers = [PeerProcess(args.preset, groups[0][1], 4096, transport=args.transport, env=env,
                          device=args.peer_device) for _ in range(max(m for _, m in pairs))]
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
-            base = None
-            for n, m in pairs:
-                row = run_pair(args, transport, peers, n, m, layout, args.tokens)
-                base = base or (row["aggregate_gbps"] if n == m else None)
-                row["ratio_to_equal_tp"] = round(row["aggregate_gbps"] / base, 2) if base else None
-                rows.append(row)
-                if not args.json:
-                    print(f"{row['layout']:<12} tp {row['tp']:>4} senders {row['senders']:>2} {row['mode']} "
-                          f"ranges {row['ranges_per_request']:>8} {row['ms']:>8.1f} ms aggregate "
-                          f"{row['aggregate_gbps']:>7.2f} GB/s per decode rank {row['per_decode_rank_gbps']} "
-                          f"ratio {row['ratio_to_equal_tp']}", flush=True)
+            equal_pages_ms = None
+            for args.page_size, args.peer_page in groups:
+                base = one_ms = None
+                for n, m in pairs:
+                    row = run_pair(args, transport, peers, n, m, layout, args.tokens)
+                    one_ms = one_ms or (row["ms"] if (n, m) == (1, 1) else None)
+                    if args.page_size == args.peer_page:
+                        equal_pages_ms = equal_pages_ms or one_ms
+                    base = base or (row["aggregate_gbps"] if n == m else None)
+                    row["ratio_to_equal_tp"] = round(row["aggregate_gbps"] / base, 2) if base else None
+                    row["x_1to1"] = round(row["ms"] / one_ms, 2) if one_ms else None
+                    row["x_equal_pages"] = round(row["ms"] / equal_pages_ms, 2) if equal_pages_ms else None
+                    rows.append(row)
+                    if not args.json:
+                        print(f"{row['layout']:<11} pages {row['page_size']:>2}:{row['decode_page_size']:<2} "
+                              f"tp {row['tp']:>4} senders {row['senders']:>2} {'+'.join(row['mode']):<13} "
+                              f"ranges {row['ranges_per_request']:>7} {row['bytes'] / 1e6:7.1f} MB "
+                              f"{row['ms']:>8.1f} ms x1:1 {row['x_1to1']} (equal pages {row['x_equal_pages']}) "
+                              f"aggregate {row['aggregate_gbps']:>5.2f} GB/s per decode rank "
+                              f"{row['per_decode_rank_gbps']}", flush=True)
     finally:
         for p in peers:
             p.close()

@@ -21,6 +21,15 @@ class SlotLease:
             taken, self._free = self._free[:n], self._free[n:]
             return taken
 
+    def take(self, n: int, timeout: float) -> list[int]:
+        """Exactly `n` slots, waiting up to `timeout` seconds for that many to be free; [] if
+        they are not (all or nothing: a caller never holds some while waiting for more)."""
+        with self._cond:
+            if n < 1 or not self._cond.wait_for(lambda: len(self._free) >= n, timeout=max(0.0, timeout)):
+                return []
+            taken, self._free = self._free[:n], self._free[n:]
+            return taken
+
     def release(self, slots: list[int]) -> None:
         with self._cond:
             if set(slots) & set(self._free):

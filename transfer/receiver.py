@@ -1,5 +1,15 @@
 """KVReceiver: the decode side: an exposed pool and staging area, slot leases, and the scatter
-entry point the control plane calls when a chunk notice arrives."""
+entry point the control plane calls when a chunk notice arrives.
+
+Slots are lent per request, to all of its senders at once (`lend`): a sender that moves by
+token (another TP size or page size) and gets no slot must go direct, one transport range
+per row slice (TP 8 -> 1, gpt-oss-120b: 59,040 ranges of 128 B per sender, 17-20 s over
+Mooncake TCP where staged takes 0.1 s), so every sender gets a slot or the request waits for
+them; a sender gets no more slots than it has chunks (one 16 MiB slot holds a 1,500-token
+sender's share at TP 8 -> 1).
+"""
+
+import math
 
 from kvpool.errors import SpecError
 from kvpool.indices import IndexSet
@@ -16,6 +26,34 @@ class KVReceiver(PoolEndpoint):
     def reserve_slots(self, n: int = 2) -> list[int]:
         """Staging slots for one transfer ([] when all are in use: the sender goes direct)."""
         return self.staging.lease.acquire(n, timeout=0.0)
+
+    def lend(self, wants: list[int], timeout: float = 0.0) -> list[list[int]]:
+        """Staging slots for a request's senders, `wants[i]` for sender i, taken all at once
+        (waiting up to `timeout` seconds for that many to be free: slots come back as other
+        requests' senders finish). Wants the area cannot hold at all are cut to one slot per
+        sender; when the wait runs out, what is free now is shared, one slot per sender first.
+        A sender lent [] goes direct."""
+        lease, total = self.staging.lease, self.staging.num_slots
+        if sum(wants) > total:
+            wants = [min(w, 1) for w in wants]
+        want = min(sum(wants), total)
+        got = lease.take(want, timeout) or lease.acquire(want, timeout=0.0)
+        out: list[list[int]] = [[] for _ in wants]
+        for rnd in range(max(wants, default=0)):   # one slot per sender per round
+            for i, w in enumerate(wants):
+                if rnd < w and got:
+                    out[i].append(got.pop())
+        if got:
+            lease.release(got)
+        return out
+
+    def slots_wanted(self, lanes: Lanes | None, num_tokens: int, most: int) -> int:
+        """Slots a sender writing by `lanes` (our side, lanes_from; None: whole pages, size
+        unknown here) needs for a request of `num_tokens`: one per chunk, at most `most`."""
+        if lanes is None:
+            return most
+        nbytes = sum(lane.token_bytes * (1 if c.per_request else num_tokens) for c, ls in lanes.items() for lane in ls)
+        return max(1, min(most, math.ceil(nbytes / self.staging.slot_bytes)))
 
     def release_slots(self, slots: list[int]) -> None:
         self.staging.lease.release(slots)

@@ -46,6 +46,8 @@ class TransferReport(msgspec.Struct, frozen=True, kw_only=True):
     # decode waits for); set by the prefill server, which knows when compute ended; max
     first_write_at: Ms = 0.0     # s, wall clock (time.time) of the first body write, 0: none; the
     # earliest of those that wrote
+    end_at: Ms = msgspec.field(default=0.0, name="transfer_end_at")   # s, wall clock (time.time) the
+    # send ended, 0: unknown; the latest (where the router's hand-off phase starts: router/phases.py)
     sends: Count = 1        # sends merged into this report; sum
 
     def merge(self, other: "TransferReport") -> "TransferReport":
@@ -60,7 +62,8 @@ class TransferReport(msgspec.Struct, frozen=True, kw_only=True):
             prepare_ms=max(self.prepare_ms, other.prepare_ms), submit_ms=max(self.submit_ms, other.submit_ms),
             wait_ms=max(self.wait_ms, other.wait_ms), cpu_ms=self.cpu_ms + other.cpu_ms,
             after_compute_ms=max(self.after_compute_ms, other.after_compute_ms),
-            first_write_at=min(firsts, default=0.0), sends=self.sends + other.sends)
+            first_write_at=min(firsts, default=0.0), end_at=max(self.end_at, other.end_at),
+            sends=self.sends + other.sends)
 
     def to_dict(self) -> dict:
         """As the workers' HTTP answers carry it (the encoded names; mode as its string)."""

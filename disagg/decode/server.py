@@ -102,10 +102,10 @@ class DecodeServer(Worker):
             peers = self.introducer.senders(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
             self._admit(r, len(tokens), deadline)
-            t1 = time.perf_counter()
             lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
-            senders = [Sender(p.endpoint, p.epoch, self.receiver.reserve_slots(self.config.slots_per_transfer),
-                              lanes=l) for p, l in zip(peers, lanes)]
+            slots = self._lend(lanes, len(tokens), deadline)
+            t1 = time.perf_counter()
+            senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
             if self.requests.sending(r, senders):   # an abort may have come meanwhile
                 indices = indices_to_wire(r.dst)
                 for s in senders:
@@ -147,6 +147,15 @@ class DecodeServer(Worker):
         (every key, even if a sender reported nothing)."""
         report = self.requests.report(r) or TransferReport(sends=0)
         return {**report.to_dict(), "senders": len(r.senders)}
+
+    def _lend(self, lanes: list, num_tokens: int, deadline: float) -> list[list[int]]:
+        """Every sender's staging slots, all at once (KVReceiver.lend). Senders that move by
+        token would go direct without one (a range per row slice): for them the request waits
+        for slots, like for pool space, until the bootstrap deadline."""
+        most = self.config.slots_per_transfer
+        wants = [self.receiver.slots_wanted(l, num_tokens, most) for l in lanes]
+        by_token = any(l is not None for l in lanes)
+        return self.receiver.lend(wants, max(0.0, deadline - time.monotonic()) if by_token else 0.0)
 
     def _free(self, r: DecodeRequest) -> None:
         """(The table's effect, under its lock.)"""

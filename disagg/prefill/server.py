@@ -132,8 +132,11 @@ class PrefillServer(Worker):
         if refused is not None:
             raise refused
         done = phase is Phase.DONE
+        # a rank whose KV goes to no decode rank does not gate the hand-off: its compute end is
+        # not where the router's kv_ready_after_compute starts (router/phases.py, issue 40)
+        timings = {k: v for k, v in r.timings.items() if r.receivers or k != "prefill_done_at"}
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
-                **({"first_token": first_token} if done else {}), **r.timings, **self._report(r)}
+                **({"first_token": first_token} if done else {}), **timings, **self._report(r)}
 
     def _report(self, r: PrefillRequest) -> dict:
         """What its destinations' sends reported, merged, as the answer carries it ({} when

@@ -1,7 +1,7 @@
 """Router: HTTP POST /generate -> pick a prefill/decode pair (round robin), assign a unique
 room, call both sides concurrently, merge their outcome and per-phase timings. "control" is
-the hand-off overhead: from prefill done to KV ready on decode, minus the transfer itself
-(wall clocks of two hosts: exact on one host, as good as their clock sync across hosts).
+the hand-off overhead: from the last KV write's end to KV ready on decode (phases.py; wall
+clocks of two hosts: exact on one host, as good as their clock sync across hosts).
 
 Aborts: when one side fails while the other still works, the other is aborted at once (its
 slots come back now, not at its deadline) and the client is answered within ABORT_GRACE_S
@@ -30,6 +30,7 @@ from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
 from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, merge_ranks, read_answer
 from disagg.router.monitor import PairMonitor, PairState
 from disagg.router.pairs import Pair, side_name
+from disagg.router.phases import handoff_ms
 
 log = logging.getLogger(__name__)
 
@@ -110,12 +111,11 @@ def _first_write_lead(pre: WorkerAnswer) -> float | None:
 
 
 def _timings(pre: WorkerAnswer, dec: WorkerAnswer, ok: bool, total_ms: float) -> Timings:
-    """Each phase's time; "control" is the hand-off overhead: prefill done -> KV ready on
-    decode, less what the send took after compute (streamed) or the whole send."""
+    """Each phase's time; "control" is the hand-off overhead: from the last KV write's end to
+    KV ready on decode (phases.py: never a difference of a clock and a duration)."""
     sent, control, after = pre.report, None, None
-    if ok and pre.prefill_done_at and dec.kv_ready_at and sent is not None:
-        after = (dec.kv_ready_at - pre.prefill_done_at) * 1e3
-        control = after - (sent.after_compute_ms if sent.streamed else sent.transfer_ms)
+    if ok and sent is not None:
+        after, control = handoff_ms(pre.prefill_done_at, sent.end_at, dec.kv_ready_at)
     return Timings(bootstrap=dec.bootstrap_ms, prefill=pre.prefill_ms, transfer=sent.transfer_ms if sent else None,
                    transfer_cpu=sent.cpu_ms if sent else None, wait=dec.wait_ms, verify=dec.verify_ms,
                    decode=dec.decode_ms, rebuild=dec.rebuild_ms, check=dec.check_ms, control=control,

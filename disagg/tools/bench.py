@@ -29,10 +29,10 @@ PHASE_MEANING = {
     "transfer": "prefill: the transport moving the KV into decode's pool",
     "transfer_cpu": "prefill: CPU time of the thread that sent the KV (planning, submitting, waiting that "
                     "spins), the host work a streamed send puts beside the compute",
-    "kv_ready_after_compute": "prefill compute done -> KV ready on decode: what layer-wise streaming hides "
-                              "(transfer + control when not streamed)",
-    "control": "hand-off overhead: prefill done -> KV ready on decode, minus the part of the transfer after "
-               "compute",
+    "kv_ready_after_compute": "prefill compute done (its last rank that sends KV) -> KV ready on decode: what "
+                              "layer-wise streaming hides (the part of the transfer after compute + control)",
+    "control": "hand-off overhead: the last KV write ended (any prefill rank) -> KV ready on decode "
+               "(TransferDone's trip and decode's loop)",
     "wait": "decode: destination sent to prefill -> KV arrived; runs alongside prefill, so it holds the rest "
             "of prefill + transfer + control",
     "verify": "decode: checking that the KV received is this prompt's (the stand-in engine compares every "

@@ -20,6 +20,10 @@ from transfer.config import Mode, TransferConfig
 from transfer.faults import POINTS, FaultPlan
 from transfer.transports import TRANSPORTS, TransportSettings, resolve
 
+# A TP instance's senders or destinations each stage through slots of their own (issue 40):
+# 16 slots of 16 MiB (256 MiB) cover TP 8 -> 1 and 1 -> 8 at two slots each.
+STAGING_SLOTS = 16
+
 
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     """The flags prefill and decode share (each role adds its own); every flag also reads
@@ -72,7 +76,10 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode],
                    help="direct = one write per contiguous run; staged = gather into staging slots, one write per "
                         "slot, scatter on decode (for many small runs); auto: chosen per request by a cost model")
-    g.add_argument("--staging-slots", type=positive_int, default=4, help="staging slots (for staged transfers)")
+    g.add_argument("--staging-slots", type=positive_int, default=STAGING_SLOTS,
+                   help="staging slots (for staged transfers): decode lends every sender of a request one or "
+                        "more at once (TP 8 -> 1: eight), prefill gathers each destination's chunks in its own "
+                        "(TP 1 -> 8: eight sends at once)")
     g.add_argument("--staging-slot-mib", type=positive_int, default=16, help="size of one staging slot, MiB")
     g = p.add_argument_group("deadlines, liveness and admission")
     g.add_argument("--bootstrap-timeout", type=seconds, default=10.0,

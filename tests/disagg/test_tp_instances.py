@@ -163,3 +163,37 @@ def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefil
     finally:
         release.set()
         decode.close()
+
+
+def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
+    """Issue 40: decode lent each sender 2 slots while they lasted and the rest none; those
+    went direct, one transport range per row slice (TP 8 -> 1, gpt-oss-120b, 16 slots: 6 of
+    8 senders, 59,040 ranges of 128 B each, 17-20 s). Here TP 2 -> 1 into an area of 2
+    slots: each sender's share is one chunk, so each gets one slot and both send staged."""
+    memory.register()
+    staged = TransferConfig(mode="staged")
+    full = lambda rank: PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu", tp_size=2,
+                                     tp_rank=rank)
+    ranks = [PrefillServer(PrefillConfig(pool=full(0), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
+                                         transfer=staged))]
+    ranks.append(PrefillServer(PrefillConfig(pool=full(1), bootstrap_bind=None, transports=("memory",),
+                                             transfer=staged, bootstrap_addr=ranks[0].bootstrap_endpoint)))
+    decode = DecodeServer(DecodeConfig(pool=PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4,
+                                                         device="cpu"), transfer=TransferConfig(staging_slots=2),
+                                       bootstrap_addr=ranks[0].bootstrap_endpoint, transports=("memory",)))
+    try:
+        tokens, out = np.arange(40) % 97, {}
+        threads = [threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(21, tokens)))]
+        threads += [threading.Thread(target=lambda p=p, i=i: out.__setitem__(i, p.prefill(21, tokens)))
+                    for i, p in enumerate(ranks)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert out["decode"]["state"] == "SUCCESS" and out["decode"]["verified"], out["decode"]
+        assert out["decode"]["senders"] == 2 and out["decode"]["mode"] == "staged", out["decode"]
+        assert decode.receiver.staging.lease.available() == 2
+    finally:
+        decode.close()
+        for p in ranks:
+            p.close()

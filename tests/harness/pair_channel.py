@@ -1,6 +1,9 @@
 """A ChunkChannel over one ZMQ PAIR socket between a sender and a receiver process, for
 point-to-point use (benchmarks, tests); the control plane carries the same notices itself."""
 
+import threading
+import time
+
 import msgspec
 import zmq
 
@@ -14,27 +17,42 @@ _encoder = msgspec.msgpack.Encoder()
 
 
 class PairChannel:
+    """Thread-safe on the sender side: several senders (one per prefill rank of a TP instance)
+    share one peer's socket; the socket is used under a lock, and a sender waiting for an ack
+    pumps it in short turns, so an ack another sender reads is counted for the one it is for."""
+
+    TURN_S = 0.002   # longest hold of the socket by one waiting sender
+
     def __init__(self, socket: zmq.Socket):
         self.socket = socket
         self._ledger = AckLedger()
+        self._lock = threading.Lock()
 
-    # sender side (one thread at a time: it pumps the socket itself while it waits)
+    # sender side
     def notify(self, transfer_id: int, index: int, slot: int, pieces: list[Piece]) -> None:
         self._ledger.sent(transfer_id, index)
-        self.socket.send(_encoder.encode(ChunkLanded(transfer_id, index, slot, pieces)))
+        with self._lock:
+            self.socket.send(_encoder.encode(ChunkLanded(transfer_id, index, slot, pieces)))
 
     def wait_done(self, transfer_id: int, index: int, timeout: float) -> None:
+        give_up = time.monotonic() + timeout
         while not self._ledger.done(transfer_id, index):
-            if not self.socket.poll(int(timeout * 1000)):
+            left = give_up - time.monotonic()
+            if left <= 0:
                 raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s")
-            match _decoder.decode(self.socket.recv()):
-                case ChunkDone(transfer_id=t) if not self._ledger.knows(t):
-                    continue  # a late ack of a transfer that already ended (failed or aborted)
-                case ChunkDone(transfer_id=t, index=i):
-                    if not self._ledger.acked(t, i):
-                        raise StagingError(f"ack for chunk {i} of transfer {t}, which was never sent")
-                case other:
-                    raise StagingError(f"unexpected message on the chunk channel: {type(other).__name__}")
+            with self._lock:
+                if self.socket.poll(max(1, int(min(left, self.TURN_S) * 1000))):
+                    self._take(_decoder.decode(self.socket.recv()))
+
+    def _take(self, message) -> None:
+        match message:
+            case ChunkDone(transfer_id=t) if not self._ledger.knows(t):
+                pass  # a late ack of a transfer that already ended (failed or aborted)
+            case ChunkDone(transfer_id=t, index=i):
+                if not self._ledger.acked(t, i):
+                    raise StagingError(f"ack for chunk {i} of transfer {t}, which was never sent")
+            case other:
+                raise StagingError(f"unexpected message on the chunk channel: {type(other).__name__}")
 
     def end(self, transfer_id: int) -> None:
         """Forget a finished (or failed) transfer's chunk state."""
