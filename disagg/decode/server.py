@@ -27,6 +27,7 @@ from disagg.bootstrap.server import BootstrapClient
 from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
+from disagg.decode.flip import flip_byte
 from disagg.decode.peers import PrefillPeer, PrefillPeers
 from disagg.decode.instances import SenderRanks
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
@@ -126,6 +127,8 @@ class DecodeServer(Worker):
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
+            if self.faults.hit("decode.flip"):
+                log.warning("room %d: injected fault at decode.flip: %s", room, flip_byte(self.pool, r.kv))
             t2 = time.perf_counter()
             digests = self.model.verify(self.pool, r.kv, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
@@ -144,7 +147,8 @@ class DecodeServer(Worker):
                     "output_tokens": output.tokens, **check, **self._report(r), "kv_ready_at": r.kv_ready_at,
                     "transport": "+".join(sorted({p.transport for p in peers})), **timings}
         except VerifyError as exc:
-            return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
+            return {"room": room, "state": "FAILED", "verified": False, "integrity": "verify", "reason": f"verify: {exc}",
+                    **timings}
         except (DisaggError, KVPoolError) as exc:
             self.requests.fail(r, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, (Overloaded, ValueError)):

@@ -9,7 +9,7 @@ why, never an exception. Keys it does not know are ignored. The transfer report'
 workers have always sent them; they are read into `report`.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,6 +24,7 @@ class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     unreachable: bool = False        # the worker could not be reached (post_json)
     first_token: int | None = None   # prefill: the first generated token
     verified: bool | None = None     # decode: every byte of the KV checked
+    integrity: Literal["verify", "check"] | None = None   # decode: the check that found the answer wrong
     output_tokens: list[int] = []    # decode
     check: dict[str, Any] | None = None   # decode: compared with a colocated run (token_match, ...)
     prefill_ms: float | None = None       # ms: prefill's compute

@@ -74,19 +74,20 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
 
 
 def _failure_status(pre: WorkerAnswer, dec: WorkerAnswer, cancelled: bool) -> int:
-    """The HTTP status of a failed request: 4xx only for what the caller did (cancelled it);
-    503 when a worker could not be reached (try again, or another router); 504 when a
-    deadline passed; 500 when both sides succeeded but decode's verification did not; 502
-    for every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
+    """The HTTP status of a failed request (README's HTTP API section lists them): 409 when
+    the caller cancelled it; 500 when decode found the answer wrong (its verification of the
+    KV, or the colocated check, failed; or it claimed success unverified); 503 when a worker
+    could not be reached (try again, or another router); 504 when a deadline passed; 502 for
+    every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
     if cancelled:
         return 409
+    if dec.integrity is not None or (pre.state == "SUCCESS" and dec.state == "SUCCESS"):
+        return 500
     if pre.unreachable or dec.unreachable:
         return 503
     reasons = f"{pre.reason} {dec.reason}"
     if is_timeout(reasons) or "gave no answer within" in reasons:
         return 504
-    if pre.state == "SUCCESS" and dec.state == "SUCCESS":
-        return 500
     return 502
 
 
