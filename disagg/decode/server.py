@@ -136,16 +136,10 @@ class DecodeServer(Worker):
             output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens)
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
             timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
-            check = {}
-            if self.config.check_rate and random.random() < self.config.check_rate:
-                t4 = time.perf_counter()
-                check = {"check": self.model.check(tokens, output)}
-                timings["check_ms"] = (time.perf_counter() - t4) * 1e3
-                if not check["check"]["token_match"] or not check["check"].get("logits_match", True):
-                    log.warning("room %d: generation differs from the colocated run: %s", room, check["check"])
+            checked = self._check(room, tokens, output, timings)
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
-                    "output_tokens": output.tokens, **check, **self._report(r), "kv_ready_at": r.kv_ready_at,
-                    "transport": "+".join(sorted({p.transport for p in peers})), **timings}
+                    "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
+                    "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "integrity": "verify", "reason": f"verify: {exc}",
                     **timings}
@@ -157,6 +151,23 @@ class DecodeServer(Worker):
                     **timings}
         finally:
             self.requests.finish(r)
+
+    def _check(self, room: int, tokens: np.ndarray, output, timings: dict) -> dict:
+        """The keys a colocated check adds to the answer (--check-rate: on that share of the
+        requests; else none). A check that differs fails the request (integrity "check":
+        HTTP 500 at the router): an answer known to be wrong is never passed off as a good one."""
+        if not (self.config.check_rate and random.random() < self.config.check_rate):
+            return {}
+        t = time.perf_counter()
+        check = self.model.check(tokens, output)
+        timings["check_ms"] = (time.perf_counter() - t) * 1e3
+        if check["token_match"] and check.get("logits_match", True):
+            return {"check": check}
+        log.warning("room %d: generation differs from the colocated run: %s", room, check)
+        differs = (f"tokens differ from index {check['first_mismatch']}" if not check["token_match"] else
+                   f"logits differ (max {check.get('max_logit_diff', float('nan')):.3g}), tokens equal")
+        return {"check": check, "state": "FAILED", "integrity": "check",
+                "reason": f"check: the generation differs from the colocated run: {differs}"}
 
     def _report(self, r: DecodeRequest) -> dict:
         """What the senders reported of a request that arrived, merged, as the answer carries it

@@ -218,3 +218,26 @@ def test_the_docs_list_every_status():
     for status in (*WALKED, 404, 405, 408, 413):
         assert re.search(rf"\b{status}\b", api), f"README's HTTP API section does not list {status}"
         assert re.search(rf"\b{status}\b", contract), f"docs/contract.md does not list {status}"
+
+
+@pytest.fixture(scope="module")
+def checked(launcher):
+    """A real model (tiny qwen3-next: its linear-attention state is read by every step) whose
+    decode flips one byte of every arrival and compares every generation with a colocated run."""
+    model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
+             "--max-requests", "4"]
+    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*")
+    decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
+                            "--inject-faults", "decode.flip=1")
+    router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
+    return {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}
+
+
+def test_500_when_the_colocated_check_differs(checked):
+    """The model engine's verify reads only the AUX row, so the flipped state byte passes it;
+    the colocated check sees the generation differ, and that fails the request."""
+    status, body, _ = call(checked["router"] + "/generate", {"prompt_len": 12, "max_new_tokens": 4})
+    assert status == 500 and body["status"] == 500 and not body["ok"], body
+    assert body["reason"].startswith("check: the generation differs from the colocated run"), body
+    assert body["check"]["logits_match"] is False and len(body["output_tokens"]) == 4, body
+    assert failures(checked["decode"], "check") == 1 and failures(checked["router"], "check") == 1
