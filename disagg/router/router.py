@@ -270,8 +270,8 @@ class Router:
                 role, rank, _ = calls[f]
                 results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
                                              f"{ABORT_GRACE_S:g} s of being aborted")
-        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))])
-        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))])
+        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))], "prefill")
+        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))], "decode")
         cancelled = why == "cancelled by the client"
         if cancelled and client_gone():
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log

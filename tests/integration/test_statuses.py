@@ -241,3 +241,29 @@ def test_500_when_the_colocated_check_differs(checked):
     assert body["reason"].startswith("check: the generation differs from the colocated run"), body
     assert body["check"]["logits_match"] is False and len(body["output_tokens"]) == 4, body
     assert failures(checked["decode"], "check") == 1 and failures(checked["router"], "check") == 1
+
+
+@pytest.fixture(scope="module")
+def tp_checked(launcher):
+    """A decode instance of TP size 2 behind a prefill of TP size 1 (model engine, every
+    generation checked on every rank); rank 1 flips one byte of the state that arrived."""
+    model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
+             "--max-requests", "4"]
+    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*")
+    ranks = [launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
+                            "--tp-size", "2", "--tp-rank", str(rank), *flip)
+             for rank, flip in enumerate(([], ["--inject-faults", "decode.flip=1"]))]
+    decode = "+".join(r["http"] for r in ranks)
+    router = launcher.start("router", "--pair", f"{prefill['http']},{decode},{prefill['bootstrap']}")
+    return {"router": router["http"]}
+
+
+def test_500_names_the_decode_rank_whose_check_differs_and_reports_every_ranks(tp_checked):
+    status, body, _ = call(tp_checked["router"] + "/generate", {"prompt_len": 12, "max_new_tokens": 4})
+    assert status == 500 and not body["ok"], body
+    assert body["reason"].startswith("check: ") and body["reason"].endswith("(decode rank 1)"), body
+    check = body["check"]
+    assert check["failed_ranks"] == [1] and check["rank"] == 1 and check["ranks_checked"] == 2, check
+    rank0, rank1 = check["per_rank"]
+    assert rank0["token_match"] and rank0["logits_match"] and not rank1["logits_match"], check
+    assert check["logits_match"] is False, "the instance's check is the failed rank's"
