@@ -32,7 +32,7 @@ from disagg.decode.peers import PrefillPeer, PrefillPeers
 from disagg.decode.instances import SenderRanks
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
-from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError, VerifyError
+from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError
 from transfer.errors import StagingError
@@ -133,13 +133,15 @@ class DecodeServer(Worker):
             digests = self.model.verify(self.pool, r.kv, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
             t3 = time.perf_counter()
-            output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens)
+            output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
             timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
             checked = self._check(room, tokens, output, timings)
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
                     "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
                     "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
+        except Cancelled:   # aborted while generating: stopped at a step, freed below
+            return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
         except VerifyError as exc:
             return {"room": room, "state": "FAILED", "verified": False, "integrity": "verify", "reason": f"verify: {exc}",
                     **timings}

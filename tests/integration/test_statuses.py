@@ -150,6 +150,7 @@ def test_503_409_499_while_generations_run(clean, eventually):
     second.hang_up()
     eventually(lambda: failures(router, "cancelled") == cancelled + 1, 30, "the router counted the hang-up")
     second.thread.join(30)
+    eventually(lambda: _back(clean), 10, "both generations stopped, their pages back")
 
 
 @pytest.fixture(scope="module")
@@ -267,3 +268,28 @@ def test_500_names_the_decode_rank_whose_check_differs_and_reports_every_ranks(t
     rank0, rank1 = check["per_rank"]
     assert rank0["token_match"] and rank0["logits_match"] and not rank1["logits_match"], check
     assert check["logits_match"] is False, "the instance's check is the failed rank's"
+
+
+def _generating(stack: dict, tokens: int) -> bool:
+    """Decode holds more than `tokens` tokens' pages beyond a LONG prompt's: it is generating."""
+    free = metrics.pool_free(scrape(stack["decode"]))["full_tokens"]
+    return free < stack["initial"]["full_tokens"] - LONG["prompt_len"] - tokens
+
+
+@pytest.mark.parametrize("how", ["abort", "hang-up"])
+def test_an_abort_during_generation_stops_it_and_frees_its_pages_at_once(clean, eventually, how):
+    """Issue 35, item 4: an abort (or the client hanging up) once decode generates stops the
+    generation at its next step; the pages come back at once, not when 4096 tokens are done."""
+    eventually(lambda: _back(clean), 120, "decode idle before the test")
+    long = InFlight(clean["router"], {**LONG, "request_id": "gen"})
+    eventually(lambda: _generating(clean, 64), 60, "decode is generating")
+    if how == "abort":
+        assert call(clean["router"] + "/abort", {"request_id": "gen"})[1]["aborted"] is True
+    else:
+        long.hang_up()
+    eventually(lambda: _back(clean), 5, "decode stopped generating and freed its pages")
+    long.thread.join(30)
+    if how == "abort":
+        assert long.result["status"] == 409, long.result
+    status, body, _ = call(clean["router"] + "/generate", {"prompt_len": 64, "max_new_tokens": 8})
+    assert status == 200 and body["ok"], body
