@@ -21,8 +21,9 @@ T = TypeVar("T")
 
 
 class Admission:
-    def __init__(self, capacity: Callable[[int], bool], max_waiting: int, wait_s: float):
-        """`capacity(num_tokens)`: whether a request of that size fits in the empty pool."""
+    def __init__(self, capacity: Callable[..., bool], max_waiting: int, wait_s: float):
+        """`capacity(num_tokens, grow_to=None)`: whether a request of that size (growing to
+        grow_to tokens) fits in the empty pool."""
         if max_waiting < 0 or wait_s < 0:
             raise ValueError("max_waiting and wait_s must be >= 0")
         self.fits_empty, self.max_waiting, self.wait_s = capacity, max_waiting, wait_s
@@ -30,10 +31,13 @@ class Admission:
         self._generation = 0    # bumped on every release: waiters retry only after one
         self.waiting = 0
 
-    def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None) -> T:
-        """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time."""
-        if not self.fits_empty(num_tokens):
-            raise TooLarge(f"a request of {num_tokens} tokens does not fit in this pool even when empty")
+    def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None,
+              grow_to: int | None = None) -> T:
+        """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time;
+        `grow_to`: the most tokens the request will hold (decode: prompt + new tokens)."""
+        if not self.fits_empty(num_tokens, grow_to=grow_to):
+            grows = f" growing to {grow_to}" if grow_to and grow_to > num_tokens else ""
+            raise TooLarge(f"a request of {num_tokens} tokens{grows} does not fit in this pool even when empty")
         give_up = time.monotonic() + self.wait_s
         if deadline is not None:
             give_up = min(give_up, deadline)

@@ -89,12 +89,17 @@ class DecodeServer(Worker):
             peers.append(peer)
         return [self.peers.wait_registered(peer, deadline) for peer in peers]
 
-    def _admit(self, r: DecodeRequest, num_tokens: int, deadline: float) -> None:
+    def _admit(self, r: DecodeRequest, num_tokens: int, max_new_tokens: int, deadline: float) -> None:
+        """Reserve what the request holds by its last token (the prompt and max_new_tokens - 1
+        more: the last one's KV is never written; SWA: the window's worth), so a generation never
+        runs out of pages midway: 400 if it could never fit, 503 if the pool stays full."""
+        grow_to = num_tokens + max_new_tokens - 1
+
         def alloc():
             if self.faults.hit("decode.alloc"):
                 raise KVPoolError("injected fault at decode.alloc")
-            return self.pool.alloc_request(num_tokens, swa_window_only=True)
-        kv = self.admission.admit(num_tokens, alloc, deadline)
+            return self.pool.alloc_request(num_tokens, swa_window_only=True, grow_to=grow_to)
+        kv = self.admission.admit(num_tokens, alloc, deadline, grow_to)
         self.requests.admitted(r, kv, self.pool.index_set(kv))
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
@@ -114,7 +119,7 @@ class DecodeServer(Worker):
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
             peers = self._senders_for(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
-            self._admit(r, len(tokens), deadline)
+            self._admit(r, len(tokens), max_new_tokens, deadline)
             t1 = time.perf_counter()
             lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
             senders = [Sender(p.endpoint, p.epoch, self.receiver.reserve_slots(self.config.slots_per_transfer),

@@ -19,6 +19,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -293,3 +294,39 @@ def test_an_abort_during_generation_stops_it_and_frees_its_pages_at_once(clean, 
         assert long.result["status"] == 409, long.result
     status, body, _ = call(clean["router"] + "/generate", {"prompt_len": 64, "max_new_tokens": 8})
     assert status == 200 and body["ok"], body
+
+
+@pytest.fixture(scope="module")
+def small(launcher, prefill):
+    """Decode's pool holds 256 tokens (64 pages of 4): two requests growing to 99 tokens fit at
+    once, a third waits for one to end."""
+    return _pair(launcher, prefill, "--max-tokens", "256", "--queue-wait", "5")
+
+
+def test_a_generation_is_admitted_with_all_the_pages_it_will_need(small):
+    """Issue 35, item 12: admission reserved only the prompt's pages, so requests that each fit
+    alone failed mid-generation with OutOfSpace (502) after prefill and transfer."""
+    body = {"prompt_len": 60, "max_new_tokens": 40}
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda seed: call(small["router"] + "/generate", {**body, "seed": seed}), range(8)))
+    assert [status for status, _, _ in results] == [200] * 8, [b.get("reason") for _, b, _ in results]
+    assert all(len(b["output_tokens"]) == 40 for _, b, _ in results)
+
+
+def test_a_generation_that_could_never_fit_is_refused_before_anything_moves(small):
+    status, body, _ = call(small["router"] + "/generate", {"prompt_len": 60, "max_new_tokens": 4096})
+    assert status == 400 and "60 tokens growing to 4155 does not fit in this pool even when empty" in body["error"]
+
+
+def test_503_when_what_a_generation_will_need_is_promised_to_another(clean, eventually):
+    """A 4096-token generation holds its reservation from the start: a prompt that fits in what
+    is free now but not beside that reservation waits --queue-wait, then 503."""
+    eventually(lambda: _back(clean), 120, "decode idle before the test")
+    long = InFlight(clean["router"], {**LONG, "request_id": "reserving"})
+    eventually(lambda: metrics.inflight(scrape(clean["decode"])) == 1 and metrics.inflight(scrape(clean["prefill"]))
+               == 0, 60, "decode is generating")
+    status, body, _ = call(clean["router"] + "/generate", {"prompt_len": DECODE_TOKENS - 4000})
+    assert status == 503 and "pool full" in body["error"], body
+    call(clean["router"] + "/abort", {"request_id": "reserving"})
+    long.thread.join(30)
+    eventually(lambda: _back(clean), 10, "decode idle again")
