@@ -18,6 +18,8 @@ class RequestKV:
         self.aux_row = aux_row          # AUX row
         self.swa_evicted = swa_evicted  # pages [0, swa_evicted) hold no SWA page (eviction is a prefix)
         self.freed = False              # set by HybridPool.free_request; every later use is refused
+        self.grow_to = num_tokens       # the most tokens it was admitted to grow to (pages reserved up to it)
+        self.swa_peak = 0               # the most SWA pages it will hold by then (reserved; 0: none)
         # Page buffer with spare capacity: appending a page per decode step is amortized O(1).
         self._pages = np.array(full_pages, dtype=INDEX_DTYPE)
         self._num_pages = len(self._pages)

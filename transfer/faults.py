@@ -20,6 +20,8 @@ POINTS = {
     "control.drop_done": "prefill: a TransferDone is lost on the way to decode",
     "decode.alloc": "decode: allocating the destination fails",
     "recv.chunk": "decode: scattering a staged chunk fails",
+    "decode.flip": "decode: one byte of the KV that arrived is flipped before it is verified (the checks must "
+                   "fail the request)",
 }
 
 

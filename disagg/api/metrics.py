@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.parser import text_string_to_metric_families
 
-from disagg.errors import Overloaded
+from disagg.errors import Cancelled, Overloaded
 
 disable_created_metrics()   # process-wide; read when a registry is scraped, so it holds for every metric
 
@@ -55,14 +55,18 @@ class WorkerMetrics:
 
     def count(self, call: Callable[[], dict], succeeded: Callable[[dict], bool],
               observe: Callable[[dict, bool], None] | None = None) -> dict:
-        """One API call: the in-flight gauge around it, an Overloaded refusal counted (and
-        raised on), the outcome counted (success, or failure by reason), then `observe(out,
-        ok)` for the role's own figures."""
+        """One API call: the in-flight gauge around it, an Overloaded refusal or a call its
+        client gave up on (Cancelled: HTTP 499, answered to nobody) counted and raised on, the
+        outcome counted (success, or failure by reason), then `observe(out, ok)` for the
+        role's own figures."""
         self.inflight.labels(self.role).inc()
         try:
             out = call()
         except Overloaded:
             self.failure("overloaded")
+            raise
+        except Cancelled:
+            self.failure("cancelled")
             raise
         finally:
             self.inflight.labels(self.role).dec()

@@ -62,6 +62,10 @@ STOP_GRACE_S = 3.0   # on stop, how long requests under way may take to be answe
 _conn: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("http_connection", default=None)
 
 
+class BodyTooLarge(BadRequest):
+    """A body over the server's bound (HTTP 413): refused before it is read, or when it grows past it."""
+
+
 def client_gone() -> bool:
     """In a route: whether its client closed the connection (a cancel)."""
     conn = _conn.get()
@@ -239,7 +243,7 @@ class ApiServer:
         try:
             body = await self._body(request, conn)
         except BadRequest as exc:
-            response = self._error(request.path, 400, exc)
+            response = self._error(request.path, 413 if isinstance(exc, BodyTooLarge) else 400, exc)
             response.force_close()
             return response
         limited = self._slots is not None and request.path not in self.service.unlimited
@@ -256,7 +260,7 @@ class ApiServer:
         deadline, which answers 408 itself."""
         length = request.content_length
         if length is not None and length > self.limits.max_body_bytes:
-            raise BadRequest(f"body of {length} bytes refused (at most {self.limits.max_body_bytes})")
+            raise BodyTooLarge(f"body of {length} bytes refused (at most {self.limits.max_body_bytes})")
         read = asyncio.ensure_future(request.read())
         ended = asyncio.ensure_future(conn.eof_event.wait())
         await asyncio.wait({read, ended}, return_when=asyncio.FIRST_COMPLETED)
@@ -267,7 +271,7 @@ class ApiServer:
         try:
             raw = read.result()
         except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(f"body refused: more than {self.limits.max_body_bytes} bytes") from None
+            raise BodyTooLarge(f"body refused: more than {self.limits.max_body_bytes} bytes") from None
         except (ConnectionError, asyncio.CancelledError):
             raise BadRequest("body cut short: the connection ended before the whole body arrived") from None
         conn.received()

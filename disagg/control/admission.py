@@ -21,9 +21,10 @@ T = TypeVar("T")
 
 
 class Admission:
-    def __init__(self, shortfall: Callable[[int], str | None], max_waiting: int, wait_s: float):
-        """`shortfall(num_tokens)`: why a request of that size can never fit the empty pool
-        (naming the component that is short), or None when it fits."""
+    def __init__(self, shortfall: Callable[..., str | None], max_waiting: int, wait_s: float):
+        """`shortfall(num_tokens, grow_to=None)`: why a request of that size (growing to
+        grow_to tokens) can never fit the empty pool, naming the component that is short; None
+        when it fits."""
         if max_waiting < 0 or wait_s < 0:
             raise ValueError("max_waiting and wait_s must be >= 0")
         self.shortfall, self.max_waiting, self.wait_s = shortfall, max_waiting, wait_s
@@ -31,11 +32,14 @@ class Admission:
         self._generation = 0    # bumped on every release: waiters retry only after one
         self.waiting = 0
 
-    def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None) -> T:
-        """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time."""
-        why = self.shortfall(num_tokens)
+    def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None,
+              grow_to: int | None = None) -> T:
+        """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time;
+        `grow_to`: the most tokens the request will hold (decode: prompt + new tokens)."""
+        why = self.shortfall(num_tokens, grow_to=grow_to)
         if why is not None:
-            raise TooLarge(f"a request of {num_tokens} tokens does not fit in this pool: {why}")
+            grows = f" growing to {grow_to}" if grow_to and grow_to > num_tokens else ""
+            raise TooLarge(f"a request of {num_tokens} tokens{grows} does not fit in this pool: {why}")
         give_up = time.monotonic() + self.wait_s
         if deadline is not None:
             give_up = min(give_up, deadline)

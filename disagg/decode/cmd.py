@@ -27,7 +27,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
     g.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between heartbeats to prefill")
     g.add_argument("--check-rate", type=share, default=0.0, metavar="SHARE",
                    help="share of requests (0..1) whose generation decode compares, token for token and logit "
-                        "for logit, with the same prompt run colocated (costs one more prefill and decode)")
+                        "for logit, with the same prompt run colocated (costs one more prefill and decode); one that "
+                        "differs fails the request (HTTP 500 at the router)")
     g.add_argument("--quarantine", type=seconds, default=60.0,
                    help="longest hold, in seconds, of a failed request's pages while prefill may still write")
 

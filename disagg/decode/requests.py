@@ -5,6 +5,7 @@
           |                                      +------- TransferDone(ok) ----------+--> SUCCESS
           |                                      +------- TransferDone(fail) --------+--> FAILED
           +--fail--> FAILED                      +------ fail (abort, deadline, ...) +--> ABORTING
+    SUCCESS --abort (verifying, generating)--> FAILED: the engine stops at its next step
 
     ABORTING: failed here while prefill may still write into its pages  --TransferDone--> FAILED
     finish (the request's HTTP thread is done with it):
@@ -211,11 +212,15 @@ class RequestTable:
 
     # ---- failures (any thread) --------------------------------------------------------------
     def fail(self, r: DecodeRequest, why: str) -> bool:
-        """Fail r; returns whether this call ended it."""
+        """Fail r; returns whether this call ended it (or stopped its generation)."""
         with self._lock:
             return self._fail(r, why)
 
     def _fail(self, r: DecodeRequest, why: str) -> bool:
+        if r.phase is Phase.SUCCESS:   # verifying or generating: nothing writes; the engine stops at its next step
+            r.reason = why
+            self._move(r, Phase.FAILED)
+            return True
         if r.phase.ended:
             return False
         r.reason = why
@@ -263,6 +268,12 @@ class RequestTable:
 
     def _move(self, r: DecodeRequest, to: Phase) -> None:
         r.phase, r.since = to, time.monotonic()
+
+    @staticmethod
+    def stopped(r: DecodeRequest) -> bool:
+        """Whether r's generation must stop (it was failed after its KV arrived): the
+        engine asks before every step."""
+        return r.phase is not Phase.SUCCESS
 
     def get(self, room: int) -> DecodeRequest | None:
         with self._lock:

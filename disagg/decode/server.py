@@ -26,12 +26,13 @@ import numpy as np
 from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
+from disagg.decode.flip import flip_byte
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
 from disagg.decode.instances import SenderRanks
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
-from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError, VerifyError
+from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError
 from transfer.errors import StagingError
@@ -76,12 +77,17 @@ class DecodeServer(Worker):
                               self.receiver.staging_info(), pc.tp_size, pc.tp_rank)
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def _admit(self, r: DecodeRequest, num_tokens: int, deadline: float) -> None:
+    def _admit(self, r: DecodeRequest, num_tokens: int, max_new_tokens: int, deadline: float) -> None:
+        """Reserve what the request holds by its last token (the prompt and max_new_tokens - 1
+        more: the last one's KV is never written; SWA: the window's worth), so a generation never
+        runs out of pages midway: 400 if it could never fit, 503 if the pool stays full."""
+        grow_to = num_tokens + max_new_tokens - 1
+
         def alloc():
             if self.faults.hit("decode.alloc"):
                 raise KVPoolError("injected fault at decode.alloc")
-            return self.pool.alloc_request(num_tokens, swa_window_only=True)
-        kv = self.admission.admit(num_tokens, alloc, deadline)
+            return self.pool.alloc_request(num_tokens, swa_window_only=True, grow_to=grow_to)
+        kv = self.admission.admit(num_tokens, alloc, deadline, grow_to)
         self.requests.admitted(r, kv, self.pool.index_set(kv))
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
@@ -101,7 +107,7 @@ class DecodeServer(Worker):
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
             peers = self.introducer.senders(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
-            self._admit(r, len(tokens), deadline)
+            self._admit(r, len(tokens), max_new_tokens, deadline)
             lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
             slots = self._lend(lanes, len(tokens), deadline)
             t1 = time.perf_counter()
@@ -114,25 +120,24 @@ class DecodeServer(Worker):
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
+            if self.faults.hit("decode.flip"):
+                log.warning("room %d: injected fault at decode.flip: %s", room, flip_byte(self.pool, r.kv))
             t2 = time.perf_counter()
             digests = self.model.verify(self.pool, r.kv, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
             t3 = time.perf_counter()
-            output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens)
+            output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
             timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
-            check = {}
-            if self.config.check_rate and random.random() < self.config.check_rate:
-                t4 = time.perf_counter()
-                check = {"check": self.model.check(tokens, output)}
-                timings["check_ms"] = (time.perf_counter() - t4) * 1e3
-                if not all(check["check"].get(k, True) for k in ("token_match", "logits_match", "shard_match")):
-                    log.warning("room %d: generation differs from the colocated run: %s", room, check["check"])
+            checked = self._check(room, tokens, output, timings)
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
-                    "output_tokens": output.tokens, **check, **self._report(r), "kv_ready_at": r.kv_ready_at,
-                    "transport": "+".join(sorted({p.transport for p in peers})), **timings}
+                    "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
+                    "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
+        except Cancelled:   # aborted while generating: stopped at a step, freed below
+            return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
         except VerifyError as exc:
-            return {"room": room, "state": "FAILED", "verified": False, "reason": f"verify: {exc}", **timings}
+            return {"room": room, "state": "FAILED", "verified": False, "integrity": "verify", "reason": f"verify: {exc}",
+                    **timings}
         except (DisaggError, KVPoolError) as exc:
             self.requests.fail(r, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, (Overloaded, ValueError)):
@@ -141,6 +146,25 @@ class DecodeServer(Worker):
                     **timings}
         finally:
             self.requests.finish(r)
+
+    def _check(self, room: int, tokens: np.ndarray, output, timings: dict) -> dict:
+        """The keys a colocated check adds to the answer (--check-rate: on that share of the
+        requests; else none). A check that differs fails the request (integrity "check":
+        HTTP 500 at the router): an answer known to be wrong is never passed off as a good one."""
+        if not (self.config.check_rate and random.random() < self.config.check_rate):
+            return {}
+        t = time.perf_counter()
+        check = self.model.check(tokens, output)
+        timings["check_ms"] = (time.perf_counter() - t) * 1e3
+        if check["token_match"] and check.get("logits_match", True) and check.get("shard_match", True):
+            return {"check": check}
+        log.warning("room %d: generation differs from the colocated run: %s", room, check)
+        differs = (f"tokens differ from index {check['first_mismatch']}" if not check["token_match"] else
+                   f"logits differ (max {check.get('max_logit_diff', float('nan')):.3g}), tokens equal"
+                   if not check.get("logits_match", True) else
+                   f"the bytes this rank holds differ from its shard: {check.get('shard_differences')}")
+        return {"check": check, "state": "FAILED", "integrity": "check",
+                "reason": f"check: the generation differs from the colocated run: {differs}"}
 
     def _report(self, r: DecodeRequest) -> dict:
         """What the senders reported of a request that arrived, merged, as the answer carries it

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from kvpool import HybridPool, ModelSpec, RequestKV
+from transfer.errors import Cancelled
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,12 @@ class DecodeOutput:
 
 def prompt_digest(token_ids: np.ndarray) -> bytes:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+def stop_if(stop: Callable[[], bool] | None, step: int) -> None:
+    """Cancelled when the request's generation must stop (engines call it before each step)."""
+    if stop is not None and stop():
+        raise Cancelled(f"generation stopped before step {step}: the request was aborted")
 
 
 def compare_tokens(want: list[int], got: list[int]) -> dict:
@@ -63,8 +70,11 @@ class ModelEngine(Protocol):
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
         """Check what arrived on decode; return a digest per component or raise VerifyError."""
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
-        """Generate tokens from the pool, appending KV (and evicting out-of-window SWA pages)."""
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
+               stop: Callable[[], bool] | None = None) -> DecodeOutput:
+        """Generate tokens from the pool, appending KV (and evicting out-of-window SWA pages).
+        Before every step, `stop()` true (the request was aborted) raises Cancelled: the
+        pages it holds are freed at once, not when the last token is done."""
 
     def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
         """Compare `output` with the same prompt run colocated: token_match, logits_match, ..."""

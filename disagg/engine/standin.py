@@ -23,7 +23,7 @@ import zlib
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
+from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest, stop_if
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.geometry import parts
@@ -247,10 +247,12 @@ class StandInEngine:
             digests[c.value] = h.hexdigest()
         return digests
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
+               stop=None) -> DecodeOutput:
         tokens = list(np.asarray(token_ids, dtype=np.int64))
         out = [first_token(np.asarray(token_ids))]
-        for _ in range(max_new_tokens - 1):
+        for step in range(1, max_new_tokens):
+            stop_if(stop, step)
             tokens.append(out[-1])
             pool.extend(req, len(tokens))  # allocates pages, evicts out-of-window SWA pages
             arr = np.asarray(tokens, dtype=np.int64)

@@ -9,7 +9,7 @@ why, never an exception. Keys it does not know are ignored. The transfer report'
 workers have always sent them; they are read into `report`.
 """
 
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -24,6 +24,8 @@ class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     unreachable: bool = False        # the worker could not be reached (post_json)
     first_token: int | None = None   # prefill: the first generated token
     verified: bool | None = None     # decode: every byte of the KV checked
+    # decode: the check that found the answer wrong (verify, check; the router's merge: ranks)
+    integrity: Literal["verify", "check", "ranks"] | None = None
     output_tokens: list[int] = []    # decode
     check: dict[str, Any] | None = None   # decode: compared with a colocated run (token_match, ...)
     prefill_ms: float | None = None       # ms: prefill's compute
@@ -61,38 +63,47 @@ def read_answer(raw: object, who: str) -> WorkerAnswer:
     return msgspec.structs.replace(answer, report=report)
 
 
-def merge_ranks(outs: list[WorkerAnswer]) -> WorkerAnswer:
+def merge_ranks(outs: list[WorkerAnswer], role: str = "decode") -> WorkerAnswer:
     """One instance's answer from its ranks' answers: the first failure if any rank failed (its
-    reason naming the rank); else rank 0's, with the reports merged (TransferReport.merge),
-    times the slowest rank's (the ranks work at once) and the check of the first rank whose
-    check failed. Decode ranks must agree on the tokens they generated."""
+    reason, which stays first (the metrics' label), naming the role's rank); else rank 0's, with the reports merged (TransferReport.merge),
+    times the slowest rank's (the ranks work at once). Decode ranks must agree on the tokens
+    they generated: ranks that differ make the answer wrong (integrity "ranks", HTTP 500). Every
+    rank's check is kept (_check), whichever rank speaks for the instance."""
     if len(outs) == 1:
         return outs[0]
+    check = _check(outs)
     for rank, out in enumerate(outs):
         if out.state != "SUCCESS":
-            return msgspec.structs.replace(out, reason=f"rank {rank}: {out.reason}")
+            return msgspec.structs.replace(out, reason=f"{out.reason} ({role} rank {rank})", check=check)
     tokens = [out.output_tokens for out in outs]
-    if any(t != tokens[0] for t in tokens):
-        return msgspec.structs.replace(outs[0], state="FAILED",
-                                       reason=f"the decode ranks generated different tokens: {tokens}"[:500])
+    odd = [rank for rank, t in enumerate(tokens) if t != tokens[0]]
+    if odd:
+        return msgspec.structs.replace(
+            outs[0], state="FAILED", integrity="ranks", check=check,
+            reason=f"ranks differ: decode rank {', '.join(map(str, odd))} generated other tokens than rank 0: "
+                   f"{tokens}"[:500])
     slowest = {}
     for name in _SLOWEST:
         values = [getattr(out, name) for out in outs if getattr(out, name) is not None]
         if values:
             slowest[name] = max(values)
     return msgspec.structs.replace(
-        outs[0], **slowest, ranks=len(outs), report=merged(out.report for out in outs), check=_check(outs),
+        outs[0], **slowest, ranks=len(outs), report=merged(out.report for out in outs), check=check,
         verified=all(out.verified for out in outs) if outs[0].verified is not None else None)
 
 
 def _check(outs: list[WorkerAnswer]) -> dict | None:
-    """Each decode rank checks its own shard: the first one that differs speaks for all."""
-    checks = [(rank, out.check) for rank, out in enumerate(outs) if out.check is not None]
-    if not checks:
+    """Each decode rank checks its own shard. The instance's check: the first failed rank's
+    (else the first checked rank's) fields, with every rank's own (`per_rank`, null where a
+    rank made none), the ranks whose check failed (`failed_ranks`; `rank`: the first) and how
+    many checked."""
+    checks = [out.check for out in outs]
+    if all(c is None for c in checks):
         return None
-    bad = [(r, c) for r, c in checks if not (c.get("token_match") and c.get("logits_match", True))]
-    rank, check = (bad or checks)[0]
-    return {**check, "ranks_checked": len(checks), **({"rank": rank} if bad else {})}
+    bad = [r for r, c in enumerate(checks) if c is not None and not (c.get("token_match") and c.get("logits_match", True))]
+    first = checks[bad[0]] if bad else next(c for c in checks if c is not None)
+    return {**first, "ranks_checked": sum(c is not None for c in checks), "failed_ranks": bad,
+            **({"rank": bad[0]} if bad else {}), "per_rank": checks}
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):

@@ -86,19 +86,20 @@ def _message(answer: dict) -> str:
 
 
 def _failure_status(pre: WorkerAnswer, dec: WorkerAnswer, cancelled: bool) -> int:
-    """The HTTP status of a failed request: 4xx only for what the caller did (cancelled it);
-    503 when a worker could not be reached (try again, or another router); 504 when a
-    deadline passed; 500 when both sides succeeded but decode's verification did not; 502
-    for every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
+    """The HTTP status of a failed request (README's HTTP API section lists them): 409 when
+    the caller cancelled it; 500 when decode found the answer wrong (its verification of the
+    KV, or the colocated check, failed; or it claimed success unverified); 503 when a worker
+    could not be reached (try again, or another router); 504 when a deadline passed; 502 for
+    every other failure a worker reported (a layout mismatch, a transfer error, ...)."""
     if cancelled:
         return 409
+    if dec.integrity is not None or (pre.state == "SUCCESS" and dec.state == "SUCCESS"):
+        return 500
     if pre.unreachable or dec.unreachable:
         return 503
     reasons = f"{pre.reason} {dec.reason}"
     if is_timeout(reasons) or "gave no answer within" in reasons:
         return 504
-    if pre.state == "SUCCESS" and dec.state == "SUCCESS":
-        return 500
     return 502
 
 
@@ -288,8 +289,8 @@ class Router:
                 role, rank, _ = calls[f]
                 results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
                                              f"{ABORT_GRACE_S:g} s of being aborted")
-        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))])
-        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))])
+        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))], "prefill")
+        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))], "decode")
         cancelled = why == "cancelled by the client"
         if cancelled and client_gone():
             raise Cancelled(why)  # nobody to answer: HTTP 499 for the log

@@ -159,6 +159,7 @@ def summarize(results: list[dict], wall: float) -> dict:
             q = np.percentile(values, [50, 90, 99])
             latency[phase] = {"p50": round(q[0], 2), "p90": round(q[1], 2), "p99": round(q[2], 2),
                               "mean": round(statistics.fmean(values), 2)}
+    checked = [r["check"] for r in results if isinstance(r.get("check"), dict)]   # a mismatch fails its request
     failures, failure_rooms = group_failures([r for r in results if not r.get("ok")])
     return {
         "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),
@@ -171,7 +172,7 @@ def summarize(results: list[dict], wall: float) -> dict:
         "streamed": sum(1 for r in ok if r.get("streamed")),
         "prepared_ahead": sum(1 for r in ok if r.get("prepared_ahead")),
         "latency_ms": latency, "failures": failures, "failure_rooms": failure_rooms,
-        "token_match": check_counts([r["check"] for r in ok if isinstance(r.get("check"), dict)]),
+        "token_match": check_counts(checked),
     }
 
 

@@ -4,7 +4,10 @@
                               └──retract() -> KVCopy ──restore()──> RequestKV
 
 Every allocation checks all allocators before taking anything, so a request either gets
-everything it needs or nothing (OutOfSpace names the component that is short). The lifecycle
+everything it needs or nothing (OutOfSpace names the component that is short). A request
+admitted with `grow_to` (decode: prompt + new tokens) has the pages it will need by then
+reserved: nobody else may take them, so its extend() up to there never runs short; a
+generation that would outgrow the pool is refused before anything is sent, not mid-decode. The lifecycle
 methods hold one lock: servers call them from many threads, and allocators are not
 thread-safe on their own.
 """
@@ -46,6 +49,9 @@ class HybridPool(KVPool):
         )
         self.state_slots = StateSlotAllocator(sizes.state_slots, "mamba slots") if Component.MAMBA in comps else None
         self.aux_rows = StateSlotAllocator(sizes.state_slots, "aux rows")
+        self._reserved = {id(self.pages): 0}   # allocator -> pages promised to live requests, not yet taken
+        if self.swa_allocator is not None:
+            self._reserved[id(self.swa_allocator.swa)] = 0
         self.pools: dict[Component, ComponentPool] = {}
         for c in comps:
             n = sizes.num_items(c)
@@ -62,79 +68,129 @@ class HybridPool(KVPool):
         return self.pools[Component.AUX]
 
     # ---- request lifecycle ------------------------------------------------------------
-    def alloc_request(self, num_tokens: int, swa_window_only: bool = False) -> RequestKV:
+    def alloc_request(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None) -> RequestKV:
         """Allocate a request of `num_tokens` tokens. With `swa_window_only`, SWA pages back
-        only the window (what a decode side receives); otherwise every page (prefill)."""
+        only the window (what a decode side receives); otherwise every page (prefill).
+        `grow_to`: the most tokens it will be extended to; what it needs by then is reserved."""
         with self._lock:
             if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
                 raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
+            grow_to = self._grow_to(num_tokens, grow_to)
             first = self._window_first(num_tokens) if swa_window_only else 0
-            return self._alloc(int(num_tokens), first)
+            return self._alloc(int(num_tokens), first, grow_to)
 
-    def _needs(self, num_tokens: int, swa_first: int) -> list[tuple[SlotAllocator, int]]:
-        """What a request takes from each allocator; SWA pages back [swa_first, num_pages)."""
+    @staticmethod
+    def _grow_to(num_tokens: int, grow_to: int | None) -> int:
+        if grow_to is None:
+            return int(num_tokens)
+        if not isinstance(grow_to, (int, np.integer)) or grow_to < num_tokens:
+            raise AllocatorError(f"grow_to must be an int >= the request's {num_tokens} tokens, got {grow_to!r}")
+        return int(grow_to)
+
+    def _needs(self, num_tokens: int, swa_first: int, grow_to: int | None = None) -> list[tuple[SlotAllocator, int, int]]:
+        """What a request takes from each allocator now, and what it keeps reserved there until
+        it has grown to `grow_to` tokens; SWA pages back [swa_first, num_pages) now."""
         n_pages = num_pages_for(num_tokens, self.page_size)
-        needs: list[tuple[SlotAllocator, int]] = [(self.pages, n_pages), (self.aux_rows, 1)]
+        later = num_pages_for(grow_to or num_tokens, self.page_size) - n_pages
+        needs: list[tuple[SlotAllocator, int, int]] = [(self.pages, n_pages, later), (self.aux_rows, 1, 0)]
         if self.swa_allocator is not None:
-            needs.append((self.swa_allocator.swa, n_pages - swa_first))
+            held = n_pages - swa_first
+            needs.append((self.swa_allocator.swa, held, self._swa_peak(num_tokens, grow_to or num_tokens, held) - held))
         if self.state_slots is not None:
-            needs.append((self.state_slots, 1))
+            needs.append((self.state_slots, 1, 0))
         return needs
 
-    def fits_when_empty(self, num_tokens: int, swa_window_only: bool = False) -> bool:
-        """Whether a request of `num_tokens` could be allocated at all (in the empty pool):
-        False means waiting for space is pointless."""
-        return self.shortfall(num_tokens, swa_window_only) is None
+    def _swa_peak(self, num_tokens: int, grow_to: int, held: int) -> int:
+        """The most SWA pages a request holding `held` at `num_tokens` holds while it grows to
+        `grow_to` (extend evicts the pages that left the window before it takes new ones)."""
+        if grow_to == num_tokens:
+            return held
+        t = np.arange(num_tokens + 1, grow_to + 1, dtype=np.int64)
+        window = self.config.model.swa.window
+        later = -(-t // self.page_size) - np.maximum(0, t - window) // self.page_size
+        return max(held, int(later.max()))
 
-    def shortfall(self, num_tokens: int, swa_window_only: bool = False) -> str | None:
-        """Why a request of `num_tokens` can never be allocated, naming the component that is
-        short (None: it fits the empty pool)."""
+    def fits_when_empty(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None) -> bool:
+        """Whether a request of `num_tokens` (growing to `grow_to`) could be allocated at all
+        (in the empty pool): False means waiting for space is pointless."""
+        return self.shortfall(num_tokens, swa_window_only, grow_to) is None
+
+    def shortfall(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None) -> str | None:
+        """Why a request of `num_tokens` (growing to `grow_to`) can never be allocated, naming
+        the component that is short (None: it fits the empty pool)."""
         first = self._window_first(num_tokens) if swa_window_only else 0
-        for allocator, n in self._needs(num_tokens, first):
-            if n > allocator.capacity:
+        for allocator, n, later in self._needs(num_tokens, first, grow_to):
+            if n + later > allocator.capacity:
                 paged = isinstance(allocator, PagedAllocator)
                 held = f"{allocator.capacity} ({allocator.capacity * self.page_size} tokens)" if paged \
                     else str(allocator.capacity)
-                return f"the {allocator.name} hold {held} even when empty; this request needs {n}"
+                return f"the {allocator.name} hold {held} even when empty; this request needs {n + later}"
         return None
 
-    def _alloc(self, num_tokens: int, swa_first: int) -> RequestKV:
-        """Allocate; SWA pages back positions [swa_first, num_pages)."""
+    def _free_for(self, allocator: SlotAllocator) -> int:
+        """What a new allocation may take from `allocator`: its free items less the promised."""
+        return allocator.num_free - self._reserved.get(id(allocator), 0)
+
+    def _promise(self, req: RequestKV) -> tuple[int, int]:
+        """(full pages, SWA pages) still reserved for `req`: what it will take by its grow_to."""
+        full = max(0, num_pages_for(req.grow_to, self.page_size) - req.num_pages)
+        swa = max(0, req.swa_peak - (req.num_pages - req.swa_evicted)) if self.swa_allocator is not None else 0
+        return full, swa
+
+    def _promised(self, req: RequestKV, before: tuple[int, int]) -> None:
+        """Account for the change of req's reservation since `before` (_promise then)."""
+        full, swa = self._promise(req)
+        self._reserved[id(self.pages)] += full - before[0]
+        if self.swa_allocator is not None:
+            self._reserved[id(self.swa_allocator.swa)] += swa - before[1]
+
+    def _alloc(self, num_tokens: int, swa_first: int, grow_to: int | None = None) -> RequestKV:
+        """Allocate; SWA pages back positions [swa_first, num_pages); reserve up to grow_to."""
         n_pages = num_pages_for(num_tokens, self.page_size)
         swa_first = swa_first if self.swa_allocator is not None else 0
-        for allocator, n in self._needs(num_tokens, swa_first):
-            if n > allocator.num_free:
-                raise OutOfSpace(allocator.name, n, allocator.num_free)
+        needs = self._needs(num_tokens, swa_first, grow_to)
+        for allocator, n, later in needs:
+            if n + later > self._free_for(allocator):
+                raise OutOfSpace(allocator.name, n + later, self._free_for(allocator))
         if self.swa_allocator is not None:
             pages = self.swa_allocator.alloc(n_pages, swa_first)
         else:
             pages = self.pages.alloc(n_pages)
         slot = int(self.state_slots.alloc(1)[0]) if self.state_slots is not None else SENTINEL
         row = int(self.aux_rows.alloc(1)[0])
-        return RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row,
-                         swa_evicted=swa_first)
+        req = RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row,
+                        swa_evicted=swa_first)
+        req.grow_to = grow_to or num_tokens
+        if self.swa_allocator is not None:
+            req.swa_peak = sum(needs[2][1:])
+        self._promised(req, (0, 0))
+        return req
 
     def extend(self, req: RequestKV, new_num_tokens: int) -> None:
         """Grow `req` to `new_num_tokens`; new pages get SWA pages and pages that left the
-        window give theirs back. Nothing changes when space is short."""
+        window give theirs back. Pages reserved for it are its own; beyond its grow_to it takes
+        only what nobody was promised. Nothing changes when space is short."""
         with self._lock:
             self._check_live(req)
             if new_num_tokens < req.num_tokens:
                 raise AllocatorError(f"cannot shrink a request from {req.num_tokens} to {new_num_tokens} tokens")
+            before = self._promise(req)
             n_new = num_pages_for(new_num_tokens, self.page_size) - req.num_pages
             if n_new == 0 and self._window_first(new_num_tokens) <= req.swa_evicted:
                 req.num_tokens = int(new_num_tokens)  # same pages, nothing left the window
                 return
-            if n_new > self.pages.available_pages():
-                raise OutOfSpace(self.pages.name, n_new, self.pages.available_pages())
+            free_pages = self._free_for(self.pages) + before[0]
+            if n_new > free_pages:
+                raise OutOfSpace(self.pages.name, n_new, free_pages)
             if self.swa_allocator is not None:
                 swa = self.swa_allocator
                 first = self._window_first(new_num_tokens)
                 # New pages already out of the window (growth by more than a window) get none.
                 new_swa_first = min(n_new, max(0, first - req.num_pages))
                 freeable = max(0, min(first, req.num_pages) - req.swa_evicted)
-                if n_new - new_swa_first > swa.swa.num_free + freeable:
-                    raise OutOfSpace(swa.swa.name, n_new - new_swa_first, swa.swa.num_free + freeable)
+                free_swa = self._free_for(swa.swa) + before[1] + freeable
+                if n_new - new_swa_first > free_swa:
+                    raise OutOfSpace(swa.swa.name, n_new - new_swa_first, free_swa)
                 self._evict_before(req, min(first, req.num_pages))
                 new_pages = swa.alloc(n_new, swa_first=new_swa_first)
                 req.swa_evicted = max(req.swa_evicted, first)
@@ -142,6 +198,7 @@ class HybridPool(KVPool):
                 new_pages = self.pages.alloc(n_new)
             req._append_pages(new_pages)
             req.num_tokens = int(new_num_tokens)
+            self._promised(req, before)
 
     def evict_swa(self, req: RequestKV) -> int:
         """Free the SWA pages of `req` that hold no token in its window; returns how many."""
@@ -149,11 +206,18 @@ class HybridPool(KVPool):
             self._check_live(req)
             if self.swa_allocator is None:
                 return 0
-            return self._evict_before(req, self._window_first(req.num_tokens))
+            before = self._promise(req)
+            freed = self._evict_before(req, self._window_first(req.num_tokens))
+            self._promised(req, before)   # (evicted pages it was promised back are reserved again)
+            return freed
 
     def free_request(self, req: RequestKV) -> None:
         with self._lock:
             self._check_live(req)
+            full, swa = self._promise(req)   # its reservation ends with it
+            self._reserved[id(self.pages)] -= full
+            if self.swa_allocator is not None:
+                self._reserved[id(self.swa_allocator.swa)] -= swa
             if self.swa_allocator is not None:
                 self.swa_allocator.free(req.full_pages)
             else:
@@ -239,11 +303,13 @@ class HybridPool(KVPool):
 
     # ---- accounting ---------------------------------------------------------------------
     def available(self) -> dict[str, int]:
-        """Free capacity per allocator: tokens for page pools, slots otherwise."""
+        """Free capacity per allocator, less what live requests were promised (what a new
+        request can take): tokens for page pools, slots otherwise."""
         with self._lock:
-            out = {"full_tokens": self.pages.available_size(), "aux_rows": self.aux_rows.available_size()}
+            out = {"full_tokens": self._free_for(self.pages) * self.page_size,
+                   "aux_rows": self.aux_rows.available_size()}
             if self.swa_allocator is not None:
-                out["swa_tokens"] = self.swa_allocator.swa.available_size()
+                out["swa_tokens"] = self._free_for(self.swa_allocator.swa) * self.page_size
             if self.state_slots is not None:
                 out["mamba_slots"] = self.state_slots.available_size()
             return out

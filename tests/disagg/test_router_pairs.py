@@ -20,7 +20,9 @@ def test_one_rank_is_its_own_answer():
 def test_the_first_failed_rank_speaks_and_is_named():
     out = merge_ranks([sent(), read_answer({"state": "FAILED", "reason": "peer lost"}, "decode rank 1"),
                        read_answer({"state": "FAILED", "reason": "later"}, "decode rank 2")])
-    assert out.state == "FAILED" and out.reason == "rank 1: peer lost"
+    assert out.state == "FAILED" and out.reason == "peer lost (decode rank 1)"
+    out = merge_ranks([sent(), read_answer({"state": "FAILED", "reason": "compute failed"}, "prefill")], "prefill")
+    assert out.reason == "compute failed (prefill rank 1)"
 
 
 def test_bytes_add_up_times_are_the_slowest_and_every_rank_must_be_verified():
@@ -29,17 +31,32 @@ def test_bytes_add_up_times_are_the_slowest_and_every_rank_must_be_verified():
     assert out.verified is False
 
 
-def test_decode_ranks_that_generated_different_tokens_fail_the_request():
-    out = merge_ranks([sent(), sent(output_tokens=[3, 5])])
-    assert out.state == "FAILED" and "different tokens" in out.reason
+def test_decode_ranks_that_generated_different_tokens_fail_the_request_and_are_named():
+    out = merge_ranks([sent(), sent(), sent(output_tokens=[3, 5])])
+    assert out.state == "FAILED" and out.integrity == "ranks"
+    assert out.reason.startswith("ranks differ: decode rank 2 generated other tokens than rank 0: "), out.reason
 
 
 def test_each_rank_checks_its_own_shard_and_a_failed_check_is_the_instances():
     good = {"token_match": True, "logits_match": True, "max_logit_diff": 0.0}
     bad = {"token_match": True, "logits_match": False, "max_logit_diff": 0.25}
-    assert merge_ranks([sent(check=good), sent(check=good)]).check == {**good, "ranks_checked": 2}
-    out = merge_ranks([sent(check=good), sent(check=good), sent(check=bad)])
-    assert out.state == "SUCCESS" and out.check == {**bad, "ranks_checked": 3, "rank": 2}
+    assert merge_ranks([sent(check=good), sent(check=good)]).check == {**good, "ranks_checked": 2, "failed_ranks": [],
+                                                                        "per_rank": [good, good]}
+    out = merge_ranks([sent(check=good), sent(), sent(check=bad)])
+    assert out.state == "SUCCESS" and out.check == {**bad, "ranks_checked": 2, "failed_ranks": [2], "rank": 2,
+                                                    "per_rank": [good, None, bad]}
+
+
+def test_every_ranks_check_is_kept_whichever_rank_speaks():
+    """Rank 1's check failed (decode failed the request there): its failure speaks for the
+    instance, and rank 0's passing check is reported beside it, not instead of it."""
+    good = {"token_match": True, "logits_match": True, "max_logit_diff": 0.0}
+    bad = {"token_match": False, "first_mismatch": 1, "logits_match": False, "max_logit_diff": 3.5}
+    failed = read_answer({"state": "FAILED", "integrity": "check", "reason": "check: differs", "check": bad,
+                          "output_tokens": [3, 9]}, "decode rank 1")
+    out = merge_ranks([sent(check=good), failed])
+    assert out.state == "FAILED" and out.integrity == "check" and out.reason == "check: differs (decode rank 1)"
+    assert out.check["failed_ranks"] == [1] and out.check["per_rank"] == [good, bad] and not out.check["token_match"]
 
 
 def test_prepared_ahead_holds_when_every_rank_that_sent_prepared_its_send():

@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest
+from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest, stop_if
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
@@ -161,15 +161,17 @@ class TransformersEngine:
         return {c.value: _fingerprint(part.storage.buffers, part.held(req)[1])
                 for c, part in pool.pools.items() if not c.metadata}
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int) -> DecodeOutput:
+    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
+               stop: Callable[[], bool] | None = None) -> DecodeOutput:
         first = int(pool.aux.read(req.aux_row)["first_token"])
-        return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids)
+        return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids, stop)
 
     def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int,
-                 token_ids: np.ndarray | None = None) -> DecodeOutput:
+                 token_ids: np.ndarray | None = None, stop: Callable[[], bool] | None = None) -> DecodeOutput:
         """Continue a request whose first n tokens' KV is in the pool and whose next input is
         `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first.
-        On a TP shard, `token_ids` (the n tokens) gives the units other ranks hold."""
+        On a TP shard, `token_ids` (the n tokens) gives the units other ranks hold. `stop()`
+        true before a step raises Cancelled (ModelEngine.decode)."""
         self.check_pool(pool)
         io, timings = CacheIO(pool, self._states), {}
         whole = None
@@ -186,7 +188,8 @@ class TransformersEngine:
         self._sync()
         t1 = time.perf_counter()
         tokens, logits = [next_token], []
-        for _ in range(max_new_tokens - 1):
+        for i in range(1, max_new_tokens):
+            stop_if(stop, i)
             step, cache = self._forward([tokens[-1]], cache)
             pool.extend(req, n + 1)           # allocates a page when one fills, evicts SWA pages
             for i, cl in enumerate(cache.layers):

@@ -1,0 +1,27 @@
+"""A corruption on purpose (fault point `decode.flip`): one byte of what arrived for a request
+is flipped before decode verifies it, so the tests can show that every check that guards an
+answer (the stand-in's byte-for-byte verify, the colocated check of the model engine) fails
+the request instead of passing a wrong answer off as a good one."""
+
+from kvpool import Component, HybridPool, RequestKV
+
+FLIP = 0x40   # an exponent bit of the byte's value: the model cannot round it away
+
+
+def flip_byte(pool: HybridPool, kv: RequestKV) -> str:
+    """Flip one byte of `kv` that the next decode step reads: the last byte of its state slot's
+    last buffer (the newest conv column or the recurrent state: both read by every step), else
+    the high byte of the first value of position 0 in its first full (or NSA) page. Returns
+    what it flipped, for the log."""
+    for c in (Component.MAMBA, Component.FULL, Component.NSA):
+        part = pool.pools.get(c)
+        if part is None:
+            continue
+        _, items = part.held(kv)
+        if c is Component.MAMBA:
+            buf, item, offset = part.storage.buffers[-1], int(items[0]), -1
+        else:
+            buf, item, offset = part.storage.buffers[0], int(items[0]), 1
+        buf[item, offset] ^= FLIP
+        return f"{c.value} item {item}, byte {offset % buf.shape[1]} of buffer row"
+    raise ValueError("the pool holds no component decode.flip can corrupt")
