@@ -41,6 +41,14 @@ def pool_free(http: str) -> dict:
     return metrics.pool_free(text)
 
 
+def router_ready(http: str) -> bool:
+    try:
+        with urllib.request.urlopen(http + "/ready", timeout=10) as resp:
+            return resp.status == 200
+    except OSError:
+        return False
+
+
 def wait_for(check, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -179,9 +187,10 @@ def main() -> int:
             procs[role] = launcher.procs[-1]
             return ready
 
-        def new_router() -> None:
+        def new_router() -> None:   # ready once decode has registered with the (restarted) prefill
             p, d = state["prefill"], state["decode"]
             state["router"] = launcher.start("router", "--pair", f"{p['http']},{d['http']},{p['bootstrap']}")["http"]
+            wait_for(lambda: router_ready(state["router"]), 30)
 
         state["prefill"] = start("prefill")
         state["decode"] = start("decode")

@@ -11,7 +11,7 @@ import pytest
 
 from disagg.tools.demo import urls
 from disagg.tools.launcher import Launcher
-from fault_stack import device_args, inflight, pool_free, requests
+from fault_stack import device_args, inflight, pool_free, requests, until_ready
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,8 @@ LENGTHS = [3000 + i for i in range(6)]
 
 
 def _router(launcher: Launcher, prefill: list[dict], decode: list[dict]) -> str:
-    return launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")["http"]
+    return until_ready(launcher.start("router", "--pair",
+                                      f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")["http"])
 
 
 def _kill_mid_flight(launcher, router, victim: dict, watch: list[dict], eventually) -> list[dict]:
