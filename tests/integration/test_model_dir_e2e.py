@@ -7,12 +7,19 @@ run. A different checkpoint of the same architecture on the other side is refuse
 registration, naming the difference."""
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import urllib.error
+import urllib.request
 
 import pytest
 import torch
 
 from disagg.router.router import post_json
 from disagg.tools.launcher import Launcher
+from harness.processes import reap, spawn
 
 pytestmark = pytest.mark.slow
 
@@ -73,11 +80,44 @@ def test_a_saved_checkpoint_served_from_disk_equals_colocated(checkpoints, name)
             assert check["token_match"] and check["logits_match"] and check["shard_match"], (n, check)
 
 
-def test_another_checkpoint_of_the_same_architecture_is_refused_at_registration(checkpoints):
+def test_another_checkpoint_of_the_same_architecture_is_refused_at_registration(checkpoints, eventually, tmp_path):
+    """Decode registers with its prefill as it starts (issue 36): a different checkpoint keeps
+    it unready, with the difference as why, and no request is sent to the pair."""
+    common = ["--device", "cpu", "--max-tokens", "1024", "--max-requests", "4", "--page-size", "4"]
+    env = {k: v for k, v in os.environ.items()   # (as the launcher passes them: the key, or insecure)
+           if not k.startswith("DISAGG_") or k in ("DISAGG_INSECURE", "DISAGG_AUTH_KEY")}
     with Launcher() as launcher:
-        router = serve(launcher, checkpoints["bamba"], checkpoints["bamba-other-seed"])
-        r = post_json(router + "/generate", {"prompt_len": 5, "max_new_tokens": 2}, 60)
-    assert not r["ok"] and r["status"] == 502, json.dumps(r)[:500]
-    reason = r["reason"]
-    assert "prefill bamba vs decode bamba-other-seed" in reason and "weights: prefill sha256:" in reason, reason
+        prefill = launcher.start("prefill", "--model", checkpoints["bamba"], *common,
+                                 "--bootstrap-bind", "tcp://127.0.0.1:*")
+        port, log = _free_port(), (tmp_path / "decode.log").open("w")
+        decode = spawn([sys.executable, "-m", "disagg", "decode", "--model", checkpoints["bamba-other-seed"], *common,
+                        "--bootstrap-addr", prefill["bootstrap"], "--http-port", str(port)],
+                       stdout=subprocess.DEVNULL, stderr=log,
+                       env={**env, **launcher.auth_env})   # the pair's key
+        try:
+            why = lambda: _ready(f"http://127.0.0.1:{port}").get("why", "")   # noqa: E731
+            eventually(lambda: "layout mismatch" in why() or decode.poll() is not None, 120,
+                       "decode unready with the difference")
+            reason = why()
+        finally:
+            reap(decode)
+            log.close()
+    said = (tmp_path / "decode.log").read_text()[-3000:]
+    assert "prefill bamba vs decode bamba-other-seed" in reason and "weights: prefill sha256:" in reason, said
     assert "model config" not in reason, reason     # one architecture, one config: only the weights differ
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ready(url: str) -> dict:
+    try:
+        with urllib.request.urlopen(url + "/ready", timeout=10) as resp:
+            return json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return json.loads(exc.read())
+    except OSError:
+        return {}

@@ -121,7 +121,7 @@ def test_200_served(clean):
 
 @pytest.mark.parametrize("request_body,says", [
     ({"prompt_len": 0}, "prompt_len must be an int"),
-    ({"prompt_len": 12000}, "does not fit in this pool even when empty"),   # decode's refusal
+    ({"prompt_len": 12000}, "does not fit in this pool: the full pages hold"),   # decode's refusal, naming the part
 ])
 def test_400_for_what_the_caller_must_change(clean, request_body, says):
     status, body, _ = call(clean["router"] + "/generate", request_body)
@@ -315,7 +315,7 @@ def test_a_generation_is_admitted_with_all_the_pages_it_will_need(small):
 
 def test_a_generation_that_could_never_fit_is_refused_before_anything_moves(small):
     status, body, _ = call(small["router"] + "/generate", {"prompt_len": 60, "max_new_tokens": 4096})
-    assert status == 400 and "60 tokens growing to 4155 does not fit in this pool even when empty" in body["error"]
+    assert status == 400 and "60 tokens growing to 4155 does not fit in this pool: the full pages hold" in body["error"]
 
 
 def test_503_when_what_a_generation_will_need_is_promised_to_another(clean, eventually):
