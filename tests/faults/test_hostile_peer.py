@@ -74,7 +74,8 @@ def _decode_with(stack, bootstrap: str) -> tuple[int, dict]:
     body = json.dumps({"room": 12345, "token_ids": [1, 2, 3], "bootstrap": bootstrap}).encode()
     req = urllib.request.Request(stack["decode"]["http"] + "/decode", body, {"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        # (a room prefill never computes fails at decode's deadlines, the longest 30 s: wait past it)
+        with urllib.request.urlopen(req, timeout=90) as resp:
             return resp.status, json.loads(resp.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
