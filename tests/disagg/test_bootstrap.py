@@ -249,3 +249,19 @@ def test_the_ranks_of_one_bootstrap_are_one_instance(keyed, eventually):
     finally:
         client.close()
         server.stop()
+
+
+def test_a_silent_bootstrap_is_named_with_a_readable_timeout(keyed):
+    """Issue 36: "did not answer within 9.99999 s" (a deadline's remainder printed whole)."""
+    from disagg.errors import ProtocolError
+    silent = zmq.Context.instance().socket(zmq.ROUTER)   # takes the request, never answers
+    keyed.server(silent, "silent bootstrap")
+    silent.setsockopt(zmq.LINGER, 0)
+    port = silent.bind_to_random_port("tcp://127.0.0.1")
+    client = BootstrapClient(f"tcp://127.0.0.1:{port}", keyed, timeout_s=0.29999)
+    try:
+        with pytest.raises(ProtocolError, match=r"did not answer within 0\.3 s"):
+            client.lookup(PROTOCOL_VERSION)
+    finally:
+        client.close()
+        silent.close()
