@@ -13,6 +13,7 @@ Every decode rank then checks its KV with the stand-in's verify (byte for byte).
     x_1to1           wall time / the 1 -> 1 row's of the same layout and page sizes (the issue
                      40 bar: <= 1.5); x_equal_pages: / the 1 -> 1 row of equal page sizes
     ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same group
+    sender_ms_median where the senders' time went (plan, prepare, submit, wait; the report's fields)
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
@@ -109,12 +110,21 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
                 "senders": len(pairs), "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
                 "ranges_per_request": sum(reports[p].ranges for p in pairs),
                 "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
-                "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True}
+                "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True,
+                "sender_ms_median": _phases([reports[p] for p in pairs])}
     finally:
         for s, (rid, _) in enumerate(targets):
             peers[s].free(rid)
         for sender in senders:
             sender.close()
+
+
+def _phases(reports) -> dict:
+    """Where the senders' time went (TransferReport fields), the median over senders of the
+    last repeat: plan and prepare (host, before any write), submit (starting the writes),
+    wait (until they landed)."""
+    keys = ("transfer_ms", "plan_ms", "prepare_ms", "submit_ms", "wait_ms", "cpu_ms")
+    return {k: round(statistics.median(getattr(r, k) for r in reports), 2) for k in keys}
 
 
 def main() -> int:
