@@ -5,17 +5,17 @@
         group         the model's layer group it stores
         parts         how one row splits across TP ranks (kvpool.shards)
         segments      the (layer, part) tensors of one item on one TP shard
-        pool          its pool class, built for a HybridPool
         token items   where a token's KV lives in it (paged components)
         first kept    the first position a receiver holds (SWA: the window)
         describe      what `disagg presets` prints beside its bytes
         rules         per_request, metadata, truncatable, sent_last (the planner asks these)
 
 Adding a component is its name in Component, one ComponentSpec subclass and one SPECS
-entry; the pool config, HybridPool, kvpool.positions, the planner and `disagg presets`
-dispatch through the map and never list components themselves. This module imports no
-torch (a spec, a preset or a `--help` needs only names and sizes): the pool classes load
-when a pool is built.
+entry, and the pool class that keeps its items in kvpool.pools.hybrid.POOL_CLASSES (the
+spec knows nothing of pools: they are built on it, as vLLM's spec_manager_map maps a KV
+cache spec to its manager). The pool config, HybridPool, kvpool.positions, the planner and
+`disagg presets` dispatch through the maps and never list components themselves. This
+module imports no torch: a spec, a preset or a `--help` needs only names and sizes.
 """
 
 import math
@@ -124,11 +124,6 @@ class ComponentSpec:
         """Segments of one item on one of `tp_size` shards."""
         raise NotImplementedError
 
-    def pool(self, config, num_items: int, swa_map):
-        """Its pool class, built with `num_items` items (`swa_map`: the HybridPool's full ->
-        SWA page map, for the component whose items it translates)."""
-        raise NotImplementedError
-
     def page_items(self, pool, pages: np.ndarray) -> np.ndarray:
         """The items of a paged component that back the request's full pages `pages`."""
         return pages
@@ -175,10 +170,6 @@ class FullSpec(ComponentSpec):
             return [Segment(l, "latent", (page_size, full.latent_dim), full.dtype) for l in full.layers]
         return _attention_segments(model, "full", full, page_size, tp_size)
 
-    def pool(self, config, num_items: int, swa_map):
-        from kvpool.pools.full import FullPool
-        return FullPool(config, num_items)
-
     def describe(self, model: ModelSpec) -> dict:
         return {"attention": "mla" if isinstance(model.full, MLASpec) else "mha"}
 
@@ -198,10 +189,6 @@ class SWASpec(ComponentSpec):
 
     def segments(self, model: ModelSpec, page_size: int, tp_size: int) -> list[Segment]:
         return _attention_segments(model, "swa", self._group(model), page_size, tp_size)
-
-    def pool(self, config, num_items: int, swa_map):
-        from kvpool.pools.swa import SWAPool
-        return SWAPool(config, num_items, swa_map)
 
     def page_items(self, pool, pages: np.ndarray) -> np.ndarray:
         return pool.swa_allocator.translate(pages)   # SENTINEL once a page left the window
@@ -235,9 +222,6 @@ class NSASpec(ComponentSpec):
         return [seg for l in nsa.layers for seg in (Segment(l, "key", (page_size, nsa.key_dim), nsa.key_dtype),
                                                     Segment(l, "scale", (page_size, scales), nsa.scale_dtype))]
 
-    def pool(self, config, num_items: int, swa_map):
-        from kvpool.pools.nsa import NSAPool
-        return NSAPool(config, num_items)
 
 
 class MambaSpec(ComponentSpec):
@@ -266,10 +250,6 @@ class MambaSpec(ComponentSpec):
             Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype),
             Segment(l, "temporal", (heads, lin.temporal_d1, lin.temporal_d2), lin.temporal_dtype))]
 
-    def pool(self, config, num_items: int, swa_map):
-        from kvpool.pools.mamba import MambaPool
-        return MambaPool(config, num_items)
-
     def describe(self, model: ModelSpec) -> dict:
         return {f"{part}_bytes_per_request": sum(s.nbytes for s in self.segments(model, 1, 1) if s.part == part)
                 for part in ("conv", "temporal")}
@@ -296,9 +276,6 @@ class AuxSpec(ComponentSpec):
     def segments(self, model: ModelSpec, page_size: int, tp_size: int) -> list[Segment]:
         return [Segment(-1, "row", (AUX_ROW_BYTES,), "uint8")]
 
-    def pool(self, config, num_items: int, swa_map):
-        from kvpool.pools.aux import AuxPool
-        return AuxPool(config, num_items)
 
 
 SPECS: dict[Component, ComponentSpec] = {

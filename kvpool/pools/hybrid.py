@@ -20,16 +20,24 @@ import torch
 from kvpool.allocator.paged import PagedAllocator, num_pages_for
 from kvpool.allocator.slots import SlotAllocator, StateSlotAllocator
 from kvpool.allocator.swa import SWAAllocator
-from kvpool.components import SPECS, Component
+from kvpool.components import Component
 from kvpool.config import PoolConfig
 from kvpool.cpu_copy import KVCopy
 from kvpool.errors import AllocatorError, LayoutMismatch, OutOfSpace
 from kvpool.indices import IndexSet, SENTINEL
 from kvpool.pools.aux import AuxPool
 from kvpool.pools.base import ComponentPool, KVPool
-from kvpool.pools.swa import window_first_page
+from kvpool.pools.full import FullPool
+from kvpool.pools.mamba import MambaPool
+from kvpool.pools.nsa import NSAPool
+from kvpool.pools.swa import SWAPool, window_first_page
 from kvpool.request import RequestKV
 from kvpool.storage import BufferDescriptor
+
+# The pool class that keeps each component's items (kvpool.components says what a component
+# is; its pool is built on that): one entry per component.
+POOL_CLASSES: dict[Component, type[ComponentPool]] = {
+    cls.component: cls for cls in (FullPool, SWAPool, NSAPool, MambaPool, AuxPool)}
 
 
 class HybridPool(KVPool):
@@ -50,7 +58,7 @@ class HybridPool(KVPool):
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] = 0
         self.pools: dict[Component, ComponentPool] = {
-            c: SPECS[c].pool(config, sizes.num_items(c), self.swa_allocator) for c in comps}
+            c: POOL_CLASSES[c](config, sizes.num_items(c), self.swa_allocator) for c in comps}
 
     @property
     def aux(self) -> AuxPool:
