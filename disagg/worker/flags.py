@@ -8,7 +8,7 @@ from disagg.api.connections import HttpLimits
 from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
-from disagg.worker.checks import (byte_size, cuda_device, device_name, port, positive_int, power_of_two,
+from disagg.checks import (byte_size, cuda_device, device_name, port, positive_int, power_of_two,
                                   seconds, share_above_zero)
 from disagg.worker.pool_settings import PoolSettings
 from disagg.engine import registry
