@@ -20,6 +20,7 @@ from kvpool.components import SPECS, Component, Items
 from kvpool.geometry import components, segments
 from kvpool.layout import Layout, pack
 from kvpool.errors import SpecError
+from kvpool.shards import Shard
 from kvpool.spec import ModelSpec, check_page_size
 
 
@@ -78,6 +79,11 @@ class PoolConfig:
         for c in self.components:  # TP divisibility, dtypes
             segments(self.model, c, self.page_size, self.tp_size)
         self.sizes()  # capacity fits
+
+    @property
+    def shard(self) -> Shard:
+        """This pool's side of a transfer: page size and TP (size, rank)."""
+        return Shard(self.page_size, self.tp_size, self.tp_rank)
 
     @property
     def components(self) -> tuple[Component, ...]:
