@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from contextlib import contextmanager
 
-from disagg.worker.checks import positive_int
+from disagg.checks import positive_int
 
 log = logging.getLogger("disagg")
 

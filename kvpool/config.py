@@ -16,9 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kvpool.geometry import Component, components, segments
+from kvpool.components import SPECS, Component, Items
+from kvpool.geometry import components, segments
 from kvpool.layout import Layout, pack
 from kvpool.errors import SpecError
+from kvpool.shards import Shard
 from kvpool.spec import ModelSpec, check_page_size
 
 
@@ -33,13 +35,14 @@ class PoolSizes:
     swa_pages: int
     state_slots: int
 
+    def count(self, items: Items) -> int:
+        """How many items of this kind the pool holds (the sentinel item not counted)."""
+        return {Items.FULL_PAGES: self.full_pages, Items.SWA_PAGES: self.swa_pages,
+                Items.REQUEST_SLOTS: self.state_slots}[items]
+
     def num_items(self, component: Component) -> int:
         """Items a component's buffers hold, the sentinel item 0 included."""
-        if component in (Component.FULL, Component.NSA):
-            return self.full_pages + 1
-        if component is Component.SWA:
-            return self.swa_pages + 1
-        return self.state_slots + 1
+        return self.count(SPECS[component].items) + 1
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,11 @@ class PoolConfig:
         self.sizes()  # capacity fits
 
     @property
+    def shard(self) -> Shard:
+        """This pool's side of a transfer: page size and TP (size, rank)."""
+        return Shard(self.page_size, self.tp_size, self.tp_rank)
+
+    @property
     def components(self) -> tuple[Component, ...]:
         return components(self.model)
 
@@ -92,11 +100,11 @@ class PoolConfig:
         return -(-self.model.swa.window // self.page_size) + 1
 
     def sizes(self) -> PoolSizes:
-        rows = {c: self.row_bytes(c) for c in self.components}
-        per_page = rows.get(Component.FULL, 0) + rows.get(Component.NSA, 0)
-        swa_row = rows.get(Component.SWA, 0)
-        per_request = rows.get(Component.MAMBA, 0) + rows[Component.AUX]
-        has_paged = Component.FULL in rows or Component.SWA in rows
+        rows = {items: 0 for items in Items}   # bytes per item of each kind, over its components
+        for c in self.components:
+            rows[SPECS[c].items] += self.row_bytes(c)
+        per_page, swa_row, per_request = (rows[i] for i in (Items.FULL_PAGES, Items.SWA_PAGES, Items.REQUEST_SLOTS))
+        has_paged, has_swa = per_page + swa_row > 0, swa_row > 0
         if self.max_tokens is not None:
             full_pages = self.max_tokens // self.page_size
         else:
@@ -108,12 +116,12 @@ class PoolConfig:
                     f"{self.max_requests} request slots and sentinels alone"
                 )
             full_pages = int(left // (per_page + self.swa_ratio * swa_row)) if has_paged else 0
-        swa_pages = int(full_pages * self.swa_ratio) if Component.SWA in rows else 0
-        if self.max_tokens is not None and Component.SWA in rows:   # a token capacity: at least one window
+        swa_pages = int(full_pages * self.swa_ratio) if has_swa else 0
+        if self.max_tokens is not None and has_swa:   # a token capacity: at least one window
             swa_pages = max(swa_pages, min(full_pages, self.swa_window_pages()))
         if has_paged and full_pages < 1:
             raise SpecError(f"capacity holds no page of {self.page_size} tokens")
-        if Component.SWA in rows and swa_pages < self.swa_window_pages():
+        if has_swa and swa_pages < self.swa_window_pages():
             raise SpecError(
                 f"swa pool of {swa_pages} pages cannot hold one window of "
                 f"{self.model.swa.window} tokens ({self.swa_window_pages()} pages); raise capacity or swa_ratio"

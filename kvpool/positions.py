@@ -1,6 +1,6 @@
-"""Where a token's KV lives, per component: the component-specific rules a model engine needs
-to read or write one token (the SWA translation and window), kept next to the pools so that
-engines loop over components without naming them.
+"""Where a token's KV lives, per component: what a model engine needs to read or write one
+token, asked of each component's spec (kvpool.components: the SWA translation and window), so
+that engines loop over components without naming them.
 
     position p of a request -> full page req.full_pages[p // page_size], slot p % page_size
     FULL, NSA   item = that full page
@@ -9,7 +9,7 @@ engines loop over components without naming them.
 
 import numpy as np
 
-from kvpool.geometry import Component
+from kvpool.components import SPECS, Component
 from kvpool.indices import SENTINEL
 
 
@@ -27,19 +27,14 @@ def token_items(pool, c: Component, req, positions: np.ndarray) -> tuple[np.ndar
     """(item, slot within the item) of each token position of paged component c; the item is
     SENTINEL where c keeps no page for that position."""
     pages = req.full_pages[positions // pool.page_size]
-    if c is Component.SWA:
-        pages = pool.swa_allocator.translate(pages)
-    return pages, positions % pool.page_size
+    return SPECS[c].page_items(pool, pages), positions % pool.page_size
 
 
 def kept_positions(pool, c: Component, num_tokens: int) -> np.ndarray:
     """The positions of a request of `num_tokens` whose KV a receiver holds for component c,
     whatever the sender's page size (SWA: the window's last `window` tokens, which every
     page size's window pages cover; others: every position)."""
-    first = 0
-    if c is Component.SWA:
-        first = max(0, num_tokens - pool.config.model.swa.window)
-    return np.arange(first, num_tokens)
+    return np.arange(SPECS[c].first_kept(pool.config.model, num_tokens), num_tokens)
 
 
 def backed(items: np.ndarray) -> np.ndarray:

@@ -35,10 +35,10 @@ def _dense(name: str, n: int) -> ModelSpec:
 _NEMOTRON_H_8B = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"  # M mamba2, * attn, - MLP
 
 
-def _build() -> dict[str, ModelSpec]:
+def _real() -> list[ModelSpec]:
     mimo_full = lambda i: i == 0 or (i + 1) % 6 == 0  # noqa: E731
     qwen_full = lambda i: (i + 1) % 4 == 0  # noqa: E731
-    presets = [
+    return [
         _alternating_swa("gpt-oss-120b", 36),
         _alternating_swa("gpt-oss-20b", 24),
         _gemma3("gemma-3-27b", 62, 16, 128),
@@ -70,7 +70,12 @@ def _build() -> dict[str, ModelSpec]:
         ),
         _dense("llama-3.1-8b", 32),
         _dense("llama-3.1-70b", 80),
-        # ---- tiny presets for tests: every family, a few layers, small dims, page 4 ----
+    ]
+
+
+def _tiny() -> list[ModelSpec]:
+    """Tiny presets for tests: every family, a few layers, small dims, page 4."""
+    return [
         ModelSpec("tiny-full", 4, full=AttentionSpec((0, 1, 2, 3), 2, 16, 16), default_page_size=4),
         ModelSpec(
             "tiny-swa", 4,
@@ -100,10 +105,9 @@ def _build() -> dict[str, ModelSpec]:
             default_page_size=4,
         ),
     ]
-    return {p.name: p for p in presets}
 
 
-PRESETS: dict[str, ModelSpec] = _build()
+PRESETS: dict[str, ModelSpec] = {p.name: p for p in (*_real(), *_tiny())}
 TINY_PRESETS = tuple(name for name in PRESETS if name.startswith("tiny-"))
 REAL_PRESETS = tuple(name for name in PRESETS if not name.startswith("tiny-"))
 

@@ -31,6 +31,26 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvpool.errors import SpecError
+from kvpool.spec import check_page_size
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One side of a transfer: its pool's page size and TP (size, rank). A pool's own is
+    PoolConfig.shard; a peer's is built from what it claims (SpecError if impossible)."""
+
+    page_size: int
+    tp_size: int = 1
+    tp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        check_page_size(self.page_size)
+        if not isinstance(self.tp_size, int) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+            raise SpecError(f"TP rank {self.tp_rank!r} of size {self.tp_size!r}")
+
+    @property
+    def tp(self) -> tuple[int, int]:
+        return self.tp_size, self.tp_rank
 
 
 @dataclass(frozen=True)

@@ -185,5 +185,6 @@ class ModelSpec:
 
 
 def check_page_size(page_size: int) -> None:
-    if not isinstance(page_size, int) or page_size <= 0 or page_size & (page_size - 1):
-        raise SpecError(f"page size must be a positive power of two, got {page_size!r}")
+    """The one page-size rule (pools, a peer's claimed page size, --page-size): a power of two."""
+    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 or page_size & (page_size - 1):
+        raise SpecError(f"page size {page_size!r} is not a positive power of two")

@@ -62,7 +62,7 @@ class KVReceiver(PoolEndpoint):
         """Our side of the lanes a sender of `sender`'s shard writes by (transfer.reshard), the
         ones its by-token pieces name; None when it moves whole pages."""
         pc = self.pool.config
-        own = Shard(pc.page_size, pc.tp_size, pc.tp_rank)
+        own = pc.shard
         if not by_token(sender, own):
             return None
         try:

@@ -19,30 +19,24 @@ another rank's to send), the AUX row included.
 """
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 
+from kvpool.errors import SpecError
 from kvpool.geometry import Component, parts, segments
-from kvpool.shards import reshard
+from kvpool.shards import Shard, reshard
 from kvpool.spec import ModelSpec
 from transfer.errors import LayoutIncompatible
 from transfer.tokens import Lane
 
 Lanes = Mapping[Component, tuple[Lane, ...]]
+__all__ = ["Lanes", "Shard", "by_token", "check_pair", "pair_lanes", "peer_shard", "receivers", "senders"]
 
 
-@dataclass(frozen=True)
-class Shard:
-    page_size: int
-    tp_size: int = 1
-    tp_rank: int = 0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.tp_size, int) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
-            raise LayoutIncompatible(f"TP rank {self.tp_rank!r} of size {self.tp_size!r}")
-
-    @property
-    def tp(self) -> tuple[int, int]:
-        return self.tp_size, self.tp_rank
+def peer_shard(page_size: int, tp_size: int, tp_rank: int, whose: str = "the peer's") -> Shard:
+    """The shard a peer claims (untrusted): LayoutIncompatible with the reason when impossible."""
+    try:
+        return Shard(page_size, tp_size, tp_rank)
+    except SpecError as exc:
+        raise LayoutIncompatible(f"{whose} {exc}") from None
 
 
 def by_token(src: Shard, dst: Shard) -> bool:

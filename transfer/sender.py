@@ -34,7 +34,7 @@ from transfer.progress import LayerProgress
 from transfer.staged_send import StagedSender
 from transfer.staging import RemoteSlots, chunk_plan
 from transfer.report import TransferReport
-from transfer.reshard import Shard, by_token, check_pair, pair_lanes
+from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
 from transfer.tokens import Tokens, pool_lanes
 from transfer.transports import Offer, PreparedWrite, pick
 from transfer.transports.base import PendingWrites
@@ -79,8 +79,7 @@ class KVSender(StagedSender):
 
     @property
     def shard(self) -> Shard:
-        cfg = self.pool.config
-        return Shard(cfg.page_size, cfg.tp_size, cfg.tp_rank)
+        return self.pool.config.shard
 
     def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer], staging: StagingInfo | None = None,
                 page_size: int | None = None, tp: tuple[int, int] | None = None) -> RemotePool:
@@ -92,9 +91,7 @@ class KVSender(StagedSender):
         `.link` when the peer goes away."""
         cfg = self.pool.config
         page_size = cfg.page_size if page_size is None else page_size
-        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-            raise LayoutIncompatible(f"the receiver's page size {page_size!r} is not a positive power of two")
-        dst = Shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)))
+        dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's")
         check_pair(self.shard, dst)
         same_tp = dst.tp_size == cfg.tp_size
         diff = layout_difference(self.buffers, buffers, paged=same_tp and page_size == cfg.page_size,

@@ -5,7 +5,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from disagg.api.fields import named_endpoint
-from disagg.worker.checks import positive_int, seconds, share
+from disagg.checks import positive_int, seconds, share
 from disagg.worker.flags import add_pool_flags, announce, http_limits, http_url, worker_settings
 
 if TYPE_CHECKING:

@@ -15,14 +15,14 @@ from disagg.errors import ProtocolError
 from kvpool.errors import SpecError
 from transfer.errors import LayoutIncompatible
 from transfer.receiver import KVReceiver
-from transfer.reshard import Lanes, Shard, senders
+from transfer.reshard import Lanes, Shard, peer_shard, senders
 
 
 class SenderRanks:
     def __init__(self, receiver: KVReceiver):
         self.receiver = receiver
         cfg = receiver.pool.config
-        self.own = Shard(cfg.page_size, cfg.tp_size, cfg.tp_rank)
+        self.own = cfg.shard
         self._ranks: dict[int, tuple[int, ...]] = {}   # prefill TP size -> the ranks we receive from
         self._lanes: dict[Shard, Lanes | None] = {}
 
@@ -42,10 +42,10 @@ class SenderRanks:
 
     def lanes(self, info: RegisterPrefill) -> Lanes | None:
         """Our side of the lanes prefill rank `info` writes by (None: whole pages)."""
-        shard = Shard(info.layout.page_size, info.tp_size, info.tp_rank)
-        if shard not in self._lanes:
-            try:
+        try:
+            shard = peer_shard(info.layout.page_size, info.tp_size, info.tp_rank, whose="prefill's")
+            if shard not in self._lanes:
                 self._lanes[shard] = self.receiver.lanes_from(shard)
-            except LayoutIncompatible as exc:
-                raise ProtocolError(str(exc)) from None
+        except LayoutIncompatible as exc:
+            raise ProtocolError(str(exc)) from None
         return self._lanes[shard]

@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Protocol
 
 from disagg.control.messages import Abort, TransferDone
 from disagg.control.deadlines import Deadlines, passed as deadline_passed
@@ -92,14 +93,22 @@ class DecodeRequest:
         return [s for s in self.senders.values() if not s.stopped]
 
 
+class Holdings(Protocol):
+    """What the table asks of the owner of a request's pages, slots and admission place."""
+
+    def free(self, r: DecodeRequest) -> None: ...
+
+
 class RequestTable:
     """room -> DecodeRequest. Every method is one transition, atomic under the lock; its
     effects (free pages, send Abort) happen inside it."""
 
-    def __init__(self, deadlines: Deadlines, quarantine_s: float, free: Callable[[DecodeRequest], None],
+    def __init__(self, deadlines: Deadlines, quarantine_s: float, release: Holdings,
                  send: Callable[[str, object], None]):
+        """`release`: gives back what a request holds outside the table when it is forgotten
+        (decode/release.py); `send`: a message to a prefill peer (the control socket's)."""
         self.deadlines, self.quarantine_s = deadlines, quarantine_s
-        self._free, self._send = free, send
+        self._release, self._send = release, send
         self._lock = threading.Condition()
         self._rooms: dict[int, DecodeRequest] = {}
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
@@ -264,7 +273,7 @@ class RequestTable:
     def _forget(self, r: DecodeRequest) -> None:
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
-        self._free(r)
+        self._release.free(r)
 
     def _move(self, r: DecodeRequest, to: Phase) -> None:
         r.phase, r.since = to, time.monotonic()

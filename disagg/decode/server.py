@@ -29,6 +29,7 @@ from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, H
 from disagg.decode.flip import flip_byte
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
+from disagg.decode.release import Release
 from disagg.decode.instances import SenderRanks
 from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
@@ -61,7 +62,8 @@ class DecodeServer(Worker):
         self.config = config
         self.receiver: KVReceiver = self.endpoint
         self.io = DealerIO(self.gate)
-        self.requests = RequestTable(config.deadlines, config.quarantine_s, self._free, self.io.send)
+        self.requests = RequestTable(config.deadlines, config.quarantine_s,
+                                     Release(self.pool, self.receiver, self.admission), self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
         self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
@@ -180,13 +182,6 @@ class DecodeServer(Worker):
         wants = [self.receiver.slots_wanted(l, num_tokens, most) for l in lanes]
         by_token = any(l is not None for l in lanes)
         return self.receiver.lend(wants, max(0.0, deadline - time.monotonic()) if by_token else 0.0)
-
-    def _free(self, r: DecodeRequest) -> None:
-        """(The table's effect, under its lock.)"""
-        if r.kv is not None:
-            self.pool.free_request(r.kv)
-        self.receiver.release_slots(r.slots)   # every sender's
-        self.admission.released()
 
     def quarantined(self) -> int:
         return self.requests.quarantined()

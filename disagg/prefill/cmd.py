@@ -6,7 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from disagg.api.fields import STREAM_LAYERS
-from disagg.worker.checks import port, milliseconds, positive_int
+from disagg.checks import port, milliseconds, positive_int
 from disagg.worker.flags import add_pool_flags, announce, http_limits, http_url, worker_settings
 
 if TYPE_CHECKING:

@@ -4,7 +4,7 @@ import argparse
 
 from disagg.process import add_process_flags
 from disagg.router.router import Pair, RouterConfig
-from disagg.worker.checks import port, positive_int, seconds
+from disagg.checks import port, positive_int, seconds
 from disagg.worker.flags import add_http_limit_flags, announce, http_limits
 
 HELP = "run the router in front of prefill/decode pairs"

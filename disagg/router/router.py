@@ -19,7 +19,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -248,7 +248,33 @@ class Router:
              client_gone, on_prefill, stream_layers: str | None = None) -> dict:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
-        timeout = self.config.timeout_s
+        calls = self._start(pair, room, tokens, max_new, stream_layers)
+        results, why = self._collect(calls, pair, room, cancel, client_gone, on_prefill)
+        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))], "prefill")
+        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))], "decode")
+        cancelled = why == "cancelled by the client"
+        if cancelled and client_gone():
+            raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
+        if 503 in (pre.status, dec.status):
+            raise Overloaded(f"{dec.reason if dec.status == 503 else pre.reason} (room {room}, pair {pair_index})")
+        refused = [side.reason for side in (dec, pre) if side.status == 400]
+        if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
+            raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
+        ok = pre.state == "SUCCESS" and dec.state == "SUCCESS" and dec.verified is True
+        return RouterAnswer(
+            room=room, pair=pair_index, ok=ok, status=200 if ok else _failure_status(pre, dec, cancelled),
+            prompt_tokens=len(tokens), output_tokens=dec.output_tokens, verified=bool(dec.verified), check=dec.check,
+            nbytes=dec.report.nbytes if dec.report else 0, mode=dec.report.mode if dec.report else None,
+            transport=dec.report.transport if dec.report else None, streamed=bool(pre.report and pre.report.streamed),
+            layer_groups=pre.report.groups if pre.report else None,
+            prepared_ahead=bool(pre.report and pre.report.prepared_ahead),
+            first_write_before_compute_end_ms=_first_write_lead(pre) if ok else None,
+            reason="" if ok else (why if cancelled else dec.reason or pre.reason or "unknown"),
+            timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3)).to_dict()
+
+    def _start(self, pair: Pair, room: int, tokens: list[int], max_new: int,
+               stream_layers: str | None) -> dict[Future, tuple[str, int, str]]:
+        """Post the request to every rank of both instances at once: future -> (role, rank, URL)."""
         calls = {}
         for role, urls, body in (
                 ("prefill", pair.prefill, {"room": room, "token_ids": tokens, "decode_tp": len(pair.decode),
@@ -256,7 +282,14 @@ class Router:
                 ("decode", pair.decode, {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
                                          "bootstrap": pair.bootstrap})):
             for rank, url in enumerate(urls):   # every rank of both instances takes part
-                calls[self._calls.submit(post_json, f"{url}/{role}", body, timeout)] = (role, rank, url)
+                calls[self._calls.submit(post_json, f"{url}/{role}", body, self.config.timeout_s)] = (role, rank, url)
+        return calls
+
+    def _collect(self, calls: dict[Future, tuple[str, int, str]], pair: Pair, room: int, cancel: threading.Event,
+                 client_gone, on_prefill) -> tuple[dict[tuple[str, int], WorkerAnswer], str | None]:
+        """Every rank's answer, and why the request failed or was cancelled (None: it did not):
+        the first failure or cancellation aborts the other ranks at once; the first token goes
+        to `on_prefill` once every prefill rank sent its KV."""
         results: dict[tuple[str, int], WorkerAnswer] = {}
         pending, why, prefilled = set(calls), None, False
         while pending:
@@ -280,36 +313,24 @@ class Router:
                 for f in pending:
                     self._aborts.submit(post_json, calls[f][2] + "/abort", {"room": room, "reason": why}, 5.0)
                 break
-        if pending:   # aborted: its answer is awaited briefly, never for its whole deadline
-            done, pending = wait(pending, ABORT_GRACE_S)
-            for f in done:
-                role, rank, _ = calls[f]
-                results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
-            for f in pending:   # frozen or unreachable: answer the client without it
-                role, rank, _ = calls[f]
-                results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
-                                             f"{ABORT_GRACE_S:g} s of being aborted")
-        pre = merge_ranks([results["prefill", r] for r in range(len(pair.prefill))], "prefill")
-        dec = merge_ranks([results["decode", r] for r in range(len(pair.decode))], "decode")
-        cancelled = why == "cancelled by the client"
-        if cancelled and client_gone():
-            raise Cancelled(why)  # nobody to answer: HTTP 499 for the log
-        if 503 in (pre.status, dec.status):
-            raise Overloaded(f"{dec.reason if dec.status == 503 else pre.reason} (room {room}, pair {pair_index})")
-        refused = [side.reason for side in (dec, pre) if side.status == 400]
-        if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
-            raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
-        ok = pre.state == "SUCCESS" and dec.state == "SUCCESS" and dec.verified is True
-        return RouterAnswer(
-            room=room, pair=pair_index, ok=ok, status=200 if ok else _failure_status(pre, dec, cancelled),
-            prompt_tokens=len(tokens), output_tokens=dec.output_tokens, verified=bool(dec.verified), check=dec.check,
-            nbytes=dec.report.nbytes if dec.report else 0, mode=dec.report.mode if dec.report else None,
-            transport=dec.report.transport if dec.report else None, streamed=bool(pre.report and pre.report.streamed),
-            layer_groups=pre.report.groups if pre.report else None,
-            prepared_ahead=bool(pre.report and pre.report.prepared_ahead),
-            first_write_before_compute_end_ms=_first_write_lead(pre) if ok else None,
-            reason="" if ok else (why if cancelled else dec.reason or pre.reason or "unknown"),
-            timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3)).to_dict()
+        self._after_abort(calls, pending, results, pair)
+        return results, why
+
+    @staticmethod
+    def _after_abort(calls: dict[Future, tuple[str, int, str]], pending: set[Future],
+                     results: dict[tuple[str, int], WorkerAnswer], pair: Pair) -> None:
+        """An aborted rank's answer is awaited briefly, never for its whole deadline; a frozen
+        or unreachable one is answered for: the client is answered without it."""
+        if not pending:
+            return
+        done, pending = wait(pending, ABORT_GRACE_S)
+        for f in done:
+            role, rank, _ = calls[f]
+            results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
+        for f in pending:
+            role, rank, _ = calls[f]
+            results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
+                                         f"{ABORT_GRACE_S:g} s of being aborted")
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)

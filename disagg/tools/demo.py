@@ -9,7 +9,7 @@ import sys
 from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
 from disagg.tools.bench import add_workload_flags, mismatches, one_json, print_summaries, run_workloads
-from disagg.worker.checks import positive_int, power_of_two
+from disagg.checks import positive_int, power_of_two
 from disagg.worker.flags import add_model_flags, model_source
 from kvpool.layout import Layout
 from kvpool.presets import PRESETS

@@ -8,7 +8,7 @@ import math
 
 import numpy as np
 
-from disagg.tools.bench import PHASES, Run
+from disagg.tools.runs import PHASES, Run
 
 # One colour per phase, the same in every run's panel: matplotlib's default cycle has 10,
 # fewer than the phases, so total, rebuild and check came out alike.

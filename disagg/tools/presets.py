@@ -4,9 +4,9 @@ import argparse
 import json
 
 from kvpool.errors import SpecError
-from kvpool.geometry import Component, bytes_per_request, bytes_per_token, components, layer_group, segments
+from kvpool.geometry import Component, bytes_per_request, bytes_per_token, components, layer_group
 from kvpool.presets import PRESETS
-from kvpool.spec import MLASpec, ModelSpec
+from kvpool.spec import ModelSpec
 
 HELP = "list model presets with bytes per token (and per request for state components)"
 
@@ -25,16 +25,9 @@ def describe(model: ModelSpec) -> dict:
         entry = {"kind": c.value, "num_layers": len(layer_group(model, c).layers)}
         if c.per_request:
             entry["bytes_per_request"] = bytes_per_request(model, c)
-            for part in ("conv", "temporal"):
-                entry[f"{part}_bytes_per_request"] = sum(
-                    s.nbytes for s in segments(model, c, 1) if s.part == part)
         else:
             entry["bytes_per_token"] = bytes_per_token(model, c)
-        if c is Component.FULL:
-            entry["attention"] = "mla" if isinstance(model.full, MLASpec) else "mha"
-        if c is Component.SWA:
-            entry["window"] = model.swa.window
-        comps.append(entry)
+        comps.append(entry | c.spec.describe(model))   # what the component adds (window, attention, ...)
     return {"layers": model.num_layers, "page_size": model.default_page_size, "components": comps}
 
 

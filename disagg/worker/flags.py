@@ -8,7 +8,7 @@ from disagg.api.connections import HttpLimits
 from disagg.process import add_process_flags
 from disagg.control.auth import add_auth_flags, key_of
 from disagg.control.deadlines import Deadlines
-from disagg.worker.checks import (byte_size, cuda_device, device_name, port, positive_int, power_of_two,
+from disagg.checks import (byte_size, cuda_device, device_name, port, positive_int, power_of_two,
                                   seconds, share_above_zero)
 from disagg.worker.pool_settings import PoolSettings
 from disagg.engine import registry
@@ -28,7 +28,19 @@ STAGING_SLOTS = 16
 def add_pool_flags(p: argparse.ArgumentParser) -> None:
     """The flags prefill and decode share (each role adds its own); every flag also reads
     DISAGG_<FLAG> and --config (disagg/config.py)."""
-    g = p.add_argument_group("model and pool")
+    _model_and_pool_flags(p.add_argument_group("model and pool"))
+    _http_flags(p.add_argument_group("HTTP (/health, /ready, /metrics and the API)"))
+    _transfer_flags(p.add_argument_group("transfer"))
+    _deadline_flags(p.add_argument_group("deadlines, liveness and admission"))
+    add_auth_flags(p)
+    add_process_flags(p, torch_threads=True)
+    g = p.add_argument_group("fault injection (testing)")
+    g.add_argument("--inject-faults", default="", metavar="POINT=RATE,...",
+                   help="fail on purpose at these points with these probabilities; points: " + ", ".join(POINTS))
+    g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults (default: random)")
+
+
+def _model_and_pool_flags(g) -> None:
     g.add_argument("--preset", default="tiny-hybrid", choices=[*PRESETS, *FAMILIES], metavar="PRESET",
                    help="model geometry: one of `disagg presets`; tiny-model-* and model-* are model families "
                         "whose geometry comes from the model itself (" + ", ".join(FAMILIES) + ")")
@@ -60,13 +72,17 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="sliding-window pages as a share of full-attention pages (default: 1 on prefill, which "
                         "keeps every SWA page of a prompt while computing it; 0.5 on decode, which keeps the "
                         "window only)")
-    g = p.add_argument_group("HTTP (/health, /ready, /metrics and the API)")
+
+
+def _http_flags(g) -> None:
     g.add_argument("--http-host", default=None, help="address to serve on (default: --host; 0.0.0.0 for "
                    "Kubernetes probes)")
     g.add_argument("--http-port", type=port, default=0, help="port to serve on (0: any free port, printed when "
                    "ready)")
     add_http_limit_flags(g)
-    g = p.add_argument_group("transfer")
+
+
+def _transfer_flags(g) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to bind and advertise for control and transfer "
                    "(the pod IP on Kubernetes; another host's peers must reach it)")
     g.add_argument("--transport", default="auto", choices=TRANSPORTS.choices(),
@@ -81,7 +97,9 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                         "more at once (TP 8 -> 1: eight), prefill gathers each destination's chunks in its own "
                         "(TP 1 -> 8: eight sends at once)")
     g.add_argument("--staging-slot-mib", type=positive_int, default=16, help="size of one staging slot, MiB")
-    g = p.add_argument_group("deadlines, liveness and admission")
+
+
+def _deadline_flags(g) -> None:
     g.add_argument("--bootstrap-timeout", type=seconds, default=10.0,
                    help="seconds to introduce the two sides for a request (decode: lookup, registration, pool "
                         "space; prefill: decode's TransferRequest)")
@@ -96,12 +114,6 @@ def add_pool_flags(p: argparse.ArgumentParser) -> None:
                    help="requests waiting for pool space (more: 503 at once)")
     g.add_argument("--max-inflight", type=positive_int, default=256,
                    help="concurrent API requests (more: 503 at once)")
-    add_auth_flags(p)
-    add_process_flags(p, torch_threads=True)
-    g = p.add_argument_group("fault injection (testing)")
-    g.add_argument("--inject-faults", default="", metavar="POINT=RATE,...",
-                   help="fail on purpose at these points with these probabilities; points: " + ", ".join(POINTS))
-    g.add_argument("--fault-seed", type=int, default=None, help="seed for the injected faults (default: random)")
 
 
 def add_model_flags(g) -> None:

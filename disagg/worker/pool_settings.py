@@ -46,7 +46,7 @@ class PoolSettings:
 def memory(config: "PoolConfig", staging_bytes: int = 0) -> dict:
     """What a pool of `config` will take, per component (computed before it is allocated, so a
     person sees the size before the memory is gone): bytes, and one line for the log."""
-    from disagg.worker.checks import human_bytes
+    from disagg.checks import human_bytes
     sizes = config.sizes()
     parts = {c.value: config.row_bytes(c) * sizes.num_items(c) for c in config.components}
     total = sum(parts.values()) + staging_bytes

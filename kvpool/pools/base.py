@@ -10,6 +10,7 @@ from typing import ClassVar
 import numpy as np
 import torch
 
+from kvpool.allocator.swa import SWAAllocator
 from kvpool.config import PoolConfig
 from kvpool.cpu_copy import ComponentCopy, KVCopy
 from kvpool.errors import LayoutMismatch
@@ -46,8 +47,11 @@ class ComponentPool(KVPool):
 
     component: ClassVar[Component]
 
-    def __init__(self, config: PoolConfig, num_items: int):
+    def __init__(self, config: PoolConfig, num_items: int, swa_map: SWAAllocator | None = None):
+        """`swa_map`: the HybridPool's full -> SWA page map, for a pool whose items are SWA
+        pages (every pool class is built alike: kvpool.pools.hybrid.POOL_CLASSES)."""
         self.config = config
+        self.swa_map = swa_map
         segs = segments(config.model, self.component, config.page_size, config.tp_size)
         self.storage = Storage(self.component, segs, config.layout, num_items, config.device)
 

@@ -20,10 +20,10 @@ import torch
 from kvpool.allocator.paged import PagedAllocator, num_pages_for
 from kvpool.allocator.slots import SlotAllocator, StateSlotAllocator
 from kvpool.allocator.swa import SWAAllocator
+from kvpool.components import Component
 from kvpool.config import PoolConfig
 from kvpool.cpu_copy import KVCopy
 from kvpool.errors import AllocatorError, LayoutMismatch, OutOfSpace
-from kvpool.geometry import Component
 from kvpool.indices import IndexSet, SENTINEL
 from kvpool.pools.aux import AuxPool
 from kvpool.pools.base import ComponentPool, KVPool
@@ -33,6 +33,11 @@ from kvpool.pools.nsa import NSAPool
 from kvpool.pools.swa import SWAPool, window_first_page
 from kvpool.request import RequestKV
 from kvpool.storage import BufferDescriptor
+
+# The pool class that keeps each component's items (kvpool.components says what a component
+# is; its pool is built on that): one entry per component.
+POOL_CLASSES: dict[Component, type[ComponentPool]] = {
+    cls.component: cls for cls in (FullPool, SWAPool, NSAPool, MambaPool, AuxPool)}
 
 
 class HybridPool(KVPool):
@@ -52,16 +57,8 @@ class HybridPool(KVPool):
         self._reserved = {id(self.pages): 0}   # allocator -> pages promised to live requests, not yet taken
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] = 0
-        self.pools: dict[Component, ComponentPool] = {}
-        for c in comps:
-            n = sizes.num_items(c)
-            self.pools[c] = {
-                Component.FULL: lambda: FullPool(config, n),
-                Component.SWA: lambda: SWAPool(config, n, self.swa_allocator),
-                Component.NSA: lambda: NSAPool(config, n),
-                Component.MAMBA: lambda: MambaPool(config, n),
-                Component.AUX: lambda: AuxPool(config, n),
-            }[c]()
+        self.pools: dict[Component, ComponentPool] = {
+            c: POOL_CLASSES[c](config, sizes.num_items(c), self.swa_allocator) for c in comps}
 
     @property
     def aux(self) -> AuxPool:

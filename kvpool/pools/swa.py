@@ -29,9 +29,11 @@ def window_first_page(num_tokens: int, window: int, page_size: int) -> int:
 class SWAPool(ComponentPool):
     component = Component.SWA
 
-    def __init__(self, config: PoolConfig, num_items: int, allocator: SWAAllocator):
-        super().__init__(config, num_items)
-        self.allocator = allocator
+    def __init__(self, config: PoolConfig, num_items: int, swa_map: SWAAllocator | None = None):
+        super().__init__(config, num_items, swa_map)
+        if swa_map is None:
+            raise KVPoolError("an SWA pool needs the full -> SWA page map")
+        self.allocator = swa_map
         self.window = config.model.swa.window
 
     def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:

@@ -127,7 +127,7 @@ def test_prefill_duplicates_deadlines_and_sweeps():
 
 def decode_table(quarantine_s=60.0, deadlines=LONG):
     fx = Effects()
-    return DecodeTable(deadlines, quarantine_s, free=fx.free, send=fx.tell), fx
+    return DecodeTable(deadlines, quarantine_s, release=fx, send=fx.tell), fx
 
 
 def test_decode_success_only_from_the_prefill_it_asked():

@@ -10,7 +10,8 @@ import pytest
 import zmq
 
 from disagg.control.messages import (PROTOCOL_VERSION, Decoder, Heartbeat, LayoutInfo, RegisterDecode, Registered,
-                                     Refused, ToDecode, TransferDone, TransferRequest, encoder, indices_to_wire)
+                                     RegisterPrefill, Refused, ToDecode, TransferDone, TransferRequest, encoder,
+                                     indices_to_wire)
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.prefill.requests import Delivery
 from disagg.prefill.server import PrefillConfig, PrefillServer
@@ -197,3 +198,23 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
         decode.close()
         for p in ranks:
             p.close()
+
+
+def test_a_prefill_rank_claiming_a_page_size_no_pool_can_have_is_refused():
+    """Decode builds the shard a prefill rank claims through the one page-size rule: a page
+    size of 12 is a ProtocolError naming it (it used to get lanes, as if pages of 12 paired
+    with ours), and a TP rank outside its size likewise."""
+    from disagg.decode.instances import SenderRanks
+    from disagg.errors import ProtocolError
+    from kvpool import PoolConfig, get_preset
+    pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 4, max_tokens=256, max_requests=2, device="cpu"))
+    with KVReceiver(memory.MemoryTransport(), pool, TransferConfig()) as receiver:
+        ranks = SenderRanks(receiver)
+        good = RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(8, "page_major", []))
+        assert ranks.lanes(good) is not None and ranks.own == pool.config.shard
+        for tp_rank, page_size, message in ((0, 12, "page size 12 is not a positive power of two"),
+                                            (1, 8, "TP rank 1 of size 1")):
+            bad = RegisterPrefill(PROTOCOL_VERSION, tp_rank, 1, "tcp://127.0.0.1:9", 1,
+                                  LayoutInfo(page_size, "page_major", []))
+            with pytest.raises(ProtocolError, match=message):
+                ranks.lanes(bad)

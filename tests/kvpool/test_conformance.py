@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvpool import Component, HybridPool, KVPool, Layout, PoolConfig, get_preset
+from kvpool.components import SPECS, Items
 from kvpool.errors import LayoutMismatch
 from kvpool.indices import INDEX_DTYPE
 from kvpool.pools import AuxPool, FullPool, MambaPool, NSAPool, SWAPool
@@ -40,6 +41,23 @@ def test_signatures_match_the_interface(cls, method):
     sig = inspect.signature(getattr(cls, method))
     assert sig == base, f"{cls.__name__}.{method}{sig} != KVPool.{method}{base}"
     assert all(p.kind is not p.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def test_a_component_is_its_spec():
+    """A pool component is one object (kvpool.components): the HybridPool builds each
+    component's pool through its spec, the pool's rows are the spec's segments, and how many
+    items it has follows the kind of item the spec names."""
+    cfg = PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=64, max_requests=3)
+    pool = HybridPool(cfg)
+    assert list(SPECS) == list(Component) and list(pool.pools) == list(Component)
+    for c, part in pool.pools.items():
+        spec = SPECS[c]
+        assert spec.component is c and part.component is c
+        assert [p.segment for p in part.storage.packed.placements] == spec.segments(cfg.model, 4, 1)
+        assert part.storage.num_items == cfg.sizes().count(spec.items) + 1
+        assert c.per_request == (spec.items is Items.REQUEST_SLOTS)
+    assert [c for c in Component if c.truncatable] == [Component.SWA, Component.NSA]
+    assert [c for c in Component if c.sent_last] == [Component.AUX]
 
 
 def test_missing_method_cannot_instantiate():

@@ -5,6 +5,8 @@ prints the ConfigError), never a traceback from deep inside the pool or a socket
 import argparse
 
 from disagg.errors import ConfigError
+from kvpool.errors import SpecError
+from kvpool.spec import check_page_size
 
 
 def _number(text: str, kind: type, noun: str):
@@ -16,9 +18,16 @@ def _number(text: str, kind: type, noun: str):
 
 
 def power_of_two(text: str) -> int:
-    """--page-size: a power of two in [1, 4096]."""
+    """--page-size: a power of two in [1, 4096] (the pools' rule, kvpool.spec.check_page_size,
+    and a cap for a flag)."""
     value = _number(text, int, "an integer")
-    if not 1 <= value <= 4096 or value & (value - 1):
+    try:
+        check_page_size(value)
+    except SpecError:
+        value_ok = False
+    else:
+        value_ok = value <= 4096
+    if not value_ok:
         raise argparse.ArgumentTypeError(f"{value} is not a power of two in [1, 4096] (e.g. 1, 16, 64)")
     return value
 
