@@ -41,6 +41,12 @@ class Component(str, Enum):
         return self in (Component.SWA, Component.NSA)
 
     @property
+    def windowed(self) -> bool:
+        """Its index array covers only the request's last pages (the window's), not every page
+        from the first: an item's page is counted from the end."""
+        return self is Component.SWA
+
+    @property
     def sent_last(self) -> bool:
         """Written after everything else has landed: its arrival marks the request complete."""
         return self is Component.AUX
