@@ -123,7 +123,7 @@ class KVSender(StagedSender):
              prefix_len: int = 0) -> TransferPlan:
         """Plan one request; a peer of another page size needs the request's `num_tokens`, and
         so does a receiver that holds the first `prefix_len` positions (transfer.suffix)."""
-        suffix = suffix_of(peer, num_tokens, prefix_len, self.pool.config.page_size)
+        suffix = suffix_of(num_tokens, prefix_len, peer.page_size or self.pool.config.page_size)
         tokens = None
         if peer.lanes is not None:
             if num_tokens is None:

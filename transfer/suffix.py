@@ -69,10 +69,10 @@ class Suffix:
         return max(covered, self.prefix_len)
 
 
-def suffix_of(peer, num_tokens: int | None, prefix_len, own_page_size: int) -> Suffix | None:
-    """The Suffix a send to `peer` (a RemotePool) moves; None without a prefix (everything)."""
-    if isinstance(prefix_len, (int, np.integer)) and not isinstance(prefix_len, bool) and prefix_len == 0:
+def suffix_of(num_tokens: int | None, prefix_len, page_size: int) -> Suffix | None:
+    """The Suffix a send into a receiver of `page_size` moves; None without a prefix (all of it)."""
+    if type(prefix_len) is int and prefix_len == 0:
         return None
     if num_tokens is None:
         raise BadPrefix("a prefix_len needs the request's num_tokens to plan with")
-    return Suffix(num_tokens, prefix_len, peer.page_size or own_page_size)
+    return Suffix(num_tokens, prefix_len, page_size)
