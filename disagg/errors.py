@@ -8,7 +8,7 @@ must not import disagg); the control plane's branch lives here.
      |    |    +-- EngineInitError, RegistrationError, WriteFailed, PeerUnreachable
      |    |                                          +-- WritesAbandoned (link closed mid-write)
      |    +-- PlanError                      refused before a single byte is written
-     |    |    +-- OutOfBounds, IndexMismatch, LayoutIncompatible
+     |    |    +-- OutOfBounds, IndexMismatch, LayoutIncompatible, BadPrefix
      |    +-- StagingError                   bad chunk notice, staging timeout or misuse
      |    |    +-- AckTimeout
      |    +-- InjectedFault                  a failure injected on purpose (transfer.faults)

@@ -8,7 +8,7 @@
         token items   where a token's KV lives in it (paged components)
         first kept    the first position a receiver holds (SWA: the window)
         describe      what `disagg presets` prints beside its bytes
-        rules         per_request, metadata, truncatable, sent_last (the planner asks these)
+        rules         per_request, metadata, truncatable, windowed, sent_last (the planner asks these)
 
 Adding a component is its name in Component, one ComponentSpec subclass and one SPECS
 entry, and the pool class that keeps its items in kvpool.pools.hybrid.POOL_CLASSES (the
@@ -62,6 +62,12 @@ class Component(str, Enum):
         return SPECS[self].truncatable
 
     @property
+    def windowed(self) -> bool:
+        """Its index array covers only the request's last pages (the window's), not every page
+        from the first: an item's page is counted from the end."""
+        return SPECS[self].windowed
+
+    @property
     def sent_last(self) -> bool:
         """Written after everything else has landed: its arrival marks the request complete."""
         return SPECS[self].sent_last
@@ -99,6 +105,7 @@ class ComponentSpec:
     items: ClassVar[Items]
     metadata: ClassVar[bool] = False
     truncatable: ClassVar[bool] = False
+    windowed: ClassVar[bool] = False
     sent_last: ClassVar[bool] = False
 
     def group(self, model: ModelSpec):
@@ -180,6 +187,7 @@ class SWASpec(ComponentSpec):
     component = Component.SWA
     items = Items.SWA_PAGES
     truncatable = True
+    windowed = True
 
     def group(self, model: ModelSpec):
         return model.swa

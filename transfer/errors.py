@@ -15,6 +15,8 @@ disagg/errors.py, which adds the control plane's branch).
      |    |    +-- OutOfBounds          a range or index outside what the peer registered
      |    |    +-- IndexMismatch        per-request components of different lengths
      |    |    +-- LayoutIncompatible   the two sides' buffers do not pair up
+     |    |    +-- BadPrefix            a prefix_len not page-aligned on the receiver, negative,
+     |    |                             or beyond the prompt (transfer.suffix)
      |    +-- StagingError              bad chunk notice, staging timeout or misuse
      |    |    +-- AckTimeout           no ChunkDone for a staged chunk in time
      |    +-- InjectedFault             a failure injected on purpose (transfer.faults)
@@ -82,6 +84,10 @@ class IndexMismatch(PlanError):
 
 
 class LayoutIncompatible(PlanError):
+    pass
+
+
+class BadPrefix(PlanError):
     pass
 
 

@@ -20,6 +20,7 @@ class RemotePool:
     lanes: Mapping[Component, tuple[Lane, ...]] | None = None
     src_lanes: Mapping[Component, tuple[Lane, ...]] | None = None
     sliced: bool = False
+    page_size: int | None = None         # its pool's page size (None: the sender's)
 
     def slot_offset(self, slot: int) -> int:
         return slot * self.staging.slot_bytes

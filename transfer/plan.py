@@ -12,6 +12,9 @@ Pools of different page sizes move paged components in token rows (transfer.toke
 runs are of rows, one range per run and lane (segment); state slots and the AUX row as above.
 Between TP shards of different sizes (transfer.reshard) every component moves by lane, a lane
 being the slice of a segment's rows this pair owns: one range per row unless it is whole rows.
+
+A receiver holding a prefix of the request (transfer.suffix) gets only the rest: paged
+components from its first page (whole pages) or position (by token) it lacks; state whole.
 """
 
 import functools
@@ -24,6 +27,7 @@ from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, by_component
 from transfer.errors import IndexMismatch, LayoutIncompatible
 from transfer.runs import Runs, align, check_indices, expand, group_runs, pair_buffers
+from transfer.suffix import Suffix
 from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
@@ -43,6 +47,8 @@ class ComponentPlan:
     src_lanes: tuple[Lane, ...] | None = None
     dst_lanes: tuple[Lane, ...] | None = None
     first_position: int = 0
+    first_item: int = 0   # whole items: src_idx / dst_idx [i] are the aligned arrays' [first_item + i]
+                          # (a receiver's prefix is left out, transfer.suffix)
 
     @property
     def by_token(self) -> bool:
@@ -141,10 +147,10 @@ class TransferPlan:
 
 
 def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Buffer], dst_bufs: list[Buffer],
-               tokens: Tokens) -> ComponentPlan:
+               tokens: Tokens, suffix: Suffix | None = None) -> ComponentPlan:
     """A component moved by lane (transfer.tokens): a paged one as the positions both sides
-    cover, as token rows on each side; a state slot (or the AUX row) as one row per index.
-    Rows are grouped into runs."""
+    cover (from the receiver's prefix_len on, `suffix`), as token rows on each side; a state
+    slot (or the AUX row) as one row per index. Rows are grouped into runs."""
     if c not in tokens.src or c not in tokens.dst:
         raise LayoutIncompatible(f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side")
     src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
@@ -165,6 +171,8 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
     check_pages(c, "source", src, src_lanes)
     check_pages(c, "destination", dst, dst_lanes)
     first = max(first_src, first_dst)
+    if suffix is not None:
+        first = suffix.first_position(first)
     positions = np.arange(first, n, dtype=np.int64)
     s_rows, d_rows = rows(src, n, ps, positions), rows(dst, n, pd, positions)
     pages = () if all(l.linear for l in src_lanes + dst_lanes) else (ps, pd)   # runs end at pages
@@ -175,11 +183,14 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
 
 
 def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer],
-               tokens: Tokens | None = None) -> TransferPlan:
+               tokens: Tokens | None = None, suffix: Suffix | None = None) -> TransferPlan:
     """Plan moving every component of `src_set` (local pool) into `dst_set` (the peer's pool).
     With `tokens` (the pools' page sizes differ), paged components move in token rows; between
     TP shards (tokens.sliced) every component moves as the slices of its rows this pair owns.
+    With `suffix`, paged components only from the receiver's prefix_len on (transfer.suffix).
     Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index."""
+    if suffix is not None and tokens is not None and suffix.num_tokens != tokens.num_tokens:
+        raise ValueError(f"a suffix of {suffix.num_tokens} tokens for a request of {tokens.num_tokens}")
     src_by, dst_by = by_component(src_bufs), by_component(dst_bufs)
     missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
     extra = [c.value for c in dst_set.components() if c not in src_set]
@@ -191,7 +202,7 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
         if tokens is not None and tokens.sliced and c not in tokens.src:
             continue   # TP shards: none of this component is this source rank's to send (transfer.reshard)
         if tokens is not None and (tokens.sliced or not c.per_request):
-            (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens))
+            (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens, suffix))
             continue
         pair_buffers(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)
@@ -199,7 +210,9 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
         # checks that again when it builds ranges; the link checks against the regions).
         check_indices(c, "source", s_idx, sb)
         check_indices(c, "destination", d_idx, db)
-        plan = ComponentPlan(c, s_idx, d_idx, tuple(sb), tuple(db), group_runs(s_idx, d_idx))
+        k = suffix.first_item(c, len(d_idx)) if suffix is not None else 0   # the receiver's own pages: left out
+        s_idx, d_idx = s_idx[k:], d_idx[k:]
+        plan = ComponentPlan(c, s_idx, d_idx, tuple(sb), tuple(db), group_runs(s_idx, d_idx), first_item=k)
         (last if c.sent_last else body).append(plan)
     if len(last) > 1:
         raise LayoutIncompatible(f"more than one component to send last: {[p.component.value for p in last]}")

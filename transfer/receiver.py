@@ -71,15 +71,15 @@ class KVReceiver(PoolEndpoint):
             raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 
     def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int],
-                 num_tokens: int, lanes: Lanes | None = None) -> None:
+                 num_tokens: int, lanes: Lanes | None = None, prefix_len: int = 0) -> None:
         """Scatter chunk `index`, landed in `slot`, into `dst` (the pages of a request of
-        `num_tokens`); `leased` are the slots this transfer holds; `lanes`: the sender's
-        pairing (lanes_from), None: our own segments whole. Raises StagingError (nothing
-        written) for a notice that does not fit."""
+        `num_tokens`, of which we hold [0, prefix_len) already: never written); `leased` are
+        the slots this transfer holds; `lanes`: the sender's pairing (lanes_from), None: our
+        own segments whole. Raises StagingError (nothing written) for a notice that does not fit."""
         if slot not in leased:
             raise StagingError(f"chunk {index} names slot {slot}, not leased to this transfer")
         if self.faults.hit("recv.chunk"):
             raise StagingError(f"injected fault at recv.chunk (chunk {index})")
         if lanes is None:   # a sender of our TP shard: our paged segments whole
             lanes = {c: l for c, l in self.lanes.items() if not c.per_request}
-        scatter(index, slot, pieces, dst, self.tensors, self.staging, TokenRows(num_tokens, lanes))
+        scatter(index, slot, pieces, dst, self.tensors, self.staging, TokenRows(num_tokens, lanes, prefix_len))

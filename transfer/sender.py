@@ -35,6 +35,7 @@ from transfer.staged_send import StagedSender
 from transfer.staging import RemoteSlots, chunk_plan
 from transfer.report import TransferReport
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
+from transfer.suffix import suffix_of
 from transfer.tokens import Tokens, pool_lanes
 from transfer.transports import Offer, PreparedWrite, pick
 from transfer.transports.base import PendingWrites
@@ -61,12 +62,14 @@ class PreparedSend:
     can_stage: bool
     num_tokens: int | None
     used: bool = False
+    prefix_len: int = 0                # the receiver's own prefix, left out (transfer.suffix)
 
     def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool,
-             num_tokens: int | None) -> bool:
-        """Whether it is this send's: same peer link, indices, length, streaming and staging."""
+             num_tokens: int | None, prefix_len: int = 0) -> bool:
+        """Whether it is this send's: same peer link, indices, length, prefix, streaming and staging."""
         return (not self.used and self.peer is peer and self.streamed == streamed and self.can_stage == can_stage
-                and self.num_tokens == num_tokens and _same(self.src, src) and _same(self.dst, dst))
+                and self.num_tokens == num_tokens and self.prefix_len == prefix_len
+                and _same(self.src, src) and _same(self.dst, dst))
 
 
 def _same(a: IndexSet, b: IndexSet) -> bool:
@@ -107,20 +110,23 @@ class KVSender(StagedSender):
             lanes = pair_lanes(cfg.model, self.shard, dst, self.lanes, theirs)
         offer, transport = pick(offers, self.transports)
         return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging,
-                          lanes[1] if lanes else None, lanes[0] if lanes else None, not same_tp)
+                          lanes[1] if lanes else None, lanes[0] if lanes else None, not same_tp, page_size)
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""
         return streams_well(str(self.pool.config.device), peer.link)
 
-    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None) -> TransferPlan:
-        """Plan one request; a peer of another page size needs the request's `num_tokens`."""
+    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
+             prefix_len: int = 0) -> TransferPlan:
+        """Plan one request; a peer of another page size needs the request's `num_tokens`, and
+        so does a receiver that holds the first `prefix_len` positions (transfer.suffix)."""
+        suffix = suffix_of(num_tokens, prefix_len, peer.page_size or self.pool.config.page_size)
         tokens = None
         if peer.lanes is not None:
             if num_tokens is None:
                 raise ValueError("a peer of another page size or TP size: the plan needs the request's num_tokens")
             tokens = Tokens(num_tokens, peer.src_lanes, peer.lanes, peer.sliced)
-        return build_plan(src, dst, self.buffers, list(peer.buffers), tokens)
+        return build_plan(src, dst, self.buffers, list(peer.buffers), tokens, suffix)
 
     def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:
         """The plan cut into layer groups sized for this peer's link (transfer.cost)."""
@@ -129,13 +135,13 @@ class KVSender(StagedSender):
         return split_layers(plan, bounds, self.placements)
 
     def prepare(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
-                streamed: bool = False, can_stage: bool = False) -> PreparedSend:
+                streamed: bool = False, can_stage: bool = False, prefix_len: int = 0) -> PreparedSend:
         """Everything of a send that needs only the indices: plan, layer groups (`streamed`),
         direct or staged (`can_stage`: the receiver leased staging slots and a chunk channel
         exists), each direct write and the AUX row's prepared by the link. Moves no byte, so
         it may run while the engine computes the KV. Raises what planning raises."""
         t0 = time.perf_counter()
-        plan = self.plan(peer, src, dst, num_tokens)
+        plan = self.plan(peer, src, dst, num_tokens, prefix_len)
         groups = tuple(self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)])
         body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
         plan_ms = (time.perf_counter() - t0) * 1e3
@@ -148,7 +154,7 @@ class KVSender(StagedSender):
             writes, aux = (peer.link.chain([writes[0], aux]),), None   # the AUX row behind the body, one hand-off
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
-                            (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens)
+                            (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens, prefix_len=prefix_len)
 
     @staticmethod
     def can_stage(peer: RemotePool, remote: RemoteSlots | None) -> bool:
@@ -161,7 +167,8 @@ class KVSender(StagedSender):
 
     def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, remote: RemoteSlots | None = None, *,
              num_tokens: int | None = None, stopped: Callable[[], bool] | None = None,
-             progress: LayerProgress | None = None, prepared: PreparedSend | None = None) -> TransferReport:
+             progress: LayerProgress | None = None, prepared: PreparedSend | None = None,
+             prefix_len: int = 0) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote` (the receiver's
         staging slots leased to this transfer, and a chunk channel). `stopped()` is asked before
         planning and before every write (a body chained with its AUX row is one): true (the
@@ -173,14 +180,16 @@ class KVSender(StagedSender):
         Raises a TransferError or Cancelled; the receiver must treat the request as failed then.
         WritesAbandoned (whatever else went wrong): the link was closed with writes in flight,
         which may still land in the receiver's pages until the transport ends them.
-        `num_tokens` (the request's length) is needed when the peer's page size is not ours."""
+        `num_tokens` (the request's length) is needed when the peer's page size is not ours.
+        `prefix_len`: the receiver holds positions [0, prefix_len) already; only the rest of the
+        paged components moves (transfer.suffix; a bad one is BadPrefix, before any write)."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         run = _InFlight(PendingWrites(peer.link.ordered), stopped or (lambda: False), progress)
         if run.stopped():   # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
         can_stage, streamed = self.can_stage(peer, remote), progress is not None
-        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens)
-        p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage)
+        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens, prefix_len)
+        p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage, prefix_len)
         p.used = True
         t_submit, chunks = time.perf_counter(), 0
         try:

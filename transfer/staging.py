@@ -28,6 +28,7 @@ from kvpool.indices import IndexSet
 from transfer.errors import IndexMismatch, StagingError
 from transfer.leases import SlotLease
 from transfer.plan import ComponentPlan
+from transfer.suffix import Suffix
 from transfer.tokens import TokenRows, first_covered, gather_rows, rows, scatter_rows
 
 
@@ -97,8 +98,8 @@ def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
                     continue
                 if cp.by_token:
                     pieces.append(Piece(cp.component.value, b, cp.first_position + first, k, used, by_token=True))
-                else:
-                    pieces.append(Piece(cp.component.value, b, first, k, used, field_off, field_len))
+                else:   # `first` counts in the aligned index arrays (a receiver's prefix left out before it)
+                    pieces.append(Piece(cp.component.value, b, cp.first_item + first, k, used, field_off, field_len))
                 used = min(slot_bytes, _align(used + k * item))
                 first += k
     if pieces:
@@ -174,7 +175,8 @@ def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component,
             continue
         buf = _field(buffers[c][p.buffer], p)
         width = buf.shape[1]
-        idx = torch.from_numpy(np.array(by_comp[c].src_idx[p.first:p.first + p.count], dtype=np.int64)).to(buf.device)
+        first = p.first - by_comp[c].first_item
+        idx = torch.from_numpy(np.array(by_comp[c].src_idx[first:first + p.count], dtype=np.int64)).to(buf.device)
         out = slot[p.offset:p.offset + p.count * width].view(p.count, width)
         if out.device == buf.device:  # one kernel straight into the slot
             torch.index_select(_rows(buf, width), 0, idx, out=_rows(out, width))
@@ -199,12 +201,22 @@ def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRo
             first, end = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c), own.num_tokens
         except IndexMismatch as exc:
             raise StagingError(f"chunk {index}: {exc}") from None
+        first = max(first, own.prefix_len)   # below it: the receiver's own prefix, never written
     if p.count < 1 or p.first < first or p.first + p.count > end:
         raise StagingError(f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
-                           f"positions [{first}, {end}) held here")
+                           f"positions [{first}, {end}) a transfer writes here")
     if c.per_request:
         return lane, np.asarray(idx[p.first:p.first + p.count], dtype=np.int64)
     return lane, rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
+
+
+def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
+    """The first of a receiver's indices of c a whole-item piece may write: its own prefix's
+    pages are never written (transfer.suffix); page size from its own lanes of c."""
+    if own is None or not own.prefix_len or c.per_request or not own.lanes.get(c):
+        return 0
+    page_size = own.lanes[c][0].page_size
+    return Suffix(own.num_tokens, own.prefix_len, page_size).first_item(c, len(idx))
 
 
 def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
@@ -241,10 +253,13 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
             raise StagingError(f"chunk {index}: field [{p.field_off}, {p.field_off + p.field_len}) outside the "
                                f"{whole}-byte {p.component} item")
         buf = _field(buffers[c][p.buffer], p)
-        idx = dst[c]
+        idx, lo = dst[c], _first_item(c, dst[c], own)
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
             raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
                                f"{len(idx)} {p.component} destination indices")
+        if p.first < lo:
+            raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) of {p.component} write pages "
+                               f"of the prefix held here (its indices [0, {lo}))")
         end = p.offset + p.count * buf.shape[1]
         if p.offset < 0 or end > area.slot_bytes:
             raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")

@@ -122,9 +122,11 @@ def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[
 
 @dataclass(frozen=True)
 class TokenRows:
-    """A receiver's side of by-token pieces: its lanes and the request's length."""
+    """A receiver's side of staged pieces: its lanes, the request's length, and the positions
+    it holds already (its prefix, transfer.suffix: no piece may write below prefix_len)."""
     num_tokens: int
     lanes: Mapping[Component, tuple[Lane, ...]]
+    prefix_len: int = 0
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 4   # 4: TransferDone carries the send's TransferReport; RenewPrefill
+PROTOCOL_VERSION = 5   # 5: TransferRequest.prefix_len; 4: TransferDone carries the send's TransferReport, RenewPrefill
 MAX_TP_SIZE = 1024
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
@@ -78,8 +78,12 @@ class TransferRequest(msgspec.Struct, tag=True, frozen=True):
     room: int
     decode_epoch: int
     num_tokens: int
-    indices: dict[str, bytes]   # component -> raw int32 destination indices
+    indices: dict[str, bytes]   # component -> raw int32 destination indices (the whole request's)
     slots: list[int]            # decode staging slots leased to this transfer ([]: direct only)
+    # the first position decode lacks: it holds [0, prefix_len) already (its cached prefix), and
+    # only the rest moves (transfer.suffix). Untrusted: prefill answers TransferDone(fail) for one
+    # that is negative, beyond num_tokens or not a multiple of decode's page size.
+    prefix_len: int = 0
 
 
 class TransferStarted(msgspec.Struct, tag=True, frozen=True):

@@ -80,6 +80,8 @@ class DecodeRequest:
     senders: dict[str, Sender] = field(default_factory=dict)   # endpoint -> the prefill rank
     kv: RequestKV | None = None       # set on admission
     dst: IndexSet | None = None
+    prefix_len: int = 0               # positions [0, prefix_len) of the prompt decode holds already (its
+                                      # own cached prefix, set on admission): prefill sends the rest
     reason: str = ""
     kv_ready_at: float = 0.0          # wall clock when the last TransferDone(ok) arrived
     until: float = 0.0                # QUARANTINED: when the cap passes
@@ -126,9 +128,10 @@ class RequestTable:
                 self._fail(r, why)
             return r
 
-    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet) -> None:
+    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, prefix_len: int = 0) -> None:
+        """r holds `kv` (indices `dst`), of whose positions [0, prefix_len) it holds the KV already."""
         with self._lock:
-            r.kv, r.dst = kv, dst
+            r.kv, r.dst, r.prefix_len = kv, dst, prefix_len
 
     def sending(self, r: DecodeRequest, senders: list[Sender]) -> bool:
         """About to send the TransferRequests to `senders` (r holds them, and their slots, from

@@ -117,7 +117,8 @@ class DecodeServer(Worker):
             if self.requests.sending(r, senders):   # an abort may have come meanwhile
                 indices = indices_to_wire(r.dst)
                 for s in senders:
-                    self.io.send(s.endpoint, TransferRequest(room, self.epoch, len(tokens), indices, s.slots))
+                    self.io.send(s.endpoint, TransferRequest(room, self.epoch, len(tokens), indices, s.slots,
+                                                             r.prefix_len))
                 self.requests.wait(r)
             timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
             if r.phase is not Phase.SUCCESS:
@@ -273,7 +274,7 @@ class DecodeServer(Worker):
                     return None  # not ours (any more): never scatter into freed pages
                 try:
                     self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, sender.slots, r.kv.num_tokens,
-                                           sender.lanes)
+                                           sender.lanes, r.prefix_len)
                     return ChunkDone(room, msg.index)
                 except StagingError as exc:
                     self.requests.fail(r, f"bad chunk: {exc}")   # quarantined; prefill hears Abort

@@ -69,7 +69,7 @@ def _bytes_for_t(seeds: torch.Tensor, nbytes: int) -> torch.Tensor:
     j = torch.arange(-(-nbytes // 4), dtype=torch.int64, device=seeds.device)
     words = (seeds[:, None] * (2 * j + 1)[None, :] + (j * 0x9E3779B1)[None, :]) & 0xFFFFFFFF
     words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)   # exact, no overflow
-    return words.view(torch.uint8).reshape(len(seeds), -1)[:, :nbytes]
+    return words.view(torch.uint8).reshape(len(seeds), 4 * len(j))[:, :nbytes]   # (no seeds: no rows)
 
 
 def first_token(token_ids: np.ndarray) -> int:

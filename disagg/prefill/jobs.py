@@ -92,7 +92,7 @@ class TransferJobs:
         """d's send laid out; nothing if r ended while the job queued."""
         if r.phase.ended:
             return None
-        return self._sender.prepare(target, r.src, d.dst, len(r.tokens), False, stage)
+        return self._sender.prepare(target, r.src, d.dst, len(r.tokens), False, stage, d.prefix_len)
 
     def _transfer(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None,
                   finished: Finished) -> None:
@@ -108,7 +108,8 @@ class TransferJobs:
                 self._io.send(d.peer, TransferStarted(r.room, self._epoch))
             report = self._sender.send(peer.target, self._pool.index_set(r.kv), d.dst, self._remote(r, d, peer),
                                        stopped=lambda: not r.phase.sending, progress=progress,
-                                       num_tokens=r.kv.num_tokens, prepared=take_prepared(d))
+                                       num_tokens=r.kv.num_tokens, prepared=take_prepared(d),
+                                       prefix_len=d.prefix_len)
             # what decode waits for once compute is over: the part of the send not hidden
             report = msgspec.structs.replace(
                 report, after_compute_ms=max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3))

@@ -169,6 +169,7 @@ class Destination:
     prepared: Future | None = None   # its send laid out while the KV computes (TransferJobs.prepare);
                                      # its transfer worker takes it
     report: TransferReport | None = None   # what its send did (None: it has not finished)
+    prefix_len: int = 0         # it holds the prompt's positions [0, prefix_len) already: the rest goes
 
 
 @dataclass(eq=False)
@@ -257,7 +258,8 @@ class RequestTable:
             return r
 
     def destination(self, room: int, peer: bytes, dst: IndexSet, slots: list[int], rank: int = 0,
-                    tp_size: int = 1, receivers: frozenset[int] = frozenset({0})) -> TransferDone | None:
+                    tp_size: int = 1, receivers: frozenset[int] = frozenset({0}),
+                    prefix_len: int = 0) -> TransferDone | None:
         """Decode rank `rank` (of an instance of `tp_size`, of which we send to `receivers`)
         sent its TransferRequest; returns an answer to send at once, if any."""
         with self._lock:
@@ -276,7 +278,7 @@ class RequestTable:
             if r.phase.ended:         # STOPPING: it will not be sent
                 return TransferDone(room, self.epoch, False, r.reason)
             r.receivers, r.tp_size = receivers, tp_size
-            r.dests[rank] = Destination(peer, rank, dst, list(slots))
+            r.dests[rank] = Destination(peer, rank, dst, list(slots), prefix_len=prefix_len)
             if r.phase is Phase.AWAITING_DECODE and r.complete:
                 self._move(r, Phase.COMPUTING)
             self._maybe_start(r)

@@ -37,9 +37,10 @@ from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from kvpool import KVPoolError
 from kvpool.errors import SpecError
-from transfer.errors import TransferError
+from transfer.errors import BadPrefix, TransferError
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
+from transfer.suffix import check_prefix
 
 log = logging.getLogger(__name__)
 
@@ -217,13 +218,14 @@ class PrefillServer(Worker):
         if reason is None:
             try:
                 dst = indices_from_wire(msg.indices)
-            except ProtocolError as exc:
+                check_prefix(msg.prefix_len, msg.num_tokens, peer.target.page_size or self.pool.config.page_size)
+            except (ProtocolError, BadPrefix) as exc:
                 reason = str(exc)
         if reason is not None:
             return TransferDone(msg.room, self.epoch, False, reason)
         size, rank = peer.tp
         return self.requests.destination(msg.room, identity, dst, list(msg.slots), rank, size,
-                                         self.peers.receivers(size))
+                                         self.peers.receivers(size), msg.prefix_len)
 
     def available(self) -> dict[str, int]:
         return self.pool.available()

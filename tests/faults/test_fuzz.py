@@ -109,7 +109,7 @@ index_bytes = st.binary(max_size=64) | st.lists(st.integers(-(1 << 31), (1 << 31
 messages = st.one_of(
     st.builds(P.TransferRequest, room_ids, st.integers(0, 1 << 62), st.integers(-5, 1 << 20),
               st.dictionaries(st.sampled_from(["full", "aux", "swa", "bogus"]), index_bytes, max_size=3),
-              st.lists(st.integers(-5, 100), max_size=4)),
+              st.lists(st.integers(-5, 100), max_size=4), st.integers(-(1 << 40), 1 << 40) | st.sampled_from([0, 4, 16])),
     st.builds(P.Abort, room_ids, st.text(max_size=30)),
     st.builds(P.Heartbeat, st.integers(0, 1 << 62)),
     st.builds(P.TransferDone, room_ids, st.integers(0, 1 << 62), st.booleans()),

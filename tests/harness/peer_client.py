@@ -19,8 +19,8 @@ import zmq
 from harness.pair_channel import PairChannel
 from harness.processes import reap, spawn
 from harness.peer_server import PeerCore
-from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fragment, Free,
-                          Hello, Release, Reply, Stop, Target, Verify)
+from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fill, Fragment,
+                          Free, Hello, Release, Reply, Stop, Target, Verify)
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import AckTimeout, StagingError, TransferError
@@ -68,15 +68,20 @@ class _Driver:
         self._ok(Fragment(seed))
 
     def expect(self, transfer_id: int, req: int, want_slots: int = 0,
-               sender: tuple[int, int, int] | None = None) -> list[int]:
-        reply: Allocated = self._ok(Expect(transfer_id, req, want_slots, sender))
+               sender: tuple[int, int, int] | None = None, prefix_len: int = 0) -> list[int]:
+        reply: Allocated = self._ok(Expect(transfer_id, req, want_slots, sender, prefix_len))
         return np.frombuffer(reply.arrays["slots"], dtype=np.int32).tolist()
 
     def release(self, transfer_id: int) -> None:
         self._ok(Release(transfer_id))
 
-    def digest(self, req: int, outside: bool = False, by_token: bool = False) -> Digests:
-        return self._ok(Digest(req, outside, by_token))
+    def digest(self, req: int, outside: bool = False, by_token: bool = False, below: int = 0) -> Digests:
+        return self._ok(Digest(req, outside, by_token, below))
+
+    def fill(self, req: int, tokens: np.ndarray, room: int, upto: int, garbage: bool = False) -> None:
+        """Positions [0, upto) of the request as a decode that cached that prefix holds them
+        (the stand-in's bytes), or random bytes (`garbage`, seeded by room)."""
+        self._ok(Fill(req, np.asarray(tokens, dtype=np.int64).tobytes(), room, upto, garbage))
 
     def verify(self, req: int, tokens: np.ndarray, room: int) -> None:
         """The stand-in engine's check of the request's KV (TransferError naming what differs)."""

@@ -22,10 +22,10 @@ import zmq
 
 from harness.pair_channel import PairChannel
 from harness.wire import (Alloc, Allocated, Available, ChunkDone, Command, Configure, Counts, Digest, Digests, Error,
-                          Expect, Free, Fragment, Hello, Ok, Release, Reply, Stop, Verify, Target)
+                          Expect, Fill, Free, Fragment, Hello, Ok, Release, Reply, Stop, Verify, Target)
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
-from kvpool.positions import kept_positions, paged_components, token_items
+from kvpool.positions import backed, kept_positions, paged_components, token_items
 from transfer.config import TransferConfig
 
 from transfer.errors import DisaggError, StagingError
@@ -90,22 +90,31 @@ class PeerCore:
                     if alloc is not None:
                         rng.shuffle(alloc._stack[:alloc.num_free])
                 return Ok()
-            case Expect(transfer_id=t, req=rid, want_slots=k, sender=sender):
+            case Expect(transfer_id=t, req=rid, want_slots=k, sender=sender, prefix_len=prefix_len):
                 lanes = None if sender is None else self.receiver.lanes_from(Shard(*sender))
                 slots = self.receiver.reserve_slots(k) if k else []
                 with self.lock:
                     self.expect[t] = (self.pool.index_set(self.requests[rid]), slots, self.requests[rid].num_tokens,
-                                      lanes)
+                                      lanes, prefix_len)
                 return Allocated(t, {"slots": np.array(slots, dtype=np.int32).tobytes()})
             case Release(transfer_id=t):
                 with self.lock:
-                    _, slots, _, _ = self.expect.pop(t)
+                    _, slots, *_ = self.expect.pop(t)
                 self.receiver.release_slots(slots)
                 return Ok()
-            case Digest(req=rid, outside=outside, by_token=by_token):
+            case Digest(req=rid, outside=outside, by_token=by_token, below=below):
                 req = self.requests[rid]
+                if below:
+                    return Digests(digest_tokens(self.pool, req, below), None)
                 digest = digest_tokens if by_token else digest_request
                 return Digests(digest(self.pool, req), digest_outside(self.pool, req) if outside else None)
+            case Fill(req=rid, tokens=tokens, room=room, upto=upto, garbage=garbage):
+                req, positions = self.requests[rid], np.arange(upto)
+                if garbage:
+                    fill_garbage(self.pool, req, positions, room)
+                else:
+                    StandInEngine()._write_tokens(self.pool, req, np.frombuffer(tokens, dtype=np.int64).copy(), positions)
+                return Ok()
             case Free(req=rid):
                 self.pool.free_request(self.requests.pop(rid))
                 return Ok()
@@ -184,13 +193,17 @@ def digest_request(pool: HybridPool, req) -> dict[str, str]:
     return out
 
 
-def digest_tokens(pool: HybridPool, req) -> dict[str, str]:
+def digest_tokens(pool: HybridPool, req, below: int = 0) -> dict[str, str]:
     """sha256 per component of what a transfer of `req` moves, paged components per token
     position (the positions a receiver holds: kvpool.positions.kept_positions) and segment, so
-    that pools of different page sizes compare; state slots and the AUX row as items."""
-    out = digest_request(pool, req)
+    that pools of different page sizes compare; state slots and the AUX row as items.
+    `below` > 0: paged components only, the positions [0, below) the request holds (a prefix)."""
+    out = {} if below else digest_request(pool, req)
     for c in paged_components(pool):
         positions = kept_positions(pool, c, req.num_tokens)
+        if below:
+            items, _ = token_items(pool, c, req, positions)
+            positions = positions[(positions < below) & backed(items)]
         items, slots = token_items(pool, c, req, positions)
         at = torch.from_numpy(items.astype(np.int64)), torch.from_numpy(slots.astype(np.int64))
         h = hashlib.sha256()
@@ -200,6 +213,19 @@ def digest_tokens(pool: HybridPool, req) -> dict[str, str]:
                      .numpy().tobytes())
         out[c.value] = h.hexdigest()
     return out
+
+
+def fill_garbage(pool: HybridPool, req, positions: np.ndarray, seed: int) -> None:
+    """Random bytes (seeded) into every paged component's rows of `positions` the request holds."""
+    gen = torch.Generator().manual_seed(seed)
+    for c in paged_components(pool):
+        items, slots = token_items(pool, c, req, positions)
+        keep = backed(items)
+        at = torch.from_numpy(items[keep].astype(np.int64)), torch.from_numpy(slots[keep].astype(np.int64))
+        for pl in pool.pools[c].storage.packed.placements:
+            raw, per_token = StandInEngine._token_bytes(pool.layer_view(pl.segment.layer, pl.segment.part))
+            rows = torch.randint(0, 256, (len(at[0]), per_token), dtype=torch.uint8, generator=gen)
+            raw[at[0].to(raw.device), at[1].to(raw.device)] = rows.to(raw.device)
 
 
 def digest_outside(pool: HybridPool, req) -> str:

@@ -44,6 +44,7 @@ class Expect(msgspec.Struct, tag=True, frozen=True):
     req: int
     want_slots: int = 0
     sender: tuple[int, int, int] | None = None   # its (page size, TP size, TP rank); None: ours
+    prefix_len: int = 0      # positions the request holds already: a staged piece below them is refused
 
 
 class Verify(msgspec.Struct, tag=True, frozen=True):
@@ -51,6 +52,17 @@ class Verify(msgspec.Struct, tag=True, frozen=True):
     req: int
     tokens: bytes
     room: int
+
+
+class Fill(msgspec.Struct, tag=True, frozen=True):
+    """Write positions [0, upto) of a request's paged components as a decode that cached that
+    prefix holds them: the stand-in's bytes for `tokens` (int64 raw), or with `garbage`,
+    random bytes (seeded by `room`) that a suffix transfer must leave as they are."""
+    req: int
+    tokens: bytes
+    room: int
+    upto: int
+    garbage: bool = False
 
 
 class Release(msgspec.Struct, tag=True, frozen=True):
@@ -61,6 +73,7 @@ class Digest(msgspec.Struct, tag=True, frozen=True):
     req: int
     outside: bool = False   # also hash every item the request does not hold (slow on big pools)
     by_token: bool = False  # paged components per token position, not per page (page sizes differ)
+    below: int = 0          # > 0: only paged components' positions [0, below) (a prefix held)
 
 
 class Free(msgspec.Struct, tag=True, frozen=True):
@@ -75,7 +88,7 @@ class Stop(msgspec.Struct, tag=True, frozen=True):
     pass
 
 
-Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Verify | Stop
+Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Free | Available | Verify | Fill | Stop
 
 
 # ---- command socket: server -> client ------------------------------------------------------
