@@ -3,14 +3,19 @@ the receiver are both one; close() unregisters what this endpoint exposed.
 
     region 0 .. n-1   the pool's buffers, in pool.buffer_descriptors() order
     region n          the staging area (num_slots x slot_bytes)
+
+The pool is anything that is an ExposedPool: our own kvpool.HybridPool, or an engine's KV
+memory described as one (kvpool.engine.EnginePool: vLLM's cache tensors).
 """
 
 from collections.abc import Sequence
+from typing import Any, Protocol
 
 import msgspec
+import torch
 
 from kvpool.geometry import Component
-from kvpool.pools.hybrid import HybridPool
+from kvpool.storage import BufferDescriptor
 from transfer.buffers import Buffer, buffers_of
 from transfer.config import TransferConfig
 from transfer.faults import FaultInjector
@@ -30,8 +35,18 @@ class StagingInfo(msgspec.Struct, frozen=True, array_like=True):
             raise ValueError(f"bad staging area (region {self.region}, {self.slots} x {self.slot_bytes} B)")
 
 
+class ExposedPool(Protocol):
+    """What an endpoint needs of the memory it exposes (HybridPool, kvpool.engine.EnginePool)."""
+    config: Any        # PoolConfig-like: model, page_size, tp_size, tp_rank, layout, device, components
+    token_rows: bool   # whether items hold token rows in the model's segment order (transfer.tokens)
+
+    def buffer_descriptors(self) -> list[BufferDescriptor]: ...
+    def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]: ...
+    def exposed_placements(self) -> dict[Component, list[tuple[int, int, int, int]]]: ...
+
+
 class PoolEndpoint:
-    def __init__(self, transports: Transport | Sequence[Transport], pool: HybridPool, config: TransferConfig):
+    def __init__(self, transports: Transport | Sequence[Transport], pool: ExposedPool, config: TransferConfig):
         self.transports = [transports] if isinstance(transports, Transport) else list(transports)
         if not self.transports:
             raise ValueError("an endpoint needs at least one transport")
@@ -40,9 +55,11 @@ class PoolEndpoint:
                                    config.staging_device or pool.config.device)
         descs = pool.buffer_descriptors()
         self.buffers: list[Buffer] = buffers_of(descs)   # the pool as peers address it
-        # each paged component's segments as token rows, for peers of another page size
+        # each paged component's segments as token rows, for peers of another page size (none
+        # where the pool does not describe rows: it pairs with peers of its own page size and TP only)
         pc = pool.config
-        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local")
+        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local") \
+            if pool.token_rows else {}
         self.staging_region = len(descs)
         regions = [(d.ptr, d.nbytes) for d in descs] + [(self.staging.ptr, self.staging.nbytes)]
         self.exposures: dict[str, Exposure] = {}
@@ -53,11 +70,9 @@ class PoolEndpoint:
             self.close()
             raise
         # torch tensors per component, for gather and scatter
-        self.tensors: dict[Component, list] = {c: p.storage.buffers for c, p in pool.pools.items()}
+        self.tensors: dict[Component, list] = pool.exposed_tensors()
         # where each layer lies in an item: (buffer, layer, offset, bytes), for layer-wise streaming
-        self.placements: dict[Component, list[tuple[int, int, int, int]]] = {
-            c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
-            for c, p in pool.pools.items()}
+        self.placements: dict[Component, list[tuple[int, int, int, int]]] = pool.exposed_placements()
         self.faults = FaultInjector(config.faults)
 
     def offers(self) -> list[Offer]:

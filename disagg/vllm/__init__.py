@@ -7,11 +7,17 @@
 params.py     the kv_transfer_params a request carries between prefill, proxy and decode (untrusted)
 scheduler.py  the scheduler side: which blocks a producer holds until sent, which tokens a
               consumer loads beyond its own prefix-cache hit, the per-step metadata
-layout.py     vLLM's per-layer KV tensors as transfer Buffers (a layer-major buffer per layer,
-              an item per block); block-outermost layouts refused by name
-connector.py  DisaggConnector: vLLM's KVConnectorBase_V1 + SupportsHMA; its worker side
-              (disagg.vllm.worker: vLLM's KV tensors as a disagg pool, the transfer) is not
-              written yet (issue 34)
+layout.py     vLLM's per-layer KV tensors as a kvpool.engine.EnginePool (a layer-major buffer
+              per layer, K and V buffers for K/V-first layouts, an item per block);
+              block-outermost layouts and Mamba/GDN state refused by name
+settings.py   kv_connector_extra_config -> ConnectorSettings (bootstrap, auth, deadlines)
+handoff.py    where vLLM's thread and the worker's loop thread meet (steps in, finished out)
+producer.py   the producer's control loop: held rooms, registration, sends on TransferRequest
+consumer.py   the consumer's control loop: lookup + registration, TransferRequest, loads
+              ending loaded or failed (load_errors), releases as Aborts
+worker.py     DisaggWorker: what the connector's worker side calls (register, step,
+              finished, load_errors, close)
+connector.py  DisaggConnector: vLLM's KVConnectorBase_V1 + SupportsHMA
 
 Only connector.py imports vLLM; the rest is plain disagg and is tested without vLLM too.
 """

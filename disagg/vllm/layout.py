@@ -1,41 +1,32 @@
-"""vLLM's KV tensors as disagg buffers: what register_kv_caches hands a worker, described in
-transfer's terms (transfer.buffers.Buffer: region, bytes, bytes per item, component, layer, part).
+"""vLLM's KV tensors as a disagg pool: what register_kv_caches hands a worker, described as a
+kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item per block).
 
-vLLM's CPU attention backend (KV cache layout LBHNC) gives one tensor per attention layer,
-[num_blocks, num_kv_heads, block_size, 2 * head_size]: block b of a layer is one contiguous
-run of bytes, K and V of each head and token side by side. That is a layer-major buffer whose
-item is a block (vLLM's block 0 is its null block, as item 0 is our sentinel), so whole
-blocks move as one range per (block run, layer), the planner's run grouping applies, and two
-sides of the same model, block size and TP pair buffer by buffer (transfer.buffers'
-layout_difference). Tokens inside a block are not rows of one stride here (heads outermost),
-so pools of different block sizes or TP sizes cannot pair by token yet: refused.
+    vLLM's tensor per attention layer                  buffers of layer L
+    [num_blocks, num_kv_heads, block_size, 2 * head]   "kv"        (CPU backend, LBHNC: K and V
+                                                                     of each head side by side)
+    [num_blocks, 2, block_size, num_kv_heads, head]    "kv"        (block-first K/V, FlashInfer)
+    [2, num_blocks, block_size, num_kv_heads, head]    "k", "v"    (K/V-first, flash-attention)
 
-Layouts whose blocks of one layer are not back to back (BLHNC and the other block-outermost
-layouts of some CUDA backends: a layer's block b is a strided slice of a buffer of every layer)
-are refused by name until the transfer layer takes a pitch other than the item's size.
+vLLM's block 0 is its null block, as item 0 is our sentinel; whole blocks move as one range
+per (block run, buffer), and two sides of the same model, block size, TP size and layout
+pair buffer by buffer. Pools of different block sizes or TP sizes do not pair (tokens inside
+a block are not rows of one stride here). Layouts whose blocks of one layer are not back to
+back (BLHNC and other block-outermost layouts of some CUDA backends: a layer's block b is a
+strided slice of a buffer of every layer) and Mamba/GDN state tensors are refused by name.
 """
 
 import re
-from dataclasses import dataclass
 
 import torch
 
-from kvpool.geometry import Component
-from transfer.buffers import Buffer
+from kvpool.engine import EngineBuffer, EnginePool, EnginePoolConfig, attention_model, block_first, kv_first
+from kvpool.errors import SpecError
 
-PART = "kv"   # one buffer per layer, K and V interleaved inside a block (not kvpool's k / v parts)
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
 class VllmLayoutError(ValueError):
     """KV tensors this connector cannot describe yet; the message names the layer and why."""
-
-
-@dataclass(frozen=True)
-class LayerBuffer:
-    name: str              # vLLM's layer name (model.layers.3.self_attn.attn)
-    layer: int             # the model layer index read off the name
-    blocks: torch.Tensor   # uint8 [num_blocks, block_bytes] view of vLLM's tensor (same memory)
 
 
 def layer_index(name: str) -> int:
@@ -45,27 +36,47 @@ def layer_index(name: str) -> int:
     return int(m.group(1))
 
 
-def describe(kv_caches: dict[str, torch.Tensor]) -> list[LayerBuffer]:
-    """Each layer's tensor as blocks of bytes, in layer order (so both sides number their
-    regions alike). Raises VllmLayoutError for a tensor whose blocks are not back to back."""
-    out = []
-    for name, t in kv_caches.items():
-        if not isinstance(t, torch.Tensor) or t.dim() < 2:
-            raise VllmLayoutError(f"KV cache layer {name!r}: {type(t).__name__} is not a per-layer block tensor "
-                                  "(Mamba/GDN state lists and block-outermost layouts are not described yet)")
-        if not t.is_contiguous():
-            raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(t.shape)} strides {t.stride()} is not "
-                                  "contiguous (a block-outermost layout such as BLHNC; use a layer-compact one, "
-                                  "VLLM_KV_CACHE_LAYOUT=LBHNC or LBNHC)")
-        blocks = t.view(torch.uint8).view(t.shape[0], -1)
-        out.append(LayerBuffer(name, layer_index(name), blocks))
-    out.sort(key=lambda b: b.layer)
-    if len({b.layer for b in out}) != len(out):
-        raise VllmLayoutError(f"two KV cache tensors for one layer: {[b.name for b in out]}")
-    return out
+def geometry(name: str, t: torch.Tensor) -> tuple[str, int, int, int]:
+    """(kind, block size, KV heads on this rank, head size) of one layer's tensor; kind is
+    "block" (one buffer per layer) or "kv" (K and V buffers)."""
+    if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
+        raise VllmLayoutError(f"KV cache layer {name!r}: {type(t).__name__} {tuple(getattr(t, 'shape', ()))} is not a "
+                              "per-layer block tensor (Mamba/GDN state tensors are not described yet)")
+    if not t.is_contiguous():
+        raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(t.shape)} strides {t.stride()} is not "
+                              "contiguous (a block-outermost layout such as BLHNC; use a layer-compact one, "
+                              "VLLM_KV_CACHE_LAYOUT=LBHNC or NHD)")
+    s = t.shape
+    if t.dim() == 4:                         # [blocks, heads, block_size, 2 * head]
+        return "block", s[2], s[1], s[3] // 2
+    if s[0] == 2 and s[1] != 2:              # [2, blocks, block_size, heads, head]
+        return "kv", s[2], s[3], s[4]
+    if s[1] == 2 and s[0] != 2:              # [blocks, 2, block_size, heads, head]
+        return "block", s[2], s[3], s[4]
+    raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(s)}: cannot tell K/V-first from block-first")
 
 
-def buffers(layers: list[LayerBuffer], first_region: int = 0) -> list[Buffer]:
-    """The layers as transfer Buffers, region first_region + i = layer i of `layers`."""
-    return [Buffer(first_region + i, b.blocks.numel(), b.blocks.shape[1], Component.FULL, b.layer, PART)
-            for i, b in enumerate(layers)]
+def engine_pool(kv_caches: dict[str, torch.Tensor], block_size: int, model_name: str, tp_size: int = 1,
+                tp_rank: int = 0) -> EnginePool:
+    """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
+    sides number their regions alike). Raises VllmLayoutError naming the first layer that
+    cannot be described, or that differs from the others."""
+    if not kv_caches:
+        raise VllmLayoutError("no KV cache tensors (a model without attention layers is not described yet)")
+    named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
+    if len({i for i, _, _ in named}) != len(named):
+        raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")
+    shapes = {geometry(n, t) + (t.dtype,) for _, n, t in named}
+    if len(shapes) != 1:
+        raise VllmLayoutError(f"KV cache layers of different shapes or dtypes {sorted(map(str, shapes))} (SWA or "
+                              "hybrid groups are not described yet)")
+    kind, bs, heads, head, dtype = shapes.pop()
+    if bs != block_size:
+        raise VllmLayoutError(f"KV cache tensors hold blocks of {bs} tokens, vLLM's block size is {block_size}")
+    split = kv_first if kind == "kv" else block_first
+    bufs: list[EngineBuffer] = [b for i, _, t in named for b in split(i, t)]
+    try:
+        model = attention_model(model_name, [i for i, _, _ in named], heads * tp_size, head, dtype)
+        return EnginePool(EnginePoolConfig(model, block_size, named[0][2].device, tp_size, tp_rank), bufs)
+    except SpecError as exc:
+        raise VllmLayoutError(str(exc)) from None

@@ -271,6 +271,18 @@ class HybridPool(KVPool):
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         return [d for pool in self.pools.values() for d in pool.buffer_descriptors()]
 
+    # ---- what a transfer endpoint exposes (transfer.endpoint.ExposedPool) ----
+    token_rows = True   # items hold token rows in the model's segment order (transfer.tokens)
+
+    def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]:
+        """uint8 [num_items, item_bytes] per buffer and component, for gather and scatter."""
+        return {c: p.storage.buffers for c, p in self.pools.items()}
+
+    def exposed_placements(self) -> dict[Component, list[tuple[int, int, int, int]]]:
+        """(buffer, layer, offset, bytes) of each layer in an item, for layer-wise streaming."""
+        return {c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
+                for c, p in self.pools.items()}
+
     def index_set(self, req: RequestKV) -> IndexSet:
         with self._lock:
             self._check_live(req)

@@ -1,12 +1,13 @@
-"""vLLM's per-layer KV tensors described as transfer buffers: one layer-major buffer per layer,
-an item per block, same memory; layouts whose blocks are not back to back are refused by name."""
+"""vLLM's per-layer KV tensors described as an EnginePool: one layer-major buffer per layer (K
+and V buffers for a K/V-first layout), an item per block, same memory; layouts whose blocks
+are not back to back are refused by name."""
 
 import pytest
 import torch
 
-from disagg.vllm.layout import PART, VllmLayoutError, buffers, describe
+from disagg.vllm.layout import VllmLayoutError, engine_pool
 from kvpool.geometry import Component
-from transfer.buffers import layout_difference
+from transfer.buffers import buffers_of, layout_difference
 
 
 def _cpu_caches(num_blocks=8, heads=2, block=16, head=64, dtype=torch.float32, layers=(1, 0)):
@@ -15,32 +16,46 @@ def _cpu_caches(num_blocks=8, heads=2, block=16, head=64, dtype=torch.float32, l
             for i in layers}
 
 
+def _bufs(caches, block=16):
+    return buffers_of(engine_pool(caches, block, "tiny").buffer_descriptors())
+
+
 def test_cpu_layout_is_one_buffer_per_layer_with_a_block_per_item():
     caches = _cpu_caches()
-    layers = describe(caches)
-    assert [b.layer for b in layers] == [0, 1]
-    bufs = buffers(layers)
-    assert [(b.region, b.item_bytes, b.num_items, b.component, b.layer, b.part) for b in bufs] == \
-        [(i, 2 * 16 * 128 * 4, 8, Component.FULL, i, PART) for i in range(2)]
+    pool = engine_pool(caches, 16, "tiny")
+    assert [(b.region, b.item_bytes, b.num_items, b.component, b.layer, b.part) for b in _bufs(caches)] == \
+        [(i, 2 * 16 * 128 * 4, 8, Component.FULL, i, "kv") for i in range(2)]
+    full = pool.config.model.full
+    assert (full.layers, full.kv_heads, full.k_dim, full.dtype) == ((0, 1), 2, 64, "float32")
     src = caches["model.layers.0.self_attn.attn"]
-    layers[0].blocks[3].fill_(7)                  # the view is vLLM's memory
+    pool.exposed_tensors()[Component.FULL][0][3].fill_(7)      # the view is vLLM's memory
     assert (src[3].view(torch.uint8) == 7).all() and not (src[2].view(torch.uint8) == 7).all()
 
 
+def test_kv_first_layout_is_k_and_v_buffers():
+    caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 8, 16, 2, 64) for i in range(2)}
+    assert [(b.layer, b.part, b.item_bytes) for b in _bufs(caches)] == \
+        [(i, p, 16 * 2 * 64 * 4) for i in range(2) for p in ("k", "v")]
+
+
 def test_two_sides_of_one_model_pair_and_another_block_size_does_not():
-    a, b = buffers(describe(_cpu_caches())), buffers(describe(_cpu_caches(num_blocks=20)))
+    a, b = _bufs(_cpu_caches()), _bufs(_cpu_caches(num_blocks=20))
     assert layout_difference(a, b) is None          # capacity may differ
-    c = buffers(describe(_cpu_caches(block=32)))
+    c = _bufs(_cpu_caches(block=32), block=32)
     assert "B/item" in layout_difference(a, c)
+    with pytest.raises(VllmLayoutError, match="blocks of 32 tokens, vLLM's block size is 16"):
+        engine_pool(_cpu_caches(block=32), 16, "tiny")
 
 
 def test_block_outermost_layout_is_refused_by_name():
     whole = torch.zeros(8, 2, 2, 16, 128)           # [blocks, layers, heads, tokens, 2 x head]: BLHNC
     caches = {f"model.layers.{i}.self_attn.attn": whole[:, i] for i in range(2)}
     with pytest.raises(VllmLayoutError, match="BLHNC"):
-        describe(caches)
+        engine_pool(caches, 16, "tiny")
 
 
-def test_a_name_without_a_layer_index_is_refused():
+def test_a_name_without_a_layer_index_or_a_state_list_is_refused():
     with pytest.raises(VllmLayoutError, match="no '.layers.N.'"):
-        describe({"attn": torch.zeros(4, 1, 16, 128)})
+        engine_pool({"attn": torch.zeros(4, 1, 16, 128)}, 16, "tiny")
+    with pytest.raises(VllmLayoutError, match="Mamba/GDN"):
+        engine_pool({"model.layers.0.linear_attn": [torch.zeros(4, 8), torch.zeros(4, 8, 8)]}, 16, "tiny")

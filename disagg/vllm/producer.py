@@ -1,0 +1,240 @@
+"""The producer (prefill) side of a DisaggWorker: vLLM's finished prompts held under rooms
+until their consumer asks, then sent from vLLM's blocks.
+
+    Send (scheduler step)  -> held[room]: HELD until a TransferRequest, at most hold_s
+    RegisterDecode         -> DecodePeers.register (version, layout check, a shared transport)
+    TransferRequest        -> the consumer's destination blocks cover the prompt's last
+                              len(dst) blocks of its num_tokens (its own prefix-cache hit is the
+                              rest): those source blocks go, on the peer's transfer workers
+                              -> TransferStarted; TransferDone once the writes landed (or not)
+    Abort                  -> a HELD room is let go at once; a SENDING one stops
+    a room ends            -> Handoff.sent(req_id): vLLM frees its blocks (finished_sending)
+
+A TransferRequest may come before the step that holds its room reaches us (the consumer
+heard of the room through the proxy first): it waits, at most hold_s.
+The loop thread owns the control socket and `held`; transfer workers send and post
+SendEnded back through the Handoff.
+"""
+
+import enum
+import logging
+import math
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from disagg.bootstrap.lease import BootstrapLease
+from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
+from disagg.control.auth import Gate
+from disagg.control.io import RouterIO
+from disagg.control.layout import LayoutInfo
+from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
+                                     Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
+from disagg.errors import DisaggError, ProtocolError
+from disagg.prefill.peers import DecodePeer, DecodePeers
+from disagg.vllm.handoff import Handoff
+from disagg.vllm.scheduler import Send, StepMeta
+from disagg.vllm.settings import ConnectorSettings
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.errors import Cancelled, TransferError, WritesAbandoned
+from transfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+POLL_MS = 5          # the loop's longest sleep: a step's Send waits at most this long
+SWEEP_S = 0.5
+TRANSFER_WORKERS = 2   # per consumer peer
+
+
+class Phase(enum.Enum):
+    HELD = "held"
+    SENDING = "sending"
+
+
+@dataclass(eq=False)
+class Held:
+    send: Send
+    blocks: np.ndarray          # int32: the prompt's blocks (KV cache group 0)
+    deadline: float
+    phase: Phase = Phase.HELD
+    owner: bytes | None = None  # the consumer it is being sent to
+    stop: bool = False          # set by the loop: the send ends with Cancelled at its next write
+
+
+@dataclass(frozen=True)
+class SendEnded:
+    room: int
+
+
+class Producer:
+    def __init__(self, settings: ConnectorSettings, sender: KVSender, layout: LayoutInfo, gate: Gate,
+                 handoff: Handoff, epoch: int, tp: tuple[int, int]):
+        self.settings, self.sender, self.handoff, self.epoch = settings, sender, handoff, epoch
+        self.io = RouterIO(gate, settings.host)
+        self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
+        self.held: dict[int, Held] = {}
+        self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}   # room -> asked before held
+        rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
+        self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
+            if settings.run_bootstrap and tp[1] == 0 else None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="disagg-producer", daemon=True)
+        self._thread.start()
+        self.lease = BootstrapLease(gate, settings.bootstrap, rank)
+        try:
+            self.lease.acquire()
+        except DisaggError:
+            self.close()
+            raise
+
+    # ---- the loop thread ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        next_sweep = time.monotonic() + SWEEP_S
+        while not self._stop.is_set():
+            for identity, msg in self.io.recv(POLL_MS):
+                try:
+                    reply = self._handle(identity, msg)
+                except Exception:   # a bug or a hostile frame must not stop the control plane
+                    log.exception("control frame from %r failed", identity)
+                    reply = None
+                if reply is not None:
+                    self.io.reply(identity, reply)
+            for item in self.handoff.take():
+                self._event(item)
+            if time.monotonic() >= next_sweep:
+                self._sweep()
+                next_sweep = time.monotonic() + SWEEP_S
+
+    def _event(self, item) -> None:
+        match item:
+            case StepMeta(sends=sends):
+                for s in sends:
+                    self._hold(s)
+            case SendEnded(room=room):
+                h = self.held.pop(room, None)
+                if h is not None:
+                    self.handoff.sent(h.send.req_id)
+
+    def _hold(self, s: Send) -> None:
+        if s.room in self.held:
+            log.warning("room %d held twice (requests %s, %s): keeping the first", s.room,
+                        self.held[s.room].send.req_id, s.req_id)
+            self.handoff.sent(s.req_id)
+            return
+        blocks = np.asarray(s.block_ids[0] if s.block_ids else (), dtype=np.int32)
+        self.held[s.room] = Held(s, blocks, time.monotonic() + self.settings.hold_s)
+        early = self.early.pop(s.room, None)
+        if early is not None:
+            reply = self._transfer_request(early[0], early[1])
+            if reply is not None:
+                self.io.reply(early[0], reply)
+
+    def _handle(self, identity: bytes, msg):
+        """One message from a consumer -> the reply, if any."""
+        if isinstance(msg, ProtocolError):
+            log.warning("control frame refused: %s", msg)
+            return Refused(str(msg))
+        known = self.peers.heard(identity)
+        match msg:
+            case RegisterDecode():
+                return self.peers.register(identity, msg)
+            case TransferRequest():
+                return self._transfer_request(identity, msg)
+            case Abort(room=room, reason=why) if known:
+                return self._abort(identity, room, why)
+            case Heartbeat():
+                return Heartbeat(self.epoch) if known else Refused("unknown decode: register again")
+            case ChunkDone():
+                return None   # never staged: we lend no slots
+        return Refused("register first") if not known else None
+
+    def _transfer_request(self, identity: bytes, msg: TransferRequest):
+        peer = self.peers.get(identity)
+        if peer is None or msg.decode_epoch != peer.epoch:
+            return TransferDone(msg.room, self.epoch, False, "decode is not registered (or not at this epoch)")
+        h = self.held.get(msg.room)
+        if h is None:   # its step may not have reached us yet
+            self.early[msg.room] = (identity, msg, time.monotonic() + self.settings.hold_s)
+            return None
+        if h.phase is not Phase.HELD:
+            return TransferDone(msg.room, self.epoch, False, "room is being sent to another request")
+        try:
+            dst = indices_from_wire(msg.indices)
+            src = self._source(h, dst, msg.num_tokens)
+        except ProtocolError as exc:
+            return TransferDone(msg.room, self.epoch, False, str(exc))
+        h.phase, h.owner = Phase.SENDING, identity
+        peer.workers.submit(self._send, h, peer, identity, src, dst)
+        return TransferStarted(msg.room, self.epoch)
+
+    def _source(self, h: Held, dst: IndexSet, num_tokens: int) -> IndexSet:
+        """Our blocks for a destination that covers the last len(dst) blocks of the prompt's
+        first `num_tokens` tokens; ProtocolError for one that cannot be ours."""
+        if set(dst.components()) != {Component.FULL}:
+            raise ProtocolError(f"indices for {[c.value for c in dst.components()]}, expected full only")
+        n, bs = len(dst[Component.FULL]), self.sender.pool.config.page_size
+        if not 1 <= num_tokens <= h.send.num_tokens:
+            raise ProtocolError(f"num_tokens {num_tokens} outside [1, {h.send.num_tokens}] of room {h.send.room}")
+        hi = math.ceil(num_tokens / bs)
+        if not 1 <= n <= hi or hi > len(h.blocks):
+            raise ProtocolError(f"{n} destination blocks for {num_tokens} tokens of {bs} per block (held: "
+                                f"{len(h.blocks)} blocks)")
+        return IndexSet({Component.FULL: h.blocks[hi - n:hi]})
+
+    def _abort(self, identity: bytes, room: int, why: str):
+        h = self.held.get(room)
+        if h is None:
+            return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
+                                settled=not self.sender.unsettled())
+        if h.phase is Phase.SENDING:
+            if h.owner == identity:
+                h.stop = True   # the send answers with TransferDone
+            return None
+        del self.held[room]
+        self.handoff.sent(h.send.req_id)
+        return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
+        for room, h in list(self.held.items()):
+            if h.phase is Phase.HELD and now >= h.deadline:
+                log.warning("room %d (request %s): no consumer asked within %g s; freeing its blocks", room,
+                            h.send.req_id, self.settings.hold_s)
+                del self.held[room]
+                self.handoff.sent(h.send.req_id)
+        for room, (identity, _, deadline) in list(self.early.items()):
+            if now >= deadline:
+                del self.early[room]
+                self.io.reply(identity, TransferDone(room, self.epoch, False, "no such room here"))
+        gone = self.peers.drop_silent()
+        for h in self.held.values():
+            if h.owner in gone:
+                h.stop = True
+
+    # ---- a transfer worker ---------------------------------------------------------------------
+    def _send(self, h: Held, peer: DecodePeer, identity: bytes, src: IndexSet, dst: IndexSet) -> None:
+        report, reason, settled = None, "", True
+        try:
+            report = self.sender.send(peer.target, src, dst, stopped=lambda: h.stop or self._stop.is_set())
+        except Cancelled as exc:
+            reason = f"aborted: {exc}"
+        except TransferError as exc:
+            reason, settled = f"{type(exc).__name__}: {exc}", not isinstance(exc, WritesAbandoned)
+        except Exception as exc:   # a bug: the consumer still hears the end
+            log.exception("room %d: send failed", h.send.room)
+            reason = f"internal error: {type(exc).__name__}"
+        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report, settled))
+        self.handoff.post(SendEnded(h.send.room))
+
+    def close(self) -> None:
+        self.lease.stop()
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.peers.close()
+        if self.bootstrap is not None:
+            self.bootstrap.stop()
+        self.io.close()

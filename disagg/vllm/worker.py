@@ -1,0 +1,117 @@
+"""DisaggWorker: the worker side of DisaggConnector, one per vLLM worker (TP rank).
+
+    from_vllm(vllm_config, extra)  settings only (kv_connector_extra_config: disagg.vllm.settings)
+    register(kv_caches)            vLLM's KV tensors as an EnginePool (disagg.vllm.layout), exposed
+                                   to our transports through a KVSender (producer) or KVReceiver
+                                   (consumer); the control plane starts (disagg.vllm.producer /
+                                   consumer: bootstrap, registration with the layout check,
+                                   CURVE auth, deadlines, aborts, peer loss)
+    step(meta)                     a scheduler step's Sends / Loads / Releases
+    finished()                     (finished_sending, finished_recving) since the last call
+    load_errors()                  the blocks of the loads finished() just reported failed
+    close()
+
+vLLM calls these from its own thread; a loop thread of ours owns the ZMQ sockets and the
+request table. They meet in one place, the Handoff. Only disagg.vllm.connector imports vLLM:
+from_vllm reads the config object's fields.
+"""
+
+import logging
+import os
+import time
+
+import torch
+import zmq
+
+from disagg.control.auth import Gate
+from disagg.control.layout import LayoutInfo, describe_model
+from disagg.errors import ConfigError
+from disagg.vllm.consumer import Consumer
+from disagg.vllm.handoff import Handoff
+from disagg.vllm.layout import engine_pool
+from disagg.vllm.producer import Producer
+from disagg.vllm.scheduler import StepMeta
+from disagg.vllm.settings import ConnectorSettings
+from transfer.config import Mode, TransferConfig
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+from transfer.transports import TransportSettings, create, resolve
+from transfer.transports.mooncake import MooncakeSettings
+
+log = logging.getLogger(__name__)
+
+# whole blocks, straight into vLLM's cache: no staging (a minimal area, which the endpoint always has)
+TRANSFER = TransferConfig(mode=Mode.DIRECT, staging_slots=1, staging_slot_bytes=4096)
+
+
+class DisaggWorker:
+    def __init__(self, settings: ConnectorSettings, producer: bool, block_size: int, model_name: str,
+                 tp: tuple[int, int] = (1, 0)):
+        if producer and not settings.bootstrap:
+            raise ConfigError("a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port)")
+        self.settings, self.producer, self.block_size, self.model_name, self.tp = \
+            settings, producer, block_size, model_name, tp
+        self.handoff = Handoff()
+        self.endpoint = self.side = self.gate = self._ctx = None
+
+    @staticmethod
+    def from_vllm(vllm_config, extra: dict) -> "DisaggWorker":
+        kv = vllm_config.kv_transfer_config
+        if kv.is_kv_producer and kv.is_kv_consumer:
+            raise ConfigError("DisaggConnector: kv_role kv_both is not supported yet; run a kv_producer and a "
+                              "kv_consumer")
+        par = vllm_config.parallel_config
+        tp_size = par.tensor_parallel_size
+        name = os.path.basename(str(vllm_config.model_config.model).rstrip("/")) or "model"
+        return DisaggWorker(ConnectorSettings.from_extra(extra), kv.is_kv_producer, vllm_config.cache_config.block_size,
+                            name, (tp_size, getattr(par, "rank", 0) % tp_size))
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Describe vLLM's tensors, expose them, start the control plane. Raises
+        VllmLayoutError / ConfigError / a transport's error with one line; nothing is left open."""
+        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp)
+        s = self.settings
+        ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
+        transports = create(resolve("auto", ts), ts)
+        try:
+            self.endpoint = (KVSender if self.producer else KVReceiver)(transports, pool, TRANSFER)
+            layout = LayoutInfo(pool.page_size, pool.config.layout.value, self.endpoint.buffers,
+                                describe_model(pool.config.model, self.tp[0]))
+            self._ctx = zmq.Context()
+            self.gate = Gate(self._ctx, s.auth, f"vLLM {'producer' if self.producer else 'consumer'} worker")
+            epoch = time.time_ns()
+            self.side = Producer(s, self.endpoint, layout, self.gate, self.handoff, epoch, self.tp) if self.producer \
+                else Consumer(s, self.endpoint, layout, self.gate, self.handoff, epoch)
+        except BaseException:
+            self.close(transports)
+            raise
+        log.info("disagg %s: %d KV buffers of %d blocks (%s), transports %s", "producer" if self.producer
+                 else "consumer", len(self.endpoint.buffers), pool.num_blocks, pool.config.device,
+                 [t.kind for t in transports])
+
+    def step(self, meta: StepMeta) -> None:
+        if meta.sends or meta.loads or meta.releases:
+            self.handoff.post(meta)
+
+    def finished(self) -> tuple[set[str] | None, set[str] | None]:
+        return self.handoff.finished()
+
+    def load_errors(self) -> set[int]:
+        return self.handoff.load_errors()
+
+    def close(self, transports=None) -> None:
+        side, self.side = self.side, None
+        if side is not None:
+            side.close()
+        endpoint, self.endpoint = self.endpoint, None
+        if endpoint is not None:
+            endpoint.close()
+            transports = endpoint.transports
+        for t in transports or ():
+            t.close()
+        gate, self.gate = self.gate, None
+        if gate is not None:
+            gate.close()
+        ctx, self._ctx = self._ctx, None
+        if ctx is not None:
+            ctx.term()

@@ -1,0 +1,144 @@
+"""EnginePool: KV memory a model engine owns (vLLM's KV cache tensors, ...), described as
+disagg's layer-major buffers, so a transfer.endpoint.PoolEndpoint (KVSender, KVReceiver)
+exposes and moves it unchanged. disagg allocates nothing here and frees nothing: the engine
+keeps its tensors alive and decides which blocks a request holds; a transfer names them.
+
+    engine tensor (one per attention layer)           EnginePool buffers (item = one block)
+    [num_blocks, heads, block_size, 2 * head]          layer L, part "kv": block b = bytes of t[b]
+      (vLLM CPU, LBHNC: K and V side by side)
+    [num_blocks, 2, block_size, heads, head]           layer L, part "kv": block b = bytes of t[b]
+      (block-first, K then V inside a block)
+    [2, num_blocks, block_size, heads, head]           layer L, part "k": block b = bytes of t[0, b]
+      (K/V-first, as CUDA flash-attention keeps it)    layer L, part "v": block b = bytes of t[1, b]
+
+Every buffer is a uint8 [num_blocks, block_bytes] view of the engine's memory, so the
+planner's run grouping applies (consecutive blocks: one range per run and buffer) and two
+engines of one model, block size and TP shard pair buffer by buffer
+(transfer.buffers.layout_difference). An engine's block 0 is taken as the sentinel item
+(vLLM's null block is block 0): a transfer never names it.
+
+What this surface does not describe: tokens inside a block as rows of one stride (`token_rows`
+is False), so pools of different block sizes or TP sizes do not pair (a sender refuses them
+with LayoutIncompatible); state tensors of Mamba/GDN layers; layouts whose blocks of one
+layer are not back to back.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvpool.errors import SpecError
+from kvpool.geometry import Component
+from kvpool.layout import Layout
+from kvpool.spec import AttentionSpec, ModelSpec
+from kvpool.storage import BufferDescriptor
+
+COMPONENTS = (Component.FULL,)
+
+
+@dataclass(frozen=True)
+class EngineBuffer:
+    """One engine-owned tensor of one layer as items: `blocks` is uint8 [num_blocks,
+    block_bytes] over the engine's memory (block b of the layer = row b)."""
+    layer: int
+    part: str
+    blocks: torch.Tensor
+
+
+@dataclass(frozen=True)
+class EnginePoolConfig:
+    """What a PoolEndpoint and a KVSender read off a pool's config (HybridPool's PoolConfig
+    has the same fields)."""
+    model: ModelSpec
+    page_size: int                      # the engine's block size (tokens per block)
+    device: torch.device
+    tp_size: int = 1
+    tp_rank: int = 0
+    layout: Layout = Layout.LAYER_MAJOR
+    components: tuple[Component, ...] = COMPONENTS
+
+
+class EnginePool:
+    """An engine's KV tensors as disagg pool buffers (module docstring). Same memory: what a
+    receiver's transport writes lands in the engine's cache."""
+
+    token_rows = False   # items are whole blocks; rows of a token are not described
+
+    def __init__(self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer]):
+        self.config = config
+        self.page_size = config.page_size
+        self.buffers = list(buffers)
+        _check(config, self.buffers)
+        self.num_blocks = self.buffers[0].blocks.shape[0]
+
+    def buffer_descriptors(self) -> list[BufferDescriptor]:
+        """Region i = buffer i (in layer order, then part), as both sides number them."""
+        return [BufferDescriptor(b.blocks.data_ptr(), b.blocks.numel(), b.blocks.shape[1], Component.FULL,
+                                 b.layer, b.part) for b in self.buffers]
+
+    def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]:
+        """uint8 [num_items, item_bytes] per buffer, for gather and scatter."""
+        return {Component.FULL: [b.blocks for b in self.buffers]}
+
+    def exposed_placements(self) -> dict[Component, list[tuple[int, int, int, int]]]:
+        """(buffer, layer, offset, bytes) of each layer in an item: a whole item per buffer."""
+        return {Component.FULL: [(i, b.layer, 0, b.blocks.shape[1]) for i, b in enumerate(self.buffers)]}
+
+
+def _check(config: EnginePoolConfig, buffers: list[EngineBuffer]) -> None:
+    """One line naming the first buffer that cannot be an item table of this pool."""
+    if not buffers:
+        raise SpecError("an engine pool needs at least one KV buffer")
+    if config.page_size < 1:
+        raise SpecError(f"block size {config.page_size} must be positive")
+    num_blocks = buffers[0].blocks.shape[0] if buffers[0].blocks.dim() == 2 else None
+    seen = set()
+    for b in buffers:
+        t, what = b.blocks, f"engine KV buffer (layer {b.layer}, {b.part})"
+        if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
+            raise SpecError(f"{what}: {t.dtype} {tuple(t.shape)} is not a contiguous uint8 [blocks, bytes] view")
+        if t.shape[0] != num_blocks or t.shape[0] < 2:
+            raise SpecError(f"{what}: {t.shape[0]} blocks, the first buffer has {num_blocks} (at least 2: block 0 "
+                            f"is the null block)")
+        if t.device != torch.device(config.device):
+            raise SpecError(f"{what}: on {t.device}, the pool is on {config.device}")
+        if not 0 <= b.layer < config.model.num_layers or (b.layer, b.part) in seen:
+            raise SpecError(f"{what}: layer outside [0, {config.model.num_layers}) or given twice")
+        seen.add((b.layer, b.part))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def block_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
+    """A layer's tensor whose dim 0 is the block ([num_blocks, ...], each block's bytes back to
+    back: vLLM's CPU layout, block-first K/V layouts): one buffer, part "kv"."""
+    _contiguous(layer, t)
+    return [EngineBuffer(layer, "kv", t.view(torch.uint8).view(t.shape[0], -1))]
+
+
+def kv_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
+    """A layer's tensor [2, num_blocks, ...] (K then V, each block-first: CUDA flash-attention's
+    layout): two buffers, parts "k" and "v"."""
+    _contiguous(layer, t)
+    if t.shape[0] != 2:
+        raise SpecError(f"layer {layer}: shape {tuple(t.shape)} is not [2, num_blocks, ...] (K then V)")
+    raw = t.view(torch.uint8).view(2, t.shape[1], -1)
+    return [EngineBuffer(layer, "k", raw[0]), EngineBuffer(layer, "v", raw[1])]
+
+
+def _contiguous(layer: int, t: torch.Tensor) -> None:
+    if not t.is_contiguous():
+        raise SpecError(f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()} is not contiguous (its blocks "
+                        "are not back to back)")
+
+
+def attention_model(name: str, layers: Sequence[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
+                    num_layers: int | None = None) -> ModelSpec:
+    """The ModelSpec of an engine's full-attention layers (what a LayoutInfo describes to the
+    peer, and a refusal names); `kv_heads` is the whole model's (before the TP split)."""
+    layers = tuple(sorted(layers))
+    return ModelSpec(name, num_layers or layers[-1] + 1,
+                     full=AttentionSpec(layers, kv_heads, head_dim, head_dim, dtype_name(dtype)))

@@ -1,0 +1,108 @@
+"""kvpool.engine.EnginePool: KV tensors an engine owns (vLLM's CPU layout, a CUDA-style K/V-first
+layout) as layer-major buffers; KVSender and KVReceiver move blocks between two of them in
+direct mode, byte for byte into the engine's own memory, and nothing else changes. Over the
+real Mooncake engine (TCP, loopback) and the in-process memory transport."""
+
+import pytest
+import torch
+
+from harness import memory
+from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_first, kv_first
+from kvpool.errors import SpecError
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.config import Mode, TransferConfig
+from transfer.errors import LayoutIncompatible
+from transfer.receiver import KVReceiver
+from transfer.sender import KVSender
+
+LAYERS, HEADS, HEAD, BLOCKS = 2, 2, 8, 12
+CONFIG = TransferConfig(mode=Mode.DIRECT, staging_slots=1, staging_slot_bytes=4096)
+
+
+def _cpu(block=16, seed=0):
+    """vLLM's CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, HEADS, block, 2 * HEAD, generator=g) for _ in range(LAYERS)]
+
+
+def _cuda_style(block=16, seed=0):
+    """[2, num_blocks, block_size, num_kv_heads, head_size] per layer (K then V)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, BLOCKS, block, HEADS, HEAD, generator=g) for _ in range(LAYERS)]
+
+
+LAYOUTS = {"cpu": (_cpu, block_first), "cuda-style": (_cuda_style, kv_first)}
+
+
+def _pool(tensors, describe, block=16) -> EnginePool:
+    bufs = [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
+    model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
+    return EnginePool(EnginePoolConfig(model, block, torch.device("cpu")), bufs)
+
+
+def _blocks(tensors, layout):
+    """Each layer's blocks as rows of bytes (K/V-first: K and V of a block side by side)."""
+    if layout == "cpu":
+        return [t.view(torch.uint8).view(BLOCKS, -1).clone() for t in tensors]
+    return [torch.cat([t[0].reshape(BLOCKS, -1), t[1].reshape(BLOCKS, -1)], 1).view(torch.uint8).clone()
+            for t in tensors]
+
+
+@pytest.fixture(params=["mooncake", "memory"])
+def transports(request, mooncake):
+    if request.param == "mooncake":
+        return mooncake, mooncake
+    return memory.MemoryTransport(), memory.MemoryTransport()
+
+
+def _move(transports, layout, src_blocks, dst_blocks):
+    make, describe = LAYOUTS[layout]
+    src_t, dst_t = make(seed=1), make(seed=2)
+    before = _blocks(dst_t, layout)
+    with KVSender(transports[0], _pool(src_t, describe), CONFIG) as sender, \
+            KVReceiver(transports[1], _pool(dst_t, describe), CONFIG) as receiver:
+        peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
+        idx = lambda b: IndexSet({Component.FULL: torch.tensor(b, dtype=torch.int32).numpy()})  # noqa: E731
+        report = sender.send(peer, idx(src_blocks), idx(dst_blocks))
+        peer.link.close()
+    return report, _blocks(src_t, layout), before, _blocks(dst_t, layout)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_blocks_land_byte_equal_and_nothing_else_changes(transports, layout):
+    src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
+    report, src, before, after = _move(transports, layout, src_blocks, dst_blocks)
+    assert report.mode is Mode.DIRECT
+    for layer in range(LAYERS):
+        for s, d in zip(src_blocks, dst_blocks):
+            assert torch.equal(after[layer][d], src[layer][s]), f"layer {layer}: block {s} -> {d} differs"
+        others = [b for b in range(BLOCKS) if b not in dst_blocks]
+        assert torch.equal(after[layer][others], before[layer][others]), f"layer {layer}: other blocks changed"
+
+
+def test_consecutive_blocks_move_as_one_range_per_buffer(transports):
+    report, *_ = _move(transports, "cuda-style", [2, 3, 4, 5], [6, 7, 8, 9])
+    assert report.ranges == LAYERS * 2   # one run x (K, V) per layer
+
+
+def test_another_block_size_is_refused_in_one_line(mooncake):
+    with KVSender(mooncake, _pool(_cpu(), block_first), CONFIG) as sender, \
+            KVReceiver(mooncake, _pool(_cpu(block=32), block_first, block=32), CONFIG) as receiver:
+        with pytest.raises(LayoutIncompatible, match="B/item"):
+            sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
+        with pytest.raises(LayoutIncompatible):   # told the receiver's page size: no token rows to pair
+            sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info(), page_size=32)
+
+
+def test_buffers_are_the_engines_memory_and_bad_tensors_are_refused():
+    t = _cuda_style()
+    pool = _pool(t, kv_first)
+    assert [(d.layer, d.part, d.item_bytes) for d in pool.buffer_descriptors()] == \
+        [(layer, part, 16 * HEADS * HEAD * 4) for layer in range(LAYERS) for part in ("k", "v")]
+    pool.exposed_tensors()[Component.FULL][3][5].fill_(7)      # layer 1's V, block 5
+    assert (t[1][1, 5].view(torch.uint8) == 7).all() and not (t[1][0, 5].view(torch.uint8) == 7).all()
+    with pytest.raises(SpecError, match="not contiguous"):
+        block_first(0, torch.zeros(4, 2, 16, 16).transpose(1, 2))
+    with pytest.raises(SpecError, match="blocks"):
+        EnginePool(pool.config, [*block_first(0, torch.zeros(4, 2, 16, 16)), *block_first(1, torch.zeros(5, 2, 16, 16))])

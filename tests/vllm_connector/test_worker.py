@@ -1,0 +1,186 @@
+"""DisaggWorker between two real processes: a producer and a consumer, each over vLLM's config
+(vLLM's own create_vllm_config, the tiny Llama) and KV tensors in vLLM's CPU layout or a
+CUDA-style K/V-first one, the producer running the real bootstrap, Mooncake TCP on loopback,
+CURVE auth (the deployment key of tests/conftest.py). The consumer's blocks end byte-equal to
+the producer's, every other block untouched; a prefix-cache hit moves only the suffix; a dead
+producer ends the load in load_errors within its deadline."""
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).parent
+ROOT = HERE.parents[1]
+LOAD_S, DEAD_S = 6.0, 1.0
+START_S = 120.0
+VLLM_TESTS = Path(os.environ.get("DISAGG_VLLM_TESTS", Path(sys.prefix) / "vllm-sdist-tests"))
+
+
+class Child:
+    """A worker_child.py process and its JSON-line answers."""
+
+    def __init__(self, role: str, model: Path, layout: str, seed: int, extra: dict, logs: Path, num_blocks=16):
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "DISAGG_VLLM_TESTS": str(VLLM_TESTS),
+               "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+        self.log = open(logs / f"{role}-{seed}.log", "w")
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "worker_child.py"), role, str(model), layout, str(seed),
+                                      str(num_blocks), json.dumps(extra)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self._answers: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def ready(self) -> "Child":
+        assert self._answer(START_S) == {"ready": True}
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            if line.startswith("@@ "):
+                self._answers.put(json.loads(line[3:]))
+        self._answers.put(None)   # it exited
+
+    def _answer(self, timeout: float) -> dict:
+        try:
+            answer = self._answers.get(timeout=timeout)
+        except queue.Empty:
+            answer = None
+        if answer is None:
+            self.log.flush()
+            raise AssertionError(f"worker process gave no answer; its log:\n{Path(self.log.name).read_text()[-3000:]}")
+        return answer
+
+    def ask(self, cmd: dict, answer_s: float = 30.0) -> dict:
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+        return self._answer(answer_s)
+
+    def step(self, **meta) -> dict:
+        return self.ask({"op": "step", **meta})
+
+    def wait(self, timeout: float) -> dict:
+        return self.ask({"op": "wait", "timeout": timeout}, timeout + 10.0)
+
+    def dump(self, path: Path) -> dict[str, torch.Tensor]:
+        self.ask({"op": "dump", "path": str(path)})
+        return torch.load(path)
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=30)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.ask({"op": "close"})
+                self.proc.wait(timeout=30)
+            except (AssertionError, BrokenPipeError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+        self.log.close()
+
+
+def _start(model: Path, layout: str, seeds: tuple[int, int], logs: Path) -> tuple[Child, Child, str]:
+    """A producer and a consumer, started side by side (each imports vLLM: seconds)."""
+    boot = f"tcp://127.0.0.1:{_free_port()}"
+    producer = Child("kv_producer", model, layout, seeds[0], {"bootstrap": boot}, logs)
+    consumer = Child("kv_consumer", model, layout, seeds[1], {"load_s": LOAD_S, "dead_after_s": DEAD_S}, logs)
+    try:
+        return producer.ready(), consumer.ready(), boot
+    except BaseException:
+        consumer.close()
+        producer.close()
+        raise
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module", params=["cpu", "cuda-style"])
+def pair(request, tiny_llama, tmp_path_factory):
+    """(producer, consumer, bootstrap) of one layout, started once per module."""
+    producer, consumer, boot = _start(tiny_llama, request.param, (1, 2), tmp_path_factory.mktemp("workers"))
+    yield producer, consumer, boot
+    consumer.close()
+    producer.close()
+
+
+def _blocks(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
+    """Block b of a layer's tensor, as bytes (K/V-first: its K and V)."""
+    return t[b].view(torch.uint8).flatten() if layout == "cpu" else \
+        torch.cat([t[0, b].view(torch.uint8).flatten(), t[1, b].view(torch.uint8).flatten()])
+
+
+def _remote(room: int, boot: str, num_tokens: int) -> dict:
+    return {"room": room, "bootstrap": boot, "num_tokens": num_tokens}
+
+
+def _transfer(pair, tmp_path, room, src, num_tokens, first, dst):
+    """Producer holds `src` for `num_tokens` under `room`; consumer loads tokens [first,
+    num_tokens) into `dst`. Returns (consumer's answer, producer's tensors, consumer's before
+    and after)."""
+    producer, consumer, boot = pair
+    before = consumer.dump(tmp_path / "before.pt")
+    producer.step(sends=[{"req_id": f"p{room}", "room": room, "num_tokens": num_tokens, "blocks": src}])
+    consumer.step(loads=[{"req_id": f"c{room}", "remote": _remote(room, boot, num_tokens), "first": first,
+                                    "count": num_tokens - first, "blocks": dst}])
+    got = consumer.wait(LOAD_S + 5)
+    assert producer.wait(10.0)["sending"] == [f"p{room}"]   # vLLM may free its blocks now
+    return got, producer.dump(tmp_path / "src.pt"), before, consumer.dump(tmp_path / "after.pt")
+
+
+def _check(layout, src_t, before, after, moved: dict[int, int]) -> None:
+    for name in src_t:
+        n = after[name].shape[1 if layout == "cuda-style" else 0]
+        for d in range(n):
+            want = _blocks(src_t[name], layout, moved[d]) if d in moved else _blocks(before[name], layout, d)
+            assert torch.equal(_blocks(after[name], layout, d), want), \
+                f"{name} block {d}: " + (f"not source block {moved[d]}" if d in moved else "changed")
+
+
+def test_blocks_land_byte_equal_and_nothing_else_changes(pair, request, tmp_path):
+    layout = request.node.callspec.params["pair"]
+    got, src_t, before, after = _transfer(pair, tmp_path, 11, [3, 4, 5, 6], 100, 0, [9, 2, 12, 13])
+    assert (got["recving"], got["errors"]) == (["c11"], [])
+    _check(layout, src_t, before, after, {9: 3, 2: 4, 12: 5, 13: 6})
+
+
+def test_a_prefix_cache_hit_receives_only_the_suffix(pair, request, tmp_path):
+    """The consumer holds the first 64 tokens (2 blocks of 32) itself: only blocks 2 and 3 of
+    the prompt move, into the blocks vLLM allocated for them."""
+    layout = request.node.callspec.params["pair"]
+    got, src_t, before, after = _transfer(pair, tmp_path, 12, [7, 8, 10, 11], 100, 64, [14, 15])
+    assert (got["recving"], got["errors"]) == (["c12"], [])
+    _check(layout, src_t, before, after, {14: 10, 15: 11})
+
+
+def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path):
+    producer, consumer, boot = _start(tiny_llama, "cpu", (3, 4), tmp_path)
+    try:
+        got, *_ = _transfer((producer, consumer, boot), tmp_path, 21, [1, 2], 40, 0, [3, 4])   # registered
+        assert got["recving"] == ["c21"]
+        producer.step(sends=[{"req_id": "p22", "room": 22, "num_tokens": 40, "blocks": [5, 6]}])
+        producer.kill()
+        t0 = time.monotonic()
+        consumer.step(loads=[{"req_id": "c22", "remote": _remote(22, boot, 40), "first": 0, "count": 40,
+                                        "blocks": [7, 8]}])
+        got = consumer.wait(LOAD_S + 5)
+        assert (got["recving"], got["errors"]) == (["c22"], [7, 8])
+        assert time.monotonic() - t0 <= LOAD_S + 1.0
+    finally:
+        consumer.close()
+        producer.close()

@@ -1,0 +1,97 @@
+"""One DisaggWorker in a process of its own, driven over stdin/stdout (JSON lines), for the
+two-process worker tests (test_worker.py). Not a test module.
+
+    python worker_child.py ROLE MODEL LAYOUT SEED NUM_BLOCKS EXTRA_JSON
+    (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
+    -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
+    <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
+    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "waited"}: the first
+                                         non-empty finished() (or empty ones at the timeout)
+    <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
+    <- {"op": "close"}                -> {} and exit
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+BLOCK_SIZE = 32
+
+
+def vllm_config(role: str, model: str, extra: dict):
+    path = Path(os.environ["DISAGG_VLLM_TESTS"]) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
+    spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
+    u = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(u)
+    return u.create_vllm_config(model=model, block_size=BLOCK_SIZE, kv_connector="DisaggConnector",
+                                kv_connector_module_path="disagg.vllm.connector", kv_role=role,
+                                kv_connector_extra_config=extra, dtype="float32")
+
+
+def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.Tensor]:
+    """Random KV in vLLM's CPU layout ([blocks, kv heads, block size, 2 * head size], LBHNC) or
+    a CUDA-style K/V-first one ([2, blocks, block size, kv heads, head size]), per layer."""
+    m = cfg.model_config
+    heads, head = m.get_num_kv_heads(cfg.parallel_config), m.get_head_size()
+    shape = (num_blocks, heads, BLOCK_SIZE, 2 * head) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, heads, head)
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g)
+            for i in range(m.get_num_layers(cfg.parallel_config))}
+
+
+def step_meta(cmd: dict):
+    from disagg.vllm.params import RemotePrefill
+    from disagg.vllm.scheduler import Load, Release, Send, StepMeta
+    blocks = lambda b: (tuple(b),)   # noqa: E731  (one KV cache group)
+    return StepMeta(
+        sends=[Send(s["req_id"], s["room"], s["num_tokens"], blocks(s["blocks"])) for s in cmd.get("sends", ())],
+        loads=[Load(x["req_id"], RemotePrefill(**x["remote"]), x["first"], x["count"], blocks(x["blocks"]))
+               for x in cmd.get("loads", ())],
+        releases=[Release(RemotePrefill(**x["remote"]), x["reason"], x.get("req_id")) for x in cmd.get("releases", ())])
+
+
+def wait(worker, timeout: float) -> dict:
+    t0 = time.monotonic()
+    while True:
+        sending, recving = worker.finished()
+        if sending or recving or time.monotonic() - t0 >= timeout:
+            return {"sending": sorted(sending or ()), "recving": sorted(recving or ()),
+                    "errors": sorted(worker.load_errors()), "waited": time.monotonic() - t0}
+        time.sleep(0.005)
+
+
+def say(answer: dict) -> None:
+    print("@@ " + json.dumps(answer), flush=True)
+
+
+def main() -> None:
+    role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
+    from disagg.vllm.worker import DisaggWorker
+    cfg = vllm_config(role, model, json.loads(extra))
+    caches = kv_caches(cfg, layout, int(seed), int(num_blocks))
+    worker = DisaggWorker.from_vllm(cfg, json.loads(extra))
+    worker.register(caches)
+    say({"ready": True})
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        out: dict = {}
+        if cmd["op"] == "step":
+            worker.step(step_meta(cmd))
+        elif cmd["op"] == "wait":
+            out = wait(worker, cmd["timeout"])
+        elif cmd["op"] == "dump":
+            torch.save(caches, cmd["path"])
+        elif cmd["op"] == "close":
+            worker.close()
+            say(out)
+            return
+        say(out)
+
+
+if __name__ == "__main__":
+    main()
