@@ -31,6 +31,7 @@ import torch
 from kvpool.errors import SpecError
 from kvpool.geometry import Component
 from kvpool.layout import Layout
+from kvpool.shards import Shard
 from kvpool.spec import AttentionSpec, ModelSpec
 from kvpool.storage import BufferDescriptor
 
@@ -57,6 +58,11 @@ class EnginePoolConfig:
     tp_rank: int = 0
     layout: Layout = Layout.LAYER_MAJOR
     components: tuple[Component, ...] = COMPONENTS
+
+    @property
+    def shard(self) -> Shard:
+        """This pool's side of a transfer: page size and TP (size, rank), as PoolConfig.shard."""
+        return Shard(self.page_size, self.tp_size, self.tp_rank)
 
 
 class EnginePool:
