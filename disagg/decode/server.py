@@ -26,7 +26,6 @@ import numpy as np
 from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
-from disagg.decode.flip import flip_byte
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
 from disagg.decode.instances import SenderRanks
@@ -34,6 +33,7 @@ from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
+from disagg.worker.flip import flip_unread
 from kvpool import KVPoolError
 from transfer.errors import StagingError
 from transfer.receiver import KVReceiver
@@ -121,7 +121,7 @@ class DecodeServer(Worker):
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
             if self.faults.hit("decode.flip"):
-                log.warning("room %d: injected fault at decode.flip: %s", room, flip_byte(self.pool, r.kv))
+                log.warning("room %d: injected fault at decode.flip: %s", room, flip_unread(self.pool, r.kv))
             t2 = time.perf_counter()
             digests = self.model.verify(self.pool, r.kv, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3

@@ -35,6 +35,7 @@ from disagg.prefill.peers import DecodePeers
 from disagg.prefill.jobs import TransferJobs
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
+from disagg.worker.flip import flip_byte
 from kvpool import KVPoolError
 from kvpool.errors import SpecError
 from transfer.errors import TransferError
@@ -117,6 +118,8 @@ class PrefillServer(Worker):
                     self.requests.allocated(r, self.pool.index_set(kv))
                 first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
+                if self.faults.hit("prefill.flip"):
+                    log.warning("room %d: injected fault at prefill.flip: %s", room, flip_byte(self.pool, kv))
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
                 held, kv = kv, None
                 self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
