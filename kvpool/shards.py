@@ -110,6 +110,14 @@ def _sender(part: Part, tp_size: int, units: np.ndarray, dst: tuple[int, int]) -
     return np.clip(natural, units * ways, units * ways + ways - 1)
 
 
+def units_sent(part: Part, src: tuple[int, int], dst: tuple[int, int]) -> np.ndarray:
+    """The units of `part` (whole-model indices) that source rank src = (tp_size, rank) sends
+    to destination rank dst: reshard()'s choice, unit by unit (what a digest per unit follows)."""
+    want, _ = _units(part, *dst)
+    first, n = held(part, *src)
+    return want[(_sender(part, src[0], want, dst) == src[1]) & (want >= first) & (want < first + n)]
+
+
 def reshard(parts: tuple[Part, ...], src: tuple[int, int], dst: tuple[int, int]) -> list[tuple[int, int, int]]:
     """(source offset, destination offset, bytes) slices of a row that source rank src =
     (tp_size, rank) sends to destination rank dst = (tp_size, rank), in destination order,

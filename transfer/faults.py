@@ -20,8 +20,10 @@ POINTS = {
     "control.drop_done": "prefill: a TransferDone is lost on the way to decode",
     "decode.alloc": "decode: allocating the destination fails",
     "recv.chunk": "decode: scattering a staged chunk fails",
-    "decode.flip": "decode: one byte of the KV that arrived is flipped before it is verified (the checks must "
-                   "fail the request)",
+    "prefill.flip": "prefill: one byte of the KV it computed is flipped before it is digested and sent (only "
+                    "the colocated check, --check-rate, can tell)",
+    "decode.flip": "decode: one byte of the KV that arrived is flipped before it is verified, one no decode step "
+                   "reads where there is one (verification must fail the request)",
 }
 
 

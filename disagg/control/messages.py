@@ -29,7 +29,8 @@ from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 5   # 5: TransferRequest.prefix_len; 4: TransferDone carries the send's TransferReport, RenewPrefill
+PROTOCOL_VERSION = 6   # 6: TransferDone carries the digest of the units it sent; 5: TransferRequest.prefix_len;
+                       # 4: TransferDone carries the send's TransferReport, RenewPrefill
 MAX_TP_SIZE = 1024
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
@@ -98,6 +99,9 @@ class TransferDone(msgspec.Struct, tag=True, frozen=True):
     ok: bool
     reason: str = ""
     report: TransferReport | None = None   # ok: what the send of this decode rank's share did
+    # ok: per component, the digest of the units sent to this decode rank, as prefill wrote
+    # them (disagg.control.digests: raw records; decode checks what arrived against it)
+    digest: dict[str, bytes] = msgspec.field(default_factory=dict)
     # False: prefill gave up on writes its transport may still complete (the peer was lost
     # with writes in flight, transfer.transports.mooncake says why); the pages must not be
     # reused on this word: decode keeps them quarantined and asks again.

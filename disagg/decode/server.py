@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from disagg.control import digests
 from disagg.control.io import DealerIO
 from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
-from disagg.decode.flip import flip_byte
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
 from disagg.decode.release import Release
@@ -35,7 +35,9 @@ from disagg.decode.requests import DecodeRequest, Phase, RequestTable, Sender
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, Cancelled, DisaggError, Overloaded, ProtocolError, VerifyError
 from disagg.worker.base import Worker, WorkerSettings
+from disagg.worker.flip import flip_unread
 from kvpool import KVPoolError
+from kvpool import digest as kvdigest
 from transfer.errors import StagingError
 from transfer.receiver import KVReceiver
 from transfer.report import TransferReport
@@ -124,16 +126,16 @@ class DecodeServer(Worker):
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
             if self.faults.hit("decode.flip"):
-                log.warning("room %d: injected fault at decode.flip: %s", room, flip_byte(self.pool, r.kv))
+                log.warning("room %d: injected fault at decode.flip: %s", room, flip_unread(self.pool, r.kv))
             t2 = time.perf_counter()
-            digests = self.model.verify(self.pool, r.kv, tokens, room)
+            held = self._verify(r, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
             t3 = time.perf_counter()
             output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
             timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
             checked = self._check(room, tokens, output, timings)
-            return {"room": room, "state": "SUCCESS", "verified": True, "digests": digests,
+            return {"room": room, "state": "SUCCESS", "verified": True, "digests": held,
                     "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
                     "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
         except Cancelled:   # aborted while generating: stopped at a step, freed below
@@ -149,6 +151,19 @@ class DecodeServer(Worker):
                     **timings}
         finally:
             self.requests.finish(r)
+
+    def _verify(self, r: DecodeRequest, tokens: np.ndarray, room: int) -> dict[str, str]:
+        """What arrived is this prompt's (the engine: the AUX row; the stand-in every byte) and
+        every unit this rank holds is the bytes its sender wrote (the senders' digests, for any
+        engine); VerifyError naming the first that is not, ProtocolError for a malformed digest.
+        Returns a short digest per component (the answer's `digests`)."""
+        self.model.verify(self.pool, r.kv, tokens, room)
+        cfg = self.pool.config
+        tp = (cfg.tp_size, cfg.tp_rank)
+        want = digests.expected(cfg.model, tp, [s.done.digest for s in r.senders.values() if s.done is not None])
+        held = kvdigest.compute(self.pool, r.kv, len(tokens))
+        digests.check(cfg.model, tp, held, want)
+        return digests.summary(held)
 
     def _check(self, room: int, tokens: np.ndarray, output, timings: dict) -> dict:
         """The keys a colocated check adds to the answer (--check-rate: on that share of the

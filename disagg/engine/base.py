@@ -7,8 +7,9 @@ chosen with --engine (disagg.engine.registry):
 
 A request's life through an engine: prefill (KV into the pool, first token into the AUX
 row; `on_layer(i)` as each layer's KV is final) -> transfer -> verify (on decode: the AUX
-row describes this prompt) -> decode (continue from the pool alone) -> check (optional:
-the same prompt run colocated, compared token for token and logit for logit).
+row describes this prompt; decode also compares the bytes with prefill's digest of them) ->
+decode (continue from the pool alone) -> check (optional: the same prompt run colocated,
+compared token for token and logit for logit).
 """
 
 import hashlib
@@ -19,6 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from disagg.errors import VerifyError
 from kvpool import HybridPool, ModelSpec, RequestKV
 from transfer.errors import Cancelled
 
@@ -41,6 +43,19 @@ class DecodeOutput:
 
 def prompt_digest(token_ids: np.ndarray) -> bytes:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
+
+
+def check_aux(pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
+              first_token_ok: Callable[[int], bool]) -> None:
+    """The AUX row arrived last and names this room, this prompt and a first token the engine
+    could have computed (every engine's verify starts here); else VerifyError."""
+    aux = pool.aux.read(req.aux_row)
+    if int(aux["room"]) != room:
+        raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
+    if int(aux["num_tokens"]) != len(token_ids) or bytes(aux["digest"]) != prompt_digest(token_ids):
+        raise VerifyError("aux row describes another prompt")
+    if not first_token_ok(int(aux["first_token"])):
+        raise VerifyError(f"aux row first token {int(aux['first_token'])} is not this prompt's")
 
 
 def stop_if(stop: Callable[[], bool] | None, step: int) -> None:
@@ -67,8 +82,11 @@ class ModelEngine(Protocol):
         """Compute the prompt's KV into `req` and its AUX row; call on_layer(i) once layer i's
         KV is in the pool (in layer order for a forward pass)."""
 
-    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
-        """Check what arrived on decode; return a digest per component or raise VerifyError."""
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
+        """The engine's checks of what arrived on decode (check_aux; the stand-in also every
+        byte, which it can recompute); VerifyError if one fails. That the bytes are those
+        prefill wrote, decode checks for any engine against prefill's digest
+        (disagg.control.digests), which the model engine's outputs could hide."""
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
                stop: Callable[[], bool] | None = None) -> DecodeOutput:

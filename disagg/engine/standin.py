@@ -16,14 +16,13 @@ against.
 """
 
 import functools
-import hashlib
 import time
 import zlib
 
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest, stop_if
+from disagg.engine.base import DecodeOutput, PrefillResult, check_aux, compare_tokens, prompt_digest, stop_if
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.geometry import parts
@@ -83,15 +82,6 @@ def next_token(previous: int, num_tokens: int) -> int:
 
 def _put(view: torch.Tensor, data: np.ndarray) -> None:
     view.view(torch.uint8).reshape(-1).copy_(torch.from_numpy(data).to(view.device))
-
-
-def _checksum(rows: torch.Tensor, positions: torch.Tensor) -> bytes:
-    """Two int64 sums of uint8 rows computed where they live (position-weighted, so swapped
-    rows change it): what the per-component digest hashes instead of every byte."""
-    values = rows.to(torch.int64)
-    plain = int(values.sum())
-    weighted = int((values.sum(dim=1) * (positions + 1)).sum())
-    return plain.to_bytes(8, "little", signed=True) + weighted.to_bytes(16, "little", signed=True)
 
 
 def _salt(name: str) -> int:
@@ -207,17 +197,11 @@ class StandInEngine:
         pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
         return result
 
-    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
+        """check_aux, then every byte it holds against the bytes of this prompt, recomputed."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
         n = len(token_ids)
-        aux = pool.aux.read(req.aux_row)
-        if int(aux["room"]) != room:
-            raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
-        if int(aux["num_tokens"]) != n or bytes(aux["digest"]) != prompt_digest(token_ids):
-            raise VerifyError("aux row describes another prompt")
-        if int(aux["first_token"]) != first_token(token_ids):
-            raise VerifyError("aux row first token differs")
-        digests = {}
+        check_aux(pool, req, token_ids, room, lambda token: token == first_token(token_ids))
         device = pool.config.device
         tokens = torch.from_numpy(token_ids).to(device)
         for c in paged_components(pool):
@@ -226,7 +210,6 @@ class StandInEngine:
             pos = torch.from_numpy(positions.astype(np.int64)).to(device)
             it = torch.from_numpy(items.astype(np.int64)).to(device)
             sl = torch.from_numpy(slots.astype(np.int64)).to(device)
-            h = hashlib.sha256()
             for layer, part, view in self._parts(pool, c):
                 raw, per_token = self._token_bytes(view)
                 got = raw[it, sl]
@@ -234,18 +217,12 @@ class StandInEngine:
                 if not torch.equal(got, want):
                     bad = int(torch.nonzero((got != want).any(dim=1))[0, 0])
                     raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(positions[bad])} differs")
-                h.update(_checksum(got, pos))
-            digests[c.value] = h.hexdigest()
         for c in state_components(pool):
-            h = hashlib.sha256()
             item = self._state_item(pool, c, req)
             for layer, part, want in self._state_bytes(pool, c, token_ids):
                 got = pool.layer_view(layer, part)[item].reshape(-1).view(torch.uint8).cpu().numpy()
                 if not np.array_equal(got, want):
                     raise VerifyError(f"{c.value} layer {layer} {part} differs")
-                h.update(got.tobytes())
-            digests[c.value] = h.hexdigest()
-        return digests
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
                stop=None) -> DecodeOutput:

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 import msgspec
 
 from disagg.control.admission import Admission
+from disagg.control.digests import for_destination
 from disagg.control.io import RouterIO
 from disagg.control.messages import TransferDone, TransferStarted
 from disagg.errors import DisaggError, ProtocolError
@@ -82,6 +83,11 @@ class TransferJobs:
             return str(exc)
         return None
 
+    def _digest(self, r: PrefillRequest, d: Destination) -> dict[str, bytes]:
+        """The digest of the units this rank sent d, as the engine wrote them (disagg.control.digests)."""
+        cfg = self._pool.config
+        return for_destination(cfg.model, r.digest or {}, (cfg.tp_size, cfg.tp_rank), (r.tp_size or 1, d.rank))
+
     @staticmethod
     def _remote(r: PrefillRequest, d: Destination, peer: DecodePeer) -> RemoteSlots:
         """What a staged send to d writes through: its slots, over the peer's chunk relay."""
@@ -113,7 +119,7 @@ class TransferJobs:
             # what decode waits for once compute is over: the part of the send not hidden
             report = msgspec.structs.replace(
                 report, after_compute_ms=max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3))
-            done = TransferDone(r.room, self._epoch, True, report=report)
+            done = TransferDone(r.room, self._epoch, True, report=report, digest=self._digest(r, d))
             ok = True
         except (DisaggError, KVPoolError) as exc:
             reason = f"{type(exc).__name__}: {exc}"

@@ -35,7 +35,9 @@ from disagg.prefill.peers import DecodePeers
 from disagg.prefill.jobs import TransferJobs
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
+from disagg.worker.flip import flip_byte
 from kvpool import KVPoolError
+from kvpool import digest as kvdigest
 from kvpool.errors import SpecError
 from transfer.errors import BadPrefix, TransferError
 from transfer.progress import LayerProgress
@@ -119,6 +121,7 @@ class PrefillServer(Worker):
                 first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
+                self._digest(r, kv)   # (on the hand-off's path: the send's TransferDone carries it)
                 held, kv = kv, None
                 self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
@@ -138,6 +141,16 @@ class PrefillServer(Worker):
         timings = {k: v for k, v in r.timings.items() if r.receivers or k != "prefill_done_at"}
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
                 **({"first_token": first_token} if done else {}), **timings, **self._report(r)}
+
+    def _digest(self, r: PrefillRequest, kv) -> None:
+        """The digest of the KV as the engine wrote it, which decode checks what arrived against
+        (disagg.control.digests). `prefill.flip` corrupts a byte first: what only the colocated
+        check can catch (a streamed send may have sent that layer already)."""
+        if self.faults.hit("prefill.flip"):
+            log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
+        t = time.perf_counter()
+        r.digest = kvdigest.compute(self.pool, kv, len(r.tokens))
+        r.timings["digest_ms"] = (time.perf_counter() - t) * 1e3
 
     def _report(self, r: PrefillRequest) -> dict:
         """What its destinations' sends reported, merged, as the answer carries it ({} when

@@ -24,8 +24,7 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
     result = standin.prefill(prefill, preq, tokens, room=77)
     dreq = decode.alloc_request(len(tokens), swa_window_only=True)
     copy_request(prefill, preq, decode, dreq)
-    digests = standin.verify(decode, dreq, tokens, room=77)
-    assert set(digests) == {c.value for c in decode.pools if c is not Component.AUX}
+    standin.verify(decode, dreq, tokens, room=77)
     with pytest.raises(VerifyError, match="room"):
         standin.verify(decode, dreq, tokens, room=78)
     with pytest.raises(VerifyError):
@@ -37,22 +36,24 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
     with pytest.raises(VerifyError, match="full layer"):
         standin.verify(decode, dreq, tokens, room=77)
     view[page].view(torch.uint8).reshape(-1)[5] ^= 1
-    assert standin.verify(decode, dreq, tokens, room=77) == digests
+    standin.verify(decode, dreq, tokens, room=77)
     new = standin.decode(decode, dreq, tokens, max_new_tokens=9).tokens
     assert len(new) == 9 and new[0] == result.first_token and dreq.num_tokens == len(tokens) + 8
     decode.check_integrity()
 
 
-def test_fill_is_deterministic_across_pools_and_layouts():
-    from kvpool import Layout
+def test_fill_and_its_digest_are_deterministic_across_pools_and_layouts():
+    from kvpool import Layout, digest
     tokens = np.arange(100, 140)
     digests = []
     for layout in Layout:
         a = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2, layout=layout))
         req = a.alloc_request(len(tokens))
         StandInEngine().prefill(a, req, tokens, room=1)
-        digests.append(StandInEngine().verify(a, req, tokens, room=1))
-    assert digests[0] == digests[1]
+        StandInEngine().verify(a, req, tokens, room=1)
+        digests.append(digest.compute(a, req, len(tokens)))
+    assert digests[0].keys() == digests[1].keys() == {c for c in a.pools if c is not Component.AUX}
+    assert all(np.array_equal(digests[0][c], digests[1][c]) for c in digests[0])
 
 
 @given(tokens=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=40), layer=st.integers(0, 200),

@@ -5,7 +5,8 @@ router process and, where the status comes from a worker, real prefill and decod
 
     200 served                       400 bad body; a prompt decode's pool can never hold
     409 aborted by request_id        499 the client hung up (answered to nobody: /metrics)
-    500 decode.flip: verify fails    502 decode.alloc: a worker failed the request
+    500 decode.flip: verify fails;   502 decode.alloc: a worker failed the request
+        prefill.flip: the check fails
     503 router full; decode's pool full; a pair that cannot be reached
     504 a TransferDone lost (control.drop_done): decode's transfer deadline passes
     404, 405, 413 the HTTP layer's own (408: tests/faults/test_hostile_http.py)
@@ -225,19 +226,21 @@ def test_the_docs_list_every_status():
 @pytest.fixture(scope="module")
 def checked(launcher):
     """A real model (tiny qwen3-next: its linear-attention state is read by every step) whose
-    decode flips one byte of every arrival and compares every generation with a colocated run."""
+    prefill flips one byte of every prompt's KV before it digests and sends it (a wrong
+    computation, which the bytes' digest cannot tell), and whose decode compares every
+    generation with a colocated run."""
     model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
              "--max-requests", "4"]
-    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*")
-    decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
-                            "--inject-faults", "decode.flip=1")
+    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
+                             "--inject-faults", "prefill.flip=1")
+    decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
     return {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}
 
 
 def test_500_when_the_colocated_check_differs(checked):
-    """The model engine's verify reads only the AUX row, so the flipped state byte passes it;
-    the colocated check sees the generation differ, and that fails the request."""
+    """The KV arrived as prefill wrote it, so verification passes; the colocated check sees
+    the generation differ, and that fails the request."""
     status, body, _ = call(checked["router"] + "/generate", {"prompt_len": 12, "max_new_tokens": 4})
     assert status == 500 and body["status"] == 500 and not body["ok"], body
     assert body["reason"].startswith("check: the generation differs from the colocated run"), body
@@ -248,13 +251,14 @@ def test_500_when_the_colocated_check_differs(checked):
 @pytest.fixture(scope="module")
 def tp_checked(launcher):
     """A decode instance of TP size 2 behind a prefill of TP size 1 (model engine, every
-    generation checked on every rank); rank 1 flips one byte of the state that arrived."""
+    generation checked on every rank); prefill flips the last byte of the state it computed,
+    which is in decode rank 1's units (the last state heads)."""
     model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
              "--max-requests", "4"]
-    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*")
+    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
+                             "--inject-faults", "prefill.flip=1")
     ranks = [launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
-                            "--tp-size", "2", "--tp-rank", str(rank), *flip)
-             for rank, flip in enumerate(([], ["--inject-faults", "decode.flip=1"]))]
+                            "--tp-size", "2", "--tp-rank", str(rank)) for rank in range(2)]
     decode = "+".join(r["http"] for r in ranks)
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode},{prefill['bootstrap']}")
     return {"router": router["http"]}

@@ -28,30 +28,16 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, compare_tokens, prompt_digest, stop_if
+from disagg.engine.base import DecodeOutput, PrefillResult, check_aux, compare_tokens, prompt_digest, stop_if
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
 from disagg.engine.model.geometry import spec_from_cache
 from disagg.engine.model.source import PLAIN_EAGER, ModelSource, config_hash, load_directory, weights_fingerprint
-from disagg.errors import ConfigError, VerifyError
+from disagg.errors import ConfigError
 from kvpool import HybridPool, RequestKV
 
 PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
-
-
-def _fingerprint(buffers, items: np.ndarray) -> str:
-    """A position-weighted sum of the bytes of `items` in every buffer, on the buffers' device
-    (no copy to the host; informational, not a cryptographic digest)."""
-    if len(items) == 0:
-        return "0"
-    idx = torch.from_numpy(items.astype(np.int64)).to(buffers[0].device)
-    sums = []
-    for buf in buffers:
-        raw = buf.index_select(0, idx).reshape(-1)
-        weights = torch.arange(raw.numel(), device=raw.device) % 65521 + 1
-        sums.append((raw.to(torch.int64) * weights).sum())
-    return "".join(f"{int(v) & (1 << 64) - 1:016x}" for v in torch.stack(sums).tolist())
 
 
 class TransformersEngine:
@@ -148,18 +134,10 @@ class TransformersEngine:
         pool.aux.write(req.aux_row, room, n, result.first_token, result.digest)
         return result
 
-    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> dict[str, str]:
-        """The AUX row names this room and prompt; a fingerprint of each component's bytes,
-        computed where the pool lives (what the bytes mean is for decode and check to show)."""
-        aux = pool.aux.read(req.aux_row)
-        if int(aux["room"]) != room:
-            raise VerifyError(f"aux row carries room {int(aux['room'])}, expected {room}")
-        if int(aux["num_tokens"]) != len(token_ids) or bytes(aux["digest"]) != prompt_digest(token_ids):
-            raise VerifyError("aux row describes another prompt")
-        if not 0 <= int(aux["first_token"]) < self.config.vocab_size:
-            raise VerifyError(f"aux row first token {int(aux['first_token'])} is outside the vocabulary")
-        return {c.value: _fingerprint(part.storage.buffers, part.held(req)[1])
-                for c, part in pool.pools.items() if not c.metadata}
+    def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
+        """check_aux (a first token in the vocabulary). What the bytes mean is for decode and
+        check to show; that they are prefill's, decode checks against its digest."""
+        check_aux(pool, req, token_ids, room, lambda token: 0 <= token < self.config.vocab_size)
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
                stop: Callable[[], bool] | None = None) -> DecodeOutput:
