@@ -29,13 +29,15 @@ from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
 from disagg.prefill.requests import Destination, Finished, PrefillRequest
 from kvpool import KVPoolError, RequestKV
-from transfer.errors import WritesAbandoned
+from transfer.errors import TransferError, WritesAbandoned
 from transfer.peer import RemotePool
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender
 from transfer.staging import RemoteSlots
 
 log = logging.getLogger(__name__)
+
+DIGEST_WAIT_S = 60.0   # a send that landed waits at most this for its KV's digest (one pass over the KV)
 
 
 class TransferJobs:
@@ -84,9 +86,14 @@ class TransferJobs:
         return None
 
     def _digest(self, r: PrefillRequest, d: Destination) -> dict[str, bytes]:
-        """The digest of the units this rank sent d, as the engine wrote them (disagg.control.digests)."""
+        """The digest of the units this rank sent d, as the engine wrote them (disagg.control.digests);
+        it is computed beside the sends (PrefillServer._digest): wait for it."""
         cfg = self._pool.config
-        return for_destination(cfg.model, r.digest or {}, (cfg.tp_size, cfg.tp_rank), (r.tp_size or 1, d.rank))
+        try:
+            digest = r.digest.result(timeout=DIGEST_WAIT_S)[0] if r.digest is not None else {}
+        except Exception as exc:   # noqa: BLE001 (the digest thread's error, or no result in time)
+            raise TransferError(f"the KV's digest: {type(exc).__name__}: {exc}") from None
+        return for_destination(cfg.model, digest, (cfg.tp_size, cfg.tp_rank), (r.tp_size or 1, d.rank))
 
     @staticmethod
     def _remote(r: PrefillRequest, d: Destination, peer: DecodePeer) -> RemoteSlots:

@@ -190,8 +190,8 @@ class PrefillRequest:
                               # told so, and keeps the pages until the cap (TransferDone.settled)
     reason: str = ""
     timings: dict = field(default_factory=dict)
-    digest: dict | None = None   # kvpool.digest of its KV once computed: each TransferDone(ok) carries
-                                 # its destination's units of it (set before computed(), which a send awaits)
+    digest: Future | None = None   # (kvpool.digest of its KV, ms), computed beside the sends: each
+                                   # TransferDone(ok) waits for it and carries its destination's units
 
     @property
     def complete(self) -> bool:

@@ -18,6 +18,7 @@ Who does what:
 
 import logging
 import threading
+from concurrent.futures import ThreadPoolExecutor
 import time
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ class PrefillServer(Worker):
                                  self.epoch)
         self.requests = RequestTable(self.epoch, config.deadlines,
                                      TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission))
+        # the KV's digest is computed beside its transfer, not before it: only TransferDone needs it
+        self._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-digest")
         rank = RegisterPrefill(PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint,
                                self.epoch, self.layout)
         # (a bootstrap of our own holds our rank from its start: it started with us)
@@ -121,7 +124,7 @@ class PrefillServer(Worker):
                 first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                self._digest(r, kv)   # (on the hand-off's path: the send's TransferDone carries it)
+                self._digest(r, kv)   # (beside the sends: their TransferDone carries it)
                 held, kv = kv, None
                 self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
@@ -139,18 +142,20 @@ class PrefillServer(Worker):
         # a rank whose KV goes to no decode rank does not gate the hand-off: its compute end is
         # not where the router's kv_ready_after_compute starts (router/phases.py, issue 40)
         timings = {k: v for k, v in r.timings.items() if r.receivers or k != "prefill_done_at"}
+        if r.digest is not None and r.digest.done() and r.digest.exception() is None:
+            timings["digest_ms"] = r.digest.result()[1]
         return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
                 **({"first_token": first_token} if done else {}), **timings, **self._report(r)}
 
     def _digest(self, r: PrefillRequest, kv) -> None:
-        """The digest of the KV as the engine wrote it, which decode checks what arrived against
-        (disagg.control.digests). `prefill.flip` corrupts a byte first: what only the colocated
-        check can catch (a streamed send may have sent that layer already)."""
+        """Start the digest of the KV as the engine wrote it, which decode checks what arrived
+        against (disagg.control.digests): on its own thread, beside the sends (the bytes do not
+        change once computed; each send's TransferDone waits for it). `prefill.flip` corrupts a
+        byte first: what only the colocated check can catch (a streamed send may have sent
+        that layer already)."""
         if self.faults.hit("prefill.flip"):
             log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
-        t = time.perf_counter()
-        r.digest = kvdigest.compute(self.pool, kv, len(r.tokens))
-        r.timings["digest_ms"] = (time.perf_counter() - t) * 1e3
+        r.digest = self._digests.submit(_timed, kvdigest.compute, self.pool, kv, len(r.tokens))
 
     def _report(self, r: PrefillRequest) -> dict:
         """What its destinations' sends reported, merged, as the answer carries it ({} when
@@ -271,7 +276,14 @@ class PrefillServer(Worker):
         self._stop.set()
         self._loop_thread.join()
         self.peers.close()
+        self._digests.shutdown(wait=True, cancel_futures=True)
         if self.bootstrap is not None:
             self.bootstrap.stop()
         self.io.close()
         super().close()
+
+
+def _timed(fn, *args):
+    """(fn(*args), its milliseconds)."""
+    t = time.perf_counter()
+    return fn(*args), (time.perf_counter() - t) * 1e3
