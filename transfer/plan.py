@@ -17,6 +17,7 @@ A receiver holding a prefix of the request (transfer.suffix) gets only the rest:
 components from its first page (whole pages) or position (by token) it lacks; state whole.
 """
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -26,9 +27,9 @@ from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, by_component
 from transfer.errors import IndexMismatch, LayoutIncompatible
-from transfer.runs import Runs, align, check_indices, expand, group_runs, pair_buffers
+from transfer.runs import Runs, align, check_indices, expand, group_runs, pair_buffers, segment_runs
 from transfer.suffix import Suffix
-from transfer.tokens import Lane, Tokens, check_pages, first_covered, rows
+from transfer.tokens import Lane, Tokens, check_pages, first_covered, span_rows
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
 
@@ -70,7 +71,7 @@ class ComponentPlan:
             return tuple(l.token_bytes for l in self.src_lanes)
         return tuple(self.field[1] if self.field else b.item_bytes for b in self.src_bufs)
 
-    @property
+    @functools.cached_property
     def num_ranges(self) -> int:
         if self.by_token:
             return len(self.runset)
@@ -88,10 +89,11 @@ class ComponentPlan:
             return self.runset.flatten()
         return expand(self.runs, list(self.src_bufs), list(self.dst_bufs))
 
-    @property
+    @functools.cached_property
     def runset(self) -> RunSet | LaneRuns:
         """The same ranges factorized (runs x buffer pairs, or x lanes); indices were
-        bounds-checked against every buffer when the plan was built."""
+        bounds-checked against every buffer when the plan was built. Built once: the mode
+        choice, the range count and the link's layout all read it."""
         ints = _ints
         if self.by_token:
             return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
@@ -109,14 +111,52 @@ def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> Ru
     """Runs of token rows x lanes. Whole layer-major lanes are rows back to back (a lane is a
     buffer of items of one row: a plain RunSet); others (page-major, TP slices, state slots)
     lie at offsets, pitches and strides that differ per side (LaneRuns, which the link expands)."""
+    a = _lane_arrays(src, dst)
+    if a.linear:
+        return RunSet(runs.src_start, runs.dst_start, runs.count, a.src_region, a.dst_region, a.row_bytes)
+    return LaneRuns(runs.src_start, runs.dst_start, runs.count, a.src_offset, a.dst_offset, a.row_bytes,
+                    a.src_region, a.dst_region, a.src_pitch, a.dst_pitch, a.src_stride, a.dst_stride,
+                    src[0].page_size, dst[0].page_size)
+
+
+@dataclass(frozen=True)
+class _LaneArrays:
+    """A lane pairing's per-lane numbers as arrays (int64 [n_lanes] each): what every send
+    to one peer shares."""
+    linear: bool
+    src_region: np.ndarray
+    dst_region: np.ndarray
+    row_bytes: np.ndarray
+    src_offset: np.ndarray
+    dst_offset: np.ndarray
+    src_pitch: np.ndarray
+    dst_pitch: np.ndarray
+    src_stride: np.ndarray
+    dst_stride: np.ndarray
+
+
+_LANE_ARRAYS: dict[tuple[int, int], tuple[tuple, tuple, _LaneArrays]] = {}
+
+
+def _lane_arrays(src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> _LaneArrays:
+    """The arrays of a lane pairing, built once per pair of lane tuples (a peer link's lanes
+    are the same tuples for every send: transfer.peer.RemotePool). Keyed by identity, the
+    tuples kept beside so an id is never reused while cached; a few hundred pairings at most."""
+    key = (id(src), id(dst))
+    hit = _LANE_ARRAYS.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
     ints = _ints
-    if all(l.linear for l in src + dst):
-        return RunSet(runs.src_start, runs.dst_start, runs.count, ints(l.region for l in src),
-                      ints(l.region for l in dst), ints(l.token_bytes for l in src))
-    return LaneRuns(runs.src_start, runs.dst_start, runs.count, ints(l.offset for l in src), ints(l.offset for l in dst),
-                    ints(l.token_bytes for l in src), ints(l.region for l in src), ints(l.region for l in dst),
-                    ints(l.pitch for l in src), ints(l.pitch for l in dst), ints(l.stride for l in src),
-                    ints(l.stride for l in dst), src[0].page_size, dst[0].page_size)
+    arrays = _LaneArrays(all(l.linear for l in src + dst), ints(l.region for l in src), ints(l.region for l in dst),
+                         ints(l.token_bytes for l in src), ints(l.offset for l in src), ints(l.offset for l in dst),
+                         ints(l.pitch for l in src), ints(l.pitch for l in dst), ints(l.stride for l in src),
+                         ints(l.stride for l in dst))
+    for f in dataclasses.fields(arrays)[1:]:
+        getattr(arrays, f.name).setflags(write=False)
+    if len(_LANE_ARRAYS) >= 512:
+        _LANE_ARRAYS.clear()
+    _LANE_ARRAYS[key] = (src, dst, arrays)
+    return arrays
 
 
 @dataclass(frozen=True)
@@ -173,12 +213,15 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
     first = max(first_src, first_dst)
     if suffix is not None:
         first = suffix.first_position(first)
-    positions = np.arange(first, n, dtype=np.int64)
-    s_rows, d_rows = rows(src, n, ps, positions), rows(dst, n, pd, positions)
-    pages = () if all(l.linear for l in src_lanes + dst_lanes) else (ps, pd)   # runs end at pages
+    s_rows, d_rows = span_rows(src, n, ps, first), span_rows(dst, n, pd, first)
+    paged = not all(l.linear for l in src_lanes + dst_lanes)   # runs end at pages
     s_rows.setflags(write=False)
     d_rows.setflags(write=False)
-    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), group_runs(s_rows, d_rows, *pages),
+    # first is a multiple of the smaller page size (each side's first covered position, or a
+    # prefix_len aligned to decode's pages): segment_runs' premise
+    runs = segment_runs(s_rows, d_rows, min(ps, pd), paged) if first % min(ps, pd) == 0 \
+        else group_runs(s_rows, d_rows, *((ps, pd) if paged else ()))
+    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), runs,
                          src_lanes=src_lanes, dst_lanes=dst_lanes, first_position=first)
 
 

@@ -110,6 +110,19 @@ def rows(idx: np.ndarray, num_tokens: int, page_size: int, positions: np.ndarray
     return pages * page_size + positions % page_size
 
 
+def span_rows(idx: np.ndarray, num_tokens: int, page_size: int, first: int) -> np.ndarray:
+    """rows(idx, num_tokens, page_size, arange(first, num_tokens)), page by page: one gather
+    of pages and one broadcast, not a gather, a division and a remainder per position (the
+    planner's by-token sends ask it per component and side: 32k positions)."""
+    if first >= num_tokens:
+        return np.zeros(0, dtype=np.int64)
+    first_page = -(-num_tokens // page_size) - len(idx)
+    lo, hi = first // page_size, -(-num_tokens // page_size)
+    pages = np.asarray(idx[lo - first_page:hi - first_page], dtype=np.int64) * page_size
+    out = (pages[:, None] + np.arange(page_size, dtype=np.int64)).reshape(-1)
+    return out[first - lo * page_size:num_tokens - lo * page_size]
+
+
 def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[Lane, ...]) -> None:
     """Every page a side's rows fall in is a real item of its buffers (0 is the sentinel)."""
     if len(idx) == 0:

@@ -193,3 +193,44 @@ def test_lane_runs_refuse_runs_that_leave_a_page_and_lanes_outside_their_item():
         runs([6], [3])                         # rows 6..8: page 1 into page 2
     with pytest.raises(OutOfBounds, match="outside its item"):
         runs([4], [1], offset=(0, 100))        # 100 + 4 rows x 8 B > 128
+
+
+# ---- the planner's page-by-page shortcuts against the per-position definitions ----------------
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from transfer.runs import segment_runs  # noqa: E402
+from transfer.tokens import rows, span_rows  # noqa: E402
+
+
+@st.composite
+def _spans(draw):
+    """A request of n tokens on two sides of power-of-two page sizes, each side's pages a
+    shuffled subset of a pool's (sometimes consecutive, so runs merge), covering its last
+    pages, and a first position that is a multiple of the smaller page size."""
+    ps, pd = (1 << draw(st.integers(0, 6)) for _ in range(2))
+    n = draw(st.integers(1, 700))
+    sides = []
+    for p in (ps, pd):
+        pages = -(-n // p)
+        keep = draw(st.integers(1, pages))   # the last `keep` pages (a window), or all
+        pool = np.arange(1, 4 * pages + 2)
+        idx = pool[:keep] if draw(st.booleans()) else np.random.default_rng(draw(st.integers(0, 9))).permutation(pool)[:keep]
+        sides.append((idx.astype(np.int32), p, (pages - keep) * p))
+    m = min(ps, pd)
+    covered = max(sides[0][2], sides[1][2])
+    first = min(n, -(-max(covered, draw(st.integers(0, n))) // m) * m)
+    return n, sides, first, m
+
+
+@settings(max_examples=300, deadline=None)
+@given(_spans(), st.booleans())
+def test_page_by_page_rows_and_runs_are_the_per_position_ones(span, paged):
+    n, ((si, ps, _), (di, pd, _)), first, m = span
+    positions = np.arange(first, n, dtype=np.int64)
+    s, d = span_rows(si, n, ps, first), span_rows(di, n, pd, first)
+    assert np.array_equal(s, rows(si, n, ps, positions)) and np.array_equal(d, rows(di, n, pd, positions))
+    want = group_runs(s, d, *((ps, pd) if paged else ()))
+    got = segment_runs(s, d, m, paged)
+    for f in ("src_start", "dst_start", "count"):
+        assert np.array_equal(getattr(got, f), getattr(want, f)), f
