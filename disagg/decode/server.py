@@ -154,10 +154,13 @@ class DecodeServer(Worker):
 
     def _verify(self, r: DecodeRequest, tokens: np.ndarray, room: int) -> dict[str, str]:
         """What arrived is this prompt's (the engine: the AUX row; the stand-in every byte) and
-        every unit this rank holds is the bytes its sender wrote (the senders' digests, for any
-        engine); VerifyError naming the first that is not, ProtocolError for a malformed digest.
-        Returns a short digest per component (the answer's `digests`)."""
+        every unit this rank holds is the bytes its sender wrote (the senders' digests, for an
+        engine with `byte_digest`); VerifyError naming the first that is not, ProtocolError
+        for a malformed digest. Returns a short digest per component (the answer's `digests`;
+        {} without)."""
         self.model.verify(self.pool, r.kv, tokens, room)
+        if not self.model.byte_digest:   # (its verify checked every byte)
+            return {}
         cfg = self.pool.config
         tp = (cfg.tp_size, cfg.tp_rank)
         want = digests.expected(cfg.model, tp, [s.done.digest for s in r.senders.values() if s.done is not None])

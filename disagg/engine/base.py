@@ -76,6 +76,8 @@ class ModelEngine(Protocol):
     name: str
     spec: ModelSpec | None     # the pool geometry the engine needs (None: it fills any preset)
     vocab_size: int | None     # token ids it takes are below this (None: any)
+    byte_digest: bool          # prefill digests the KV and decode compares what arrived with it
+                               # (False: the engine's verify checks every byte itself)
 
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
                 on_layer: Callable[[int], None] | None = None) -> PrefillResult:
@@ -85,8 +87,8 @@ class ModelEngine(Protocol):
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
         """The engine's checks of what arrived on decode (check_aux; the stand-in also every
         byte, which it can recompute); VerifyError if one fails. That the bytes are those
-        prefill wrote, decode checks for any engine against prefill's digest
-        (disagg.control.digests), which the model engine's outputs could hide."""
+        prefill wrote, decode checks against prefill's digest (disagg.control.digests) for an
+        engine with `byte_digest` (the model engine, whose outputs could hide a wrong byte)."""
 
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
                stop: Callable[[], bool] | None = None) -> DecodeOutput:

@@ -95,6 +95,7 @@ class StandInEngine:
     name = "standin"
     spec = None          # fills any preset
     vocab_size = None    # takes any token id
+    byte_digest = False  # decode recomputes every byte it holds (verify): stronger than a digest
 
     def __init__(self, layer_ms: float = 0.0):
         self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)

@@ -124,7 +124,10 @@ class PrefillServer(Worker):
                 first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                self._digest(r, kv)   # (beside the sends: their TransferDone carries it)
+                if self.faults.hit("prefill.flip"):   # a wrong computation: only the colocated check catches it
+                    log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
+                if self.model.byte_digest:
+                    self._digest(r, kv)   # (beside the sends: their TransferDone carries it)
                 held, kv = kv, None
                 self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
@@ -150,11 +153,7 @@ class PrefillServer(Worker):
     def _digest(self, r: PrefillRequest, kv) -> None:
         """Start the digest of the KV as the engine wrote it, which decode checks what arrived
         against (disagg.control.digests): on its own thread, beside the sends (the bytes do not
-        change once computed; each send's TransferDone waits for it). `prefill.flip` corrupts a
-        byte first: what only the colocated check can catch (a streamed send may have sent
-        that layer already)."""
-        if self.faults.hit("prefill.flip"):
-            log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
+        change once computed; each send's TransferDone waits for it)."""
         r.digest = self._digests.submit(_timed, kvdigest.compute, self.pool, kv, len(r.tokens))
 
     def _report(self, r: PrefillRequest) -> dict:

@@ -42,6 +42,7 @@ PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
 
 class TransformersEngine:
     name = "model"
+    byte_digest = True   # its outputs could hide a wrong byte: decode compares prefill's digest
 
     def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
                  attn_chunk: int = attention.CHUNK):
