@@ -160,10 +160,13 @@ class PrefixCache:
 
 def reused_bytes(pool: HybridPool, num_tokens: int, prefix_len: int) -> int:
     """The KV bytes of this pool's shard a request of `num_tokens` did not receive because it
-    held positions [0, prefix_len): per paged component, its kept positions below prefix_len."""
-    total = 0
+    held positions [0, prefix_len): per paged component, the positions of its pages below
+    prefix_len (SWA: from the window's first page). Exact where both sides' pages are alike;
+    a sender of another page size covers a window from a slightly different position."""
+    total, page = 0, pool.page_size
     for c in paged_components(pool):
-        below = max(0, prefix_len - SPECS[c].first_kept(pool.config.model, num_tokens))
+        first = SPECS[c].first_kept(pool.config.model, num_tokens) // page * page
+        below = max(0, prefix_len - first)
         row = sum(buf.shape[1] for buf in pool.pools[c].storage.buffers)   # one item: page_size tokens
         total += below * row // pool.page_size
     return total
