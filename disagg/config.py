@@ -57,6 +57,8 @@ def document(parser: argparse.ArgumentParser) -> None:
         text = (a.help or "").rstrip()
         if isinstance(a, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
             suffix = f"env {env_name(a)}=1"
+        elif isinstance(a, argparse.BooleanOptionalAction):
+            suffix = f"default: {'on' if a.default else 'off'}; env {env_name(a)}=1 or 0"
         elif a.required:
             suffix = f"required; env {env_name(a)}"
         elif "default" in text:
@@ -139,7 +141,7 @@ def _file_values(path: str, command: str, parser: argparse.ArgumentParser,
 
 
 def _convert(action: argparse.Action, raw: Any, where: str) -> Any:
-    if isinstance(action, argparse._StoreTrueAction):
+    if isinstance(action, (argparse._StoreTrueAction, argparse.BooleanOptionalAction)):
         text = str(raw).lower()
         if text not in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             raise SourceError(f"{where}: want true or false")

@@ -16,7 +16,8 @@ class RequestKV:
         self.num_tokens = num_tokens
         self.state_slot = state_slot    # MAMBA slot; 0 (sentinel) when the model has no linear layers
         self.aux_row = aux_row          # AUX row
-        self.swa_evicted = swa_evicted  # pages [0, swa_evicted) hold no SWA page (eviction is a prefix)
+        self.swa_evicted = swa_evicted  # pages [0, swa_evicted) hold no SWA page of its own (eviction is a prefix)
+        self.shared = 0                 # pages [0, shared) are shared (a prefix cache's): it only reads them
         self.freed = False              # set by HybridPool.free_request; every later use is refused
         self.grow_to = num_tokens       # the most tokens it was admitted to grow to (pages reserved up to it)
         self.swa_peak = 0               # the most SWA pages it will hold by then (reserved; 0: none)

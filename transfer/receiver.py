@@ -47,12 +47,14 @@ class KVReceiver(PoolEndpoint):
             lease.release(got)
         return out
 
-    def slots_wanted(self, lanes: Lanes | None, num_tokens: int, most: int) -> int:
+    def slots_wanted(self, lanes: Lanes | None, num_tokens: int, most: int, prefix_len: int = 0) -> int:
         """Slots a sender writing by `lanes` (our side, lanes_from; None: whole pages, size
-        unknown here) needs for a request of `num_tokens`: one per chunk, at most `most`."""
+        unknown here) needs for a request of `num_tokens` of which we hold [0, prefix_len)
+        already (only the rest moves): one per chunk, at most `most`."""
         if lanes is None:
             return most
-        nbytes = sum(lane.token_bytes * (1 if c.per_request else num_tokens) for c, ls in lanes.items() for lane in ls)
+        moved = num_tokens - prefix_len
+        nbytes = sum(lane.token_bytes * (1 if c.per_request else moved) for c, ls in lanes.items() for lane in ls)
         return max(1, min(most, math.ceil(nbytes / self.staging.slot_bytes)))
 
     def release_slots(self, slots: list[int]) -> None:

@@ -117,6 +117,33 @@ def pool_key(key: str) -> tuple[str, str]:
     return allocator, unit
 
 
+class PrefixCacheMetrics:
+    """Decode's prefix cache (kvpool.cache): what requests took from it and what that saved
+    (per answered request), what it holds and evicted (read off its stats at each scrape)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        r = registry
+        self.hit = Counter("disagg_prefix_cache_hit_tokens_total", "prompt positions requests took from the "
+                           "prefix cache (succeeded requests)", ["role"], registry=r)
+        self.saved = Counter("disagg_prefix_cache_saved_bytes_total", "KV bytes not received thanks to the prefix "
+                             "cache (succeeded requests)", ["role"], registry=r)
+        self.evicted = Counter("disagg_prefix_cache_evicted_tokens_total", "cached positions evicted to make room",
+                               ["role"], registry=r)
+        self.cached = Gauge("disagg_prefix_cache_tokens", "positions the prefix cache holds", ["role"], registry=r)
+        self.role, self._evicted_seen = role, 0
+
+    def answered(self, out: dict) -> None:
+        """A request that succeeded: its prefix_tokens and reused_bytes (decode's answer)."""
+        self.hit.labels(self.role).inc(out.get("prefix_tokens", 0))
+        self.saved.labels(self.role).inc(out.get("reused_bytes", 0))
+
+    def observe(self, stats: dict[str, int]) -> None:
+        """Before a scrape: the cache's stats (PrefixCache.stats)."""
+        self.cached.labels(self.role).set(stats["cached_tokens"])
+        self.evicted.labels(self.role).inc(max(0, stats["evicted_tokens"] - self._evicted_seen))
+        self._evicted_seen = max(self._evicted_seen, stats["evicted_tokens"])
+
+
 # ---- readers of a /metrics page (tests, scripts/soak.py) ----------------------------------------
 def pool_free(text: str) -> dict[str, float]:
     """The free-capacity gauges of an exposition text, keyed as the pool names them ("full_tokens")."""

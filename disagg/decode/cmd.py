@@ -29,6 +29,10 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="share of requests (0..1) whose generation decode compares, token for token and logit "
                         "for logit, with the same prompt run colocated (costs one more prefill and decode); one that "
                         "differs fails the request (HTTP 500 at the router)")
+    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep the whole pages of finished requests (prompt and generated tokens) in a radix tree "
+                        "and reuse the longest cached prefix of a new prompt: prefill then sends only the rest; "
+                        "unused cached pages are evicted (least recently used) whenever a request needs room")
     g.add_argument("--quarantine", type=seconds, default=60.0,
                    help="longest hold, in seconds, of a failed request's pages while prefill may still write")
 
@@ -39,7 +43,7 @@ def config_from(args: argparse.Namespace) -> "DecodeConfig":
     return DecodeConfig(**worker_settings(args), bootstrap_addr=entries[0][1],
                         bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
                         slots_per_transfer=args.slots_per_transfer, heartbeat_interval_s=args.heartbeat_interval,
-                        quarantine_s=args.quarantine, check_rate=args.check_rate)
+                        quarantine_s=args.quarantine, check_rate=args.check_rate, prefix_cache=args.prefix_cache)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -31,7 +31,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
 
 from disagg.control.messages import Abort, TransferDone
 from disagg.control.deadlines import Deadlines, passed as deadline_passed
@@ -40,6 +42,9 @@ from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
 from transfer.report import TransferReport, merged
 from transfer.reshard import Lanes
+
+if TYPE_CHECKING:
+    from kvpool.cache.prefix import Hit
 
 
 class Phase(Enum):
@@ -82,6 +87,9 @@ class DecodeRequest:
     dst: IndexSet | None = None
     prefix_len: int = 0               # positions [0, prefix_len) of the prompt decode holds already (its
                                       # own cached prefix, set on admission): prefill sends the rest
+    hit: "Hit | None" = None          # that prefix in the prefix cache (None: no cache), held until forgotten
+    kept: np.ndarray | None = None    # once it ended well: the ids of the positions whose KV it holds,
+                                      # which the cache keeps (None: nothing of its own is kept)
     reason: str = ""
     kv_ready_at: float = 0.0          # wall clock when the last TransferDone(ok) arrived
     until: float = 0.0                # QUARANTINED: when the cap passes
@@ -128,10 +136,23 @@ class RequestTable:
                 self._fail(r, why)
             return r
 
-    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, prefix_len: int = 0) -> None:
-        """r holds `kv` (indices `dst`), of whose positions [0, prefix_len) it holds the KV already."""
+    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, prefix_len: int = 0,
+                 hit: "Hit | None" = None) -> None:
+        """r holds `kv` (indices `dst`), of whose positions [0, prefix_len) it holds the KV already
+        (`hit`: taken from the prefix cache, which `prefix_len` then is)."""
         with self._lock:
-            r.kv, r.dst, r.prefix_len = kv, dst, prefix_len
+            r.kv, r.dst, r.hit = kv, dst, hit
+            r.prefix_len = hit.prefix_len if hit is not None else prefix_len
+
+    def generated(self, r: DecodeRequest, tokens: np.ndarray) -> bool:
+        """r's generation ended well and its pool holds the KV of `tokens` (prompt and generated
+        ids, one per position it holds): the cache may keep it when r is forgotten. False (and
+        nothing kept) if r was failed meanwhile."""
+        with self._lock:
+            if r.phase is not Phase.SUCCESS:
+                return False
+            r.kept = tokens
+            return True
 
     def sending(self, r: DecodeRequest, senders: list[Sender]) -> bool:
         """About to send the TransferRequests to `senders` (r holds them, and their slots, from

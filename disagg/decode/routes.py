@@ -1,7 +1,7 @@
 """A decode worker's HTTP routes: POST /decode and /abort, with their metrics."""
 
 from disagg.api.fields import abort_route, optional_int, require_room, require_tokens
-from disagg.api.metrics import WorkerMetrics
+from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics
 from disagg.api.server import Service
 from disagg.decode.server import DecodeServer
 from disagg.errors import BadRequest
@@ -12,12 +12,19 @@ PHASES = ("bootstrap", "wait", "verify", "decode", "check")
 class DecodeRoutes:
     def __init__(self, server: DecodeServer):
         self.server, self.metrics = server, WorkerMetrics("decode")
+        self.cache = PrefixCacheMetrics(self.metrics.registry, "decode") if server.cache is not None else None
 
     def service(self) -> Service:
         return Service({"/decode": self.decode, "/abort": abort_route(self.server.abort)},
                        self.server.readiness, self.metrics.registry, health=self.server.health,
-                       metrics=self.metrics,
-                       before_scrape=lambda: self.metrics.observe_pool(self.server.pool.available()))
+                       metrics=self.metrics, before_scrape=self._scrape)
+
+    def _scrape(self) -> None:
+        """The pool's free capacity (cached pages nobody uses count as free: a request takes
+        them) and the prefix cache's figures."""
+        self.metrics.observe_pool(self.server.available())
+        if self.cache is not None:
+            self.cache.observe(self.server.cache.stats())
 
     def decode(self, body: dict) -> dict:
         room, tokens = require_room(body), require_tokens(body)
@@ -31,5 +38,7 @@ class DecodeRoutes:
     def _observe(self, out: dict, ok: bool) -> None:
         if ok:
             self.metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
+            if self.cache is not None:
+                self.cache.answered(out)
             for phase in PHASES:
                 self.metrics.seconds(phase, out)

@@ -38,6 +38,7 @@ from disagg.worker.base import Worker, WorkerSettings
 from disagg.worker.flip import flip_unread
 from kvpool import KVPoolError
 from kvpool import digest as kvdigest
+from kvpool.cache.prefix import PrefixCache, reused_bytes
 from transfer.errors import StagingError
 from transfer.receiver import KVReceiver
 from transfer.report import TransferReport
@@ -56,6 +57,7 @@ class DecodeConfig(WorkerSettings):
     quarantine_s: float = 60.0
     heartbeat_interval_s: float = 1.0     # to every registered prefill
     check_rate: float = 0.0               # share of requests compared with a colocated run (engine.check)
+    prefix_cache: bool = True             # keep finished requests' pages and reuse them as prefixes (kvpool.cache)
 
 
 class DecodeServer(Worker):
@@ -64,8 +66,9 @@ class DecodeServer(Worker):
         self.config = config
         self.receiver: KVReceiver = self.endpoint
         self.io = DealerIO(self.gate)
+        self.cache = PrefixCache(self.pool) if config.prefix_cache else None
         self.requests = RequestTable(config.deadlines, config.quarantine_s,
-                                     Release(self.pool, self.receiver, self.admission), self.io.send)
+                                     Release(self.pool, self.receiver, self.admission, self.cache), self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
         self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
@@ -81,18 +84,23 @@ class DecodeServer(Worker):
                               self.receiver.staging_info(), pc.tp_size, pc.tp_rank)
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def _admit(self, r: DecodeRequest, num_tokens: int, max_new_tokens: int, deadline: float) -> None:
+    def _admit(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, deadline: float) -> None:
         """Reserve what the request holds by its last token (the prompt and max_new_tokens - 1
         more: the last one's KV is never written; SWA: the window's worth), so a generation never
-        runs out of pages midway: 400 if it could never fit, 503 if the pool stays full."""
+        runs out of pages midway: 400 if it could never fit, 503 if the pool stays full. With
+        the prefix cache, on the longest cached prefix (only the rest allocated; cached pages
+        nobody uses are evicted before a request waits)."""
+        num_tokens = len(tokens)
         grow_to = num_tokens + max_new_tokens - 1
 
         def alloc():
             if self.faults.hit("decode.alloc"):
                 raise KVPoolError("injected fault at decode.alloc")
-            return self.pool.alloc_request(num_tokens, swa_window_only=True, grow_to=grow_to)
-        kv = self.admission.admit(num_tokens, alloc, deadline, grow_to)
-        self.requests.admitted(r, kv, self.pool.index_set(kv))
+            if self.cache is not None:
+                return self.cache.admit(tokens, grow_to)
+            return self.pool.alloc_request(num_tokens, swa_window_only=True, grow_to=grow_to), None
+        kv, hit = self.admission.admit(num_tokens, alloc, deadline, grow_to)
+        self.requests.admitted(r, kv, self.pool.index_set(kv), hit=hit)
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
@@ -111,9 +119,9 @@ class DecodeServer(Worker):
             deadline = time.monotonic() + self.config.deadlines.bootstrap_s
             peers = self.introducer.senders(bootstrap_endpoint, deadline)
             timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
-            self._admit(r, len(tokens), max_new_tokens, deadline)
+            self._admit(r, tokens, max_new_tokens, deadline)
             lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
-            slots = self._lend(lanes, len(tokens), deadline)
+            slots = self._lend(lanes, len(tokens), r.prefix_len, deadline)
             t1 = time.perf_counter()
             senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
             if self.requests.sending(r, senders):   # an abort may have come meanwhile
@@ -126,7 +134,8 @@ class DecodeServer(Worker):
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
             if self.faults.hit("decode.flip"):
-                log.warning("room %d: injected fault at decode.flip: %s", room, flip_unread(self.pool, r.kv))
+                log.warning("room %d: injected fault at decode.flip: %s", room,
+                            flip_unread(self.pool, r.kv, r.prefix_len))
             t2 = time.perf_counter()
             held = self._verify(r, tokens, room)
             timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
@@ -135,6 +144,8 @@ class DecodeServer(Worker):
             timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
             timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
             checked = self._check(room, tokens, output, timings)
+            if "integrity" not in checked:
+                self._keep(r, tokens, output.tokens)
             return {"room": room, "state": "SUCCESS", "verified": True, "digests": held,
                     "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
                     "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
@@ -187,18 +198,29 @@ class DecodeServer(Worker):
         return {"check": check, "state": "FAILED", "integrity": "check",
                 "reason": f"check: the generation differs from the colocated run: {differs}"}
 
+    def _keep(self, r: DecodeRequest, prompt: np.ndarray, output: list[int]) -> None:
+        """A request that verified and generated: the cache may keep its KV when it is freed,
+        keyed by the ids of the positions it holds (the prompt, then every generated token but
+        the last, whose KV is never written)."""
+        if r.hit is not None:
+            held = np.concatenate([prompt, np.asarray(output[: r.kv.num_tokens - len(prompt)], dtype=np.int64)])
+            self.requests.generated(r, held)
+
     def _report(self, r: DecodeRequest) -> dict:
         """What the senders reported of a request that arrived, merged, as the answer carries it
-        (every key, even if a sender reported nothing)."""
+        (every key, even if a sender reported nothing), and what it reused of the prefix cache
+        (prefix_tokens; reused_bytes: what it did not receive thanks to them)."""
         report = self.requests.report(r) or TransferReport(sends=0)
-        return {**report.to_dict(), "senders": len(r.senders)}
+        reused = reused_bytes(self.pool, r.kv.num_tokens, r.prefix_len) if r.prefix_len else 0
+        return {**report.to_dict(), "senders": len(r.senders), "prefix_tokens": r.prefix_len, "reused_bytes": reused}
 
-    def _lend(self, lanes: list, num_tokens: int, deadline: float) -> list[list[int]]:
-        """Every sender's staging slots, all at once (KVReceiver.lend). Senders that move by
-        token would go direct without one (a range per row slice): for them the request waits
-        for slots, like for pool space, until the bootstrap deadline."""
+    def _lend(self, lanes: list, num_tokens: int, prefix_len: int, deadline: float) -> list[list[int]]:
+        """Every sender's staging slots, all at once (KVReceiver.lend), for what moves (the
+        suffix after prefix_len). Senders that move by token would go direct without one (a
+        range per row slice): for them the request waits for slots, like for pool space,
+        until the bootstrap deadline."""
         most = self.config.slots_per_transfer
-        wants = [self.receiver.slots_wanted(l, num_tokens, most) for l in lanes]
+        wants = [self.receiver.slots_wanted(l, num_tokens, most, prefix_len) for l in lanes]
         by_token = any(l is not None for l in lanes)
         return self.receiver.lend(wants, max(0.0, deadline - time.monotonic()) if by_token else 0.0)
 
@@ -223,7 +245,13 @@ class DecodeServer(Worker):
         """/health, with the bootstraps a request may name (the router checks its pairs'
         against them)."""
         known = {"default": self.config.bootstrap_addr, **dict(self.config.bootstraps)}
-        return {**super().health(), "bootstraps": sorted({*known, *known.values()})}
+        cache = {"prefix_cache": self.cache.stats()} if self.cache is not None else {}
+        return {**super().health(), "bootstraps": sorted({*known, *known.values()}), **cache}
+
+    def available(self) -> dict[str, int]:
+        """What a new request can take of the pool: its free capacity, and the cached pages
+        nobody uses (evicted for it)."""
+        return self.cache.available() if self.cache is not None else self.pool.available()
 
     def readiness(self) -> dict:
         """/ready, at once: the pool is registered and this decode is registered with the

@@ -10,6 +10,12 @@ reserved: nobody else may take them, so its extend() up to there never runs shor
 generation that would outgrow the pool is refused before anything is sent, not mid-decode. The lifecycle
 methods hold one lock: servers call them from many threads, and allocators are not
 thread-safe on their own.
+
+Full pages have holders: the request that allocated a page, and where a prefix cache keeps
+it (kvpool.cache.prefix: `hold` / `drop`), the cache and every request that took it as its
+prefix (`alloc_request(prefix=)`). A page (with its SWA page) goes back to the allocator when
+its last holder lets go. A request's shared pages are its first `RequestKV.shared` ones: it
+only reads them (its KV arrives, and grows, beyond them) and never evicts their SWA pages.
 """
 
 import threading
@@ -24,7 +30,7 @@ from kvpool.components import Component
 from kvpool.config import PoolConfig
 from kvpool.cpu_copy import KVCopy
 from kvpool.errors import AllocatorError, LayoutMismatch, OutOfSpace
-from kvpool.indices import IndexSet, SENTINEL
+from kvpool.indices import INDEX_DTYPE, IndexSet, SENTINEL, as_indices
 from kvpool.pools.aux import AuxPool
 from kvpool.pools.base import ComponentPool, KVPool
 from kvpool.pools.full import FullPool
@@ -54,6 +60,7 @@ class HybridPool(KVPool):
         )
         self.state_slots = StateSlotAllocator(sizes.state_slots, "mamba slots") if Component.MAMBA in comps else None
         self.aux_rows = StateSlotAllocator(sizes.state_slots, "aux rows")
+        self._holders = np.zeros(sizes.full_pages + 1, dtype=np.int32)   # full page -> who holds it
         self._reserved = {id(self.pages): 0}   # allocator -> pages promised to live requests, not yet taken
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] = 0
@@ -65,16 +72,37 @@ class HybridPool(KVPool):
         return self.pools[Component.AUX]
 
     # ---- request lifecycle ------------------------------------------------------------
-    def alloc_request(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None) -> RequestKV:
+    def alloc_request(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None,
+                      prefix: np.ndarray | None = None) -> RequestKV:
         """Allocate a request of `num_tokens` tokens. With `swa_window_only`, SWA pages back
         only the window (what a decode side receives); otherwise every page (prefill).
-        `grow_to`: the most tokens it will be extended to; what it needs by then is reserved."""
+        `grow_to`: the most tokens it will be extended to; what it needs by then is reserved.
+        `prefix`: full pages someone holds already (a prefix cache's) that become its first
+        pages, shared (one more holder each); only the rest is allocated. Those of them in
+        the window must have their SWA page."""
         with self._lock:
             if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
                 raise AllocatorError(f"a request needs at least one token, got {num_tokens!r}")
             grow_to = self._grow_to(num_tokens, grow_to)
             first = self._window_first(num_tokens) if swa_window_only else 0
-            return self._alloc(int(num_tokens), first, grow_to)
+            pages = self._check_prefix(prefix, int(num_tokens), first)
+            return self._alloc(int(num_tokens), first, grow_to, pages)
+
+    def _check_prefix(self, prefix: np.ndarray | None, num_tokens: int, swa_first: int) -> np.ndarray:
+        """`prefix` as int32 pages a request of `num_tokens` may share (held, distinct, fewer
+        than its pages, SWA-backed in its window); AllocatorError, nothing changed, otherwise."""
+        if prefix is None:
+            return np.zeros(0, dtype=INDEX_DTYPE)
+        pages = as_indices(prefix, "prefix")
+        if len(pages) >= num_pages_for(num_tokens, self.page_size):
+            raise AllocatorError(f"a prefix of {len(pages)} pages leaves a {num_tokens}-token request no page of its own")
+        if len(pages) and (pages.min() < 1 or pages.max() >= len(self._holders) or
+                           (self._holders[pages] < 1).any() or len(np.unique(pages)) != len(pages)):
+            raise AllocatorError("prefix pages must be distinct pages someone holds")
+        if self.swa_allocator is not None and swa_first < len(pages) and \
+                (self.swa_allocator.translate(pages[swa_first:]) == SENTINEL).any():
+            raise AllocatorError("a prefix page in the request's window has no SWA page")
+        return pages
 
     @staticmethod
     def _grow_to(num_tokens: int, grow_to: int | None) -> int:
@@ -84,27 +112,31 @@ class HybridPool(KVPool):
             raise AllocatorError(f"grow_to must be an int >= the request's {num_tokens} tokens, got {grow_to!r}")
         return int(grow_to)
 
-    def _needs(self, num_tokens: int, swa_first: int, grow_to: int | None = None) -> list[tuple[SlotAllocator, int, int]]:
+    def _needs(self, num_tokens: int, swa_first: int, grow_to: int | None = None,
+               shared: int = 0) -> list[tuple[SlotAllocator, int, int]]:
         """What a request takes from each allocator now, and what it keeps reserved there until
-        it has grown to `grow_to` tokens; SWA pages back [swa_first, num_pages) now."""
+        it has grown to `grow_to` tokens; SWA pages back [swa_first, num_pages) now, its first
+        `shared` pages being someone else's (it takes none for them)."""
         n_pages = num_pages_for(num_tokens, self.page_size)
         later = num_pages_for(grow_to or num_tokens, self.page_size) - n_pages
-        needs: list[tuple[SlotAllocator, int, int]] = [(self.pages, n_pages, later), (self.aux_rows, 1, 0)]
+        needs: list[tuple[SlotAllocator, int, int]] = [(self.pages, n_pages - shared, later), (self.aux_rows, 1, 0)]
         if self.swa_allocator is not None:
-            held = n_pages - swa_first
-            needs.append((self.swa_allocator.swa, held, self._swa_peak(num_tokens, grow_to or num_tokens, held) - held))
+            held = n_pages - max(swa_first, shared)
+            peak = self._swa_peak(num_tokens, grow_to or num_tokens, held, shared)
+            needs.append((self.swa_allocator.swa, held, peak - held))
         if self.state_slots is not None:
             needs.append((self.state_slots, 1, 0))
         return needs
 
-    def _swa_peak(self, num_tokens: int, grow_to: int, held: int) -> int:
-        """The most SWA pages a request holding `held` at `num_tokens` holds while it grows to
-        `grow_to` (extend evicts the pages that left the window before it takes new ones)."""
+    def _swa_peak(self, num_tokens: int, grow_to: int, held: int, shared: int = 0) -> int:
+        """The most SWA pages of its own a request holding `held` at `num_tokens` holds while
+        it grows to `grow_to` (extend evicts the pages that left the window before it takes
+        new ones; its first `shared` pages are never its own)."""
         if grow_to == num_tokens:
             return held
         t = np.arange(num_tokens + 1, grow_to + 1, dtype=np.int64)
         window = self.config.model.swa.window
-        later = -(-t // self.page_size) - np.maximum(0, t - window) // self.page_size
+        later = -(-t // self.page_size) - np.maximum(shared, np.maximum(0, t - window) // self.page_size)
         return max(held, int(later.max()))
 
     def fits_when_empty(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None) -> bool:
@@ -131,7 +163,8 @@ class HybridPool(KVPool):
     def _promise(self, req: RequestKV) -> tuple[int, int]:
         """(full pages, SWA pages) still reserved for `req`: what it will take by its grow_to."""
         full = max(0, num_pages_for(req.grow_to, self.page_size) - req.num_pages)
-        swa = max(0, req.swa_peak - (req.num_pages - req.swa_evicted)) if self.swa_allocator is not None else 0
+        own_swa = req.num_pages - max(req.swa_evicted, req.shared)
+        swa = max(0, req.swa_peak - own_swa) if self.swa_allocator is not None else 0
         return full, swa
 
     def _promised(self, req: RequestKV, before: tuple[int, int]) -> None:
@@ -141,22 +174,29 @@ class HybridPool(KVPool):
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] += swa - before[1]
 
-    def _alloc(self, num_tokens: int, swa_first: int, grow_to: int | None = None) -> RequestKV:
-        """Allocate; SWA pages back positions [swa_first, num_pages); reserve up to grow_to."""
+    def _alloc(self, num_tokens: int, swa_first: int, grow_to: int | None = None,
+               prefix: np.ndarray | None = None) -> RequestKV:
+        """Allocate; SWA pages back positions [swa_first, num_pages); reserve up to grow_to;
+        `prefix` (checked: _check_prefix) are its first pages, shared."""
+        prefix = np.zeros(0, dtype=INDEX_DTYPE) if prefix is None else prefix
+        shared = len(prefix)
         n_pages = num_pages_for(num_tokens, self.page_size)
         swa_first = swa_first if self.swa_allocator is not None else 0
-        needs = self._needs(num_tokens, swa_first, grow_to)
+        needs = self._needs(num_tokens, swa_first, grow_to, shared)
         for allocator, n, later in needs:
             if n + later > self._free_for(allocator):
                 raise OutOfSpace(allocator.name, n + later, self._free_for(allocator))
         if self.swa_allocator is not None:
-            pages = self.swa_allocator.alloc(n_pages, swa_first)
+            own = self.swa_allocator.alloc(n_pages - shared, max(0, swa_first - shared))
         else:
-            pages = self.pages.alloc(n_pages)
+            own = self.pages.alloc(n_pages - shared)
+        self._holders[own] = 1
+        self._holders[prefix] += 1
         slot = int(self.state_slots.alloc(1)[0]) if self.state_slots is not None else SENTINEL
         row = int(self.aux_rows.alloc(1)[0])
-        req = RequestKV(num_tokens=num_tokens, full_pages=pages, state_slot=slot, aux_row=row,
-                        swa_evicted=swa_first)
+        req = RequestKV(num_tokens=num_tokens, full_pages=np.concatenate([prefix, own]), state_slot=slot,
+                        aux_row=row, swa_evicted=swa_first)
+        req.shared = shared
         req.grow_to = grow_to or num_tokens
         if self.swa_allocator is not None:
             req.swa_peak = sum(needs[2][1:])
@@ -184,7 +224,7 @@ class HybridPool(KVPool):
                 first = self._window_first(new_num_tokens)
                 # New pages already out of the window (growth by more than a window) get none.
                 new_swa_first = min(n_new, max(0, first - req.num_pages))
-                freeable = max(0, min(first, req.num_pages) - req.swa_evicted)
+                freeable = max(0, min(first, req.num_pages) - max(req.swa_evicted, req.shared))
                 free_swa = self._free_for(swa.swa) + before[1] + freeable
                 if n_new - new_swa_first > free_swa:
                     raise OutOfSpace(swa.swa.name, n_new - new_swa_first, free_swa)
@@ -193,6 +233,7 @@ class HybridPool(KVPool):
                 req.swa_evicted = max(req.swa_evicted, first)
             else:
                 new_pages = self.pages.alloc(n_new)
+            self._holders[new_pages] = 1
             req._append_pages(new_pages)
             req.num_tokens = int(new_num_tokens)
             self._promised(req, before)
@@ -209,20 +250,49 @@ class HybridPool(KVPool):
             return freed
 
     def free_request(self, req: RequestKV) -> None:
+        """The request lets go of its pages (those nobody else holds go back), slot and row."""
         with self._lock:
             self._check_live(req)
             full, swa = self._promise(req)   # its reservation ends with it
             self._reserved[id(self.pages)] -= full
             if self.swa_allocator is not None:
                 self._reserved[id(self.swa_allocator.swa)] -= swa
-            if self.swa_allocator is not None:
-                self.swa_allocator.free(req.full_pages)
-            else:
-                self.pages.free(req.full_pages)
+            self._let_go(req.full_pages)
             if self.state_slots is not None:
                 self.state_slots.free(np.array([req.state_slot], dtype=np.int32))
             self.aux_rows.free(np.array([req.aux_row], dtype=np.int32))
             req.freed = True
+
+    def hold(self, pages: np.ndarray) -> None:
+        """One more holder (a prefix cache) of held, distinct full pages."""
+        with self._lock:
+            pages = self._held(pages, "hold")
+            self._holders[pages] += 1
+
+    def drop(self, pages: np.ndarray) -> None:
+        """A holder (a prefix cache) lets go of `pages`; those nobody holds any more go back."""
+        with self._lock:
+            self._let_go(self._held(pages, "drop"))
+
+    def _held(self, pages: np.ndarray, what: str) -> np.ndarray:
+        pages = self.pages.check_owned(pages, what)   # allocated, distinct, never the sentinel
+        if (self._holders[pages] < 1).any():
+            raise AllocatorError(f"{what}: a page nobody holds")
+        return pages
+
+    def _let_go(self, pages: np.ndarray) -> None:
+        """One holder fewer for each of `pages`; free those left with none (and their SWA pages)."""
+        self._holders[pages] -= 1
+        gone = pages[self._holders[pages] == 0]
+        if self.swa_allocator is not None:
+            self.swa_allocator.free(gone)
+        else:
+            self.pages.free(gone)
+
+    def holders(self, pages: np.ndarray) -> np.ndarray:
+        """How many hold each of `pages` (tests, accounting)."""
+        with self._lock:
+            return self._holders[np.asarray(pages, dtype=np.int64)].copy()
 
     def retract(self, req: RequestKV) -> KVCopy:
         """Copy `req` to CPU memory and free it (preemption)."""
@@ -259,7 +329,7 @@ class HybridPool(KVPool):
         O(request length), so per-token decode growth stays cheap."""
         if first <= req.swa_evicted:
             return 0
-        freed = self.swa_allocator.evict(req.full_pages[req.swa_evicted:first])
+        freed = self.swa_allocator.evict(req.full_pages[max(req.swa_evicted, req.shared):max(first, req.shared)])
         req.swa_evicted = first
         return freed
 
@@ -326,6 +396,10 @@ class HybridPool(KVPool):
     def check_integrity(self) -> None:
         with self._lock:
             (self.swa_allocator or self.pages).check_integrity()
+            held = self._holders > 0
+            assert not held[0] and (self._holders >= 0).all(), "the sentinel is held, or a page has < 0 holders"
+            assert np.array_equal(np.flatnonzero(held).astype(INDEX_DTYPE), self.pages.used()), \
+                "pages held and pages allocated disagree"
             if self.state_slots is not None:
                 self.state_slots.check_integrity()
             self.aux_rows.check_integrity()

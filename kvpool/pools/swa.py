@@ -37,9 +37,11 @@ class SWAPool(ComponentPool):
         self.window = config.model.swa.window
 
     def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
-        swa_pages = self.allocator.translate(req.full_pages)
+        """The window pages it reads (a shared page before its window may keep an SWA page
+        for the cache: not the request's)."""
+        swa_pages = self.allocator.translate(req.full_pages[req.swa_evicted:])
         positions = np.flatnonzero(swa_pages != SENTINEL).astype(np.int32)
-        return positions, swa_pages[positions]
+        return positions + req.swa_evicted, swa_pages[positions]
 
     def transfer_indices(self, req: RequestKV) -> np.ndarray:
         first = window_first_page(req.num_tokens, self.window, self.config.page_size)

@@ -170,3 +170,15 @@ def test_flags_sit_in_groups_that_say_what_they_are_for():
     assert groups["torch_threads"] == groups["log_level"] == "process" and groups["preset"] == "model and pool"
     assert groups["http_port"] == groups["http_host"] != groups["host"] == "transfer"
     assert {d for d, t in groups.items() if t == "fault injection (testing)"} == {"inject_faults", "fault_seed"}
+
+
+def test_the_prefix_cache_switch_comes_from_every_source_and_is_checked(tmp_path):
+    assert _effective("decode")["prefix-cache"] is True                      # on by default
+    assert _effective("decode", "--no-prefix-cache")["prefix-cache"] is False
+    assert _effective("decode", DISAGG_PREFIX_CACHE="0")["prefix-cache"] is False
+    path = tmp_path / "c.toml"
+    path.write_text("[decode]\nprefix-cache = false\n")
+    assert _effective("decode", "--config", str(path))["prefix-cache"] is False
+    assert _effective("decode", "--config", str(path), "--prefix-cache")["prefix-cache"] is True
+    bad = _run("decode", "--print-config", DISAGG_PREFIX_CACHE="maybe")
+    assert bad.returncode != 0 and "DISAGG_PREFIX_CACHE=maybe: want true or false" in bad.stderr

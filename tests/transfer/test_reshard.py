@@ -148,3 +148,14 @@ def test_a_streamed_send_between_tp_sizes_moves_every_slice_once(layout):
             report = sender.send(target, pool.index_set(req), dst, progress=progress, num_tokens=TOKENS)
         assert report.streamed
         peer.verify(rid, tokens, 5)
+
+
+def test_staging_slots_are_sized_for_the_suffix_only():
+    """A request whose first positions decode holds (its prefix cache) leases slots for the rest."""
+    from transfer.receiver import KVReceiver
+    pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 16, max_tokens=65536, max_requests=2, device="cpu"))
+    with KVReceiver(memory.MemoryTransport(), pool, TransferConfig(staging_slot_bytes=1 << 16)) as receiver:
+        lanes = receiver.lanes_from(Shard(4, 1, 0))                              # pages 4 -> 16: by token
+        whole = receiver.slots_wanted(lanes, 8000, 64)
+        assert receiver.slots_wanted(lanes, 8000, 64, prefix_len=7936) < whole / 10
+        assert receiver.slots_wanted(lanes, 8000, 64, prefix_len=0) == whole
