@@ -66,7 +66,11 @@ class DecodeServer(Worker):
         self.config = config
         self.receiver: KVReceiver = self.endpoint
         self.io = DealerIO(self.gate)
-        self.cache = PrefixCache(self.pool) if config.prefix_cache else None
+        self.cache = PrefixCache(self.pool) if config.prefix_cache and self.model.exact_reuse else None
+        if config.prefix_cache and not self.model.exact_reuse:
+            log.warning("prefix cache off: the %s engine's KV of a reused prefix is not bit-exact with a fresh "
+                        "prefill of the same prompt (a decode step and a batch compute different bits)",
+                        self.model.name)
         self.requests = RequestTable(config.deadlines, config.quarantine_s,
                                      Release(self.pool, self.receiver, self.admission, self.cache), self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)

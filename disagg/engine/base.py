@@ -78,6 +78,8 @@ class ModelEngine(Protocol):
     vocab_size: int | None     # token ids it takes are below this (None: any)
     byte_digest: bool          # prefill digests the KV and decode compares what arrived with it
                                # (False: the engine's verify checks every byte itself)
+    exact_reuse: bool          # its KV of a prefix is the same bits however it was computed (a
+                               # prefill batch, decode steps): decode may reuse cached prefixes
 
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
                 on_layer: Callable[[int], None] | None = None) -> PrefillResult:

@@ -96,6 +96,7 @@ class StandInEngine:
     spec = None          # fills any preset
     vocab_size = None    # takes any token id
     byte_digest = False  # decode recomputes every byte it holds (verify): stronger than a digest
+    exact_reuse = True   # a position's KV is a function of its token and position alone
 
     def __init__(self, layer_ms: float = 0.0):
         self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)

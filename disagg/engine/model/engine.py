@@ -43,6 +43,8 @@ PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
 class TransformersEngine:
     name = "model"
     byte_digest = True   # its outputs could hide a wrong byte: decode compares prefill's digest
+    exact_reuse = False  # a decode step's KV differs in its last bits from a batch prefill's: no
+                         # prefix cache on decode until reuse is made exact (issue 39)
 
     def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
                  attn_chunk: int = attention.CHUNK):
