@@ -81,7 +81,7 @@ def timed_ahead(sender: KVSender, target, send, repeats: int, **prepare) -> tupl
         t = time.perf_counter()
         prepared = sender.prepare(target, **prepare)
         prep.append(time.perf_counter() - t)
-        if str(sender.pool.config.device).startswith("cuda"):
+        if str(sender.endpoint.pool.config.device).startswith("cuda"):
             torch.cuda.synchronize()   # its table uploaded, as it would be long before the KV is final
         t = time.perf_counter()
         send(prepared)
