@@ -12,24 +12,23 @@ says its layers are final; direct writes fragments of each row, staged gathers a
 fields into chunks. The AUX row still goes last, after the engine returned and everything
 landed, so decode never sees "done" before every layer.
 
-Staged (StagedWrite): gather chunk i+1 into a local staging slot while a writer thread writes
-chunk i into a remote slot leased to the transfer, tells the receiver over the chunk channel,
-and waits for its ack before it reuses that remote slot.
+Staged (StagedWrite), all on the caller's thread: gather chunk i+1 into a local staging slot
+while the link writes chunk i into a remote slot leased to the transfer; a chunk that landed is
+told to the receiver over the chunk channel, and its remote slot is reused only after its ack.
 
-    gatherer (caller's thread)         writer thread                      receiver
-      wait for the chunk's layers
-      free local slot -> gather  --->  remote slot i % n (ack of i-n first)
-                                       link.write(slot -> slot) ----->    scatter, ack i
-                                       channel.notify(i)
+    caller's thread                                      link              receiver
+      wait for chunk i's layers; a free local slot
+      gather i; (i >= n: ack of i-n first)
+      write_async(local slot -> remote slot i % n) --->  writes i ...
+      gather i+1 ...; writes that landed: notify(j) ------------------->  scatter j, ack j
 
 A KVSender has an endpoint (transfer.endpoint.PoolEndpoint: the pool and staging area exposed
 to the transports); whoever built the endpoint closes it, after the sender's last send."""
 
 import dataclasses
 import logging
-import queue
-import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -42,7 +41,7 @@ from transfer.config import Mode
 from transfer.cost import choose_mode, layer_bounds, streams_well
 from kvpool.geometry import Component
 from transfer.endpoint import PoolEndpoint, StagingInfo
-from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, WritesAbandoned
+from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, TransferError, WritesAbandoned
 from transfer.faults import FaultInjector
 from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
@@ -53,7 +52,7 @@ from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
 from transfer.suffix import suffix_of
 from transfer.tokens import Lane, Tokens, pool_lanes
 from transfer.transports import Offer, PreparedWrite, Ranges, pick
-from transfer.transports.base import Link, PendingWrites
+from transfer.transports.base import Link, PendingWrite, PendingWrites
 
 log = logging.getLogger(__name__)
 
@@ -297,10 +296,11 @@ class _InFlight:
         if not self.first_write:
             self.first_write.append(time.time())
 
-    def layers(self, n: int) -> None:
-        """Block until layers [0, n) are final (at once unless streamed), retiring what landed."""
+    def layers(self, n: int, idle: Callable[[], object] | None = None) -> None:
+        """Block until layers [0, n) are final (at once unless streamed), retiring what landed
+        (`idle`: the staged writes' own retiring, StagedWrite)."""
         if self.progress is not None:
-            self.progress.wait(n, self.stopped, self.writes.poll)
+            self.progress.wait(n, self.stopped, idle or self.writes.poll)
 
     def blocked(self, wait: Callable[[], None]) -> None:
         t = time.perf_counter()
@@ -309,20 +309,22 @@ class _InFlight:
 
 
 class StagedWrite:
-    """One staged send's body (the module's docstring draws it): the caller's thread gathers
-    chunks into local staging slots of `endpoint`, a writer thread writes them into the remote
-    slots leased to the transfer and waits for the receiver's acks before reusing one."""
+    """One staged send's body, on the caller's thread (the module's docstring draws it): gather
+    chunk i into a free local staging slot of `endpoint`, start its write into remote slot
+    i % n (once chunk i - n's ack freed it), and gather chunk i+1 while that write is in flight;
+    a write that landed is told to the receiver over the chunk channel, in order, and gives its
+    local slot back."""
 
     def __init__(self, endpoint: PoolEndpoint, peer: RemotePool, remote: RemoteSlots, run: _InFlight):
         self.endpoint, self.peer, self.remote, self.run = endpoint, peer, remote, run
-        self.free: queue.Queue = queue.Queue()    # local slots gathered into may take (None: the writer failed)
-        self.ready: queue.Queue = queue.Queue()   # (local slot, chunk) gathered, to write (None: no more)
-        self.errors: list[BaseException] = []
+        self.free: list[int] = []              # local slots to gather into
+        self.flying: deque[_ChunkWrite] = deque()   # started, not yet told, in chunk order
+        self.told = 0                          # chunks told to the receiver (0 .. told-1)
 
     def send(self, body: Sequence[ComponentPlan], chunks: list[Chunk], share: float = 1.0) -> int:
-        """Gather chunk i+1 while the writer writes chunk i and waits for slot credits. A
-        streamed transfer waits for a chunk's layers before gathering it, and takes local
-        slots only then, and only `share` of them (others' transfers need some meanwhile)."""
+        """Every chunk written and told, and the last one acked; the number of chunks. A
+        streamed transfer waits for a chunk's layers before gathering it, and takes local slots
+        only then, and only `share` of them (others' transfers need some meanwhile)."""
         if chunks:
             self.run.layers(chunks[0].layers_needed)
         staging, config = self.endpoint.staging, self.endpoint.config
@@ -333,53 +335,68 @@ class StagedWrite:
         local_slots = staging.lease.acquire(want, timeout=config.chunk_timeout_s)
         if not local_slots:
             raise StagingError("no local staging slot freed up in time")
-        for s in local_slots:
-            self.free.put(s)
-        writer = threading.Thread(target=self._write_chunks, name="kv-staged-writer", args=(chunks,))
-        writer.start()
+        self.free = list(local_slots)
         try:
-            for chunk in chunks:
-                self.run.layers(chunk.layers_needed)
-                slot = self.free.get()
-                if slot is None:  # the writer failed
-                    break
-                gather(chunk, body, self.endpoint.tensors, staging.slot(slot))
-                self.ready.put((slot, chunk))
-        except BaseException as exc:
-            self.errors.append(exc)
-        finally:
-            self.ready.put(None)
-            writer.join()
-            staging.lease.release(local_slots)
-            self.remote.channel.end(self.remote.transfer_id)
-        if self.errors:   # an abandoned write first: it may still land, which the caller must report
-            raise next((e for e in self.errors if isinstance(e, WritesAbandoned)), self.errors[0])
-        return len(chunks)
-
-    def _write_chunks(self, chunks: list[Chunk]) -> None:
-        """The writer thread: each gathered chunk into remote slot i % n, once chunk i - n's ack
-        freed it; then the last chunk's ack."""
-        remote, peer, staging = self.remote, self.peer, self.endpoint.staging
-        n_remote = len(remote.slots)
-        try:
-            for i in range(len(chunks)):
-                item = self.ready.get()
-                if item is None:
-                    return
-                slot, chunk = item
-                if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
-                    self._await_ack(i - n_remote)
-                into = remote.slots[i % n_remote]
-                self.run.before_write()
-                peer.link.write(Ranges.one(self.endpoint.staging_region, staging.slot_offset(slot),
-                                           peer.staging.region, peer.slot_offset(into), chunk.nbytes))
-                remote.channel.notify(remote.transfer_id, i, into, list(chunk.pieces))
-                self.free.put(slot)
+            for i, chunk in enumerate(chunks):
+                self._write(i, chunk, body)
+            self._tell_landed(len(chunks))
             if chunks:
                 self._await_ack(len(chunks) - 1)
-        except BaseException as exc:
-            self.errors.append(exc)
-            self.free.put(None)  # wake the gatherer
+        except BaseException:
+            self._drain()   # no write reads a local slot once it is released
+            raise
+        finally:
+            staging.lease.release(local_slots)
+            self.remote.channel.end(self.remote.transfer_id)
+        return len(chunks)
+
+    def _write(self, i: int, chunk: Chunk, body: Sequence[ComponentPlan]) -> None:
+        """Gather chunk i and start its write (telling what landed meanwhile)."""
+        remote, peer, staging = self.remote, self.peer, self.endpoint.staging
+        n_remote = len(remote.slots)
+        self.run.layers(chunk.layers_needed, self._tell_landed)
+        if not self.free:   # every local slot is in flight: the oldest must land first
+            self._tell_landed(self.told + 1)
+        slot = self.free.pop()
+        gather(chunk, body, self.endpoint.tensors, staging.slot(slot))
+        if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
+            self._tell_landed(i - n_remote + 1)
+            self._await_ack(i - n_remote)
+        else:
+            self._tell_landed()
+        into = remote.slots[i % n_remote]
+        self.run.before_write()
+        pending = peer.link.write_async(Ranges.one(self.endpoint.staging_region, staging.slot_offset(slot),
+                                                   peer.staging.region, peer.slot_offset(into), chunk.nbytes))
+        self.flying.append(_ChunkWrite(i, slot, into, chunk, pending))
+
+    def _tell_landed(self, upto: int = 0) -> None:
+        """Tell the receiver every chunk whose write landed, in order, and free its local slot;
+        wait for the writes of chunks below `upto` (0: wait for none)."""
+        while self.flying:
+            w = self.flying[0]
+            if w.index >= upto and not w.pending.poll():
+                return
+            w.pending.wait()
+            self.flying.popleft()
+            self.remote.channel.notify(self.remote.transfer_id, w.index, w.into, list(w.chunk.pieces))
+            self.told = w.index + 1
+            self.free.append(w.slot)
+
+    def _drain(self) -> None:
+        """After a failure: wait until no write of ours is in flight, whatever became of them;
+        WritesAbandoned (what was given up on may still land) is what the caller must hear."""
+        abandoned = None
+        for w in self.flying:
+            try:
+                w.pending.wait()
+            except WritesAbandoned as exc:
+                abandoned = abandoned or exc
+            except TransferError:
+                pass
+        self.flying.clear()
+        if abandoned is not None:
+            raise abandoned
 
     def _await_ack(self, index: int) -> None:
         """The chunk channel's ack of chunk `index`, waited for in short slices: an aborted
@@ -396,3 +413,13 @@ class StagedWrite:
                     raise Cancelled("send stopped while waiting for an ack: the request was aborted") from None
                 if time.monotonic() >= give_up:
                     raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
+
+
+@dataclass(frozen=True)
+class _ChunkWrite:
+    """A staged chunk's write in flight: chunk `index`, from local slot `slot` into remote slot `into`."""
+    index: int
+    slot: int
+    into: int
+    chunk: Chunk
+    pending: PendingWrite
