@@ -7,20 +7,14 @@ import argparse
 from disagg.errors import ConfigError
 from kvpool.errors import SpecError
 from kvpool.spec import check_page_size
-
-
-def _number(text: str, kind: type, noun: str):
-    """int(text) or float(text), or the flag's one-line error."""
-    try:
-        return kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+from transfer.flag_values import number
+from transfer.flag_values import positive_int as positive_int   # the transports' flags use it too
 
 
 def power_of_two(text: str) -> int:
     """--page-size: a power of two in [1, 4096] (the pools' rule, kvpool.spec.check_page_size,
     and a cap for a flag)."""
-    value = _number(text, int, "an integer")
+    value = number(text, int, "an integer")
     try:
         check_page_size(value)
     except SpecError:
@@ -29,13 +23,6 @@ def power_of_two(text: str) -> int:
         value_ok = value <= 4096
     if not value_ok:
         raise argparse.ArgumentTypeError(f"{value} is not a power of two in [1, 4096] (e.g. 1, 16, 64)")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = _number(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
 
 
@@ -60,7 +47,7 @@ def cuda_device(device: str) -> None:
 
 def share(text: str) -> float:
     """A fraction in [0, 1] (--check-rate)."""
-    value = _number(text, float, "a number")
+    value = number(text, float, "a number")
     if not 0.0 <= value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value:g} is not in [0, 1]")
     return value
@@ -68,7 +55,7 @@ def share(text: str) -> float:
 
 def share_above_zero(text: str) -> float:
     """A fraction in (0, 1] (--swa-share)."""
-    value = _number(text, float, "a number")
+    value = number(text, float, "a number")
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"{value:g} is not in (0, 1]")
     return value
@@ -76,7 +63,7 @@ def share_above_zero(text: str) -> float:
 
 def port(text: str) -> int:
     """A TCP port, 0 meaning any free one."""
-    value = _number(text, int, "a port number")
+    value = number(text, int, "a port number")
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"{value} is not a port in [0, 65535] (0: any free port)")
     return value
@@ -88,7 +75,7 @@ def seconds(text: str) -> float:
 
 
 def _duration(text: str, unit: str) -> float:
-    value = _number(text, float, f"a number of {unit}")
+    value = number(text, float, f"a number of {unit}")
     if not value > 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"{text} must be a positive number of {unit}")
     return value
@@ -101,10 +88,10 @@ UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 def byte_size(text: str) -> int:
     """A byte count: 8GiB, 512MiB, 1.5GB, 4096 (K/M/G/T and KiB.. are powers of 1024; KB.. of 1000)."""
-    number = text.strip().rstrip("BbIiKkMmGgTt ")
-    unit = text.strip()[len(number):].strip().lower()
+    figure = text.strip().rstrip("BbIiKkMmGgTt ")
+    unit = text.strip()[len(figure):].strip().lower()
     try:
-        value = float(number) * UNITS[unit]
+        value = float(figure) * UNITS[unit]
     except (ValueError, KeyError):
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB, 1.5GB or a byte count)") \
             from None

@@ -44,6 +44,7 @@ from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
 from kvpool.geometry import components  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.reshard import Shard, senders as senders_of  # noqa: E402
+from transfer.endpoint import PoolEndpoint  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.transports import TRANSPORTS, TransportSettings, create  # noqa: E402
 from transfer.staging import RemoteSlots  # noqa: E402
@@ -70,7 +71,8 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
         rid, dst = peer.alloc(tokens)
         targets.append((rid, dst))
         pairs += [(r, s) for r in senders_of(model, n, Shard(args.peer_page, m, s), components(model))]
-    senders = [KVSender(transport, pool, cfg) for pool, _ in prefill]
+    endpoints = [PoolEndpoint(transport, pool, cfg) for pool, _ in prefill]
+    senders = [KVSender(e) for e in endpoints]
     try:
         links = {(r, s): peers[s].connect(senders[r]) for r, s in pairs}
         slots = {(r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r))
@@ -115,8 +117,8 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
     finally:
         for s, (rid, _) in enumerate(targets):
             peers[s].free(rid)
-        for sender in senders:
-            sender.close()
+        for endpoint in endpoints:
+            endpoint.close()
 
 
 def _phases(reports) -> dict:

@@ -38,6 +38,7 @@ from kvpool.spec import AttentionSpec, ModelSpec  # noqa: E402
 from transfer.buffers import buffers_of  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
 from transfer.plan import build_plan  # noqa: E402
+from transfer.endpoint import PoolEndpoint  # noqa: E402
 from transfer.sender import KVSender  # noqa: E402
 from transfer.transports import TRANSPORTS, Ranges, Transport, TransportSettings, create  # noqa: E402
 from transfer.staging import RemoteSlots  # noqa: E402
@@ -80,7 +81,7 @@ def timed_ahead(sender: KVSender, target, send, repeats: int, **prepare) -> tupl
         t = time.perf_counter()
         prepared = sender.prepare(target, **prepare)
         prep.append(time.perf_counter() - t)
-        if str(sender.pool.config.device).startswith("cuda"):
+        if str(sender.endpoint.pool.config.device).startswith("cuda"):
             torch.cuda.synchronize()   # its table uploaded, as it would be long before the KV is final
         t = time.perf_counter()
         send(prepared)
@@ -107,7 +108,8 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                                  device=args.device))
     shuffle_free_pages(pool, 1)
     peer.fragment(2)
-    with KVSender(transport, pool, cfg) as sender:
+    with PoolEndpoint(transport, pool, cfg) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         for tokens in token_counts:
             req = pool.alloc_request(tokens)
@@ -129,7 +131,7 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                 t_ceiling = timed(p2p, max(3, args.repeats))
                 del a, b
             else:   # ceiling: the raw link, one contiguous block of the same size, pool buffer -> pool buffer
-                s_buf = max(sender.buffers, key=lambda b: b.nbytes)
+                s_buf = max(endpoint.buffers, key=lambda b: b.nbytes)
                 d_buf = max(target.buffers, key=lambda b: b.nbytes)
                 n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
                 one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)

@@ -1,5 +1,6 @@
-"""KVReceiver: the decode side: an exposed pool and staging area, slot leases, and the scatter
-entry point the control plane calls when a chunk notice arrives.
+"""KVReceiver: the decode side: slot leases of its endpoint's staging area (the pool and staging
+exposed to the transports, transfer.endpoint), and the scatter entry point the control plane
+calls when a chunk notice arrives.
 
 Slots are lent per request, to all of its senders at once (`lend`): a sender that moves by
 token (another TP size or page size) and gets no slot must go direct, one transport range
@@ -20,12 +21,16 @@ from transfer.reshard import Lanes, Shard, by_token, pair_lanes
 from transfer.tokens import TokenRows
 
 
-class KVReceiver(PoolEndpoint):
-    """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
+class KVReceiver:
+    """Receives into `endpoint`'s pool and staging area, which the caller built and closes
+    once no sender writes any more."""
+
+    def __init__(self, endpoint: PoolEndpoint):
+        self.endpoint = endpoint
 
     def reserve_slots(self, n: int = 2) -> list[int]:
         """Staging slots for one transfer ([] when all are in use: the sender goes direct)."""
-        return self.staging.lease.acquire(n, timeout=0.0)
+        return self.endpoint.staging.lease.acquire(n, timeout=0.0)
 
     def lend(self, wants: list[int], timeout: float = 0.0) -> list[list[int]]:
         """Staging slots for a request's senders, `wants[i]` for sender i, taken all at once
@@ -33,7 +38,7 @@ class KVReceiver(PoolEndpoint):
         requests' senders finish). Wants the area cannot hold at all are cut to one slot per
         sender; when the wait runs out, what is free now is shared, one slot per sender first.
         A sender lent [] goes direct."""
-        lease, total = self.staging.lease, self.staging.num_slots
+        lease, total = self.endpoint.staging.lease, self.endpoint.staging.num_slots
         if sum(wants) > total:
             wants = [min(w, 1) for w in wants]
         want = min(sum(wants), total)
@@ -55,20 +60,20 @@ class KVReceiver(PoolEndpoint):
             return most
         moved = num_tokens - prefix_len
         nbytes = sum(lane.token_bytes * (1 if c.per_request else moved) for c, ls in lanes.items() for lane in ls)
-        return max(1, min(most, math.ceil(nbytes / self.staging.slot_bytes)))
+        return max(1, min(most, math.ceil(nbytes / self.endpoint.staging.slot_bytes)))
 
     def release_slots(self, slots: list[int]) -> None:
-        self.staging.lease.release(slots)
+        self.endpoint.staging.lease.release(slots)
 
     def lanes_from(self, sender: Shard) -> Lanes | None:
         """Our side of the lanes a sender of `sender`'s shard writes by (transfer.reshard), the
         ones its by-token pieces name; None when it moves whole pages."""
-        pc = self.pool.config
+        pc = self.endpoint.pool.config
         own = pc.shard
         if not by_token(sender, own):
             return None
         try:
-            return pair_lanes(pc.model, sender, own, self.lanes, self.lanes)[1]   # ours depend on our lanes only
+            return pair_lanes(pc.model, sender, own, self.endpoint.lanes, self.endpoint.lanes)[1]   # ours depend on our lanes only
         except SpecError as exc:   # its TP size does not split our model
             raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 
@@ -80,8 +85,8 @@ class KVReceiver(PoolEndpoint):
         own segments whole. Raises StagingError (nothing written) for a notice that does not fit."""
         if slot not in leased:
             raise StagingError(f"chunk {index} names slot {slot}, not leased to this transfer")
-        if self.faults.hit("recv.chunk"):
+        if self.endpoint.faults.hit("recv.chunk"):
             raise StagingError(f"injected fault at recv.chunk (chunk {index})")
         if lanes is None:   # a sender of our TP shard: our paged segments whole
-            lanes = {c: l for c, l in self.lanes.items() if not c.per_request}
-        scatter(index, slot, pieces, dst, self.tensors, self.staging, TokenRows(num_tokens, lanes, prefix_len))
+            lanes = {c: l for c, l in self.endpoint.lanes.items() if not c.per_request}
+        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, TokenRows(num_tokens, lanes, prefix_len))

@@ -10,12 +10,26 @@ Streamed (layer-wise): while the model engine still computes, the body goes in l
 (transfer.layers.split_layers; sized by transfer.cost.layer_bounds), each once LayerProgress
 says its layers are final; direct writes fragments of each row, staged gathers a group's
 fields into chunks. The AUX row still goes last, after the engine returned and everything
-landed, so decode never sees "done" before every layer."""
+landed, so decode never sees "done" before every layer.
+
+Staged (StagedWrite), all on the caller's thread: gather chunk i+1 into a local staging slot
+while the link writes chunk i into a remote slot leased to the transfer; a chunk that landed is
+told to the receiver over the chunk channel, and its remote slot is reused only after its ack.
+
+    caller's thread                                      link              receiver
+      wait for chunk i's layers; a free local slot
+      gather i; (i >= n: ack of i-n first)
+      write_async(local slot -> remote slot i % n) --->  writes i ...
+      gather i+1 ...; writes that landed: notify(j) ------------------->  scatter j, ack j
+
+A KVSender has an endpoint (transfer.endpoint.PoolEndpoint: the pool and staging area exposed
+to the transports); whoever built the endpoint closes it, after the sender's last send."""
 
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -25,22 +39,39 @@ from kvpool.indices import IndexSet
 from transfer.buffers import Buffer, layout_difference
 from transfer.config import Mode
 from transfer.cost import choose_mode, layer_bounds, streams_well
-from transfer.endpoint import StagingInfo
-from transfer.errors import Cancelled, LayoutIncompatible
-from transfer.peer import RemotePool
+from kvpool.geometry import Component
+from transfer.endpoint import PoolEndpoint, StagingInfo
+from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, TransferError, WritesAbandoned
+from transfer.faults import FaultInjector
 from transfer.layers import LayerGroup, split_layers
-from transfer.plan import TransferPlan, build_plan
+from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
-from transfer.staged_send import StagedSender
-from transfer.staging import RemoteSlots, chunk_plan
+from transfer.staging import Chunk, RemoteSlots, chunk_plan, gather
 from transfer.report import TransferReport
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
 from transfer.suffix import suffix_of
-from transfer.tokens import Tokens, pool_lanes
-from transfer.transports import Offer, PreparedWrite, pick
-from transfer.transports.base import PendingWrites
+from transfer.tokens import Lane, Tokens, pool_lanes
+from transfer.transports import Offer, PreparedWrite, Ranges, pick
+from transfer.transports.base import Link, PendingWrite, PendingWrites
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RemotePool:
+    """What a sender knows of one receiver: a connected link, its buffers, its staging area."""
+    link: Link                           # the transport picked for this peer, connected
+    buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
+    staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
+    # by lane (transfer.reshard), when its page size or TP size is not ours: its lanes, ours
+    # paired with them (lane i with lane i), and whether they are TP slices
+    lanes: Mapping[Component, tuple[Lane, ...]] | None = None
+    src_lanes: Mapping[Component, tuple[Lane, ...]] | None = None
+    sliced: bool = False
+    page_size: int | None = None         # its pool's page size (None: the sender's)
+
+    def slot_offset(self, slot: int) -> int:
+        return slot * self.staging.slot_bytes
 
 
 @dataclass(eq=False)
@@ -77,12 +108,16 @@ def _same(a: IndexSet, b: IndexSet) -> bool:
                       and all(np.array_equal(a[c], b[c]) for c in a.components()))
 
 
-class KVSender(StagedSender):
-    """Exposes its pool and a staging area at construction; close() (or `with`) undoes it."""
+class KVSender:
+    """Sends from `endpoint`'s pool (its buffers, staging area and transports), which the
+    caller built and closes after the last send."""
+
+    def __init__(self, endpoint: PoolEndpoint):
+        self.endpoint = endpoint
 
     @property
     def shard(self) -> Shard:
-        return self.pool.config.shard
+        return self.endpoint.pool.config.shard
 
     def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer], staging: StagingInfo | None = None,
                 page_size: int | None = None, tp: tuple[int, int] | None = None) -> RemotePool:
@@ -92,12 +127,12 @@ class KVSender(StagedSender):
         of our model at its page size and TP size, transfer.tokens; equal TP sizes pair rank r
         with rank r), then connected over the first transport we share. The caller closes
         `.link` when the peer goes away."""
-        cfg = self.pool.config
+        cfg = self.endpoint.pool.config
         page_size = cfg.page_size if page_size is None else page_size
         dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's")
         check_pair(self.shard, dst)
         same_tp = dst.tp_size == cfg.tp_size
-        diff = layout_difference(self.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
+        diff = layout_difference(self.endpoint.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
                                  per_request=same_tp)
         if diff:
             raise LayoutIncompatible(diff)
@@ -107,32 +142,32 @@ class KVSender(StagedSender):
                 theirs = pool_lanes(cfg.model, page_size, dst.tp_size, cfg.layout, list(buffers), "destination")
             except SpecError as exc:   # their TP size does not split our model
                 raise LayoutIncompatible(f"the receiver's TP size {dst.tp_size}: {exc}") from None
-            lanes = pair_lanes(cfg.model, self.shard, dst, self.lanes, theirs)
-        offer, transport = pick(offers, self.transports)
-        return RemotePool(transport.connect(offer, self.exposures[transport.kind]), tuple(buffers), staging,
+            lanes = pair_lanes(cfg.model, self.shard, dst, self.endpoint.lanes, theirs)
+        offer, transport = pick(offers, self.endpoint.transports)
+        return RemotePool(transport.connect(offer, self.endpoint.exposures[transport.kind]), tuple(buffers), staging,
                           lanes[1] if lanes else None, lanes[0] if lanes else None, not same_tp, page_size)
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""
-        return streams_well(str(self.pool.config.device), peer.link)
+        return streams_well(str(self.endpoint.pool.config.device), peer.link)
 
     def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
              prefix_len: int = 0) -> TransferPlan:
         """Plan one request; a peer of another page size needs the request's `num_tokens`, and
         so does a receiver that holds the first `prefix_len` positions (transfer.suffix)."""
-        suffix = suffix_of(num_tokens, prefix_len, peer.page_size or self.pool.config.page_size)
+        suffix = suffix_of(num_tokens, prefix_len, peer.page_size or self.endpoint.pool.config.page_size)
         tokens = None
         if peer.lanes is not None:
             if num_tokens is None:
                 raise ValueError("a peer of another page size or TP size: the plan needs the request's num_tokens")
             tokens = Tokens(num_tokens, peer.src_lanes, peer.lanes, peer.sliced)
-        return build_plan(src, dst, self.buffers, list(peer.buffers), tokens, suffix)
+        return build_plan(src, dst, self.endpoint.buffers, list(peer.buffers), tokens, suffix)
 
     def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:
         """The plan cut into layer groups sized for this peer's link (transfer.cost)."""
-        num_layers = self.pool.config.model.num_layers
-        bounds = layer_bounds(num_layers, sum(c.nbytes for c in plan.body), peer.link.cost, self.config)
-        return split_layers(plan, bounds, self.placements)
+        num_layers = self.endpoint.pool.config.model.num_layers
+        bounds = layer_bounds(num_layers, sum(c.nbytes for c in plan.body), peer.link.cost, self.endpoint.config)
+        return split_layers(plan, bounds, self.endpoint.placements)
 
     def prepare(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
                 streamed: bool = False, can_stage: bool = False, prefix_len: int = 0) -> PreparedSend:
@@ -145,7 +180,7 @@ class KVSender(StagedSender):
         groups = tuple(self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)])
         body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.config, self._slot_bytes(peer),
+        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer),
                            can_stage)
         writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
                        for g in groups) if mode is Mode.DIRECT else ()
@@ -163,7 +198,8 @@ class KVSender(StagedSender):
         return remote is not None and bool(remote.slots) and remote.channel is not None and peer.staging is not None
 
     def _slot_bytes(self, peer: RemotePool) -> int:
-        return min(self.staging.slot_bytes, peer.staging.slot_bytes if peer.staging else self.staging.slot_bytes)
+        own = self.endpoint.staging.slot_bytes
+        return min(own, peer.staging.slot_bytes if peer.staging else own)
 
     def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, remote: RemoteSlots | None = None, *,
              num_tokens: int | None = None, stopped: Callable[[], bool] | None = None,
@@ -184,7 +220,7 @@ class KVSender(StagedSender):
         `prefix_len`: the receiver holds positions [0, prefix_len) already; only the rest of the
         paged components moves (transfer.suffix; a bad one is BadPrefix, before any write)."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
-        run = _InFlight(PendingWrites(peer.link.ordered), stopped or (lambda: False), progress)
+        run = _InFlight(PendingWrites(peer.link.ordered), stopped or (lambda: False), progress, self.endpoint.faults)
         if run.stopped():   # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
         can_stage, streamed = self.can_stage(peer, remote), progress is not None
@@ -217,19 +253,18 @@ class KVSender(StagedSender):
         for g, w in zip(p.groups, p.writes):
             if w is not None:
                 run.blocked(lambda: run.layers(g.layers.stop))
-                self._before_write(run.stopped, run.first_write)
+                run.before_write()
                 run.writes.add(w.start())
         if not peer.link.ordered:
             run.blocked(run.writes.wait)
 
     def _write_staged(self, peer: RemotePool, p: PreparedSend, remote: RemoteSlots, run: "_InFlight") -> int:
-        """The body gathered into chunks through staging slots (transfer.staged_send); the
-        number of chunks."""
+        """The body gathered into chunks through staging slots (StagedWrite); the number of chunks."""
         streamed = run.progress is not None
         chunks = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
                   for g in p.groups for c in chunk_plan(g.body, self._slot_bytes(peer))]
-        return self._send_staged(peer, p.plan.body, chunks, remote, run.stopped, run.layers, run.first_write,
-                                 share=0.5 if streamed else 1.0)
+        staged = StagedWrite(self.endpoint, peer, remote, run)
+        return staged.send(p.plan.body, chunks, share=0.5 if streamed else 1.0)
 
     def _write_aux(self, p: PreparedSend, run: "_InFlight") -> None:
         """The AUX row last, once the engine returned (its arrival means the body has landed;
@@ -237,7 +272,7 @@ class KVSender(StagedSender):
         if run.progress is not None:
             run.progress.wait_complete(run.stopped, run.writes.poll)
         if p.aux is not None:
-            self._before_write(run.stopped, run.first_write)
+            run.before_write()
             run.writes.add(p.aux.start())
         run.blocked(run.writes.wait)
 
@@ -249,15 +284,142 @@ class _InFlight:
     writes: PendingWrites            # the body's writes (streamed: one per layer group) and the AUX row's
     stopped: Callable[[], bool]
     progress: LayerProgress | None   # streamed: which layers the engine has finished
+    faults: FaultInjector            # the endpoint's: "send.write" before every write
     first_write: list[float] = field(default_factory=list)   # wall clock of the first body write
     waited: float = 0.0              # s blocked on layers or on the link (what submit_ms leaves out)
 
-    def layers(self, n: int) -> None:
-        """Block until layers [0, n) are final (at once unless streamed), retiring what landed."""
+    def before_write(self) -> None:
+        """Asked before every write (the staged writer's thread too): stopped is Cancelled."""
+        if self.stopped():
+            raise Cancelled("send stopped: the request was aborted")
+        self.faults.check("send.write")
+        if not self.first_write:
+            self.first_write.append(time.time())
+
+    def layers(self, n: int, idle: Callable[[], object] | None = None) -> None:
+        """Block until layers [0, n) are final (at once unless streamed), retiring what landed
+        (`idle`: the staged writes' own retiring, StagedWrite)."""
         if self.progress is not None:
-            self.progress.wait(n, self.stopped, self.writes.poll)
+            self.progress.wait(n, self.stopped, idle or self.writes.poll)
 
     def blocked(self, wait: Callable[[], None]) -> None:
         t = time.perf_counter()
         wait()
         self.waited += time.perf_counter() - t
+
+
+class StagedWrite:
+    """One staged send's body, on the caller's thread (the module's docstring draws it): gather
+    chunk i into a free local staging slot of `endpoint`, start its write into remote slot
+    i % n (once chunk i - n's ack freed it), and gather chunk i+1 while that write is in flight;
+    a write that landed is told to the receiver over the chunk channel, in order, and gives its
+    local slot back."""
+
+    def __init__(self, endpoint: PoolEndpoint, peer: RemotePool, remote: RemoteSlots, run: _InFlight):
+        self.endpoint, self.peer, self.remote, self.run = endpoint, peer, remote, run
+        self.free: list[int] = []              # local slots to gather into
+        self.flying: deque[_ChunkWrite] = deque()   # started, not yet told, in chunk order
+        self.told = 0                          # chunks told to the receiver (0 .. told-1)
+
+    def send(self, body: Sequence[ComponentPlan], chunks: list[Chunk], share: float = 1.0) -> int:
+        """Every chunk written and told, and the last one acked; the number of chunks. A
+        streamed transfer waits for a chunk's layers before gathering it, and takes local slots
+        only then, and only `share` of them (others' transfers need some meanwhile)."""
+        if chunks:
+            self.run.layers(chunks[0].layers_needed)
+        staging, config = self.endpoint.staging, self.endpoint.config
+        # no more local slots than it can use: one per chunk, and at most one gathering beyond the
+        # remote slots in flight; the rest stay free for this sender's other destinations (TP 1 -> 8:
+        # eight sends at once, which with all slots each ran one after the other)
+        want = max(1, min(int(config.staging_slots * share), len(chunks), len(self.remote.slots) + 1))
+        local_slots = staging.lease.acquire(want, timeout=config.chunk_timeout_s)
+        if not local_slots:
+            raise StagingError("no local staging slot freed up in time")
+        self.free = list(local_slots)
+        try:
+            for i, chunk in enumerate(chunks):
+                self._write(i, chunk, body)
+            self._tell_landed(len(chunks))
+            if chunks:
+                self._await_ack(len(chunks) - 1)
+        except BaseException:
+            self._drain()   # no write reads a local slot once it is released
+            raise
+        finally:
+            staging.lease.release(local_slots)
+            self.remote.channel.end(self.remote.transfer_id)
+        return len(chunks)
+
+    def _write(self, i: int, chunk: Chunk, body: Sequence[ComponentPlan]) -> None:
+        """Gather chunk i and start its write (telling what landed meanwhile)."""
+        remote, peer, staging = self.remote, self.peer, self.endpoint.staging
+        n_remote = len(remote.slots)
+        self.run.layers(chunk.layers_needed, self._tell_landed)
+        if not self.free:   # every local slot is in flight: the oldest must land first
+            self._tell_landed(self.told + 1)
+        slot = self.free.pop()
+        gather(chunk, body, self.endpoint.tensors, staging.slot(slot))
+        if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
+            self._tell_landed(i - n_remote + 1)
+            self._await_ack(i - n_remote)
+        else:
+            self._tell_landed()
+        into = remote.slots[i % n_remote]
+        self.run.before_write()
+        pending = peer.link.write_async(Ranges.one(self.endpoint.staging_region, staging.slot_offset(slot),
+                                                   peer.staging.region, peer.slot_offset(into), chunk.nbytes))
+        self.flying.append(_ChunkWrite(i, slot, into, chunk, pending))
+
+    def _tell_landed(self, upto: int = 0) -> None:
+        """Tell the receiver every chunk whose write landed, in order, and free its local slot;
+        wait for the writes of chunks below `upto` (0: wait for none)."""
+        while self.flying:
+            w = self.flying[0]
+            if w.index >= upto and not w.pending.poll():
+                return
+            w.pending.wait()
+            self.flying.popleft()
+            self.remote.channel.notify(self.remote.transfer_id, w.index, w.into, list(w.chunk.pieces))
+            self.told = w.index + 1
+            self.free.append(w.slot)
+
+    def _drain(self) -> None:
+        """After a failure: wait until no write of ours is in flight, whatever became of them;
+        WritesAbandoned (what was given up on may still land) is what the caller must hear."""
+        abandoned = None
+        for w in self.flying:
+            try:
+                w.pending.wait()
+            except WritesAbandoned as exc:
+                abandoned = abandoned or exc
+            except TransferError:
+                pass
+        self.flying.clear()
+        if abandoned is not None:
+            raise abandoned
+
+    def _await_ack(self, index: int) -> None:
+        """The chunk channel's ack of chunk `index`, waited for in short slices: an aborted
+        request (whose receiver stopped acking) ends the wait now, not after the whole chunk
+        timeout."""
+        channel, transfer_id, stopped = self.remote.channel, self.remote.transfer_id, self.run.stopped
+        timeout = self.endpoint.config.chunk_timeout_s
+        give_up = time.monotonic() + timeout
+        while True:
+            try:
+                return channel.wait_done(transfer_id, index, min(0.2, max(0.0, give_up - time.monotonic())))
+            except AckTimeout:
+                if stopped():
+                    raise Cancelled("send stopped while waiting for an ack: the request was aborted") from None
+                if time.monotonic() >= give_up:
+                    raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
+
+
+@dataclass(frozen=True)
+class _ChunkWrite:
+    """A staged chunk's write in flight: chunk `index`, from local slot `slot` into remote slot `into`."""
+    index: int
+    slot: int
+    into: int
+    chunk: Chunk
+    pending: PendingWrite

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     api = ApiServer(listener, DecodeRoutes(server).service(), http_limits(args))
     serve_api(api, server.readiness,
               lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
-                               transports={t.kind: t.host for t in server.receiver.transports},
+                               transports={t.kind: t.host for t in server.endpoint.transports},
                                bootstrap=server.config.bootstrap_addr),
               server.close)
     return 0

@@ -21,7 +21,7 @@ from transfer.reshard import Lanes, Shard, peer_shard, senders
 class SenderRanks:
     def __init__(self, receiver: KVReceiver):
         self.receiver = receiver
-        cfg = receiver.pool.config
+        cfg = receiver.endpoint.pool.config
         self.own = cfg.shard
         self._ranks: dict[int, tuple[int, ...]] = {}   # prefill TP size -> the ranks we receive from
         self._lanes: dict[Shard, Lanes | None] = {}
@@ -31,7 +31,7 @@ class SenderRanks:
         the instance's); ProtocolError if that TP size cannot split our model."""
         ranks = self._ranks.get(rank0.tp_size)
         if ranks is None:
-            cfg = self.receiver.pool.config
+            cfg = self.receiver.endpoint.pool.config
             try:
                 ranks = senders(cfg.model, rank0.tp_size, self.own, tuple(cfg.components))
             except (SpecError, LayoutIncompatible) as exc:

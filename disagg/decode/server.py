@@ -62,9 +62,9 @@ class DecodeConfig(WorkerSettings):
 
 class DecodeServer(Worker):
     def __init__(self, config: DecodeConfig, model: ModelEngine | None = None):
-        super().__init__(config, KVReceiver, model, swa_window_only=True)
+        super().__init__(config, model, swa_window_only=True)
         self.config = config
-        self.receiver: KVReceiver = self.endpoint
+        self.receiver = KVReceiver(self.endpoint)
         self.io = DealerIO(self.gate)
         self.cache = PrefixCache(self.pool) if config.prefix_cache and self.model.exact_reuse else None
         if config.prefix_cache and not self.model.exact_reuse:
@@ -84,8 +84,8 @@ class DecodeServer(Worker):
 
     def _registration(self) -> RegisterDecode:
         pc = self.pool.config
-        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.receiver.offers(),
-                              self.receiver.staging_info(), pc.tp_size, pc.tp_rank)
+        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.endpoint.offers(),
+                              self.endpoint.staging_info(), pc.tp_size, pc.tp_rank)
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
     def _admit(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, deadline: float) -> None:

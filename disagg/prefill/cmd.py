@@ -77,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
     serve_api(api, server.readiness,
               lambda: announce(role="prefill", http=http_url(args, api.port), pool=server.pool_summary,
                                bootstrap=server.bootstrap_endpoint, control=server.control_endpoint,
-                               transports={t.kind: t.host for t in server.sender.transports}),
+                               transports={t.kind: t.host for t in server.endpoint.transports}),
               server.close)
     return 0

@@ -30,9 +30,8 @@ from disagg.prefill.peers import DecodePeer, DecodePeers
 from disagg.prefill.requests import Destination, Finished, PrefillRequest
 from kvpool import KVPoolError, RequestKV
 from transfer.errors import TransferError, WritesAbandoned
-from transfer.peer import RemotePool
 from transfer.progress import LayerProgress
-from transfer.sender import KVSender
+from transfer.sender import KVSender, RemotePool
 from transfer.staging import RemoteSlots
 
 log = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ DIGEST_WAIT_S = 60.0   # a send that landed waits at most this for its KV's dige
 class TransferJobs:
     def __init__(self, epoch: int, io: RouterIO, peers: DecodePeers, sender: KVSender, admission: Admission):
         self._epoch, self._io, self._peers, self._sender, self._admission = epoch, io, peers, sender, admission
-        self._pool, self._faults = sender.pool, sender.faults
+        self._pool, self._faults = sender.endpoint.pool, sender.endpoint.faults
 
     # ---- effects the table asks for (under its lock) -----------------------------------------
     def free(self, kv: RequestKV) -> None:

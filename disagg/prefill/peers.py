@@ -18,9 +18,8 @@ from disagg.control.layout import LayoutInfo, layout_difference
 from disagg.control.messages import RegisterDecode, Registered, Refused, check_version
 from disagg.errors import ProtocolError
 from transfer.errors import TransferError
-from transfer.peer import RemotePool
 from transfer.reshard import receivers
-from transfer.sender import KVSender
+from transfer.sender import KVSender, RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +121,7 @@ class DecodePeers:
         (transfer.reshard.sends: equal sizes rank r only; else those holding any of our units)."""
         known = self._receivers.get(tp_size)
         if known is None:
-            cfg = self.sender.pool.config
+            cfg = self.sender.endpoint.pool.config
             known = self._receivers[tp_size] = frozenset(
                 receivers(cfg.model, self.sender.shard, tp_size, tuple(cfg.components)))
         return known

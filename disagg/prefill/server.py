@@ -64,9 +64,9 @@ class PrefillConfig(WorkerSettings):
 
 class PrefillServer(Worker):
     def __init__(self, config: PrefillConfig, model: ModelEngine | None = None):
-        super().__init__(config, KVSender, model, swa_window_only=False)
+        super().__init__(config, model, swa_window_only=False)
         self.config = config
-        self.sender: KVSender = self.endpoint
+        self.sender = KVSender(self.endpoint)
         self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
         self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
@@ -209,7 +209,7 @@ class PrefillServer(Worker):
                 r = self.requests.get(room)
                 if r is None:   # nothing of ours writes for this room (unless a write given up on)
                     return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
-                                        settled=not self.sender.unsettled())
+                                        settled=not self.endpoint.unsettled())
                 if not self.peers.same_decode(identity, r.peers()):   # ownership: only its decode ends it
                     log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
                     return TransferDone(room, self.epoch, False, "not a room of yours: nothing done")
@@ -219,7 +219,7 @@ class PrefillServer(Worker):
                 # unless a transfer still writes (then it asks again later).
                 if identity not in r.peers() and r.phase is not Phase.STOPPING:
                     return TransferDone(room, self.epoch, False, r.reason,
-                                        settled=r.settled and not self.sender.unsettled())
+                                        settled=r.settled and not self.endpoint.unsettled())
             case Heartbeat():
                 if not known:   # we dropped it (it went silent): it must register again
                     return Refused("unknown decode: register again")

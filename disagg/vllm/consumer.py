@@ -98,9 +98,10 @@ class Consumer:
         self._thread.start()
 
     def _registration(self) -> RegisterDecode:
-        pc = self.receiver.pool.config
-        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.receiver.offers(),
-                              self.receiver.staging_info(), pc.tp_size, pc.tp_rank)
+        endpoint = self.receiver.endpoint
+        pc = endpoint.pool.config
+        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, endpoint.offers(),
+                              endpoint.staging_info(), pc.tp_size, pc.tp_rank)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:

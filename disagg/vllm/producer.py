@@ -175,7 +175,7 @@ class Producer:
         first `num_tokens` tokens; ProtocolError for one that cannot be ours."""
         if set(dst.components()) != {Component.FULL}:
             raise ProtocolError(f"indices for {[c.value for c in dst.components()]}, expected full only")
-        n, bs = len(dst[Component.FULL]), self.sender.pool.config.page_size
+        n, bs = len(dst[Component.FULL]), self.sender.endpoint.pool.config.page_size
         if not 1 <= num_tokens <= h.send.num_tokens:
             raise ProtocolError(f"num_tokens {num_tokens} outside [1, {h.send.num_tokens}] of room {h.send.room}")
         hi = math.ceil(num_tokens / bs)
@@ -188,7 +188,7 @@ class Producer:
         h = self.held.get(room)
         if h is None:
             return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
-                                settled=not self.sender.unsettled())
+                                settled=not self.sender.endpoint.unsettled())
         if h.phase is Phase.SENDING:
             if h.owner == identity:
                 h.stop = True   # the send answers with TransferDone
@@ -226,7 +226,8 @@ class Producer:
         except Exception as exc:   # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report, settled))
+        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report,
+                                            settled=settled))
         self.handoff.post(SendEnded(h.send.room))
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from disagg.vllm.producer import Producer
 from disagg.vllm.scheduler import StepMeta
 from disagg.vllm.settings import ConnectorSettings
 from transfer.config import Mode, TransferConfig
+from transfer.endpoint import PoolEndpoint
 from transfer.receiver import KVReceiver
 from transfer.sender import KVSender
 from transfer.transports import TransportSettings, create, resolve
@@ -74,14 +75,14 @@ class DisaggWorker:
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
         transports = create(resolve("auto", ts), ts)
         try:
-            self.endpoint = (KVSender if self.producer else KVReceiver)(transports, pool, TRANSFER)
+            self.endpoint = PoolEndpoint(transports, pool, TRANSFER)
             layout = LayoutInfo(pool.page_size, pool.config.layout.value, self.endpoint.buffers,
                                 describe_model(pool.config.model, self.tp[0]))
             self._ctx = zmq.Context()
             self.gate = Gate(self._ctx, s.auth, f"vLLM {'producer' if self.producer else 'consumer'} worker")
             epoch = time.time_ns()
-            self.side = Producer(s, self.endpoint, layout, self.gate, self.handoff, epoch, self.tp) if self.producer \
-                else Consumer(s, self.endpoint, layout, self.gate, self.handoff, epoch)
+            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, self.tp) \
+                if self.producer else Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch)
         except BaseException:
             self.close(transports)
             raise

@@ -2,7 +2,7 @@
 endpoint over the configured transports, the layout they advertise, the model engine, the
 ZMQ context and the stop flag.
 
-    Worker(settings, KVSender | KVReceiver, model)
+    Worker(settings, model)    (the role builds its KVSender or KVReceiver on .endpoint)
       .pool       HybridPool                 .admission  bounded wait for pool space
       .endpoint   the pool exposed to the transports (region i = buffer i, then staging)
       .layout     LayoutInfo: page size, layout, buffers (what the other side checks)
@@ -58,8 +58,7 @@ class WorkerSettings:
 
 
 class Worker:
-    def __init__(self, settings: WorkerSettings, endpoint_class: type[PoolEndpoint], model: ModelEngine | None,
-                 swa_window_only: bool):
+    def __init__(self, settings: WorkerSettings, model: ModelEngine | None, swa_window_only: bool):
         self.settings = settings
         self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device(),
                                               settings.simulate_layer_ms, settings.model_source)
@@ -74,7 +73,7 @@ class Worker:
         self.admission = Admission(partial(self.pool.shortfall, swa_window_only=swa_window_only),
                                    settings.max_waiting,
                                    settings.queue_wait_s)
-        self.endpoint = endpoint_class(create(settings.transports, settings.transport_settings), self.pool,
+        self.endpoint = PoolEndpoint(create(settings.transports, settings.transport_settings), self.pool,
                                        settings.transfer)
         self.faults = self.endpoint.faults
         self.epoch = time.time_ns()

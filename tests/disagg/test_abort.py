@@ -176,8 +176,8 @@ def _registered_socket(prefill, decode, epoch: int):
         assert sock.poll(10_000)
         return Decoder(ToDecode, "t").decode(sock.recv())
     try:
-        assert isinstance(ask(RegisterDecode(PROTOCOL_VERSION, epoch, decode.layout, decode.receiver.offers(),
-                                             decode.receiver.staging_info())), Registered)
+        assert isinstance(ask(RegisterDecode(PROTOCOL_VERSION, epoch, decode.layout, decode.endpoint.offers(),
+                                             decode.endpoint.staging_info())), Registered)
         yield sock, ask
     finally:
         sock.close()

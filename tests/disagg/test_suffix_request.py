@@ -22,7 +22,7 @@ from kvpool import Component, HybridPool
 from kvpool.geometry import item_bytes
 from kvpool.positions import paged_components
 from transfer.config import TransferConfig
-from transfer.receiver import KVReceiver
+from transfer.endpoint import PoolEndpoint
 
 N, DECODE_PAGE = 100, 16
 
@@ -42,7 +42,7 @@ def decode(prefill):
     """(control socket registered with prefill, its receiver) at page size 16 (prefill: 4)."""
     pool = HybridPool(PoolSettings(preset="tiny-hybrid", page_size=DECODE_PAGE, max_tokens=2048, max_requests=4,
                                    device="cpu").pool_config(swa_window_only=True))
-    receiver = KVReceiver(memory.MemoryTransport(), pool, TransferConfig())
+    receiver = PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig())
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.control_endpoint)

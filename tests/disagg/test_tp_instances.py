@@ -19,6 +19,7 @@ from disagg.worker.pool_settings import PoolSettings
 from harness import memory
 from kvpool import HybridPool
 from transfer.config import TransferConfig
+from transfer.endpoint import PoolEndpoint
 from transfer.receiver import KVReceiver
 
 
@@ -73,7 +74,7 @@ def _ask(sock, msg):
 
 
 def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_nothing(prefill):
-    receiver = KVReceiver(memory.MemoryTransport(), HybridPool(_pool(2, 0).pool_config()), TransferConfig())
+    receiver = PoolEndpoint(memory.MemoryTransport(), HybridPool(_pool(2, 0).pool_config()), TransferConfig())
     own = prefill.layout
     socks = [_dealer(prefill) for _ in range(3)]
     try:
@@ -193,7 +194,7 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
             t.join(30)
         assert out["decode"]["state"] == "SUCCESS" and out["decode"]["verified"], out["decode"]
         assert out["decode"]["senders"] == 2 and out["decode"]["mode"] == "staged", out["decode"]
-        assert decode.receiver.staging.lease.available() == 2
+        assert decode.endpoint.staging.lease.available() == 2
     finally:
         decode.close()
         for p in ranks:
@@ -208,8 +209,8 @@ def test_a_prefill_rank_claiming_a_page_size_no_pool_can_have_is_refused():
     from disagg.errors import ProtocolError
     from kvpool import PoolConfig, get_preset
     pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 4, max_tokens=256, max_requests=2, device="cpu"))
-    with KVReceiver(memory.MemoryTransport(), pool, TransferConfig()) as receiver:
-        ranks = SenderRanks(receiver)
+    with PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig()) as endpoint:
+        ranks = SenderRanks(KVReceiver(endpoint))
         good = RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(8, "page_major", []))
         assert ranks.lanes(good) is not None and ranks.own == pool.config.shard
         for tp_rank, page_size, message in ((0, 12, "page size 12 is not a positive power of two"),

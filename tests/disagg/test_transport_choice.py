@@ -66,12 +66,12 @@ def test_a_link_is_closed_when_its_peer_registers_again_or_goes_silent(eventuall
                                          ToDecode, encoder)
     from kvpool import HybridPool
     from transfer.config import TransferConfig
-    from transfer.receiver import KVReceiver
+    from transfer.endpoint import PoolEndpoint
     memory.register()
     prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
                                           dead_after_s=1.0))
-    ours = prefill.sender.transports[0]
-    receiver = KVReceiver(memory.MemoryTransport(), HybridPool(POOL.pool_config()), TransferConfig())
+    ours = prefill.endpoint.transports[0]
+    receiver = PoolEndpoint(memory.MemoryTransport(), HybridPool(POOL.pool_config()), TransferConfig())
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.control_endpoint)

@@ -24,8 +24,7 @@ from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import AckTimeout, StagingError, TransferError
-from transfer.peer import RemotePool
-from transfer.sender import KVSender
+from transfer.sender import KVSender, RemotePool
 from transfer.transports import Transport
 
 TESTS = Path(__file__).resolve().parent.parent
@@ -185,4 +184,4 @@ class LocalPeer(_Driver):
         return self.core.call(cmd)
 
     def close(self) -> None:
-        self.core.receiver.close()
+        self.core.receiver.endpoint.close()

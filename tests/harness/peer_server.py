@@ -29,6 +29,7 @@ from kvpool.positions import backed, kept_positions, paged_components, token_ite
 from transfer.config import TransferConfig
 
 from transfer.errors import DisaggError, StagingError
+from transfer.endpoint import PoolEndpoint
 from transfer.receiver import KVReceiver
 from transfer.reshard import Shard
 from disagg.engine.standin import StandInEngine
@@ -49,7 +50,7 @@ class PeerCore:
 
     def configure(self, c: Configure) -> None:
         if self.receiver is not None:
-            self.receiver.close()  # unregister before the old pool's memory goes away
+            self.receiver.endpoint.close()  # unregister before the old pool's memory goes away
         self.receiver = self.pool = None
         self.requests: dict[int, object] = {}
         self.expect: dict[int, tuple[IndexSet, list[int], int]] = {}
@@ -58,8 +59,8 @@ class PeerCore:
                                           max_requests=c.max_requests, layout=Layout(c.layout),
                                           device=c.device, swa_ratio=c.swa_ratio, tp_size=c.tp_size,
                                           tp_rank=c.tp_rank))
-        self.receiver = KVReceiver(self.transport, self.pool, TransferConfig(
-            staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes))
+        self.receiver = KVReceiver(PoolEndpoint(self.transport, self.pool, TransferConfig(
+            staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes)))
 
     def on_chunk(self, transfer_id: int, index: int, slot: int, pieces) -> None:
         with self.lock:
@@ -75,7 +76,7 @@ class PeerCore:
                     self.configure(c)
                 return Ok()
             case Hello():
-                r = self.receiver
+                r = self.receiver.endpoint
                 pc = self.pool.config
                 return Target(r.offers(), r.buffers, r.staging_info(), pc.page_size, pc.tp_size, pc.tp_rank)
             case Alloc(num_tokens=n, window_only=w):
@@ -123,7 +124,7 @@ class PeerCore:
                 return Ok()
             case Available():
                 self.pool.check_integrity()
-                return Counts(self.pool.available(), self.receiver.staging.lease.available())
+                return Counts(self.pool.available(), self.receiver.endpoint.staging.lease.available())
         return Error(f"unknown command {type(cmd).__name__}")
 
     def call(self, cmd: Command) -> Reply:

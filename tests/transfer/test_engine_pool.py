@@ -1,6 +1,6 @@
 """kvpool.engine.EnginePool: KV tensors an engine owns (vLLM's CPU layout, a CUDA-style K/V-first
 layout) as layer-major buffers; KVSender and KVReceiver move blocks between two of them in
-direct mode, byte for byte into the engine's own memory, and nothing else changes. Over the
+direct mode (a KVSender into the other's endpoint), byte for byte into the engine's own memory, and nothing else changes. Over the
 real Mooncake engine (TCP, loopback) and the in-process memory transport."""
 
 import pytest
@@ -13,7 +13,7 @@ from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.config import Mode, TransferConfig
 from transfer.errors import LayoutIncompatible
-from transfer.receiver import KVReceiver
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 
 LAYERS, HEADS, HEAD, BLOCKS = 2, 2, 8, 12
@@ -60,8 +60,9 @@ def _move(transports, layout, src_blocks, dst_blocks):
     make, describe = LAYOUTS[layout]
     src_t, dst_t = make(seed=1), make(seed=2)
     before = _blocks(dst_t, layout)
-    with KVSender(transports[0], _pool(src_t, describe), CONFIG) as sender, \
-            KVReceiver(transports[1], _pool(dst_t, describe), CONFIG) as receiver:
+    with PoolEndpoint(transports[0], _pool(src_t, describe), CONFIG) as endpoint, \
+            PoolEndpoint(transports[1], _pool(dst_t, describe), CONFIG) as receiver:
+        sender = KVSender(endpoint)
         peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
         idx = lambda b: IndexSet({Component.FULL: torch.tensor(b, dtype=torch.int32).numpy()})  # noqa: E731
         report = sender.send(peer, idx(src_blocks), idx(dst_blocks))
@@ -87,8 +88,9 @@ def test_consecutive_blocks_move_as_one_range_per_buffer(transports):
 
 
 def test_another_block_size_is_refused_in_one_line(mooncake):
-    with KVSender(mooncake, _pool(_cpu(), block_first), CONFIG) as sender, \
-            KVReceiver(mooncake, _pool(_cpu(block=32), block_first, block=32), CONFIG) as receiver:
+    with PoolEndpoint(mooncake, _pool(_cpu(), block_first), CONFIG) as endpoint, \
+            PoolEndpoint(mooncake, _pool(_cpu(block=32), block_first, block=32), CONFIG) as receiver:
+        sender = KVSender(endpoint)
         with pytest.raises(LayoutIncompatible, match="B/item"):
             sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
         with pytest.raises(LayoutIncompatible):   # told the receiver's page size: no token rows to pair

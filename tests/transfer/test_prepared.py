@@ -15,6 +15,7 @@ from harness.source import source_pool
 from kvpool import Component, IndexSet, Layout
 from transfer.config import Mode, TransferConfig
 from transfer.errors import OutOfBounds, PeerUnreachable
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.staging import RemoteSlots
 
@@ -36,7 +37,8 @@ def _compute(pool) -> None:
 def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport, peer, preset, layout, pages, mode):
     pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
     by_token = pages[0] != pages[1]
-    with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         req = pool.alloc_request(300)
         rid, dst = peer.alloc(300)
@@ -62,7 +64,8 @@ def _direct(transport, peer, preset: str, tokens: int):
     """A direct sender connected to `peer`, one request of `tokens` allocated on both sides
     (the receiver's freed after)."""
     pool = source_pool(peer, preset, 4, Layout.PAGE_MAJOR)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+        sender = KVSender(endpoint)
         rid, dst = peer.alloc(tokens)
         try:
             yield pool, sender, peer.connect(sender), pool.alloc_request(tokens), rid, dst

@@ -19,6 +19,7 @@ from kvpool.geometry import components
 from transfer.config import Mode, TransferConfig
 from transfer.errors import LayoutIncompatible
 from transfer.reshard import Shard, senders as senders_of
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.staging import RemoteSlots
 
@@ -64,7 +65,8 @@ def reshard_into(transport, peer, preset, tp, pages, layout, mode, room=7):
         senders = list(senders_of(model, tp[0], dst_shard, components(model)))
         for r in senders:
             pool, req = prefill[r]
-            with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
+            with PoolEndpoint(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as endpoint:
+                sender = KVSender(endpoint)
                 target = peer.connect(sender)
                 slots = peer.expect(r + 1, rid, want_slots=2, sender=(pages[0], tp[0], r))
                 reports.append(sender.send(target, pool.index_set(req), dst, RemoteSlots(r + 1, slots, peer.channel),
@@ -97,7 +99,8 @@ def test_every_decode_rank_gets_its_heads_byte_exact(transport, peer, tp, preset
 
 def test_a_receiver_refuses_a_sender_whose_tp_size_cannot_split_the_model():
     from transfer.receiver import KVReceiver
-    with KVReceiver(memory.MemoryTransport(), _pool(tp=(2, 1)), TransferConfig()) as receiver:
+    with PoolEndpoint(memory.MemoryTransport(), _pool(tp=(2, 1)), TransferConfig()) as endpoint:
+        receiver = KVReceiver(endpoint)
         assert receiver.lanes_from(Shard(4, 2, 1)) is None                      # our shard: whole pages
         assert len(receiver.lanes_from(Shard(4, 1, 0))) == 3                    # full, swa, aux from TP 1
         with pytest.raises(LayoutIncompatible, match="TP size 3"):
@@ -117,8 +120,9 @@ def _pool(preset="tiny-swa", tp=(1, 0), page=4):
 ])
 def test_a_receiver_claiming_heads_it_cannot_hold_is_refused_at_connect(receiver, claim, message):
     src_tp = (2, 0) if receiver[0] == 2 else (1, 0)
-    with KVSender(memory.MemoryTransport(), _pool(tp=src_tp), TransferConfig()) as sender, \
-            KVSender(memory.MemoryTransport(), _pool(tp=receiver), TransferConfig()) as other:
+    with PoolEndpoint(memory.MemoryTransport(), _pool(tp=src_tp), TransferConfig()) as endpoint, \
+            PoolEndpoint(memory.MemoryTransport(), _pool(tp=receiver), TransferConfig()) as other:
+        sender = KVSender(endpoint)
         with pytest.raises(LayoutIncompatible, match=message):
             sender.connect(other.offers(), other.buffers, other.staging_info(), 4, claim)
 
@@ -135,10 +139,11 @@ def test_a_streamed_send_between_tp_sizes_moves_every_slice_once(layout):
     with LocalPeer(memory.MemoryTransport(), "tiny-hybrid", 4, 1024) as peer:
         peer.configure("tiny-hybrid", 16, 1024, layout=layout.value, max_requests=4, tp=(2, 1))
         rid, dst = peer.alloc(TOKENS)
-        with KVSender(memory.MemoryTransport(), pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+        with PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+            sender = KVSender(endpoint)
             target = peer.connect(sender)
             plan = sender.plan(target, pool.index_set(req), dst, TOKENS)
-            groups = split_layers(plan, list(range(model.num_layers + 1)), sender.placements)
+            groups = split_layers(plan, list(range(model.num_layers + 1)), endpoint.placements)
             assert sum(g.nbytes for g in groups) == sum(c.nbytes for c in plan.body)
             assert sum(1 for g in groups if g.body) == model.num_layers   # every tiny-hybrid layer holds KV
             progress = LayerProgress(model.num_layers)
@@ -154,7 +159,8 @@ def test_staging_slots_are_sized_for_the_suffix_only():
     """A request whose first positions decode holds (its prefix cache) leases slots for the rest."""
     from transfer.receiver import KVReceiver
     pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 16, max_tokens=65536, max_requests=2, device="cpu"))
-    with KVReceiver(memory.MemoryTransport(), pool, TransferConfig(staging_slot_bytes=1 << 16)) as receiver:
+    with PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig(staging_slot_bytes=1 << 16)) as endpoint:
+        receiver = KVReceiver(endpoint)
         lanes = receiver.lanes_from(Shard(4, 1, 0))                              # pages 4 -> 16: by token
         whole = receiver.slots_wanted(lanes, 8000, 64)
         assert receiver.slots_wanted(lanes, 8000, 64, prefix_len=7936) < whole / 10

@@ -17,11 +17,11 @@ from transfer.buffers import buffers_of
 from transfer.config import Mode, TransferConfig
 from transfer.cost import layer_bounds, streams_well
 from transfer.errors import Cancelled
-from transfer.peer import RemotePool
 from transfer.layers import split_layers
 from transfer.plan import build_plan
 from transfer.progress import LayerProgress
-from transfer.sender import KVSender
+from transfer.endpoint import PoolEndpoint
+from transfer.sender import KVSender, RemotePool
 from transfer.transports.base import LinkCost
 from transfer.transports.ranges import RunSet
 
@@ -69,8 +69,8 @@ def test_layer_groups_move_every_byte_of_the_plan_exactly_once(preset, layout, p
     src, dst = _pools(preset, layout, *pages)
     req, dreq = src.alloc_request(37), dst.alloc_request(37)
     src_bufs, dst_bufs = buffers_of(src.buffer_descriptors()), buffers_of(dst.buffer_descriptors())
-    with KVSender(_memory(), src, TransferConfig()) as sender:
-        placements, lanes = sender.placements, sender.lanes
+    with PoolEndpoint(_memory(), src, TransferConfig()) as endpoint:
+        placements, lanes = endpoint.placements, endpoint.lanes
     tokens = None
     if pages[0] != pages[1]:
         dst_lanes = pool_lanes(dst.config.model, pages[1], 1, layout, dst_bufs, "destination")
@@ -104,11 +104,11 @@ def test_groups_that_leave_a_layer_out_are_refused():
     req, dreq = src.alloc_request(8), dst.alloc_request(8)
     plan = build_plan(src.index_set(req), dst.index_set(dreq), buffers_of(src.buffer_descriptors()),
                       buffers_of(dst.buffer_descriptors()))
-    with KVSender(_memory(), src, TransferConfig()) as sender:
+    with PoolEndpoint(_memory(), src, TransferConfig()) as endpoint:
         with pytest.raises(ValueError, match="leave out layers"):
-            split_layers(plan, [0, 1], sender.placements)
+            split_layers(plan, [0, 1], endpoint.placements)
         with pytest.raises(ValueError, match="must increase"):
-            split_layers(plan, [0, 2, 2, 4], sender.placements)
+            split_layers(plan, [0, 2, 2, 4], endpoint.placements)
 
 
 def test_a_field_runset_is_one_fragment_per_item_and_stays_inside_its_item():
@@ -217,7 +217,8 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
     by_token = pages[0] != pages[1]
     pool = _setup(peer, preset, pages[0], layout, peer_page=pages[1])
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)  # a group per layer, on any link
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target, watched = _watched(peer, sender)
         req = pool.alloc_request(301)
         rid, dst = peer.alloc(301)
@@ -246,7 +247,8 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
 def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mode):
     pool = _setup(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target, watched = _watched(peer, sender)
         req = pool.alloc_request(301)
         rid, dst = peer.alloc(301)
@@ -278,9 +280,10 @@ def test_auto_streams_only_over_links_that_leave_the_compute_alone(mooncake):
     """Mooncake TCP reads a CUDA pool through host copies that slowed the prefill compute by
     20% (H100): `auto` does not stream over it from a CUDA pool; from a host pool it does."""
     pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=2))
-    with KVSender(mooncake, pool, TransferConfig()) as sender:
-        link = mooncake.connect(sender.offers()[0], sender.exposures["mooncake"])
-        assert not link.overlaps_gpu_compute and sender.streams_well(RemotePool(link, tuple(sender.buffers)))
+    with PoolEndpoint(mooncake, pool, TransferConfig()) as endpoint:
+        sender = KVSender(endpoint)
+        link = mooncake.connect(endpoint.offers()[0], endpoint.exposures["mooncake"])
+        assert not link.overlaps_gpu_compute and sender.streams_well(RemotePool(link, tuple(endpoint.buffers)))
         assert streams_well("cpu", link) and not streams_well("cuda:1", link)
         assert streams_well("cuda", SimpleNamespace(overlaps_gpu_compute=True))   # cuda-ipc's copy kernel
 
@@ -296,7 +299,8 @@ def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport
     pool = _setup(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
     assert str(pool.config.device).startswith("cuda"), "a GPU test: run it with DISAGG_TEST_DEVICE=cuda"
     layers = pool.config.model.num_layers
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT, stream_group_ms=1e-9)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT, stream_group_ms=1e-9)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         req = pool.alloc_request(301)
         rid, dst = peer.alloc(301)

@@ -14,6 +14,7 @@ from kvpool.geometry import components
 from transfer.config import TransferConfig
 from transfer.errors import BadPrefix
 from transfer.reshard import Shard, senders
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 
 N = 164               # the request's tokens: 41 pages of 4, 10.25 of 16, 5.1 of 32
@@ -37,8 +38,9 @@ def _plans(preset, src, dst, layout, prefix_len, n=N):
     for r in senders(model, src[1], Shard(dst[0], dst[1], 0), components(model)):
         spool = _pool(preset, src[0], (src[1], r), layout, max(1024, 2 * n))
         sset = spool.index_set(spool.alloc_request(n))
-        with KVSender(memory.MemoryTransport(), spool, TransferConfig()) as sender, \
-                KVSender(memory.MemoryTransport(), dpool, TransferConfig()) as receiver:
+        with PoolEndpoint(memory.MemoryTransport(), spool, TransferConfig()) as endpoint, \
+                PoolEndpoint(memory.MemoryTransport(), dpool, TransferConfig()) as receiver:
+            sender = KVSender(endpoint)
             peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info(), dst[0], (dst[1], 0))
             out.append(sender.plan(peer, sset, dset, n, prefix_len=prefix_len))
     return out, dset, dpool
@@ -127,7 +129,8 @@ def test_a_prefix_needs_the_requests_length():
         spool = _pool("tiny-swa", 4, (1, 0), Layout.PAGE_MAJOR)
         dpool = _pool("tiny-swa", 4, (1, 0), Layout.PAGE_MAJOR)
         sset, dset = (p.index_set(p.alloc_request(40)) for p in (spool, dpool))
-        with KVSender(memory.MemoryTransport(), spool, TransferConfig()) as sender, \
-                KVSender(memory.MemoryTransport(), dpool, TransferConfig()) as receiver:
+        with PoolEndpoint(memory.MemoryTransport(), spool, TransferConfig()) as endpoint, \
+                PoolEndpoint(memory.MemoryTransport(), dpool, TransferConfig()) as receiver:
+            sender = KVSender(endpoint)
             peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
             sender.plan(peer, sset, dset, prefix_len=8)

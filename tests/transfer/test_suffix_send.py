@@ -23,6 +23,7 @@ from transfer.buffers import buffers_of, by_component
 from transfer.config import Mode, TransferConfig
 from transfer.errors import BadPrefix, StagingError
 from transfer.reshard import Shard, senders as senders_of
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.staging import Piece, RemoteSlots, StagingArea, scatter
 from transfer.tokens import TokenRows, pool_lanes
@@ -85,7 +86,8 @@ def send_suffix(transport, peer, preset, src, dst, layout, mode, prefix_len, roo
         mine = []
         for r in ranks:
             pool, req = prefill[r]
-            with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
+            with PoolEndpoint(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as endpoint:
+                sender = KVSender(endpoint)
                 link = peer.connect(sender)
                 slots = peer.expect(r + 1, rid, 2, (src[0], src[1], r), prefix_len)
                 mine.append(sender.send(link, pool.index_set(req), dst_set, RemoteSlots(r + 1, slots, peer.channel),
@@ -118,7 +120,8 @@ def test_a_bad_prefix_len_moves_nothing(transport, peer):
                    device=device_for(peer))
     rid, dst_set = peer.alloc(N)
     before = peer.digest(rid, outside=True)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+        sender = KVSender(endpoint)
         link = peer.connect(sender)
         for bad, why in ((8, "not a multiple of the receiver's page size 16"), (-16, "negative"),
                          (176, "beyond the prompt's 164 tokens")):
@@ -146,7 +149,8 @@ def test_a_streamed_suffix_send_lands_byte_equal(src, dst, layout, mode):
         before = peer.digest(rid, below=160).per_component
         (pool, req), = prefill[:1]
         config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-6)   # a group per layer
-        with KVSender(memory.MemoryTransport(), pool, config) as sender:
+        with PoolEndpoint(memory.MemoryTransport(), pool, config) as endpoint:
+            sender = KVSender(endpoint)
             link = peer.connect(sender)
             slots = peer.expect(1, rid, 2, (src[0], src[1], 0), 160)
             progress = LayerProgress(model.num_layers)

@@ -12,6 +12,7 @@ from transfer.config import TransferConfig
 from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds, StagingError
 from transfer.plan import build_plan
 from transfer.runs import group_runs
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
 from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes
@@ -99,7 +100,8 @@ def test_refusals_name_the_problem_before_anything_moves():
 
 def test_a_peer_whose_buffers_are_not_our_model_at_its_page_size_is_refused_at_connect():
     src = _pool("tiny-hybrid", 4)
-    with KVSender(memory.MemoryTransport(), src, TransferConfig()) as sender:
+    with PoolEndpoint(memory.MemoryTransport(), src, TransferConfig()) as endpoint:
+        sender = KVSender(endpoint)
         other = _pool("tiny-swa", 16)                  # another model's buffers
         with pytest.raises(LayoutIncompatible, match="component sets differ|are not those of"):
             sender.connect([], buffers_of(other.buffer_descriptors()), None, 16)

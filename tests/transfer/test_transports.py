@@ -12,6 +12,7 @@ from kvpool import HybridPool, PoolConfig, get_preset
 from transfer.buffers import Buffer
 from transfer.config import TransferConfig
 from transfer.errors import LayoutIncompatible, TransportError, WriteFailed, WritesAbandoned
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.transports import TRANSPORTS, Offer, PendingWrite, Ranges, TransportSettings, create, pick, resolve
 from transfer.transports.cuda_ipc import CudaIpcSettings
@@ -86,14 +87,15 @@ def test_sender_connects_over_the_shared_transport_and_refuses_other_layouts():
     model = get_preset("tiny-hybrid")
     a = HybridPool(PoolConfig(model, 4, max_tokens=256, max_requests=2))
     b = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=2))   # sizes may differ, shapes not
-    with KVSender(memory.MemoryTransport(), a, TransferConfig()) as sender, \
-            KVSender(memory.MemoryTransport(), b, TransferConfig()) as receiver:
+    with PoolEndpoint(memory.MemoryTransport(), a, TransferConfig()) as endpoint, \
+            PoolEndpoint(memory.MemoryTransport(), b, TransferConfig()) as receiver:
+        sender = KVSender(endpoint)
         offers = [Offer("mooncake", "elsewhere", b"")] + receiver.offers()
         remote = sender.connect(offers, receiver.buffers, receiver.staging_info())
         assert remote.link.kind == "memory" and remote.staging.region == len(receiver.buffers)
         remote.link.probe()
         other = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2))
-        with KVSender(memory.MemoryTransport(), other, TransferConfig()) as stranger:
+        with PoolEndpoint(memory.MemoryTransport(), other, TransferConfig()) as stranger:
             with pytest.raises(LayoutIncompatible, match="lacks"):
                 sender.connect(stranger.offers(), stranger.buffers)
 
@@ -130,7 +132,7 @@ def test_a_forced_cuda_ipc_that_cannot_work_is_refused_by_name():
     [cuda] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
     pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=256, max_requests=2, device="cpu"))
     with pytest.raises(TransportError, match="is not CUDA device memory; it needs pools on CUDA"):
-        KVSender(cuda, pool, TransferConfig())
+        PoolEndpoint(cuda, pool, TransferConfig())
 
 
 def test_pick_names_why_a_shared_kind_could_not_be_used():

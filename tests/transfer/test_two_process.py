@@ -18,6 +18,7 @@ from harness.source import DEVICE, source_pool
 from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
                              TransportError, WriteFailed)
 from transfer.faults import FaultPlan
+from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.transports import Ranges, TransportSettings, create
 from transfer.staging import RemoteSlots
@@ -26,7 +27,8 @@ from transfer.staging import RemoteSlots
 def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
     """One request, checked byte for byte (by_token: per token position, for pools of
     different page sizes) and for bytes written outside it."""
-    with KVSender(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         req = pool.alloc_request(tokens)
         rid, dst = peer.alloc(tokens)
@@ -99,7 +101,8 @@ def test_concurrent_senders_share_the_per_peer_budget(transport, peer):
         rids.append(rid)
         dsts.append(dst)
     errors = []
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
 
         def run(i):
@@ -124,7 +127,8 @@ def test_out_of_bounds_plan_is_refused_before_a_byte_moves(transport, peer):
     before = peer.digest(rid, outside=True)
     bad = dict(dst.by_component)
     bad[Component.MAMBA] = np.array([9999], dtype=np.int32)
-    with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(OutOfBounds, match="mamba: destination index 9999"):
             sender.send(target, pool.index_set(req), IndexSet(bad))
@@ -146,7 +150,8 @@ def test_engine_errors_become_typed_exceptions(mooncake):
     from transfer.transports.mooncake import _Blob
     with PeerProcess("tiny-full", 4, 1024) as peer:
         pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
-        with KVSender(mooncake, pool, TransferConfig()) as sender:
+        with PoolEndpoint(mooncake, pool, TransferConfig()) as endpoint:
+            sender = KVSender(endpoint)
             t = peer.target()
             blob = msgspec.msgpack.decode(t.offers[0].blob, type=_Blob)
             lying = _Blob(blob.session, [(p, n + (1 << 31)) for p, n in blob.regions])
@@ -167,7 +172,8 @@ def test_dead_peer_fails_writes_and_probe():
     [transport] = create(["mooncake"], TransportSettings("127.0.0.1"))
     with PeerProcess("tiny-full", 4, 1024) as victim:
         pool = HybridPool(PoolConfig(get_preset("tiny-full"), 4, max_tokens=1024, max_requests=2, device=DEVICE))
-        with KVSender(transport, pool, TransferConfig(mode=Mode.DIRECT)) as sender:
+        with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.DIRECT)) as endpoint:
+            sender = KVSender(endpoint)
             target = victim.connect(sender)
             req = pool.alloc_request(100)
             rid, dst = victim.alloc(100)
@@ -227,12 +233,13 @@ def test_staged_failure_releases_every_slot(transport, peer):
     rid, dst = peer.alloc(600)
     slots = peer.expect(5, rid, want_slots=2)
     peer.release(5)  # forgotten on the receiver, but we still use the slot numbers
-    with KVSender(transport, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16,
-                                                  chunk_timeout_s=1.0)) as sender:
+    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16,
+                                                      chunk_timeout_s=1.0)) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(StagingError, match="no ack"):
             sender.send(target, pool.index_set(req), dst, RemoteSlots(5, slots, peer.channel))
-        assert sender.staging.lease.available() == sender.config.staging_slots
+        assert endpoint.staging.lease.available() == endpoint.config.staging_slots
     assert peer.available().staging_free == 4
     # and the peer keeps serving
     assert _send(transport, peer, pool, 100, Mode.STAGED).mode is Mode.STAGED
@@ -245,11 +252,12 @@ def test_staging_area_on_another_device_than_the_pool(transport, peer):
     config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20, staging_device="cpu")
     if transport.kind == "cuda-ipc":   # a host staging area cannot be exposed to CUDA IPC: refused, named
         with pytest.raises(TransportError, match="not CUDA device memory"):
-            KVSender(transport, pool, config)
+            PoolEndpoint(transport, pool, config)
         return
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
-        assert sender.staging.buffer.device.type == "cpu"
+        assert endpoint.staging.buffer.device.type == "cpu"
         req = pool.alloc_request(77)
         rid, dst = peer.alloc(77)
         slots = peer.expect(9, rid, want_slots=2)
@@ -274,11 +282,12 @@ def test_a_stopped_send_ends_before_its_next_write(transport, peer, mode):
         return len(asked) > 1
 
     config = TransferConfig(mode=mode, staging_slot_bytes=1 << 16)
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(Cancelled, match="aborted"):
             sender.send(target, pool.index_set(req), dst, RemoteSlots(7, slots, peer.channel), stopped=stopped)
-        assert sender.staging.lease.available() == config.staging_slots
+        assert endpoint.staging.lease.available() == config.staging_slots
     peer.release(7)
     after = peer.digest(rid, outside=True)
     assert after.outside == before.outside, "a write landed outside the request"
@@ -291,11 +300,12 @@ def test_an_injected_write_fault_fails_the_send_with_a_typed_error(transport, pe
     req = pool.alloc_request(64)
     rid, dst = peer.alloc(64)
     config = TransferConfig(mode=Mode.DIRECT, faults=FaultPlan({"send.write": 1.0}))
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(InjectedFault, match="send.write"):
             sender.send(target, pool.index_set(req), dst)
-        assert sender.faults.fired == {"send.write": 1}
+        assert endpoint.faults.fired == {"send.write": 1}
     peer.free(rid)
     assert _send(transport, peer, pool, 64, Mode.DIRECT).mode is Mode.DIRECT
 
@@ -311,12 +321,13 @@ def test_an_aborted_staged_send_stops_waiting_for_acks(transport, peer):
     peer.release(8)   # the receiver forgot it: no acks will come
     aborted_at = time.monotonic() + 0.5
     config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16, chunk_timeout_s=30.0)
-    with KVSender(transport, pool, config) as sender:
+    with PoolEndpoint(transport, pool, config) as endpoint:
+        sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(Cancelled, match="waiting for an ack"):
             sender.send(target, pool.index_set(req), dst, RemoteSlots(8, slots, peer.channel),
                         stopped=lambda: time.monotonic() > aborted_at)
         assert time.monotonic() - aborted_at < 5
-        assert sender.staging.lease.available() == config.staging_slots
+        assert endpoint.staging.lease.available() == config.staging_slots
     peer.free(rid)
     pool.free_request(req)

@@ -36,7 +36,8 @@ from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWri
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.cuda_copy import RangeCopier, Table
 from transfer.transports.cuda_driver import Call, Driver, Event
-from transfer.transports.kind import TransportKind, TransportSettings, positive_int
+from transfer.flag_values import positive_int
+from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_decoder, host_identity, reach_problem
 from transfer.transports.pace import Pace, Watch
 

@@ -83,13 +83,3 @@ class TransportKind(Generic[S]):
     def start(self, settings: TransportSettings) -> Transport:
         return self.create(settings, settings.of(self.settings))
 
-
-def positive_int(text: str) -> int:
-    """A flag's whole number of at least 1, or its one-line error (argparse prints it)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
