@@ -34,7 +34,7 @@ is called: an engine runs one forward pass at a time (a real one batches behind 
 and a transfer worker that streams a request blocks until that request's layers are final.
 Handed over early, a request queued behind others for the engine would hold one of its decode
 peer's workers all that time, and a request that computed meanwhile would wait for that worker
-(tests/disagg/test_prefill_workers.py has both). Nothing is lost: no layer goes before the
+(tests/disagg/prefill/test_prefill_workers.py has both). Nothing is lost: no layer goes before the
 first is final. A request that ended before its first layer is refused: the HTTP thread keeps
 the pages, as for one not streamed, and computed() or compute_ended() frees them.
 

@@ -7,7 +7,7 @@ export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 DISAGG_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider \
   tests/transfer/test_two_process.py tests/transfer/test_prepared.py tests/transfer/test_streaming.py \
-  tests/transfer/test_transports.py tests/transfer/test_reshard.py tests/disagg/test_tp_instances.py \
+  tests/transfer/test_transports.py tests/transfer/test_reshard.py tests/disagg/worker/test_tp_instances.py \
   tests/transfer/test_suffix_send.py \
   -k 'cuda-ipc or cuda_ipc or on_a_gpu or cuda'
 echo "pytest rc=$?"

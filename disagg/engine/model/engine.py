@@ -12,7 +12,7 @@ consumes KV through the pools.
              shard (its K/V heads, conv channel groups, state heads; MLA and NSA whole);
              decode takes the rank's shard from the pool and every other unit from the
              prompt computed here, so a wrong byte of its shard that the model reads moves
-             its logits off the colocated run's (tests/disagg/test_model_engine_tp.py flips
+             its logits off the colocated run's (tests/disagg/engine/test_model_engine_tp.py flips
              one in one rank's shard: that rank's check fails, the others' pass)
     check    the colocated run: the whole model over the prompt in this process, greedy
              continuation; tokens and logits (bitwise) compared with decode's

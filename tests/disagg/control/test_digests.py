@@ -15,7 +15,7 @@ from disagg.engine.standin import StandInEngine
 from disagg.errors import ProtocolError, VerifyError
 from kvpool import Component, HybridPool, PoolConfig, get_preset
 from kvpool import digest
-from tests.disagg.test_model_engine_tp import reshard_copy
+from tests.disagg.engine.test_model_engine_tp import reshard_copy
 
 PRESETS = ["tiny-full", "tiny-swa", "tiny-mla-nsa", "tiny-mamba", "tiny-hybrid"]
 PAIRS = [(1, 1, 4, 4), (2, 1, 4, 16), (1, 2, 16, 4), (2, 4, 4, 1), (4, 2, 8, 8)]   # TP and page sizes

@@ -14,7 +14,7 @@ from kvpool import Component, HybridPool, PoolConfig
 from kvpool.geometry import parts
 from kvpool.positions import backed, kept_positions, token_items
 from kvpool.shards import reshard
-from tests.disagg.test_model_engine import prompt
+from tests.disagg.engine.test_model_engine import prompt
 
 ENGINES: dict = {}
 FAMILIES = ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-h", "tiny-model-deepseek-v32"]
