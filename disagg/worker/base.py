@@ -98,6 +98,11 @@ class Worker:
         """Threads the process cannot serve without -> alive (the role adds its own)."""
         return self.gate.threads()
 
+    def available(self) -> dict[str, int]:
+        """What a new request can take of the pool (decode counts its prefix cache's unused
+        pages too: they are evicted for it)."""
+        return self.pool.available()
+
     def health(self) -> dict:
         """/health: unhealthy (503, so an orchestrator restarts it) as soon as one of those died,
         rather than serving half-alive; with what a person checking a process wants to see."""

@@ -20,7 +20,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
     decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint,
                                        heartbeat_interval_s=0.2, dead_after_s=1.5, quarantine_s=2.0))
-    initial = decode.pool.available()
+    initial = decode.available()
     tokens = np.arange(100)
     prefill_thread = threading.Thread(target=prefill.prefill, args=(7, tokens), daemon=True)
     result: dict = {}
@@ -39,7 +39,7 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
         assert result["state"] == "FAILED" and "silent" in result["reason"], result
         assert elapsed < 1.5 + 0.2 + 2.0, elapsed  # dead_after + one beat + margin
         assert decode.quarantined() == 1  # a frozen prefill might still write: pages are held
-        eventually(lambda: decode.pool.available() == initial, 10, "quarantine released after the cap")
+        eventually(lambda: decode.available() == initial, 10, "quarantine released after the cap")
         assert decode.quarantined() == 0
     finally:
         stuck.release.set()
@@ -54,7 +54,7 @@ def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone(eventuall
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
     decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint))
-    initial = decode.pool.available()
+    initial = decode.available()
     tokens = np.arange(64)
     first: dict = {}
     prefill_thread = threading.Thread(target=prefill.prefill, args=(9, tokens), daemon=True)
@@ -70,7 +70,7 @@ def test_a_duplicate_room_is_refused_and_leaves_the_live_request_alone(eventuall
         stuck.release.set()
         decode_thread.join(30)
         assert first["state"] == "SUCCESS" and first["verified"]
-        assert decode.pool.available() == initial and decode.quarantined() == 0
+        assert decode.available() == initial and decode.quarantined() == 0
     finally:
         stuck.release.set()
         prefill_thread.join(30)

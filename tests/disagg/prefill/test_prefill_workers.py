@@ -82,7 +82,7 @@ def test_a_streamed_request_waiting_for_the_engine_holds_no_transfer_worker(pair
     assert out[("prefill", 1)]["state"] == "SUCCESS" and out[("decode", 1)]["verified"], out
     assert out[("prefill", 1)]["streamed"]
     for server in (prefill, decode):
-        assert server.pool.available() == HybridPool(server.pool.config).available()
+        assert server.available() == HybridPool(server.pool.config).available()
 
 
 def test_a_streamed_request_that_fails_before_its_first_layer_frees_its_pages(pair, eventually):
@@ -103,7 +103,7 @@ def test_a_streamed_request_that_fails_before_its_first_layer_frees_its_pages(pa
     assert out["prefill"]["state"] == "FAILED" and out["prefill"]["reason"] == "aborted before the engine ran it", out
     assert out["decode"]["state"] != "SUCCESS", out
     for server in (prefill, decode):
-        assert server.pool.available() == HybridPool(server.pool.config).available()
+        assert server.available() == HybridPool(server.pool.config).available()
 
 
 @pytest.mark.parametrize("stream", ["on", "off"])
@@ -139,7 +139,7 @@ def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_
         assert out["prefill"]["state"] == "FAILED" and "out of memory" in out["prefill"]["reason"], out
     assert prefill.requests.get(1) is None
     for server in (prefill, decode):
-        assert server.pool.available() == HybridPool(server.pool.config).available()
+        assert server.available() == HybridPool(server.pool.config).available()
     engine.gates[2].set()   # the next request is served
     threads = [threading.Thread(target=lambda: out.__setitem__("decode2", decode.decode(2, tokens))),
                threading.Thread(target=lambda: out.__setitem__("prefill2", prefill.prefill(2, tokens, stream=stream)))]

@@ -54,7 +54,7 @@ def test_two_decode_ranks_receive_their_heads_from_one_prefill_rank(prefill):
             assert out[i]["state"] == "SUCCESS" and out[i]["verified"] and out[i]["senders"] == 1, out[i]
         assert out[0]["bytes"] + out[1]["bytes"] == out["prefill"]["bytes"]
         for server in (prefill, *decodes):
-            assert server.pool.available() == HybridPool(server.pool.config).available()
+            assert server.available() == HybridPool(server.pool.config).available()
     finally:
         for d in decodes:
             d.close()
@@ -128,7 +128,7 @@ def test_a_send_is_prepared_while_the_prompt_computes_once_decode_has_asked(pref
         assert out["prefill"]["state"] == "SUCCESS" and out["decode"]["verified"], out
         assert out["prefill"]["prepared_ahead"] is decode_first
         for server in (prefill, decode):
-            assert server.pool.available() == HybridPool(server.pool.config).available()
+            assert server.available() == HybridPool(server.pool.config).available()
     finally:
         decode.close()
 
@@ -161,7 +161,7 @@ def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefil
         assert out["decode"]["state"] != "SUCCESS", out
         assert planned == []
         for server in (prefill, decode):
-            assert server.pool.available() == HybridPool(server.pool.config).available()
+            assert server.available() == HybridPool(server.pool.config).available()
     finally:
         release.set()
         decode.close()
