@@ -184,3 +184,32 @@ def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.fixture(scope="module", params=["gdn", "swa"])
+def hybrid(request, tiny_llama, tmp_path_factory):
+    """(producer, consumer, bootstrap, layout) over a hybrid page pool as vLLM's CPU workers
+    hand it over (worker_child.hybrid_caches)."""
+    producer, consumer, boot = _start(tiny_llama, request.param, (5, 6), tmp_path_factory.mktemp("hybrid"))
+    yield producer, consumer, boot, request.param
+    consumer.close()
+    producer.close()
+
+
+def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path):
+    """GDN: the state slot (block 5 -> 9) moves whole beside the attention blocks. SWA: the
+    window group's pairs with the producer's null block (it left the window) are skipped, so
+    consumer block 12 keeps its bytes; every page not named is untouched."""
+    producer, consumer, boot, layout = hybrid
+    if layout == "gdn":
+        src, dst = [[5], [3, 4, 6, 7]], [[9], [2, 10, 11, 12]]
+        moved = {9: 5, 2: 3, 10: 4, 11: 6, 12: 7}
+    else:
+        src, dst = [[0, 3, 4, 6], [8, 9, 10, 11]], [[12, 13, 14, 15], [1, 2, 5, 7]]
+        moved = {13: 3, 14: 4, 15: 6, 1: 8, 2: 9, 5: 10, 7: 11}
+    got, src_t, before, after = _transfer((producer, consumer, boot), tmp_path, 31, src, 100, 0, dst)
+    assert (got["recving"], got["errors"]) == (["c31"], [])
+    for d in range(after["pages"].shape[0]):
+        want = src_t["pages"][moved[d]] if d in moved else before["pages"][d]
+        assert torch.equal(after["pages"][d], want), f"page {d}: " + (f"not source page {moved[d]}" if d in moved
+                                                                       else "changed")
