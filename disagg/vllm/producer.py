@@ -76,8 +76,13 @@ class Producer:
         self.held: dict[int, Held] = {}
         self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}   # room -> asked before held
         rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
-        self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
-            if settings.run_bootstrap and tp[1] == 0 else None
+        try:
+            self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
+                if settings.run_bootstrap and tp[1] == 0 else None
+        except BaseException:   # (its port is taken, ...): what this opened closes with it
+            self.peers.close()
+            self.io.close()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="disagg-producer", daemon=True)
         self._thread.start()

@@ -122,5 +122,5 @@ class DisaggWorker:
         if gate is not None:
             gate.close()
         ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.term()
+        if ctx is not None:   # closes any socket a side that failed half-built left open (term would wait on it)
+            ctx.destroy(linger=0)

@@ -213,3 +213,19 @@ def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path)
         want = src_t["pages"][moved[d]] if d in moved else before["pages"][d]
         assert torch.equal(after["pages"][d], want), f"page {d}: " + (f"not source page {moved[d]}" if d in moved
                                                                        else "changed")
+
+
+def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama, tmp_path):
+    """Its bootstrap port is taken: register raises (vLLM's start fails with the reason) and
+    the process exits; nothing it opened keeps it waiting (a socket left open made
+    zmq's context term block for ever)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        extra = {"bootstrap": f"tcp://127.0.0.1:{busy.getsockname()[1]}"}
+        child = Child("kv_producer", tiny_llama, "cpu", 7, extra, tmp_path)
+        try:
+            assert child.proc.wait(timeout=START_S) != 0
+        finally:
+            child.close()
+    assert "bootstrap" in Path(child.log.name).read_text().splitlines()[-1]
