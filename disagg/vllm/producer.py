@@ -225,7 +225,8 @@ class Producer:
         except Exception as exc:   # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report, settled))
+        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report=report,
+                                            settled=settled))
         self.handoff.post(SendEnded(h.send.room))
 
     def close(self) -> None:
