@@ -17,6 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
@@ -97,6 +98,12 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As get_finished, and the failed loads' requests (several KV cache groups: vLLM takes
+        failures per request there, block ids below for one group)."""
+        sending, recving = self._worker.finished()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._worker.failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()

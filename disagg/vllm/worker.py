@@ -9,6 +9,7 @@
     step(meta)                     a scheduler step's Sends / Loads / Releases
     finished()                     (finished_sending, finished_recving) since the last call
     load_errors()                  the blocks of the loads finished() just reported failed
+    failed_loads()                 their requests, for models of several KV cache groups
     close()
 
 vLLM calls these from its own thread; a loop thread of ours owns the ZMQ sockets and the
@@ -106,7 +107,14 @@ class DisaggWorker:
         return self.handoff.finished()
 
     def load_errors(self) -> set[int]:
-        return self.handoff.load_errors()
+        """The failed loads' blocks (one KV cache group: vLLM recomputes from the first bad
+        block); none with several groups, whose failures go by request (failed_loads)."""
+        return self.handoff.load_errors() if len(self.kv.groups) == 1 else set()
+
+    def failed_loads(self) -> set[str]:
+        """The failed loads' requests, with several KV cache groups (vLLM refuses block-level
+        failures for those: its block ids are not unique across groups' layers)."""
+        return self.handoff.failed_loads() if len(self.kv.groups) > 1 else set()
 
     def close(self, transports=None) -> None:
         side, self.side = self.side, None

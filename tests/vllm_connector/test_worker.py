@@ -208,11 +208,27 @@ def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path)
         src, dst = [[0, 3, 4, 6], [8, 9, 10, 11]], [[12, 13, 14, 15], [1, 2, 5, 7]]
         moved = {13: 3, 14: 4, 15: 6, 1: 8, 2: 9, 5: 10, 7: 11}
     got, src_t, before, after = _transfer((producer, consumer, boot), tmp_path, 31, src, 100, 0, dst)
-    assert (got["recving"], got["errors"]) == (["c31"], [])
+    assert (got["recving"], got["errors"], got["failed"]) == (["c31"], [], [])
     for d in range(after["pages"].shape[0]):
         want = src_t["pages"][moved[d]] if d in moved else before["pages"][d]
         assert torch.equal(after["pages"][d], want), f"page {d}: " + (f"not source page {moved[d]}" if d in moved
                                                                        else "changed")
+
+
+def test_a_refused_hybrid_load_fails_by_request_not_by_block(hybrid, tmp_path):
+    """A destination that does not pair with what the producer holds (GDN: a state at 99
+    tokens of a room held at 100; SWA: one full block too many) is refused at once, and the
+    load is reported failed by its request: vLLM refuses block-level failures for models of
+    several KV cache groups."""
+    producer, consumer, boot, layout = hybrid
+    src = [[5], [3, 4, 6, 7]] if layout == "gdn" else [[0, 3, 4, 6], [8, 9, 10, 11]]
+    dst, num_tokens = ([[9], [2, 10, 11, 12]], 99) if layout == "gdn" else ([[13, 14, 15], [1, 2, 5, 7, 8]], 100)
+    producer.step(sends=[{"req_id": "p41", "room": 41, "num_tokens": 100, "blocks": src}])
+    consumer.step(loads=[{"req_id": "c41", "remote": _remote(41, boot, num_tokens), "first": 0, "count": num_tokens,
+                          "blocks": dst}])
+    got = consumer.wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"], got["failed"]) == (["c41"], [], ["c41"])
+    assert got["waited"] < LOAD_S   # refused, not timed out
 
 
 def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama, tmp_path):

@@ -5,7 +5,7 @@ two-process worker tests (test_worker.py). Not a test module.
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
     -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "waited"}: the first
+    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "waited"}: the first
                                          non-empty finished() (or empty ones at the timeout)
     <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
     <- {"op": "close"}                -> {} and exit
@@ -86,7 +86,8 @@ def wait(worker, timeout: float) -> dict:
         sending, recving = worker.finished()
         if sending or recving or time.monotonic() - t0 >= timeout:
             return {"sending": sorted(sending or ()), "recving": sorted(recving or ()),
-                    "errors": sorted(worker.load_errors()), "waited": time.monotonic() - t0}
+                    "errors": sorted(worker.load_errors()), "failed": sorted(worker.failed_loads()),
+                    "waited": time.monotonic() - t0}
         time.sleep(0.005)
 
 
