@@ -56,14 +56,16 @@ def save_tokenizer(path: Path) -> None:
     fast.save_pretrained(path)
 
 
-def save_random(model, path: Path, scale: float) -> Path:
-    """Seeded uniform(-scale, scale) weights (peaked logits: greedy choices are not near ties)."""
+def save_random(model, path: Path, scale: float, head_scale: float = 1.0) -> Path:
+    """Seeded uniform(-scale, scale) weights, the LM head's `head_scale` times as large (peaked
+    logits: greedy choices are not near ties that rounding could flip)."""
     import torch
 
     torch.manual_seed(0)
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-scale, scale)
+        model.lm_head.weight.mul_(head_scale)
     model.save_pretrained(path)
     return path
 
@@ -93,7 +95,7 @@ def build_tiny_qwen3_next(path: Path) -> Path:
                           linear_key_head_dim=128, linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
                           moe_intermediate_size=128, shared_expert_intermediate_size=128,
                           max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    return save_random(Qwen3NextForCausalLM(cfg), path, 0.2)
+    return save_random(Qwen3NextForCausalLM(cfg), path, 0.1, head_scale=40.0)   # bf16: keep greedy margins wide
 
 
 def build_tiny_gemma3(path: Path) -> Path:
