@@ -17,10 +17,13 @@ engines of one model, block size and TP shard pair buffer by buffer
 (transfer.buffers.layout_difference). An engine's block 0 is taken as the sentinel item
 (vLLM's null block is block 0): a transfer never names it.
 
+    views over a shared page pool (vLLM's hybrid   one buffer per distinct page region: block b
+      KV cache: attention blocks and Mamba/GDN      = page b, whatever layer group holds it
+      conv+SSM states in the same pages)            (shared_pages)
+
 What this surface does not describe: tokens inside a block as rows of one stride (`token_rows`
 is False), so pools of different block sizes or TP sizes do not pair (a sender refuses them
-with LayoutIncompatible); state tensors of Mamba/GDN layers; layouts whose blocks of one
-layer are not back to back.
+with LayoutIncompatible); layouts whose blocks of one layer are not back to back.
 """
 
 from collections.abc import Sequence
@@ -123,6 +126,49 @@ def block_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
     back: vLLM's CPU layout, block-first K/V layouts): one buffer, part "kv"."""
     _contiguous(layer, t)
     return [EngineBuffer(layer, "kv", t.view(torch.uint8).view(t.shape[0], -1))]
+
+
+def shared_pages(tensors: Sequence[tuple[int, str, torch.Tensor]]) -> list[EngineBuffer]:
+    """(layer, part, tensor) of an engine whose tensors are views over pages, dim 0 the block:
+    block b of a layer lies inside page b of a region (start, page bytes) of a storage that
+    layers of other groups may share (vLLM's hybrid KV cache: one page pool holds attention
+    blocks and Mamba/GDN conv+SSM states; a block id belongs to one group at a time). One
+    buffer per distinct region, labelled by its first (layer, part), an item per whole page
+    (a state's padding moves with it). Raises SpecError for a block that spills over its page
+    or pages that overlap another region's (block-outermost layouts such as BLHNC)."""
+    regions: dict[tuple[int, int, int], tuple[int, str, torch.Tensor]] = {}
+    for layer, part, t in sorted(tensors, key=lambda x: (x[0], x[1])):
+        key = _region(layer, t)
+        if key not in regions:
+            regions[key] = (layer, part, t)
+    spans = sorted((ptr, ptr + n * page, regions[(ptr, page, n)][0]) for ptr, page, n in regions)
+    for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
+        if start < end:
+            raise SpecError(f"layers {a} and {b}: their pages overlap (a block-outermost layout such as BLHNC: a "
+                            "layer's blocks are not back to back)")
+    out = []
+    for (ptr, page, n), (layer, part, t) in regions.items():
+        storage = t.untyped_storage()
+        raw = torch.empty(0, dtype=torch.uint8, device=t.device)
+        raw.set_(storage, ptr - storage.data_ptr(), (n, page), (page, 1))
+        out.append(EngineBuffer(layer, part, raw))
+    return out
+
+
+def _region(layer: int, t: torch.Tensor) -> tuple[int, int, int]:
+    """(first byte's address, page bytes, blocks) of a layer's block-major view."""
+    size = t.element_size()
+    page, n = t.stride(0) * size, t.shape[0]
+    block = (1 + sum((d - 1) * s for d, s in zip(t.shape[1:], t.stride()[1:]))) * size
+    if min(t.stride()) < 0 or page < block or n < 2:
+        raise SpecError(f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()}: a block of {block} B does not "
+                        f"fit its page of {page} B (its blocks are not back to back)")
+    storage = t.untyped_storage()
+    start = t.data_ptr()
+    if start + n * page > storage.data_ptr() + storage.nbytes():
+        raise SpecError(f"layer {layer}: {n} pages of {page} B run past its storage (a block-outermost layout such "
+                        "as BLHNC: a layer's blocks are not back to back)")
+    return start, page, n
 
 
 def kv_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:

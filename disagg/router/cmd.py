@@ -1,4 +1,5 @@
-"""`disagg router`: the HTTP front (POST /generate) over prefill/decode pairs."""
+"""`disagg router`: the HTTP front (POST /generate) over prefill/decode pairs; with
+`--backend vllm`, over vLLM api_servers with DisaggConnector (disagg/router/vllm.py)."""
 
 import argparse
 
@@ -16,7 +17,12 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="one prefill/decode pair: the two workers' HTTP URLs and the bootstrap decode should look "
                         "prefill up at (a NAME decode was given with --bootstrap-addr, or tcp://HOST:PORT); a "
                         "tensor-parallel instance is its ranks' URLs joined by + in rank order (every rank takes "
-                        "part in every request); repeat for more pairs (env: pairs separated by spaces)")
+                        "part in every request); repeat for more pairs (env: pairs separated by spaces); with "
+                        "--backend vllm: PREFILL_URL,DECODE_URL of two vLLM api_servers")
+    p.add_argument("--backend", choices=("disagg", "vllm"), default="disagg",
+                   help="what the pairs are: disagg's prefill/decode workers, or vLLM api_servers with "
+                        "DisaggConnector (a kv_producer and a kv_consumer: /v1/completions and /v1/chat/completions "
+                        "go through them as vLLM's P/D proxy sends them)")
     g = p.add_argument_group("HTTP")
     g.add_argument("--http-host", default="127.0.0.1", help="address to serve the API on (0.0.0.0: every address)")
     g.add_argument("--http-port", type=port, default=0, help="port to serve the API on (0: any free port, printed "
@@ -36,6 +42,16 @@ def add_parser(p: argparse.ArgumentParser) -> None:
 
 
 def config_from(args: argparse.Namespace) -> RouterConfig:
+    """The router's config; ConfigError (one line, nothing started) for pairs the backend cannot take."""
+    from disagg.errors import ConfigError
+    from disagg.router.vllm import check_pairs
+
+    pairs = tuple(args.pair)
+    why = check_pairs(pairs) if args.backend == "vllm" else next(
+        (f"--pair {p}: give the bootstrap decode looks prefill up at (PREFILL_URL,DECODE_URL,BOOTSTRAP)"
+         for p in pairs if not p.bootstrap), None)
+    if why:
+        raise ConfigError(why)
     return RouterConfig(tuple(args.pair), args.http_host, args.http_port, args.timeout,
                         max_inflight=args.max_inflight, vocab_size=args.vocab_size,
                         model_name=args.served_model_name)
@@ -48,9 +64,16 @@ def run(args: argparse.Namespace) -> int:
     from disagg.router.routes import RouterRoutes
 
     setup_logging(args.log_level)
+    config = config_from(args)
     listener = listen(args.http_host, args.http_port)
-    router = Router(config_from(args))
-    api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
+    if args.backend == "vllm":
+        from disagg.router.routes import VllmRoutes
+        from disagg.router.vllm import VllmRouter
+        router = VllmRouter(config)
+        api = ApiServer(listener, VllmRoutes(router).service(), http_limits(args))
+    else:
+        router = Router(config)
+        api = ApiServer(listener, RouterRoutes(router).service(), http_limits(args))
     def ready_line() -> None:   # the router serves (503 with the reasons) while its pairs are down
         state = router.ready()
         down = None if state["ready"] else "; ".join(f"pair {p['pair']}: {', '.join(p['why'])}" for p in state["pairs"])

@@ -10,6 +10,7 @@ once, each within `timeout_s`. A pair is down, with the reasons a person needs, 
                                                                a configuration error, never a 4xx)
     its prefill and decode report different vocabularies     (different models)
 
+A server with /health only (vLLM's) is probed with probe_health instead: up while it answers 200.
 A pair's vocabulary (the smallest its ranks report) is what `prompt_len` requests draw their
 random token ids below.
 """
@@ -75,6 +76,14 @@ def probe(url: str, timeout_s: float) -> Probe:
     return Probe(f"not ready (HTTP {status}{': ' + str(why)[:300] if why else ''})", health)
 
 
+def probe_health(url: str, timeout_s: float) -> Probe:
+    """A server that has /health only (vLLM's api_server): up while it answers 200."""
+    status, health = fetch(url + "/health", timeout_s)
+    if status == 0:
+        return Probe(f"unreachable at {url} ({health.get('error', 'no answer')})", {})
+    return Probe(None if status == 200 else f"not healthy (HTTP {status})", {})
+
+
 def judge(pair: Pair, prefill: list[Probe], decode: list[Probe]) -> PairState:
     """A pair's state from its ranks' probes."""
     why = [f"{role}{f' rank {rank}' if len(probes) > 1 else ''}: {p.why}"
@@ -94,8 +103,8 @@ def judge(pair: Pair, prefill: list[Probe], decode: list[Probe]) -> PairState:
 
 
 class PairMonitor:
-    def __init__(self, pairs: tuple[Pair, ...], every_s: float = 1.0, timeout_s: float = 2.0):
-        self.pairs, self.every_s, self.timeout_s = pairs, every_s, timeout_s
+    def __init__(self, pairs: tuple[Pair, ...], every_s: float = 1.0, timeout_s: float = 2.0, probe_fn=probe):
+        self.pairs, self.every_s, self.timeout_s, self.probe_fn = pairs, every_s, timeout_s, probe_fn
         self._states = [PairState(None, ("not probed yet",))] * len(pairs)
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -119,7 +128,7 @@ class PairMonitor:
     def probe_all(self) -> None:
         """One round: every rank at once; the states change together."""
         urls = [url for p in self.pairs for url in (*p.prefill, *p.decode)]
-        probes = dict(zip(urls, self._pool.map(lambda url: probe(url, self.timeout_s), urls)))
+        probes = dict(zip(urls, self._pool.map(lambda url: self.probe_fn(url, self.timeout_s), urls)))
         states = [judge(p, [probes[u] for u in p.prefill], [probes[u] for u in p.decode]) for p in self.pairs]
         with self._lock:
             before, self._states = self._states, states

@@ -29,10 +29,12 @@ class Pair:
         """--pair PREFILL_URL[+URL...],DECODE_URL[+URL...],BOOTSTRAP (a name decode knows, or
         its address); several URLs on a side are that instance's TP ranks."""
         parts = text.split(",")
-        if len(parts) != 3 or not all(parts):
+        if len(parts) == 2:   # a vLLM pair (`--backend vllm`): no bootstrap
+            parts.append("")
+        if len(parts) != 3 or not all(parts[:2]) or (len(text.split(",")) == 3 and not parts[2]):
             raise argparse.ArgumentTypeError(f"want PREFILL_URL,DECODE_URL,BOOTSTRAP (e.g. http://10.0.0.5:8080,"
-                                             f"http://10.0.0.6:8080,main; ranks of a TP instance joined by +), "
-                                             f"got {text!r}")
+                                             f"http://10.0.0.6:8080,main; ranks of a TP instance joined by +; "
+                                             f"PREFILL_URL,DECODE_URL for --backend vllm), got {text!r}")
         sides = [tuple(part.split("+")) for part in parts[:2]]
         for url in (u for side in sides for u in side):
             try:
@@ -48,7 +50,8 @@ class Pair:
         return Pair(sides[0], sides[1], parts[2])
 
     def __str__(self) -> str:   # as --pair takes it
-        return f"{'+'.join(self.prefill)},{'+'.join(self.decode)},{self.bootstrap}"
+        tail = f",{self.bootstrap}" if self.bootstrap else ""
+        return f"{'+'.join(self.prefill)},{'+'.join(self.decode)}{tail}"
 
 
 def side_name(role: str, rank: int, pair: Pair) -> str:

@@ -1,4 +1,5 @@
-"""The router's HTTP routes: POST /generate, /v1/completions and /abort, with their metrics."""
+"""The router's HTTP routes: POST /generate, /v1/completions and /abort, with their metrics;
+VllmRoutes: /v1/completions and /v1/chat/completions through vLLM pairs."""
 
 from disagg import __version__
 from disagg.api.fields import Reply
@@ -6,6 +7,7 @@ from disagg.api.metrics import WorkerMetrics
 from disagg.api.server import Service, client_gone, default_error_body
 from disagg.router import openai
 from disagg.router.router import Router
+from disagg.router.vllm import ROUTES, VllmRouter
 
 
 def error_body(path: str, status: int, exc: "BaseException | str") -> dict:
@@ -41,3 +43,19 @@ class RouterRoutes:
     def _observe(self, out: dict, ok: bool) -> None:
         if ok:
             self.metrics.seconds("total", out["timings_ms"], "total")
+
+
+class VllmRoutes:
+    """`--backend vllm`: the OpenAI routes forwarded through a vLLM pair (disagg/router/vllm.py)."""
+
+    def __init__(self, router: VllmRouter):
+        self.router, self.metrics = router, WorkerMetrics("router")
+
+    def service(self) -> Service:
+        routes = {path: (lambda body, path=path: self.router.forward(path, body)) for path in ROUTES}
+        return Service(routes, self.router.ready, self.metrics.registry, health=self.health,
+                       gets={"/v1/models": self.router.models}, error_body=error_body, metrics=self.metrics)
+
+    def health(self) -> dict:
+        return {"status": "ok", "role": "router", "backend": "vllm", "version": __version__,
+                "pairs": len(self.router.config.pairs)}

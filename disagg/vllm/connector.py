@@ -17,10 +17,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
+from disagg.vllm.groups import Group, Kind
 from disagg.vllm.scheduler import DisaggScheduler, StepMeta
 
 COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -40,14 +43,25 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
         self._scheduler: DisaggScheduler | None = None
         self._worker = None
+        groups, state_layers = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = DisaggScheduler(vllm_config.cache_config.block_size, cfg.is_kv_producer,
-                                              cfg.is_kv_consumer, self._extra.get("bootstrap"))
+            self._scheduler = DisaggScheduler(groups, cfg.is_kv_producer, cfg.is_kv_consumer,
+                                              self._extra.get("bootstrap"))
         else:
             from disagg.vllm.worker import DisaggWorker   # the transfer layer: worker processes only
-            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra)
+            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, groups, state_layers)
 
     # ---- scheduler side -----------------------------------------------------------------------
+    def on_new_request(self, request) -> None:
+        """A producer's request of a model with a state group is prefilled without its last
+        prompt token (disagg.vllm.scheduler: the consumer computes it from the state)."""
+        drop = self._scheduler.truncate(request)
+        if drop and request.prompt_token_ids is not None:
+            del request.prompt_token_ids[-drop:]
+            del request._all_token_ids[-drop:]
+            request.num_prompt_tokens -= drop
+            request.max_tokens = 1
+
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
@@ -85,9 +99,36 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.finished()
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """As get_finished, and the failed loads' requests (several KV cache groups: vLLM takes
+        failures per request there, block ids below for one group)."""
+        sending, recving = self._worker.finished()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()), self._worker.failed_loads())
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
 
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
+
+
+def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], frozenset[str]]:
+    """vLLM's KV cache groups as ours, and the names of the state (Mamba/GDN) layers; one full
+    group of `block_size` without a config. Raises ValueError naming a group we cannot move."""
+    if kv_cache_config is None:
+        return (Group(Kind.FULL, block_size),), frozenset()
+    groups, state = [], set()
+    for g in kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        if isinstance(spec, SlidingWindowSpec):
+            groups.append(Group(Kind.WINDOW, spec.block_size, -(-spec.sliding_window // spec.block_size) + 1))
+        elif isinstance(spec, MambaSpec):
+            groups.append(Group(Kind.STATE, spec.block_size, scratch_blocks=spec.num_speculative_blocks))
+            state.update(g.layer_names)
+        elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
+            groups.append(Group(Kind.FULL, spec.block_size))
+        else:
+            raise ValueError(f"DisaggConnector: KV cache group {g.layer_names[:3]} of {type(spec).__name__} is "
+                             "not supported (full attention, sliding window and Mamba/GDN state are)")
+    return tuple(groups), frozenset(state)

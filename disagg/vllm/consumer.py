@@ -4,7 +4,8 @@ or failed with its blocks in load_errors. Never a hang: every load ends by load_
 
     Load    -> a lookup thread: bootstrap lookup + registration (the layout check on both
                sides: decode/introducer.py, as our decode server does it), then
-               TransferRequest(room, num_tokens = first_token + tokens, the Load's blocks)
+               TransferRequest(room, num_tokens = first_token + tokens, the Load's blocks per
+               kind of KV cache group: disagg.vllm.groups.to_wire)
                -> Introduced (the loop learns which producer serves the room) or IntroFailed
     TransferDone ok           -> Handoff.received(req_id)
     TransferDone failed       -> Handoff.received(req_id, its blocks); a producer that gave
@@ -26,8 +27,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import numpy as np
-
 from disagg.control.auth import Gate
 from disagg.control.io import DealerIO
 from disagg.control.layout import LayoutInfo
@@ -37,12 +36,11 @@ from disagg.decode.instances import SenderRanks
 from disagg.decode.introducer import Introducer
 from disagg.decode.peers import PrefillPeers
 from disagg.errors import DisaggError
+from disagg.vllm.groups import NULL_BLOCK, Group, to_wire
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.params import RemotePrefill
 from disagg.vllm.scheduler import Load, Release, StepMeta
 from disagg.vllm.settings import ConnectorSettings
-from kvpool.geometry import Component
-from kvpool.indices import IndexSet
 from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
@@ -69,7 +67,7 @@ class Loading:
     release: str = ""              # why vLLM released it (the load goes on until the producer stopped)
 
     def blocks(self) -> tuple[int, ...]:
-        return tuple(b for g in self.load.block_ids for b in g)
+        return tuple(b for g in self.load.block_ids for b in g if b != NULL_BLOCK)
 
 
 @dataclass(frozen=True)
@@ -86,8 +84,9 @@ class IntroFailed:
 
 class Consumer:
     def __init__(self, settings: ConnectorSettings, receiver: KVReceiver, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int):
+                 handoff: Handoff, epoch: int, groups: tuple[Group, ...]):
         self.settings, self.receiver, self.layout, self.handoff, self.epoch = settings, receiver, layout, handoff, epoch
+        self.groups = groups
         self.io = DealerIO(gate)
         self.peers = PrefillPeers(gate, layout, settings.dead_after_s)
         self.introducer = Introducer(self.peers, SenderRanks(receiver), self.io, self._registration)
@@ -146,10 +145,10 @@ class Consumer:
         if room in self.loads:
             log.warning("room %d loaded twice (requests %s, %s): failing the second", room,
                         self.loads[room].load.req_id, load.req_id)
-            self.handoff.received(load.req_id, tuple(b for g in load.block_ids for b in g))
+            self.handoff.received(load.req_id, Loading(load, 0.0).blocks())
             return
         r = self.loads[room] = Loading(load, time.monotonic() + self.settings.load_s)
-        dst = IndexSet({Component.FULL: np.asarray(load.block_ids[0], dtype=np.int32)})
+        dst = to_wire(self.groups, load.block_ids)
         ask = TransferRequest(room, self.epoch, load.first_token + load.num_tokens, indices_to_wire(dst), [])
         self._lookups.submit(self._introduce, load.remote, r.deadline, ask)
 

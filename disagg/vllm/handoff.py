@@ -4,6 +4,8 @@
     step(meta)      --post-->  inbox  --take-->  Send / Load / Release; internal events too
     finished()      <--------  done   <--------  sent(req_id), received(req_id, failed blocks)
     load_errors()   the failed blocks of the loads the last finished() reported
+    failed_loads()  those loads' request ids (vLLM takes failures per request, not per block,
+                    for models of several KV cache groups)
 
 vLLM asks get_finished() and then get_block_ids_with_load_errors() in one step: a failed
 load's blocks are handed over with its finished_recving, never a step later (the scheduler
@@ -21,6 +23,7 @@ class Handoff:
         self._sending: set[str] = set()
         self._recving: dict[str, tuple[int, ...]] = {}   # req_id -> its failed blocks (none: loaded)
         self._errors: set[int] = set()                   # taken by the last finished()
+        self._failed: set[str] = set()                   # their requests
 
     # ---- the loop thread's side ----------------------------------------------------------------
     def post(self, item) -> None:
@@ -54,8 +57,13 @@ class Handoff:
             sending, self._sending = self._sending, set()
             recving, self._recving = self._recving, {}
             self._errors = {b for blocks in recving.values() for b in blocks}
+            self._failed = {r for r, blocks in recving.items() if blocks}
         return sending or None, set(recving) or None
 
     def load_errors(self) -> set[int]:
         with self._lock:
             return set(self._errors)
+
+    def failed_loads(self) -> set[str]:
+        with self._lock:
+            return set(self._failed)

@@ -7,19 +7,24 @@ kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item pe
     [num_blocks, 2, block_size, num_kv_heads, head]    "kv"        (block-first K/V, FlashInfer)
     [2, num_blocks, block_size, num_kv_heads, head]    "k", "v"    (K/V-first, flash-attention)
 
+    hybrid models (HMA): attention tensors and      one "kv"/"state" buffer per distinct page
+    Mamba/GDN state views over one page pool        region (kvpool.engine.shared_pages): block b
+                                                    = page b, whichever group holds it
+
 vLLM's block 0 is its null block, as item 0 is our sentinel; whole blocks move as one range
 per (block run, buffer), and two sides of the same model, block size, TP size and layout
 pair buffer by buffer. Pools of different block sizes or TP sizes do not pair (tokens inside
 a block are not rows of one stride here). Layouts whose blocks of one layer are not back to
 back (BLHNC and other block-outermost layouts of some CUDA backends: a layer's block b is a
-strided slice of a buffer of every layer) and Mamba/GDN state tensors are refused by name.
+strided slice of a buffer of every layer) are refused by name.
 """
 
 import re
+from typing import Any
 
 import torch
 
-from kvpool.engine import EngineBuffer, EnginePool, EnginePoolConfig, attention_model, block_first, kv_first
+from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, kv_first, shared_pages
 from kvpool.errors import SpecError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -41,7 +46,7 @@ def geometry(name: str, t: torch.Tensor) -> tuple[str, int, int, int]:
     "block" (one buffer per layer) or "kv" (K and V buffers)."""
     if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
         raise VllmLayoutError(f"KV cache layer {name!r}: {type(t).__name__} {tuple(getattr(t, 'shape', ()))} is not a "
-                              "per-layer block tensor (Mamba/GDN state tensors are not described yet)")
+                              "per-layer attention block tensor (a Mamba/GDN layer's state is described as one)")
     if not t.is_contiguous():
         raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(t.shape)} strides {t.stride()} is not "
                               "contiguous (a block-outermost layout such as BLHNC; use a layer-compact one, "
@@ -56,27 +61,47 @@ def geometry(name: str, t: torch.Tensor) -> tuple[str, int, int, int]:
     raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(s)}: cannot tell K/V-first from block-first")
 
 
-def engine_pool(kv_caches: dict[str, torch.Tensor], block_size: int, model_name: str, tp_size: int = 1,
-                tp_rank: int = 0) -> EnginePool:
+def engine_pool(kv_caches: dict[str, Any], block_size: int, model_name: str, tp_size: int = 1,
+                tp_rank: int = 0, state_layers: frozenset[str] = frozenset()) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
-    sides number their regions alike). Raises VllmLayoutError naming the first layer that
-    cannot be described, or that differs from the others."""
-    if not kv_caches:
-        raise VllmLayoutError("no KV cache tensors (a model without attention layers is not described yet)")
+    sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
+    or a list of them, per layer); every other layer is attention. Raises VllmLayoutError
+    naming the first layer that cannot be described, or that differs from the others."""
+    if block_size < 1 or block_size & (block_size - 1):
+        raise VllmLayoutError(f"vLLM's block size {block_size} is not a power of two (vLLM may pick one for a hybrid "
+                              f"model's page): start it with --block-size {1 << (block_size - 1).bit_length()}, "
+                              "the same on both sides")
     named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if len({i for i, _, _ in named}) != len(named):
         raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")
-    shapes = {geometry(n, t) + (t.dtype,) for _, n, t in named}
+    attention = [(i, n, t) for i, n, t in named if n not in state_layers]
+    if not attention:
+        raise VllmLayoutError("no attention KV cache tensors (a model of state layers only is not described yet)")
+    shapes = {geometry(n, t) + (t.dtype,) for _, n, t in attention}
     if len(shapes) != 1:
-        raise VllmLayoutError(f"KV cache layers of different shapes or dtypes {sorted(map(str, shapes))} (SWA or "
-                              "hybrid groups are not described yet)")
+        raise VllmLayoutError(f"attention KV cache layers of different shapes or dtypes {sorted(map(str, shapes))}")
     kind, bs, heads, head, dtype = shapes.pop()
     if bs != block_size:
         raise VllmLayoutError(f"KV cache tensors hold blocks of {bs} tokens, vLLM's block size is {block_size}")
-    split = kv_first if kind == "kv" else block_first
-    bufs: list[EngineBuffer] = [b for i, _, t in named for b in split(i, t)]
     try:
-        model = attention_model(model_name, [i for i, _, _ in named], heads * tp_size, head, dtype)
-        return EnginePool(EnginePoolConfig(model, block_size, named[0][2].device, tp_size, tp_rank), bufs)
+        if kind == "kv":
+            if len(attention) != len(named):
+                raise VllmLayoutError("a K/V-first attention layout beside state layers is not described yet")
+            bufs = [b for i, _, t in attention for b in kv_first(i, t)]
+        else:
+            bufs = shared_pages([(i, "kv", t) for i, _, t in attention] + list(_states(named, state_layers)))
+        model = attention_model(model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype,
+                                named[-1][0] + 1)
+        return EnginePool(EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank), bufs)
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
+
+
+def _states(named, state_layers):
+    """(layer, "state", tensor) of each state tensor of the state layers."""
+    for i, n, t in named:
+        if n in state_layers:
+            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+                if not isinstance(x, torch.Tensor) or x.dim() < 2:
+                    raise VllmLayoutError(f"state layer {n!r}: {type(x).__name__} is not a block-major tensor")
+                yield i, "state", x

@@ -3,9 +3,10 @@ until their consumer asks, then sent from vLLM's blocks.
 
     Send (scheduler step)  -> held[room]: HELD until a TransferRequest, at most hold_s
     RegisterDecode         -> DecodePeers.register (version, layout check, a shared transport)
-    TransferRequest        -> the consumer's destination blocks cover the prompt's last
-                              len(dst) blocks of its num_tokens (its own prefix-cache hit is the
-                              rest): those source blocks go, on the peer's transfer workers
+    TransferRequest        -> the consumer's destination blocks, per KV cache group, cover the
+                              last blocks of its num_tokens (its own prefix-cache hit is the
+                              rest; a window's last blocks, a state's slot: disagg.vllm.groups):
+                              the paired source blocks go, on the peer's transfer workers
                               -> TransferStarted; TransferDone once the writes landed (or not)
     Abort                  -> a HELD room is let go at once; a SENDING one stops
     a room ends            -> Handoff.sent(req_id): vLLM frees its blocks (finished_sending)
@@ -18,12 +19,9 @@ SendEnded back through the Handoff.
 
 import enum
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from disagg.bootstrap.lease import BootstrapLease
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
@@ -34,6 +32,7 @@ from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbe
                                      Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
+from disagg.vllm.groups import Group, pairs
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
 from disagg.vllm.settings import ConnectorSettings
@@ -56,8 +55,7 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class Held:
-    send: Send
-    blocks: np.ndarray          # int32: the prompt's blocks (KV cache group 0)
+    send: Send                  # its block_ids: per KV cache group, what the producer keeps
     deadline: float
     phase: Phase = Phase.HELD
     owner: bytes | None = None  # the consumer it is being sent to
@@ -71,15 +69,20 @@ class SendEnded:
 
 class Producer:
     def __init__(self, settings: ConnectorSettings, sender: KVSender, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int, tp: tuple[int, int]):
-        self.settings, self.sender, self.handoff, self.epoch = settings, sender, handoff, epoch
+                 handoff: Handoff, epoch: int, tp: tuple[int, int], groups: tuple[Group, ...]):
+        self.settings, self.sender, self.handoff, self.epoch, self.groups = settings, sender, handoff, epoch, groups
         self.io = RouterIO(gate, settings.host)
         self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
         self.held: dict[int, Held] = {}
         self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}   # room -> asked before held
         rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
-        self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
-            if settings.run_bootstrap and tp[1] == 0 else None
+        try:
+            self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
+                if settings.run_bootstrap and tp[1] == 0 else None
+        except BaseException:   # (its port is taken, ...): what this opened closes with it
+            self.peers.close()
+            self.io.close()
+            raise
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="disagg-producer", daemon=True)
         self._thread.start()
@@ -124,8 +127,12 @@ class Producer:
                         self.held[s.room].send.req_id, s.req_id)
             self.handoff.sent(s.req_id)
             return
-        blocks = np.asarray(s.block_ids[0] if s.block_ids else (), dtype=np.int32)
-        self.held[s.room] = Held(s, blocks, time.monotonic() + self.settings.hold_s)
+        if len(s.block_ids) != len(self.groups):
+            log.warning("room %d: blocks of %d groups, the model has %d; not held", s.room, len(s.block_ids),
+                        len(self.groups))
+            self.handoff.sent(s.req_id)
+            return
+        self.held[s.room] = Held(s, time.monotonic() + self.settings.hold_s)
         early = self.early.pop(s.room, None)
         if early is not None:
             reply = self._transfer_request(early[0], early[1])
@@ -162,27 +169,19 @@ class Producer:
         if h.phase is not Phase.HELD:
             return TransferDone(msg.room, self.epoch, False, "room is being sent to another request")
         try:
-            dst = indices_from_wire(msg.indices)
-            src = self._source(h, dst, msg.num_tokens)
+            src, dst = self._source(h, indices_from_wire(msg.indices), msg.num_tokens)
         except ProtocolError as exc:
             return TransferDone(msg.room, self.epoch, False, str(exc))
         h.phase, h.owner = Phase.SENDING, identity
         peer.workers.submit(self._send, h, peer, identity, src, dst)
         return TransferStarted(msg.room, self.epoch)
 
-    def _source(self, h: Held, dst: IndexSet, num_tokens: int) -> IndexSet:
-        """Our blocks for a destination that covers the last len(dst) blocks of the prompt's
-        first `num_tokens` tokens; ProtocolError for one that cannot be ours."""
-        if set(dst.components()) != {Component.FULL}:
-            raise ProtocolError(f"indices for {[c.value for c in dst.components()]}, expected full only")
-        n, bs = len(dst[Component.FULL]), self.sender.endpoint.pool.config.page_size
-        if not 1 <= num_tokens <= h.send.num_tokens:
-            raise ProtocolError(f"num_tokens {num_tokens} outside [1, {h.send.num_tokens}] of room {h.send.room}")
-        hi = math.ceil(num_tokens / bs)
-        if not 1 <= n <= hi or hi > len(h.blocks):
-            raise ProtocolError(f"{n} destination blocks for {num_tokens} tokens of {bs} per block (held: "
-                                f"{len(h.blocks)} blocks)")
-        return IndexSet({Component.FULL: h.blocks[hi - n:hi]})
+    def _source(self, h: Held, dst: IndexSet, num_tokens: int) -> tuple[IndexSet, IndexSet]:
+        """(our blocks, theirs), pair by pair, for a destination that covers the last blocks
+        of the prompt's first `num_tokens` tokens, per group (disagg.vllm.groups);
+        ProtocolError for one that cannot be ours."""
+        src, dst = pairs(self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens)
+        return IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst})
 
     def _abort(self, identity: bytes, room: int, why: str):
         h = self.held.get(room)
@@ -226,7 +225,7 @@ class Producer:
         except Exception as exc:   # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report,
+        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report=report,
                                             settled=settled))
         self.handoff.post(SendEnded(h.send.room))
 

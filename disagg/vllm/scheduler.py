@@ -13,13 +13,17 @@ workers, from the calls vLLM's scheduler makes.
 
 The request object is vLLM's (request_id, kv_transfer_params, num_prompt_tokens), read only.
 A KV cache group is one block table (HMA: full attention, sliding window, Mamba); block ids
-travel per group.
+travel per group, each group's selected as disagg.vllm.groups says (a window's last blocks, a
+state's slot). A model with a state group (Mamba/GDN) hands over the state after the
+prompt's last token but one: the producer computes one token less (`backoff`), and the
+consumer computes the last itself from that state, as vLLM's NixlConnector does.
 """
 
 import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from disagg.vllm.groups import Group, Kind
 from disagg.vllm.params import ParamsError, RemotePrefill, new_room, remote_prefill, wants_remote_decode
 
 log = logging.getLogger(__name__)
@@ -65,11 +69,14 @@ class StepMeta:
 
 
 class DisaggScheduler:
-    def __init__(self, block_size: int, producer: bool, consumer: bool, bootstrap: str | None):
+    def __init__(self, groups: tuple[Group, ...], producer: bool, consumer: bool, bootstrap: str | None):
         if producer and not bootstrap:
             raise ValueError("a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port of its "
                              "bootstrap, which consumers look its workers up at)")
-        self.block_size, self.producer, self.consumer, self.bootstrap = block_size, producer, consumer, bootstrap
+        if not groups:
+            raise ValueError("no KV cache groups")
+        self.groups, self.producer, self.consumer, self.bootstrap = groups, producer, consumer, bootstrap
+        self.backoff = 1 if any(g.kind is Kind.STATE for g in groups) else 0
         self._local_hit: dict[str, tuple[RemotePrefill, int]] = {}   # consumer: asked, not yet allocated
         self._loading: dict[str, RemotePrefill] = {}                  # consumer: load handed to the workers
         self._taken: set[str] = set()                                 # consumer: params used (once per request)
@@ -84,7 +91,7 @@ class DisaggScheduler:
         if remote is None:
             return 0, False
         self._local_hit[request.request_id] = (remote, num_computed_tokens)
-        count = min(remote.num_tokens, request.num_prompt_tokens) - num_computed_tokens
+        count = min(remote.num_tokens, request.num_prompt_tokens - self.backoff) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Any, block_ids: BlockIds, num_external_tokens: int) -> None:
@@ -98,9 +105,7 @@ class DisaggScheduler:
         if num_external_tokens <= 0:
             self._meta.releases.append(Release(remote, "decode holds every prompt token already"))
             return
-        bs = self.block_size
-        lo, hi = first // bs, -(-(first + num_external_tokens) // bs)
-        blocks = tuple(tuple(g[lo:hi]) for g in block_ids)
+        blocks = tuple(g.wanted(b, first, num_external_tokens) for g, b in zip(self.groups, block_ids, strict=True))
         self._meta.loads.append(Load(request.request_id, remote, first, num_external_tokens, blocks))
         self._loading[request.request_id] = remote
 
@@ -108,6 +113,13 @@ class DisaggScheduler:
         """The workers reported these loads finished (ok or not)."""
         for r in req_ids:
             self._loading.pop(r, None)
+
+    def truncate(self, request: Any) -> int:
+        """Producer: prompt tokens to leave to the consumer (a state group's backoff: the
+        request is prefilled without them); 0 for anything else."""
+        if not (self.producer and self.backoff and wants_remote_decode(request.kv_transfer_params)):
+            return 0
+        return self.backoff if request.num_prompt_tokens > self.backoff else 0
 
     def _remote(self, request: Any) -> RemotePrefill | None:
         try:
@@ -133,7 +145,7 @@ class DisaggScheduler:
             self._meta.releases.append(Release(remote, "the request was aborted on decode", req_id))
         if not (self.producer and completed and wants_remote_decode(request.kv_transfer_params)):
             return False, None
-        blocks = tuple(tuple(g) for g in block_ids)
+        blocks = tuple(g.held(b) for g, b in zip(self.groups, block_ids, strict=True))
         if not any(blocks):
             return False, None
         room = new_room()

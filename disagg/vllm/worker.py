@@ -9,6 +9,7 @@
     step(meta)                     a scheduler step's Sends / Loads / Releases
     finished()                     (finished_sending, finished_recving) since the last call
     load_errors()                  the blocks of the loads finished() just reported failed
+    failed_loads()                 their requests, for models of several KV cache groups
     close()
 
 vLLM calls these from its own thread; a loop thread of ours owns the ZMQ sockets and the
@@ -19,6 +20,7 @@ from_vllm reads the config object's fields.
 import logging
 import os
 import time
+from dataclasses import dataclass
 
 import torch
 import zmq
@@ -27,6 +29,7 @@ from disagg.control.auth import Gate
 from disagg.control.layout import LayoutInfo, describe_model
 from disagg.errors import ConfigError
 from disagg.vllm.consumer import Consumer
+from disagg.vllm.groups import Group, Kind
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.layout import engine_pool
 from disagg.vllm.producer import Producer
@@ -41,22 +44,29 @@ from transfer.transports.mooncake import MooncakeSettings
 
 log = logging.getLogger(__name__)
 
+@dataclass(frozen=True)
+class KVGroups:
+    """vLLM's KV cache groups (disagg.vllm.groups) and which layers hold a state."""
+    groups: tuple[Group, ...]
+    state_layers: frozenset[str] = frozenset()
+
+
 # whole blocks, straight into vLLM's cache: no staging (a minimal area, which the endpoint always has)
 TRANSFER = TransferConfig(mode=Mode.DIRECT, staging_slots=1, staging_slot_bytes=4096)
 
 
 class DisaggWorker:
     def __init__(self, settings: ConnectorSettings, producer: bool, block_size: int, model_name: str,
-                 tp: tuple[int, int] = (1, 0)):
+                 tp: tuple[int, int] = (1, 0), kv: KVGroups | None = None):
         if producer and not settings.bootstrap:
             raise ConfigError("a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port)")
-        self.settings, self.producer, self.block_size, self.model_name, self.tp = \
-            settings, producer, block_size, model_name, tp
+        self.settings, self.producer, self.block_size, self.model_name, self.tp, self.kv = \
+            settings, producer, block_size, model_name, tp, kv or KVGroups((Group(Kind.FULL, block_size),))
         self.handoff = Handoff()
         self.endpoint = self.side = self.gate = self._ctx = None
 
     @staticmethod
-    def from_vllm(vllm_config, extra: dict) -> "DisaggWorker":
+    def from_vllm(vllm_config, extra: dict, groups: tuple[Group, ...], state_layers: frozenset[str]) -> "DisaggWorker":
         kv = vllm_config.kv_transfer_config
         if kv.is_kv_producer and kv.is_kv_consumer:
             raise ConfigError("DisaggConnector: kv_role kv_both is not supported yet; run a kv_producer and a "
@@ -65,12 +75,12 @@ class DisaggWorker:
         tp_size = par.tensor_parallel_size
         name = os.path.basename(str(vllm_config.model_config.model).rstrip("/")) or "model"
         return DisaggWorker(ConnectorSettings.from_extra(extra), kv.is_kv_producer, vllm_config.cache_config.block_size,
-                            name, (tp_size, getattr(par, "rank", 0) % tp_size))
+                            name, (tp_size, getattr(par, "rank", 0) % tp_size), KVGroups(groups, state_layers))
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe vLLM's tensors, expose them, start the control plane. Raises
         VllmLayoutError / ConfigError / a transport's error with one line; nothing is left open."""
-        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp)
+        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp, self.kv.state_layers)
         s = self.settings
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
         transports = create(resolve("auto", ts), ts)
@@ -81,8 +91,9 @@ class DisaggWorker:
             self._ctx = zmq.Context()
             self.gate = Gate(self._ctx, s.auth, f"vLLM {'producer' if self.producer else 'consumer'} worker")
             epoch = time.time_ns()
-            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, self.tp) \
-                if self.producer else Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch)
+            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, self.tp,
+                                 self.kv.groups) if self.producer else \
+                Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch, self.kv.groups)
         except BaseException:
             self.close(transports)
             raise
@@ -98,7 +109,14 @@ class DisaggWorker:
         return self.handoff.finished()
 
     def load_errors(self) -> set[int]:
-        return self.handoff.load_errors()
+        """The failed loads' blocks (one KV cache group: vLLM recomputes from the first bad
+        block); none with several groups, whose failures go by request (failed_loads)."""
+        return self.handoff.load_errors() if len(self.kv.groups) == 1 else set()
+
+    def failed_loads(self) -> set[str]:
+        """The failed loads' requests, with several KV cache groups (vLLM refuses block-level
+        failures for those: its block ids are not unique across groups' layers)."""
+        return self.handoff.failed_loads() if len(self.kv.groups) > 1 else set()
 
     def close(self, transports=None) -> None:
         side, self.side = self.side, None
@@ -114,5 +132,5 @@ class DisaggWorker:
         if gate is not None:
             gate.close()
         ctx, self._ctx = self._ctx, None
-        if ctx is not None:
-            ctx.term()
+        if ctx is not None:   # closes any socket a side that failed half-built left open (term would wait on it)
+            ctx.destroy(linger=0)

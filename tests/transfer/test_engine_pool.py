@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from harness import memory
-from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_first, kv_first
+from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_first, kv_first, shared_pages
 from kvpool.errors import SpecError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
@@ -32,11 +32,29 @@ def _cuda_style(block=16, seed=0):
     return [torch.randn(2, BLOCKS, block, HEADS, HEAD, generator=g) for _ in range(LAYERS)]
 
 
-LAYOUTS = {"cpu": (_cpu, block_first), "cuda-style": (_cuda_style, kv_first)}
+PAGE = 16 * HEADS * 2 * HEAD * 4   # one block of the CPU layout, float32
+
+
+def _hybrid(block=16, seed=0):
+    """vLLM's hybrid KV cache on CPU: one page pool; layer 0 a GDN state (an int8 view of 600
+    bytes per block, its block stride the page), layer 1 attention blocks over the same pages."""
+    raw = torch.randint(0, 256, (BLOCKS * PAGE,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    state = torch.as_strided(raw.view(torch.int8), (BLOCKS, 1, 600), (PAGE, 600, 1))
+    return [state, raw.view(torch.float32).view(BLOCKS, HEADS, block, 2 * HEAD)]
+
+
+def _pages(layer, t):   # a stand-in describe(): _pool passes the hybrid's tensors as one list
+    return shared_pages([(i, "page", x) for i, x in enumerate(t)])
+
+
+LAYOUTS = {"cpu": (_cpu, block_first), "cuda-style": (_cuda_style, kv_first), "hybrid": (_hybrid, _pages)}
 
 
 def _pool(tensors, describe, block=16) -> EnginePool:
-    bufs = [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
+    if describe is _pages:
+        bufs = _pages(0, tensors)
+    else:
+        bufs = [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
     model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
     return EnginePool(EnginePoolConfig(model, block, torch.device("cpu")), bufs)
 
@@ -45,6 +63,8 @@ def _blocks(tensors, layout):
     """Each layer's blocks as rows of bytes (K/V-first: K and V of a block side by side)."""
     if layout == "cpu":
         return [t.view(torch.uint8).view(BLOCKS, -1).clone() for t in tensors]
+    if layout == "hybrid":   # every page whole (the state's padding too), once per layer
+        return [tensors[1].view(torch.uint8).view(BLOCKS, -1).clone() for _ in range(LAYERS)]
     return [torch.cat([t[0].reshape(BLOCKS, -1), t[1].reshape(BLOCKS, -1)], 1).view(torch.uint8).clone()
             for t in tensors]
 
@@ -80,6 +100,13 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(transports, layout):
             assert torch.equal(after[layer][d], src[layer][s]), f"layer {layer}: block {s} -> {d} differs"
         others = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert torch.equal(after[layer][others], before[layer][others]), f"layer {layer}: other blocks changed"
+
+
+def test_a_shared_page_pool_is_one_buffer_and_overlapping_pages_are_refused():
+    assert [(b.layer, tuple(b.blocks.shape)) for b in _pages(0, _hybrid())] == [(0, (BLOCKS, PAGE))]
+    whole = torch.zeros(BLOCKS, 2, HEADS, 16, 2 * HEAD)   # [blocks, layers, ...]: BLHNC
+    with pytest.raises(SpecError, match="BLHNC"):
+        shared_pages([(i, "kv", whole[:, i]) for i in range(2)])
 
 
 def test_consecutive_blocks_move_as_one_range_per_buffer(transports):

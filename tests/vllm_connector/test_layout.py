@@ -54,8 +54,29 @@ def test_block_outermost_layout_is_refused_by_name():
         engine_pool(caches, 16, "tiny")
 
 
-def test_a_name_without_a_layer_index_or_a_state_list_is_refused():
+def test_a_hybrid_page_pool_is_one_buffer_of_whole_pages():
+    """Qwen3-Next on vLLM's CPU workers (seen in a real server's register_kv_caches): a GDN
+    layer's state as an int8 [blocks, 1, 1, state bytes] view, block stride the page, and an
+    attention layer's blocks over the same pages."""
+    page = 2 * 16 * 128 * 4
+    raw = torch.zeros(8 * page, dtype=torch.uint8)
+    caches = {"model.layers.0.linear_attn": torch.as_strided(raw.view(torch.int8), (8, 1, 1, 3000),
+                                                             (page, 3000, 3000, 1)),
+              "model.layers.1.self_attn.attn": raw.view(torch.float32).view(8, 2, 16, 128)}
+    pool = engine_pool(caches, 16, "tiny", state_layers=frozenset({"model.layers.0.linear_attn"}))
+    assert [(b.layer, b.part, tuple(b.blocks.shape)) for b in pool.buffers] == [(0, "state", (8, page))]
+    assert pool.config.model.full.layers == (1,) and pool.config.model.num_layers == 2
+
+
+def test_a_name_without_a_layer_index_or_a_state_layer_not_named_is_refused():
     with pytest.raises(VllmLayoutError, match="no '.layers.N.'"):
         engine_pool({"attn": torch.zeros(4, 1, 16, 128)}, 16, "tiny")
     with pytest.raises(VllmLayoutError, match="Mamba/GDN"):
         engine_pool({"model.layers.0.linear_attn": [torch.zeros(4, 8), torch.zeros(4, 8, 8)]}, 16, "tiny")
+
+
+def test_a_block_size_that_is_not_a_power_of_two_is_refused_with_what_to_start_vllm_with():
+    """vLLM raises a hybrid model's block size to fit its state in a page (160 for the tiny
+    Qwen3-Next); our page-size rule is a power of two: refused before anything opens."""
+    with pytest.raises(VllmLayoutError, match="block size 160 is not a power of two .* --block-size 256"):
+        engine_pool(_cpu_caches(block=160), 160, "tiny")

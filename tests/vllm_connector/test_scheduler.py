@@ -164,3 +164,65 @@ def test_malformed_params_compute_locally(vllm_utils, tiny_llama, disagg):
     s.add_request(req)
     out = s.schedule()
     assert _meta(out).loads == [] and out.num_scheduled_tokens[req.request_id] == 40
+
+
+def _hybrid_scheduler(u, model, role, policy="fail"):
+    """vLLM's scheduler over three KV cache groups as HMA makes them for a hybrid model: full
+    attention, a sliding window of 32 tokens, a Mamba state (its slot the last of its blocks)."""
+    import torch
+    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
+                                            SlidingWindowSpec)
+    page = BS * 2 * 2 * 4
+    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2,
+                                                                               dtype=torch.float32)),
+              KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
+                               SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype=torch.float32,
+                                                 sliding_window=32)),
+              KVCacheGroupSpec(["model.layers.2.linear_attn"],
+                               MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,),
+                                         page_size_padded=page))]
+    cfg = u.create_vllm_config(model=str(model), block_size=BS, kv_connector="DisaggConnector",
+                               kv_connector_module_path="disagg.vllm.connector", kv_role=role,
+                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32",
+                               kv_load_failure_policy=policy)
+    return u.create_scheduler(cfg, kv_cache_config=KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
+                                                                 kv_cache_groups=groups))
+
+
+def test_hybrid_producer_computes_one_token_less_and_holds_every_groups_blocks(vllm_utils, tiny_llama):
+    """A state group: the prompt is prefilled without its last token (the consumer computes it
+    from the state); the full group holds every block, the window group its list with vLLM's
+    null block where tokens left the window, the state group its slot."""
+    u = vllm_utils
+    s = _hybrid_scheduler(u, tiny_llama, "kv_producer")
+    req = u.create_request(num_tokens=60, do_remote_decode=True, block_size=BS)
+    s.add_request(req)
+    out = s.schedule()
+    assert out.num_scheduled_tokens[req.request_id] == 59
+    params = s.update_from_output(out, u.create_model_runner_output([req]))[0].outputs[0].kv_transfer_params
+    assert params["disagg"]["num_tokens"] == 59
+    [send] = _meta(s.schedule()).sends
+    full, window, state = send.block_ids
+    assert len(full) == 4 and len(state) == 1 and len(window) == 4
+    assert window[0] == 0 and all(window[1:])         # tokens 0..15 left the window: the null block
+    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_sending={req.request_id}))
+    pool = s.kv_cache_manager.block_pool   # every block back (vLLM's own count on its null block 0 goes
+    assert not s.requests and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # negative with nulls)
+    assert [b.block_id for b in pool.blocks if b.ref_cnt and b.block_id != 0] == []
+
+
+def test_hybrid_consumer_loads_every_groups_blocks_and_a_failure_goes_by_request(vllm_utils, tiny_llama):
+    u = vllm_utils
+    s = _hybrid_scheduler(u, tiny_llama, "kv_consumer", "recompute")
+    req = u.create_request(num_tokens=60, block_size=BS)
+    req.kv_transfer_params = RemotePrefill(7, BOOT, 59).to_params()
+    s.add_request(req)
+    [load] = _meta(s.schedule()).loads
+    full, window, state = load.block_ids
+    assert (load.first_token, load.num_tokens) == (0, 59)
+    assert len(full) == 4 and len(window) == 3 and len(state) == 1   # the window's last blocks, the slot
+    out = u.create_model_runner_output([], finished_recving={req.request_id})
+    out.kv_connector_output.failed_recving = {req.request_id}
+    s.update_from_output(s.schedule(), out)
+    out = s.schedule()                     # recomputed, not run on blocks it believes loaded
+    assert out.num_scheduled_tokens[req.request_id] == 60

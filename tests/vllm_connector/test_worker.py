@@ -184,3 +184,64 @@ def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path
     finally:
         consumer.close()
         producer.close()
+
+
+@pytest.fixture(scope="module", params=["gdn", "swa"])
+def hybrid(request, tiny_llama, tmp_path_factory):
+    """(producer, consumer, bootstrap, layout) over a hybrid page pool as vLLM's CPU workers
+    hand it over (worker_child.hybrid_caches)."""
+    producer, consumer, boot = _start(tiny_llama, request.param, (5, 6), tmp_path_factory.mktemp("hybrid"))
+    yield producer, consumer, boot, request.param
+    consumer.close()
+    producer.close()
+
+
+def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path):
+    """GDN: the state slot (block 5 -> 9) moves whole beside the attention blocks. SWA: the
+    window group's pairs with the producer's null block (it left the window) are skipped, so
+    consumer block 12 keeps its bytes; every page not named is untouched."""
+    producer, consumer, boot, layout = hybrid
+    if layout == "gdn":
+        src, dst = [[5], [3, 4, 6, 7]], [[9], [2, 10, 11, 12]]
+        moved = {9: 5, 2: 3, 10: 4, 11: 6, 12: 7}
+    else:
+        src, dst = [[0, 3, 4, 6], [8, 9, 10, 11]], [[12, 13, 14, 15], [1, 2, 5, 7]]
+        moved = {13: 3, 14: 4, 15: 6, 1: 8, 2: 9, 5: 10, 7: 11}
+    got, src_t, before, after = _transfer((producer, consumer, boot), tmp_path, 31, src, 100, 0, dst)
+    assert (got["recving"], got["errors"], got["failed"]) == (["c31"], [], [])
+    for d in range(after["pages"].shape[0]):
+        want = src_t["pages"][moved[d]] if d in moved else before["pages"][d]
+        assert torch.equal(after["pages"][d], want), f"page {d}: " + (f"not source page {moved[d]}" if d in moved
+                                                                       else "changed")
+
+
+def test_a_refused_hybrid_load_fails_by_request_not_by_block(hybrid, tmp_path):
+    """A destination that does not pair with what the producer holds (GDN: a state at 99
+    tokens of a room held at 100; SWA: one full block too many) is refused at once, and the
+    load is reported failed by its request: vLLM refuses block-level failures for models of
+    several KV cache groups."""
+    producer, consumer, boot, layout = hybrid
+    src = [[5], [3, 4, 6, 7]] if layout == "gdn" else [[0, 3, 4, 6], [8, 9, 10, 11]]
+    dst, num_tokens = ([[9], [2, 10, 11, 12]], 99) if layout == "gdn" else ([[13, 14, 15], [1, 2, 5, 7, 8]], 100)
+    producer.step(sends=[{"req_id": "p41", "room": 41, "num_tokens": 100, "blocks": src}])
+    consumer.step(loads=[{"req_id": "c41", "remote": _remote(41, boot, num_tokens), "first": 0, "count": num_tokens,
+                          "blocks": dst}])
+    got = consumer.wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"], got["failed"]) == (["c41"], [], ["c41"])
+    assert got["waited"] < LOAD_S   # refused, not timed out
+
+
+def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama, tmp_path):
+    """Its bootstrap port is taken: register raises (vLLM's start fails with the reason) and
+    the process exits; nothing it opened keeps it waiting (a socket left open made
+    zmq's context term block for ever)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        extra = {"bootstrap": f"tcp://127.0.0.1:{busy.getsockname()[1]}"}
+        child = Child("kv_producer", tiny_llama, "cpu", 7, extra, tmp_path)
+        try:
+            assert child.proc.wait(timeout=START_S) != 0
+        finally:
+            child.close()
+    assert "bootstrap" in Path(child.log.name).read_text().splitlines()[-1]

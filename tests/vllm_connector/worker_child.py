@@ -5,7 +5,7 @@ two-process worker tests (test_worker.py). Not a test module.
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
     -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "waited"}: the first
+    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "waited"}: the first
                                          non-empty finished() (or empty ones at the timeout)
     <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
     <- {"op": "close"}                -> {} and exit
@@ -44,10 +44,35 @@ def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.T
             for i in range(m.get_num_layers(cfg.parallel_config))}
 
 
+PAGE = 2 * BLOCK_SIZE * 128 * 4   # one attention block of vLLM's CPU layout: 2 KV heads of 64, float32
+STATE_BYTES = 20_000               # a GDN layer's conv + SSM state, padded to a page
+
+
+def hybrid_caches(layout: str, seed: int, num_blocks: int):
+    """(tensors, KVGroups, raw pages) as vLLM hands over a hybrid model's KV cache on CPU (seen
+    in register_kv_caches of a real server): every layer's tensor is a view of one page pool.
+    "gdn" (Qwen3-Next): layer 0's state, an int8 [blocks, 1, 1, state bytes] view whose block
+    stride is the page; layer 1's attention blocks [blocks, 2, 32, 128]. "swa" (Gemma3):
+    layer 0 sliding window (64 tokens), layer 1 full attention, both attention views."""
+    from disagg.vllm.groups import Group, Kind
+    from disagg.vllm.worker import KVGroups
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (num_blocks * PAGE,), dtype=torch.uint8, generator=g)
+    attention = raw.view(torch.float32).view(num_blocks, 2, BLOCK_SIZE, 128)
+    if layout == "gdn":
+        state = torch.as_strided(raw.view(torch.int8), (num_blocks, 1, 1, STATE_BYTES), (PAGE, STATE_BYTES,
+                                                                                        STATE_BYTES, 1))
+        kv = KVGroups((Group(Kind.STATE, 512), Group(Kind.FULL, BLOCK_SIZE)), frozenset({"model.layers.0.linear_attn"}))
+        return {"model.layers.0.linear_attn": state, "model.layers.1.self_attn.attn": attention}, kv, raw
+    kv = KVGroups((Group(Kind.WINDOW, BLOCK_SIZE, 3), Group(Kind.FULL, BLOCK_SIZE)), frozenset())
+    return {f"model.layers.{i}.self_attn.attn": attention for i in range(2)}, kv, raw
+
+
 def step_meta(cmd: dict):
     from disagg.vllm.params import RemotePrefill
     from disagg.vllm.scheduler import Load, Release, Send, StepMeta
-    blocks = lambda b: (tuple(b),)   # noqa: E731  (one KV cache group)
+    def blocks(b):   # one KV cache group, or a list per group
+        return tuple(tuple(x) for x in b) if b and isinstance(b[0], list) else (tuple(b),)
     return StepMeta(
         sends=[Send(s["req_id"], s["room"], s["num_tokens"], blocks(s["blocks"])) for s in cmd.get("sends", ())],
         loads=[Load(x["req_id"], RemotePrefill(**x["remote"]), x["first"], x["count"], blocks(x["blocks"]))
@@ -61,7 +86,8 @@ def wait(worker, timeout: float) -> dict:
         sending, recving = worker.finished()
         if sending or recving or time.monotonic() - t0 >= timeout:
             return {"sending": sorted(sending or ()), "recving": sorted(recving or ()),
-                    "errors": sorted(worker.load_errors()), "waited": time.monotonic() - t0}
+                    "errors": sorted(worker.load_errors()), "failed": sorted(worker.failed_loads()),
+                    "waited": time.monotonic() - t0}
         time.sleep(0.005)
 
 
@@ -71,10 +97,17 @@ def say(answer: dict) -> None:
 
 def main() -> None:
     role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
+    from disagg.vllm.connector import kv_groups
     from disagg.vllm.worker import DisaggWorker
     cfg = vllm_config(role, model, json.loads(extra))
-    caches = kv_caches(cfg, layout, int(seed), int(num_blocks))
-    worker = DisaggWorker.from_vllm(cfg, json.loads(extra))
+    if layout in ("gdn", "swa"):
+        caches, kv, raw = hybrid_caches(layout, int(seed), int(num_blocks))
+        caches_out = {"pages": raw.view(int(num_blocks), PAGE)}
+    else:
+        caches, kv = kv_caches(cfg, layout, int(seed), int(num_blocks)), None
+        caches_out = caches
+    groups = kv_groups(None, BLOCK_SIZE) if kv is None else (kv.groups, kv.state_layers)
+    worker = DisaggWorker.from_vllm(cfg, json.loads(extra), *groups)
     worker.register(caches)
     say({"ready": True})
     for line in sys.stdin:
@@ -85,7 +118,7 @@ def main() -> None:
         elif cmd["op"] == "wait":
             out = wait(worker, cmd["timeout"])
         elif cmd["op"] == "dump":
-            torch.save(caches, cmd["path"])
+            torch.save(caches_out, cmd["path"])
         elif cmd["op"] == "close":
             worker.close()
             say(out)
