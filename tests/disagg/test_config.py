@@ -79,7 +79,8 @@ def test_flags_that_exclude_each_other_are_settled_by_source(tmp_path):
     (["prefill"], {}, "page-sise = 16\n", "no command has a flag or table page-sise"),
     (["prefill"], {}, "[prefil]\npage-size = 16\n", "no command has a flag or table prefil"),
     (["prefill"], {}, "page-size = [", "not TOML"),
-    (["router"], {"DISAGG_PAIR": "A,B"}, None, "DISAGG_PAIR=A,B: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
+    (["router"], {"DISAGG_PAIR": "A,B,C,D"}, None, "DISAGG_PAIR=A,B,C,D: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
+    (["router"], {"DISAGG_PAIR": "A,B"}, None, "DISAGG_PAIR=A,B: 'A' is not http://HOST:PORT"),
 ])
 def test_a_bad_value_from_a_variable_or_file_is_one_line_naming_its_source(tmp_path, args, env, file, says):
     if file is not None:
