@@ -232,7 +232,8 @@ def checked(launcher):
     model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
              "--max-requests", "4"]
     prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
-                             "--inject-faults", "prefill.flip=1")
+                             "--inject-faults", "prefill.flip=1", "--stream-layers", "off")   # (streamed, a layer
+    # may leave before the flip: then decode never sees it, and the check rightly passes)
     decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
     return {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}
@@ -256,7 +257,8 @@ def tp_checked(launcher):
     model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
              "--max-requests", "4"]
     prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
-                             "--inject-faults", "prefill.flip=1")
+                             "--inject-faults", "prefill.flip=1", "--stream-layers", "off")   # (streamed, a layer
+    # may leave before the flip: then decode never sees it, and the check rightly passes)
     ranks = [launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
                             "--tp-size", "2", "--tp-rank", str(rank)) for rank in range(2)]
     decode = "+".join(r["http"] for r in ranks)
