@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from transfer.report import REPORT_KEYS, TransferReport, merged
+from transfer.report import REPORT_KEYS, Count, TransferReport, merged
 
 
 class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
@@ -38,6 +38,8 @@ class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     check_ms: float | None = None         # ms, decode
     kv_ready_at: float | None = None      # s, wall clock: decode had the whole KV
     ranks: int = 1                        # the instance's ranks merged into it
+    prefix_tokens: Count | None = None    # decode: prompt positions taken from its prefix cache (None: not said)
+    reused_bytes: Count | None = None     # decode: KV bytes it did not receive thanks to them
     report: TransferReport | None = None  # what its sends did (None: the answer carries no report)
 
 
@@ -88,8 +90,20 @@ def merge_ranks(outs: list[WorkerAnswer], role: str = "decode") -> WorkerAnswer:
         if values:
             slowest[name] = max(values)
     return msgspec.structs.replace(
-        outs[0], **slowest, ranks=len(outs), report=merged(out.report for out in outs), check=check,
+        outs[0], **slowest, **_reused(outs), ranks=len(outs), report=merged(out.report for out in outs), check=check,
         verified=all(out.verified for out in outs) if outs[0].verified is not None else None)
+
+
+def _reused(outs: list[WorkerAnswer]) -> dict:
+    """What an instance's decode ranks reused of their prefix caches. Each rank keeps its own
+    cache and may hit differently: the bytes not received add up (like the bytes moved), and the
+    instance reused the prompt positions that every rank held (the fewest), so that
+    prefix_tokens / prompt_tokens is a hit rate at any TP."""
+    said = [out for out in outs if out.prefix_tokens is not None]
+    if not said:
+        return {}
+    return {"prefix_tokens": min(out.prefix_tokens for out in said),
+            "reused_bytes": sum(out.reused_bytes or 0 for out in said)}
 
 
 def _check(outs: list[WorkerAnswer]) -> dict | None:
@@ -133,6 +147,10 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     verified: bool
     check: dict[str, Any] | None = None   # decode's check, when one was made
     nbytes: int = msgspec.field(name="bytes")   # bytes the KV took (decode's count)
+    # decode's prefix cache: prompt positions every decode rank already held (moved from there on),
+    # and the KV bytes that did not move thanks to them, all ranks; left out where decode said nothing
+    prefix_tokens: int | None = None
+    reused_bytes: int | None = None
     mode: str | None
     transport: str | None
     streamed: bool

@@ -264,7 +264,8 @@ class Router:
         return RouterAnswer(
             room=room, pair=pair_index, ok=ok, status=200 if ok else _failure_status(pre, dec, cancelled),
             prompt_tokens=len(tokens), output_tokens=dec.output_tokens, verified=bool(dec.verified), check=dec.check,
-            nbytes=dec.report.nbytes if dec.report else 0, mode=dec.report.mode if dec.report else None,
+            nbytes=dec.report.nbytes if dec.report else 0, prefix_tokens=dec.prefix_tokens,
+            reused_bytes=dec.reused_bytes, mode=dec.report.mode if dec.report else None,
             transport=dec.report.transport if dec.report else None, streamed=bool(pre.report and pre.report.streamed),
             layer_groups=pre.report.groups if pre.report else None,
             prepared_ahead=bool(pre.report and pre.report.prepared_ahead),

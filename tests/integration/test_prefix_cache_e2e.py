@@ -76,6 +76,9 @@ def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     assert hits == held * len(ranks)
     saved = sum(figure(h, "disagg_prefix_cache_saved_bytes_total") for h in ranks) - saved_before
     assert 0 < two["bytes"] < fresh["bytes"] / 3 and saved > 0
+    # the router's answer says what decode reused: the positions every rank held, the bytes of all
+    assert (two["prefix_tokens"], two["reused_bytes"]) == (held, saved)
+    assert (fresh["prefix_tokens"], fresh["reused_bytes"]) == (0, 0)
     if len(ranks) == 1 and page == 4:   # pages alike on both sides: what moved + what was reused = all
         assert two["bytes"] + saved == fresh["bytes"]
 

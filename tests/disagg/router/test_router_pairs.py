@@ -81,3 +81,13 @@ def test_a_worker_answer_that_is_not_one_is_a_failed_answer_naming_the_worker():
         assert out.state == "FAILED" and out.reason.startswith("decode rank 1 gave a malformed answer: ")
         assert says in out.reason, out.reason
     assert read_answer({"state": "SUCCESS", "unknown": {"x": 1}, "report": "?"}, "decode").state == "SUCCESS"
+
+
+def test_what_decode_reused_adds_up_in_bytes_and_counts_the_positions_every_rank_held():
+    """Each decode rank reports its own cache hit: bytes it did not receive add up like the
+    bytes moved; the prompt positions the instance reused are those every rank held."""
+    out = merge_ranks([sent(prefix_tokens=96, reused_bytes=300), sent(prefix_tokens=64, reused_bytes=200)])
+    assert out.prefix_tokens == 64 and out.reused_bytes == 500 and out.report.nbytes == 20
+    assert merge_ranks([ok(), ok()]).prefix_tokens is None                 # decode said nothing (vLLM's)
+    bad = read_answer({"state": "SUCCESS", "prefix_tokens": -16}, "decode rank 1")
+    assert bad.state == "FAILED" and "Expected `int` >= 0" in bad.reason, bad.reason
