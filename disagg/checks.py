@@ -61,6 +61,24 @@ def share_above_zero(text: str) -> float:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    """A flag's whole number of at least 0."""
+    value = number(text, int, "an integer")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 0")
+    return value
+
+
+def token_lengths(spec: str) -> str:
+    """A length in tokens, N or MIN:MAX with 1 <= MIN <= MAX, plain integers (--prompt-len,
+    --user-len); kept as given, drawn from per request or turn."""
+    lo, sep, hi = spec.partition(":")
+    if not (lo.isdigit() and (hi.isdigit() or not sep) and 1 <= int(lo) <= int(hi or lo)):
+        raise argparse.ArgumentTypeError(f"{spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX, plain integers "
+                                         f"(e.g. 2048 or 128:4096)")
+    return spec
+
+
 def port(text: str) -> int:
     """A TCP port, 0 meaning any free one."""
     value = number(text, int, "a port number")

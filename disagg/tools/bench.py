@@ -14,23 +14,32 @@ from tqdm import tqdm
 
 from disagg.api.fields import STREAM_LAYERS
 from disagg.router.router import post_json
+from disagg.tools import multiturn
 from disagg.tools.runs import PHASE_MEANING, PHASES, Run
-from disagg.checks import positive_int
+from disagg.checks import positive_int, token_lengths
 
 HELP = "drive a router with a workload; print throughput, GB/s and latency percentiles"
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--compare-router", default=None, metavar="URL",
+                   help="multiturn: a second router the same workload then runs through, summarized side by side "
+                        "(e.g. a stack whose decode runs --no-prefix-cache); each is labelled by what its decode "
+                        "workers say of their prefix cache")
     add_workload_flags(p)
     p.add_argument("--json", action="store_true",
                    help="print the summary as one JSON object (keys name their unit: _ms, _s, _per_s, bytes)")
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="random", choices=["random", "multiturn"],
+                   help="random: --requests prompts of --prompt-len random tokens; multiturn: --conversations "
+                        "of --turns, each turn resending the conversation so far (see --system-prompt-len, "
+                        "--user-len), a table per turn of bytes moved, transfer time, TTFT and prefix-cache hit rate")
     p.add_argument("--requests", type=positive_int, default=32, help="requests to send in all (a count)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once (a count)")
-    p.add_argument("--prompt-len", type=prompt_lengths, default="128:1024",
+    p.add_argument("--prompt-len", type=token_lengths, default="128:1024",
                    help="prompt length in tokens: N, or MIN:MAX drawn uniformly per request (plain integers)")
     p.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens decode generates per request")
     p.add_argument("--seed", type=int, default=0,
@@ -41,15 +50,7 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", default=None, metavar="PNG",
                    help="write a PNG file here: latency per phase and throughput over time")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
-
-
-def prompt_lengths(spec: str) -> str:
-    """--prompt-len N or MIN:MAX with 1 <= MIN <= MAX, plain integers (checked when parsed)."""
-    lo, sep, hi = spec.partition(":")
-    if not (lo.isdigit() and (hi.isdigit() or not sep) and 1 <= int(lo) <= int(hi or lo)):
-        raise argparse.ArgumentTypeError(f"{spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX, plain integers "
-                                         f"(e.g. 2048 or 128:4096)")
-    return spec
+    multiturn.add_flags(p)
 
 
 def _lengths(spec: str, n: int, rng: np.random.Generator) -> list[int]:
@@ -69,6 +70,21 @@ def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
             for mode in ("off", "on")]
     write_plot(runs, args)
     return {run.label: summarize(run.results, run.wall) for run in runs}
+
+
+def run_multiturn(routers: list[str], args: argparse.Namespace) -> dict:
+    """The multi-turn workload through each router in turn (plotted with --plot), summarized
+    side by side (multiturn.outcome)."""
+    if args.stream_layers == "both":
+        raise SystemExit("--stream-layers both runs the random workload twice; with --workload multiturn give "
+                         "on, off or auto")
+    shape = multiturn.Shape.of(args)
+    extra = {"stream_layers": args.stream_layers} if args.stream_layers else {}
+    runs = [multiturn.send(t, shape, args.concurrency, not args.no_progress, extra)
+            for t in multiturn.targets(routers)]
+    write_plot(runs, args)
+    return multiturn.outcome(shape, {run.label: multiturn.summarize(run, summarize(run.results, run.wall))
+                                     for run in runs})
 
 
 def run_workload(router: str, args: argparse.Namespace) -> dict:
@@ -264,6 +280,13 @@ def run(args: argparse.Namespace) -> int:
     if args.plot:   # the plot's title names the preset: the workers behind the router know it
         from disagg.tools.deployment import router_preset
         args.preset = router_preset(args.router)
+    if args.workload == "multiturn":
+        out = run_multiturn([args.router, *([args.compare_router] if args.compare_router else [])], args)
+        if args.json:
+            print(json.dumps(out))
+        else:
+            multiturn.print_table(out)
+        return 0 if multiturn.all_served(out) else 1
     summaries = run_workloads(args.router, args)
     if args.json:
         print(json.dumps(one_json(summaries)))

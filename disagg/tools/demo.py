@@ -8,7 +8,8 @@ import sys
 
 from disagg.engine import registry
 from disagg.engine.model.families import FAMILIES
-from disagg.tools.bench import add_workload_flags, mismatches, one_json, print_summaries, run_workloads
+from disagg.tools.bench import add_workload_flags, mismatches, one_json, print_summaries, run_multiturn, run_workloads
+from disagg.tools.multiturn import all_served, print_table
 from disagg.checks import positive_int, power_of_two
 from disagg.worker.flags import add_model_flags, model_source
 from kvpool.layout import Layout
@@ -73,6 +74,37 @@ def urls(ranks: list[dict]) -> str:
     return "+".join(r["http"] for r in ranks)
 
 
+def say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)   # progress: stderr, so --json keeps stdout
+
+
+def decode_and_router(launcher, args: argparse.Namespace, prefill: list[dict], flags: list[str], device: str,
+                      cache: list[str]) -> str:
+    """A decode instance of `flags` and `cache` (its prefix-cache flag, or none: the default)
+    registered with `prefill`, and a router of that one pair: its URL. (prompt_len ids are drawn
+    below the vocabulary the workers report in /health.)"""
+    say(f"starting decode ({device}, TP {args.decode_tp}{''.join(', ' + c.lstrip('-') for c in cache)}) ...")
+    decode = launcher.start_instance("decode", args.decode_tp, *flags, *cache, "--device", device, "--bootstrap-addr",
+                                     prefill[0]["bootstrap"], "--check-rate", "1")
+    say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
+        f"{decode[0]['pool']['human']} per rank")
+    router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+    say(f"  router ready on {router['http']}")
+    return router["http"]
+
+
+def _multiturn(routers: list[str], args: argparse.Namespace, name: str, engine: str) -> int:
+    """The multi-turn workload through both stacks (prefix cache on, then off), side by side."""
+    say(f"{args.conversations} conversations of {args.turns} turns, {args.concurrency} at a time, through each")
+    out = run_multiturn(routers, args)
+    out["workload"].update(preset=name, engine=engine, tp=f"{args.prefill_tp}:{args.decode_tp}")
+    if args.json:
+        print(json.dumps(out))
+    else:
+        print_table(out)
+    return 0 if all_served(out) else 1
+
+
 def run(args: argparse.Namespace) -> int:
     from disagg.tools.launcher import Launcher
 
@@ -90,7 +122,6 @@ def run(args: argparse.Namespace) -> int:
              for side, n in (("prefill", args.prefill_page_size or args.page_size),
                              ("decode", args.decode_page_size or args.page_size))}
     prefill_device, decode_device = devices(args.device)
-    say = lambda text: print(text, file=sys.stderr, flush=True)   # progress: stderr, so --json keeps stdout
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({name}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
         prefill = launcher.start_instance(
@@ -99,17 +130,14 @@ def run(args: argparse.Namespace) -> int:
             *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
         say(f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
             f"{prefill[0]['pool']['human']} per rank")
-        say(f"starting decode ({decode_device}, TP {args.decode_tp}) ...")
-        decode = launcher.start_instance("decode", args.decode_tp, *pool, *pages["decode"], "--device",
-                                         decode_device, "--bootstrap-addr", prefill[0]["bootstrap"],
-                                         "--check-rate", "1")
-        say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
-            f"{decode[0]['pool']['human']} per rank")
-        # (prompt_len ids are drawn below the vocabulary the workers report in /health)
-        router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
-        say(f"  router ready on {router['http']}; {args.requests} requests, {args.concurrency} at a time, "
-            f"prompts of {args.prompt_len} tokens")
-        summaries = run_workloads(router["http"], args)
+        # multiturn: the same prefill feeds two decodes, prefix cache on and off, each behind its router
+        caches = [["--prefix-cache"], ["--no-prefix-cache"]] if args.workload == "multiturn" else [[]]
+        routers = [decode_and_router(launcher, args, prefill, [*pool, *pages["decode"]], decode_device, cache)
+                   for cache in caches]
+        if args.workload == "multiturn":
+            return _multiturn(routers, args, name, engine)
+        say(f"{args.requests} requests, {args.concurrency} at a time, prompts of {args.prompt_len} tokens")
+        summaries = run_workloads(routers[0], args)
     for summary in summaries.values():
         summary["preset"], summary["engine"] = name, engine
         summary["tp"] = f"{args.prefill_tp}:{args.decode_tp}"

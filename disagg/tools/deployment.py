@@ -43,11 +43,16 @@ def worker_urls(router: str) -> list[str]:
     return urls
 
 
+def router_workers(router: str) -> dict[str, dict]:
+    """Each worker URL the router's /ready names -> its /health ({} where it gave none)."""
+    return {url: get_json(url.rstrip("/") + "/health") or {} for url in worker_urls(router)}
+
+
 def router_preset(router: str) -> str | None:
     """The preset the router's workers report (several joined by +), or None if none said."""
     presets: list[str] = []
-    for url in worker_urls(router):
-        preset = (get_json(url.rstrip("/") + "/health") or {}).get("preset")
+    for health in router_workers(router).values():
+        preset = health.get("preset")
         if isinstance(preset, str) and PRESET.fullmatch(preset) and preset not in presets:
             presets.append(preset)
     return "+".join(presets) or None
