@@ -118,13 +118,17 @@ def pool_key(key: str) -> tuple[str, str]:
 
 
 class PrefixCacheMetrics:
-    """Decode's prefix cache (kvpool.cache): what requests took from it and what that saved
-    (per answered request), what it holds and evicted (read off its stats at each scrape)."""
+    """Decode's prefix cache (kvpool.cache): what requests took from it, out of how many prompt
+    positions, and what that saved (per answered request: hit / queried is the hit rate), what
+    it holds and evicted (read off its stats at each scrape)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         r = registry
         self.hit = Counter("disagg_prefix_cache_hit_tokens_total", "prompt positions requests took from the "
                            "prefix cache (succeeded requests)", ["role"], registry=r)
+        self.queried = Counter("disagg_prefix_cache_queried_tokens_total", "prompt positions of the requests that "
+                               "looked the prefix cache up (succeeded requests; hit / queried: the hit rate)",
+                               ["role"], registry=r)
         self.saved = Counter("disagg_prefix_cache_saved_bytes_total", "KV bytes not received thanks to the prefix "
                              "cache (succeeded requests)", ["role"], registry=r)
         self.evicted = Counter("disagg_prefix_cache_evicted_tokens_total", "cached positions evicted to make room",
@@ -132,9 +136,11 @@ class PrefixCacheMetrics:
         self.cached = Gauge("disagg_prefix_cache_tokens", "positions the prefix cache holds", ["role"], registry=r)
         self.role, self._evicted_seen = role, 0
 
-    def answered(self, out: dict) -> None:
-        """A request that succeeded: its prefix_tokens and reused_bytes (decode's answer)."""
+    def answered(self, out: dict, prompt_tokens: int) -> None:
+        """A request of `prompt_tokens` that succeeded: its prefix_tokens and reused_bytes
+        (decode's answer)."""
         self.hit.labels(self.role).inc(out.get("prefix_tokens", 0))
+        self.queried.labels(self.role).inc(prompt_tokens)
         self.saved.labels(self.role).inc(out.get("reused_bytes", 0))
 
     def observe(self, stats: dict[str, int]) -> None:

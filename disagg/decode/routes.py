@@ -33,12 +33,13 @@ class DecodeRoutes:
         if bootstrap is not None and not (isinstance(bootstrap, str) and 0 < len(bootstrap) <= 256):
             raise BadRequest("bootstrap must be the name or address of a bootstrap this decode is configured with")
         return self.metrics.count(lambda: self.server.decode(room, tokens, max_new, bootstrap),
-                                  lambda out: out["state"] == "SUCCESS", self._observe)
+                                  lambda out: out["state"] == "SUCCESS",
+                                  lambda out, ok: self._observe(out, ok, len(tokens)))
 
-    def _observe(self, out: dict, ok: bool) -> None:
+    def _observe(self, out: dict, ok: bool, prompt_tokens: int) -> None:
         if ok:
             self.metrics.bytes.labels("decode", out["transport"]).inc(out["bytes"])
             if self.cache is not None:
-                self.cache.answered(out)
+                self.cache.answered(out, prompt_tokens)
             for phase in PHASES:
                 self.metrics.seconds(phase, out)

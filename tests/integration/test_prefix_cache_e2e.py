@@ -67,6 +67,7 @@ def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     second = first + one["output_tokens"][:4] + [rng.randrange(50000) for _ in range(40)]
     saved_before = sum(figure(h, "disagg_prefix_cache_saved_bytes_total") for h in ranks)
     hits_before = sum(figure(h, "disagg_prefix_cache_hit_tokens_total") for h in ranks)
+    queried_before = sum(figure(h, "disagg_prefix_cache_queried_tokens_total") for h in ranks)
     two = generate(router, second)
     fresh = generate(router, [rng.randrange(50000) for _ in range(len(second))])   # the same length, no hit
     assert two["ok"] and two["verified"], two.get("reason")    # the stand-in checked every byte, prefix too
@@ -74,6 +75,8 @@ def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     held = (203 + 4) // page * page                           # turn one's whole pages (prompt + 4 generated)
     hits = sum(figure(h, "disagg_prefix_cache_hit_tokens_total") for h in ranks) - hits_before
     assert hits == held * len(ranks)
+    queried = sum(figure(h, "disagg_prefix_cache_queried_tokens_total") for h in ranks) - queried_before
+    assert queried == 2 * len(second) * len(ranks)    # the second turn and the fresh prompt, on every rank
     saved = sum(figure(h, "disagg_prefix_cache_saved_bytes_total") for h in ranks) - saved_before
     assert 0 < two["bytes"] < fresh["bytes"] / 3 and saved > 0
     # the router's answer says what decode reused: the positions every rank held, the bytes of all

@@ -5,7 +5,7 @@ import re
 import pytest
 from prometheus_client import generate_latest
 
-from disagg.api.metrics import WorkerMetrics, inflight, pool_free
+from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics, inflight, pool_free
 
 POOL = {"full_tokens": 4096, "swa_tokens": 512, "mamba_slots": 7, "aux_rows": 8}   # a HybridPool's available()
 UNITS = ("_seconds", "_bytes", "_tokens", "_slots", "_rows", "_requests", "_ranges")
@@ -42,6 +42,30 @@ def test_every_metric_name_carries_its_unit():
             assert name.endswith("_total"), name
         else:
             assert name.endswith(UNITS), name
+
+
+def test_the_prefix_caches_figures_are_named_like_the_rest_and_give_a_hit_rate():
+    """Decode's prefix cache: hit tokens over the prompt tokens that looked it up (a hit rate
+    in PromQL: rate(hit) / rate(queried)), bytes it saved, what it holds and evicted."""
+    m = WorkerMetrics("decode")
+    cache = PrefixCacheMetrics(m.registry, "decode")
+    cache.answered({"prefix_tokens": 96, "reused_bytes": 4096}, prompt_tokens=120)
+    cache.answered({"prefix_tokens": 0, "reused_bytes": 0}, prompt_tokens=80)
+    cache.observe({"cached_tokens": 256, "unused_tokens": 256, "hit_tokens": 96, "evicted_tokens": 32})
+    cache.observe({"cached_tokens": 192, "unused_tokens": 128, "hit_tokens": 96, "evicted_tokens": 64})
+    text = scraped(m)
+    types = {name: kind for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
+             if name.startswith("disagg_prefix_cache")}
+    assert types == {"disagg_prefix_cache_hit_tokens_total": "counter",
+                     "disagg_prefix_cache_queried_tokens_total": "counter",
+                     "disagg_prefix_cache_saved_bytes_total": "counter",
+                     "disagg_prefix_cache_evicted_tokens_total": "counter", "disagg_prefix_cache_tokens": "gauge"}
+    for line in ('disagg_prefix_cache_hit_tokens_total{role="decode"} 96.0',
+                 'disagg_prefix_cache_queried_tokens_total{role="decode"} 200.0',
+                 'disagg_prefix_cache_saved_bytes_total{role="decode"} 4096.0',
+                 'disagg_prefix_cache_evicted_tokens_total{role="decode"} 64.0',
+                 'disagg_prefix_cache_tokens{role="decode"} 192.0'):
+        assert line in text, text
 
 
 def test_pool_capacity_is_one_gauge_per_unit():
