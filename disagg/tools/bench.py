@@ -73,15 +73,14 @@ def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
 
 
 def run_multiturn(routers: list[str], args: argparse.Namespace) -> dict:
-    """The multi-turn workload through each router in turn (plotted with --plot), summarized
-    side by side (multiturn.outcome)."""
+    """The multi-turn workload through every router, interleaved (plotted with --plot),
+    summarized side by side (multiturn.outcome)."""
     if args.stream_layers == "both":
         raise SystemExit("--stream-layers both runs the random workload twice; with --workload multiturn give "
                          "on, off or auto")
     shape = multiturn.Shape.of(args)
     extra = {"stream_layers": args.stream_layers} if args.stream_layers else {}
-    runs = [multiturn.send(t, shape, args.concurrency, not args.no_progress, extra)
-            for t in multiturn.targets(routers)]
+    runs = multiturn.send(multiturn.targets(routers), shape, args.concurrency, not args.no_progress, extra)
     write_plot(runs, args)
     return multiturn.outcome(shape, {run.label: multiturn.summarize(run, summarize(run.results, run.wall))
                                      for run in runs})

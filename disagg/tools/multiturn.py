@@ -6,9 +6,9 @@ much a turn can reuse follows from the shape: the system prompt's length (shared
 conversation), the user messages' length, the answers' length, the number of turns.
 
 Conversations run `--concurrency` at a time, the turns of one in order (a turn needs the
-previous answer). The same workload runs through each router given, one after the other (a
-stack with decode's prefix cache on and one with it off: side by side in one run), and each
-is summarized per request, per turn and as a whole: bytes moved, transfer time, TTFT and the
+previous answer). The same workload runs through each router given, interleaved by
+conversation (a stack with decode's prefix cache on and one with it off: side by side in one
+run, under the same conditions), and each is summarized per request, per turn and as a whole: bytes moved, transfer time, TTFT and the
 cache hit rate (prefix tokens / prompt tokens)."""
 
 import argparse
@@ -93,38 +93,50 @@ def targets(routers: list[str]) -> list[Target]:
     return out
 
 
-def send(target: Target, shape: Shape, concurrency: int, progress: bool, extra: dict | None = None) -> Run:
-    """Every conversation through one router, `concurrency` at a time (`extra`: more fields of
-    every /generate body); each answer is the router's, with its conversation and turn (from
-    1) added. First requests, not counted, warm the stack up (their random ids share no prefix
-    with the workload)."""
+def send(targets: list[Target], shape: Shape, concurrency: int, progress: bool, extra: dict | None = None) -> list[Run]:
+    """Every conversation through every router (`extra`: more fields of every /generate body),
+    interleaved so that no router runs under other conditions than another (a pool touched
+    first, a busier machine): conversation c goes through each router in turn, starting with
+    router c mod the number of routers, `concurrency` conversations at a time. Each answer is
+    the router's with its conversation and turn (from 1) added. Requests that are not counted
+    warm each stack up first (their random ids share no prefix with the workload)."""
+    vocab = min(t.vocab for t in targets)   # the same ids through every router
     with ThreadPoolExecutor(concurrency) as pool:   # warm-up: as many at once as the workload sends
-        list(pool.map(lambda i: post_json(target.url + "/generate", {"prompt_len": 64, "max_new_tokens": 1,
-                                                                      "seed": (1 << 40) + i}, 120), range(concurrency)))
-    system = shape.system_prompt(target.vocab)
-    results: list[dict] = []
-    finished: list[float] = []
-    bar = tqdm(total=shape.conversations * shape.turns, unit="req", disable=not progress, file=sys.stderr,
-               leave=False, desc=target.label)
+        list(pool.map(lambda job: post_json(job[0].url + "/generate", {"prompt_len": 64, "max_new_tokens": 1,
+                                                                        "seed": (1 << 40) + job[1]}, 120),
+                      [(t, i) for t in targets for i in range(concurrency)]))
+    results: dict[str, list[dict]] = {t.label: [] for t in targets}
+    finished: dict[str, list[float]] = {t.label: [] for t in targets}
+    bar = tqdm(total=shape.conversations * shape.turns * len(targets), unit="req", disable=not progress,
+               file=sys.stderr, leave=False)
     t0 = time.perf_counter()
 
-    def talk(c: int) -> None:
-        prompt: list[int] = list(system)
-        for turn, message in enumerate(shape.user_messages(c, target.vocab), start=1):
-            prompt += message
-            body = {"token_ids": prompt, "max_new_tokens": shape.answer_len, **(extra or {})}
-            out = post_json(target.url + "/generate", body, 120)
-            results.append({**out, "conversation": c, "turn": turn, "prompt_tokens": len(prompt)})
-            finished.append(time.perf_counter() - t0)
+    def talk(job: tuple[int, Target]) -> None:
+        c, target = job
+        for out in conversation(target.url, c, shape, vocab, extra or {}):
+            results[target.label].append(out)
+            finished[target.label].append(time.perf_counter() - t0)
             bar.update(1)
-            prompt += out.get("output_tokens") or []   # a failed turn's answer is missing: the next goes on
 
+    jobs = [(c, targets[(c + k) % len(targets)]) for c in range(shape.conversations) for k in range(len(targets))]
     try:
         with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(talk, range(shape.conversations)))
+            list(pool.map(talk, jobs))
     finally:
         bar.close()
-    return Run(target.label, results, finished, time.perf_counter() - t0)
+    wall = time.perf_counter() - t0   # (of every run together: they were interleaved)
+    return [Run(t.label, results[t.label], finished[t.label], wall) for t in targets]
+
+
+def conversation(url: str, c: int, shape: Shape, vocab: int, extra: dict):
+    """Conversation c's turns through one router, in order, each answer as it comes: every
+    turn resends the conversation so far (the system prompt, then each user message and answer)."""
+    prompt: list[int] = shape.system_prompt(vocab)
+    for turn, message in enumerate(shape.user_messages(c, vocab), start=1):
+        prompt += message
+        out = post_json(url + "/generate", {"token_ids": prompt, "max_new_tokens": shape.answer_len, **extra}, 120)
+        yield {**out, "conversation": c, "turn": turn, "prompt_tokens": len(prompt)}
+        prompt += out.get("output_tokens") or []   # a failed turn's answer is missing: the next goes on
 
 
 def ttft_ms(result: dict) -> float | None:
