@@ -30,8 +30,13 @@ def plot_title(args: argparse.Namespace, runs: list[Run], when: datetime.datetim
              f"transport {'+'.join(transports) or 'unknown'}",
              (when or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")]
     each = max((len(run.results) for run in runs), default=0)
-    second = (f"{each} requests, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, "
-              f"seed {args.seed}")
+    if getattr(args, "workload", "random") == "multiturn":
+        second = (f"{args.conversations} conversations x {args.turns} turns, a system prompt of "
+                  f"{args.system_prompt_len} tokens, user messages of {args.user_len}, {args.max_new_tokens} new "
+                  f"tokens each, seed {args.seed}")
+    else:
+        second = (f"{each} requests, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, "
+                  f"seed {args.seed}")
     labelled = [_label(run) for run in runs if run.label]
     if labelled:
         second += "; runs: " + ", then ".join(labelled)

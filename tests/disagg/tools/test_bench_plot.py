@@ -171,3 +171,12 @@ def test_a_bench_against_a_router_started_by_hand_names_the_preset(tmp_path):
     with Image.open(png) as image:
         title = image.text["Title"]
     assert "preset tiny-full" in title and "preset unknown" not in title, title
+
+
+def test_a_multiturn_plot_is_titled_with_its_conversations_not_the_random_prompts():
+    args = workload(workload="multiturn", conversations=3, turns=4, system_prompt_len=2048, user_len="128")
+    runs = [Run(label, synthetic(6)[0], [], 1.0) for label in ("reuse_on", "reuse_off")]
+    second = plot_title(args, runs).splitlines()[1]
+    assert second.startswith("3 conversations x 4 turns, a system prompt of 2048 tokens, user messages of 128, "
+                             "8 new tokens each, seed 3"), second
+    assert "64:2048" not in second and second.endswith("runs: reuse on, then reuse off")
