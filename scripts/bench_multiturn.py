@@ -10,13 +10,15 @@ system prompt and turns mean more of each prompt is reused.
     .venv/bin/python scripts/bench_multiturn.py --presets tiny-hybrid --user-lens 512,64 --system-prompt-len 512
     # The recorded CPU figures (docs/bench_multiturn_cpu.json):
     .venv/bin/python scripts/bench_multiturn.py --presets gpt-oss-120b,qwen3-next-80b-a3b \\
-        --out docs/bench_multiturn_cpu.json
+        --system-prompt-len 2048 --out docs/bench_multiturn_cpu.json
     # One GPU (prefill and decode on it, CUDA IPC), TTFT side by side:
     .venv/bin/python scripts/bench_multiturn.py --device cuda --presets gpt-oss-120b,qwen3-next-80b-a3b \\
         --user-lens 4096,1024,256,64 --system-prompt-len 8192 --out docs/bench_multiturn_gpu.json
 
 TTFT here is prefill taking the request -> decode holding its KV (the first token goes out
 then); the stand-in's prefill compute is not a model's (--simulate-layer-ms stands for one).
+Sends are not streamed layer-wise unless --stream-layers says so: a streamed send's time holds
+the compute it overlaps, not only the transfer.
 Every request is verified on decode and checked against a colocated run. Exits non-zero when
 any request failed.
 """
@@ -42,6 +44,7 @@ def demo(preset: str, user_len: int, args) -> tuple[dict, list[str]]:
            args.device, "--transport", args.transport, "--conversations", str(args.conversations), "--turns",
            str(args.turns), "--system-prompt-len", str(args.system_prompt_len), "--user-len", str(user_len),
            "--max-new-tokens", str(args.max_new_tokens), "--concurrency", str(args.concurrency),
+           "--stream-layers", args.stream_layers,
            "--max-tokens", str(pool_tokens(user_len, args)), "--max-requests", str(args.concurrency + 2), "--json",
            "--no-progress"]
     if args.simulate_layer_ms:
@@ -103,6 +106,9 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=1, help="conversations at once (1: latency undisturbed)")
     ap.add_argument("--simulate-layer-ms", type=float, default=0.0, help="stand-in engine: compute per layer")
+    ap.add_argument("--stream-layers", default="off", choices=["on", "off", "auto"],
+                    help="off (default): a send starts once the KV is computed, so its time is the transfer's alone "
+                         "(streamed, a send's time holds the compute it overlaps)")
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="pool capacity per side, in tokens (default: every conversation's last turn, and one more)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per demo")
