@@ -3,6 +3,7 @@ page key (kvpool.cache.blocks.chain_keys), for the router's index (disagg/router
 
     {"type": "CacheEvents", "epoch": E, "seq": S, "page_size": P, "reset": false,
      "added": [k, ...], "evicted": [k, ...]}        what changed after the caller's `since`
+                                                    (k: a uint64 key's bits read as int64)
     ... "reset": true, "added": [every key held]     the whole contents (new caller, or behind)
 
 It comes over plain HTTP from a process the router does not authenticate (worker HTTP is
@@ -19,7 +20,7 @@ import msgspec
 
 MAX_KEYS = 1 << 20             # keys in one answer (16M cached tokens at page size 16)
 MAX_BYTES = 24 << 20           # an answer's JSON (a key is at most 20 digits and a comma)
-Key = Annotated[int, msgspec.Meta(ge=0, lt=1 << 64)]
+Key = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]   # a uint64 key read as int64
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 
 
@@ -28,8 +29,8 @@ class CacheEventsError(ValueError):
 
 
 class CacheEvents(msgspec.Struct, tag=True, frozen=True):
-    epoch: Annotated[int, msgspec.Meta(ge=0, lt=1 << 63)]     # the worker process's (new on a restart)
-    seq: Annotated[int, msgspec.Meta(ge=0, lt=1 << 63)]       # its journal's number after these changes
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]     # the worker process's (new on a restart)
+    seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]       # its journal's number after these changes
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
     reset: bool                                               # added is everything it holds
     added: Keys = []

@@ -160,7 +160,8 @@ class PrefixCache:
     def published(self, since: "int | None" = None) -> dict:
         """What changed since a reader's `since` (its last `seq`): {"seq", "page_size", "reset":
         False, "added", "evicted"} (chained page keys); or, when it is new or fell behind the
-        journal, {"reset": True, "added": every key held}. Keys as Python ints (JSON)."""
+        journal, {"reset": True, "added": every key held}. Keys as Python ints (JSON), each
+        uint64 key's bits read as int64 (what JSON decoders bound)."""
         with self._lock:
             changes = self.journal.since(since)
             if changes is None:
@@ -168,7 +169,7 @@ class PrefixCache:
             else:
                 added, evicted = changes.added, changes.evicted
             return {"seq": self.journal.seq, "page_size": self.page_size, "reset": changes is None,
-                    "added": added.tolist(), "evicted": evicted.tolist()}
+                    "added": added.view(np.int64).tolist(), "evicted": evicted.view(np.int64).tolist()}
 
     # ---- accounting ---------------------------------------------------------------------------
     def available(self) -> dict[str, int]:

@@ -83,10 +83,10 @@ def test_a_kept_turn_publishes_the_keys_of_its_whole_pages():
     held = turn(cache, rng.integers(0, 1000, 37), 6, rng)         # 43 positions: 10 whole pages
     got = reader.look(cache)
     assert not got["reset"] and got["page_size"] == 4 and got["evicted"] == []
-    assert sorted(got["added"]) == sorted(chain_keys(held, 4)[:10].tolist())
+    assert sorted(got["added"]) == sorted(chain_keys(held, 4)[:10].view(np.int64).tolist())
     more = turn(cache, np.r_[held, rng.integers(0, 1000, 9)], 3, rng)   # the conversation goes on
     got = reader.look(cache)
-    assert sorted(got["added"]) == sorted(chain_keys(more, 4)[10: len(more) // 4].tolist())   # the new tail only
+    assert sorted(got["added"]) == sorted(chain_keys(more, 4)[10: len(more) // 4].view(np.int64).tolist())   # the new tail only
 
 
 @pytest.mark.parametrize("keep", [1 << 16, 8])   # 8: the reader falls behind and starts again
