@@ -3,8 +3,10 @@ page key (kvpool.cache.blocks.chain_keys), for the router's index (disagg/router
 
     {"type": "CacheEvents", "epoch": E, "seq": S, "page_size": P, "reset": false,
      "added": [k, ...], "evicted": [k, ...]}        what changed after the caller's `since`
+                                                    (asked with {"since": S, "epoch": E})
                                                     (k: a uint64 key's bits read as int64)
-    ... "reset": true, "added": [every key held]     the whole contents (new caller, or behind)
+    ... "reset": true, "added": [every key held]     the whole contents (new caller, another
+                                                    epoch, or behind)
 
 It comes over plain HTTP from a process the router does not authenticate (worker HTTP is
 guarded by the network only, docs/security.md), so it is decoded into a bounded, typed

@@ -25,11 +25,14 @@ class DecodeRoutes:
                        metrics=self.metrics, before_scrape=self._scrape, unlimited=("/abort", "/cache/events"))
 
     def cache_events(self, body: dict) -> dict:
-        """{"since": the seq of the caller's last answer, or null}: the cache's changes since
-        then (or all of it, "reset": true), with this process's epoch (a restart starts over)."""
-        since = body.get("since")
+        """{"since": the seq of the caller's last answer, or null; "epoch": that answer's}: the
+        cache's changes since then, or all of it ("reset": true) when the caller has none or its
+        epoch is not ours (we restarted: our seq counts another journal)."""
+        since, epoch = body.get("since"), body.get("epoch")
         if since is not None and (type(since) is not int or since < 0):
             raise BadRequest("since must be null or a non-negative int (the seq of your last answer)")
+        if epoch != self.server.epoch:
+            since = None
         return encode_events(CacheEvents(epoch=self.server.epoch, **self.server.cache.published(since)))
 
     def _scrape(self) -> None:

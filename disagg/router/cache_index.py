@@ -1,7 +1,8 @@
 """CacheIndex: the router's copy of what every worker rank's prefix cache holds, by chained page
 key, and how much of a prompt an instance holds (`--route kv`, disagg/router/scoring.py).
 
-    worker rank ── POST /cache/events {"since": seq} ──> changes since seq (or all: reset)
+    worker rank ── POST /cache/events {"since": seq, "epoch": E} ──> changes since seq
+                                                   (or all, a reset: new reader, restarted rank)
         asked by the monitor's rounds (every probe_every_s) and right after a request the
         router sent there ended, so the next turn of a conversation sees this one's pages
 
@@ -21,6 +22,7 @@ whole contents. A rank without a cache (404) has none in the index.
 """
 
 import http.client
+import json
 import logging
 import threading
 import urllib.error
@@ -93,7 +95,7 @@ class CacheIndex:
             with self._lock:
                 rank = self._ranks.get(url)
             asked = rank.seq if rank is not None else None
-            status, raw = self._post(url, asked)
+            status, raw = self._post(url, asked, rank.epoch if rank is not None else None)
             if status == 404:   # this rank keeps no cache
                 with self._lock:
                     self._ranks.pop(url, None)
@@ -117,8 +119,8 @@ class CacheIndex:
         if said is None:   # once until the rank answers well again
             log.warning("cache index: %s/cache/events refused (nothing changed): %s", url, why)
 
-    def _post(self, url: str, since: "int | None") -> tuple[int, bytes]:
-        body = b'{"since": %s}' % (b"null" if since is None else str(since).encode())
+    def _post(self, url: str, since: "int | None", epoch: "int | None") -> tuple[int, bytes]:
+        body = json.dumps({"since": since, "epoch": epoch}).encode()
         req = urllib.request.Request(url + "/cache/events", body, {"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
