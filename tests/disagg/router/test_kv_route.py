@@ -5,6 +5,8 @@ out gets nothing and, put back, keeps its number and is used again; a file that 
 leaves the pairs as they were."""
 
 import os
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -24,6 +26,8 @@ class Worker:
     def __init__(self, role: str):
         self.bodies: list[dict] = []
         self.keys: set[int] = set()
+        self.go = threading.Event()   # decode answers once set
+        self.go.set()
         routes = {f"/{role}": self._prefill if role == "prefill" else self._decode}
         if role == "decode":
             routes["/cache/events"] = self._events
@@ -38,6 +42,7 @@ class Worker:
 
     def _decode(self, body: dict) -> dict:
         self.bodies.append(body)
+        self.go.wait(30)
         self.keys.update(chain_keys(np.asarray(body["token_ids"]), PAGE).view(np.int64).tolist())
         return {"state": "SUCCESS", "verified": True, "output_tokens": [1], "bytes": 0}
 
@@ -86,6 +91,26 @@ def test_a_conversation_stays_where_its_prefix_is(stand_ins, route):
     stayed = all(len(set(w)) == 1 for w in went)
     assert stayed == (route == "kv"), went
     assert {p for w in went for p in w} == {0, 1}     # both pairs serve: new conversations spread
+
+
+def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):
+    """Nothing cached anywhere: the requests in flight decide. While pair 0 holds a 512-token
+    request, the next two go to pair 1, not one each (round robin)."""
+    (p0, d0), (p1, d1) = workers = stand_ins(2)
+    router = Router(RouterConfig(tuple(pair_of(*w) for w in workers), probe_every_s=3600))
+    d0.go.clear()
+    try:
+        busy = threading.Thread(target=router.generate, args=({"prompt_len": 512},))
+        busy.start()
+        deadline = time.monotonic() + 10
+        while not d0.bodies:   # the long request is at pair 0's decode (and in flight at the router)
+            assert time.monotonic() < deadline, "the first request never reached pair 0"
+            threading.Event().wait(0.01)
+        assert [router.generate({"prompt_len": 8})["pair"] for _ in range(2)] == [1, 1]
+    finally:
+        d0.go.set()
+        busy.join(10)
+        router.close()
 
 
 def write(path, pairs: list[Pair]) -> None:
