@@ -66,7 +66,7 @@ def interleaved(router: str, seed: int, n: int = 7, turns: int = 4) -> int:
     return sum(c.turn(router) for _ in range(turns) for c in talks)
 
 
-def concurrent(router: str, seed: int, n: int = 8, turns: int = 3) -> int:
+def concurrent(router: str, seed: int, n: int = 12, turns: int = 3) -> int:
     """The conversations four at a time."""
     with ThreadPoolExecutor(4) as pool:
         return sum(pool.map(lambda c: sum(c.turn(router) for _ in range(turns)), conversations(seed, n)))
