@@ -16,9 +16,10 @@ random token ids below.
 
 The pairs are the roster's of the moment (disagg/router/roster.py: --pairs-file is read again
 each round), so a pair added at run time is probed before a request goes to it, and one taken
-out is forgotten. With a cache index (`--route kv`), every rank that is up is also asked what
-its cache changed (disagg/router/cache_index.py) in the same round, and a rank no pair names any
-more leaves the index.
+out is forgotten. With a cache index (`--route kv`), every rank that is up and has a prefix
+cache (its /health has a `prefix_cache` section) is also asked what its cache changed
+(disagg/router/cache_index.py) in the same round; a rank no pair names any more, or that keeps
+no cache (any more), leaves the index.
 """
 
 import http.client
@@ -52,6 +53,11 @@ class PairState:
 
 
 NOT_PROBED = PairState(None, ("not probed yet",))
+
+
+def caches(health: dict) -> bool:
+    """A rank that keeps a prefix cache (and so answers /cache/events) says so in /health."""
+    return isinstance(health.get("prefix_cache"), dict)
 
 
 def fetch(url: str, timeout_s: float) -> tuple[int, dict]:
@@ -160,8 +166,9 @@ class PairMonitor:
             gone = set(self._health) - set(urls)
             self._health = {u: probes[u].health for u in urls}
         if self.cache is not None:
-            self.cache.forget(gone)
-            list(self._pool.map(self.cache.poll, [u for u in urls if probes[u].why is None]))
+            up = [u for u in urls if probes[u].why is None]
+            self.cache.forget([*gone, *(u for u in up if not caches(probes[u].health))])
+            list(self._pool.map(self.cache.poll, [u for u in up if caches(probes[u].health)]))
         for i, new in states.items():
             old = before.get(i, NOT_PROBED)
             if old.up is not False and new.up is False:

@@ -30,7 +30,7 @@ from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
 from disagg.router import scoring
 from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, merge_ranks, read_answer
 from disagg.router.cache_index import CacheIndex
-from disagg.router.monitor import PairMonitor, PairState
+from disagg.router.monitor import PairMonitor, PairState, caches
 from disagg.router.pairs import Pair, side_name
 from disagg.router.roster import Roster
 from disagg.router.phases import handoff_ms
@@ -189,7 +189,7 @@ class Router:
         kv`) the cheapest by scoring.py, ties in round-robin order; Unavailable (503) with every
         pair's reasons when none is up. `tokens` None: the prompt is not known yet (drawn at
         random: nothing of it is cached)."""
-        pairs = [(i, p, st) for i, p, st in self.monitor.snapshot()]
+        pairs = self.monitor.snapshot()
         up = [c for c in pairs if c[2].up is not False]
         if not up:
             reasons = "; ".join(f"pair {i}: {', '.join(st.why)}" for i, _, st in pairs) or "no pair configured"
@@ -279,7 +279,8 @@ class Router:
                 self._load(pair, -len(tokens))
                 if self.cache is not None:   # its pages are in decode's cache now: the next turn sees them
                     for url in pair.decode:
-                        self.cache.poll(url)
+                        if caches(self.monitor.health(url)):
+                            self.cache.poll(url)
         finally:
             if request_id is not None:
                 with self._lock:

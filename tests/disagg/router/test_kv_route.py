@@ -31,7 +31,8 @@ class Worker:
         routes = {f"/{role}": self._prefill if role == "prefill" else self._decode}
         if role == "decode":
             routes["/cache/events"] = self._events
-        health = {"status": "ok", "bootstraps": ["main"], "available": {"full_tokens": 1 << 20}}
+        health = {"status": "ok", "bootstraps": ["main"], "available": {"full_tokens": 1 << 20},
+                  **({"prefix_cache": {}} if role == "decode" else {})}
         self.api = ApiServer(("127.0.0.1", 0), Service(routes, lambda: True, CollectorRegistry(),
                                                        health=lambda: health)).start()
         self.url = f"http://127.0.0.1:{self.api.port}"
