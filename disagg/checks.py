@@ -79,6 +79,14 @@ def token_lengths(spec: str) -> str:
     return spec
 
 
+def weight(text: str) -> float:
+    """A finite number >= 0 (--kv-load-weight)."""
+    value = number(text, float, "a number")
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
+
+
 def port(text: str) -> int:
     """A TCP port, 0 meaning any free one."""
     value = number(text, int, "a port number")

@@ -13,6 +13,13 @@ once, each within `timeout_s`. A pair is down, with the reasons a person needs, 
 A server with /health only (vLLM's) is probed with probe_health instead: up while it answers 200.
 A pair's vocabulary (the smallest its ranks report) is what `prompt_len` requests draw their
 random token ids below.
+
+The pairs are the roster's of the moment (disagg/router/roster.py: --pairs-file is read again
+each round), so a pair added at run time is probed before a request goes to it, and one taken
+out is forgotten. With a cache index (`--route kv`), every rank that is up and has a prefix
+cache (its /health has a `prefix_cache` section) is also asked what its cache changed
+(disagg/router/cache_index.py) in the same round; a rank no pair names any more, or that keeps
+no cache (any more), leaves the index.
 """
 
 import http.client
@@ -24,7 +31,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from disagg.router.cache_index import CacheIndex
 from disagg.router.pairs import Pair
+from disagg.router.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +50,14 @@ class PairState:
     up: bool | None                 # None: not probed yet (a request may still try it)
     why: tuple[str, ...] = ()
     vocab_size: int | None = None   # the smallest vocabulary its ranks report
+
+
+NOT_PROBED = PairState(None, ("not probed yet",))
+
+
+def caches(health: dict) -> bool:
+    """A rank that keeps a prefix cache (and so answers /cache/events) says so in /health."""
+    return isinstance(health.get("prefix_cache"), dict)
 
 
 def fetch(url: str, timeout_s: float) -> tuple[int, dict]:
@@ -103,13 +120,15 @@ def judge(pair: Pair, prefill: list[Probe], decode: list[Probe]) -> PairState:
 
 
 class PairMonitor:
-    def __init__(self, pairs: tuple[Pair, ...], every_s: float = 1.0, timeout_s: float = 2.0, probe_fn=probe):
-        self.pairs, self.every_s, self.timeout_s, self.probe_fn = pairs, every_s, timeout_s, probe_fn
-        self._states = [PairState(None, ("not probed yet",))] * len(pairs)
+    def __init__(self, pairs: "tuple[Pair, ...] | Roster", every_s: float = 1.0, timeout_s: float = 2.0,
+                 probe_fn=probe, cache: CacheIndex | None = None):
+        self.roster = pairs if isinstance(pairs, Roster) else Roster(pairs)
+        self.every_s, self.timeout_s, self.probe_fn, self.cache = every_s, timeout_s, probe_fn, cache
+        self._states: dict[int, PairState] = {}
+        self._health: dict[str, dict] = {}     # url -> its last /health
         self._lock = threading.Lock()
         self._stop = threading.Event()
-        ranks = sum(len(p.prefill) + len(p.decode) for p in pairs)
-        self._pool = ThreadPoolExecutor(min(32, ranks), thread_name_prefix="router-probe")
+        self._pool = ThreadPoolExecutor(32, thread_name_prefix="router-probe")
         self._thread = threading.Thread(target=self._run, name="router-monitor", daemon=True)
 
     def start(self) -> "PairMonitor":
@@ -121,18 +140,37 @@ class PairMonitor:
         self._thread.join(self.timeout_s * 2 + 1)
         self._pool.shutdown(wait=False, cancel_futures=True)
 
-    def states(self) -> list[PairState]:
+    def snapshot(self) -> list[tuple[int, Pair, PairState]]:
+        """The pairs served now with their numbers and states (not probed yet: up None)."""
+        current = self.roster.current()
         with self._lock:
-            return list(self._states)
+            return [(i, p, self._states.get(i, NOT_PROBED)) for i, p in current]
+
+    def states(self) -> list[PairState]:
+        return [st for _, _, st in self.snapshot()]
+
+    def health(self, url: str) -> dict:
+        """A rank's /health as last probed ({} before)."""
+        with self._lock:
+            return self._health.get(url, {})
 
     def probe_all(self) -> None:
-        """One round: every rank at once; the states change together."""
-        urls = [url for p in self.pairs for url in (*p.prefill, *p.decode)]
+        """One round: the roster read again, every rank at once; the states change together."""
+        self.roster.reload()
+        current = self.roster.current()
+        urls = list(dict.fromkeys(url for _, p in current for url in (*p.prefill, *p.decode)))
         probes = dict(zip(urls, self._pool.map(lambda url: self.probe_fn(url, self.timeout_s), urls)))
-        states = [judge(p, [probes[u] for u in p.prefill], [probes[u] for u in p.decode]) for p in self.pairs]
+        states = {i: judge(p, [probes[u] for u in p.prefill], [probes[u] for u in p.decode]) for i, p in current}
         with self._lock:
             before, self._states = self._states, states
-        for i, (old, new) in enumerate(zip(before, states)):
+            gone = set(self._health) - set(urls)
+            self._health = {u: probes[u].health for u in urls}
+        if self.cache is not None:
+            up = [u for u in urls if probes[u].why is None]
+            self.cache.forget([*gone, *(u for u in up if not caches(probes[u].health))])
+            list(self._pool.map(self.cache.poll, [u for u in up if caches(probes[u].health)]))
+        for i, new in states.items():
+            old = before.get(i, NOT_PROBED)
             if old.up is not False and new.up is False:
                 log.warning("pair %d is down: %s", i, "; ".join(new.why))
             elif old.up is False and new.up:

@@ -1,4 +1,5 @@
-"""Router: HTTP POST /generate -> pick a prefill/decode pair (round robin), assign a unique
+"""Router: HTTP POST /generate -> pick a prefill/decode pair (`--route kv`: where the prompt's
+prefix is cached, weighed against load, disagg/router/scoring.py; `--route round-robin`), assign a unique
 room, call both sides concurrently, merge their outcome and per-phase timings. "control" is
 the hand-off overhead: from the last KV write's end to KV ready on decode (phases.py; wall
 clocks of two hosts: exact on one host, as good as their clock sync across hosts).
@@ -11,7 +12,6 @@ get 503 (Overloaded), as does a request that a side refused as overloaded.
 """
 
 import http.client
-import itertools
 import json
 import logging
 import secrets
@@ -27,9 +27,12 @@ import numpy as np
 from disagg.api.fields import optional_int, stream_layers
 from disagg.control.deadlines import is_timeout
 from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
+from disagg.router import scoring
 from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, merge_ranks, read_answer
-from disagg.router.monitor import PairMonitor, PairState
+from disagg.router.cache_index import CacheIndex
+from disagg.router.monitor import PairMonitor, PairState, caches
 from disagg.router.pairs import Pair, side_name
+from disagg.router.roster import Roster
 from disagg.router.phases import handoff_ms
 
 log = logging.getLogger(__name__)
@@ -50,7 +53,12 @@ class RouterConfig:
     vocab_size: int = 50000        # prompt_len requests draw token ids below this (unless the pair says)
     model_name: str = "disagg"     # what /v1/models lists and /v1/completions answers name
     probe_every_s: float = 1.0     # how often every rank's /ready and /health are asked (PairMonitor)
+    route: str = "kv"              # "kv": by cached prefix and load (scoring.py); "round-robin"
+    kv_load_weight: float = 1.0    # scoring.py's weight of load against reuse
+    pairs_file: str | None = None  # more pairs, read again when it changes (roster.py)
 
+
+ROUTES = ("kv", "round-robin")
 
 def post_json(url: str, body: dict, timeout: float) -> dict:
     """POST, never raise: a failure comes back as {"state": "FAILED", "reason", "status"}."""
@@ -146,42 +154,68 @@ def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
 
 class Router:
     def __init__(self, config: RouterConfig):
-        if not config.pairs:
+        if not config.pairs and config.pairs_file is None:
             raise ValueError("a router needs at least one prefill/decode pair")
+        if config.route not in ROUTES:
+            raise ValueError(f"route must be one of {', '.join(ROUTES)}")
         self.config = config
-        self._next = itertools.cycle(enumerate(config.pairs))
+        self.roster = Roster(config.pairs, config.pairs_file)
+        self._turn = 0   # round robin: where the next turn (or tie) starts
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(config.max_inflight)
-        ranks = max(len(p.prefill) + len(p.decode) for p in config.pairs)
+        ranks = max([len(p.prefill) + len(p.decode) for _, p in self.roster.current()] + [8])
         self._calls = ThreadPoolExecutor(ranks * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
         self._live: dict[str, threading.Event] = {}   # request_id -> cancel
-        self.monitor = PairMonitor(config.pairs, config.probe_every_s)
+        self._inflight: dict[tuple[str, ...], int] = {}   # an instance's ranks -> tokens of our requests on it
+        self.cache = CacheIndex() if config.route == "kv" else None
+        self.monitor = PairMonitor(self.roster, config.probe_every_s, cache=self.cache)
         self.monitor.probe_all()   # a first look before serving: requests never go to a pair known down
         self.monitor.start()
 
     def ready(self) -> dict:
         """/ready: ready while at least one pair is up; each pair says why not. From the
         monitor's last look (at most probe_every_s old): never waits for a worker."""
-        states = self.monitor.states()
         pairs = [{"pair": i, "prefill": "+".join(p.prefill), "decode": "+".join(p.decode), "bootstrap": p.bootstrap,
                   "up": bool(st.up), **({"why": list(st.why)} if not st.up else {})}
-                 for i, (p, st) in enumerate(zip(self.config.pairs, states))]
+                 for i, p, st in self.monitor.snapshot()]
         up = sum(p["up"] for p in pairs)
         return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
-                **({} if up else {"why": "no prefill/decode pair has both sides ready"})}
+                **({} if up else {"why": "no prefill/decode pair has both sides ready" if pairs else
+                    "no prefill/decode pair is configured (--pairs-file is empty)"})}
 
-    def _pick(self) -> "tuple[int, Pair, PairState]":
-        """The next pair, round robin, skipping pairs known down; Unavailable (503) with their
-        reasons when every pair is down."""
-        states = self.monitor.states()
+    def _pick(self, tokens: "np.ndarray | None") -> "tuple[int, Pair, PairState]":
+        """The pair a request goes to, among those not known down: round robin, or (`--route
+        kv`) the cheapest by scoring.py, ties in round-robin order; Unavailable (503) with every
+        pair's reasons when none is up. `tokens` None: the prompt is not known yet (drawn at
+        random: nothing of it is cached)."""
+        pairs = self.monitor.snapshot()
+        up = [c for c in pairs if c[2].up is not False]
+        if not up:
+            reasons = "; ".join(f"pair {i}: {', '.join(st.why)}" for i, _, st in pairs) or "no pair configured"
+            raise Unavailable(f"no prefill/decode pair is up ({reasons})")
         with self._lock:
-            for _ in range(len(self.config.pairs)):
-                i, pair = next(self._next)
-                if states[i].up is not False:
-                    return i, pair, states[i]
-        reasons = "; ".join(f"pair {i}: {', '.join(st.why)}" for i, st in enumerate(states))
-        raise Unavailable(f"no prefill/decode pair is up ({reasons})")
+            start, load = self._turn % len(up), dict(self._inflight)
+        if self.cache is None:
+            chosen, turned = start, True
+        else:
+            n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
+            candidates = [self._candidate(p, tokens, load) for _, p, _ in up]
+            chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
+        if turned:
+            with self._lock:
+                self._turn = start + 1
+        return up[chosen]
+
+    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict) -> scoring.Candidate:
+        """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
+        prompt, our tokens in flight on its two instances, its decode's free tokens (/health)."""
+        free = [self.monitor.health(u).get("available", {}).get("full_tokens") for u in pair.decode]
+        known = [f for f in free if type(f) is int]
+        cached = (lambda urls: self.cache.cached_tokens(urls, tokens) if tokens is not None else 0)
+        return scoring.Candidate(decode_cached=cached(pair.decode), prefill_cached=cached(pair.prefill),
+                                 inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
+                                 free=min(known) if len(known) == len(free) else None)
 
     def abort(self, body: dict) -> dict:
         request_id = body.get("request_id")
@@ -216,12 +250,14 @@ class Router:
         if unknown:   # (`max_new_token` used to give 1 token without a word)
             raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; /generate takes "
                              f"{', '.join(sorted(GENERATE_FIELDS))}", unknown[0])
+        given = _prompt(body, self.config.max_prompt_tokens, 1) if "token_ids" in body else None
         try:
-            pair_index, pair, state = self._pick()
+            pair_index, pair, state = self._pick(None if given is None else np.asarray(given, dtype=np.int64))
         except Unavailable:   # a request that is wrong is still a 400, pairs down or not
             _prompt(body, self.config.max_prompt_tokens, 1)
             raise
-        tokens = _prompt(body, self.config.max_prompt_tokens, state.vocab_size or self.config.vocab_size)
+        tokens = given if given is not None else _prompt(body, self.config.max_prompt_tokens,
+                                                         state.vocab_size or self.config.vocab_size)
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
@@ -236,13 +272,29 @@ class Router:
                     if request_id in self._live:
                         raise BadRequest(f"request_id {request_id!r} is already in flight")
                     self._live[request_id] = cancel
-            return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill, layers)
+            self._load(pair, len(tokens))
+            try:
+                return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill, layers)
+            finally:
+                self._load(pair, -len(tokens))
+                if self.cache is not None:   # its pages are in decode's cache now: the next turn sees them
+                    for url in pair.decode:
+                        if caches(self.monitor.health(url)):
+                            self.cache.poll(url)
         finally:
             if request_id is not None:
                 with self._lock:
                     if self._live.get(request_id) is cancel:
                         del self._live[request_id]
             self._slots.release()
+
+    def _load(self, pair: Pair, tokens: int) -> None:
+        """Count a request's tokens in (or, negative, out of) flight on both of its instances."""
+        with self._lock:
+            for side in (pair.prefill, pair.decode):
+                self._inflight[side] = self._inflight.get(side, 0) + tokens
+                if not self._inflight[side]:
+                    del self._inflight[side]
 
     def _run(self, pair_index: int, pair: Pair, tokens: list[int], max_new: int, cancel: threading.Event,
              client_gone, on_prefill, stream_layers: str | None = None) -> dict:

@@ -29,7 +29,9 @@ class RouterRoutes:
                        error_body=error_body, metrics=self.metrics)
 
     def health(self) -> dict:
-        return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.config.pairs)}
+        return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.roster.current()),
+                "route": self.router.config.route,
+                **({"cache_index": self.router.cache.ranks()} if self.router.cache is not None else {})}
 
     def generate(self, body: dict, on_prefill=None) -> dict:
         return self.metrics.count(lambda: self.router.generate(body, client_gone, on_prefill),

@@ -112,7 +112,8 @@ class Worker:
                 "epoch": self.epoch, "preset": self.settings.pool.preset, "engine": self.model.name,
                 "vocab_size": self.model.vocab_size, "device": str(self.pool.config.device),
                 "transports": [t.kind for t in self.endpoint.transports],
-                "auth": "curve" if self.gate.key.secure else "insecure"}
+                "auth": "curve" if self.gate.key.secure else "insecure",
+                "available": self.available()}   # (the router's KV-aware choice weighs it)
 
     def abort(self, room: int, reason: str) -> dict:
         """Abort a room (router, client or operator): it fails now and the peer hears it; its

@@ -41,3 +41,38 @@ def page_keys(tokens: np.ndarray, page_size: int) -> np.ndarray:
         h *= _M2
         h ^= h >> np.uint64(31)
     return h
+
+
+_R = np.uint64(0x9E3779B97F4A7C15)   # odd: every page position weighs differently
+
+
+@functools.lru_cache(maxsize=64)
+def _powers(n: int) -> np.ndarray:
+    """R^0 .. R^(n-1) (wrapping uint64): the weight of each page position in a chain."""
+    with np.errstate(over="ignore"):
+        out = np.cumprod(np.concatenate([[np.uint64(1)], np.full(max(0, n - 1), _R, np.uint64)]), dtype=np.uint64)
+    out.setflags(write=False)
+    return out[:n]
+
+
+def _finalize(h: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        h = h ^ (h >> np.uint64(30))
+        h = h * _M1
+        h ^= h >> np.uint64(27)
+        h *= _M2
+        h ^= h >> np.uint64(31)
+    return h
+
+
+def chain_keys(tokens: np.ndarray, page_size: int) -> np.ndarray:
+    """uint64 [whole pages]: page i's key chained over pages 0..i, so equal values mean equal
+    prefixes (up to a 64-bit collision), not just equal pages. What a decode worker publishes of
+    its cache and what the router computes from a request's token ids to look it up
+    (disagg/router/cache_index.py): the same function of (token ids, page size) in every
+    process. A position-weighted sum of the page keys (cumsum: no loop over pages), finalized."""
+    keys = page_keys(np.asarray(tokens), page_size)
+    pows = _powers(1 << max(0, int(len(keys) - 1).bit_length()))[: len(keys)]
+    with np.errstate(over="ignore"):
+        sums = np.cumsum(keys * pows, dtype=np.uint64)
+    return _finalize(sums)

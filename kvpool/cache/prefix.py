@@ -19,6 +19,11 @@ What decode must hold of a prefix of `p` tokens for a prompt of `n` (transfer.su
                      (it computes the whole prompt), so no snapshot is kept here.
     AUX              the request's own row.
 The hit leaves prefill at least the prompt's last token to compute (p <= (n - 1) // P * P).
+
+What it holds is published by chained page key (kvpool.cache.blocks.chain_keys: a page's key
+covers its whole prefix, so anyone with the token ids can look a prompt up): every page kept
+or evicted is a journal entry (kvpool.cache.journal), and `published(since)` answers a reader
+with what changed since it last looked, or everything when it is new or fell behind.
 """
 
 import threading
@@ -26,6 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.cache.blocks import chain_keys
+from kvpool.cache.journal import Journal
 from kvpool.cache.tree import Match, RadixTree
 from kvpool.components import SPECS
 from kvpool.errors import AllocatorError, OutOfSpace
@@ -51,6 +58,8 @@ class PrefixCache:
         self._lock = threading.Lock()
         self.hit_tokens = 0        # prefix positions requests took (cumulative)
         self.evicted_pages = 0     # pages evicted to make room (cumulative)
+        self.journal = Journal()
+        self._chain = np.zeros(pool.pages.num_pages + 1, np.uint64)   # cached page -> its chained key
 
     # ---- a request's life ---------------------------------------------------------------------
     def admit(self, tokens: np.ndarray, grow_to: int | None = None) -> tuple[RequestKV, Hit]:
@@ -84,7 +93,7 @@ class PrefixCache:
         """Evict every page no request uses; returns how many."""
         with self._lock:
             pages = self.tree.evict(self.tree.num_pages)
-            self.pool.drop(pages)
+            self._dropped(pages)
             return len(pages)
 
     # ---- inside -------------------------------------------------------------------------------
@@ -128,9 +137,14 @@ class PrefixCache:
         pages = self.tree.evict(max(1, short.needed - short.available), helps)
         if not len(pages):
             return False
-        self.pool.drop(pages)
+        self._dropped(pages)
         self.evicted_pages += len(pages)
         return True
+
+    def _dropped(self, pages: np.ndarray) -> None:
+        """Pages the tree let go of: the pool's hold goes, and readers hear they left."""
+        self.pool.drop(pages)
+        self.journal.record(False, self._chain[pages])
 
     def _keep(self, kv: RequestKV, tokens: np.ndarray) -> None:
         whole = kv.num_tokens // self.page_size
@@ -138,6 +152,24 @@ class PrefixCache:
             raise AllocatorError(f"{len(tokens)} token ids for a request holding {kv.num_tokens} positions")
         taken = self.tree.insert(tokens[: whole * self.page_size], kv.full_pages[:whole])
         self.pool.hold(taken)
+        if len(taken):   # the tree takes a tail: the pages after what it held already
+            self._chain[taken] = chain_keys(tokens[: whole * self.page_size], self.page_size)[whole - len(taken):]
+            self.journal.record(True, self._chain[taken])
+
+    # ---- what readers see ---------------------------------------------------------------------
+    def published(self, since: "int | None" = None) -> dict:
+        """What changed since a reader's `since` (its last `seq`): {"seq", "page_size", "reset":
+        False, "added", "evicted"} (chained page keys); or, when it is new or fell behind the
+        journal, {"reset": True, "added": every key held}. Keys as Python ints (JSON), each
+        uint64 key's bits read as int64 (what JSON decoders bound)."""
+        with self._lock:
+            changes = self.journal.since(since)
+            if changes is None:
+                added, evicted = self._chain[self.tree.pages()], np.zeros(0, np.uint64)
+            else:
+                added, evicted = changes.added, changes.evicted
+            return {"seq": self.journal.seq, "page_size": self.page_size, "reset": changes is None,
+                    "added": added.view(np.int64).tolist(), "evicted": evicted.view(np.int64).tolist()}
 
     # ---- accounting ---------------------------------------------------------------------------
     def available(self) -> dict[str, int]:

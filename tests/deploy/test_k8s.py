@@ -182,7 +182,11 @@ def test_workers_are_wired_for_a_cluster(name):
             assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
             assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
     if name == "overlays/scale-out":
-        assert len(pairs) == 2 and by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
+        # every prefill with every decode: the router chooses the two independently (--route kv)
+        sides = {tuple(p.split(",")[:2]) for p in pairs}
+        prefills, decodes = {p for p, _ in sides}, {d for _, d in sides}
+        assert len(prefills) == len(decodes) == 2 and sides == {(p, d) for p in prefills for d in decodes}
+        assert by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
     if name == "overlays/tp":   # one pod per rank: TP size = replicas, rank = the pod's ordinal
         (pair,) = pairs
         for role, urls in zip(("prefill", "decode"), pair.split(",")[:2]):
