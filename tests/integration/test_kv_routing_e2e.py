@@ -4,7 +4,9 @@ a multi-turn workload (conversations resending their whole history after a share
 prompt). Through a `--route kv` router the decodes' prefix caches take a far larger share of
 the prompt tokens than through a `--route round-robin` router over the same workers (decode's
 own counted hit tokens); and with the pairs in a --pairs-file, a decode whose pairs are taken
-out gets no request while the others serve, and is used again once they are put back."""
+out gets no request while the others serve, and is used again once they are put back. A TP 2
+decode with pages of 16 beside a TP 1 decode with pages of 4: each conversation stays on the
+decode that holds its history, every rank of it counting the hit."""
 
 import os
 import random
