@@ -207,19 +207,20 @@ class Router:
             chosen, turned = start, True
         else:
             n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
-            candidates = [self._candidate(p, tokens, load) for _, p, _ in up]
+            chains: dict = {}   # the prompt's keys per page size, computed once for every pair
+            candidates = [self._candidate(p, tokens, load, chains) for _, p, _ in up]
             chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
         if turned:
             with self._lock:
                 self._turn = start + 1
         return up[chosen]
 
-    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict) -> scoring.Candidate:
+    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict, chains: dict) -> scoring.Candidate:
         """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
         prompt, our tokens in flight on its two instances, its decode's free tokens (/health)."""
         free = [_free_tokens(self.monitor.health(u)) for u in pair.decode]
         known = [f for f in free if f is not None]
-        cached = (lambda urls: self.cache.cached_tokens(urls, tokens) if tokens is not None else 0)
+        cached = (lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0)
         return scoring.Candidate(decode_cached=cached(pair.decode), prefill_cached=cached(pair.prefill),
                                  inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
                                  free=min(known) if len(known) == len(free) else None)
