@@ -138,15 +138,17 @@ class CacheIndex:
                 self._polling.pop(url, None)
                 self._refused.pop(url, None)
 
-    def cached_tokens(self, urls: "tuple[str, ...]", tokens: np.ndarray) -> int:
+    def cached_tokens(self, urls: "tuple[str, ...]", tokens: np.ndarray,
+                      chains: "dict[int, np.ndarray] | None" = None) -> int:
         """The longest prefix of the prompt every rank of one instance holds, in tokens, capped
         where decode caps a hit ((n - 1) // P * P: prefill computes the last token); 0 when a
-        rank has no cache or no copy yet."""
+        rank has no cache or no copy yet. `chains` (page size -> the prompt's keys) is filled
+        as keys are computed: pass one dict for every instance a request is weighed on."""
         with self._lock:
             ranks = [self._ranks.get(u) for u in urls]
         if not urls or any(r is None or r.page_size is None for r in ranks):
             return 0
-        chains: dict[int, np.ndarray] = {}
+        chains = {} if chains is None else chains
         held = []
         for r in ranks:
             page = r.page_size

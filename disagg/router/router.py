@@ -32,8 +32,8 @@ from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, m
 from disagg.router.cache_index import CacheIndex
 from disagg.router.monitor import PairMonitor, PairState, caches
 from disagg.router.pairs import Pair, side_name
-from disagg.router.roster import Roster
 from disagg.router.phases import handoff_ms
+from disagg.router.roster import Roster
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +152,13 @@ def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
     return tokens
 
 
+def _free_tokens(health: dict) -> "int | None":
+    """What a decode rank's /health (untrusted) says a new request can take, or None."""
+    available = health.get("available")
+    free = available.get("full_tokens") if isinstance(available, dict) else None
+    return free if type(free) is int and free >= 0 else None
+
+
 class Router:
     def __init__(self, config: RouterConfig):
         if not config.pairs and config.pairs_file is None:
@@ -200,19 +207,20 @@ class Router:
             chosen, turned = start, True
         else:
             n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
-            candidates = [self._candidate(p, tokens, load) for _, p, _ in up]
+            chains: dict = {}   # the prompt's keys per page size, computed once for every pair
+            candidates = [self._candidate(p, tokens, load, chains) for _, p, _ in up]
             chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
         if turned:
             with self._lock:
                 self._turn = start + 1
         return up[chosen]
 
-    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict) -> scoring.Candidate:
+    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict, chains: dict) -> scoring.Candidate:
         """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
         prompt, our tokens in flight on its two instances, its decode's free tokens (/health)."""
-        free = [self.monitor.health(u).get("available", {}).get("full_tokens") for u in pair.decode]
-        known = [f for f in free if type(f) is int]
-        cached = (lambda urls: self.cache.cached_tokens(urls, tokens) if tokens is not None else 0)
+        free = [_free_tokens(self.monitor.health(u)) for u in pair.decode]
+        known = [f for f in free if f is not None]
+        cached = (lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0)
         return scoring.Candidate(decode_cached=cached(pair.decode), prefill_cached=cached(pair.prefill),
                                  inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
                                  free=min(known) if len(known) == len(free) else None)

@@ -4,7 +4,9 @@ a multi-turn workload (conversations resending their whole history after a share
 prompt). Through a `--route kv` router the decodes' prefix caches take a far larger share of
 the prompt tokens than through a `--route round-robin` router over the same workers (decode's
 own counted hit tokens); and with the pairs in a --pairs-file, a decode whose pairs are taken
-out gets no request while the others serve, and is used again once they are put back."""
+out gets no request while the others serve, and is used again once they are put back. A TP 2
+decode with pages of 16 beside a TP 1 decode with pages of 4: each conversation stays on the
+decode that holds its history, every rank of it counting the hit."""
 
 import os
 import random
@@ -139,3 +141,35 @@ def _ready(router: str) -> list[dict]:
     import json
     with urllib.request.urlopen(router + "/ready", timeout=10) as resp:
         return json.loads(resp.read())["pairs"]
+
+
+def test_a_tp_decode_of_other_pages_is_looked_up_rank_by_rank():
+    """Decode A is TP 2 with pages of 16 (each rank its own cache), decode B TP 1 with pages
+    of 4, behind one prefill: the router computes a prompt's keys at each rank's page size,
+    and every turn of a conversation goes back to the decode that holds its history, where
+    each rank counts the hit."""
+    from disagg.tools.demo import urls
+    common = ["--preset", "tiny-swa", "--device", "cpu", "--max-requests", "8", "--staging-slot-mib", "1",
+              "--max-tokens", "4096"]
+    with Launcher() as launcher:
+        prefill = launcher.start("prefill", *common, "--page-size", "4", "--bootstrap-bind", "tcp://127.0.0.1:*")
+        boot = prefill["bootstrap"]
+        a = launcher.start_instance("decode", 2, *common, "--page-size", "16", "--bootstrap-addr", boot)
+        b = launcher.start_instance("decode", 1, *common, "--page-size", "4", "--bootstrap-addr", boot)
+        router = launcher.start("router", "--pair", f"{prefill['http']},{urls(a)},{boot}",
+                                "--pair", f"{prefill['http']},{urls(b)},{boot}")["http"]
+        ranks, began = {0: [r["http"] for r in a], 1: [r["http"] for r in b]}, []
+        for seed in range(4):   # new conversations alternate; each stays where it began
+            talk = conversations(seed, 1)[0]
+            went, hits = [], []
+            for _ in range(3):
+                before = {p: [figure(h, HITS) for h in hs] for p, hs in ranks.items()}
+                out = post_json(router + "/generate", {"token_ids": talk.prompt, "max_new_tokens": 4}, 60)
+                assert out["ok"] and out["verified"], out.get("reason")
+                talk.prompt = talk.prompt + out["output_tokens"] + talk._message()
+                went.append(out["pair"])
+                hits.append([figure(h, HITS) - b0 for h, b0 in zip(ranks[out["pair"]], before[out["pair"]])])
+            assert len(set(went)) == 1, went
+            assert all(h > 0 for turn in hits[1:] for h in turn), hits   # every rank of it took the history
+            began.append(went[0])
+        assert began == [0, 1, 0, 1]

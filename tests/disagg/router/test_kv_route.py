@@ -23,7 +23,7 @@ class Worker:
     """A worker's HTTP face: /ready, /health, its route (SUCCESS), and for decode
     /cache/events answering every whole page of the prompts it served (a reset each time)."""
 
-    def __init__(self, role: str):
+    def __init__(self, role: str, **health):
         self.bodies: list[dict] = []
         self.keys: set[int] = set()
         self.go = threading.Event()   # decode answers once set
@@ -32,7 +32,7 @@ class Worker:
         if role == "decode":
             routes["/cache/events"] = self._events
         health = {"status": "ok", "bootstraps": ["main"], "available": {"full_tokens": 1 << 20},
-                  **({"prefix_cache": {}} if role == "decode" else {})}
+                  **({"prefix_cache": {}} if role == "decode" else {}), **health}
         self.api = ApiServer(("127.0.0.1", 0), Service(routes, lambda: True, CollectorRegistry(),
                                                        health=lambda: health)).start()
         self.url = f"http://127.0.0.1:{self.api.port}"
@@ -112,6 +112,22 @@ def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):
         d0.go.set()
         busy.join(10)
         router.close()
+
+
+@pytest.mark.parametrize("health", [{"available": [1]}, {"available": {"full_tokens": "x"}},
+                                    {"available": {"full_tokens": -5}}, {"prefix_cache": 3}])
+def test_a_health_that_lies_about_its_pool_or_cache_is_ignored(health):
+    """/health is untrusted too: what does not parse is not known (no free-page term, no cache)."""
+    workers = [Worker("prefill"), Worker("decode", **health)]
+    router = Router(RouterConfig((pair_of(*workers),), probe_every_s=3600))
+    try:
+        out = router.generate({"token_ids": list(range(40))})
+        assert out["ok"], out
+        assert router.cache.ranks() == ({} if "prefix_cache" in health else {workers[1].url: 10})
+    finally:
+        router.close()
+        for w in workers:
+            w.api.stop()
 
 
 def write(path, pairs: list[Pair]) -> None:
