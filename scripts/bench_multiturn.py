@@ -6,7 +6,7 @@ and this prints per point: the hit rate with reuse on, KV bytes moved per reques
 time and TTFT (p50), reuse off against on. Shorter user messages against the same shared
 system prompt and turns mean more of each prompt is reused.
 
-    # CPU, stand-in engine, Mooncake TCP (about a minute):
+    # CPU, stand-in engine, Mooncake TCP (about 2 minutes):
     .venv/bin/python scripts/bench_multiturn.py --presets tiny-hybrid --user-lens 512,64 --system-prompt-len 512
     # The recorded CPU figures (docs/bench_multiturn_cpu.json):
     .venv/bin/python scripts/bench_multiturn.py --presets gpt-oss-120b,qwen3-next-80b-a3b \\
