@@ -6,14 +6,15 @@ and this prints per point: the hit rate with reuse on, KV bytes moved per reques
 time and TTFT (p50), reuse off against on. Shorter user messages against the same shared
 system prompt and turns mean more of each prompt is reused.
 
-    # CPU, stand-in engine, Mooncake TCP (about a minute):
+    # CPU, stand-in engine, Mooncake TCP (about 2 minutes):
     .venv/bin/python scripts/bench_multiturn.py --presets tiny-hybrid --user-lens 512,64 --system-prompt-len 512
     # The recorded CPU figures (docs/bench_multiturn_cpu.json):
     .venv/bin/python scripts/bench_multiturn.py --presets gpt-oss-120b,qwen3-next-80b-a3b \\
         --system-prompt-len 2048 --out docs/bench_multiturn_cpu.json
-    # One GPU (prefill and decode on it, CUDA IPC), TTFT side by side:
-    .venv/bin/python scripts/bench_multiturn.py --device cuda --presets gpt-oss-120b,qwen3-next-80b-a3b \\
-        --user-lens 4096,1024,256,64 --system-prompt-len 8192 --out docs/bench_multiturn_gpu.json
+    # One GPU (prefill and both decodes on it, CUDA IPC), TTFT side by side; a preset a run
+    # (each about 5 minutes), long prompts so that Qwen3-Next's 77 MB state is not most of it:
+    .venv/bin/python scripts/bench_multiturn.py --device cuda --presets qwen3-next-80b-a3b \\
+        --system-prompt-len 16384 --out docs/bench_multiturn_gpu_qwen3_next.json
 
 TTFT here is prefill taking the request -> decode holding its KV (the first token goes out
 then); the stand-in's prefill compute is not a model's (--simulate-layer-ms stands for one).

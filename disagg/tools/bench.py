@@ -276,6 +276,9 @@ def one_json(summaries: dict[str, dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.compare_router and args.workload != "multiturn":   # (it would be left unused without a word)
+        raise SystemExit("--compare-router runs the multiturn workload through a second router: give --workload "
+                         "multiturn")
     if args.plot:   # the plot's title names the preset: the workers behind the router know it
         from disagg.tools.deployment import router_preset
         args.preset = router_preset(args.router)

@@ -244,8 +244,9 @@ def print_table(out: dict) -> None:
         cells = [_cells(s["per_turn"][i]) for s in runs.values()]
         print(f"{row['turn']:<5}{row['prompt_tokens']:>9.0f}" + " | ".join([""] + cells))
     print(f"{'all':<5}{first['prompt_tokens']:>9.0f}" + " | ".join([""] + [_cells(s) for s in runs.values()]))
-    print("(hit %: prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the transfer, p50; "
-          "TTFT: prefill taking the request -> decode holding its KV, p50)")
+    print("(hit %: prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the send, p50, which "
+          "holds the compute it overlaps where streamed layer-wise; TTFT: prefill taking the request -> decode "
+          "holding its KV, p50)")
     if out["reuse_on_vs_off"]:
         on, off = runs["reuse_on"], runs["reuse_off"]
         print(f"reuse off -> on: {off['bytes_per_request'] / 1e6:.3f} -> {on['bytes_per_request'] / 1e6:.3f} MB per "

@@ -68,3 +68,9 @@ def test_the_table_is_aligned_and_a_failed_request_is_left_out_and_named(capsys)
     assert rows[1].split("|")[1].split() == ["-"] * 4          # turn 2 failed with reuse on: no figures
     assert "  1 x decode failed: pool full" in lines
     assert not multiturn.all_served(out)
+
+
+def test_a_second_router_is_for_the_multiturn_workload_only():
+    args = argparse.Namespace(plot=None, workload="random", compare_router="http://other", router="http://router")
+    with pytest.raises(SystemExit, match="--compare-router runs the multiturn workload"):
+        bench.run(args)
