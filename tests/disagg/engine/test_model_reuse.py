@@ -22,14 +22,14 @@ FAMILIES = ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-
 ENGINES: dict = {}
 
 
-def engine(preset: str):
-    if preset not in ENGINES:
-        ENGINES[preset] = registry.create("model", preset, "cpu")
-    return ENGINES[preset]
+def engine(preset: str, device: str):
+    if (preset, device) not in ENGINES:
+        ENGINES[preset, device] = registry.create("model", preset, device)
+    return ENGINES[preset, device]
 
 
 def pool(eng, page_size: int = 4) -> HybridPool:
-    return HybridPool(PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device="cpu"))
+    return HybridPool(PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device=eng.device.type))
 
 
 def snapshot(p: HybridPool) -> dict:
@@ -78,8 +78,8 @@ def conversation(eng, keep, turns: int = 3, seed: int = 0) -> list[tuple]:
 
 
 @pytest.mark.parametrize("preset", FAMILIES)
-def test_three_turns_reuse_exactly_what_prefill_computes(preset):
-    eng = engine(preset)
+def test_three_turns_reuse_exactly_what_prefill_computes(preset, device):
+    eng = engine(preset, device)
     assert eng.exact_reuse and eng.passes.chunk == 8, eng.reuse_note
     results = conversation(eng, eng.reusable)
     assert [r[0] for r in results] == [0, 16, 32], results   # whole 8-token chunks of the last prompt
@@ -89,18 +89,18 @@ def test_three_turns_reuse_exactly_what_prefill_computes(preset):
 
 
 @pytest.mark.parametrize("preset", ["tiny-model-gpt-oss", "tiny-model-nemotron-h"])
-def test_one_pass_prefill_or_decode_steps_kv_would_not_be_exact(preset):
+def test_one_pass_prefill_or_decode_steps_kv_would_not_be_exact(preset, device):
     """What the chunked passes fix: a one-pass prefill that keeps all it holds (what the cache
     did before) reuses bytes that differ from the new prompt's prefill."""
-    eng = TransformersEngine(preset, prefill_chunk=0)
+    eng = TransformersEngine(preset, device, prefill_chunk=0)
     assert not eng.exact_reuse and "one forward pass" in eng.reuse_note
     results = conversation(eng, lambda prompt_len, held: held)
     assert results[1][0] > 0 and results[1][1], results
 
 
-def test_every_position_is_reusable_with_one_token_passes():
+def test_every_position_is_reusable_with_one_token_passes(device):
     """Passes of one token are decode steps: decode may keep the generated tokens' KV too."""
-    eng = TransformersEngine("tiny-model-gpt-oss", prefill_chunk=1)
+    eng = TransformersEngine("tiny-model-gpt-oss", device, prefill_chunk=1)
     assert eng.exact_reuse and eng.reusable(21, 27) == 27
     results = conversation(eng, eng.reusable)
     assert [r[0] for r in results] == [0, 24, 36], results    # whole pages of all the last request held
@@ -109,10 +109,10 @@ def test_every_position_is_reusable_with_one_token_passes():
 
 
 @pytest.mark.parametrize("preset", ["tiny-model-jamba", "tiny-model-bamba"])
-def test_families_that_cannot_continue_a_cache_run_without_reuse(preset):
+def test_families_that_cannot_continue_a_cache_run_without_reuse(preset, device):
     """Their model code ignores the cache's state for a multi-token input: chunked passes
     would compute another function, so prompts run in one pass and decode keeps no cache."""
-    eng = engine(preset)
+    eng = engine(preset, device)
     assert eng.passes == Passes(0, eng.reuse_note) and not eng.exact_reuse
     assert "does not continue a cache" in eng.reuse_note and eng.reusable(40, 45) == 0
 
