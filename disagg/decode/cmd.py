@@ -33,7 +33,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
                    help="keep the whole pages of finished requests (prompt and generated tokens) in a radix tree "
                         "and reuse the longest cached prefix of a new prompt: prefill then sends only the rest; "
                         "unused cached pages are evicted (least recently used) whenever a request needs room; "
-                        "off for the model engine, whose reused KV is not yet bit-exact")
+                        "the engine says what of a request it may keep (the model engine: the prompt's whole "
+                        "prefill chunks), or that none is exact (then it is off; the log says why)")
     g.add_argument("--quarantine", type=seconds, default=60.0,
                    help="longest hold, in seconds, of a failed request's pages while prefill may still write")
 

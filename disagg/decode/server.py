@@ -67,10 +67,9 @@ class DecodeServer(Worker):
         self.receiver = KVReceiver(self.endpoint)
         self.io = DealerIO(self.gate)
         self.cache = PrefixCache(self.pool) if config.prefix_cache and self.model.exact_reuse else None
-        if config.prefix_cache and not self.model.exact_reuse:
-            log.warning("prefix cache off: the %s engine's KV of a reused prefix is not bit-exact with a fresh "
-                        "prefill of the same prompt (a decode step and a batch compute different bits)",
-                        self.model.name)
+        if config.prefix_cache:   # where reuse is not exact, say so loudly (the engine's words)
+            (log.info if self.model.exact_reuse else log.warning)(
+                "prefix cache %s: %s", "on" if self.model.exact_reuse else "off", self.model.reuse_note)
         self.requests = RequestTable(config.deadlines, config.quarantine_s,
                                      Release(self.pool, self.receiver, self.admission, self.cache), self.io.send)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
@@ -205,10 +204,11 @@ class DecodeServer(Worker):
     def _keep(self, r: DecodeRequest, prompt: np.ndarray, output: list[int]) -> None:
         """A request that verified and generated: the cache may keep its KV when it is freed,
         keyed by the ids of the positions it holds (the prompt, then every generated token but
-        the last, whose KV is never written)."""
+        the last, whose KV is never written) as far as the engine says a later prompt's
+        prefill would compute the same bits there (ModelEngine.reusable)."""
         if r.hit is not None:
             held = np.concatenate([prompt, np.asarray(output[: r.kv.num_tokens - len(prompt)], dtype=np.int64)])
-            self.requests.generated(r, held)
+            self.requests.generated(r, held[: self.model.reusable(len(prompt), len(held))])
 
     def _report(self, r: DecodeRequest) -> dict:
         """What the senders reported of a request that arrived, merged, as the answer carries it

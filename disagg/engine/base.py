@@ -78,8 +78,9 @@ class ModelEngine(Protocol):
     vocab_size: int | None     # token ids it takes are below this (None: any)
     byte_digest: bool          # prefill digests the KV and decode compares what arrived with it
                                # (False: the engine's verify checks every byte itself)
-    exact_reuse: bool          # its KV of a prefix is the same bits however it was computed (a
-                               # prefill batch, decode steps): decode may reuse cached prefixes
+    exact_reuse: bool          # some of its KV of a prefix is the same bits in every prompt that
+                               # starts with it (`reusable`): decode may keep a prefix cache
+    reuse_note: str            # what decode's startup log says about that
 
     def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
                 on_layer: Callable[[int], None] | None = None) -> PrefillResult:
@@ -97,6 +98,11 @@ class ModelEngine(Protocol):
         """Generate tokens from the pool, appending KV (and evicting out-of-window SWA pages).
         Before every step, `stop()` true (the request was aborted) raises Cancelled: the
         pages it holds are freed at once, not when the last token is done."""
+
+    def reusable(self, prompt_len: int, held: int) -> int:
+        """Of a finished request's `held` positions (a prompt of prompt_len tokens, then
+        generated ones), how many leading ones hold what prefill would compute for them in
+        any prompt that starts with the same tokens: what decode's prefix cache may keep."""
 
     def check(self, token_ids: np.ndarray, output: DecodeOutput) -> dict:
         """Compare `output` with the same prompt run colocated: token_match, logits_match, ..."""

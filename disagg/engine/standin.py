@@ -97,6 +97,7 @@ class StandInEngine:
     vocab_size = None    # takes any token id
     byte_digest = False  # decode recomputes every byte it holds (verify): stronger than a digest
     exact_reuse = True   # a position's KV is a function of its token and position alone
+    reuse_note = "standin: a position's KV is a function of its token and position: decode may reuse all it holds"
 
     def __init__(self, layer_ms: float = 0.0):
         self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)
@@ -198,6 +199,9 @@ class StandInEngine:
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
         pool.aux.write(req.aux_row, room, len(token_ids), result.first_token, result.digest)
         return result
+
+    def reusable(self, prompt_len: int, held: int) -> int:
+        return held
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
         """check_aux, then every byte it holds against the bytes of this prompt, recomputed."""

@@ -78,9 +78,9 @@ class PrefixCache:
             return kv, hit
 
     def release(self, kv: RequestKV, hit: Hit, tokens: np.ndarray | None = None) -> None:
-        """The request ended: with `tokens` (the ids of its positions [0, kv.num_tokens), whose
-        KV it holds complete), its whole pages are cached; without (it failed), none of its
-        own are. Then it lets go of its pages."""
+        """The request ended: with `tokens` (the ids of its positions [0, len(tokens)), at most
+        kv.num_tokens, whose KV it holds complete and may be reused), the whole pages among
+        them are cached; without (it failed), none of its own are. Then it lets go of its pages."""
         with self._lock:
             try:
                 if tokens is not None:
@@ -147,9 +147,9 @@ class PrefixCache:
         self.journal.record(False, self._chain[pages])
 
     def _keep(self, kv: RequestKV, tokens: np.ndarray) -> None:
-        whole = kv.num_tokens // self.page_size
-        if len(tokens) < whole * self.page_size:
+        if len(tokens) > kv.num_tokens:
             raise AllocatorError(f"{len(tokens)} token ids for a request holding {kv.num_tokens} positions")
+        whole = len(tokens) // self.page_size
         taken = self.tree.insert(tokens[: whole * self.page_size], kv.full_pages[:whole])
         self.pool.hold(taken)
         if len(taken):   # the tree takes a tail: the pages after what it held already

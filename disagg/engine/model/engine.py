@@ -2,9 +2,11 @@
 with seeded random weights (the same seed on both sides: the same model), that produces and
 consumes KV through the pools.
 
-    prefill  forward over the prompt; as decoder layer i returns (a forward hook), its cache
-             is final: copied into the request's pool items, then on_layer(i); the argmax of
-             the last logits goes into the AUX row as the first token
+    prefill  forward passes over the prompt, `prefill_chunk` tokens each at positions that
+             are multiples of it (0: one pass); as decoder layer i returns (a forward hook),
+             the pass's positions and the state are copied into the request's pool items, and
+             in the last pass on_layer(i); the argmax of the last logits goes into the AUX row
+             as the first token
     decode   a fresh cache built from the pool alone (CacheIO.read_cache), then one token per
              forward pass; each step's new KV is written back into the pool, so the pool
              stays the truth (retract/restore works on it)
@@ -14,8 +16,14 @@ consumes KV through the pools.
              prompt computed here, so a wrong byte of its shard that the model reads moves
              its logits off the colocated run's (tests/disagg/engine/test_model_engine_tp.py flips
              one in one rank's shard: that rank's check fails, the others' pass)
-    check    the colocated run: the whole model over the prompt in this process, greedy
-             continuation; tokens and logits (bitwise) compared with decode's
+    check    the colocated run: the whole model over the prompt in this process (the same
+             passes as prefill), greedy continuation; tokens and logits (bitwise) compared
+             with decode's
+    reuse    a pass of whole chunk k has the same shapes and inputs in any prompt that starts
+             with the same (k+1) * chunk tokens, so its KV is the same bits; one pass over the
+             whole prompt is not (its kernels' shapes, Mamba/GDN chunking and MoE groups follow
+             the length: bits differ by ~1e-6), nor is a decode step's (reuse.py; measured by
+             scripts/measure_reuse.py). Decode's prefix cache keeps what `reusable` says.
 
 One lock serialises forward passes (one model, like a scheduler's single batch loop); the
 forward hooks read the prefill that holds it.
@@ -33,6 +41,7 @@ from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
 from disagg.engine.model.geometry import spec_from_cache
+from disagg.engine.model.reuse import Passes, pin_passes
 from disagg.engine.model.source import PLAIN_EAGER, ModelSource, config_hash, load_directory, weights_fingerprint
 from disagg.errors import ConfigError
 from kvpool import HybridPool, RequestKV
@@ -43,24 +52,24 @@ PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
 class TransformersEngine:
     name = "model"
     byte_digest = True   # its outputs could hide a wrong byte: decode compares prefill's digest
-    exact_reuse = False  # a decode step's KV differs in its last bits from a batch prefill's: no
-                         # prefix cache on decode until reuse is made exact (issue 39)
 
     def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
-                 attn_chunk: int = attention.CHUNK):
+                 attn_chunk: int = attention.CHUNK, prefill_chunk: int | None = None):
         """preset: a family of ours, or a ModelSource (--model / --model-type); attn_chunk:
-        queries per block of the eager attention (disagg.engine.model.attention)."""
+        queries per block of the eager attention (disagg.engine.model.attention);
+        prefill_chunk: tokens per prefill pass (None: the family's; a ModelSource: 0, one pass)."""
         go_offline()
         from transformers import DynamicCache
         self._new_cache = DynamicCache
         impl = lambda chunked: attention.register(attn_chunk) if chunked else "eager"  # noqa: E731
         if isinstance(preset, ModelSource) and preset.path is not None:
             self.config, model = load_directory(preset, device, lambda t: impl(t not in PLAIN_EAGER))
-            name, page_size = preset.name, preset.page_size
+            name, page_size, chunk = preset.name, preset.page_size, 0
         else:
             f = preset.family() if isinstance(preset, ModelSource) else family(preset)
             self.config, model = self._random(f, seed, impl(f.chunked_attention))
             name, page_size = f.preset, f.page_size
+            chunk = f.prefill_chunk if isinstance(preset, str) else 0
         self.model = model.to(device).eval()
         self.device = torch.device(device)
         self.preset = name
@@ -79,6 +88,10 @@ class TransformersEngine:
             raise ConfigError(f"{name}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
         self.spec, self._states = spec_from_cache(name, probe, hasattr(self.config, "kv_lora_rank"), page_size,
                                                   decoder)
+        chunk = chunk if prefill_chunk is None else prefill_chunk
+        self.passes: Passes = pin_passes(self._forward, self._cache, self.vocab_size, name, chunk)
+        self.exact_reuse = self.passes.exact
+        self.reuse_note = self.passes.note
         # what the other side checks at registration: the same model, not only the same geometry
         self.identity = {"config_hash": config_hash(self.config), "weights": weights_fingerprint(self.model)}
 
@@ -101,12 +114,27 @@ class TransformersEngine:
         return self._new_cache(config=self.config)
 
     @torch.no_grad()
-    def _forward(self, token_ids, cache, last_only: bool = True):
-        """One forward pass under the lock -> (logits [vocab] of the last position, cache)."""
+    def _pass(self, token_ids, cache) -> torch.Tensor:
+        """One forward pass (the caller holds the lock) -> logits [vocab] of its last position."""
         ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device).view(1, -1)
+        return self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1].float()
+
+    def _forward(self, token_ids, cache):
+        """One forward pass under the lock -> (logits [vocab] of the last position, cache)."""
         with self._lock:
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return out.logits[0, -1].float(), cache
+            return self._pass(token_ids, cache), cache
+
+    def _prompt(self, token_ids, cache=None):
+        """A prompt as prefill computes it (self.passes), under the lock -> (last logits, cache)."""
+        cache = self._cache() if cache is None else cache
+        with self._lock:
+            for start, end in self.passes.spans(len(token_ids)):
+                logits = self._pass(token_ids[start:end], cache)
+        return logits, cache
+
+    def reusable(self, prompt_len: int, held: int) -> int:
+        """ModelEngine.reusable: the positions prefill computes the same way in any longer prompt."""
+        return self.passes.reusable(prompt_len, held)
 
     def check_pool(self, pool: HybridPool) -> None:
         """The pool must have this model's geometry (one derivation, so this guards a
@@ -121,19 +149,20 @@ class TransformersEngine:
         self.check_pool(pool)
         io, n, cache = CacheIO(pool, self._states), len(token_ids), self._cache()
 
-        def layer_done(i: int) -> None:
-            io.write_layer(req, i, cache.layers[i], n, 0)
-            if on_layer is not None:
+        span = (0, n)   # the pass under way: the loop below rebinds it, the hook reads it
+
+        def layer_done(i: int) -> None:   # the pass's positions and the state at its end
+            io.write_layer(req, i, cache.layers[i], span[1], span[0])
+            if on_layer is not None and span[1] == n:
                 on_layer(i)
         with self._lock:   # the hooks must see this prefill's cache and no other
             self._layer_done = layer_done
             try:
-                ids = torch.as_tensor(np.asarray(token_ids, dtype=np.int64), device=self.device).view(1, -1)
-                with torch.no_grad():
-                    logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+                for span in self.passes.spans(n):
+                    logits = self._pass(token_ids[span[0]:span[1]], cache)
             finally:
                 self._layer_done = None
-        result = PrefillResult(int(logits[0, -1].argmax()), prompt_digest(token_ids))
+        result = PrefillResult(int(logits.argmax()), prompt_digest(token_ids))
         pool.aux.write(req.aux_row, room, n, result.first_token, result.digest)
         return result
 
@@ -160,7 +189,7 @@ class TransformersEngine:
             if token_ids is None or len(token_ids) != n:
                 raise ValueError(f"a TP shard continues from its {n} tokens' ids (the other ranks' units)")
             t = time.perf_counter()
-            _, whole = self._forward(token_ids, self._cache())
+            _, whole = self._prompt(token_ids)
             self._sync()
             timings["other_ranks"] = (time.perf_counter() - t) * 1e3
         t0 = time.perf_counter()
@@ -191,7 +220,7 @@ class TransformersEngine:
 
     def _reference(self, token_ids: np.ndarray, max_new_tokens: int):
         """(the colocated run's output, its cache after the prompt and every token but the last)."""
-        step, cache = self._forward(token_ids, self._cache())
+        step, cache = self._prompt(token_ids)
         tokens, logits = [int(step.argmax())], []
         for _ in range(max_new_tokens - 1):
             step, cache = self._forward([tokens[-1]], cache)

@@ -57,6 +57,9 @@ class Family:
     # under "eager"/"sdpa": under another name the indexer keys would stop mattering)
     chunked_attention: bool = True
     tiny: bool = True                 # the config goes over _BASE (hidden 64, vocabulary 512, init 0.5)
+    # tokens per prefill pass (engine/model/reuse.py): whole chunks' KV is the same bits in any
+    # longer prompt, so decode may reuse it; 0: one pass (the real-size families' GPU timings)
+    prefill_chunk: int = 8
 
     @property
     def vocab_size(self) -> int:
@@ -103,18 +106,21 @@ FAMILIES: dict[str, Family] = {f.preset: f for f in (
     Family("model-gpt-oss-120b", "gpt_oss", dict(
         **_REAL, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
         head_dim=64, sliding_window=128, num_local_experts=8, num_experts_per_tok=4, num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2), page_size=16, dtype="bfloat16"),
+        layer_types=["sliding_attention", "full_attention"] * 2), page_size=16, dtype="bfloat16",
+        prefill_chunk=0),
     Family("model-qwen3-next-80b", "qwen3_next", dict(
         **_REAL, hidden_size=2048, num_attention_heads=16, num_key_value_heads=2, head_dim=256,
         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
         linear_conv_kernel_dim=4, num_hidden_layers=4, num_experts=8, num_experts_per_tok=4,
-        moe_intermediate_size=512, shared_expert_intermediate_size=512), page_size=16, dtype="bfloat16"),
+        moe_intermediate_size=512, shared_expert_intermediate_size=512), page_size=16, dtype="bfloat16",
+        prefill_chunk=0),
     Family("model-deepseek-v32", "deepseek_v32", dict(
         **_REAL, hidden_size=7168, intermediate_size=18432, num_attention_heads=128, num_key_value_heads=128,
         kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
         index_head_dim=128, index_n_heads=64, index_topk=2048, n_routed_experts=8, num_experts_per_tok=4,
         moe_intermediate_size=2048, n_group=1, topk_group=1, first_k_dense_replace=1, num_hidden_layers=3,
-        mlp_layer_types=["dense", "sparse", "sparse"]), page_size=64, dtype="bfloat16", chunked_attention=False),
+        mlp_layer_types=["dense", "sparse", "sparse"]), page_size=64, dtype="bfloat16",
+        chunked_attention=False, prefill_chunk=0),
 )}
 
 

@@ -139,14 +139,16 @@ def test_generation_continues_after_retract_and_restore(preset, device):
 
 
 def test_layer_progress_reports_each_layer_once_its_bytes_are_final(device):
-    """on_layer(i) comes after layer i's pool bytes are final and before layer i+1's are."""
+    """on_layer(i) comes after layer i's pool bytes are final and before layer i+1's are (of
+    the prompt's last prefill pass: the last page; the passes before wrote the first pages of
+    every layer already)."""
     eng = engine("tiny-model-deepseek-v3", device)        # every layer MLA: one part to look at
     prefill, _ = pools(eng, device, 4)
     tokens = prompt(12, eng.vocab_size)
     req = prefill.alloc_request(len(tokens))
-    item, last = int(req.full_pages[0]), eng.spec.num_layers - 1
+    item, last = int(req.full_pages[-1]), eng.spec.num_layers - 1
     seen = []
-    latent = lambda i: prefill.layer_view(min(i, last), "latent")[item].clone()  # noqa: E731 (first page)
+    latent = lambda i: prefill.layer_view(min(i, last), "latent")[item].clone()  # noqa: E731 (last page)
     eng.prefill(prefill, req, tokens, 3, on_layer=lambda i: seen.append((i, latent(i), latent(i + 1))))
     assert [i for i, *_ in seen] == list(range(last + 1))
     for i, at_report, next_at_report in seen:

@@ -139,7 +139,7 @@ def test_decode_steps_write_the_ranks_units_of_each_new_token(preset, device):
     dreq = dst.alloc_request(len(tokens), swa_window_only=True)
     reshard_copy(prefill_instance(eng, device, 1, 4, tokens), dst, dreq, len(tokens))
     out = eng.decode(dst, dreq, tokens, max_new_tokens=4)
-    _, want = eng._forward(tokens, eng._cache())
+    _, want = eng._prompt(tokens)                   # the colocated run: prefill's passes
     for t in out.tokens[:3]:
         _, want = eng._forward([t], want)
     got = CacheIO(dst, eng._states).read_cache(dreq, len(tokens) + 3, eng.config, whole=want)
@@ -173,7 +173,7 @@ def test_each_decode_ranks_conv_bytes_are_its_real_shard(device):
     test), and its state rows are heads 2r, 2r+1."""
     eng = engine("tiny-model-bamba", device)
     tokens = prompt(13, eng.vocab_size)
-    _, whole = eng._forward(tokens, eng._cache())
+    _, whole = eng._prompt(tokens)
     prefill = prefill_instance(eng, device, 1, 4, tokens)
     for rank in range(2):
         dst = pool(eng, device, 4, 2, rank)

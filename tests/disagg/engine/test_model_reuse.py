@@ -1,0 +1,125 @@
+"""Decode's prefix cache with the model engine, in one process: a conversation of three turns
+(each prompt the previous one, its answer and a few new tokens) takes the cached prefix, and
+the bytes decode reuses are the bytes prefill computes for the new prompt (a full copy of
+prefill's request leaves every shared page as it was); tokens and logits equal the colocated
+run's bit for bit. Prefill computes prompts in passes of whole chunks (engine/model/reuse.py);
+one pass, or caching decode steps' KV, is not exact, and families whose code cannot continue
+a cache with a chunk run without reuse."""
+
+import numpy as np
+import pytest
+import torch
+
+from disagg.engine import registry
+from disagg.engine.model.engine import TransformersEngine
+from disagg.engine.model.reuse import Passes
+from kvpool import HybridPool, PoolConfig
+from kvpool.cache.prefix import PrefixCache
+from kvpool.positions import backed, paged_components, token_items
+from tests.kvpool.helpers import copy_request
+
+FAMILIES = ["tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-h", "tiny-model-deepseek-v32"]
+ENGINES: dict = {}
+
+
+def engine(preset: str, device: str):
+    if (preset, device) not in ENGINES:
+        ENGINES[preset, device] = registry.create("model", preset, device)
+    return ENGINES[preset, device]
+
+
+def pool(eng, page_size: int = 4) -> HybridPool:
+    return HybridPool(PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device=eng.device.type))
+
+
+def snapshot(p: HybridPool) -> dict:
+    return {c: [buf.clone() for buf in q.storage.buffers] for c, q in p.pools.items()}
+
+
+def changed_prefix(p: HybridPool, before: dict, kv, prefix_len: int) -> list[str]:
+    """The paged components whose items holding positions [0, prefix_len) changed since `before`."""
+    out = []
+    for c in paged_components(p):
+        items, _ = token_items(p, c, kv, np.arange(prefix_len))
+        items = np.unique(items[backed(items)])
+        for old, new in zip(before[c], p.pools[c].storage.buffers):
+            if not torch.equal(old[items], new[items]):
+                out.append(c.value)
+    return out
+
+
+def turn(eng, prefill: HybridPool, cache: PrefixCache, prompt: np.ndarray, new: int, keep) -> tuple:
+    """One request: decode admits on the cache, prefill computes the whole prompt, a full copy
+    stands for the transfer; -> (prefix_len, components whose reused bytes the copy changed,
+    check, output)."""
+    kv, hit = cache.admit(prompt, grow_to=len(prompt) + new)
+    preq = prefill.alloc_request(len(prompt))
+    eng.prefill(prefill, preq, prompt, 5)
+    before = snapshot(cache.pool)
+    copy_request(prefill, preq, cache.pool, kv)
+    prefill.free_request(preq)
+    changed = changed_prefix(cache.pool, before, kv, hit.prefix_len)
+    out = eng.decode(cache.pool, kv, prompt, max_new_tokens=new)
+    check = eng.check(prompt, out)
+    held = np.concatenate([prompt, np.asarray(out.tokens[: kv.num_tokens - len(prompt)], dtype=np.int64)])
+    cache.release(kv, hit, held[: keep(len(prompt), len(held))])
+    return hit.prefix_len, changed, check, out
+
+
+def conversation(eng, keep, turns: int = 3, seed: int = 0) -> list[tuple]:
+    rng = np.random.default_rng(seed)
+    prefill, cache = pool(eng), PrefixCache(pool(eng))
+    prompt, results = rng.integers(0, eng.vocab_size, 21), []
+    for _ in range(turns):
+        prefix, changed, check, out = turn(eng, prefill, cache, prompt, 7, keep)
+        results.append((prefix, changed, check))
+        prompt = np.concatenate([prompt, out.tokens, rng.integers(0, eng.vocab_size, 5)])
+    return results
+
+
+@pytest.mark.parametrize("preset", FAMILIES)
+def test_three_turns_reuse_exactly_what_prefill_computes(preset, device):
+    eng = engine(preset, device)
+    assert eng.exact_reuse and eng.passes.chunk == 8, eng.reuse_note
+    results = conversation(eng, eng.reusable)
+    assert [r[0] for r in results] == [0, 16, 32], results   # whole 8-token chunks of the last prompt
+    for prefix, changed, check in results:
+        assert not changed, (prefix, changed)
+        assert check["token_match"] and check["logits_match"] and check["shard_match"], check
+
+
+@pytest.mark.parametrize("preset", ["tiny-model-gpt-oss", "tiny-model-nemotron-h"])
+def test_one_pass_prefill_or_decode_steps_kv_would_not_be_exact(preset, device):
+    """What the chunked passes fix: a one-pass prefill that keeps all it holds (what the cache
+    did before) reuses bytes that differ from the new prompt's prefill."""
+    eng = TransformersEngine(preset, device, prefill_chunk=0)
+    assert not eng.exact_reuse and "one forward pass" in eng.reuse_note
+    results = conversation(eng, lambda prompt_len, held: held)
+    assert results[1][0] > 0 and results[1][1], results
+
+
+def test_every_position_is_reusable_with_one_token_passes(device):
+    """Passes of one token are decode steps: decode may keep the generated tokens' KV too."""
+    eng = TransformersEngine("tiny-model-gpt-oss", device, prefill_chunk=1)
+    assert eng.exact_reuse and eng.reusable(21, 27) == 27
+    results = conversation(eng, eng.reusable)
+    assert [r[0] for r in results] == [0, 24, 36], results    # whole pages of all the last request held
+    for prefix, changed, check in results:
+        assert not changed and check["token_match"] and check["logits_match"], (prefix, changed, check)
+
+
+@pytest.mark.parametrize("preset", ["tiny-model-jamba", "tiny-model-bamba"])
+def test_families_that_cannot_continue_a_cache_run_without_reuse(preset, device):
+    """Their model code ignores the cache's state for a multi-token input: chunked passes
+    would compute another function, so prompts run in one pass and decode keeps no cache."""
+    eng = engine(preset, device)
+    assert eng.passes == Passes(0, eng.reuse_note) and not eng.exact_reuse
+    assert "does not continue a cache" in eng.reuse_note and eng.reusable(40, 45) == 0
+
+
+def test_passes_and_what_they_let_decode_keep():
+    p = Passes(8, "")
+    assert p.spans(27) == [(0, 8), (8, 16), (16, 24), (24, 27)] and p.spans(16) == [(0, 8), (8, 16)]
+    assert p.reusable(27, 33) == 24 and p.reusable(7, 12) == 0 and p.reusable(16, 16) == 16
+    assert Passes(0, "").spans(27) == [(0, 27)] and Passes(0, "").reusable(27, 33) == 0
+    assert Passes(1, "").reusable(27, 33) == 33
