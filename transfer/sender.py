@@ -129,7 +129,7 @@ class KVSender:
         `.link` when the peer goes away."""
         cfg = self.endpoint.pool.config
         page_size = cfg.page_size if page_size is None else page_size
-        dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's")
+        dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's", own=self.shard)
         check_pair(self.shard, dst)
         same_tp = dst.tp_size == cfg.tp_size
         diff = layout_difference(self.endpoint.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
