@@ -169,3 +169,32 @@ def test_buffers_are_the_engines_memory_and_bad_tensors_are_refused():
         block_first(0, torch.zeros(4, 2, 16, 16).transpose(1, 2))
     with pytest.raises(SpecError, match="blocks"):
         EnginePool(pool.config, [*block_first(0, torch.zeros(4, 2, 16, 16)), *block_first(1, torch.zeros(5, 2, 16, 16))])
+
+
+def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_both():
+    """Engine pools pair whole blocks of one size and TP only: a vLLM decode started with
+    another --block-size (16, or 160 as vLLM picks for hybrid models) or TP size gets a Refused
+    that says so at registration (before: a message about token lanes an engine pool has not)."""
+    from disagg.control.layout import LayoutInfo, describe_model
+    from disagg.control.messages import PROTOCOL_VERSION, RegisterDecode, Refused
+    from disagg.prefill.peers import DecodePeers
+
+    def pool(block, tp=1):
+        tensors = [torch.zeros(BLOCKS, HEADS // tp, block, 2 * HEAD) for _ in range(LAYERS)]
+        bufs = [b for layer, t in enumerate(tensors) for b in block_first(layer, t)]
+        model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
+        return EnginePool(EnginePoolConfig(model, block, torch.device("cpu"), tp, 0), bufs)
+
+    def info(endpoint):
+        pc = endpoint.pool.config
+        return LayoutInfo(pc.page_size, pc.layout.value, endpoint.buffers, describe_model(pc.model, pc.tp_size))
+
+    with PoolEndpoint(memory.MemoryTransport(), pool(32), CONFIG) as prefill:
+        peers = DecodePeers(KVSender(prefill), info(prefill), None, 1, 5.0, 1)
+        for block, tp in ((16, 1), (160, 1), (32, 2)):
+            with PoolEndpoint(memory.MemoryTransport(), pool(block, tp), CONFIG) as decode:
+                answer = peers.register(b"decode", RegisterDecode(PROTOCOL_VERSION, 2, info(decode), decode.offers(),
+                                                                  decode.staging_info(), tp, 0))
+            assert isinstance(answer, Refused) and answer.reason.startswith(
+                f"block size 32, TP 1 (sender) vs {block}, TP {tp} (receiver): engine KV caches pair only equal "
+                "block sizes and TP sizes"), answer
