@@ -104,6 +104,8 @@ class DisaggWorker:
     def step(self, meta: StepMeta) -> None:
         if meta.sends or meta.loads or meta.releases:
             self.handoff.post(meta)
+            if self.side is not None:
+                self.side.wake()   # its loop takes the step now, not after its poll timeout
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         return self.handoff.finished()
