@@ -53,7 +53,7 @@ READY_S = 600.0
 # name -> (builder, dtype, block size, blocks per prompt length, extra server args)
 MODELS = {
     "llama": (tiny_models.build_tiny_llama, "float32", 32, (4, 16, 30), ()),
-    "wide-llama": (tiny_models.build_wide_llama, "float32", 32, (4, 32, 64), ()),
+    "wide-llama": (tiny_models.build_wide_llama, "float32", 32, (4, 16, 32), ()),
     "gemma3": (tiny_models.build_tiny_gemma3, "float32", 32, (4, 16, 30), ()),
     "qwen3-next": (tiny_models.build_tiny_qwen3_next, "bfloat16", 256, (1, 3), ()),
 }
@@ -154,7 +154,7 @@ def post(url: str, body: dict) -> tuple[float, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     t0 = time.perf_counter()
     try:
-        with urllib.request.urlopen(req, timeout=300) as r:
+        with urllib.request.urlopen(req, timeout=900) as r:
             answer = json.loads(r.read())
     except urllib.error.HTTPError as exc:
         raise RuntimeError(f"{url}: HTTP {exc.code}: {exc.read()[:500]!r}") from None
@@ -233,6 +233,18 @@ def kv_bytes_per_token_block(model: Path, spec: tuple) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * cfg["head_dim"] * width * spec[2]
 
 
+def warm_up(connector: str, name: str, spec: tuple, model: Path, servers: list[Server], rng: random.Random) -> None:
+    """First requests compile and connect (not counted); a failed one is tried again, twice
+    (on a loaded machine NIXL's first handshake can time out: its request fails with a 500)."""
+    for attempt in range(3):
+        try:
+            return measure(Row(connector, name, spec[2] + 1), model, *servers, 2, rng)
+        except RuntimeError as exc:
+            print(f"warm-up of {connector} {name} failed ({exc}); {'again' if attempt < 2 else 'giving up'}",
+                  flush=True)
+    raise RuntimeError(f"{connector} {name}: warm-up failed three times")
+
+
 def run_model(name: str, connector: str, repeat: int, logs: Path) -> list[dict]:
     spec = MODELS[name]
     model = spec[0](Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=logs)))
@@ -244,8 +256,7 @@ def run_model(name: str, connector: str, repeat: int, logs: Path) -> list[dict]:
     try:
         wait_ready(servers)
         rng = random.Random(f"{name}")   # the same prompts for both connectors
-        warm = Row(connector, name, spec[2] + 1)
-        measure(warm, model, *servers, 2, rng)   # first requests compile and connect: not counted
+        warm_up(connector, name, spec, model, servers, rng)
         for blocks in spec[3]:
             row = Row(connector, name, blocks * spec[2] + 1)
             measure(row, model, *servers, repeat, rng)
@@ -272,17 +283,24 @@ def main() -> None:
     logs = args.logs or Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     logs.mkdir(parents=True, exist_ok=True)
     started, load0 = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), os.getloadavg()
-    rows = [r for m in models for c in connectors for r in run_model(m, c, args.repeat, logs)]
-    if args.json:
-        import vllm
-        args.json.write_text(json.dumps({
-            "command": " ".join(["scripts/bench_vllm.py", *sys.argv[1:]]), "date": started,
-            "machine": {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
-                        "loadavg_before": load0, "loadavg_after": os.getloadavg()},
-            "versions": {"vllm": vllm.__version__, "nixl": _version("nixl"), "mooncake": _version(
-                "mooncake-transfer-engine-non-cuda")},
-            "rows": rows}, indent=1) + "\n")
+    rows: list[dict] = []
+    for m in models:
+        for c in connectors:
+            rows += run_model(m, c, args.repeat, logs)
+            if args.json:   # after each pair: what was measured survives a later failure
+                write_json(args.json, started, load0, rows)
     print(f"logs in {logs}")
+
+
+def write_json(path: Path, started: str, load0: tuple, rows: list[dict]) -> None:
+    import vllm
+    path.write_text(json.dumps({
+        "command": " ".join(["scripts/bench_vllm.py", *sys.argv[1:]]), "date": started,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
+                    "loadavg_before": load0, "loadavg_now": os.getloadavg()},
+        "versions": {"vllm": vllm.__version__, "nixl": _version("nixl"), "mooncake": _version(
+            "mooncake-transfer-engine-non-cuda")},
+        "rows": rows}, indent=1) + "\n")
 
 
 def _version(dist: str) -> str | None:
