@@ -65,7 +65,7 @@ class EnginePoolConfig:
     @property
     def shard(self) -> Shard:
         """This pool's side of a transfer: page size and TP (size, rank), as PoolConfig.shard."""
-        return Shard(self.page_size, self.tp_size, self.tp_rank)
+        return Shard(self.page_size, self.tp_size, self.tp_rank, whole_blocks=True)
 
 
 class EnginePool:

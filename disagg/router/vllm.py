@@ -8,14 +8,16 @@ run in front of disagg's own workers. It speaks vLLM's P/D proxy protocol, as vL
                   kv_transfer_params {"do_remote_decode": true}
       <- its answer's kv_transfer_params (the room, the producer's bootstrap, the prompt length)
       -> decode:  the client's body with those kv_transfer_params
-      <- decode's answer, status and body as they are: the client's answer
+      <- decode's answer, status and body as they are: the client's answer; a streamed
+         request ("stream": true) gets decode's server-sent events one by one as they come
+         (prefill is never streamed: its one token is not the client's)
 
 A client's own kv_transfer_params are replaced (only a producer names a room). A pair is up
 while both servers answer GET /health with 200 (PairMonitor with probe_health); pairs go
-round robin, skipping pairs known down. Streaming is refused (400) for now. A server that
-cannot be reached, or a prefill without kv_transfer_params, answers 502 with the reason;
-every other answer of a server (a 400 vLLM gave, a 500 of a failed load) goes to the client
-unchanged.
+round robin, skipping pairs known down. A server that cannot be reached, or a prefill
+without kv_transfer_params, answers 502 with the reason; every other answer of a server (a
+400 vLLM gave, a 500 of a failed load) goes to the client unchanged, a streamed one with
+decode's status and message (RequestFailed) while no event has gone out yet.
 """
 
 import itertools
@@ -25,8 +27,8 @@ import threading
 import urllib.error
 import urllib.request
 
-from disagg.api.fields import Reply
-from disagg.errors import BadRequest, Unavailable
+from disagg.api.fields import EventStream, Reply
+from disagg.errors import RequestFailed, Unavailable
 from disagg.router import openai
 from disagg.router.monitor import PairMonitor, fetch, probe_health
 from disagg.router.pairs import Pair
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 ROUTES = ("/v1/completions", "/v1/chat/completions")
 NOT_FORWARDED = ("stream", "stream_options", "kv_transfer_params")
+DONE = b"[DONE]"
 
 
 def post(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
@@ -59,6 +62,34 @@ def _object(raw: bytes) -> dict:
     except ValueError:
         return {}
     return value if isinstance(value, dict) else {}
+
+
+def relay(url: str, body: dict, timeout_s: float, send) -> None:
+    """POST a streamed request and pass each of its server-sent events on (`send(event)`), as
+    they arrive, up to its [DONE]. An answer other than 200, or a server not reached, raises
+    RequestFailed with its status (502: unreachable) and message; an event that is not a JSON
+    object is dropped (logged)."""
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    try:
+        resp = urllib.request.urlopen(req, timeout=timeout_s)
+    except urllib.error.HTTPError as exc:
+        answer = _object(exc.read(1 << 20))
+        message = (answer.get("error") or {}).get("message") if isinstance(answer.get("error"), dict) else None
+        raise RequestFailed(f"decode {url} answered HTTP {exc.code}: {message or answer}", exc.code) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise RequestFailed(f"decode {url} unreachable: {getattr(exc, 'reason', exc)}", 502) from None
+    with resp:
+        for line in resp:
+            if not line.startswith(b"data:"):
+                continue   # blank separators, comments, event names
+            data = line[5:].strip()
+            if data == DONE:
+                return
+            event = _object(data)
+            if event:
+                send(event)
+            else:
+                log.warning("decode %s sent an event that is not a JSON object: %r", url, data[:200])
 
 
 class VllmRouter:
@@ -92,10 +123,8 @@ class VllmRouter:
         raise Unavailable("no vLLM prefill/decode pair is up (" + "; ".join(
             f"pair {i}: {', '.join(st.why)}" for i, st in enumerate(states)) + ")")
 
-    def forward(self, path: str, body: dict) -> "dict | Reply":
+    def forward(self, path: str, body: dict) -> "dict | Reply | EventStream":
         """One OpenAI request through a pair (module docstring)."""
-        if body.get("stream"):
-            raise BadRequest("stream is not supported with --backend vllm yet", "stream")
         pair = self._pick()
         first = {k: v for k, v in body.items() if k not in NOT_FORWARDED}
         first.update(max_tokens=1, kv_transfer_params={"do_remote_decode": True, "do_remote_prefill": False})
@@ -108,8 +137,12 @@ class VllmRouter:
         if not isinstance(params, dict):
             return Reply(502, openai.error_body(502, f"prefill {pair.prefill[0]} answered without "
                                                      "kv_transfer_params (is it a kv_producer with DisaggConnector?)"))
-        second = {k: v for k, v in body.items() if k not in NOT_FORWARDED}
+        streamed = body.get("stream") is True
+        second = {k: v for k, v in body.items() if k not in (("kv_transfer_params",) if streamed else NOT_FORWARDED)}
         second["kv_transfer_params"] = params
+        if streamed:
+            url, timeout_s = pair.decode[0] + path, self.config.timeout_s
+            return EventStream(lambda send: relay(url, second, timeout_s, send))
         status, answer = post(pair.decode[0] + path, second, self.config.timeout_s)
         if status != 200:
             return self._failed("decode", pair.decode[0], status, answer)

@@ -243,6 +243,10 @@ class Consumer:
         if isinstance(msg, TransferRequest):
             self.handoff.post(Introduced(remote.room, peer.endpoint))
 
+    def wake(self) -> None:
+        """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""
+        self.io.wake()
+
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():

@@ -67,10 +67,6 @@ def engine_pool(kv_caches: dict[str, Any], block_size: int, model_name: str, tp_
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
     or a list of them, per layer); every other layer is attention. Raises VllmLayoutError
     naming the first layer that cannot be described, or that differs from the others."""
-    if block_size < 1 or block_size & (block_size - 1):
-        raise VllmLayoutError(f"vLLM's block size {block_size} is not a power of two (vLLM may pick one for a hybrid "
-                              f"model's page): start it with --block-size {1 << (block_size - 1).bit_length()}, "
-                              "the same on both sides")
     named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if len({i for i, _, _ in named}) != len(named):
         raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")

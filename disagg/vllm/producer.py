@@ -229,6 +229,10 @@ class Producer:
                                             settled=settled))
         self.handoff.post(SendEnded(h.send.room))
 
+    def wake(self) -> None:
+        """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""
+        self.io.wake()
+
     def close(self) -> None:
         self.lease.stop()
         self._stop.set()

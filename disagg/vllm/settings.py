@@ -14,14 +14,18 @@ command line: every value checked, one line per mistake):
     dead_after_s   5                 a peer silent this long fails its transfers
     quarantine_s   60                consumer: a load whose producer gave up on writes in flight
                                      is reported failed once it says they ended, or after this
+    inject_faults  ""                tests only: transfer.faults points, "send.stall=1" (as the
+                                     servers' --inject-faults)
 """
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from disagg.control.auth import AuthKey, key_from
 from disagg.errors import ConfigError
+from transfer.config import TransferConfig
+from transfer.faults import FaultPlan
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,7 @@ class ConnectorSettings:
     load_s: float = 30.0
     dead_after_s: float = 5.0
     quarantine_s: float = 60.0
+    inject_faults: str = ""
 
     @staticmethod
     def from_extra(extra: dict[str, Any]) -> "ConnectorSettings":
@@ -52,4 +57,14 @@ class ConnectorSettings:
         if values.get("mooncake_protocol", "tcp") not in ("tcp", "rdma"):
             raise ConfigError(f"kv_connector_extra_config.mooncake_protocol: {values['mooncake_protocol']!r} is not "
                               "tcp or rdma")
+        try:
+            if not isinstance(values.get("inject_faults", ""), str):
+                raise ValueError(f"{values['inject_faults']!r} is not a string of point=rate")
+            FaultPlan.parse(values.get("inject_faults", ""))
+        except ValueError as exc:
+            raise ConfigError(f"kv_connector_extra_config.inject_faults: {exc}") from None
         return ConnectorSettings(auth=key, **values)
+
+    def transfer_config(self, base: TransferConfig) -> TransferConfig:
+        """`base` with the faults to inject (none unless inject_faults says)."""
+        return replace(base, faults=FaultPlan.parse(self.inject_faults)) if self.inject_faults else base

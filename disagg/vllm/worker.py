@@ -85,7 +85,7 @@ class DisaggWorker:
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
         transports = create(resolve("auto", ts), ts)
         try:
-            self.endpoint = PoolEndpoint(transports, pool, TRANSFER)
+            self.endpoint = PoolEndpoint(transports, pool, s.transfer_config(TRANSFER))
             layout = LayoutInfo(pool.page_size, pool.config.layout.value, self.endpoint.buffers,
                                 describe_model(pool.config.model, self.tp[0]))
             self._ctx = zmq.Context()
@@ -104,6 +104,8 @@ class DisaggWorker:
     def step(self, meta: StepMeta) -> None:
         if meta.sends or meta.loads or meta.releases:
             self.handoff.post(meta)
+            if self.side is not None:
+                self.side.wake()   # its loop takes the step now, not after its poll timeout
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         return self.handoff.finished()

@@ -76,12 +76,12 @@ def transports(request, mooncake):
     return memory.MemoryTransport(), memory.MemoryTransport()
 
 
-def _move(transports, layout, src_blocks, dst_blocks):
+def _move(transports, layout, src_blocks, dst_blocks, block=16):
     make, describe = LAYOUTS[layout]
-    src_t, dst_t = make(seed=1), make(seed=2)
+    src_t, dst_t = make(block, seed=1), make(block, seed=2)
     before = _blocks(dst_t, layout)
-    with PoolEndpoint(transports[0], _pool(src_t, describe), CONFIG) as endpoint, \
-            PoolEndpoint(transports[1], _pool(dst_t, describe), CONFIG) as receiver:
+    with PoolEndpoint(transports[0], _pool(src_t, describe, block), CONFIG) as endpoint, \
+            PoolEndpoint(transports[1], _pool(dst_t, describe, block), CONFIG) as receiver:
         sender = KVSender(endpoint)
         peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
         idx = lambda b: IndexSet({Component.FULL: torch.tensor(b, dtype=torch.int32).numpy()})  # noqa: E731
@@ -100,6 +100,40 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(transports, layout):
             assert torch.equal(after[layer][d], src[layer][s]), f"layer {layer}: block {s} -> {d} differs"
         others = [b for b in range(BLOCKS) if b not in dst_blocks]
         assert torch.equal(after[layer][others], before[layer][others]), f"layer {layer}: other blocks changed"
+
+
+@pytest.mark.parametrize("layout", ["cpu", "cuda-style"])
+def test_a_block_size_that_is_not_a_power_of_two_moves_whole_blocks(mooncake, layout):
+    """vLLM raises a hybrid model's block size to fit its state in a page (160 for the tiny
+    Qwen3-Next): engine pools pair only equal block sizes, so pages are never cut by token and
+    any size does (kvpool.spec.check_page_size, whole_blocks)."""
+    src_blocks, dst_blocks = [3, 4, 9], [7, 1, 10]
+    _, src, before, after = _move((mooncake, mooncake), layout, src_blocks, dst_blocks, block=160)
+    for layer in range(LAYERS):
+        assert all(torch.equal(after[layer][d], src[layer][s]) for s, d in zip(src_blocks, dst_blocks))
+        others = [b for b in range(BLOCKS) if b not in dst_blocks]
+        assert torch.equal(after[layer][others], before[layer][others])
+
+
+def test_a_prefill_of_the_same_odd_block_size_registers_and_another_is_refused():
+    """Decode's SenderRanks builds a prefill rank's claimed shard under its own pool's rule: an
+    engine pool of 160 takes a prefill of 160 (whole blocks, no lanes) and refuses one of 12
+    or 0 with the reason; a pool of token rows still refuses 12 (tests/disagg/worker/test_tp_instances)."""
+    from disagg.control.layout import LayoutInfo
+    from disagg.control.messages import PROTOCOL_VERSION, RegisterPrefill
+    from disagg.decode.instances import SenderRanks
+    from disagg.errors import ProtocolError
+    from transfer.receiver import KVReceiver
+
+    def claim(page_size):
+        return RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(page_size, "layer_major", []))
+    with PoolEndpoint(memory.MemoryTransport(), _pool(_cpu(160), block_first, 160), CONFIG) as endpoint:
+        ranks = SenderRanks(KVReceiver(endpoint))
+        assert ranks.lanes(claim(160)) is None and ranks.sender_ranks(claim(160)) == (0,)
+        with pytest.raises(ProtocolError, match="page size 0 is not a positive integer"):
+            ranks.lanes(claim(0))
+        with pytest.raises(ProtocolError, match="block size 12, TP 1 .sender. vs 160, TP 1 .receiver.: engine KV caches"):
+            ranks.lanes(claim(12))
 
 
 def test_a_shared_page_pool_is_one_buffer_and_overlapping_pages_are_refused():
@@ -135,3 +169,32 @@ def test_buffers_are_the_engines_memory_and_bad_tensors_are_refused():
         block_first(0, torch.zeros(4, 2, 16, 16).transpose(1, 2))
     with pytest.raises(SpecError, match="blocks"):
         EnginePool(pool.config, [*block_first(0, torch.zeros(4, 2, 16, 16)), *block_first(1, torch.zeros(5, 2, 16, 16))])
+
+
+def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_both():
+    """Engine pools pair whole blocks of one size and TP only: a vLLM decode started with
+    another --block-size (16, or 160 as vLLM picks for hybrid models) or TP size gets a Refused
+    that says so at registration (before: a message about token lanes an engine pool has not)."""
+    from disagg.control.layout import LayoutInfo, describe_model
+    from disagg.control.messages import PROTOCOL_VERSION, RegisterDecode, Refused
+    from disagg.prefill.peers import DecodePeers
+
+    def pool(block, tp=1):
+        tensors = [torch.zeros(BLOCKS, HEADS // tp, block, 2 * HEAD) for _ in range(LAYERS)]
+        bufs = [b for layer, t in enumerate(tensors) for b in block_first(layer, t)]
+        model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
+        return EnginePool(EnginePoolConfig(model, block, torch.device("cpu"), tp, 0), bufs)
+
+    def info(endpoint):
+        pc = endpoint.pool.config
+        return LayoutInfo(pc.page_size, pc.layout.value, endpoint.buffers, describe_model(pc.model, pc.tp_size))
+
+    with PoolEndpoint(memory.MemoryTransport(), pool(32), CONFIG) as prefill:
+        peers = DecodePeers(KVSender(prefill), info(prefill), None, 1, 5.0, 1)
+        for block, tp in ((16, 1), (160, 1), (32, 2)):
+            with PoolEndpoint(memory.MemoryTransport(), pool(block, tp), CONFIG) as decode:
+                answer = peers.register(b"decode", RegisterDecode(PROTOCOL_VERSION, 2, info(decode), decode.offers(),
+                                                                  decode.staging_info(), tp, 0))
+            assert isinstance(answer, Refused) and answer.reason.startswith(
+                f"block size 32, TP 1 (sender) vs {block}, TP {tp} (receiver): engine KV caches pair only equal "
+                "block sizes and TP sizes"), answer

@@ -21,6 +21,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -41,12 +42,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# model fixture -> (dtype, block size, tokens generated). vLLM's CPU GDN kernels take bfloat16
-# only, and vLLM raises Qwen3-Next's block size to fit the GDN state in a page (160 here; ours is
-# a power of two). P/D hands decode the GDN state rounded to bf16 after N-1 prompt tokens, which
-# a one-pass local prefill never rounds: on a random model greedy drifts apart after some
-# tokens (7 of 12 on the 100-token prompt), so Qwen3-Next compares the first 6.
-MODELS = {"tiny_qwen3_next": ("bfloat16", 256, 6), "tiny_gemma3": ("float32", 32, 12),
+# model fixture -> (dtype, block size (None: vLLM's own choice), tokens generated). vLLM's CPU GDN
+# kernels take bfloat16 only, and vLLM raises Qwen3-Next's block size to fit the GDN state in a
+# page (160 here: not a power of two, which engine pools take). P/D hands decode the GDN state
+# rounded to bf16 after N-1 prompt tokens, which a one-pass local prefill never rounds: on a
+# random model greedy drifts apart after some tokens (7 of 12 on the 100-token prompt), so
+# Qwen3-Next compares the first 6.
+MODELS = {"tiny_qwen3_next": ("bfloat16", None, 6), "tiny_gemma3": ("float32", 32, 12),
           "tiny_llama": ("float32", 32, 12)}
 LOAD_S = 20
 
@@ -61,17 +63,21 @@ class Deployment:
         self.cores = sorted(os.sched_getaffinity(0))
         self.procs: dict[str, subprocess.Popen] = {}
         self.files: list = []
+        self.latest_log: dict[str, str] = {}
 
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
-    def start(self, name: str) -> None:
+    def start(self, name: str, faults: str = "") -> None:
+        """(Re)start one part; `faults`: the producer's inject_faults (transfer.faults)."""
         log = (self.logs / f"{name}-{len(self.files)}.log").open("w")
         self.files.append(log)
+        self.latest_log[name] = log.name
         out = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
         boot = f"tcp://127.0.0.1:{self.ports['bootstrap']}"
         if name == "prefill":
-            self.procs[name] = _server(self.model, self.ports[name], "kv_producer", {"bootstrap": boot},
+            extra = {"bootstrap": boot, **({"inject_faults": faults} if faults else {})}
+            self.procs[name] = _server(self.model, self.ports[name], "kv_producer", extra,
                                        str(self.cores[0]), log, (self.dtype, self.block_size))
         elif name == "decode":
             self.procs[name] = _server(self.model, self.ports[name], "kv_consumer", {"load_s": LOAD_S},
@@ -96,6 +102,10 @@ class Deployment:
                 tails = "\n".join(f"--- {f.name}\n{Path(f.name).read_text()[-2000:]}" for f in self.files)
                 raise AssertionError(f"not ready ({'exited: ' + ', '.join(dead) if dead else 'timeout'}):\n{tails}")
             time.sleep(1.0)
+
+    def log_of(self, name: str) -> str:
+        """What the part's latest start has written to its log so far."""
+        return Path(self.latest_log[name]).read_text(errors="replace")
 
     def kill(self, name: str) -> None:
         """SIGKILL the server and everything it started (its engine core, its workers)."""
@@ -124,7 +134,8 @@ def _server(model: Path, port: int, role: str, extra: dict, core: str, log, shap
            "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
     return subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.2",
-                             "--max-model-len", "512", "--block-size", str(shape[1]), "--dtype", shape[0],
+                             "--max-model-len", "512", *(("--block-size", str(shape[1])) if shape[1] else ()),
+                             "--dtype", shape[0],
                              "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)],
                             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -180,6 +191,27 @@ def _openai(pair, prompt: str) -> str:
     return got.choices[0].text
 
 
+@pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
+def test_streamed_and_chat_requests_through_our_router_match_decode_computing_locally(pair):
+    """Through `disagg router --backend vllm` with the openai client: a streamed completion
+    comes as decode's events (several chunks, the same text as decode's own answer); a chat
+    completion, non-streamed and streamed, says what decode says computing the chat itself."""
+    import openai
+    prompt, model = PROMPTS[0], str(pair.model)
+    client = openai.OpenAI(base_url=pair.url("router") + "/v1", api_key="unused", max_retries=0, timeout=120)
+    local = openai.OpenAI(base_url=pair.url("decode") + "/v1", api_key="unused", max_retries=0, timeout=120)
+    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=pair.max_tokens, temperature=0,
+                                            stream=True))
+    assert len(chunks) > 1 and "".join(c.choices[0].text for c in chunks if c.choices) == \
+        _complete(pair.url("decode"), pair, prompt)
+    chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": pair.max_tokens,
+            "temperature": 0}
+    want = local.chat.completions.create(**chat).choices[0].message.content
+    assert want and client.chat.completions.create(**chat).choices[0].message.content == want
+    streamed = list(client.chat.completions.create(**chat, stream=True))
+    assert len(streamed) > 1 and "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == want
+
+
 def _post(url: str, body: dict) -> tuple[int, dict]:
     req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
     try:
@@ -193,23 +225,46 @@ def _post(url: str, body: dict) -> tuple[int, dict]:
 def test_a_dead_prefill_fails_its_request_on_decode_and_the_next_is_served_once_it_is_back(pair):
     """The producer holds a prompt's KV (it answered) and is killed before the consumer loads
     it: the consumer's load fails (its bootstrap is gone) within load_s, and decode fails that
-    request (vLLM's kv_load_failure_policy "fail": an error answer, no hang); a producer
-    started again serves the next request, token-identical."""
-    prompt, model = PROMPTS[1], str(pair.model)
-    status, first = _post(pair.url("prefill") + "/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}})
-    assert status == 200 and first["kv_transfer_params"]["do_remote_prefill"] is True
+    request (vLLM's kv_load_failure_policy "fail": an error answer, no hang). Then a producer
+    killed truly mid-transfer: started with the "send.stall" fault, it stops once its body's
+    writes are out (it logs so) and is SIGKILLed there: decode fails that request too. A
+    producer started again serves the next request, token-identical."""
+    first = _prefill(pair, PROMPTS[1])
     pair.kill("prefill")
-    t0 = time.monotonic()
-    status, answer = _post(pair.url("decode") + "/v1/completions", {
-        "model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "kv_transfer_params": first["kv_transfer_params"]})
-    assert status >= 500, answer
-    assert time.monotonic() - t0 < LOAD_S + 15
+    _decode_fails(pair, PROMPTS[1], first)
+    pair.start("prefill", faults="send.stall=1")
+    pair.wait_ready(("prefill",))
+    first = _prefill(pair, PROMPTS[1])
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(_decode_fails, pair, PROMPTS[1], first)
+        give_up = time.monotonic() + LOAD_S
+        while "injected fault at send.stall" not in pair.log_of("prefill"):
+            assert time.monotonic() < give_up and not answer.done(), pair.log_of("prefill")[-3000:]
+            time.sleep(0.1)
+        pair.kill("prefill")
+        answer.result()
     pair.start("prefill")
     pair.wait_ready()
     assert _openai(pair, PROMPTS[0]) == _complete(pair.url("decode"), pair, PROMPTS[0])
+
+
+def _prefill(pair, prompt: str) -> dict:
+    """The producer's answer to `prompt` (its kv_transfer_params name the KV it holds)."""
+    status, first = _post(pair.url("prefill") + "/v1/completions", {
+        "model": str(pair.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert status == 200 and first["kv_transfer_params"]["do_remote_prefill"] is True, first
+    return first
+
+
+def _decode_fails(pair, prompt: str, first: dict) -> None:
+    """Decode, asked for `prompt` with the producer's params, answers an error within load_s."""
+    t0 = time.monotonic()
+    status, answer = _post(pair.url("decode") + "/v1/completions", {
+        "model": str(pair.model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
+        "kv_transfer_params": first["kv_transfer_params"]})
+    assert status >= 500, answer
+    assert time.monotonic() - t0 < LOAD_S + 15
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)

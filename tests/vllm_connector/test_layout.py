@@ -75,8 +75,9 @@ def test_a_name_without_a_layer_index_or_a_state_layer_not_named_is_refused():
         engine_pool({"model.layers.0.linear_attn": [torch.zeros(4, 8), torch.zeros(4, 8, 8)]}, 16, "tiny")
 
 
-def test_a_block_size_that_is_not_a_power_of_two_is_refused_with_what_to_start_vllm_with():
+def test_a_block_size_that_is_not_a_power_of_two_is_described():
     """vLLM raises a hybrid model's block size to fit its state in a page (160 for the tiny
-    Qwen3-Next); our page-size rule is a power of two: refused before anything opens."""
-    with pytest.raises(VllmLayoutError, match="block size 160 is not a power of two .* --block-size 256"):
-        engine_pool(_cpu_caches(block=160), 160, "tiny")
+    Qwen3-Next): an engine pool pairs whole blocks of equal size only, so 160 is a pool's
+    block size like any other (kvpool.spec.check_page_size, whole_blocks)."""
+    pool = engine_pool(_cpu_caches(block=160), 160, "tiny")
+    assert pool.config.shard.page_size == 160 and pool.config.shard.whole_blocks
