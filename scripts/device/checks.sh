@@ -8,7 +8,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 DISAGG_TEST_DEVICE=cuda timeout 200 python3 -m pytest -q -m 'gpu or not gpu' -p no:cacheprovider \
   tests/transfer/test_two_process.py tests/transfer/test_prepared.py tests/transfer/test_streaming.py \
   tests/transfer/test_transports.py tests/transfer/test_reshard.py tests/disagg/worker/test_tp_instances.py \
-  tests/transfer/test_suffix_send.py \
+  tests/transfer/test_suffix_send.py tests/transfer/test_engine_pool.py \
   -k 'cuda-ipc or cuda_ipc or on_a_gpu or cuda'
 echo "pytest rc=$?"
 timeout 330 python3 scripts/bench_tp.py --device cuda --transport cuda-ipc --tp 1:1,2:1,4:1,8:1,1:8,8:2 \

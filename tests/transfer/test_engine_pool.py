@@ -198,3 +198,66 @@ def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_
             assert isinstance(answer, Refused) and answer.reason.startswith(
                 f"block size 32, TP 1 (sender) vs {block}, TP {tp} (receiver): engine KV caches pair only equal "
                 "block sizes and TP sizes"), answer
+
+
+def _flashinfer(block=16, seed=0):
+    """FlashInfer's CUDA layout, block-first with K and V inside a block: [num_blocks, 2,
+    block_size, num_kv_heads, head_size] per layer."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(BLOCKS, 2, block, HEADS, HEAD, generator=g) for _ in range(LAYERS)]
+
+
+GPU_LAYOUTS = {"flash-attn": (_cuda_style, kv_first), "flashinfer": (_flashinfer, block_first),
+               "hybrid": (_hybrid, _pages)}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout,block", [("flash-attn", 16), ("flash-attn", 160), ("flashinfer", 16),
+                                          ("flashinfer", 160), ("hybrid", 16)])
+def test_the_connectors_cuda_layouts_move_over_cuda_ipc_on_a_gpu(layout, block):
+    """What a vLLM connector hands over on a GPU (FlashAttention's K/V-first tensors,
+    FlashInfer's block-first ones, a hybrid model's shared page pool; vLLM's block sizes and a
+    hybrid one's 160), moved over cuda-ipc between two engine pools on the GPU: the blocks
+    asked for land byte for byte, every other block is untouched, and the bytes stay on the
+    device (the upstream CUDA vLLM cannot run here: this is the GPU side of issue 34)."""
+    from transfer.transports import TransportSettings, create
+
+    make, describe = GPU_LAYOUTS[layout]
+    src_t = [t.cuda() for t in make(block, seed=1)]
+    dst_t = [t.cuda() for t in make(block, seed=2)]
+    if layout == "hybrid":   # the state view must keep its page stride over the moved storage
+        src_t, dst_t = _hybrid_on(src_t), _hybrid_on(dst_t)
+    rows = lambda ts: _blocks([t.cpu() for t in ts], "cpu" if layout == "flashinfer" else layout)  # noqa: E731
+    before, src = rows(dst_t), rows(src_t)
+    [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+
+    def pool(tensors):
+        bufs = _pages(0, tensors) if describe is _pages else \
+            [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
+        model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
+        return EnginePool(EnginePoolConfig(model, block, torch.device("cuda")), bufs)
+
+    src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
+    with PoolEndpoint(transport, pool(src_t), CONFIG) as endpoint, \
+            PoolEndpoint(transport, pool(dst_t), CONFIG) as receiver:
+        sender = KVSender(endpoint)
+        peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
+        idx = IndexSet({Component.FULL: torch.tensor(src_blocks, dtype=torch.int32).numpy()})
+        didx = IndexSet({Component.FULL: torch.tensor(dst_blocks, dtype=torch.int32).numpy()})
+        report = sender.send(peer, idx, didx)
+        peer.link.close()
+    torch.cuda.synchronize()
+    assert report.mode is Mode.DIRECT and report.transport == "cuda-ipc", report
+    after = rows(dst_t)
+    others = [b for b in range(BLOCKS) if b not in dst_blocks]
+    for layer in range(LAYERS):
+        assert all(torch.equal(after[layer][d], src[layer][s]) for s, d in zip(src_blocks, dst_blocks)), layer
+        assert torch.equal(after[layer][others], before[layer][others]), f"layer {layer}: other blocks changed"
+
+
+def _hybrid_on(tensors):
+    """_hybrid's two views rebuilt over one CUDA storage (moving each view to the GPU alone
+    would give each its own memory)."""
+    raw = tensors[1].view(torch.uint8).reshape(-1)
+    state = torch.as_strided(raw.view(torch.int8), (BLOCKS, 1, 600), (PAGE, 600, 1))
+    return [state, tensors[1]]
