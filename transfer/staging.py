@@ -29,7 +29,8 @@ from transfer.errors import IndexMismatch, StagingError
 from transfer.leases import SlotLease
 from transfer.plan import ComponentPlan
 from transfer.suffix import Suffix
-from transfer.tokens import TokenRows, first_covered, rows, scatter_rows
+from transfer.bands import band_copy, band_index, lane_run, split_rows
+from transfer.tokens import TokenRows, first_covered, rows
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -191,9 +192,11 @@ def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
 
 
 def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
-            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None) -> None:
+            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None,
+            bands: dict | None = None) -> None:
     """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
-    pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes).
+    pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes; `bands`:
+    the caller's cache of those lanes' bands over `buffers`, kept across chunks).
     Every field of the (untrusted) notice is validated first; nothing is written unless all
     pieces are valid."""
     if not 0 <= slot < area.num_slots:
@@ -235,13 +238,33 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
         if p.offset < 0 or end > area.slot_bytes:
             raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
         plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
-    data = area.slot(slot)
-    for buf, items, start, end in plan:
-        if isinstance(items, tuple):
-            scatter_rows(buf, *items, data[start:end])
-            continue
-        at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
-        src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
-        word_rows(buf, buf.shape[1]).index_copy_(0, at, word_rows(src, buf.shape[1]))
+    _write(plan, pieces, area.slot(slot), buffers, own, {} if bands is None else bands)
     for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
         sync(device)
+
+
+def _write(plan: list, pieces: list[Piece], data: torch.Tensor, buffers: dict[Component, list[torch.Tensor]],
+           own: TokenRows | None, bands: dict) -> None:
+    """Copy each validated piece (plan[i] is pieces[i]'s) from the slot into the pool: a run of
+    by-token pieces over one band of our lanes in one copy per span (transfer.bands), a
+    whole-item piece with one index_copy_."""
+    spans: dict[tuple, object] = {}   # a component's rows of the same positions: split once
+    i = 0
+    while i < len(plan):
+        buf, items, start, end = plan[i]
+        if not isinstance(items, tuple):
+            at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
+            src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
+            word_rows(buf, buf.shape[1]).index_copy_(0, at, word_rows(src, buf.shape[1]))
+            i += 1
+            continue
+        lane, rows_ = items
+        c = Component(pieces[i].component)
+        if (c, own.lanes[c]) not in bands:
+            bands[c, own.lanes[c]] = band_index(own.lanes[c], buffers[c])
+        band, k, n = lane_run(pieces, i, bands[c, own.lanes[c]])
+        key = (c, pieces[i].first, pieces[i].count, lane.page_size)
+        if key not in spans:
+            spans[key] = split_rows(rows_, lane.page_size)
+        band_copy(band, slice(k, k + n), rows_, spans[key], data[start:start + n * (end - start)], into_pool=True)
+        i += n

@@ -3,6 +3,8 @@ lane's own definition (Lane.at), whatever the pages' order, the page sizes, the 
 where a slot cuts a lane; and a chunk of one component's TP slices over consecutive pages is
 one band and one run of pages (a few copies, not one or three per piece)."""
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,16 +13,19 @@ from harness import memory
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from transfer.config import TransferConfig
 from transfer.endpoint import PoolEndpoint
-from transfer.gather import Gatherer, bands, split_rows
+from transfer.bands import bands, split_rows
+from transfer.gather import Gatherer
 from transfer.plan import build_plan
 from transfer.reshard import Shard, pair_lanes
 from transfer.staging import chunk_plan
 from transfer.tokens import Tokens
 
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")   # cuda: the device copies (scripts/device/checks.sh)
+
 
 def _pool(preset, page, layout, tp=(1, 0), shuffle=False):
     pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=1024, max_requests=2, layout=layout,
-                                 tp_size=tp[0], tp_rank=tp[1]))
+                                 tp_size=tp[0], tp_rank=tp[1], device=DEVICE))
     if shuffle:
         np.random.default_rng(page).shuffle(pool.pages._stack[:pool.pages.num_free])
     for p in pool.pools.values():
@@ -49,7 +54,7 @@ def _expected(piece, cp, tensors):
     if not piece.by_token:
         first = piece.first - cp.first_item
         items = torch.from_numpy(np.array(cp.src_idx[first:first + piece.count], dtype=np.int64))
-        buf = tensors[cp.component][piece.buffer][items]
+        buf = tensors[cp.component][piece.buffer][items.to(DEVICE)]
         return (buf[:, piece.field_off:piece.field_off + piece.field_len] if piece.field_len else buf).reshape(-1)
     ids = [cp.buffer_id(i) for i in range(cp.streams)]
     lane = cp.src_lanes[ids.index(piece.buffer)]
@@ -72,7 +77,7 @@ def test_every_gathered_piece_is_its_lanes_rows(preset, pages, tp, layout, n, sh
     src = _pool(preset, pages[0], layout, shuffle=shuffle)
     dst = _pool(preset, pages[1], layout, tp)
     plan, sep = _plan(src, dst, n)
-    slot = torch.zeros(slot_bytes + 8, dtype=torch.uint8)[8:]
+    slot = torch.zeros(slot_bytes + 8, dtype=torch.uint8, device=DEVICE)[8:]
     gatherer = Gatherer(plan.body, sep.tensors)
     by_comp = {cp.component.value: cp for cp in plan.body}
     pieces = 0
