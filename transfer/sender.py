@@ -183,11 +183,14 @@ class KVSender:
         plan_ms = (time.perf_counter() - t0) * 1e3
         mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer),
                            can_stage)
-        writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
-                       for g in groups) if mode is Mode.DIRECT else ()
-        aux = peer.link.prepare_runs([plan.aux.runset]) if plan.aux is not None else None
-        if peer.link.ordered and not streamed and aux is not None and len(writes) == 1 and writes[0] is not None:
-            writes, aux = (peer.link.chain([writes[0], aux]),), None   # the AUX row behind the body, one hand-off
+        aux_runs = [plan.aux.runset] if plan.aux is not None else None
+        if mode is Mode.DIRECT and peer.link.ordered and not streamed and aux_runs and len(groups) == 1 and groups[0].body:
+            # the AUX row behind the body, one hand-off (cuda-ipc: one table, one upload)
+            writes, aux = (peer.link.prepare_chain([[c.runset for c in groups[0].body], aux_runs]),), None
+        else:
+            writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
+                           for g in groups) if mode is Mode.DIRECT else ()
+            aux = peer.link.prepare_runs(aux_runs) if aux_runs else None
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
                             (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens, prefix_len=prefix_len)
