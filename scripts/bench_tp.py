@@ -2,11 +2,15 @@
 """TP resharding benchmark: N prefill ranks into M decode ranks, every pair at once, beside
 the 1 -> 1 transfer of the same bytes (same model, same tokens).
 
-The N prefill pools live in this process, each written by the stand-in engine (a rank's
-bytes are its heads of the whole model's row); each of the M decode ranks is a harness peer
-process (its own pool of TP size M). Every (prefill rank, decode rank) pair that has slices
-to move sends concurrently, one thread each; a decode rank is done when all its senders are.
-Every decode rank then checks its KV with the stand-in's verify (byte for byte).
+Each of the N prefill ranks is a process of its own (harness.sender_server; --senders
+process, the default on the CPU), as deployments and the demo run them, its pool written by
+the stand-in engine (a rank's bytes are its heads of the whole model's row); or, with
+--senders thread (the default on a GPU), all N pools live in this process, one GIL for every
+send. Each of the M decode ranks is a harness peer process (its own pool of TP size M).
+Every (prefill rank, decode rank) pair that has slices to move sends concurrently, a thread
+each in its rank's process; a decode rank is done when all its senders are (by the wall
+clock the reports end at). Every decode rank then checks its KV with the stand-in's verify
+(byte for byte).
 
     per decode rank  bytes it received / time until its last sender finished
     aggregate        all bytes / the wall time of the whole exchange
@@ -17,6 +21,7 @@ Every decode rank then checks its KV with the stand-in's verify (byte for byte).
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
+                                         [--senders process|thread]
 """
 
 import argparse
@@ -40,6 +45,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root fi
 from disagg.engine.standin import StandInEngine  # noqa: E402
 from disagg.worker.flags import STAGING_SLOTS  # noqa: E402
 from harness.peer_client import PeerProcess  # noqa: E402
+from harness.sender_client import SenderProcess  # noqa: E402
+from harness.wire import SendTo  # noqa: E402
 from kvpool import HybridPool, Layout, PoolConfig, get_preset  # noqa: E402
 from kvpool.geometry import components  # noqa: E402
 from transfer.config import Mode, TransferConfig  # noqa: E402
@@ -50,75 +57,140 @@ from transfer.transports import TRANSPORTS, TransportSettings, create  # noqa: E
 from transfer.staging import RemoteSlots  # noqa: E402
 
 
+class ThreadRanks:
+    """--senders thread: the N prefill pools in this process, a thread per send (one GIL: it
+    measures host work per send times N, which no deployment has)."""
+
+    def __init__(self, args, transport, n: int, layout: Layout, tokens: int, ids: np.ndarray, cfg: TransferConfig):
+        model, self.tokens = get_preset(args.preset), tokens
+        self.prefill = []
+        for r in range(n):
+            pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=int(tokens * 2.5), max_requests=2,
+                                         layout=layout, tp_size=n, tp_rank=r, device=args.device))
+            req = pool.alloc_request(tokens)
+            StandInEngine().prefill(pool, req, ids, ROOM)
+            self.prefill.append((pool, req))
+        self.endpoints = [PoolEndpoint(transport, pool, cfg) for pool, _ in self.prefill]
+        self.senders = [KVSender(e) for e in self.endpoints]
+
+    def link(self, pairs, peers) -> None:
+        self.peers = peers
+        self.links = {(r, s): peers[s].connect(self.senders[r]) for r, s in pairs}
+
+    def send_all(self, pairs, targets, slots) -> tuple[float, dict]:
+        """Every pair's send at once; (wall clock at the start, report per pair)."""
+        reports, errors = {}, []
+
+        def one(r, s):
+            try:
+                pool, req = self.prefill[r]
+                reports[r, s] = self.senders[r].send(self.links[r, s], pool.index_set(req), targets[s][1],
+                                                     RemoteSlots(1 + r, slots[r, s], self.peers[s].channel),
+                                                     num_tokens=self.tokens)
+            except Exception as exc:   # reported below
+                errors.append(exc)
+        threads = [threading.Thread(target=one, args=p) for p in pairs]
+        t0 = time.time()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return t0, reports
+
+    def close(self) -> None:
+        for endpoint in self.endpoints:
+            endpoint.close()
+
+
+class ProcessRanks:
+    """--senders process: each prefill rank in a process of its own (harness.sender_server),
+    as deployments and the demo run them; each (rank, decode rank) pair has its own chunk
+    channel (the decode rank's channel 1 + rank)."""
+
+    def __init__(self, args, transport, n: int, layout: Layout, tokens: int, ids: np.ndarray, cfg: TransferConfig):
+        procs = [SenderProcess(args.preset, args.page_size, tokens, (n, r), layout=layout.value, seed=tokens, room=ROOM,
+                               mode=args.mode, staging_slots=cfg.staging_slots, device=args.device,
+                               transport=args.transport) for r in range(n)]
+        try:
+            self.procs = [p.ready() for p in procs]
+        except BaseException:
+            for p in procs:
+                p.close()
+            raise
+
+    def link(self, pairs, peers) -> None:
+        for r, s in pairs:
+            self.procs[r].link(s, peers[s].target(), peers[s].channels[1 + r])
+
+    def send_all(self, pairs, targets, slots) -> tuple[float, dict]:
+        by_rank: dict[int, list] = {}
+        for r, s in pairs:
+            arrays = {c.value: targets[s][1][c].astype(np.int32).tobytes() for c in targets[s][1].components()}
+            by_rank.setdefault(r, []).append((s, SendTo(s, 1 + r, arrays, list(slots[r, s]))))
+        t0 = time.time()
+        for r, sends in by_rank.items():
+            self.procs[r].start_send([x for _, x in sends])
+        reports = {}
+        for r, sends in by_rank.items():
+            for (s, _), rep in zip(sends, self.procs[r].finish_send().reports):
+                reports[r, s] = rep
+        return t0, reports
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.close()
+
+
+ROOM = 11
+
+
 def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int) -> dict:
     model = get_preset(args.preset)
     capacity = int(tokens * 2.5)   # room for every SWA page of the prompt at swa_ratio 0.5
-    room = 11
     ids = np.random.default_rng(tokens).integers(0, 50000, tokens)
     cfg = TransferConfig(mode=Mode(args.mode), staging_slots=STAGING_SLOTS)   # a worker's default
-    prefill = []
-    for r in range(n):
-        pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=capacity, max_requests=2, layout=layout,
-                                     tp_size=n, tp_rank=r, device=args.device))
-        req = pool.alloc_request(tokens)
-        StandInEngine().prefill(pool, req, ids, room)
-        prefill.append((pool, req))
     targets, pairs = [], []
     for s, peer in enumerate(peers[:m]):
         peer.configure(args.preset, args.peer_page, capacity, layout=layout.value, max_requests=2,
                        staging_slots=2 * n, staging_slot_mib=cfg.staging_slot_bytes >> 20,   # 2 per sender
                        device=args.peer_device, tp=(m, s))
-        rid, dst = peer.alloc(tokens)
-        targets.append((rid, dst))
+        targets.append(peer.alloc(tokens))
         pairs += [(r, s) for r in senders_of(model, n, Shard(args.peer_page, m, s), components(model))]
-    endpoints = [PoolEndpoint(transport, pool, cfg) for pool, _ in prefill]
-    senders = [KVSender(e) for e in endpoints]
+    ranks = (ProcessRanks if args.senders == "process" else ThreadRanks)(args, transport, n, layout, tokens, ids, cfg)
     try:
-        links = {(r, s): peers[s].connect(senders[r]) for r, s in pairs}
+        ranks.link(pairs, peers)
         slots = {(r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r))
                  for r, s in pairs}
-        samples, reports = [], {}
-        for _ in range(args.repeats + 1):   # the first is a warm-up
-            ends, errors = {}, []
-
-            def one(r, s):
-                try:
-                    rep = senders[r].send(links[r, s], prefill[r][0].index_set(prefill[r][1]), targets[s][1],
-                                          RemoteSlots(1 + r, slots[r, s], peers[s].channel), num_tokens=tokens)
-                    reports[r, s] = rep
-                    ends[r, s] = time.perf_counter()
-                except Exception as exc:   # reported below
-                    errors.append(exc)
-            threads = [threading.Thread(target=one, args=p) for p in pairs]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            if errors:
-                raise errors[0]
-            samples.append((t0, dict(ends)))
-        walls = [max(e.values()) - t0 for t0, e in samples[1:]]
-        wall = statistics.median_low(walls)
-        t0, ends = samples[1:][walls.index(wall)]
-        by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
-        rank_gbps = [by_rank[s] / (max(ends[p] for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
+        samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats + 1)]   # the first: a warm-up
         for s in range(m):
-            peers[s].verify(targets[s][0], ids, room)
+            peers[s].verify(targets[s][0], ids, ROOM)
         for r, s in pairs:
             peers[s].release(1 + r)
-        return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size,
-                "decode_page_size": args.peer_page, "tokens": tokens,
-                "senders": len(pairs), "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
-                "ranges_per_request": sum(reports[p].ranges for p in pairs),
-                "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
-                "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True,
-                "sender_ms_median": _phases([reports[p] for p in pairs])}
+        return _row(args, n, m, layout, tokens, pairs, samples[1:])
     finally:
         for s, (rid, _) in enumerate(targets):
             peers[s].free(rid)
-        for endpoint in endpoints:
-            endpoint.close()
+        ranks.close()
+
+
+def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> dict:
+    """The row of the median-wall repeat: per decode rank bytes / time until its last sender
+    ended, aggregate bytes / wall, where the senders' time went."""
+    walls = [max(rep.end_at for rep in reports.values()) - t0 for t0, reports in samples]
+    wall = statistics.median_low(walls)
+    t0, reports = samples[walls.index(wall)]
+    by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
+    rank_gbps = [by_rank[s] / (max(reports[p].end_at for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
+    return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size,
+            "decode_page_size": args.peer_page, "tokens": tokens, "senders": len(pairs),
+            "sender_processes": args.senders == "process",
+            "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
+            "ranges_per_request": sum(reports[p].ranges for p in pairs),
+            "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
+            "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True,
+            "sender_ms_median": _phases([reports[p] for p in pairs])}
 
 
 def _phases(reports) -> dict:
@@ -142,16 +214,20 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names())
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--senders", choices=["process", "thread"], default=None,
+                    help="each prefill rank's sender in a process of its own (as deployed; default on the CPU) or "
+                         "all ranks in this process, a thread per send (one GIL; default on a GPU)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
     groups = [(int(p), int(q or p)) for p, _, q in (g.partition(":") for g in args.page_sizes.split(","))]
     env = dict(os.environ)
     args.peer_device = "cuda" if args.device.startswith("cuda") else args.device
+    args.senders = args.senders or ("process" if args.device == "cpu" else "thread")
     [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
     rows = []
-    peers = [PeerProcess(args.preset, groups[0][1], 4096, transport=args.transport, env=env,
-                         device=args.peer_device) for _ in range(max(m for _, m in pairs))]
+    peers = [PeerProcess(args.preset, groups[0][1], 4096, transport=args.transport, env=env, device=args.peer_device,
+                         chunk_channels=1 + max(n for n, _ in pairs)) for _ in range(max(m for _, m in pairs))]
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
             equal_pages_ms = None

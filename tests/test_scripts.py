@@ -2,6 +2,7 @@
 enough for a CPU), test.sh --help says what it does without setting anything up, and a
 second setup.sh with nothing changed installs nothing."""
 
+import json
 import os
 import shlex
 import subprocess
@@ -83,3 +84,19 @@ def test_a_second_setup_with_nothing_changed_does_not_run_pip(tmp_path):
     stamp.write_text(stamp.read_text().replace("pyproject.toml ", "pyproject.toml 0", 1))   # as if it changed
     third = _run_setup(venv)
     assert "installing disagg[" in third.stderr, third.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("senders", ["process", "thread"])
+def test_bench_tp_runs_each_prefill_rank_where_asked_and_verifies_every_row(senders):
+    """Issue 40: bench_tp ran all prefill ranks in one process (one GIL for every send), which
+    no deployment does; --senders process (the CPU default) runs each rank's sender in a
+    process of its own, each with its own chunk channel to every decode rank it feeds."""
+    out = subprocess.run([sys.executable, "scripts/bench_tp.py", "--preset", "tiny-swa", "--tp", "1:1,2:1,1:2",
+                          "--page-sizes", "4", "--tokens", "300", "--repeats", "1", "--json", "--senders", senders],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    rows = json.loads(out.stdout)["rows"]
+    assert [r["tp"] for r in rows] == ["1:1", "2:1", "1:2"]
+    assert all(r["verified"] and r["sender_processes"] == (senders == "process") for r in rows)
+    assert rows[1]["senders"] == 2 and rows[2]["senders"] == 2 and rows[2]["x_1to1"] is not None

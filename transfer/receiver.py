@@ -27,6 +27,7 @@ class KVReceiver:
 
     def __init__(self, endpoint: PoolEndpoint):
         self.endpoint = endpoint
+        self.bands: dict = {}   # scatter's bands of our lanes, per lane pairing (a few per sender shard)
 
     def reserve_slots(self, n: int = 2) -> list[int]:
         """Staging slots for one transfer ([] when all are in use: the sender goes direct)."""
@@ -89,4 +90,7 @@ class KVReceiver:
             raise StagingError(f"injected fault at recv.chunk (chunk {index})")
         if lanes is None:   # a sender of our TP shard: our paged segments whole
             lanes = {c: l for c, l in self.endpoint.lanes.items() if not c.per_request}
-        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, TokenRows(num_tokens, lanes, prefix_len))
+        if len(self.bands) > 64:
+            self.bands.clear()
+        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, TokenRows(num_tokens, lanes, prefix_len),
+                self.bands)

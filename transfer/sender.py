@@ -47,7 +47,8 @@ from transfer.faults import FaultInjector
 from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
-from transfer.staging import Chunk, RemoteSlots, chunk_plan, gather
+from transfer.gather import Gatherer
+from transfer.staging import Chunk, RemoteSlots, chunk_plan
 from transfer.report import TransferReport
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
 from transfer.suffix import suffix_of
@@ -183,11 +184,14 @@ class KVSender:
         plan_ms = (time.perf_counter() - t0) * 1e3
         mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer),
                            can_stage)
-        writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
-                       for g in groups) if mode is Mode.DIRECT else ()
-        aux = peer.link.prepare_runs([plan.aux.runset]) if plan.aux is not None else None
-        if peer.link.ordered and not streamed and aux is not None and len(writes) == 1 and writes[0] is not None:
-            writes, aux = (peer.link.chain([writes[0], aux]),), None   # the AUX row behind the body, one hand-off
+        aux_runs = [plan.aux.runset] if plan.aux is not None else None
+        if mode is Mode.DIRECT and peer.link.ordered and not streamed and aux_runs and len(groups) == 1 and groups[0].body:
+            # the AUX row behind the body, one hand-off (cuda-ipc: one table, one upload)
+            writes, aux = (peer.link.prepare_chain([[c.runset for c in groups[0].body], aux_runs]),), None
+        else:
+            writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
+                           for g in groups) if mode is Mode.DIRECT else ()
+            aux = peer.link.prepare_runs(aux_runs) if aux_runs else None
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
         return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
                             (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens, prefix_len=prefix_len)
@@ -329,6 +333,7 @@ class StagedWrite:
         self.free: list[int] = []              # local slots to gather into
         self.flying: deque[_ChunkWrite] = deque()   # started, not yet told, in chunk order
         self.told = 0                          # chunks told to the receiver (0 .. told-1)
+        self.gatherer: Gatherer | None = None  # the send's lane views (built in send())
 
     def send(self, body: Sequence[ComponentPlan], chunks: list[Chunk], share: float = 1.0) -> int:
         """Every chunk written and told, and the last one acked; the number of chunks. A
@@ -336,6 +341,7 @@ class StagedWrite:
         only then, and only `share` of them (others' transfers need some meanwhile)."""
         if chunks:
             self.run.layers(chunks[0].layers_needed)
+        self.gatherer = Gatherer(body, self.endpoint.tensors)
         staging, config = self.endpoint.staging, self.endpoint.config
         # no more local slots than it can use: one per chunk, and at most one gathering beyond the
         # remote slots in flight; the rest stay free for this sender's other destinations (TP 1 -> 8:
@@ -347,7 +353,7 @@ class StagedWrite:
         self.free = list(local_slots)
         try:
             for i, chunk in enumerate(chunks):
-                self._write(i, chunk, body)
+                self._write(i, chunk)
             self._tell_landed(len(chunks))
             if chunks:
                 self._await_ack(len(chunks) - 1)
@@ -359,7 +365,7 @@ class StagedWrite:
             self.remote.channel.end(self.remote.transfer_id)
         return len(chunks)
 
-    def _write(self, i: int, chunk: Chunk, body: Sequence[ComponentPlan]) -> None:
+    def _write(self, i: int, chunk: Chunk) -> None:
         """Gather chunk i and start its write (telling what landed meanwhile)."""
         remote, peer, staging = self.remote, self.peer, self.endpoint.staging
         n_remote = len(remote.slots)
@@ -367,7 +373,7 @@ class StagedWrite:
         if not self.free:   # every local slot is in flight: the oldest must land first
             self._tell_landed(self.told + 1)
         slot = self.free.pop()
-        gather(chunk, body, self.endpoint.tensors, staging.slot(slot))
+        self.gatherer.gather(chunk, staging.slot(slot))
         if i >= n_remote:  # the remote slot is reused: wait until its last chunk was scattered
             self._tell_landed(i - n_remote + 1)
             self._await_ack(i - n_remote)

@@ -1,7 +1,7 @@
 """Staging for fragmented transfers: gather -> one large write per chunk -> scatter.
 
-    sender pool pages  --gather (index_select)-->  sender slot   --one transport range-->
-    receiver slot      --scatter (index_copy_)-->  receiver pool pages
+    sender pool pages  --gather (transfer.gather)-->  sender slot  --one transport range-->
+    receiver slot      --scatter (index_copy_)-->     receiver pool pages
 
 A plan's (component, buffer) streams are packed into chunks of at most one slot:
 
@@ -29,7 +29,8 @@ from transfer.errors import IndexMismatch, StagingError
 from transfer.leases import SlotLease
 from transfer.plan import ComponentPlan
 from transfer.suffix import Suffix
-from transfer.tokens import TokenRows, first_covered, gather_rows, rows, scatter_rows
+from transfer.bands import band_copy, band_index, lane_run, split_rows
+from transfer.tokens import TokenRows, first_covered, rows
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -114,7 +115,7 @@ def _align(n: int) -> int:
     return (n + PIECE_ALIGN - 1) // PIECE_ALIGN * PIECE_ALIGN
 
 
-def _rows(t: torch.Tensor, item_bytes: int) -> torch.Tensor:
+def word_rows(t: torch.Tensor, item_bytes: int) -> torch.Tensor:
     """View uint8 rows as the widest integer type dividing the row: torch's index_copy_ moves
     uint8 rows at ~1 GB/s and int64 rows at ~4.5 GB/s on the same CPU."""
     for dtype in (torch.int64, torch.int32, torch.int16):
@@ -147,44 +148,15 @@ class StagingArea:
         return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.current_stream(device).synchronize()
 
 
-def _field(buf: torch.Tensor, p: "Piece") -> torch.Tensor:
+def field_view(buf: torch.Tensor, p: "Piece") -> torch.Tensor:
     """[items, bytes that move] of a buffer for one piece: the whole rows, or a field of each
     (a strided view: a layer group of page-major rows)."""
     return buf[:, p.field_off:p.field_off + p.field_len] if p.field_len else buf
-
-
-def gather(chunk: Chunk, body: Sequence[ComponentPlan], buffers: dict[Component, list[torch.Tensor]],
-           slot: torch.Tensor) -> None:
-    """Copy the chunk's source items into `slot` (one index_select per piece)."""
-    by_comp = {cp.component: cp for cp in body}
-    devices = {slot.device}
-    for p in chunk.pieces:
-        c = Component(p.component)
-        if p.by_token:   # pools of different page sizes: rows of one lane (transfer.tokens)
-            cp = by_comp[c]
-            lane = cp.src_lanes[[cp.buffer_id(i) for i in range(cp.streams)].index(p.buffer)]
-            first = p.first - cp.first_position
-            gather_rows(buffers[c][lane.buffer], lane, cp.src_idx[first:first + p.count],
-                        slot[p.offset:p.offset + p.count * lane.token_bytes])
-            devices.add(buffers[c][lane.buffer].device)
-            continue
-        buf = _field(buffers[c][p.buffer], p)
-        width = buf.shape[1]
-        first = p.first - by_comp[c].first_item
-        idx = torch.from_numpy(np.array(by_comp[c].src_idx[first:first + p.count], dtype=np.int64)).to(buf.device)
-        out = slot[p.offset:p.offset + p.count * width].view(p.count, width)
-        if out.device == buf.device:  # one kernel straight into the slot
-            torch.index_select(_rows(buf, width), 0, idx, out=_rows(out, width))
-        else:  # e.g. a host staging area for a GPU pool
-            out.copy_(buf.index_select(0, idx))
-        devices.add(buf.device)
-    for device in devices:
-        _sync(device)
 
 
 def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRows):
@@ -220,9 +192,11 @@ def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
 
 
 def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
-            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None) -> None:
+            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None,
+            bands: dict | None = None) -> None:
     """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
-    pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes).
+    pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes; `bands`:
+    the caller's cache of those lanes' bands over `buffers`, kept across chunks).
     Every field of the (untrusted) notice is validated first; nothing is written unless all
     pieces are valid."""
     if not 0 <= slot < area.num_slots:
@@ -252,7 +226,7 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
         if p.field_len and not (0 <= p.field_off and 0 < p.field_len and p.field_off + p.field_len <= whole):
             raise StagingError(f"chunk {index}: field [{p.field_off}, {p.field_off + p.field_len}) outside the "
                                f"{whole}-byte {p.component} item")
-        buf = _field(buffers[c][p.buffer], p)
+        buf = field_view(buffers[c][p.buffer], p)
         idx, lo = dst[c], _first_item(c, dst[c], own)
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
             raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
@@ -264,13 +238,33 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
         if p.offset < 0 or end > area.slot_bytes:
             raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
         plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
-    data = area.slot(slot)
-    for buf, items, start, end in plan:
-        if isinstance(items, tuple):
-            scatter_rows(buf, *items, data[start:end])
-            continue
-        at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
-        src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
-        _rows(buf, buf.shape[1]).index_copy_(0, at, _rows(src, buf.shape[1]))
+    _write(plan, pieces, area.slot(slot), buffers, own, {} if bands is None else bands)
     for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
-        _sync(device)
+        sync(device)
+
+
+def _write(plan: list, pieces: list[Piece], data: torch.Tensor, buffers: dict[Component, list[torch.Tensor]],
+           own: TokenRows | None, bands: dict) -> None:
+    """Copy each validated piece (plan[i] is pieces[i]'s) from the slot into the pool: a run of
+    by-token pieces over one band of our lanes in one copy per span (transfer.bands), a
+    whole-item piece with one index_copy_."""
+    spans: dict[tuple, object] = {}   # a component's rows of the same positions: split once
+    i = 0
+    while i < len(plan):
+        buf, items, start, end = plan[i]
+        if not isinstance(items, tuple):
+            at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
+            src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
+            word_rows(buf, buf.shape[1]).index_copy_(0, at, word_rows(src, buf.shape[1]))
+            i += 1
+            continue
+        lane, rows_ = items
+        c = Component(pieces[i].component)
+        if (c, own.lanes[c]) not in bands:
+            bands[c, own.lanes[c]] = band_index(own.lanes[c], buffers[c])
+        band, k, n = lane_run(pieces, i, bands[c, own.lanes[c]])
+        key = (c, pieces[i].first, pieces[i].count, lane.page_size)
+        if key not in spans:
+            spans[key] = split_rows(rows_, lane.page_size)
+        band_copy(band, slice(k, k + n), rows_, spans[key], data[start:start + n * (end - start)], into_pool=True)
+        i += n

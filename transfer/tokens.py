@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from kvpool.geometry import Component, segments
 from kvpool.layout import Layout, pack
@@ -162,64 +161,3 @@ def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, b
     for b in bufs:
         by_c.setdefault(Component(b.component), []).append(b)
     return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items()}
-
-def lane_tensor(buf: torch.Tensor, lane: Lane, rows_data: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([items, page_size, row words] view of a lane in its buffer ([items, pitch] uint8),
-    `rows_data` (uint8, rows x token_bytes) as [rows, row words]), in the widest integer type
-    that divides every offset of both (uint8 rows move at a fraction of the speed)."""
-    w = next((d for d in (torch.int64, torch.int32, torch.int16, torch.uint8)
-              if not (lane.token_bytes % d.itemsize or lane.offset % d.itemsize or lane.pitch % d.itemsize
-                      or lane.stride % d.itemsize or buf.data_ptr() % d.itemsize
-                      or rows_data.data_ptr() % d.itemsize)))
-    words = buf.view(w) if w is not torch.uint8 else buf
-    k = w.itemsize
-    view = words.as_strided((buf.shape[0], lane.page_size, lane.token_bytes // k),
-                            (lane.pitch // k, lane.stride // k, 1), words.storage_offset() + lane.offset // k)
-    data = rows_data.view(w) if w is not torch.uint8 else rows_data
-    return view, data.view(-1, lane.token_bytes // k)
-
-
-def _split(rows_: np.ndarray, page_size: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    r = torch.from_numpy(np.array(rows_, dtype=np.int64)).to(device)
-    return r // page_size, r % page_size
-
-
-def gather_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, out: torch.Tensor) -> None:
-    """Copy `rows_` of a lane into `out` (uint8, len(rows_) * token_bytes). Rows of consecutive
-    positions fill whole pages but at the ends: those pages go in one index_select over pages
-    (CPU: 7-13 GB/s where indexing rows one by one ran at 0.7-2.3 GB/s, a TP slice's 512 B rows),
-    the partial pages at either end row by row."""
-    view, dst = lane_tensor(buf, lane, out)
-    r = np.asarray(rows_, dtype=np.int64)
-    p = lane.page_size
-    lead = min(len(r), -int(r[0]) % p) if len(r) else 0
-    whole = (len(r) - lead) // p * p
-    body = r[lead:lead + whole]
-    pages = body[::p] // p
-    if p > 1 and whole and np.array_equal(body, (pages[:, None] * p + np.arange(p)).reshape(-1)):
-        torch.index_select(view, 0, torch.from_numpy(pages).to(view.device),
-                           out=dst[lead:lead + whole].view(len(pages), p, -1))
-        for a, b in ((0, lead), (lead + whole, len(r))):
-            if b > a:
-                page, slot = _split(r[a:b], p, view.device)
-                dst[a:b].copy_(view[page, slot])
-        return
-    page, slot = _split(r, p, view.device)
-    dst.copy_(view[page, slot])
-
-
-def scatter_rows(buf: torch.Tensor, lane: Lane, rows_: np.ndarray, data: torch.Tensor) -> None:
-    """Write `data` (uint8, len(rows_) * token_bytes) into `rows_` of a lane. On the CPU numpy
-    moves each row as one element (a void of token_bytes): 5.5-10 GB/s for a TP slice's 512 B
-    rows, where torch's indexed assignment, word by word, ran at 1.8-3.5 GB/s."""
-    if buf.device.type == "cpu" and data.device.type == "cpu" and buf.is_contiguous():
-        row = np.dtype((np.void, lane.token_bytes))
-        flat = buf.numpy().reshape(-1)
-        view = np.lib.stride_tricks.as_strided(flat[lane.offset:], shape=(buf.shape[0], lane.page_size, lane.token_bytes),
-                                               strides=(lane.pitch, lane.stride, 1)).view(row)[..., 0]
-        r = np.asarray(rows_, dtype=np.int64)
-        view[r // lane.page_size, r % lane.page_size] = data.numpy().view(row)
-        return
-    view, src = lane_tensor(buf, lane, data)
-    page, slot = _split(rows_, lane.page_size, view.device)
-    view[page, slot] = src.to(view.device)

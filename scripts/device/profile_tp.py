@@ -49,6 +49,8 @@ def main() -> int:
         i = args.index("--top")
         top = int(args[i + 1])
         del args[i:i + 2]
+    if "--senders" not in args:
+        args += ["--senders", "thread"]   # the sends in this process, where the profiler sees them
     sys.argv = ["bench_tp.py", *args]
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench_tp.py"), run_name="bench_tp")
     bench["main"].__globals__["threading"] = types.SimpleNamespace(Thread=Inline)   # the bench's name only

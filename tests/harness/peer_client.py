@@ -103,11 +103,15 @@ class PeerProcess(_Driver):
     def __init__(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
                  device: str = "cpu", staging_slots: int = 4, staging_slot_mib: int = 16,
                  max_requests: int = 8, swa_ratio: float = 0.5, env: dict | None = None,
-                 start_timeout: float = 60.0, transport: str = "mooncake"):
+                 start_timeout: float = 60.0, transport: str = "mooncake", chunk_channels: int = 1):
+        """`chunk_channels`: chunk channels the server binds; `.channel` is the first (this
+        process's senders share it), `.channels` names them all (a sender process connects
+        its own, harness.sender_client)."""
         cmd = [sys.executable, "-m", "harness.peer_server", "--preset", preset, "--page-size", str(page_size),
                "--tokens", str(tokens), "--layout", layout, "--device", device, "--transport", transport,
                "--staging-slots", str(staging_slots), "--staging-slot-mib", str(staging_slot_mib),
-               "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio)]
+               "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio),
+               "--chunk-channels", str(chunk_channels)]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
         self.proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -125,6 +129,7 @@ class PeerProcess(_Driver):
         self.sock.connect(endpoints["command"])
         self.channel = PairChannel(ctx.socket(zmq.PAIR))
         self.channel.socket.connect(endpoints["chunks"])
+        self.channels: list[str] = endpoints["channels"]
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
 

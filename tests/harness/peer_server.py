@@ -3,7 +3,9 @@ Benchmarks and tests drive real transfers into it from another process.
 
     PYTHONPATH=.:tests python -m harness.peer_server --preset gpt-oss-120b --page-size 16 --tokens 65536
 
-Once ready it prints one JSON line with the endpoints it bound ({"command": ..., "chunks": ...}).
+Once ready it prints one JSON line with the endpoints it bound ({"command": ..., "chunks": ...,
+"channels": [...]}): `--chunk-channels K` binds K chunk channels ("chunks" is the first), one
+per sender process (a PAIR socket pairs with one peer; harness.sender_server).
 PeerCore is the receiver's state and command handling without sockets (harness.local_peer
 runs it in-process behind the fake memory transport).
 """
@@ -143,23 +145,31 @@ class PeerServer:
         ctx = zmq.Context.instance()
         self.commands = ctx.socket(zmq.REP)
         self.commands.bind(args.command)
-        self.channel = PairChannel(ctx.socket(zmq.PAIR))
-        self.channel.socket.bind(args.chunks)
+        self.channels = [PairChannel(ctx.socket(zmq.PAIR)) for _ in range(max(1, args.chunk_channels))]
+        for ch in self.channels:
+            ch.socket.bind(args.chunks)
         self.stopping = threading.Event()
         # Ready: tell the parent where we listen (binding "tcp://host:*" picks free ports).
-        print(json.dumps({"command": self.commands.getsockopt_string(zmq.LAST_ENDPOINT),
-                          "chunks": self.channel.socket.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
+        bound = [ch.socket.getsockopt_string(zmq.LAST_ENDPOINT) for ch in self.channels]
+        print(json.dumps({"command": self.commands.getsockopt_string(zmq.LAST_ENDPOINT), "chunks": bound[0],
+                          "channels": bound}), flush=True)
 
     def serve_chunks(self) -> None:
+        poller = zmq.Poller()
+        for ch in self.channels:
+            poller.register(ch.socket, zmq.POLLIN)
+        by_socket = {ch.socket: ch for ch in self.channels}
         while not self.stopping.is_set():
-            if not self.channel.socket.poll(100):
-                continue
-            try:
-                n = self.channel.recv_notice(0.1)
-                self.core.on_chunk(n.transfer_id, n.index, n.slot, n.pieces)
-                self.channel.send_done(ChunkDone(n.transfer_id, n.index))
-            except StagingError as exc:  # untrusted input: refuse, keep serving
-                log.warning("chunk refused: %s", exc)
+            for sock, _ in poller.poll(100):
+                self._serve(by_socket[sock])
+
+    def _serve(self, channel: PairChannel) -> None:
+        try:
+            n = channel.recv_notice(0.1)
+            self.core.on_chunk(n.transfer_id, n.index, n.slot, n.pieces)
+            channel.send_done(ChunkDone(n.transfer_id, n.index))
+        except StagingError as exc:  # untrusted input: refuse, keep serving
+            log.warning("chunk refused: %s", exc)
 
     def run(self) -> None:
         chunk_thread = threading.Thread(target=self.serve_chunks, daemon=True)
@@ -256,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--staging-slot-mib", type=int, default=16)
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
     ap.add_argument("--chunks", default="tcp://127.0.0.1:*", help="chunk channel (PAIR) to bind")
+    ap.add_argument("--chunk-channels", type=int, default=1, help="chunk channels to bind: one per sender process")
     ap.add_argument("--torch-threads", type=int, default=1,
                     help="torch intra-op threads (1: gather/scatter copies leave the transport's threads a core)")
     args = ap.parse_args(argv)

@@ -1,12 +1,13 @@
 """Messages of the peer server's two sockets (harness.peer_server), one union and one decoder
 each: the command socket (REQ/REP) and the chunk channel (PAIR), which carries the control
-plane's own chunk notices."""
+plane's own chunk notices; and of the sender server's command socket (harness.sender_server)."""
 
 import msgspec
 
 from disagg.control.messages import ChunkDone, ChunkLanded
 from transfer.buffers import Buffer
 from transfer.endpoint import StagingInfo
+from transfer.report import TransferReport
 from transfer.transports import Offer
 
 
@@ -130,3 +131,31 @@ Reply = Target | Allocated | Digests | Counts | Ok | Error
 
 # ---- chunk channel ------------------------------------------------------------------------
 Chunks = ChunkLanded | ChunkDone
+
+
+# ---- sender server (harness.sender_server): client -> server, server -> client -------------
+class Link(msgspec.Struct, tag=True, frozen=True):
+    """Connect to a receiver (its Target), with a chunk channel of its own (`chunks`)."""
+    key: int
+    target: Target
+    chunks: str
+
+
+class SendTo(msgspec.Struct, frozen=True):
+    key: int                    # a Link's
+    transfer_id: int
+    arrays: dict[str, bytes]    # the receiver's indices (raw int32), as Allocated
+    slots: list[int]            # its staging slots leased to this transfer
+
+
+class Send(msgspec.Struct, tag=True, frozen=True):
+    """Send the prefilled request to every receiver named, all at once (a thread each)."""
+    sends: list[SendTo]
+
+
+class Sent(msgspec.Struct, tag=True, frozen=True):
+    reports: list[TransferReport]   # one per SendTo, in order
+
+
+SenderCommand = Link | Send | Stop
+SenderReply = Sent | Ok | Error

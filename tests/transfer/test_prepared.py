@@ -113,6 +113,26 @@ def test_on_an_ordered_link_the_aux_row_goes_in_the_bodys_hand_off(transport, pe
         assert streamed.aux is not None   # streamed: the AUX row waits for the engine to return
 
 
+def test_the_same_pages_sent_again_land_the_new_bytes_and_an_unstarted_write_holds_nothing(transport, peer):
+    """cuda-ipc keeps a link's kernel tables by content (issue 41: a layout prepared again,
+    the same pages, starts from the table on the device: no pinned copy, no upload) and lays
+    a body and its AUX row out in one table: each send of the same pages must still land the
+    bytes present when it starts, AUX row included, and a prepared write dropped unstarted
+    must not keep its table from being reused or freed."""
+    with _direct(transport, peer, "tiny-hybrid", 300) as (pool, sender, target, req, rid, dst):
+        src = pool.index_set(req)
+        dropped = sender.prepare(target, src, dst, req.num_tokens)
+        del dropped   # never started
+        for _ in range(3):
+            prepared = sender.prepare(target, src, dst, req.num_tokens)
+            _compute(pool)
+            assert sender.send(target, src, dst, num_tokens=req.num_tokens, prepared=prepared).prepared_ahead
+            assert peer.digest(rid).per_component == digest_request(pool, req)   # the AUX row included
+        if transport.kind == "cuda-ipc":
+            tables = target.link._tables._tables
+            assert len(tables) == 1 and all(t.users == 0 for t in tables.values())   # one layout, reused
+
+
 def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):
     with _direct(transport, peer, "tiny-full", 64) as (pool, sender, target, req, rid, dst):
         before = peer.digest(rid, outside=True)

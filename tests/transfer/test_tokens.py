@@ -15,7 +15,8 @@ from transfer.runs import group_runs
 from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.staging import Piece, StagingArea, scatter
-from transfer.tokens import TokenRows, Tokens, gather_rows, pool_lanes
+from transfer.bands import band_copy, bands, split_rows
+from transfer.tokens import TokenRows, Tokens, pool_lanes
 from transfer.transports.ranges import LaneRuns
 
 
@@ -143,7 +144,8 @@ def test_rows_move_between_slots_of_any_alignment(receiver):
     scatter(0, 1, [Piece("full", 0, 3, 2, 0, by_token=True)], pool.index_set(req), buffers, area, own)
     out = torch.zeros(2 * lane.token_bytes + 4, dtype=torch.uint8)[4:]        # misaligned on purpose
     rows = pool.index_set(req)[Component.FULL][0] * 16 + np.arange(3, 5)
-    gather_rows(buffers[Component.FULL][lane.buffer], lane, rows, out)
+    [band] = bands((lane,), [buffers[Component.FULL][lane.buffer]])
+    band_copy(band, slice(0, 1), rows, split_rows(rows, 16), out, into_pool=False)
     assert torch.equal(out, area.slot(1)[:2 * lane.token_bytes])
 
 

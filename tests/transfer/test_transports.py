@@ -5,6 +5,7 @@ import argparse
 import ctypes
 
 import msgspec
+import numpy as np
 import pytest
 
 from harness import memory
@@ -235,3 +236,24 @@ def test_an_unordered_link_cannot_chain():
         ordered = False
     with pytest.raises(ValueError, match="does not land writes in order"):
         Unordered.__new__(Unordered).chain([])
+
+
+def test_a_cuda_ipc_layout_cuts_only_ranges_longer_than_a_piece():
+    """Issue 41: expanding a few long ranges on the host cut every range into 256 KiB pieces
+    through a dozen numpy calls even when none was longer (an AUX row, page runs). Pure host
+    layout (no GPU): each piece is its range's bytes [k * 256 KiB, ...) by definition, and a
+    group of short ranges is one copy_ranges launch over (src, dst, len) values."""
+    from transfer.transports.cuda_copy import _PIECE_BYTES, _layout, _split
+    from transfer.transports.ranges import RunSet
+    ints = lambda *v: np.array(v, dtype=np.int64)   # noqa: E731
+    short = RunSet(ints(0, 10), ints(5, 50), ints(3, 1), ints(0), ints(0), ints(4096))
+    long = RunSet(ints(0), ints(0), ints(300), ints(0), ints(1 << 30), ints(4096))   # 1.2 MB: five pieces
+    for rs, src_base, dst_base in ((short, ints(1000), ints(2000)), (long, ints(0), ints(1 << 30))):
+        got = _split(rs, src_base, dst_base).reshape(3, -1).T.tolist()
+        want = []
+        for s, d, n in zip(rs.src_start, rs.dst_start, rs.count):
+            a, b, length = src_base[0] + s * 4096, dst_base[0] + d * 4096, n * 4096
+            want += [[a + k, b + k, min(_PIECE_BYTES, length - k)] for k in range(0, length, _PIECE_BYTES)]
+        assert got == want
+    values, specs, nbytes = _layout([(short, ints(1000), ints(2000))])
+    assert [s[0] for s in specs] == ["copy_ranges"] and nbytes == 4 * 4096 and len(values) == 6

@@ -211,6 +211,12 @@ class Link(ABC):
         By default flattened on the host and written (checked) by write_async at start()."""
         return _Later(self, Ranges.concat([r.flatten() for r in runsets]))
 
+    def prepare_chain(self, groups: Sequence[Sequence[RunSet | LaneRuns]]) -> PreparedWrite:
+        """Groups of runsets prepared as one write that lands them in order (an ordered link
+        only: a body, then its AUX row). By default each group prepared and chained; a
+        transport may lay them out together (cuda-ipc: one table, one upload)."""
+        return self.chain([self.prepare_runs(g) for g in groups])
+
     def chain(self, writes: Sequence[PreparedWrite]) -> PreparedWrite:
         """Prepared writes of this link as one hand-off that lands them in order (an ordered
         link only: a later one lands after an earlier one). A transport may start them in

@@ -34,7 +34,7 @@ import numpy as np
 from transfer.errors import OutOfBounds, PeerUnreachable, TransportError, WriteFailed
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
-from transfer.transports.cuda_copy import RangeCopier, Table
+from transfer.transports.cuda_copy import RangeCopier, Table, TableCache
 from transfer.transports.cuda_driver import Call, Driver, Event
 from transfer.flag_values import positive_int
 from transfer.transports.kind import TransportKind, TransportSettings
@@ -66,19 +66,29 @@ class CudaWrite(PendingWrite):
 
 
 class CudaPrepared(PreparedWrite):
-    """A write whose tables are on the device and whose launches are packed: start() queues them."""
+    """A write whose tables are on the device and whose launches are packed: start() queues
+    them. It holds its tables (Table.hold) until then, or until it is dropped unstarted."""
 
     def __init__(self, link: "CudaIpcLink", calls: list[Call], tables: Sequence[Table], nbytes: int):
         self._link, self._calls, self._tables, self.nbytes = link, calls, tuple(tables), nbytes
 
     def start(self) -> CudaWrite:
-        return self._link._start(self._take(), self._tables, self.nbytes)
+        calls, tables = self._take()
+        return self._link._start(calls, tables, self.nbytes)
 
-    def _take(self) -> list[Call]:
+    def _take(self) -> tuple[list[Call], tuple[Table, ...]]:
+        """Its launches and tables, once (start, or a chain that takes them over)."""
         if self._calls is None:
             raise RuntimeError("a prepared write starts once")
-        calls, self._calls = self._calls, None
-        return calls
+        calls, tables, self._calls, self._tables = self._calls, self._tables, None, ()
+        return calls, tables
+
+    def __del__(self) -> None:   # never started: its tables are not held any more
+        for table in getattr(self, "_tables", ()):
+            try:
+                table.drop()
+            except Exception:   # noqa: BLE001 (interpreter shutdown)
+                pass
 
 
 class CudaIpcLink(Link):
@@ -106,8 +116,16 @@ class CudaIpcLink(Link):
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
         self._pace, self._last = Pace(COST.link_gbps), None   # the stream's clock; its last write's event
+        self._tables = TableCache(transport.driver)   # this link's kernel tables by content (its stream's)
 
     def _start(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
+        try:
+            return self._launch(calls, tables, nbytes)
+        finally:
+            for table in tables:
+                table.drop()   # queued (stream order protects it from here on), or never will be
+
+    def _launch(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
             if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
@@ -128,8 +146,6 @@ class CudaIpcLink(Link):
                     raise
             self._last = event
             watch = Watch(self._pace, nbytes, started, self._pace.queued(nbytes, started, alone), alone)
-        for table in tables:
-            table.release()   # queued: stream order protects it from here on
         return CudaWrite(event, nbytes, watch, tuple(t.host for t in tables))
 
     def _absolute(self, ranges: Ranges):
@@ -141,9 +157,18 @@ class CudaIpcLink(Link):
                        self._bases[ranges.dst_region] + ranges.dst_off, ranges.length, zero, zero, one), zero, zero)
 
     def write_async(self, ranges: Ranges) -> CudaWrite:
-        return self._prepare([self._absolute(ranges)]).start()
+        return self._prepare([[self._absolute(ranges)]]).start()
 
     def prepare_runs(self, runsets: Sequence[RunSet | LaneRuns]) -> CudaPrepared:
+        return self._prepare([self._work(runsets)])
+
+    def prepare_chain(self, groups: Sequence[Sequence[RunSet | LaneRuns]]) -> CudaPrepared:
+        """The groups as one write with one table (one upload, or none when the same layout
+        was prepared before: TableCache), each group's launches after the previous group's."""
+        return self._prepare([self._work(g) for g in groups])
+
+    def _work(self, runsets: Sequence[RunSet | LaneRuns]) -> list:
+        """Runsets as kernel work, every range checked against both sides' regions."""
         work = []
         for rs in runsets:
             if not len(rs):
@@ -163,15 +188,16 @@ class CudaIpcLink(Link):
                 if negative or bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
                     raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
             work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
-        return self._prepare(work)
+        return work
 
-    def _prepare(self, work) -> CudaPrepared:
+    def _prepare(self, groups: list[list]) -> CudaPrepared:
         if self._closed:
             raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
         copier = self._t.copier
         try:
             with self._t.driver.current(copier.context()):
-                calls, table, total = copier.prepare(work, self._stream) if work else ([], None, 0)
+                calls, table, total = copier.prepare(groups, self._stream, self._tables) if any(groups) \
+                    else ([], None, 0)
         except RuntimeError as exc:   # torch's pinned or device allocation (out of memory, ...)
             raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
         return CudaPrepared(self, calls, (table,) if table is not None else (), total)
@@ -183,8 +209,9 @@ class CudaIpcLink(Link):
             return super().chain(writes)
         if any(w._calls is None for w in writes):
             raise RuntimeError("a prepared write starts once")
-        calls = [c for w in writes for c in w._take()]
-        return CudaPrepared(self, calls, [t for w in writes for t in w._tables], sum(w.nbytes for w in writes))
+        taken = [w._take() for w in writes]
+        return CudaPrepared(self, [c for calls, _ in taken for c in calls], [t for _, ts in taken for t in ts],
+                            sum(w.nbytes for w in writes))
 
     def probe(self) -> None:
         """A mapping says nothing about its owner (writes after it exited still "succeed"):
@@ -203,6 +230,8 @@ class CudaIpcLink(Link):
             self._closed = True
             if getattr(self, "_stream", None) is not None:
                 self._stream.synchronize()
+            if getattr(self, "_tables", None) is not None:
+                self._tables.clear()
             mapped, self._mapped = self._mapped, {}
             if not mapped:
                 return

@@ -1,0 +1,143 @@
+"""A standalone sender: one prefill rank's pool (the stand-in engine's KV of one request), a
+transport and a command socket; it sends that request into receivers (harness.peer_server)
+when told, every receiver at once, as a prefill worker of a TP instance does: a process per
+rank, so N ranks' senders never share one GIL (scripts/bench_tp.py --senders process).
+
+    PYTHONPATH=.:tests python -m harness.sender_server --preset gpt-oss-120b --tp 8 --rank 3 \\
+        --num-tokens 4096
+
+Once ready it prints one JSON line with the command endpoint it bound ({"command": ...}).
+Each receiver it links to gets a chunk channel of its own (Link.chunks: one of the receiver's
+channels no other sender uses).
+"""
+
+import argparse
+import json
+import sys
+import threading
+
+import msgspec
+import numpy as np
+import torch
+import zmq
+
+from disagg.engine.standin import StandInEngine
+from harness.pair_channel import PairChannel
+from harness.wire import Error, Link, Ok, Send, SenderCommand, SendTo, Sent, Stop
+from kvpool import HybridPool, Layout, PoolConfig, get_preset
+from kvpool.geometry import Component
+from kvpool.indices import IndexSet
+from transfer.config import Mode, TransferConfig
+from transfer.endpoint import PoolEndpoint
+from transfer.errors import DisaggError
+from transfer.sender import KVSender, RemotePool
+from transfer.staging import RemoteSlots
+from transfer.transports import TransportSettings, create
+
+
+class SenderCore:
+    """The rank's pool with its one request, its sender, and its links by key."""
+
+    def __init__(self, args: argparse.Namespace):
+        [self.transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
+        model = get_preset(args.preset)
+        self.pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=int(args.num_tokens * 2.5), max_requests=2,
+                                          layout=Layout(args.layout), tp_size=args.tp, tp_rank=args.rank,
+                                          device=args.device))
+        self.req = self.pool.alloc_request(args.num_tokens)
+        ids = np.random.default_rng(args.seed).integers(0, 50000, args.num_tokens)
+        StandInEngine().prefill(self.pool, self.req, ids, args.room)
+        self.num_tokens = args.num_tokens
+        config = TransferConfig(mode=Mode(args.mode), staging_slots=args.staging_slots)
+        self.endpoint = PoolEndpoint(self.transport, self.pool, config)
+        self.sender = KVSender(self.endpoint)
+        self.links: dict[int, tuple[RemotePool, PairChannel]] = {}
+        self.ctx = zmq.Context.instance()
+
+    def link(self, cmd: Link) -> None:
+        t = cmd.target
+        peer = self.sender.connect(t.offers, t.buffers, t.staging, t.page_size, (t.tp_size, t.tp_rank))
+        channel = PairChannel(self.ctx.socket(zmq.PAIR))
+        channel.socket.connect(cmd.chunks)
+        self.links[cmd.key] = (peer, channel)
+
+    def send(self, cmd: Send) -> Sent:
+        """Every SendTo at once, a thread each; the first failure is raised once all ended."""
+        reports: list = [None] * len(cmd.sends)
+        errors: list[BaseException] = []
+
+        def one(i: int, s: SendTo) -> None:
+            try:
+                peer, channel = self.links[s.key]
+                dst = IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in s.arrays.items()})
+                reports[i] = self.sender.send(peer, self.pool.index_set(self.req), dst,
+                                              RemoteSlots(s.transfer_id, s.slots, channel), num_tokens=self.num_tokens)
+            except BaseException as exc:   # raised below, on the command thread
+                errors.append(exc)
+        threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(cmd.sends)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return Sent(reports)
+
+    def close(self) -> None:
+        for peer, channel in self.links.values():
+            peer.link.close()
+            channel.socket.close(linger=0)
+        self.endpoint.close()
+
+
+def serve(core: SenderCore, sock: zmq.Socket) -> None:
+    """Commands until Stop: each answered Ok, Sent, or Error naming what failed."""
+    decoder, encoder = msgspec.msgpack.Decoder(SenderCommand), msgspec.msgpack.Encoder()
+    while True:
+        try:
+            cmd = decoder.decode(sock.recv())
+        except msgspec.DecodeError as exc:
+            sock.send(encoder.encode(Error(f"DecodeError: {exc}")))
+            continue
+        if isinstance(cmd, Stop):
+            sock.send(encoder.encode(Ok()))
+            return
+        try:
+            reply = core.send(cmd) if isinstance(cmd, Send) else (core.link(cmd), Ok())[1]
+        except (DisaggError, KeyError, ValueError) as exc:
+            reply = Error(f"{type(exc).__name__}: {exc}")
+        sock.send(encoder.encode(reply))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", required=True)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--layout", default="page_major", choices=[l.value for l in Layout])
+    ap.add_argument("--tp", type=int, default=1, help="the prefill instance's TP size")
+    ap.add_argument("--rank", type=int, default=0, help="this process's TP rank")
+    ap.add_argument("--num-tokens", type=int, required=True, help="the request's length")
+    ap.add_argument("--seed", type=int, default=0, help="the request's token ids (a seeded draw)")
+    ap.add_argument("--room", type=int, default=11, help="the stand-in engine's room")
+    ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
+    ap.add_argument("--staging-slots", type=int, default=4)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--transport", default="mooncake")
+    ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
+    ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a prefill worker's default)")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.torch_threads)
+    core = SenderCore(args)
+    sock = zmq.Context.instance().socket(zmq.REP)
+    sock.bind(args.command)
+    print(json.dumps({"command": sock.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
+    try:
+        serve(core, sock)
+    finally:
+        core.close()
+        sock.close(linger=0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
