@@ -235,7 +235,7 @@ def test_the_connectors_cuda_layouts_move_over_cuda_ipc_on_a_gpu(layout, block):
         bufs = _pages(0, tensors) if describe is _pages else \
             [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
         model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
-        return EnginePool(EnginePoolConfig(model, block, torch.device("cuda")), bufs)
+        return EnginePool(EnginePoolConfig(model, block, torch.device("cuda:0")), bufs)
 
     src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
     with PoolEndpoint(transport, pool(src_t), CONFIG) as endpoint, \

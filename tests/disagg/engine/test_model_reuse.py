@@ -123,3 +123,19 @@ def test_passes_and_what_they_let_decode_keep():
     assert p.reusable(27, 33) == 24 and p.reusable(7, 12) == 0 and p.reusable(16, 16) == 16
     assert Passes(0, "").spans(27) == [(0, 27)] and Passes(0, "").reusable(27, 33) == 0
     assert Passes(1, "").reusable(27, 33) == 33
+
+
+def test_a_model_that_raises_on_a_continued_cache_runs_in_one_pass_without_reuse():
+    """Model code that raises when a pass continues a cache (deepseek-v32's on an H100 did, in
+    transformers' cache concatenation) leaves the engine in one pass with no prefix cache and
+    the reason, instead of failing the engine's start."""
+    from disagg.engine.model.reuse import pin_passes
+
+    def forward(tokens, cache):
+        if cache:
+            raise RuntimeError("Sizes of tensors must match except in dimension 2\nmore")
+        return torch.ones(4), [len(tokens)]
+
+    got = pin_passes(forward, list, 50, "tiny", 8)
+    assert got.chunk == 0 and not got.exact, got
+    assert "fails to continue a cache with 8-token passes (RuntimeError: Sizes of tensors must match" in got.note
