@@ -187,7 +187,7 @@ class TransferPlan:
 
 
 def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Buffer], dst_bufs: list[Buffer],
-               tokens: Tokens, suffix: Suffix | None = None) -> ComponentPlan:
+               tokens: Tokens, *, suffix: Suffix | None = None) -> ComponentPlan:
     """A component moved by lane (transfer.tokens): a paged one as the positions both sides
     cover (from the receiver's prefix_len on, `suffix`), as token rows on each side; a state
     slot (or the AUX row) as one row per index. Rows are grouped into runs."""
@@ -245,7 +245,7 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
         if tokens is not None and tokens.sliced and c not in tokens.src:
             continue   # TP shards: none of this component is this source rank's to send (transfer.reshard)
         if tokens is not None and (tokens.sliced or not c.per_request):
-            (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens, suffix))
+            (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens, suffix=suffix))
             continue
         pair_buffers(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)

@@ -79,7 +79,7 @@ class KVReceiver:
             raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 
     def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int],
-                 num_tokens: int, lanes: Lanes | None = None, prefix_len: int = 0) -> None:
+                 num_tokens: int, *, lanes: Lanes | None = None, prefix_len: int = 0) -> None:
         """Scatter chunk `index`, landed in `slot`, into `dst` (the pages of a request of
         `num_tokens`, of which we hold [0, prefix_len) already: never written); `leased` are
         the slots this transfer holds; `lanes`: the sender's pairing (lanes_from), None: our
@@ -92,5 +92,5 @@ class KVReceiver:
             lanes = {c: l for c, l in self.endpoint.lanes.items() if not c.per_request}
         if len(self.bands) > 64:
             self.bands.clear()
-        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, TokenRows(num_tokens, lanes, prefix_len),
-                self.bands)
+        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, own=TokenRows(num_tokens, lanes, prefix_len),
+                bands=self.bands)

@@ -98,7 +98,7 @@ class PreparedSend:
     prefix_len: int = 0                # the receiver's own prefix, left out (transfer.suffix)
 
     def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool,
-             num_tokens: int | None, prefix_len: int = 0) -> bool:
+             num_tokens: int | None, *, prefix_len: int = 0) -> bool:
         """Whether it is this send's: same peer link, indices, length, prefix, streaming and staging."""
         return (not self.used and self.peer is peer and self.streamed == streamed and self.can_stage == can_stage
                 and self.num_tokens == num_tokens and self.prefix_len == prefix_len
@@ -172,7 +172,7 @@ class KVSender:
         return split_layers(plan, bounds, self.endpoint.placements)
 
     def prepare(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
-                streamed: bool = False, can_stage: bool = False, prefix_len: int = 0) -> PreparedSend:
+                streamed: bool = False, can_stage: bool = False, *, prefix_len: int = 0) -> PreparedSend:
         """Everything of a send that needs only the indices: plan, layer groups (`streamed`),
         direct or staged (`can_stage`: the receiver leased staging slots and a chunk channel
         exists), each direct write and the AUX row's prepared by the link. Moves no byte, so
@@ -229,8 +229,8 @@ class KVSender:
         if run.stopped():   # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
         can_stage, streamed = self.can_stage(peer, remote), progress is not None
-        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens, prefix_len)
-        p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage, prefix_len)
+        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens, prefix_len=prefix_len)
+        p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage, prefix_len=prefix_len)
         p.used = True
         t_submit, chunks = time.perf_counter(), 0
         try:

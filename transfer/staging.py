@@ -192,7 +192,7 @@ def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
 
 
 def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
-            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, own: TokenRows | None = None,
+            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, *, own: TokenRows | None = None,
             bands: dict | None = None) -> None:
     """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
     pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes; `bands`:

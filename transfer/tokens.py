@@ -68,7 +68,7 @@ class Lane:
 
 
 def lanes(model: ModelSpec, component: Component, page_size: int, tp_size: int, layout: Layout,
-          bufs: list[Buffer], side: str) -> tuple[Lane, ...]:
+          bufs: list[Buffer], *, side: str) -> tuple[Lane, ...]:
     """The lanes of a side whose pool holds `model` at `page_size` in `layout`. Its buffers
     must be exactly what that pool allocates (count, layer, part, item bytes), else
     LayoutIncompatible: a peer's buffers are its claim, checked here before any offset is
@@ -160,4 +160,4 @@ def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, b
     by_c: dict[Component, list[Buffer]] = {}
     for b in bufs:
         by_c.setdefault(Component(b.component), []).append(b)
-    return {c: lanes(model, c, page_size, tp_size, layout, bs, side) for c, bs in by_c.items()}
+    return {c: lanes(model, c, page_size, tp_size, layout, bs, side=side) for c, bs in by_c.items()}

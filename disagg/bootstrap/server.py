@@ -236,7 +236,7 @@ class BootstrapClient:
         self.call(RenewPrefill(info))
 
     def lookup(self, version: int, tp_rank: int = 0) -> RegisterPrefill:
-        reply = self.call(Lookup(version, tp_rank))
+        reply = self.call(Lookup(version, tp_rank=tp_rank))
         assert isinstance(reply, PrefillInfo)
         return reply.info
 

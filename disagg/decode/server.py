@@ -84,7 +84,7 @@ class DecodeServer(Worker):
     def _registration(self) -> RegisterDecode:
         pc = self.pool.config
         return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.endpoint.offers(),
-                              self.endpoint.staging_info(), pc.tp_size, pc.tp_rank)
+                              self.endpoint.staging_info(), tp_size=pc.tp_size, tp_rank=pc.tp_rank)
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
     def _admit(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, deadline: float) -> None:
@@ -108,7 +108,6 @@ class DecodeServer(Worker):
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
         timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
-        t0 = time.perf_counter()
         tokens = self.check_tokens(token_ids)                      # BadRequest before anything changes
         bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)
         timings: dict = {}
@@ -119,39 +118,11 @@ class DecodeServer(Worker):
         try:
             if r.phase.ended:   # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}
-            deadline = time.monotonic() + self.config.deadlines.bootstrap_s
-            peers = self.introducer.senders(bootstrap_endpoint, deadline)
-            timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
-            self._admit(r, tokens, max_new_tokens, deadline)
-            lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
-            slots = self._lend(lanes, len(tokens), r.prefix_len, deadline)
-            t1 = time.perf_counter()
-            senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
-            if self.requests.sending(r, senders):   # an abort may have come meanwhile
-                indices = indices_to_wire(r.dst)
-                for s in senders:
-                    self.io.send(s.endpoint, TransferRequest(room, self.epoch, len(tokens), indices, s.slots,
-                                                             r.prefix_len))
-                self.requests.wait(r)
-            timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
+            peers = self._receive(r, tokens, max_new_tokens, bootstrap_endpoint, timings)
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
-            if self.faults.hit("decode.flip"):
-                log.warning("room %d: injected fault at decode.flip: %s", room,
-                            flip_unread(self.pool, r.kv, r.prefix_len))
-            t2 = time.perf_counter()
-            held = self._verify(r, tokens, room)
-            timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
-            t3 = time.perf_counter()
-            output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
-            timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
-            timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
-            checked = self._check(room, tokens, output, timings)
-            if "integrity" not in checked:
-                self._keep(r, tokens, output.tokens)
-            return {"room": room, "state": "SUCCESS", "verified": True, "digests": held,
-                    "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at,
-                    "transport": "+".join(sorted({p.transport for p in peers})), **timings, **checked}
+            return {**self._generate(r, tokens, max_new_tokens, timings),
+                    "transport": "+".join(sorted({p.transport for p in peers}))}
         except Cancelled:   # aborted while generating: stopped at a step, freed below
             return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
         except VerifyError as exc:
@@ -165,6 +136,48 @@ class DecodeServer(Worker):
                     **timings}
         finally:
             self.requests.finish(r)
+
+    def _receive(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, bootstrap_endpoint: str,
+                 timings: dict) -> list:
+        """Find the prefill ranks, admit the request, lend staging slots, ask every sender for
+        its share and wait until the table ends the transfer (r.phase says how). Returns the
+        sender ranks' peers."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.config.deadlines.bootstrap_s
+        peers = self.introducer.senders(bootstrap_endpoint, deadline)
+        timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
+        self._admit(r, tokens, max_new_tokens, deadline)
+        lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
+        slots = self._lend(lanes, len(tokens), r.prefix_len, deadline)
+        t1 = time.perf_counter()
+        senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
+        if self.requests.sending(r, senders):   # an abort may have come meanwhile
+            indices = indices_to_wire(r.dst)
+            for s in senders:
+                self.io.send(s.endpoint, TransferRequest(r.room, self.epoch, len(tokens), indices, s.slots,
+                                                         prefix_len=r.prefix_len))
+            self.requests.wait(r)
+        timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
+        return peers
+
+    def _generate(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, timings: dict) -> dict:
+        """Verify the KV that arrived, decode, check against a colocated run where asked, and
+        keep the request's pages in the prefix cache when nothing failed. Returns the answer."""
+        if self.faults.hit("decode.flip"):
+            log.warning("room %d: injected fault at decode.flip: %s", r.room,
+                        flip_unread(self.pool, r.kv, r.prefix_len))
+        t2 = time.perf_counter()
+        held = self._verify(r, tokens, r.room)
+        timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
+        t3 = time.perf_counter()
+        output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
+        timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
+        timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
+        checked = self._check(r.room, tokens, output, timings)
+        if "integrity" not in checked:
+            self._keep(r, tokens, output.tokens)
+        return {"room": r.room, "state": "SUCCESS", "verified": True, "digests": held,
+                "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at, **timings, **checked}
 
     def _verify(self, r: DecodeRequest, tokens: np.ndarray, room: int) -> dict[str, str]:
         """What arrived is this prompt's (the engine: the AUX row; the stand-in every byte) and
@@ -324,7 +337,7 @@ class DecodeServer(Worker):
                     return None  # not ours (any more): never scatter into freed pages
                 try:
                     self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, sender.slots, r.kv.num_tokens,
-                                           sender.lanes, r.prefix_len)
+                                           lanes=sender.lanes, prefix_len=r.prefix_len)
                     return ChunkDone(room, msg.index)
                 except StagingError as exc:
                     self.requests.fail(r, f"bad chunk: {exc}")   # quarantined; prefill hears Abort

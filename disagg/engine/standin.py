@@ -147,10 +147,10 @@ class StandInEngine:
             sl = torch.from_numpy(slots[keep].astype(np.int64)).to(device)
             for layer, part, view in self._parts(pool, c):
                 cols = self._columns(pool, c, part)
-                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl, cols)))
+                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl=sl, cols=cols)))
         return out
 
-    def _write_part(self, view, layer: int, c: Component, tokens, pos, it, sl, cols) -> None:
+    def _write_part(self, view, layer: int, c: Component, tokens, pos, it, *, sl, cols) -> None:
         raw, per_token = self._token_bytes(view)
         raw[it, sl] = self._expected(layer, c, tokens, pos, per_token, cols)
 

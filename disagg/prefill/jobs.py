@@ -104,7 +104,7 @@ class TransferJobs:
         """d's send laid out; nothing if r ended while the job queued."""
         if r.phase.ended:
             return None
-        return self._sender.prepare(target, r.src, d.dst, len(r.tokens), False, stage, d.prefix_len)
+        return self._sender.prepare(target, r.src, d.dst, len(r.tokens), False, stage, prefix_len=d.prefix_len)
 
     def _transfer(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None,
                   finished: Finished) -> None:

@@ -114,7 +114,7 @@ class DecodePeers:
             log.info("decode %s keeps pages of %d tokens, ours hold %d: its paged components move by token "
                      "(runs end where a page of either side ends)", target.link.peer, msg.layout.page_size,
                      self.layout.page_size)
-        return Registered(self.epoch, target.link.kind)
+        return Registered(self.epoch, transport=target.link.kind)
 
     def receivers(self, tp_size: int) -> frozenset[int]:
         """The ranks of a decode instance of `tp_size` that we send some of a request's KV to

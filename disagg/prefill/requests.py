@@ -260,7 +260,7 @@ class RequestTable:
             return r
 
     def destination(self, room: int, peer: bytes, dst: IndexSet, slots: list[int], rank: int = 0,
-                    tp_size: int = 1, receivers: frozenset[int] = frozenset({0}),
+                    tp_size: int = 1, *, receivers: frozenset[int] = frozenset({0}),
                     prefix_len: int = 0) -> TransferDone | None:
         """Decode rank `rank` (of an instance of `tp_size`, of which we send to `receivers`)
         sent its TransferRequest; returns an answer to send at once, if any."""
@@ -268,17 +268,17 @@ class RequestTable:
             r = self._rooms.get(room)
             why = self.ended.reason(room) if r is None else None
             if why is not None:       # this room already ended here: decode must not wait for it
-                return TransferDone(room, self.epoch, False, why)
+                return TransferDone(room, self.epoch, False, reason=why)
             claimed = r.dests.get(rank) if r is not None else None
             if claimed is not None and claimed.peer == peer:
                 return None           # a second TransferRequest: ignored
             refusal = self._refusal(room, r, rank, tp_size, receivers, claimed)
             if refusal:               # nothing changes
-                return TransferDone(room, self.epoch, False, refusal)
+                return TransferDone(room, self.epoch, False, reason=refusal)
             if r is None:
                 r = self._rooms[room] = PrefillRequest(room, Phase.ORPHANED)
             if r.phase.ended:         # STOPPING: it will not be sent
-                return TransferDone(room, self.epoch, False, r.reason)
+                return TransferDone(room, self.epoch, False, reason=r.reason)
             r.receivers, r.tp_size = receivers, tp_size
             r.dests[rank] = Destination(peer, rank, dst, list(slots), prefix_len=prefix_len)
             if r.phase is Phase.AWAITING_DECODE and r.complete:
@@ -440,7 +440,7 @@ class RequestTable:
         self.ended.bury(r.room, r.reason)   # a late TransferRequest or prompt is answered at once
         for d in r.dests.values():
             if d.delivery is not Delivery.TOLD:
-                self._tell(d, TransferDone(r.room, self.epoch, False, r.reason, settled=r.settled))
+                self._tell(d, TransferDone(r.room, self.epoch, False, reason=r.reason, settled=r.settled))
         self._lock.notify_all()
 
     def _done(self, r: PrefillRequest) -> None:

@@ -208,17 +208,17 @@ class PrefillServer(Worker):
             case Abort(room=room, reason=why):
                 r = self.requests.get(room)
                 if r is None:   # nothing of ours writes for this room (unless a write given up on)
-                    return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
+                    return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}",
                                         settled=not self.endpoint.unsettled())
                 if not self.peers.same_decode(identity, r.peers()):   # ownership: only its decode ends it
                     log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
-                    return TransferDone(room, self.epoch, False, "not a room of yours: nothing done")
+                    return TransferDone(room, self.epoch, False, reason="not a room of yours: nothing done")
                 self.requests.fail(r, f"aborted by decode: {why}")   # every destination of r hears it
                 # A decode on a connection the room came from hears the end from the table;
                 # the same decode on a new connection (it re-registered) is answered here,
                 # unless a transfer still writes (then it asks again later).
                 if identity not in r.peers() and r.phase is not Phase.STOPPING:
-                    return TransferDone(room, self.epoch, False, r.reason,
+                    return TransferDone(room, self.epoch, False, reason=r.reason,
                                         settled=r.settled and not self.endpoint.unsettled())
             case Heartbeat():
                 if not known:   # we dropped it (it went silent): it must register again
@@ -239,10 +239,10 @@ class PrefillServer(Worker):
             except (ProtocolError, BadPrefix) as exc:
                 reason = str(exc)
         if reason is not None:
-            return TransferDone(msg.room, self.epoch, False, reason)
+            return TransferDone(msg.room, self.epoch, False, reason=reason)
         size, rank = peer.tp
         return self.requests.destination(msg.room, identity, dst, list(msg.slots), rank, size,
-                                         self.peers.receivers(size), msg.prefix_len)
+                                         receivers=self.peers.receivers(size), prefix_len=msg.prefix_len)
 
     def available(self) -> dict[str, int]:
         return self.pool.available()

@@ -282,7 +282,7 @@ class Router:
                     self._live[request_id] = cancel
             self._load(pair, len(tokens))
             try:
-                return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill, layers)
+                return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill=on_prefill, stream_layers=layers)
             finally:
                 self._load(pair, -len(tokens))
                 if self.cache is not None:   # its pages are in decode's cache now: the next turn sees them
@@ -305,7 +305,7 @@ class Router:
                     del self._inflight[side]
 
     def _run(self, pair_index: int, pair: Pair, tokens: list[int], max_new: int, cancel: threading.Event,
-             client_gone, on_prefill, stream_layers: str | None = None) -> dict:
+             client_gone, *, on_prefill, stream_layers: str | None = None) -> dict:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         calls = self._start(pair, room, tokens, max_new, stream_layers)

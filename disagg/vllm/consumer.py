@@ -84,7 +84,7 @@ class IntroFailed:
 
 class Consumer:
     def __init__(self, settings: ConnectorSettings, receiver: KVReceiver, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int, groups: tuple[Group, ...]):
+                 handoff: Handoff, epoch: int, *, groups: tuple[Group, ...]):
         self.settings, self.receiver, self.layout, self.handoff, self.epoch = settings, receiver, layout, handoff, epoch
         self.groups = groups
         self.io = DealerIO(gate)
@@ -100,7 +100,7 @@ class Consumer:
         endpoint = self.receiver.endpoint
         pc = endpoint.pool.config
         return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, endpoint.offers(),
-                              endpoint.staging_info(), pc.tp_size, pc.tp_rank)
+                              endpoint.staging_info(), tp_size=pc.tp_size, tp_rank=pc.tp_rank)
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:

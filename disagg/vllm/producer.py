@@ -69,7 +69,7 @@ class SendEnded:
 
 class Producer:
     def __init__(self, settings: ConnectorSettings, sender: KVSender, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int, tp: tuple[int, int], groups: tuple[Group, ...]):
+                 handoff: Handoff, epoch: int, *, tp: tuple[int, int], groups: tuple[Group, ...]):
         self.settings, self.sender, self.handoff, self.epoch, self.groups = settings, sender, handoff, epoch, groups
         self.io = RouterIO(gate, settings.host)
         self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
@@ -161,17 +161,17 @@ class Producer:
     def _transfer_request(self, identity: bytes, msg: TransferRequest):
         peer = self.peers.get(identity)
         if peer is None or msg.decode_epoch != peer.epoch:
-            return TransferDone(msg.room, self.epoch, False, "decode is not registered (or not at this epoch)")
+            return TransferDone(msg.room, self.epoch, False, reason="decode is not registered (or not at this epoch)")
         h = self.held.get(msg.room)
         if h is None:   # its step may not have reached us yet
             self.early[msg.room] = (identity, msg, time.monotonic() + self.settings.hold_s)
             return None
         if h.phase is not Phase.HELD:
-            return TransferDone(msg.room, self.epoch, False, "room is being sent to another request")
+            return TransferDone(msg.room, self.epoch, False, reason="room is being sent to another request")
         try:
             src, dst = self._source(h, indices_from_wire(msg.indices), msg.num_tokens)
         except ProtocolError as exc:
-            return TransferDone(msg.room, self.epoch, False, str(exc))
+            return TransferDone(msg.room, self.epoch, False, reason=str(exc))
         h.phase, h.owner = Phase.SENDING, identity
         peer.workers.submit(self._send, h, peer, identity, src, dst)
         return TransferStarted(msg.room, self.epoch)
@@ -186,7 +186,7 @@ class Producer:
     def _abort(self, identity: bytes, room: int, why: str):
         h = self.held.get(room)
         if h is None:
-            return TransferDone(room, self.epoch, False, f"aborted by decode: {why}",
+            return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}",
                                 settled=not self.sender.endpoint.unsettled())
         if h.phase is Phase.SENDING:
             if h.owner == identity:
@@ -194,7 +194,7 @@ class Producer:
             return None
         del self.held[room]
         self.handoff.sent(h.send.req_id)
-        return TransferDone(room, self.epoch, False, f"aborted by decode: {why}")
+        return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}")
 
     def _sweep(self) -> None:
         now = time.monotonic()
@@ -207,7 +207,7 @@ class Producer:
         for room, (identity, _, deadline) in list(self.early.items()):
             if now >= deadline:
                 del self.early[room]
-                self.io.reply(identity, TransferDone(room, self.epoch, False, "no such room here"))
+                self.io.reply(identity, TransferDone(room, self.epoch, False, reason="no such room here"))
         gone = self.peers.drop_silent()
         for h in self.held.values():
             if h.owner in gone:
@@ -225,7 +225,7 @@ class Producer:
         except Exception as exc:   # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason, report=report,
+        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report,
                                             settled=settled))
         self.handoff.post(SendEnded(h.send.room))
 

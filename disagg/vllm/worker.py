@@ -91,9 +91,9 @@ class DisaggWorker:
             self._ctx = zmq.Context()
             self.gate = Gate(self._ctx, s.auth, f"vLLM {'producer' if self.producer else 'consumer'} worker")
             epoch = time.time_ns()
-            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, self.tp,
-                                 self.kv.groups) if self.producer else \
-                Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch, self.kv.groups)
+            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, tp=self.tp,
+                                 groups=self.kv.groups) if self.producer else \
+                Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch, groups=self.kv.groups)
         except BaseException:
             self.close(transports)
             raise

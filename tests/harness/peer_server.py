@@ -69,7 +69,8 @@ class PeerCore:
             expected = self.expect.get(transfer_id)
         if expected is None:
             raise StagingError(f"chunk for unknown transfer {transfer_id}")
-        self.receiver.on_chunk(index, slot, pieces, *expected)
+        dst, leased, num_tokens, lanes, prefix_len = expected
+        self.receiver.on_chunk(index, slot, pieces, dst, leased, num_tokens, lanes=lanes, prefix_len=prefix_len)
 
     def handle(self, cmd: Command) -> Reply:
         match cmd:

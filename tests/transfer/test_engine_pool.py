@@ -194,7 +194,7 @@ def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_
         for block, tp in ((16, 1), (160, 1), (32, 2)):
             with PoolEndpoint(memory.MemoryTransport(), pool(block, tp), CONFIG) as decode:
                 answer = peers.register(b"decode", RegisterDecode(PROTOCOL_VERSION, 2, info(decode), decode.offers(),
-                                                                  decode.staging_info(), tp, 0))
+                                                                  decode.staging_info(), tp_size=tp, tp_rank=0))
             assert isinstance(answer, Refused) and answer.reason.startswith(
                 f"block size 32, TP 1 (sender) vs {block}, TP {tp} (receiver): engine KV caches pair only equal "
                 "block sizes and TP sizes"), answer

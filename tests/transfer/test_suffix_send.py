@@ -190,6 +190,6 @@ def test_a_piece_writing_the_held_prefix_is_refused_before_any_write(held, piece
     pool, req, buffers, area, own = held
     before = [b.clone() for p in pool.pools.values() for b in p.storage.buffers]
     with pytest.raises(StagingError, match=message):
-        scatter(0, 0, pieces, pool.index_set(req), buffers, area, own)
+        scatter(0, 0, pieces, pool.index_set(req), buffers, area, own=own)
     assert all(torch.equal(a, b) for a, b in zip(before, [b for p in pool.pools.values() for b in p.storage.buffers]))
-    scatter(0, 0, [Piece("full", 0, 2, 1, 0), Piece("mamba", 0, 0, 1, 1024)], pool.index_set(req), buffers, area, own)
+    scatter(0, 0, [Piece("full", 0, 2, 1, 0), Piece("mamba", 0, 0, 1, 1024)], pool.index_set(req), buffers, area, own=own)

@@ -127,7 +127,7 @@ def receiver():
 def test_a_by_token_piece_lands_in_the_rows_of_its_positions(receiver):
     pool, req, buffers, area, own = receiver
     lane = own.lanes[Component.FULL][1]
-    scatter(0, 1, [Piece("full", 1, 17, 3, 0, by_token=True)], pool.index_set(req), buffers, area, own)
+    scatter(0, 1, [Piece("full", 1, 17, 3, 0, by_token=True)], pool.index_set(req), buffers, area, own=own)
     rows = pool.index_set(req)[Component.FULL][1] * 16 + np.arange(1, 4)      # positions 17..19: page 1, slots 1..3
     flat = buffers[Component.FULL][lane.buffer].view(-1)
     got = torch.cat([flat[a:a + lane.token_bytes] for a in lane.at(rows)])
@@ -141,7 +141,7 @@ def test_rows_move_between_slots_of_any_alignment(receiver):
     area = StagingArea(2, 4100, "cpu")
     area.buffer.random_(0, 256)
     lane = own.lanes[Component.FULL][0]
-    scatter(0, 1, [Piece("full", 0, 3, 2, 0, by_token=True)], pool.index_set(req), buffers, area, own)
+    scatter(0, 1, [Piece("full", 0, 3, 2, 0, by_token=True)], pool.index_set(req), buffers, area, own=own)
     out = torch.zeros(2 * lane.token_bytes + 4, dtype=torch.uint8)[4:]        # misaligned on purpose
     rows = pool.index_set(req)[Component.FULL][0] * 16 + np.arange(3, 5)
     [band] = bands((lane,), [buffers[Component.FULL][lane.buffer]])
@@ -168,7 +168,7 @@ def test_hostile_by_token_pieces_are_refused_before_any_write(receiver, pieces, 
     pool, req, buffers, area, own = receiver
     before = _snapshot(pool)
     with pytest.raises(StagingError, match=message):
-        scatter(0, 0, pieces, pool.index_set(req), buffers, area, own)
+        scatter(0, 0, pieces, pool.index_set(req), buffers, area, own=own)
     assert all(torch.equal(a, b) for a, b in zip(before, _snapshot(pool)))
     with pytest.raises(StagingError, match="page size is the sender's"):      # no token rows here
         scatter(0, 0, [Piece("full", 0, 0, 1, 0, by_token=True)], pool.index_set(req), buffers, area)

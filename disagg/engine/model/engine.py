@@ -174,10 +174,10 @@ class TransformersEngine:
     def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
                stop: Callable[[], bool] | None = None) -> DecodeOutput:
         first = int(pool.aux.read(req.aux_row)["first_token"])
-        return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids, stop)
+        return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids, stop=stop)
 
     def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int,
-                 token_ids: np.ndarray | None = None, stop: Callable[[], bool] | None = None) -> DecodeOutput:
+                 token_ids: np.ndarray | None = None, *, stop: Callable[[], bool] | None = None) -> DecodeOutput:
         """Continue a request whose first n tokens' KV is in the pool and whose next input is
         `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first.
         On a TP shard, `token_ids` (the n tokens) gives the units other ranks hold. `stop()`

@@ -203,7 +203,7 @@ def test_a_multipart_frame_cannot_stop_the_bootstrap(server, client, keyed):
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     try:
-        sock.send_multipart([b"", encoder.encode(Lookup(PROTOCOL_VERSION, 0)), b"x"])
+        sock.send_multipart([b"", encoder.encode(Lookup(PROTOCOL_VERSION, tp_rank=0)), b"x"])
         assert sock.poll(5000), "no answer to a multi-part frame"
         delimiter, reply = sock.recv_multipart()
         assert delimiter == b"" and b"one frame" in reply

@@ -81,7 +81,7 @@ def test_decode_holding_a_prefix_gets_only_the_rest(prefill, decode):
     for b in (b for p in pool.pools.values() for b in p.storage.buffers):
         b.random_(0, 256)                      # decode's prefix: whatever it holds must stay
     before = _prefix_bytes(pool, kv, 80)
-    sock.send(encoder.encode(TransferRequest(21, 1, N, indices_to_wire(pool.index_set(kv)), [], 80)))
+    sock.send(encoder.encode(TransferRequest(21, 1, N, indices_to_wire(pool.index_set(kv)), [], prefix_len=80)))
     out = {}
     worker = threading.Thread(target=lambda: out.update(prefill.prefill(21, tokens)))
     worker.start()
@@ -106,14 +106,14 @@ def test_a_prefix_len_decode_may_not_name_is_refused_and_nothing_moves(prefill, 
     pool = receiver.pool
     kv = pool.alloc_request(N, swa_window_only=True)
     snapshot = [b.clone() for p in pool.pools.values() for b in p.storage.buffers]
-    done = _ask(sock, TransferRequest(22, 1, N, indices_to_wire(pool.index_set(kv)), [], prefix_len))
+    done = _ask(sock, TransferRequest(22, 1, N, indices_to_wire(pool.index_set(kv)), [], prefix_len=prefix_len))
     assert isinstance(done, TransferDone) and not done.ok and why in done.reason, done
     assert prefill.requests.get(22) is None     # no room was opened for it
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (b for p in pool.pools.values() for b in p.storage.buffers)))
 
 
 def test_the_wire_carries_prefix_len_and_defaults_it_to_zero():
-    msg = TransferRequest(1, 2, 64, {}, [], 48)
+    msg = TransferRequest(1, 2, 64, {}, [], prefix_len=48)
     assert Decoder(TransferRequest, "t").decode(encoder.encode(msg)).prefix_len == 48
     old = msgspec.msgpack.encode({"type": "TransferRequest", "room": 1, "decode_epoch": 2, "num_tokens": 64,
                                   "indices": {}, "slots": []})

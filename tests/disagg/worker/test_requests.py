@@ -70,12 +70,12 @@ def test_prefill_abort_while_computing_tells_decode_once_and_frees_when_the_kv_a
     r = t.prompt(2, TOKENS)
     t.destination(2, PEER, "dst", [])
     assert t.fail(r, "aborted: operator") and not t.fail(r, "again")
-    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(2, 5, False, "aborted: operator"))]
+    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(2, 5, False, reason="aborted: operator"))]
     assert not fx.freed   # the computing thread still holds the pages
     t.computed(r, "kv")
     assert fx.freed == ["kv"] and not fx.submitted
     # the room is buried: a late TransferRequest is answered at once, a late prompt fails
-    assert t.destination(2, PEER, "dst", []) == TransferDone(2, 5, False, "aborted: operator")
+    assert t.destination(2, PEER, "dst", []) == TransferDone(2, 5, False, reason="aborted: operator")
     assert t.prompt(2, TOKENS).phase is P.FAILED
 
 
@@ -90,7 +90,7 @@ def test_prefill_abort_during_a_transfer_waits_for_the_worker():
     assert not t.fail(r, "asked again")   # a re-asked Abort is not confirmed early
     t.finished(r, True, done=TransferDone(3, 5, True))   # the send finished anyway
     assert r.phase is P.FAILED and fx.freed == ["kv"]
-    assert fx.told == [(PEER, TransferDone(3, 5, False, "aborted by decode: x"))]
+    assert fx.told == [(PEER, TransferDone(3, 5, False, reason="aborted by decode: x"))]
 
 
 def test_prefill_refused_submission_and_failed_send_end_the_request():
@@ -104,7 +104,7 @@ def test_prefill_refused_submission_and_failed_send_end_the_request():
     t.destination(5, PEER, "dst", [])
     t.computed(r, "kv")
     t.finished(r, False, "WriteFailed: boom")
-    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(5, 5, False, "WriteFailed: boom"))]
+    assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(5, 5, False, reason="WriteFailed: boom"))]
 
 
 def test_prefill_duplicates_deadlines_and_sweeps():
@@ -157,7 +157,7 @@ def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
     with pytest.raises(ProtocolError, match="duplicate room 2"):
         t.open(2)   # the room stays taken while its pages are held
     assert t.sweep() == [] and len(fx.told) == 2   # asked again
-    t.done(TransferDone(2, 9, False, "aborted"), "tcp://p:1")
+    t.done(TransferDone(2, 9, False, reason="aborted"), "tcp://p:1")
     assert fx.freed == [r] and t.quarantined() == 0 and t.open(2).phase is D.BOOTSTRAPPING
 
 
@@ -169,13 +169,13 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     r = t.open(2)
     t.sending(r, [Sender("tcp://p:1", 9)])
     t.started(2, "tcp://p:1", 9)
-    t.done(TransferDone(2, 9, False, "WritesAbandoned: link closed", settled=False), "tcp://p:1")
+    t.done(TransferDone(2, 9, False, reason="WritesAbandoned: link closed", settled=False), "tcp://p:1")
     assert t.wait(r) is D.ABORTING and "WritesAbandoned" in r.reason
     t.finish(r)
     assert r.phase is D.QUARANTINED and not fx.freed and fx.told == [("tcp://p:1", Abort(2, r.reason))]
-    t.done(TransferDone(2, 9, False, "aborted by decode", settled=False), "tcp://p:1")   # still in flight
+    t.done(TransferDone(2, 9, False, reason="aborted by decode", settled=False), "tcp://p:1")   # still in flight
     assert r.phase is D.QUARANTINED and not fx.freed
-    t.done(TransferDone(2, 9, False, "aborted by decode"), "tcp://p:1")   # the abandoned writes ended
+    t.done(TransferDone(2, 9, False, reason="aborted by decode"), "tcp://p:1")   # the abandoned writes ended
     assert fx.freed == [r] and t.quarantined() == 0
     # the prefill table: a worker that gave up says so in the TransferDone decode hears
     p, pfx = prefill_table()
@@ -183,7 +183,7 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     p.destination(5, PEER, "dst", [])
     p.computed(q, "kv")
     p.finished(q, False, "WritesAbandoned: link closed", settled=False)
-    assert q.phase is P.FAILED and pfx.told == [(PEER, TransferDone(5, 5, False, "WritesAbandoned: link closed",
+    assert q.phase is P.FAILED and pfx.told == [(PEER, TransferDone(5, 5, False, reason="WritesAbandoned: link closed",
                                                                       settled=False))]
 
 
@@ -320,8 +320,8 @@ def test_prefill_one_failed_destination_stops_the_others_and_tells_every_one_not
     assert r.phase is P.STOPPING and not fx.freed and not fx.told   # rank 1's worker still writes
     t.finished(r, True, done=TransferDone(2, 5, True), dest=r.dests[1])   # finished, but r failed
     assert r.phase is P.FAILED and fx.freed == ["kv"]
-    assert sorted(fx.told) == sorted([(PEER, TransferDone(2, 5, False, "WriteFailed: boom")),
-                                      (OTHER, TransferDone(2, 5, False, "WriteFailed: boom"))])
+    assert sorted(fx.told) == sorted([(PEER, TransferDone(2, 5, False, reason="WriteFailed: boom")),
+                                      (OTHER, TransferDone(2, 5, False, reason="WriteFailed: boom"))])
 
 
 def test_prefill_refuses_a_second_claim_of_a_rank_another_tp_size_and_a_rank_it_does_not_feed():
@@ -374,11 +374,11 @@ def test_decode_one_failed_sender_holds_the_pages_until_the_others_stopped_writi
     t, fx = decode_table()
     r = t.open(2)
     t.sending(r, [Sender("tcp://p:1", 9), Sender("tcp://p:2", 7)])
-    t.done(TransferDone(2, 9, False, "WriteFailed: boom"), "tcp://p:1")
+    t.done(TransferDone(2, 9, False, reason="WriteFailed: boom"), "tcp://p:1")
     assert t.wait(r) is D.ABORTING and r.reason == "prefill: WriteFailed: boom"   # p:2 may still write
     t.finish(r)
     assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:2", Abort(2, r.reason))] and not fx.freed
-    t.done(TransferDone(2, 7, False, "aborted by decode"), "tcp://p:2")
+    t.done(TransferDone(2, 7, False, reason="aborted by decode"), "tcp://p:2")
     assert fx.freed == [r] and t.quarantined() == 0
     # a sender lost: only the requests it feeds fail
     t2, fx2 = decode_table()

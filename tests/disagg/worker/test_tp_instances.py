@@ -80,14 +80,14 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
     try:
         layout = LayoutInfo(own.page_size, own.layout, receiver.buffers, msgspec.structs.replace(own.model, tp_size=2))
         # a TP size its pool is not described at; a TP size that cannot split the model's 2 KV heads
-        lie = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, layout, receiver.offers(), None, 4, 0))
+        lie = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, layout, receiver.offers(), None, tp_size=4, tp_rank=0))
         assert isinstance(lie, Refused) and "decode says TP size 4, its pool is described at TP size 2" in lie.reason
         three = msgspec.structs.replace(layout, model=msgspec.structs.replace(own.model, tp_size=3))
-        odd = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, three, receiver.offers(), None, 3, 0))
+        odd = _ask(socks[0], RegisterDecode(PROTOCOL_VERSION, 1, three, receiver.offers(), None, tp_size=3, tp_rank=0))
         assert isinstance(odd, Refused) and "TP size 3" in odd.reason and "divis" in odd.reason, odd.reason
         # two connections both claiming decode rank 0 of 2 for one room: the second is refused
         for epoch, sock in enumerate(socks[1:], 2):
-            reply = _ask(sock, RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), None, 2, 0))
+            reply = _ask(sock, RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), None, tp_size=2, tp_rank=0))
             assert isinstance(reply, Registered), reply
         kv = receiver.pool.alloc_request(16, swa_window_only=True)
         dst = indices_to_wire(receiver.pool.index_set(kv))
