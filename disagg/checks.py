@@ -8,7 +8,7 @@ from disagg.errors import ConfigError
 from kvpool.errors import SpecError
 from kvpool.spec import check_page_size
 from transfer.flag_values import number
-from transfer.flag_values import positive_int as positive_int   # the transports' flags use it too
+from transfer.flag_values import positive_int as positive_int  # the transports' flags use it too
 
 
 def power_of_two(text: str) -> int:
@@ -36,13 +36,18 @@ def cuda_device(device: str) -> None:
     if not device.startswith("cuda"):
         return
     import torch
+
     if not torch.cuda.is_available():
-        raise ConfigError(f"--device {device}: torch sees no CUDA device on this machine (torch "
-                          f"{torch.__version__}); use --device cpu, or auto")
+        raise ConfigError(
+            f"--device {device}: torch sees no CUDA device on this machine (torch "
+            f"{torch.__version__}); use --device cpu, or auto"
+        )
     index = int(device.partition(":")[2] or 0)
     if index >= torch.cuda.device_count():
-        raise ConfigError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
-                          f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})")
+        raise ConfigError(
+            f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s) "
+            f"(cuda:0 to cuda:{torch.cuda.device_count() - 1})"
+        )
 
 
 def share(text: str) -> float:
@@ -74,8 +79,9 @@ def token_lengths(spec: str) -> str:
     --user-len); kept as given, drawn from per request or turn."""
     lo, sep, hi = spec.partition(":")
     if not (lo.isdigit() and (hi.isdigit() or not sep) and 1 <= int(lo) <= int(hi or lo)):
-        raise argparse.ArgumentTypeError(f"{spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX, plain integers "
-                                         f"(e.g. 2048 or 128:4096)")
+        raise argparse.ArgumentTypeError(
+            f"{spec!r}: want N or MIN:MAX with 1 <= MIN <= MAX, plain integers (e.g. 2048 or 128:4096)"
+        )
     return spec
 
 
@@ -107,20 +113,32 @@ def _duration(text: str, unit: str) -> float:
     return value
 
 
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40,
-         "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "k": 1 << 10,
+    "m": 1 << 20,
+    "g": 1 << 30,
+    "t": 1 << 40,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
 
 
 def byte_size(text: str) -> int:
     """A byte count: 8GiB, 512MiB, 1.5GB, 4096 (K/M/G/T and KiB.. are powers of 1024; KB.. of 1000)."""
     figure = text.strip().rstrip("BbIiKkMmGgTt ")
-    unit = text.strip()[len(figure):].strip().lower()
+    unit = text.strip()[len(figure) :].strip().lower()
     try:
         value = float(figure) * UNITS[unit]
     except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB, 1.5GB or a byte count)") \
-            from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 8GiB, 512MiB, 1.5GB or a byte count)") from None
     if not 1 <= value < 1 << 60:
         raise argparse.ArgumentTypeError(f"{text!r} must be at least 1 byte")
     return int(value)

@@ -19,10 +19,18 @@ from disagg.prefill import cmd as prefill_cmd
 from disagg.router import cmd as router_cmd
 from disagg.tools import bench, demo, keygen, presets
 
-COMMANDS = {"prefill": prefill_cmd, "decode": decode_cmd, "router": router_cmd, "bootstrap": bootstrap_cmd,
-            "bench": bench, "demo": demo, "presets": presets, "keygen": keygen}
-CONFIGURABLE = ("prefill", "decode", "router", "bootstrap", "bench", "demo")   # --config, --print-config
-SERVERS = ("prefill", "decode", "router")   # long-running: they exit at once once closed (process.exit_now)
+COMMANDS = {
+    "prefill": prefill_cmd,
+    "decode": decode_cmd,
+    "router": router_cmd,
+    "bootstrap": bootstrap_cmd,
+    "bench": bench,
+    "demo": demo,
+    "presets": presets,
+    "keygen": keygen,
+}
+CONFIGURABLE = ("prefill", "decode", "router", "bootstrap", "bench", "demo")  # --config, --print-config
+SERVERS = ("prefill", "decode", "router")  # long-running: they exit at once once closed (process.exit_now)
 
 
 class Parser(argparse.ArgumentParser):
@@ -60,32 +68,32 @@ def main(argv: list[str] | None = None) -> int:
     command = next((t for t in argv if not t.startswith("-")), None)
     if command in CONFIGURABLE:
         try:
-            config.apply(subs[command], command, argv[argv.index(command) + 1:],
-                         {c: subs[c] for c in CONFIGURABLE})
+            config.apply(subs[command], command, argv[argv.index(command) + 1 :], {c: subs[c] for c in CONFIGURABLE})
         except config.SourceError as exc:
-            subs[command].error(str(exc))   # usage + one line, exit 2
-    if command in CONFIGURABLE and "--print-config" in argv:   # what is set so far, required flags or not
+            subs[command].error(str(exc))  # usage + one line, exit 2
+    if command in CONFIGURABLE and "--print-config" in argv:  # what is set so far, required flags or not
         for action in subs[command]._actions:
             action.required = False
     args, unknown = parser.parse_known_args(argv)
-    if unknown:   # named on the command it was given to, not the top level
+    if unknown:  # named on the command it was given to, not the top level
         subs[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         if getattr(args, "print_config", False):
             config.print_config(subs[command], command, args)
             return 0
         code = COMMANDS[args.command].run(args) or 0
-    except DisaggError as exc:   # a setting that cannot work (a forced transport, ...): one line, no traceback
+    except DisaggError as exc:  # a setting that cannot work (a forced transport, ...): one line, no traceback
         print(f"disagg {args.command}: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:    # Ctrl-C, or SIGTERM to a launcher (demo): what it started is stopped
+    except KeyboardInterrupt:  # Ctrl-C, or SIGTERM to a launcher (demo): what it started is stopped
         print(f"disagg {args.command}: interrupted", file=sys.stderr)
         return 130
-    except BrokenPipeError:      # `disagg presets | head`: the reader left; nothing more to say
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())   # no second error at exit
+    except BrokenPipeError:  # `disagg presets | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
         return 0
     if args.command in SERVERS:
         from disagg.process import exit_now
+
         exit_now(code)
     return code
 

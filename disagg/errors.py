@@ -25,8 +25,19 @@ must not import disagg); the control plane's branch lives here.
 
 from transfer.errors import Cancelled, DisaggError, TransferError
 
-__all__ = ["BadRequest", "Cancelled", "ConfigError", "DisaggError", "Overloaded", "ProtocolError",
-           "RequestFailed", "TooLarge", "TransferError", "Unavailable", "VerifyError"]
+__all__ = [
+    "BadRequest",
+    "Cancelled",
+    "ConfigError",
+    "DisaggError",
+    "Overloaded",
+    "ProtocolError",
+    "RequestFailed",
+    "TooLarge",
+    "TransferError",
+    "Unavailable",
+    "VerifyError",
+]
 
 
 class ProtocolError(DisaggError):

@@ -21,23 +21,28 @@ def add_process_flags(p: argparse.ArgumentParser, torch_threads: bool = False) -
     """The "process" group: --log-level (and --torch-threads for the workers)."""
     g = p.add_argument_group("process")
     if torch_threads:
-        g.add_argument("--torch-threads", type=positive_int, default=1,
-                       help="torch intra-op threads (1 leaves cores to the transport's own threads)")
-    g.add_argument("--log-level", default="info", choices=LEVELS,
-                   help="debug also shows Mooncake's start-up lines (RDMA probing, segment set-up), kept out of "
-                        "the log at info")
+        g.add_argument(
+            "--torch-threads",
+            type=positive_int,
+            default=1,
+            help="torch intra-op threads (1 leaves cores to the transport's own threads)",
+        )
+    g.add_argument(
+        "--log-level",
+        default="info",
+        choices=LEVELS,
+        help="debug also shows Mooncake's start-up lines (RDMA probing, segment set-up), kept out of the log at info",
+    )
 
 
 def setup_logging(level: str = "info") -> None:
-    logging.basicConfig(level=getattr(logging, level.upper()),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-SLOW_STOP_S = 3.0   # a step of stopping that takes longer says what it waits for
+SLOW_STOP_S = 3.0  # a step of stopping that takes longer says what it waits for
 
 
-def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None],
-              close: Callable[[], None]) -> None:
+def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None], close: Callable[[], None]) -> None:
     """Start `api` (an ApiServer), serve until SIGTERM or SIGINT (see serve), then stop it
     and `close` the role's server (its peers, transfers, pool)."""
     api.start()
@@ -52,8 +57,10 @@ def serve_api(api, readiness: Callable[[], dict], on_ready: Callable[[], None],
 
 @contextmanager
 def _slow(what: str):
-    timer = threading.Timer(SLOW_STOP_S, lambda: os.write(2, f"disagg: still stopping: waiting for {what} "
-                                                             f"(Ctrl-C again to exit at once)\n".encode()))
+    timer = threading.Timer(
+        SLOW_STOP_S,
+        lambda: os.write(2, f"disagg: still stopping: waiting for {what} (Ctrl-C again to exit at once)\n".encode()),
+    )
     timer.daemon = True
     timer.start()
     try:
@@ -76,8 +83,9 @@ def stop_on_signals(stop: Callable[[], None]) -> None:
             os.write(2, f"disagg: {name} again: exiting at once\n".encode())
             os._exit(130)
         stopping.set()
-        os.write(2, f"disagg: {name}: stopping ...\n".encode())   # (os.write: no logging lock in a handler)
+        os.write(2, f"disagg: {name}: stopping ...\n".encode())  # (os.write: no logging lock in a handler)
         stop()
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
 

@@ -5,10 +5,10 @@ import numpy as np
 
 AUX_DTYPE = np.dtype(
     [
-        ("room", "<u8"),          # bootstrap room the row belongs to
-        ("num_tokens", "<i4"),    # prompt length whose KV the transfer carries
-        ("first_token", "<i4"),   # first output token computed by prefill
-        ("digest", "V32"),        # engine-defined digest of the request's KV
+        ("room", "<u8"),  # bootstrap room the row belongs to
+        ("num_tokens", "<i4"),  # prompt length whose KV the transfer carries
+        ("first_token", "<i4"),  # first output token computed by prefill
+        ("digest", "V32"),  # engine-defined digest of the request's KV
         ("reserved", "V16"),
     ]
 )

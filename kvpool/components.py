@@ -76,16 +76,16 @@ class Component(str, Enum):
 class Items(Enum):
     """What indexes a component's items: the pool sizes and allocators are per kind of item."""
 
-    FULL_PAGES = "full pages"          # the request's pages
-    SWA_PAGES = "swa pages"            # SWA pages, translated from the request's full pages
-    REQUEST_SLOTS = "request slots"    # one item per request
+    FULL_PAGES = "full pages"  # the request's pages
+    SWA_PAGES = "swa pages"  # SWA pages, translated from the request's full pages
+    REQUEST_SLOTS = "request slots"  # one item per request
 
 
 @dataclass(frozen=True)
 class Segment:
-    layer: int                 # model layer index; -1 for AUX
-    part: str                  # "k", "v", "latent", "key", "scale", "conv", "temporal", "row"
-    shape: tuple[int, ...]     # per item (page or slot)
+    layer: int  # model layer index; -1 for AUX
+    part: str  # "k", "v", "latent", "key", "scale", "conv", "temporal", "row"
+    shape: tuple[int, ...]  # per item (page or slot)
     dtype: str
 
     @property
@@ -148,11 +148,15 @@ def _attention_parts(attn: AttentionSpec, part: str) -> tuple[Part, ...]:
     return (Part(attn.kv_heads, (attn.k_dim if part == "k" else attn.v_dim) * itemsize(attn.dtype)),)
 
 
-def _attention_segments(model: ModelSpec, what: str, attn: AttentionSpec, page_size: int,
-                        tp_size: int) -> list[Segment]:
+def _attention_segments(
+    model: ModelSpec, what: str, attn: AttentionSpec, page_size: int, tp_size: int
+) -> list[Segment]:
     heads = _held(model, f"{what} kv_heads", attn.kv_heads, tp_size)
-    return [Segment(l, p, (page_size, heads, attn.k_dim if p == "k" else attn.v_dim), attn.dtype)
-            for l in attn.layers for p in ("k", "v")]
+    return [
+        Segment(l, p, (page_size, heads, attn.k_dim if p == "k" else attn.v_dim), attn.dtype)
+        for l in attn.layers
+        for p in ("k", "v")
+    ]
 
 
 class FullSpec(ComponentSpec):
@@ -199,10 +203,10 @@ class SWASpec(ComponentSpec):
         return _attention_segments(model, "swa", self._group(model), page_size, tp_size)
 
     def page_items(self, pool, pages: np.ndarray) -> np.ndarray:
-        return pool.swa_allocator.translate(pages)   # SENTINEL once a page left the window
+        return pool.swa_allocator.translate(pages)  # SENTINEL once a page left the window
 
     def first_kept(self, model: ModelSpec, num_tokens: int) -> int:
-        return max(0, num_tokens - model.swa.window)   # every page size's window pages cover these
+        return max(0, num_tokens - model.swa.window)  # every page size's window pages cover these
 
     def describe(self, model: ModelSpec) -> dict:
         return {"window": model.swa.window}
@@ -227,9 +231,14 @@ class NSASpec(ComponentSpec):
     def segments(self, model: ModelSpec, page_size: int, tp_size: int) -> list[Segment]:
         nsa = self._group(model)
         scales = nsa.key_dim // nsa.scale_block
-        return [seg for l in nsa.layers for seg in (Segment(l, "key", (page_size, nsa.key_dim), nsa.key_dtype),
-                                                    Segment(l, "scale", (page_size, scales), nsa.scale_dtype))]
-
+        return [
+            seg
+            for l in nsa.layers
+            for seg in (
+                Segment(l, "key", (page_size, nsa.key_dim), nsa.key_dtype),
+                Segment(l, "scale", (page_size, scales), nsa.scale_dtype),
+            )
+        ]
 
 
 class MambaSpec(ComponentSpec):
@@ -254,13 +263,20 @@ class MambaSpec(ComponentSpec):
             raise SpecError(f"{model.name}: TP {tp_size} refused for its linear-state layers: {lin.tp_refusal}")
         conv_dim = sum(_held(model, "conv groups", u, tp_size) * ch for u, ch in lin.conv_layout)
         heads = _held(model, "temporal heads", lin.temporal_heads, tp_size)
-        return [seg for l in lin.layers for seg in (
-            Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype),
-            Segment(l, "temporal", (heads, lin.temporal_d1, lin.temporal_d2), lin.temporal_dtype))]
+        return [
+            seg
+            for l in lin.layers
+            for seg in (
+                Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype),
+                Segment(l, "temporal", (heads, lin.temporal_d1, lin.temporal_d2), lin.temporal_dtype),
+            )
+        ]
 
     def describe(self, model: ModelSpec) -> dict:
-        return {f"{part}_bytes_per_request": sum(s.nbytes for s in self.segments(model, 1, 1) if s.part == part)
-                for part in ("conv", "temporal")}
+        return {
+            f"{part}_bytes_per_request": sum(s.nbytes for s in self.segments(model, 1, 1) if s.part == part)
+            for part in ("conv", "temporal")
+        }
 
 
 class AuxSpec(ComponentSpec):
@@ -283,7 +299,6 @@ class AuxSpec(ComponentSpec):
 
     def segments(self, model: ModelSpec, page_size: int, tp_size: int) -> list[Segment]:
         return [Segment(-1, "row", (AUX_ROW_BYTES,), "uint8")]
-
 
 
 SPECS: dict[Component, ComponentSpec] = {

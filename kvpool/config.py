@@ -25,7 +25,7 @@ from kvpool.spec import ModelSpec, check_page_size
 
 
 def resolve_device(device: str) -> str:
-    """"auto" -> cuda where torch sees a GPU, else cpu; any other name as it is."""
+    """ "auto" -> cuda where torch sees a GPU, else cpu; any other name as it is."""
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
@@ -37,8 +37,11 @@ class PoolSizes:
 
     def count(self, items: Items) -> int:
         """How many items of this kind the pool holds (the sentinel item not counted)."""
-        return {Items.FULL_PAGES: self.full_pages, Items.SWA_PAGES: self.swa_pages,
-                Items.REQUEST_SLOTS: self.state_slots}[items]
+        return {
+            Items.FULL_PAGES: self.full_pages,
+            Items.SWA_PAGES: self.swa_pages,
+            Items.REQUEST_SLOTS: self.state_slots,
+        }[items]
 
     def num_items(self, component: Component) -> int:
         """Items a component's buffers hold, the sentinel item 0 included."""
@@ -56,7 +59,7 @@ class PoolConfig:
     max_requests: int = 16
     swa_ratio: float = 0.5
     layout: Layout = Layout.PAGE_MAJOR
-    device: str = "auto"   # "auto": cuda when torch sees a GPU, else cpu
+    device: str = "auto"  # "auto": cuda when torch sees a GPU, else cpu
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size)
@@ -100,7 +103,7 @@ class PoolConfig:
         return -(-self.model.swa.window // self.page_size) + 1
 
     def sizes(self) -> PoolSizes:
-        rows = {items: 0 for items in Items}   # bytes per item of each kind, over its components
+        rows = {items: 0 for items in Items}  # bytes per item of each kind, over its components
         for c in self.components:
             rows[SPECS[c].items] += self.row_bytes(c)
         per_page, swa_row, per_request = (rows[i] for i in (Items.FULL_PAGES, Items.SWA_PAGES, Items.REQUEST_SLOTS))
@@ -117,7 +120,7 @@ class PoolConfig:
                 )
             full_pages = int(left // (per_page + self.swa_ratio * swa_row)) if has_paged else 0
         swa_pages = int(full_pages * self.swa_ratio) if has_swa else 0
-        if self.max_tokens is not None and has_swa:   # a token capacity: at least one window
+        if self.max_tokens is not None and has_swa:  # a token capacity: at least one window
             swa_pages = max(swa_pages, min(full_pages, self.swa_window_pages()))
         if has_paged and full_pages < 1:
             raise SpecError(f"capacity holds no page of {self.page_size} tokens")

@@ -10,7 +10,7 @@ from kvpool.geometry import Component
 
 @dataclass(frozen=True)
 class ComponentCopy:
-    positions: np.ndarray            # int32: page positions within the request ([0] for slots)
+    positions: np.ndarray  # int32: page positions within the request ([0] for slots)
     buffers: tuple[torch.Tensor, ...]  # CPU uint8 [len(positions), item_bytes], one per buffer
 
 

@@ -31,11 +31,11 @@ from kvpool.positions import backed, kept_positions, token_items
 from kvpool.shards import Part, global_spans, held, units_sent
 from kvpool.spec import ModelSpec
 
-_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)   # splitmix64's multipliers, as int64
+_C1 = 0xBF58476D1CE4E5B9 - (1 << 64)  # splitmix64's multipliers, as int64
 _C2 = 0x94D049BB133111EB - (1 << 64)
 _GOLD = 0x9E3779B97F4A7C15 - (1 << 64)
 _WORD = {1: torch.int8, 2: torch.int16, 4: torch.int32}
-_CHUNK = 1 << 22                        # words hashed at once (bounds the temporaries)
+_CHUNK = 1 << 22  # words hashed at once (bounds the temporaries)
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -50,6 +50,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class Segment:
     """One (layer, part) of a component: its parts' units occupy slots [base, base + units)."""
+
     layer: int
     part: str
     parts: tuple[Part, ...]
@@ -94,9 +95,11 @@ def _slots(model: ModelSpec, c: Component, units) -> np.ndarray:
 
 def held_slots(model: ModelSpec, c: Component, tp: tuple[int, int]) -> np.ndarray:
     """The slots rank tp = (tp_size, rank) holds."""
+
     def mine(p: Part) -> np.ndarray:
         first, n = held(p, *tp)
         return np.arange(first, first + n)
+
     return _slots(model, c, mine)
 
 
@@ -106,7 +109,7 @@ def sent_slots(model: ModelSpec, c: Component, src: tuple[int, int], dst: tuple[
 
 
 def slot_name(model: ModelSpec, c: Component, slot: int) -> str:
-    """"full layer 3 v unit 1" (a part of several: "mamba layer 0 conv[2] unit 5")."""
+    """ "full layer 3 v unit 1" (a part of several: "mamba layer 0 conv[2] unit 5")."""
     for seg in layout(model, c):
         if seg.base <= slot < seg.base + seg.units:
             u = slot - seg.base
@@ -142,8 +145,8 @@ def _add(out: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, seg: Se
     per_word = torch.zeros(words.shape[1], dtype=torch.int64, device=rows.device)
     step = max(1, _CHUNK // max(1, words.shape[1]))
     for i in range(0, len(words), step):
-        x = words[i:i + step].to(torch.int64) * _GOLD ^ row_keys[i:i + step, None] ^ keys[None, :]
-        x *= _C1                                  # one round, one-to-one: the keys are mixed already
+        x = words[i : i + step].to(torch.int64) * _GOLD ^ row_keys[i : i + step, None] ^ keys[None, :]
+        x *= _C1  # one round, one-to-one: the keys are mixed already
         x ^= (x >> 32) & ((1 << 32) - 1)
         per_word += x.sum(dim=0)
     out.index_add_(0, slots, per_word)

@@ -4,8 +4,15 @@ counterparts (torch is imported only when a torch dtype is asked for: a spec, a 
 
 from kvpool.errors import SpecError
 
-ITEMSIZE: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4, "float8_e4m3fn": 1, "uint8": 1,
-                            "int32": 4, "int64": 8}
+ITEMSIZE: dict[str, int] = {
+    "bfloat16": 2,
+    "float16": 2,
+    "float32": 4,
+    "float8_e4m3fn": 1,
+    "uint8": 1,
+    "int32": 4,
+    "int64": 8,
+}
 
 
 def check(name: str) -> str:
@@ -16,6 +23,7 @@ def check(name: str) -> str:
 
 def torch_dtype(name: str):
     import torch
+
     return getattr(torch, check(name))
 
 

@@ -45,6 +45,7 @@ COMPONENTS = (Component.FULL,)
 class EngineBuffer:
     """One engine-owned tensor of one layer as items: `blocks` is uint8 [num_blocks,
     block_bytes] over the engine's memory (block b of the layer = row b)."""
+
     layer: int
     part: str
     blocks: torch.Tensor
@@ -54,8 +55,9 @@ class EngineBuffer:
 class EnginePoolConfig:
     """What a PoolEndpoint and a KVSender read off a pool's config (HybridPool's PoolConfig
     has the same fields)."""
+
     model: ModelSpec
-    page_size: int                      # the engine's block size (tokens per block)
+    page_size: int  # the engine's block size (tokens per block)
     device: torch.device
     tp_size: int = 1
     tp_rank: int = 0
@@ -72,7 +74,7 @@ class EnginePool:
     """An engine's KV tensors as disagg pool buffers (module docstring). Same memory: what a
     receiver's transport writes lands in the engine's cache."""
 
-    token_rows = False   # items are whole blocks; rows of a token are not described
+    token_rows = False  # items are whole blocks; rows of a token are not described
 
     def __init__(self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer]):
         self.config = config
@@ -83,8 +85,10 @@ class EnginePool:
 
     def buffer_descriptors(self) -> list[BufferDescriptor]:
         """Region i = buffer i (in layer order, then part), as both sides number them."""
-        return [BufferDescriptor(b.blocks.data_ptr(), b.blocks.numel(), b.blocks.shape[1], Component.FULL,
-                                 b.layer, b.part) for b in self.buffers]
+        return [
+            BufferDescriptor(b.blocks.data_ptr(), b.blocks.numel(), b.blocks.shape[1], Component.FULL, b.layer, b.part)
+            for b in self.buffers
+        ]
 
     def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]:
         """uint8 [num_items, item_bytes] per buffer, for gather and scatter."""
@@ -108,8 +112,10 @@ def _check(config: EnginePoolConfig, buffers: list[EngineBuffer]) -> None:
         if t.dtype != torch.uint8 or t.dim() != 2 or not t.is_contiguous():
             raise SpecError(f"{what}: {t.dtype} {tuple(t.shape)} is not a contiguous uint8 [blocks, bytes] view")
         if t.shape[0] != num_blocks or t.shape[0] < 2:
-            raise SpecError(f"{what}: {t.shape[0]} blocks, the first buffer has {num_blocks} (at least 2: block 0 "
-                            f"is the null block)")
+            raise SpecError(
+                f"{what}: {t.shape[0]} blocks, the first buffer has {num_blocks} (at least 2: block 0 "
+                f"is the null block)"
+            )
         if t.device != torch.device(config.device):
             raise SpecError(f"{what}: on {t.device}, the pool is on {config.device}")
         if not 0 <= b.layer < config.model.num_layers or (b.layer, b.part) in seen:
@@ -144,8 +150,10 @@ def shared_pages(tensors: Sequence[tuple[int, str, torch.Tensor]]) -> list[Engin
     spans = sorted((ptr, ptr + n * page, regions[(ptr, page, n)][0]) for ptr, page, n in regions)
     for (_, end, a), (start, _, b) in zip(spans, spans[1:]):
         if start < end:
-            raise SpecError(f"layers {a} and {b}: their pages overlap (a block-outermost layout such as BLHNC: a "
-                            "layer's blocks are not back to back)")
+            raise SpecError(
+                f"layers {a} and {b}: their pages overlap (a block-outermost layout such as BLHNC: a "
+                "layer's blocks are not back to back)"
+            )
     out = []
     for (ptr, page, n), (layer, part, t) in regions.items():
         storage = t.untyped_storage()
@@ -161,13 +169,17 @@ def _region(layer: int, t: torch.Tensor) -> tuple[int, int, int]:
     page, n = t.stride(0) * size, t.shape[0]
     block = (1 + sum((d - 1) * s for d, s in zip(t.shape[1:], t.stride()[1:]))) * size
     if min(t.stride()) < 0 or page < block or n < 2:
-        raise SpecError(f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()}: a block of {block} B does not "
-                        f"fit its page of {page} B (its blocks are not back to back)")
+        raise SpecError(
+            f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()}: a block of {block} B does not "
+            f"fit its page of {page} B (its blocks are not back to back)"
+        )
     storage = t.untyped_storage()
     start = t.data_ptr()
     if start + n * page > storage.data_ptr() + storage.nbytes():
-        raise SpecError(f"layer {layer}: {n} pages of {page} B run past its storage (a block-outermost layout such "
-                        "as BLHNC: a layer's blocks are not back to back)")
+        raise SpecError(
+            f"layer {layer}: {n} pages of {page} B run past its storage (a block-outermost layout such "
+            "as BLHNC: a layer's blocks are not back to back)"
+        )
     return start, page, n
 
 
@@ -183,14 +195,18 @@ def kv_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
 
 def _contiguous(layer: int, t: torch.Tensor) -> None:
     if not t.is_contiguous():
-        raise SpecError(f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()} is not contiguous (its blocks "
-                        "are not back to back)")
+        raise SpecError(
+            f"layer {layer}: shape {tuple(t.shape)} strides {t.stride()} is not contiguous (its blocks "
+            "are not back to back)"
+        )
 
 
-def attention_model(name: str, layers: Sequence[int], kv_heads: int, head_dim: int, dtype: torch.dtype,
-                    num_layers: int | None = None) -> ModelSpec:
+def attention_model(
+    name: str, layers: Sequence[int], kv_heads: int, head_dim: int, dtype: torch.dtype, num_layers: int | None = None
+) -> ModelSpec:
     """The ModelSpec of an engine's full-attention layers (what a LayoutInfo describes to the
     peer, and a refusal names); `kv_heads` is the whole model's (before the TP split)."""
     layers = tuple(sorted(layers))
-    return ModelSpec(name, num_layers or layers[-1] + 1,
-                     full=AttentionSpec(layers, kv_heads, head_dim, head_dim, dtype_name(dtype)))
+    return ModelSpec(
+        name, num_layers or layers[-1] + 1, full=AttentionSpec(layers, kv_heads, head_dim, head_dim, dtype_name(dtype))
+    )

@@ -1,10 +1,10 @@
 """Errors raised by kvpool.
 
-    KVPoolError
-     +-- SpecError          invalid model geometry, page size, TP split or capacity
-     +-- AllocatorError     misuse of an allocator (double free, foreign index, bad size)
-     +-- OutOfSpace         not enough free pages/slots for a request (nothing was taken)
-     +-- LayoutMismatch     a CPU copy or index set does not fit this pool
+KVPoolError
+ +-- SpecError          invalid model geometry, page size, TP split or capacity
+ +-- AllocatorError     misuse of an allocator (double free, foreign index, bad size)
+ +-- OutOfSpace         not enough free pages/slots for a request (nothing was taken)
+ +-- LayoutMismatch     a CPU copy or index set does not fit this pool
 """
 
 

@@ -10,8 +10,18 @@ from kvpool.components import SPECS, Component, Items, Segment
 from kvpool.shards import Part
 from kvpool.spec import ModelSpec
 
-__all__ = ["Component", "Items", "Segment", "bytes_per_request", "bytes_per_token", "components", "item_bytes",
-           "layer_group", "parts", "segments"]
+__all__ = [
+    "Component",
+    "Items",
+    "Segment",
+    "bytes_per_request",
+    "bytes_per_token",
+    "components",
+    "item_bytes",
+    "layer_group",
+    "parts",
+    "segments",
+]
 
 
 def layer_group(model: ModelSpec, component: Component):

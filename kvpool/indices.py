@@ -26,7 +26,9 @@ def as_indices(values: Iterable[int] | np.ndarray, what: str = "indices") -> np.
             raise AllocatorError(f"{what}: expected a 1-D array, got shape {arr.shape}")
         if not np.issubdtype(arr.dtype, np.integer):
             raise AllocatorError(f"{what}: expected integers, got dtype {arr.dtype}")
-        if arr.dtype != INDEX_DTYPE and (arr.min() < np.iinfo(INDEX_DTYPE).min or arr.max() > np.iinfo(INDEX_DTYPE).max):
+        if arr.dtype != INDEX_DTYPE and (
+            arr.min() < np.iinfo(INDEX_DTYPE).min or arr.max() > np.iinfo(INDEX_DTYPE).max
+        ):
             raise AllocatorError(f"{what}: values do not fit int32")
         out = arr.astype(INDEX_DTYPE, copy=True)
     out.setflags(write=False)

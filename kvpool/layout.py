@@ -30,15 +30,15 @@ class Layout(str, Enum):
 @dataclass(frozen=True)
 class Placement:
     segment: Segment
-    buffer: int   # which buffer of the component
-    offset: int   # byte offset of the segment inside one item of that buffer
+    buffer: int  # which buffer of the component
+    offset: int  # byte offset of the segment inside one item of that buffer
 
 
 @dataclass(frozen=True)
 class PackedLayout:
     layout: Layout
-    item_bytes: tuple[int, ...]          # per buffer
-    placements: tuple[Placement, ...]    # one per segment, in segment order
+    item_bytes: tuple[int, ...]  # per buffer
+    placements: tuple[Placement, ...]  # one per segment, in segment order
 
     @property
     def row_bytes(self) -> int:

@@ -48,7 +48,11 @@ class Shard:
 
     def __post_init__(self) -> None:
         check_page_size(self.page_size, self.whole_blocks)
-        if not isinstance(self.tp_size, int) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < self.tp_size:
+        if (
+            not isinstance(self.tp_size, int)
+            or not isinstance(self.tp_rank, int)
+            or not 0 <= self.tp_rank < self.tp_size
+        ):
             raise SpecError(f"TP rank {self.tp_rank!r} of size {self.tp_size!r}")
 
     @property
@@ -58,8 +62,8 @@ class Shard:
 
 @dataclass(frozen=True)
 class Part:
-    units: int        # units in the whole model (heads, groups; 1: replicated)
-    unit_bytes: int   # bytes of one unit in one row
+    units: int  # units in the whole model (heads, groups; 1: replicated)
+    unit_bytes: int  # bytes of one unit in one row
 
 
 def held(part: Part, tp_size: int, tp_rank: int, what: str = "units") -> tuple[int, int]:
@@ -109,7 +113,7 @@ def _sender(part: Part, tp_size: int, units: np.ndarray, dst: tuple[int, int]) -
     if part.units >= tp_size:
         return units // (part.units // tp_size)
     ways = tp_size // part.units
-    natural = dst[1] * tp_size // dst[0]   # the rank that holds a split part's units for dst
+    natural = dst[1] * tp_size // dst[0]  # the rank that holds a split part's units for dst
     return np.clip(natural, units * ways, units * ways + ways - 1)
 
 
@@ -144,4 +148,3 @@ def reshard(parts: tuple[Part, ...], src: tuple[int, int], dst: tuple[int, int])
     starts = np.concatenate(([0], brk))
     sizes = np.add.reduceat(n, starts)
     return [(int(a), int(b), int(c)) for a, b, c in zip(s[starts], d[starts], sizes)]
-

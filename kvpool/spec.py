@@ -114,15 +114,22 @@ class LinearStateSpec:
         if self.conv_groups is not None:
             groups = tuple(tuple(g) if isinstance(g, (tuple, list)) else (g,) for g in self.conv_groups)
             if not groups or any(len(g) != 2 or not all(isinstance(v, int) and v > 0 for v in g) for g in groups):
-                raise SpecError(f"linear state: conv_groups must be (units, channels) pairs of positive ints, "
-                                f"got {self.conv_groups!r}")
+                raise SpecError(
+                    f"linear state: conv_groups must be (units, channels) pairs of positive ints, "
+                    f"got {self.conv_groups!r}"
+                )
             if sum(u * ch for u, ch in groups) != self.conv_dim:
-                raise SpecError(f"linear state: conv_groups {groups} hold {sum(u * ch for u, ch in groups)} "
-                                f"channels, conv_dim is {self.conv_dim}")
+                raise SpecError(
+                    f"linear state: conv_groups {groups} hold {sum(u * ch for u, ch in groups)} "
+                    f"channels, conv_dim is {self.conv_dim}"
+                )
             object.__setattr__(self, "conv_groups", groups)
         _check_positive(
-            "linear state", conv_dim=self.conv_dim, conv_width=self.conv_width,
-            temporal_heads=self.temporal_heads, temporal_d1=self.temporal_d1,
+            "linear state",
+            conv_dim=self.conv_dim,
+            conv_width=self.conv_width,
+            temporal_heads=self.temporal_heads,
+            temporal_d1=self.temporal_d1,
             temporal_d2=self.temporal_d2,
         )
         check_dtype(self.conv_dtype)
@@ -160,7 +167,7 @@ class ModelSpec:
             for layer in group.layers if group is not None else ():
                 if layer >= self.num_layers:
                     raise SpecError(f"{self.name}: {kind} layer {layer} >= num_layers {self.num_layers}")
-                if layer in seen and kind != "linear":   # K/V and a state side by side (falcon_h1): both
+                if layer in seen and kind != "linear":  # K/V and a state side by side (falcon_h1): both
                     raise SpecError(f"{self.name}: layer {layer} is both {seen[layer]} and {kind}")
                 seen[layer] = kind
         if self.nsa is not None:
@@ -190,6 +197,10 @@ def check_page_size(page_size: int, whole_blocks: bool = False) -> None:
     pages at token boundaries of both sides). A pool of whole engine blocks (kvpool.engine:
     vLLM's, whose block size vLLM may raise to 160 and the like to fit a hybrid model's state in
     a page) pairs only with equal block sizes, never by token: there any positive size."""
-    if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size <= 0 \
-            or (not whole_blocks and page_size & (page_size - 1)):
+    if (
+        not isinstance(page_size, int)
+        or isinstance(page_size, bool)
+        or page_size <= 0
+        or (not whole_blocks and page_size & (page_size - 1))
+    ):
         raise SpecError(f"page size {page_size!r} is not a positive {'integer' if whole_blocks else 'power of two'}")

@@ -21,19 +21,19 @@ class BufferDescriptor:
     nbytes: int
     item_bytes: int
     component: Component
-    layer: int | None   # None: a page-major buffer holding every layer of the component
-    part: str | None    # "k", "v", "latent", ... for layer-major buffers; None for page-major
+    layer: int | None  # None: a page-major buffer holding every layer of the component
+    part: str | None  # "k", "v", "latent", ... for layer-major buffers; None for page-major
 
 
 class Storage:
-    def __init__(self, component: Component, segments: list[Segment], layout: Layout,
-                 num_items: int, device: torch.device | str):
+    def __init__(
+        self, component: Component, segments: list[Segment], layout: Layout, num_items: int, device: torch.device | str
+    ):
         self.component = component
         self.num_items = num_items
         self.packed: PackedLayout = pack(segments, layout)
         # buffers[b]: uint8 [num_items, item_bytes[b]] on `device`; item 0 is the sentinel.
-        self.buffers = [torch.zeros((num_items, b), dtype=torch.uint8, device=device)
-                        for b in self.packed.item_bytes]
+        self.buffers = [torch.zeros((num_items, b), dtype=torch.uint8, device=device) for b in self.packed.item_bytes]
         self._placements = {(p.segment.layer, p.segment.part): p for p in self.packed.placements}
 
     @property
@@ -50,20 +50,24 @@ class Storage:
         dtype = torch_dtype(p.segment.dtype)
         typed = buf.view(dtype)  # [num_items, item_bytes / itemsize]
         shape = p.segment.shape
-        inner = [math.prod(shape[i + 1:]) for i in range(len(shape))]
-        return typed.as_strided((self.num_items, *shape), (typed.stride(0), *inner),
-                                p.offset // dtype.itemsize)
+        inner = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+        return typed.as_strided((self.num_items, *shape), (typed.stride(0), *inner), p.offset // dtype.itemsize)
 
     def descriptors(self) -> list[BufferDescriptor]:
         page_major = self.packed.layout is Layout.PAGE_MAJOR
         out = []
         for b, buf in enumerate(self.buffers):
             seg = None if page_major else self.packed.placements[b].segment
-            out.append(BufferDescriptor(
-                ptr=buf.data_ptr(), nbytes=buf.numel(), item_bytes=buf.shape[1],
-                component=self.component, layer=seg.layer if seg else None,
-                part=seg.part if seg else None,
-            ))
+            out.append(
+                BufferDescriptor(
+                    ptr=buf.data_ptr(),
+                    nbytes=buf.numel(),
+                    item_bytes=buf.shape[1],
+                    component=self.component,
+                    layer=seg.layer if seg else None,
+                    part=seg.part if seg else None,
+                )
+            )
         return out
 
     def _index_tensor(self, items: np.ndarray) -> torch.Tensor:

@@ -50,6 +50,7 @@ def one(eng, pool: HybridPool, tokens: np.ndarray, new: int, device: str) -> dic
         wire = digests.for_destination(pool.config.model, sums, tp, tp)
         want = digests.expected(pool.config.model, tp, [wire])
         digests.check(pool.config.model, tp, digest.compute(pool, req, len(tokens)), want)
+
     out["digest_decode"] = _timed(check, device)
     out["decode"] = _timed(lambda: (eng.verify(pool, req, tokens, 1), eng.decode(pool, req, tokens, new)), device)
     pool.free_request(req)
@@ -69,18 +70,24 @@ def main() -> None:
         lens = [int(n) for n in args.prompt_lens.split(",")]
         spec = eng.spec or get_preset(preset)
         page = FAMILIES[preset].page_size if preset in FAMILIES else 16
-        pool = HybridPool(PoolConfig(spec, page, max_tokens=2 * (max(lens) + args.max_new_tokens) + 64,
-                                     max_requests=2, device=args.device))
+        pool = HybridPool(
+            PoolConfig(
+                spec, page, max_tokens=2 * (max(lens) + args.max_new_tokens) + 64, max_requests=2, device=args.device
+            )
+        )
         vocab = eng.vocab_size or 50000
         for n in lens:
             tokens = np.random.default_rng(n).integers(0, vocab, n)
-            one(eng, pool, tokens, args.max_new_tokens, args.device)   # warm-up
+            one(eng, pool, tokens, args.max_new_tokens, args.device)  # warm-up
             runs = [one(eng, pool, tokens, args.max_new_tokens, args.device) for _ in range(args.reps)]
             med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
-            print(f"{preset:24s} {n:6d} tokens: prefill {med['prefill']:8.1f} ms + digest {med['digest_prefill']:6.2f} ms"
-                  f" ({100 * med['digest_prefill'] / med['prefill']:5.1f}%); decode {med['decode']:8.1f} ms + "
-                  f"digest and compare {med['digest_decode']:6.2f} ms "
-                  f"({100 * med['digest_decode'] / med['decode']:5.1f}%)", flush=True)
+            print(
+                f"{preset:24s} {n:6d} tokens: prefill {med['prefill']:8.1f} ms + digest {med['digest_prefill']:6.2f} ms"
+                f" ({100 * med['digest_prefill'] / med['prefill']:5.1f}%); decode {med['decode']:8.1f} ms + "
+                f"digest and compare {med['digest_decode']:6.2f} ms "
+                f"({100 * med['digest_decode'] / med['decode']:5.1f}%)",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

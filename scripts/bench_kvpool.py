@@ -61,7 +61,10 @@ def bench(preset: str, page_size: int, tokens: int, repeats: int) -> dict:
     pool.free_request(req)
     pool.check_integrity()
     return {
-        "preset": preset, "page_size": page_size, "tokens": tokens, "pages": n_pages,
+        "preset": preset,
+        "page_size": page_size,
+        "tokens": tokens,
+        "pages": n_pages,
         "alloc_free_ms": t_alloc * 1e3,
         "pages_per_s": 2 * n_pages / t_alloc,
         "small_requests_per_s": n_small / t_many,
@@ -81,12 +84,16 @@ def main() -> None:
     if args.json:
         print(json.dumps({"rows": rows}, indent=2))
         return
-    print(f"{'preset':<20} {'page':>4} {'pages':>7} {'alloc+free ms':>13} {'Mpages/s':>9} "
-          f"{'2k-req/s':>9} {'index_set ms':>12} {'extend us':>9}  components")
+    print(
+        f"{'preset':<20} {'page':>4} {'pages':>7} {'alloc+free ms':>13} {'Mpages/s':>9} "
+        f"{'2k-req/s':>9} {'index_set ms':>12} {'extend us':>9}  components"
+    )
     for r in rows:
-        print(f"{r['preset']:<20} {r['page_size']:>4} {r['pages']:>7} {r['alloc_free_ms']:>13.3f} "
-              f"{r['pages_per_s'] / 1e6:>9.1f} {r['small_requests_per_s']:>9.0f} {r['index_set_ms']:>12.3f} "
-              f"{r['extend_us']:>9.1f}  {','.join(r['components'])}")
+        print(
+            f"{r['preset']:<20} {r['page_size']:>4} {r['pages']:>7} {r['alloc_free_ms']:>13.3f} "
+            f"{r['pages_per_s'] / 1e6:>9.1f} {r['small_requests_per_s']:>9.0f} {r['index_set_ms']:>12.3f} "
+            f"{r['extend_us']:>9.1f}  {','.join(r['components'])}"
+        )
 
 
 if __name__ == "__main__":

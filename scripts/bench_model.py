@@ -27,22 +27,45 @@ SPLIT = ("prefill", "transfer", "rebuild", "decode", "check", "total")
 def machine(device: str) -> str:
     if device.startswith("cuda"):
         import torch
+
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"{platform.processor() or platform.machine()}, CPU"
 
 
 def run_one(preset: str, args) -> dict:
-    cmd = [sys.executable, "-m", "disagg", "demo", "--engine", "model", "--preset", preset, "--device", args.device,
-           "--requests", str(args.requests), "--concurrency", str(args.concurrency), "--prompt-len", args.prompt_len,
-           "--max-new-tokens", str(args.max_new_tokens), "--json", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "disagg",
+        "demo",
+        "--engine",
+        "model",
+        "--preset",
+        preset,
+        "--device",
+        args.device,
+        "--requests",
+        str(args.requests),
+        "--concurrency",
+        str(args.concurrency),
+        "--prompt-len",
+        args.prompt_len,
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--json",
+        "--no-progress",
+    ]
     t0 = time.perf_counter()
     try:
         out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:
         tail = (exc.stderr or b"")[-1500:]
-        return {"error": f"no summary within {args.timeout:g} s; stderr: "
-                         f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}",
-                "command": " ".join(cmd[1:]), "exit_code": None}
+        return {
+            "error": f"no summary within {args.timeout:g} s; stderr: "
+            f"{tail.decode(errors='replace') if isinstance(tail, bytes) else tail}",
+            "command": " ".join(cmd[1:]),
+            "exit_code": None,
+        }
     lines = out.stdout.strip().splitlines()
     try:
         summary = json.loads(lines[-1])
@@ -62,13 +85,21 @@ def engine_only(preset: str, args) -> dict:
 
     from disagg.engine import registry
     from kvpool import HybridPool, PoolConfig
+
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     n = int(args.prompt_len.split(":")[-1])
     t0 = time.perf_counter()
     eng = registry.create("model", preset, args.device)
     build_s = time.perf_counter() - t0
-    pool = HybridPool(PoolConfig(eng.spec, eng.spec.default_page_size, max_tokens=4 * (n + args.max_new_tokens + 64),
-                                 max_requests=2, device=args.device))
+    pool = HybridPool(
+        PoolConfig(
+            eng.spec,
+            eng.spec.default_page_size,
+            max_tokens=4 * (n + args.max_new_tokens + 64),
+            max_requests=2,
+            device=args.device,
+        )
+    )
     tokens = np.random.default_rng(0).integers(0, eng.vocab_size, n)
     rows = []
     for _ in range(args.requests):
@@ -82,9 +113,16 @@ def engine_only(preset: str, args) -> dict:
         out = eng.decode(pool, req, tokens, args.max_new_tokens)
         t = time.perf_counter()
         check = eng.check(tokens, out)
-        rows.append({"prefill_ms": round(prefill_ms, 2), **{f"{k}_ms": round(v, 2) for k, v in out.timings_ms.items()},
-                     "check_ms": round((time.perf_counter() - t) * 1e3, 2), "token_match": check["token_match"],
-                     "logits_match": check["logits_match"], "layers_reported": len(layers)})
+        rows.append(
+            {
+                "prefill_ms": round(prefill_ms, 2),
+                **{f"{k}_ms": round(v, 2) for k, v in out.timings_ms.items()},
+                "check_ms": round((time.perf_counter() - t) * 1e3, 2),
+                "token_match": check["token_match"],
+                "logits_match": check["logits_match"],
+                "layers_reported": len(layers),
+            }
+        )
         pool.free_request(req)
     return {"prompt_tokens": n, "max_new_tokens": args.max_new_tokens, "build_s": round(build_s, 1), "runs": rows}
 
@@ -92,34 +130,45 @@ def engine_only(preset: str, args) -> dict:
 def line(preset: str, s: dict) -> str:
     if "runs" in s:
         r = s["runs"][-1]
-        return (f"{preset:26s} engine only, {s['prompt_tokens']} tokens: build {s['build_s']} s  prefill "
-                f"{r['prefill_ms']} ms  rebuild {r.get('rebuild_ms')} ms  {s['max_new_tokens']} steps "
-                f"{r.get('steps_ms')} ms  token_match {all(x['token_match'] for x in s['runs'])}  "
-                f"logits {all(x['logits_match'] for x in s['runs'])}")
+        return (
+            f"{preset:26s} engine only, {s['prompt_tokens']} tokens: build {s['build_s']} s  prefill "
+            f"{r['prefill_ms']} ms  rebuild {r.get('rebuild_ms')} ms  {s['max_new_tokens']} steps "
+            f"{r.get('steps_ms')} ms  token_match {all(x['token_match'] for x in s['runs'])}  "
+            f"logits {all(x['logits_match'] for x in s['runs'])}"
+        )
     if "latency_ms" not in s:
         return f"{preset:26s} FAILED: {s.get('error', '')[-300:]}"
     m, lat = s.get("token_match", {}), s["latency_ms"]
     split = "  ".join(f"{k} {lat[k]['p50']:.1f}" for k in SPLIT if k in lat)
-    return (f"{preset:26s} {s['requests'] - s['failed']}/{s['requests']} ok  token_match {m.get('match')}/"
-            f"{m.get('checked')}  logits {m.get('logits_match')}/{m.get('checked')}  "
-            f"shard {m.get('shard_match', m.get('match'))}/{m.get('checked')}  "
-            f"{','.join(s.get('transports', {}))}  p50 ms: {split}")
+    return (
+        f"{preset:26s} {s['requests'] - s['failed']}/{s['requests']} ok  token_match {m.get('match')}/"
+        f"{m.get('checked')}  logits {m.get('logits_match')}/{m.get('checked')}  "
+        f"shard {m.get('shard_match', m.get('match'))}/{m.get('checked')}  "
+        f"{','.join(s.get('transports', {}))}  p50 ms: {split}"
+    )
 
 
 def main() -> int:
     from disagg.engine.model.families import FAMILIES
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cpu")
-    p.add_argument("--presets", default=",".join(f for f in FAMILIES if f.startswith("tiny-")),
-                   help=f"comma-separated, of: {', '.join(FAMILIES)}")
+    p.add_argument(
+        "--presets",
+        default=",".join(f for f in FAMILIES if f.startswith("tiny-")),
+        help=f"comma-separated, of: {', '.join(FAMILIES)}",
+    )
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--prompt-len", default="1:200", help="N or MIN:MAX tokens")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--timeout", type=float, default=300, help="seconds per family")
     p.add_argument("--out", help="write every summary here as JSON")
-    p.add_argument("--engine-only", action="store_true",
-                   help="no processes, no transfer: the model's own compute times in this process")
+    p.add_argument(
+        "--engine-only",
+        action="store_true",
+        help="no processes, no transfer: the model's own compute times in this process",
+    )
     args = p.parse_args()
     results, bad = {}, False
     for preset in args.presets.split(","):
@@ -133,10 +182,18 @@ def main() -> int:
             m = s.get("token_match", {})
             bad |= s.get("exit_code") != 0 or s.get("failed", 1) > 0 or m.get("match") != m.get("checked")
         print(line(preset, s), flush=True)
-        if args.out:   # after every family: a run cut short keeps what it measured
+        if args.out:  # after every family: a run cut short keeps what it measured
             with open(args.out, "w") as f:
-                json.dump({"command": " ".join(sys.argv), "machine": machine(args.device),
-                           "date": datetime.date.today().isoformat(), "results": results}, f, indent=1)
+                json.dump(
+                    {
+                        "command": " ".join(sys.argv),
+                        "machine": machine(args.device),
+                        "date": datetime.date.today().isoformat(),
+                        "results": results,
+                    },
+                    f,
+                    indent=1,
+                )
     return 1 if bad else 0
 
 

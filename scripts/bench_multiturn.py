@@ -36,18 +36,46 @@ import time
 def machine(device: str) -> str:
     if device.startswith("cuda"):
         import torch
+
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"{platform.processor() or platform.machine()}, CPU, {len(__import__('os').sched_getaffinity(0))} cores"
 
 
 def demo(preset: str, user_len: int, args) -> tuple[dict, list[str]]:
-    cmd = [sys.executable, "-m", "disagg", "demo", "--workload", "multiturn", "--preset", preset, "--device",
-           args.device, "--transport", args.transport, "--conversations", str(args.conversations), "--turns",
-           str(args.turns), "--system-prompt-len", str(args.system_prompt_len), "--user-len", str(user_len),
-           "--max-new-tokens", str(args.max_new_tokens), "--concurrency", str(args.concurrency),
-           "--stream-layers", args.stream_layers,
-           "--max-tokens", str(pool_tokens(user_len, args)), "--max-requests", str(args.concurrency + 2), "--json",
-           "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "disagg",
+        "demo",
+        "--workload",
+        "multiturn",
+        "--preset",
+        preset,
+        "--device",
+        args.device,
+        "--transport",
+        args.transport,
+        "--conversations",
+        str(args.conversations),
+        "--turns",
+        str(args.turns),
+        "--system-prompt-len",
+        str(args.system_prompt_len),
+        "--user-len",
+        str(user_len),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--concurrency",
+        str(args.concurrency),
+        "--stream-layers",
+        args.stream_layers,
+        "--max-tokens",
+        str(pool_tokens(user_len, args)),
+        "--max-requests",
+        str(args.concurrency + 2),
+        "--json",
+        "--no-progress",
+    ]
     if args.simulate_layer_ms:
         cmd += ["--simulate-layer-ms", str(args.simulate_layer_ms)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -72,26 +100,39 @@ def p50(run: dict, key: str) -> float | None:
 
 def row(out: dict) -> dict:
     on, off = out["runs"]["reuse_on"], out["runs"]["reuse_off"]
-    return {"prompt_tokens_mean": on["prompt_tokens"], "hit_rate": on["hit_rate"],
-            "requests_ok": {"off": off["ok"], "on": on["ok"]},
-            "bytes_per_request": {"off": off["bytes_per_request"], "on": on["bytes_per_request"]},
-            "bytes_fewer_x": out["reuse_on_vs_off"]["bytes_fewer_x"],
-            "transfer_ms_p50": {"off": p50(off, "transfer_ms"), "on": p50(on, "transfer_ms")},
-            "ttft_ms_p50": {"off": p50(off, "ttft_ms"), "on": p50(on, "ttft_ms")},
-            "per_turn": [{"turn": t["turn"], "prompt_tokens": t["prompt_tokens"], "hit_rate": t["hit_rate"],
-                          "bytes_per_request": {"off": u["bytes_per_request"], "on": t["bytes_per_request"]},
-                          "transfer_ms_p50": {"off": p50(u, "transfer_ms"), "on": p50(t, "transfer_ms")},
-                          "ttft_ms_p50": {"off": p50(u, "ttft_ms"), "on": p50(t, "ttft_ms")}}
-                         for t, u in zip(on["per_turn"], off["per_turn"], strict=True)],
-            "transports": on["transports"], "modes": on["modes"]}
+    return {
+        "prompt_tokens_mean": on["prompt_tokens"],
+        "hit_rate": on["hit_rate"],
+        "requests_ok": {"off": off["ok"], "on": on["ok"]},
+        "bytes_per_request": {"off": off["bytes_per_request"], "on": on["bytes_per_request"]},
+        "bytes_fewer_x": out["reuse_on_vs_off"]["bytes_fewer_x"],
+        "transfer_ms_p50": {"off": p50(off, "transfer_ms"), "on": p50(on, "transfer_ms")},
+        "ttft_ms_p50": {"off": p50(off, "ttft_ms"), "on": p50(on, "ttft_ms")},
+        "per_turn": [
+            {
+                "turn": t["turn"],
+                "prompt_tokens": t["prompt_tokens"],
+                "hit_rate": t["hit_rate"],
+                "bytes_per_request": {"off": u["bytes_per_request"], "on": t["bytes_per_request"]},
+                "transfer_ms_p50": {"off": p50(u, "transfer_ms"), "on": p50(t, "transfer_ms")},
+                "ttft_ms_p50": {"off": p50(u, "ttft_ms"), "on": p50(t, "ttft_ms")},
+            }
+            for t, u in zip(on["per_turn"], off["per_turn"], strict=True)
+        ],
+        "transports": on["transports"],
+        "modes": on["modes"],
+    }
 
 
 def say(key: str, r: dict) -> None:
     b, x, t = r["bytes_per_request"], r["transfer_ms_p50"], r["ttft_ms_p50"]
-    ms = lambda v: "-" if v is None else f"{v:.2f}"   # (None: no request of the run succeeded)
-    print(f"{key:<34} hit {100 * r['hit_rate']:5.1f}%  MB/request {b['off'] / 1e6:8.2f} -> {b['on'] / 1e6:8.2f} "
-          f"({r['bytes_fewer_x']}x fewer)  transfer p50 {ms(x['off'])} -> {ms(x['on'])} ms  "
-          f"TTFT p50 {ms(t['off'])} -> {ms(t['on'])} ms", flush=True)
+    ms = lambda v: "-" if v is None else f"{v:.2f}"  # (None: no request of the run succeeded)
+    print(
+        f"{key:<34} hit {100 * r['hit_rate']:5.1f}%  MB/request {b['off'] / 1e6:8.2f} -> {b['on'] / 1e6:8.2f} "
+        f"({r['bytes_fewer_x']}x fewer)  transfer p50 {ms(x['off'])} -> {ms(x['on'])} ms  "
+        f"TTFT p50 {ms(t['off'])} -> {ms(t['on'])} ms",
+        flush=True,
+    )
 
 
 def main() -> int:
@@ -99,19 +140,30 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="auto", help="mooncake, cuda-ipc, or auto")
     ap.add_argument("--presets", default="gpt-oss-120b", help="comma-separated (`disagg presets`)")
-    ap.add_argument("--user-lens", default="2048,512,128,32",
-                    help="comma-separated user message lengths, one point each (shorter: more reuse)")
+    ap.add_argument(
+        "--user-lens",
+        default="2048,512,128,32",
+        help="comma-separated user message lengths, one point each (shorter: more reuse)",
+    )
     ap.add_argument("--system-prompt-len", type=int, default=1024)
     ap.add_argument("--conversations", type=int, default=3)
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--concurrency", type=int, default=1, help="conversations at once (1: latency undisturbed)")
     ap.add_argument("--simulate-layer-ms", type=float, default=0.0, help="stand-in engine: compute per layer")
-    ap.add_argument("--stream-layers", default="off", choices=["on", "off", "auto"],
-                    help="off (default): a send starts once the KV is computed, so its time is the transfer's alone "
-                         "(streamed, a send's time holds the compute it overlaps)")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="pool capacity per side, in tokens (default: every conversation's last turn, and one more)")
+    ap.add_argument(
+        "--stream-layers",
+        default="off",
+        choices=["on", "off", "auto"],
+        help="off (default): a send starts once the KV is computed, so its time is the transfer's alone "
+        "(streamed, a send's time holds the compute it overlaps)",
+    )
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="pool capacity per side, in tokens (default: every conversation's last turn, and one more)",
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per demo")
     ap.add_argument("--out", default=None, help="write the rows as JSON here, with the command, machine and date")
     args = ap.parse_args()
@@ -126,8 +178,12 @@ def main() -> int:
                 print(f"{key}: FAILED {out['error'][-600:]}", flush=True)
                 failed = True
                 continue
-            rows[key] = {"user_tokens": user_len, **row(out), "command": " ".join(command),
-                         "wall_s": round(time.perf_counter() - t0, 1)}
+            rows[key] = {
+                "user_tokens": user_len,
+                **row(out),
+                "command": " ".join(command),
+                "wall_s": round(time.perf_counter() - t0, 1),
+            }
             failures = {label: s["failures"] for label, s in out["runs"].items() if s["failed"]}
             if failures:
                 rows[key]["failures"] = failures
@@ -136,14 +192,25 @@ def main() -> int:
             say(key, rows[key])
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"what": "multi-turn chat through decode's prefix cache: bytes moved per request, transfer time "
-                               "and TTFT, reuse off vs on, by hit rate (shorter user messages: more reuse)",
-                       "command": " ".join(["scripts/bench_multiturn.py", *sys.argv[1:]]),
-                       "machine": machine(args.device), "date": datetime.date.today().isoformat(),
-                       "workload": {"system_prompt_tokens": args.system_prompt_len, "conversations":
-                                    args.conversations, "turns": args.turns, "answer_tokens": args.max_new_tokens,
-                                    "concurrency": args.concurrency},
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "what": "multi-turn chat through decode's prefix cache: bytes moved per request, transfer time "
+                    "and TTFT, reuse off vs on, by hit rate (shorter user messages: more reuse)",
+                    "command": " ".join(["scripts/bench_multiturn.py", *sys.argv[1:]]),
+                    "machine": machine(args.device),
+                    "date": datetime.date.today().isoformat(),
+                    "workload": {
+                        "system_prompt_tokens": args.system_prompt_len,
+                        "conversations": args.conversations,
+                        "turns": args.turns,
+                        "answer_tokens": args.max_new_tokens,
+                        "concurrency": args.concurrency,
+                    },
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 1 if failed else 0
 
 

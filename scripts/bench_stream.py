@@ -30,15 +30,38 @@ import time
 def machine(device: str) -> str:
     if device.startswith("cuda"):
         import torch
+
         return f"{torch.cuda.get_device_name(0)} x{torch.cuda.device_count()}, torch {torch.__version__}"
     return f"{platform.processor() or platform.machine()}, CPU"
 
 
 def demo(preset: str, transport: str, args) -> tuple[dict, str]:
-    cmd = [sys.executable, "-m", "disagg", "demo", "--preset", preset, "--device", args.device, "--transport",
-           transport, "--requests", str(args.requests), "--concurrency", "1", "--prompt-len", str(args.prompt_len),
-           "--max-new-tokens", str(args.max_new_tokens), "--max-tokens", str(pool_tokens(args)),
-           "--stream-layers", "both", "--json", "--no-progress"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "disagg",
+        "demo",
+        "--preset",
+        preset,
+        "--device",
+        args.device,
+        "--transport",
+        transport,
+        "--requests",
+        str(args.requests),
+        "--concurrency",
+        "1",
+        "--prompt-len",
+        str(args.prompt_len),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--max-tokens",
+        str(pool_tokens(args)),
+        "--stream-layers",
+        "both",
+        "--json",
+        "--no-progress",
+    ]
     if args.simulate_layer_ms:
         cmd += ["--simulate-layer-ms", str(args.simulate_layer_ms)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -61,13 +84,17 @@ def p50(summary: dict, phase: str) -> float | None:
 
 def row(summaries: dict) -> dict:
     off, on = summaries["stream_off"], summaries["stream_on"]
-    r = {"requests_ok": [off["requests"] - off["failed"], on["requests"] - on["failed"]],
-         "streamed": on.get("streamed", 0), "transports": on.get("transports"), "modes": on.get("modes"),
-         "compute_ms": {"off": p50(off, "prefill"), "on": p50(on, "prefill")},
-         "after_compute_ms": {"off": p50(off, "kv_ready_after_compute"), "on": p50(on, "kv_ready_after_compute")},
-         "transfer_ms": {"off": p50(off, "transfer"), "on": p50(on, "transfer")},
-         "transfer_cpu_ms": {"off": p50(off, "transfer_cpu"), "on": p50(on, "transfer_cpu")},
-         "bytes_per_request": off["bytes"] // max(1, off["requests"] - off["failed"])}
+    r = {
+        "requests_ok": [off["requests"] - off["failed"], on["requests"] - on["failed"]],
+        "streamed": on.get("streamed", 0),
+        "transports": on.get("transports"),
+        "modes": on.get("modes"),
+        "compute_ms": {"off": p50(off, "prefill"), "on": p50(on, "prefill")},
+        "after_compute_ms": {"off": p50(off, "kv_ready_after_compute"), "on": p50(on, "kv_ready_after_compute")},
+        "transfer_ms": {"off": p50(off, "transfer"), "on": p50(on, "transfer")},
+        "transfer_cpu_ms": {"off": p50(off, "transfer_cpu"), "on": p50(on, "transfer_cpu")},
+        "bytes_per_request": off["bytes"] // max(1, off["requests"] - off["failed"]),
+    }
     c, a = r["compute_ms"], r["after_compute_ms"]
     if c["on"] and a["on"] is not None and a["off"] is not None:
         r["after_over_compute"] = {"off": round(a["off"] / c["off"], 4), "on": round(a["on"] / c["on"], 4)}
@@ -84,8 +111,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="per run (off and on each)")
     ap.add_argument("--max-new-tokens", type=int, default=2)
     ap.add_argument("--simulate-layer-ms", type=float, default=0.0, help="stand-in engine: compute per layer")
-    ap.add_argument("--max-tokens", type=int, default=None,
-                    help="pool capacity per side, in tokens (default: 2 x (prompt + new tokens), at least 4096)")
+    ap.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="pool capacity per side, in tokens (default: 2 x (prompt + new tokens), at least 4096)",
+    )
     ap.add_argument("--timeout", type=float, default=540.0, help="seconds per demo")
     ap.add_argument("--out", default=None, help="write the rows as JSON here, with the command, machine and date")
     args = ap.parse_args()
@@ -108,16 +139,27 @@ def main() -> int:
                 print(f"{key}: failed requests: {json.dumps(failures)[:1500]}", flush=True)
                 failed = True
                 continue
-            print(f"{key:<34} compute {r['compute_ms']['off']:.1f} / {r['compute_ms']['on']:.1f} ms (off/on)  "
-                  f"KV ready after compute: {r['after_compute_ms']['off']:.1f} ms off, {r['after_compute_ms']['on']:.1f} "
-                  f"ms on  (x compute {r.get('after_over_compute')}, slowdown {r.get('compute_slowdown')})  "
-                  f"{r['bytes_per_request'] / 1e6:.0f} MB/request, sender CPU {r['transfer_cpu_ms']}", flush=True)
+            print(
+                f"{key:<34} compute {r['compute_ms']['off']:.1f} / {r['compute_ms']['on']:.1f} ms (off/on)  "
+                f"KV ready after compute: {r['after_compute_ms']['off']:.1f} ms off, {r['after_compute_ms']['on']:.1f} "
+                f"ms on  (x compute {r.get('after_over_compute')}, slowdown {r.get('compute_slowdown')})  "
+                f"{r['bytes_per_request'] / 1e6:.0f} MB/request, sender CPU {r['transfer_cpu_ms']}",
+                flush=True,
+            )
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"what": "layer-wise streaming: prefill compute and KV ready after compute, streaming off vs on",
-                       "command": " ".join(sys.argv), "machine": machine(args.device),
-                       "date": datetime.date.today().isoformat(), "prompt_tokens": args.prompt_len,
-                       "rows": rows}, f, indent=1)
+            json.dump(
+                {
+                    "what": "layer-wise streaming: prefill compute and KV ready after compute, streaming off vs on",
+                    "command": " ".join(sys.argv),
+                    "machine": machine(args.device),
+                    "date": datetime.date.today().isoformat(),
+                    "prompt_tokens": args.prompt_len,
+                    "rows": rows,
+                },
+                f,
+                indent=1,
+            )
     return 1 if failed else 0
 
 

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the harness package (root first: tests/kvpool is no package)
 
 from disagg.engine.standin import StandInEngine  # noqa: E402
 from disagg.worker.flags import STAGING_SLOTS  # noqa: E402
@@ -65,8 +65,18 @@ class ThreadRanks:
         model, self.tokens = get_preset(args.preset), tokens
         self.prefill = []
         for r in range(n):
-            pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=int(tokens * 2.5), max_requests=2,
-                                         layout=layout, tp_size=n, tp_rank=r, device=args.device))
+            pool = HybridPool(
+                PoolConfig(
+                    model,
+                    args.page_size,
+                    max_tokens=int(tokens * 2.5),
+                    max_requests=2,
+                    layout=layout,
+                    tp_size=n,
+                    tp_rank=r,
+                    device=args.device,
+                )
+            )
             req = pool.alloc_request(tokens)
             StandInEngine().prefill(pool, req, ids, ROOM)
             self.prefill.append((pool, req))
@@ -84,11 +94,16 @@ class ThreadRanks:
         def one(r, s):
             try:
                 pool, req = self.prefill[r]
-                reports[r, s] = self.senders[r].send(self.links[r, s], pool.index_set(req), targets[s][1],
-                                                     RemoteSlots(1 + r, slots[r, s], self.peers[s].channel),
-                                                     num_tokens=self.tokens)
-            except Exception as exc:   # reported below
+                reports[r, s] = self.senders[r].send(
+                    self.links[r, s],
+                    pool.index_set(req),
+                    targets[s][1],
+                    RemoteSlots(1 + r, slots[r, s], self.peers[s].channel),
+                    num_tokens=self.tokens,
+                )
+            except Exception as exc:  # reported below
                 errors.append(exc)
+
         threads = [threading.Thread(target=one, args=p) for p in pairs]
         t0 = time.time()
         for t in threads:
@@ -110,9 +125,22 @@ class ProcessRanks:
     channel (the decode rank's channel 1 + rank)."""
 
     def __init__(self, args, transport, n: int, layout: Layout, tokens: int, ids: np.ndarray, cfg: TransferConfig):
-        procs = [SenderProcess(args.preset, args.page_size, tokens, (n, r), layout=layout.value, seed=tokens, room=ROOM,
-                               mode=args.mode, staging_slots=cfg.staging_slots, device=args.device,
-                               transport=args.transport) for r in range(n)]
+        procs = [
+            SenderProcess(
+                args.preset,
+                args.page_size,
+                tokens,
+                (n, r),
+                layout=layout.value,
+                seed=tokens,
+                room=ROOM,
+                mode=args.mode,
+                staging_slots=cfg.staging_slots,
+                device=args.device,
+                transport=args.transport,
+            )
+            for r in range(n)
+        ]
         try:
             self.procs = [p.ready() for p in procs]
         except BaseException:
@@ -148,22 +176,31 @@ ROOM = 11
 
 def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int) -> dict:
     model = get_preset(args.preset)
-    capacity = int(tokens * 2.5)   # room for every SWA page of the prompt at swa_ratio 0.5
+    capacity = int(tokens * 2.5)  # room for every SWA page of the prompt at swa_ratio 0.5
     ids = np.random.default_rng(tokens).integers(0, 50000, tokens)
-    cfg = TransferConfig(mode=Mode(args.mode), staging_slots=STAGING_SLOTS)   # a worker's default
+    cfg = TransferConfig(mode=Mode(args.mode), staging_slots=STAGING_SLOTS)  # a worker's default
     targets, pairs = [], []
     for s, peer in enumerate(peers[:m]):
-        peer.configure(args.preset, args.peer_page, capacity, layout=layout.value, max_requests=2,
-                       staging_slots=2 * n, staging_slot_mib=cfg.staging_slot_bytes >> 20,   # 2 per sender
-                       device=args.peer_device, tp=(m, s))
+        peer.configure(
+            args.preset,
+            args.peer_page,
+            capacity,
+            layout=layout.value,
+            max_requests=2,
+            staging_slots=2 * n,
+            staging_slot_mib=cfg.staging_slot_bytes >> 20,  # 2 per sender
+            device=args.peer_device,
+            tp=(m, s),
+        )
         targets.append(peer.alloc(tokens))
         pairs += [(r, s) for r in senders_of(model, n, Shard(args.peer_page, m, s), components(model))]
     ranks = (ProcessRanks if args.senders == "process" else ThreadRanks)(args, transport, n, layout, tokens, ids, cfg)
     try:
         ranks.link(pairs, peers)
-        slots = {(r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r))
-                 for r, s in pairs}
-        samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats + 1)]   # the first: a warm-up
+        slots = {
+            (r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r)) for r, s in pairs
+        }
+        samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats + 1)]  # the first: a warm-up
         for s in range(m):
             peers[s].verify(targets[s][0], ids, ROOM)
         for r, s in pairs:
@@ -183,14 +220,23 @@ def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> d
     t0, reports = samples[walls.index(wall)]
     by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
     rank_gbps = [by_rank[s] / (max(reports[p].end_at for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
-    return {"tp": f"{n}:{m}", "layout": layout.value, "page_size": args.page_size,
-            "decode_page_size": args.peer_page, "tokens": tokens, "senders": len(pairs),
-            "sender_processes": args.senders == "process",
-            "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
-            "ranges_per_request": sum(reports[p].ranges for p in pairs),
-            "bytes": sum(by_rank), "ms": round(wall * 1e3, 2), "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
-            "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps], "verified": True,
-            "sender_ms_median": _phases([reports[p] for p in pairs])}
+    return {
+        "tp": f"{n}:{m}",
+        "layout": layout.value,
+        "page_size": args.page_size,
+        "decode_page_size": args.peer_page,
+        "tokens": tokens,
+        "senders": len(pairs),
+        "sender_processes": args.senders == "process",
+        "mode": sorted({Mode(rep.mode).value for rep in reports.values()}),
+        "ranges_per_request": sum(reports[p].ranges for p in pairs),
+        "bytes": sum(by_rank),
+        "ms": round(wall * 1e3, 2),
+        "aggregate_gbps": round(sum(by_rank) / wall / 1e9, 2),
+        "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps],
+        "verified": True,
+        "sender_ms_median": _phases([reports[p] for p in pairs]),
+    }
 
 
 def _phases(reports) -> dict:
@@ -204,19 +250,31 @@ def _phases(reports) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-120b")
-    ap.add_argument("--tp", default="1:1,2:1,4:1,8:1,1:8,8:2",
-                    help="prefill:decode TP sizes; 1:1 is the reference, the first N:N the equal-TP baseline")
+    ap.add_argument(
+        "--tp",
+        default="1:1,2:1,4:1,8:1,1:8,8:2",
+        help="prefill:decode TP sizes; 1:1 is the reference, the first N:N the equal-TP baseline",
+    )
     ap.add_argument("--tokens", type=int, default=4096)
-    ap.add_argument("--page-sizes", "--page-size", default="16,64:16", metavar="P[:Q],...",
-                    help="tokens per page, one group of rows each: P on both sides, or P on prefill and Q on decode")
+    ap.add_argument(
+        "--page-sizes",
+        "--page-size",
+        default="16,64:16",
+        metavar="P[:Q],...",
+        help="tokens per page, one group of rows each: P on both sides, or P on prefill and Q on decode",
+    )
     ap.add_argument("--layouts", default="page_major")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names())
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--senders", choices=["process", "thread"], default=None,
-                    help="each prefill rank's sender in a process of its own (as deployed; default on the CPU) or "
-                         "all ranks in this process, a thread per send (one GIL; default on a GPU)")
+    ap.add_argument(
+        "--senders",
+        choices=["process", "thread"],
+        default=None,
+        help="each prefill rank's sender in a process of its own (as deployed; default on the CPU) or "
+        "all ranks in this process, a thread per send (one GIL; default on a GPU)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
@@ -226,8 +284,18 @@ def main() -> int:
     args.senders = args.senders or ("process" if args.device == "cpu" else "thread")
     [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
     rows = []
-    peers = [PeerProcess(args.preset, groups[0][1], 4096, transport=args.transport, env=env, device=args.peer_device,
-                         chunk_channels=1 + max(n for n, _ in pairs)) for _ in range(max(m for _, m in pairs))]
+    peers = [
+        PeerProcess(
+            args.preset,
+            groups[0][1],
+            4096,
+            transport=args.transport,
+            env=env,
+            device=args.peer_device,
+            chunk_channels=1 + max(n for n, _ in pairs),
+        )
+        for _ in range(max(m for _, m in pairs))
+    ]
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
             equal_pages_ms = None
@@ -244,18 +312,31 @@ def main() -> int:
                     row["x_equal_pages"] = round(row["ms"] / equal_pages_ms, 2) if equal_pages_ms else None
                     rows.append(row)
                     if not args.json:
-                        print(f"{row['layout']:<11} pages {row['page_size']:>2}:{row['decode_page_size']:<2} "
-                              f"tp {row['tp']:>4} senders {row['senders']:>2} {'+'.join(row['mode']):<13} "
-                              f"ranges {row['ranges_per_request']:>7} {row['bytes'] / 1e6:7.1f} MB "
-                              f"{row['ms']:>8.1f} ms x1:1 {row['x_1to1']} (equal pages {row['x_equal_pages']}) "
-                              f"aggregate {row['aggregate_gbps']:>5.2f} GB/s per decode rank "
-                              f"{row['per_decode_rank_gbps']}", flush=True)
+                        print(
+                            f"{row['layout']:<11} pages {row['page_size']:>2}:{row['decode_page_size']:<2} "
+                            f"tp {row['tp']:>4} senders {row['senders']:>2} {'+'.join(row['mode']):<13} "
+                            f"ranges {row['ranges_per_request']:>7} {row['bytes'] / 1e6:7.1f} MB "
+                            f"{row['ms']:>8.1f} ms x1:1 {row['x_1to1']} (equal pages {row['x_equal_pages']}) "
+                            f"aggregate {row['aggregate_gbps']:>5.2f} GB/s per decode rank "
+                            f"{row['per_decode_rank_gbps']}",
+                            flush=True,
+                        )
     finally:
         for p in peers:
             p.close()
     if args.json:
-        print(json.dumps({"preset": args.preset, "device": args.device, "transport": args.transport,
-                          "gpus": torch.cuda.device_count(), "rows": rows}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "preset": args.preset,
+                    "device": args.device,
+                    "transport": args.transport,
+                    "gpus": torch.cuda.device_count(),
+                    "rows": rows,
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

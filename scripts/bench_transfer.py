@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]   # the harness package (root first: tests/kvpool is no package)
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]  # the harness package (root first: tests/kvpool is no package)
 
 from harness.peer_client import PeerProcess  # noqa: E402
 from harness.peer_server import digest_request, digest_tokens  # noqa: E402
@@ -49,7 +49,7 @@ def shuffle_free_pages(pool: HybridPool, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for alloc in (pool.pages, getattr(pool.swa_allocator, "swa", None)):
         if alloc is not None:
-            rng.shuffle(alloc._stack[:alloc.num_free])
+            rng.shuffle(alloc._stack[: alloc.num_free])
 
 
 def fill_random(pool: HybridPool, req, seed: int) -> None:
@@ -57,8 +57,12 @@ def fill_random(pool: HybridPool, req, seed: int) -> None:
     rng = np.random.default_rng(seed)
     for p in pool.pools.values():
         _, items = p.held(req)
-        data = tuple(torch.frombuffer(bytearray(rng.bytes(len(items) * b.shape[1])), dtype=torch.uint8)
-                     .view(len(items), b.shape[1]) for b in p.storage.buffers)
+        data = tuple(
+            torch.frombuffer(bytearray(rng.bytes(len(items) * b.shape[1])), dtype=torch.uint8).view(
+                len(items), b.shape[1]
+            )
+            for b in p.storage.buffers
+        )
         p.storage.scatter(items, data)
 
 
@@ -82,7 +86,7 @@ def timed_ahead(sender: KVSender, target, send, repeats: int, **prepare) -> tupl
         prepared = sender.prepare(target, **prepare)
         prep.append(time.perf_counter() - t)
         if str(sender.endpoint.pool.config.device).startswith("cuda"):
-            torch.cuda.synchronize()   # its table uploaded, as it would be long before the KV is final
+            torch.cuda.synchronize()  # its table uploaded, as it would be long before the KV is final
         t = time.perf_counter()
         send(prepared)
         if i:
@@ -90,8 +94,15 @@ def timed_ahead(sender: KVSender, target, send, repeats: int, **prepare) -> tupl
     return statistics.median(samples), statistics.median(prep[1:])
 
 
-def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, page_size: int,
-                 token_counts: list[int], peer_page: int | None = None) -> list[dict]:
+def bench_layout(
+    args,
+    transport: Transport,
+    peer: PeerProcess,
+    layout: Layout,
+    page_size: int,
+    token_counts: list[int],
+    peer_page: int | None = None,
+) -> list[dict]:
     """Rows for one (layout, page size) of the sender; `peer_page`: the receiver's, where it
     differs (the KV moves by token, verified per token position)."""
     peer_page = peer_page or page_size
@@ -101,11 +112,19 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
     cfg = TransferConfig(mode=Mode(args.mode))
     rows = []
     # one peer process serves the whole run, reconfigured per (layout, page size)
-    peer.configure(args.preset, peer_page, capacity, layout=layout.value, max_requests=4,
-                   staging_slots=cfg.staging_slots, staging_slot_mib=cfg.staging_slot_bytes >> 20,
-                   device=args.peer_device)
-    pool = HybridPool(PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout,
-                                 device=args.device))
+    peer.configure(
+        args.preset,
+        peer_page,
+        capacity,
+        layout=layout.value,
+        max_requests=4,
+        staging_slots=cfg.staging_slots,
+        staging_slot_mib=cfg.staging_slot_bytes >> 20,
+        device=args.peer_device,
+    )
+    pool = HybridPool(
+        PoolConfig(model, page_size, max_tokens=capacity, max_requests=4, layout=layout, device=args.device)
+    )
     shuffle_free_pages(pool, 1)
     peer.fragment(2)
     with PoolEndpoint(transport, pool, cfg) as endpoint:
@@ -128,42 +147,73 @@ def bench_layout(args, transport: Transport, peer: PeerProcess, layout: Layout, 
                     b.copy_(a, non_blocking=True)
                     torch.cuda.synchronize("cuda:0")
                     torch.cuda.synchronize("cuda:1")
+
                 t_ceiling = timed(p2p, max(3, args.repeats))
                 del a, b
-            else:   # ceiling: the raw link, one contiguous block of the same size, pool buffer -> pool buffer
+            else:  # ceiling: the raw link, one contiguous block of the same size, pool buffer -> pool buffer
                 s_buf = max(endpoint.buffers, key=lambda b: b.nbytes)
                 d_buf = max(target.buffers, key=lambda b: b.nbytes)
                 n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
                 one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
                 t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
             reports = []
-            t_ours = timed(lambda: reports.append(sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel),
-                                                              num_tokens=tokens)), args.repeats)
+            t_ours = timed(
+                lambda: reports.append(
+                    sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel), num_tokens=tokens)
+                ),
+                args.repeats,
+            )
             digest = digest_tokens if by_token else digest_request
             digest_ok = peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
-            fill_random(pool, req, seed=tokens + 1)   # the prepared sends must move the new bytes
+            fill_random(pool, req, seed=tokens + 1)  # the prepared sends must move the new bytes
             ahead = []
             t_ahead, t_prepare = timed_ahead(
-                sender, target, lambda p: ahead.append(sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel),
-                                                                   num_tokens=tokens, prepared=p)),
-                args.repeats, src=src, dst=dst, num_tokens=tokens, can_stage=True)
-            digest_ok = digest_ok and all(r.prepared_ahead for r in ahead) and \
-                peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
+                sender,
+                target,
+                lambda p: ahead.append(
+                    sender.send(target, src, dst, RemoteSlots(1, slots, peer.channel), num_tokens=tokens, prepared=p)
+                ),
+                args.repeats,
+                src=src,
+                dst=dst,
+                num_tokens=tokens,
+                can_stage=True,
+            )
+            digest_ok = (
+                digest_ok
+                and all(r.prepared_ahead for r in ahead)
+                and peer.digest(rid, by_token=by_token).per_component == digest(pool, req)
+            )
             rep = reports[-1]
             ceiling = n / t_ceiling / 1e9
             gbps = rep.nbytes / t_ours / 1e9
             gbps_ahead = rep.nbytes / t_ahead / 1e9
-            rows.append({"layout": layout.value, "page_size": page_size, "peer_page_size": peer_page,
-                         "tokens": tokens, "mode": Mode(rep.mode).value,
-                         "slices": rep.ranges, "plan_ranges": plan.num_ranges, "bytes": rep.nbytes,
-                         "gbps": round(gbps, 3), "ceiling_gbps": round(ceiling, 3),
-                         "ratio": round(gbps / ceiling, 3), "ms": round(t_ours * 1e3, 1),
-                         "plan_ms": round(rep.plan_ms, 2), "submit_ms": round(rep.submit_ms, 2),
-                         "wait_ms": round(rep.wait_ms, 2),
-                         # prepared ahead: what decode waits once the KV is final
-                         "ahead_gbps": round(gbps_ahead, 3), "ahead_ratio": round(gbps_ahead / ceiling, 3),
-                         "ahead_ms": round(t_ahead * 1e3, 2), "prepare_ms": round(t_prepare * 1e3, 2),
-                         "ahead_submit_ms": round(ahead[-1].submit_ms, 2), "verified": digest_ok})
+            rows.append(
+                {
+                    "layout": layout.value,
+                    "page_size": page_size,
+                    "peer_page_size": peer_page,
+                    "tokens": tokens,
+                    "mode": Mode(rep.mode).value,
+                    "slices": rep.ranges,
+                    "plan_ranges": plan.num_ranges,
+                    "bytes": rep.nbytes,
+                    "gbps": round(gbps, 3),
+                    "ceiling_gbps": round(ceiling, 3),
+                    "ratio": round(gbps / ceiling, 3),
+                    "ms": round(t_ours * 1e3, 1),
+                    "plan_ms": round(rep.plan_ms, 2),
+                    "submit_ms": round(rep.submit_ms, 2),
+                    "wait_ms": round(rep.wait_ms, 2),
+                    # prepared ahead: what decode waits once the KV is final
+                    "ahead_gbps": round(gbps_ahead, 3),
+                    "ahead_ratio": round(gbps_ahead / ceiling, 3),
+                    "ahead_ms": round(t_ahead * 1e3, 2),
+                    "prepare_ms": round(t_prepare * 1e3, 2),
+                    "ahead_submit_ms": round(ahead[-1].submit_ms, 2),
+                    "verified": digest_ok,
+                }
+            )
             peer.release(1)
             peer.free(rid)
             pool.free_request(req)
@@ -178,8 +228,10 @@ def planning(tokens_list: list[int], repeats: int) -> list[dict]:
     out = []
     for layout in Layout:
         for tokens in tokens_list:
-            pools = [HybridPool(PoolConfig(model, 1, max_tokens=2 * tokens, max_requests=2, layout=layout,
-                                           device="meta")) for _ in range(2)]
+            pools = [
+                HybridPool(PoolConfig(model, 1, max_tokens=2 * tokens, max_requests=2, layout=layout, device="meta"))
+                for _ in range(2)
+            ]
             sets, descs = [], []
             for i, pool in enumerate(pools):
                 shuffle_free_pages(pool, i)
@@ -187,17 +239,28 @@ def planning(tokens_list: list[int], repeats: int) -> list[dict]:
                 descs.append(buffers_of(pool.buffer_descriptors()))
             plan = build_plan(sets[0], sets[1], descs[0], descs[1])
             t = timed(lambda: build_plan(sets[0], sets[1], descs[0], descs[1]), repeats)
-            out.append({"layout": layout.value, "tokens": tokens, "page_size": 1, "layers": 60,
-                        "ranges": plan.num_ranges, "ms": round(t * 1e3, 2)})
+            out.append(
+                {
+                    "layout": layout.value,
+                    "tokens": tokens,
+                    "page_size": 1,
+                    "layers": 60,
+                    "ranges": plan.num_ranges,
+                    "ms": round(t * 1e3, 2),
+                }
+            )
     return out
 
 
 def print_row(r: dict, flush: bool = False) -> None:
     page = str(r["page_size"]) + (f":{r['peer_page_size']}" if r["peer_page_size"] != r["page_size"] else "")
-    print(f"{r['layout']:<12} {page:>5} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
-          f"{r['plan_ranges']:>8} {r['gbps']:>6.2f} {r['ceiling_gbps']:>7.2f} {r['ratio']:>6.2f} "
-          f"{r['ms']:>8.1f} {r['ahead_ratio']:>6.2f} {r['ahead_ms']:>8.2f} {r['prepare_ms']:>8.2f} "
-          f"{'yes' if r['verified'] else 'NO'}", flush=flush)
+    print(
+        f"{r['layout']:<12} {page:>5} {r['tokens']:>6} {r['mode']:<7} {r['slices']:>7} "
+        f"{r['plan_ranges']:>8} {r['gbps']:>6.2f} {r['ceiling_gbps']:>7.2f} {r['ratio']:>6.2f} "
+        f"{r['ms']:>8.1f} {r['ahead_ratio']:>6.2f} {r['ahead_ms']:>8.2f} {r['prepare_ms']:>8.2f} "
+        f"{'yes' if r['verified'] else 'NO'}",
+        flush=flush,
+    )
 
 
 def main() -> int:
@@ -206,55 +269,83 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="2k tokens only, fewer repeats (under a minute)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
-    ap.add_argument("--page-sizes", default="1,16,64",
-                    help="comma-separated page sizes; P:Q for prefill P and decode Q (moved by token)")
+    ap.add_argument(
+        "--page-sizes",
+        default="1,16,64",
+        help="comma-separated page sizes; P:Q for prefill P and decode Q (moved by token)",
+    )
     ap.add_argument("--repeats", type=int, default=None)
     ap.add_argument("--device", default="cpu", help="pools and staging areas on both sides (cpu or cuda)")
-    ap.add_argument("--transport", default="mooncake", choices=TRANSPORTS.names(),
-                    help="the transport under test (both sides)")
-    ap.add_argument("--tokens", default=None, help="comma-separated token counts (default: 2048, and 32768 "
-                                                   "unless --quick)")
+    ap.add_argument(
+        "--transport", default="mooncake", choices=TRANSPORTS.names(), help="the transport under test (both sides)"
+    )
+    ap.add_argument(
+        "--tokens", default=None, help="comma-separated token counts (default: 2048, and 32768 unless --quick)"
+    )
     ap.add_argument("--layouts", default="page_major,layer_major")
-    TRANSPORTS.add_flags(ap)   # each transport's own (--cuda-ipc-blocks, --mooncake-protocol, ...)
-    ap.add_argument("--mooncake-nvlink", action="store_true",
-                    help="Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK=1 on both sides)")
-    ap.add_argument("--peer-gpu", type=int, default=None,
-                    help="the receiver's GPU (CUDA_VISIBLE_DEVICES for its process; default: the second GPU "
-                         "where there is one); the sender uses --device")
+    TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks, --mooncake-protocol, ...)
+    ap.add_argument(
+        "--mooncake-nvlink",
+        action="store_true",
+        help="Mooncake's intra-node NVLink transport (MC_INTRANODE_NVLINK=1 on both sides)",
+    )
+    ap.add_argument(
+        "--peer-gpu",
+        type=int,
+        default=None,
+        help="the receiver's GPU (CUDA_VISIBLE_DEVICES for its process; default: the second GPU "
+        "where there is one); the sender uses --device",
+    )
     args = ap.parse_args()
     args.repeats = args.repeats or (1 if args.quick else 3)
     torch.set_num_threads(1)  # as the peer server: copies must not crowd out the engine's TCP threads
-    token_counts = [int(t) for t in args.tokens.split(",")] if args.tokens else ([2048] if args.quick else [2048, 32768])
+    token_counts = (
+        [int(t) for t in args.tokens.split(",")] if args.tokens else ([2048] if args.quick else [2048, 32768])
+    )
     if args.mooncake_nvlink:
         os.environ["MC_INTRANODE_NVLINK"] = "1"
     peer_env = dict(os.environ)
     if args.device.startswith("cuda"):
         gpus = torch.cuda.device_count()
         peer_gpu = args.peer_gpu if args.peer_gpu is not None else (1 if gpus > 1 else 0)
-        peer_env["CUDA_VISIBLE_DEVICES"] = str(peer_gpu)   # the receiver sees only its GPU, as "cuda"
+        peer_env["CUDA_VISIBLE_DEVICES"] = str(peer_gpu)  # the receiver sees only its GPU, as "cuda"
         args.peer_device = "cuda"
     else:
         args.peer_device = args.device
     [transport] = create([args.transport], TransportSettings("127.0.0.1", args.device, TRANSPORTS.own_settings(args)))
     if not args.json:
-        print(f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
-              "block of the same bytes, same processes")
-        print(f"{'layout':<12} {'page':>5} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
-              f"{'ceiling':>7} {'ratio':>6} {'ms':>8} {'ahead':>6} {'ms':>8} {'prepare':>8} verified")
-        print("(ahead: the send prepared beforehand, as while the engine computes: its ratio and ms; prepare: "
-              "the ms it took)")
+        print(
+            f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
+            "block of the same bytes, same processes"
+        )
+        print(
+            f"{'layout':<12} {'page':>5} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
+            f"{'ceiling':>7} {'ratio':>6} {'ms':>8} {'ahead':>6} {'ms':>8} {'prepare':>8} verified"
+        )
+        print(
+            "(ahead: the send prepared beforehand, as while the engine computes: its ratio and ms; prepare: "
+            "the ms it took)"
+        )
     rows = []
     page_sizes = [tuple(int(x) for x in p.split(":")) for p in args.page_sizes.split(",")]
-    with PeerProcess(args.preset, page_sizes[0][-1], 4096, transport=args.transport, env=peer_env,
-                     device=args.peer_device) as peer:
+    with PeerProcess(
+        args.preset, page_sizes[0][-1], 4096, transport=args.transport, env=peer_env, device=args.peer_device
+    ) as peer:
         for layout in (Layout(name) for name in args.layouts.split(",")):
             for pages in page_sizes:
                 rows += bench_layout(args, transport, peer, layout, pages[0], token_counts, pages[-1])
     plan_rows = planning([32768, 131072] if not args.quick else [32768], args.repeats)
-    result = {"preset": args.preset, "device": args.device, "transport": args.transport,
-              "cuda_ipc_blocks": args.cuda_ipc_blocks,
-              "mooncake_nvlink": args.mooncake_nvlink, "gpus": torch.cuda.device_count(), "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
-              "rows": rows, "planning": plan_rows}
+    result = {
+        "preset": args.preset,
+        "device": args.device,
+        "transport": args.transport,
+        "cuda_ipc_blocks": args.cuda_ipc_blocks,
+        "mooncake_nvlink": args.mooncake_nvlink,
+        "gpus": torch.cuda.device_count(),
+        "ceiling_gbps": round(statistics.median(r["ceiling_gbps"] for r in rows), 3),
+        "rows": rows,
+        "planning": plan_rows,
+    }
     if args.json:
         print(json.dumps(result, indent=2))
     else:

@@ -70,8 +70,12 @@ def kv_config(connector: str, role: str, bootstrap: str) -> dict:
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     extra = {"bootstrap": bootstrap, "insecure": True} if role == "kv_producer" else {"insecure": True}
-    return {"kv_connector": "DisaggConnector", "kv_connector_module_path": "disagg.vllm.connector",
-            "kv_role": role, "kv_connector_extra_config": extra}
+    return {
+        "kv_connector": "DisaggConnector",
+        "kv_connector_module_path": "disagg.vllm.connector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
 
 
 @dataclass
@@ -106,14 +110,41 @@ def start_server(model: Path, spec: tuple, connector: str, role: str, core: int,
     _, dtype, block_size, _, extra_args = spec
     port, side_port = free_port(), free_port()
     log = logs / f"{connector}-{role}.log"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_CPU_OMP_THREADS_BIND": str(core),
-           "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
-           "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "lo"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "VLLM_CPU_KVCACHE_SPACE": "2",
+        "VLLM_CPU_OMP_THREADS_BIND": str(core),
+        "MC_LOG_LEVEL": "ERROR",
+        "GLOG_minloglevel": "2",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": "lo",
+    }
     max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
-           "--port", str(port), "--gpu-memory-utilization", "0.2", "--max-model-len", str(max_len), "--block-size",
-           str(block_size), "--dtype", dtype, "--kv-transfer-config",
-           json.dumps(kv_config(connector, role, bootstrap)), *extra_args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--gpu-memory-utilization",
+        "0.2",
+        "--max-model-len",
+        str(max_len),
+        "--block-size",
+        str(block_size),
+        "--dtype",
+        dtype,
+        "--kv-transfer-config",
+        json.dumps(kv_config(connector, role, bootstrap)),
+        *extra_args,
+    ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
     return Server(role, port, proc, log)
 
@@ -165,8 +196,11 @@ def nixl_bytes(decode: Server) -> float:
     """vllm:nixl_bytes_transferred_sum on decode's /metrics (0 where the connector is not NIXL)."""
     with urllib.request.urlopen(decode.url + "/metrics", timeout=10) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:nixl_bytes_transferred_sum"))
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("vllm:nixl_bytes_transferred_sum")
+    )
 
 
 @dataclass
@@ -174,15 +208,20 @@ class Row:
     connector: str
     model: str
     prompt_tokens: int
-    samples: dict = field(default_factory=lambda: {k: [] for k in (
-        "ttft_ms", "prefill_ms", "decode_ms", "baseline_ms", "kv_arrival_ms")})
+    samples: dict = field(
+        default_factory=lambda: {k: [] for k in ("ttft_ms", "prefill_ms", "decode_ms", "baseline_ms", "kv_arrival_ms")}
+    )
     cpu_ms: dict = field(default_factory=dict)
     kv_bytes: int = 0
     nixl_bytes: float | None = None
 
     def summary(self) -> dict:
-        out = {"connector": self.connector, "model": self.model, "prompt_tokens": self.prompt_tokens,
-               "requests": len(self.samples["ttft_ms"])}
+        out = {
+            "connector": self.connector,
+            "model": self.model,
+            "prompt_tokens": self.prompt_tokens,
+            "requests": len(self.samples["ttft_ms"]),
+        }
         out.update({k: round(statistics.median(v), 2) for k, v in self.samples.items()})
         out.update({"kv_bytes": self.kv_bytes, "cpu_ms_per_request": self.cpu_ms})
         if self.nixl_bytes is not None:
@@ -197,23 +236,38 @@ def prompt(rng: random.Random, n: int) -> str:
 def measure(row: Row, model: Path, prefill: Server, decode: Server, repeat: int, rng: random.Random) -> None:
     """`repeat` P/D requests of row.prompt_tokens tokens (CPU counted over them), then each
     prompt's local baseline on decode."""
-    prompts = [prompt(rng, row.prompt_tokens) for _ in range(repeat)]   # a word a token (no BOS)
+    prompts = [prompt(rng, row.prompt_tokens) for _ in range(repeat)]  # a word a token (no BOS)
     base = {"model": str(model), "temperature": 0, "max_tokens": 1}
     cpu0 = (prefill.cpu_s(), decode.cpu_s())
     bytes0 = nixl_bytes(decode)
     for text in prompts:
-        t_p, first = post(prefill.url + "/v1/completions", {**base, "prompt": text, "kv_transfer_params": {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None}})
+        t_p, first = post(
+            prefill.url + "/v1/completions",
+            {
+                **base,
+                "prompt": text,
+                "kv_transfer_params": {
+                    "do_remote_decode": True,
+                    "do_remote_prefill": False,
+                    "remote_engine_id": None,
+                    "remote_block_ids": None,
+                    "remote_host": None,
+                    "remote_port": None,
+                },
+            },
+        )
         assert first["usage"]["prompt_tokens"] == row.prompt_tokens, first["usage"]
-        t_d, _ = post(decode.url + "/v1/completions", {**base, "prompt": text,
-                                                        "kv_transfer_params": first["kv_transfer_params"]})
+        t_d, _ = post(
+            decode.url + "/v1/completions", {**base, "prompt": text, "kv_transfer_params": first["kv_transfer_params"]}
+        )
         row.samples["prefill_ms"].append(t_p * 1e3)
         row.samples["decode_ms"].append(t_d * 1e3)
         row.samples["ttft_ms"].append((t_p + t_d) * 1e3)
     cpu1 = (prefill.cpu_s(), decode.cpu_s())
-    row.cpu_ms = {"prefill": round((cpu1[0] - cpu0[0]) * 1e3 / repeat, 1),
-                  "decode": round((cpu1[1] - cpu0[1]) * 1e3 / repeat, 1)}
+    row.cpu_ms = {
+        "prefill": round((cpu1[0] - cpu0[0]) * 1e3 / repeat, 1),
+        "decode": round((cpu1[1] - cpu0[1]) * 1e3 / repeat, 1),
+    }
     if row.connector == "nixl":
         row.nixl_bytes = (nixl_bytes(decode) - bytes0) / repeat
     for text, t_d in zip(prompts, row.samples["decode_ms"]):
@@ -240,8 +294,9 @@ def warm_up(connector: str, name: str, spec: tuple, model: Path, servers: list[S
         try:
             return measure(Row(connector, name, spec[2] + 1), model, *servers, 2, rng)
         except RuntimeError as exc:
-            print(f"warm-up of {connector} {name} failed ({exc}); {'again' if attempt < 2 else 'giving up'}",
-                  flush=True)
+            print(
+                f"warm-up of {connector} {name} failed ({exc}); {'again' if attempt < 2 else 'giving up'}", flush=True
+            )
     raise RuntimeError(f"{connector} {name}: warm-up failed three times")
 
 
@@ -250,12 +305,14 @@ def run_model(name: str, connector: str, repeat: int, logs: Path) -> list[dict]:
     model = spec[0](Path(tempfile.mkdtemp(prefix=f"bench-{name}-", dir=logs)))
     cores = sorted(os.sched_getaffinity(0))
     bootstrap = f"tcp://127.0.0.1:{free_port()}"
-    servers = [start_server(model, spec, connector, "kv_producer", cores[0], bootstrap, logs),
-               start_server(model, spec, connector, "kv_consumer", cores[-1], bootstrap, logs)]
+    servers = [
+        start_server(model, spec, connector, "kv_producer", cores[0], bootstrap, logs),
+        start_server(model, spec, connector, "kv_consumer", cores[-1], bootstrap, logs),
+    ]
     rows = []
     try:
         wait_ready(servers)
-        rng = random.Random(f"{name}")   # the same prompts for both connectors
+        rng = random.Random(f"{name}")  # the same prompts for both connectors
         warm_up(connector, name, spec, model, servers, rng)
         for blocks in spec[3]:
             row = Row(connector, name, blocks * spec[2] + 1)
@@ -287,24 +344,41 @@ def main() -> None:
     for m in models:
         for c in connectors:
             rows += run_model(m, c, args.repeat, logs)
-            if args.json:   # after each pair: what was measured survives a later failure
+            if args.json:  # after each pair: what was measured survives a later failure
                 write_json(args.json, started, load0, rows)
     print(f"logs in {logs}")
 
 
 def write_json(path: Path, started: str, load0: tuple, rows: list[dict]) -> None:
     import vllm
-    path.write_text(json.dumps({
-        "command": " ".join(["scripts/bench_vllm.py", *sys.argv[1:]]), "date": started,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": len(os.sched_getaffinity(0)),
-                    "loadavg_before": load0, "loadavg_now": os.getloadavg()},
-        "versions": {"vllm": vllm.__version__, "nixl": _version("nixl"), "mooncake": _version(
-            "mooncake-transfer-engine-non-cuda")},
-        "rows": rows}, indent=1) + "\n")
+
+    path.write_text(
+        json.dumps(
+            {
+                "command": " ".join(["scripts/bench_vllm.py", *sys.argv[1:]]),
+                "date": started,
+                "machine": {
+                    "cpu": platform.processor() or platform.machine(),
+                    "cores": len(os.sched_getaffinity(0)),
+                    "loadavg_before": load0,
+                    "loadavg_now": os.getloadavg(),
+                },
+                "versions": {
+                    "vllm": vllm.__version__,
+                    "nixl": _version("nixl"),
+                    "mooncake": _version("mooncake-transfer-engine-non-cuda"),
+                },
+                "rows": rows,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
 
 
 def _version(dist: str) -> str | None:
     from importlib.metadata import PackageNotFoundError, version
+
     try:
         return version(dist)
     except PackageNotFoundError:

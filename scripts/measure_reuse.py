@@ -19,8 +19,15 @@ import torch
 
 from disagg.engine.model.engine import TransformersEngine
 
-PRESETS = ("tiny-model-gpt-oss", "tiny-model-qwen3-next", "tiny-model-nemotron-h", "tiny-model-deepseek-v32",
-           "tiny-model-deepseek-v3", "tiny-model-gemma3", "tiny-model-bamba")
+PRESETS = (
+    "tiny-model-gpt-oss",
+    "tiny-model-qwen3-next",
+    "tiny-model-nemotron-h",
+    "tiny-model-deepseek-v32",
+    "tiny-model-deepseek-v3",
+    "tiny-model-gemma3",
+    "tiny-model-bamba",
+)
 
 
 def rows(cache, n1: int) -> dict:
@@ -59,7 +66,7 @@ def compare(want: dict, got: dict) -> str:
     for k in want.keys() & got.keys():
         (a0, a), (b0, b) = want[k], got[k]
         lo = max(a0, b0)
-        a, b = a[..., lo - a0:, :], b[..., lo - b0:, :]
+        a, b = a[..., lo - a0 :, :], b[..., lo - b0 :, :]
         hi = min(a.shape[-2], b.shape[-2])
         if hi <= 0:
             continue
@@ -76,7 +83,7 @@ def chunked(engine, ids, size: int):
     """The prompt in forward passes of `size` tokens at positions that are multiples of it."""
     cache = None
     for s in range(0, len(ids), size):
-        _, cache = run(engine, ids[s:s + size], cache)
+        _, cache = run(engine, ids[s : s + size], cache)
     return cache
 
 
@@ -92,7 +99,7 @@ def measure(preset: str, n1: int = 27, n2s=(29, 40, 97), m: int = 12, chunks=(1,
         print(f"  batch {n1} vs batch {n2}: {compare(rows(c2, n1), base)}")
     _, cs = run(engine, ids[:m])
     for t in range(m, n1):
-        _, cs = run(engine, ids[t:t + 1], cs)
+        _, cs = run(engine, ids[t : t + 1], cs)
     print(f"  batch {m} + {n1 - m} decode steps vs batch {n1}: {compare(base, rows(cs, n1))}")
     _, cc = run(engine, ids[:m])
     _, cc = run(engine, ids[m:n1], cc)

@@ -32,7 +32,20 @@ from disagg.api import metrics
 from disagg.tools.launcher import Launcher
 from disagg.router.router import post_json
 
-COMMON = ["--device", "cpu", "--max-requests", "32", "--bootstrap-timeout", "15", "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", "2"]
+COMMON = [
+    "--device",
+    "cpu",
+    "--max-requests",
+    "32",
+    "--bootstrap-timeout",
+    "15",
+    "--waiting-timeout",
+    "15",
+    "--transfer-timeout",
+    "15",
+    "--dead-after",
+    "2",
+]
 
 
 def pool_free(http: str) -> dict:
@@ -123,8 +136,11 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cancel-rate", type=float, default=0.0, help="share of requests the client aborts")
     ap.add_argument("--inject-faults", default="", help="POINT=RATE,... for both workers (transfer/faults.py)")
-    ap.add_argument("--hostile", action="store_true",
-                    help="slow clients, idle connections at the router's bound and a frozen decode beside the load")
+    ap.add_argument(
+        "--hostile",
+        action="store_true",
+        help="slow clients, idle connections at the router's bound and a frozen decode beside the load",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     rng = random.Random(args.seed)
@@ -133,9 +149,17 @@ def main() -> int:
     common = ["--preset", args.preset, "--max-tokens", args.max_tokens, *COMMON]
     if args.inject_faults:
         common += ["--inject-faults", args.inject_faults, "--fault-seed", str(args.seed)]
-    stats = {"requests": 0, "ok": 0, "failed": 0, "cancelled": 0, "corrupted": 0, "kills": {"prefill": 0, "decode": 0},
-             "leaks": [], "failures": {}, "hostile": {"slow_cut_off": 0, "idle_closed": 0, "freezes": 0,
-                                                      "ok_while_frozen_or_after": 0}}
+    stats = {
+        "requests": 0,
+        "ok": 0,
+        "failed": 0,
+        "cancelled": 0,
+        "corrupted": 0,
+        "kills": {"prefill": 0, "decode": 0},
+        "leaks": [],
+        "failures": {},
+        "hostile": {"slow_cut_off": 0, "idle_closed": 0, "freezes": 0, "ok_while_frozen_or_after": 0},
+    }
     lock = threading.Lock()
     state: dict = {}
     stop = threading.Event()
@@ -152,10 +176,13 @@ def main() -> int:
                 inflight[0] += 1
             body = {"prompt_len": n, "seed": local.randrange(1 << 30)}
             cancel = None
-            if local.random() < args.cancel_rate:   # the client gives up after 0-300 ms
+            if local.random() < args.cancel_rate:  # the client gives up after 0-300 ms
                 body["request_id"] = f"soak-{worker}-{local.randrange(1 << 40)}"
-                cancel = threading.Timer(local.uniform(0, 0.3), post_json,
-                                         (state["router"] + "/abort", {"request_id": body["request_id"]}, 10))
+                cancel = threading.Timer(
+                    local.uniform(0, 0.3),
+                    post_json,
+                    (state["router"] + "/abort", {"request_id": body["request_id"]}, 10),
+                )
                 cancel.start()
             r = post_json(state["router"] + "/generate", body, 60)
             if cancel is not None:
@@ -178,16 +205,17 @@ def main() -> int:
         procs: dict = {}
 
         def start(role: str) -> dict:
-            if role == "prefill":   # a restart binds the bootstrap address decode was configured with
+            if role == "prefill":  # a restart binds the bootstrap address decode was configured with
                 bind = state["prefill"]["bootstrap"] if "prefill" in state else "tcp://127.0.0.1:*"
                 ready = launcher.start("prefill", *common, "--bootstrap-bind", bind)
             else:
-                ready = launcher.start("decode", *common, "--quarantine", "3",
-                                       "--bootstrap-addr", state["prefill"]["bootstrap"])
+                ready = launcher.start(
+                    "decode", *common, "--quarantine", "3", "--bootstrap-addr", state["prefill"]["bootstrap"]
+                )
             procs[role] = launcher.procs[-1]
             return ready
 
-        def new_router() -> None:   # ready once decode has registered with the (restarted) prefill
+        def new_router() -> None:  # ready once decode has registered with the (restarted) prefill
             p, d = state["prefill"], state["decode"]
             state["router"] = launcher.start("router", "--pair", f"{p['http']},{d['http']},{p['bootstrap']}")["http"]
             wait_for(lambda: router_ready(state["router"]), 30)
@@ -197,11 +225,12 @@ def main() -> int:
         new_router()
         initial = {role: pool_free(state[role]["http"]) for role in ("prefill", "decode")}
         with urllib.request.urlopen(state["decode"]["http"] + "/health", timeout=10) as resp:
-            stats["auth"] = json.loads(resp.read())["auth"]   # curve: the launcher gave the pair a key
+            stats["auth"] = json.loads(resp.read())["auth"]  # curve: the launcher gave the pair a key
         threads = [threading.Thread(target=load, args=(i,), daemon=True) for i in range(args.concurrency)]
-        if args.hostile:   # the router's bound is --max-inflight (256) + 32: fill it with idlers and tricklers
-            threads += [threading.Thread(target=slowloris, args=(state, stop, stats, lock), daemon=True)
-                        for _ in range(64)]
+        if args.hostile:  # the router's bound is --max-inflight (256) + 32: fill it with idlers and tricklers
+            threads += [
+                threading.Thread(target=slowloris, args=(state, stop, stats, lock), daemon=True) for _ in range(64)
+            ]
             threads.append(threading.Thread(target=idler, args=(state, stop, stats, lock, 240), daemon=True))
         for t in threads:
             t.start()
@@ -211,7 +240,7 @@ def main() -> int:
             time.sleep(min(rng.uniform(kmin, kmax), max(0.0, end - time.monotonic())))  # load runs meanwhile
             if time.monotonic() >= end:
                 break
-            if args.hostile and victim == "decode":   # a frozen decode first: its requests fail, it thaws, it serves
+            if args.hostile and victim == "decode":  # a frozen decode first: its requests fail, it thaws, it serves
                 ok_before = stats["ok"]
                 os.kill(procs["decode"].pid, signal.SIGSTOP)
                 time.sleep(3)
@@ -227,8 +256,14 @@ def main() -> int:
             running.clear()
             wait_for(lambda: inflight[0] == 0, 120)
             if not wait_for(lambda: pool_free(state[survivor]["http"]) == initial[survivor], 30):
-                stats["leaks"].append({"after_killing": victim, "survivor": survivor,
-                                       "free": pool_free(state[survivor]["http"]), "initial": initial[survivor]})
+                stats["leaks"].append(
+                    {
+                        "after_killing": victim,
+                        "survivor": survivor,
+                        "free": pool_free(state[survivor]["http"]),
+                        "initial": initial[survivor],
+                    }
+                )
             state[victim] = start(victim)
             initial[victim] = pool_free(state[victim]["http"])
             new_router()
@@ -239,14 +274,17 @@ def main() -> int:
             t.join(90)
         for role in ("prefill", "decode"):
             if not wait_for(lambda: pool_free(state[role]["http"]) == initial[role], 30):
-                stats["leaks"].append({"at_end": role, "free": pool_free(state[role]["http"]), "initial": initial[role]})
+                stats["leaks"].append(
+                    {"at_end": role, "free": pool_free(state[role]["http"]), "initial": initial[role]}
+                )
     stats["duration_s"] = args.duration
     if args.json:
         print(json.dumps(stats))
     else:
         print(json.dumps(stats, indent=2))
-    served = stats["ok"] > 0 and (not args.hostile or stats["hostile"]["ok_while_frozen_or_after"] > 0
-                                  or stats["hostile"]["freezes"] == 0)
+    served = stats["ok"] > 0 and (
+        not args.hostile or stats["hostile"]["ok_while_frozen_or_after"] > 0 or stats["hostile"]["freezes"] == 0
+    )
     return 0 if not stats["leaks"] and stats["corrupted"] == 0 and served else 1
 
 

@@ -11,11 +11,12 @@ import zmq
 
 from disagg.control.auth import AuthKey, Gate
 
+
 # tests/vllm_connector needs vLLM, which has a venv of its own (.venv-vllm: scripts/setup.sh --with vllm;
 # scripts/test.sh runs them there): the main venv does not collect them.
 def _has_vllm() -> bool:
     spec = importlib.util.find_spec("vllm")
-    return spec is not None and spec.origin is not None   # (not a folder named vllm on the path)
+    return spec is not None and spec.origin is not None  # (not a folder named vllm on the path)
 
 
 collect_ignore = [] if _has_vllm() else ["vllm_connector"]
@@ -54,7 +55,7 @@ def keyed(deployment_key):
     gate = Gate(zmq.Context(), deployment_key, "test")
     yield gate
     gate.close()
-    gate.ctx.destroy(linger=0)   # closes what a test left open (term() would wait for it forever)
+    gate.ctx.destroy(linger=0)  # closes what a test left open (term() would wait for it forever)
 
 
 @pytest.fixture()

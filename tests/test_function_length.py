@@ -68,7 +68,11 @@ def test_wire_messages_get_their_optional_fields_by_name():
     wrong = []
     for name, _, tree in _sources((*PRODUCT, "tests", "scripts")):
         for node in ast.walk(tree):
-            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in required \
-                    and len(node.args) > required[node.func.id]:
+            if (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Name)
+                and node.func.id in required
+                and len(node.args) > required[node.func.id]
+            ):
                 wrong.append(f"{name}:{node.lineno}: {node.func.id} with {len(node.args)} positional arguments")
     assert wrong == [], wrong

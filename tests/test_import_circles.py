@@ -28,7 +28,7 @@ def _imports(name: str, path: Path, known: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                head = package.split(".")[:len(package.split(".")) - node.level + 1]
+                head = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(head + ([base] if base else []))
             targets = [base, *(f"{base}.{a.name}" for a in node.names)]
         else:

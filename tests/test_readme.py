@@ -78,25 +78,29 @@ def test_config_block_is_read_by_the_workers(tmp_path, line, text, command):
     path = tmp_path / "disagg.toml"
     path.write_text(text)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    proc = subprocess.run([str(Path(sys.executable).with_name("disagg")), command, "--config", str(path),
-                           "--print-config"], capture_output=True, text=True, env=env, timeout=TIMEOUT_S)
+    proc = subprocess.run(
+        [str(Path(sys.executable).with_name("disagg")), command, "--config", str(path), "--print-config"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+    )
     assert proc.returncode == 0, f"README.md:{line}: {proc.stderr[-2000:]}"
     given, effective = tomllib.loads(text), tomllib.loads(proc.stdout)[command]
-    for key in {**{k: v for k, v in given.items() if not isinstance(v, dict)},
-                       **given.get(command, {})}:
+    for key in {**{k: v for k, v in given.items() if not isinstance(v, dict)}, **given.get(command, {})}:
         assert key in effective, f"README.md:{line}: {key} not taken by {command}"
 
 
 @pytest.mark.parametrize("line,code", BLOCKS, ids=[f"line{n}" for n, _ in BLOCKS])
 def test_python_block_runs(line, code):
     try:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                              timeout=TIMEOUT_S)
+        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"README.md:{line}: block ran past {TIMEOUT_S} s\n"
-                             f"stderr:\n{exc.stderr or ''}") from None
-    assert proc.returncode == 0, (f"README.md:{line}: block exited {proc.returncode}\n"
-                                  f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}")
+        raise AssertionError(f"README.md:{line}: block ran past {TIMEOUT_S} s\nstderr:\n{exc.stderr or ''}") from None
+    assert proc.returncode == 0, (
+        f"README.md:{line}: block exited {proc.returncode}\n"
+        f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    )
 
 
 @pytest.mark.parametrize("line,command", COMMANDS, ids=[f"line{n}" for n, _ in COMMANDS])
@@ -107,6 +111,6 @@ def test_disagg_command_parses(line, command):
         try:
             build_parser().parse_args(argv)
             code = 0
-        except SystemExit as exc:   # argparse's way of refusing (2), or of answering --help (0)
+        except SystemExit as exc:  # argparse's way of refusing (2), or of answering --help (0)
             code = exc.code
     assert code in (0, None), f"README.md:{line}: `{command}` does not parse:\n{err.getvalue().strip()}"

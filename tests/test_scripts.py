@@ -18,10 +18,11 @@ ROOT = Path(__file__).resolve().parents[1]
 def help_example(script: str, comment: str) -> list[str]:
     """The command line under the `# COMMENT...` lines of `script --help` (continued lines
     joined), with this venv's python standing for `.venv/bin/python`."""
-    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60, check=True).stdout.splitlines()
+    out = subprocess.run(
+        [sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.splitlines()
     i = next(i for i, line in enumerate(out) if line.strip().startswith("# " + comment))
-    while out[i].strip().startswith("#"):   # the comment may go on for a line or two
+    while out[i].strip().startswith("#"):  # the comment may go on for a line or two
         i += 1
     command = ""
     while True:
@@ -31,7 +32,7 @@ def help_example(script: str, comment: str) -> list[str]:
             break
         i += 1
     words = shlex.split(command)
-    assert words[0] == ".venv/bin/python", words   # as setup.sh leaves it
+    assert words[0] == ".venv/bin/python", words  # as setup.sh leaves it
     return [sys.executable, *words[1:]]
 
 
@@ -54,14 +55,15 @@ def test_test_sh_help_says_what_it_does_without_setting_up(tmp_path):
         out = subprocess.run(["scripts/test.sh", flag], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
         assert out.returncode == 0 and out.stderr == "", (flag, out.stdout[-1000:], out.stderr[-1000:])
         assert out.stdout.startswith("usage: scripts/test.sh [PYTEST ARGS...]")
-        assert "scripts/setup.sh" in out.stdout and "-- --help" in out.stdout   # what it does; pytest's help
+        assert "scripts/setup.sh" in out.stdout and "-- --help" in out.stdout  # what it does; pytest's help
     assert not (tmp_path / "venv").exists()
 
 
 def _run_setup(venv: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    out = subprocess.run(["scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True, timeout=280,
-                         env={**env, "VENV": str(venv)})
+    out = subprocess.run(
+        ["scripts/setup.sh"], cwd=ROOT, capture_output=True, text=True, timeout=280, env={**env, "VENV": str(venv)}
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     return out
 
@@ -81,7 +83,7 @@ def test_a_second_setup_with_nothing_changed_does_not_run_pip(tmp_path):
     second = _run_setup(venv)
     assert "installing" not in second.stderr and "pip not run" in second.stderr, second.stderr
     stamp = venv / ".disagg-setup-stamp"
-    stamp.write_text(stamp.read_text().replace("pyproject.toml ", "pyproject.toml 0", 1))   # as if it changed
+    stamp.write_text(stamp.read_text().replace("pyproject.toml ", "pyproject.toml 0", 1))  # as if it changed
     third = _run_setup(venv)
     assert "installing disagg[" in third.stderr, third.stderr
 
@@ -92,9 +94,29 @@ def test_bench_tp_runs_each_prefill_rank_where_asked_and_verifies_every_row(send
     """Issue 40: bench_tp ran all prefill ranks in one process (one GIL for every send), which
     no deployment does; --senders process (the CPU default) runs each rank's sender in a
     process of its own, each with its own chunk channel to every decode rank it feeds."""
-    out = subprocess.run([sys.executable, "scripts/bench_tp.py", "--preset", "tiny-swa", "--tp", "1:1,2:1,1:2",
-                          "--page-sizes", "4", "--tokens", "300", "--repeats", "1", "--json", "--senders", senders],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "scripts/bench_tp.py",
+            "--preset",
+            "tiny-swa",
+            "--tp",
+            "1:1,2:1,1:2",
+            "--page-sizes",
+            "4",
+            "--tokens",
+            "300",
+            "--repeats",
+            "1",
+            "--json",
+            "--senders",
+            senders,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     rows = json.loads(out.stdout)["rows"]
     assert [r["tp"] for r in rows] == ["1:1", "2:1", "1:2"]

@@ -23,7 +23,7 @@ import torch
 
 from transfer.tokens import Lane
 
-WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)   # widest first: uint8 copies run at a fraction
+WORDS = (torch.int64, torch.int32, torch.int16, torch.uint8)  # widest first: uint8 copies run at a fraction
 
 
 def _word(*values: int) -> torch.dtype:
@@ -35,18 +35,24 @@ def _word(*values: int) -> torch.dtype:
 class Band:
     """Lanes [lo, lo + n) of a component's streams: one buffer, one pitch, stride, row width
     and rows per item, lane i + 1 `step` bytes after lane i."""
+
     lo: int
     n: int
-    buf: torch.Tensor     # the buffer, uint8 [items, pitch]
+    buf: torch.Tensor  # the buffer, uint8 [items, pitch]
     first: Lane
     step: int
-    views: dict = field(default_factory=dict)   # word type (or "rows": numpy) -> view
+    views: dict = field(default_factory=dict)  # word type (or "rows": numpy) -> view
 
     def fits(self, lane: Lane) -> bool:
         """Whether `lane` extends the band as its next lane."""
         f = self.first
-        if (lane.buffer, lane.pitch, lane.stride, lane.token_bytes, lane.page_size) != \
-                (f.buffer, f.pitch, f.stride, f.token_bytes, f.page_size):
+        if (lane.buffer, lane.pitch, lane.stride, lane.token_bytes, lane.page_size) != (
+            f.buffer,
+            f.pitch,
+            f.stride,
+            f.token_bytes,
+            f.page_size,
+        ):
             return False
         step = lane.offset - f.offset if self.n == 1 else self.step
         return step > 0 and lane.offset == f.offset + self.n * step
@@ -63,7 +69,9 @@ class Band:
             words = self.buf.view(word) if word is not torch.uint8 else self.buf
             self.views[word] = words.as_strided(
                 (self.n, self.buf.shape[0], f.page_size, f.token_bytes // k),
-                (max(self.step, 1) // k, f.pitch // k, f.stride // k, 1), words.storage_offset() + f.offset // k)
+                (max(self.step, 1) // k, f.pitch // k, f.stride // k, 1),
+                words.storage_offset() + f.offset // k,
+            )
         return self.views[word]
 
     def rows(self) -> np.ndarray:
@@ -73,8 +81,10 @@ class Band:
             f = self.first
             flat = self.buf.numpy().reshape(-1)
             self.views["rows"] = np.lib.stride_tricks.as_strided(
-                flat[f.offset:], (self.n, self.buf.shape[0], f.page_size, f.token_bytes),
-                (max(self.step, 1), f.pitch, f.stride, 1)).view(_row(f.token_bytes))[..., 0]
+                flat[f.offset :],
+                (self.n, self.buf.shape[0], f.page_size, f.token_bytes),
+                (max(self.step, 1), f.pitch, f.stride, 1),
+            ).view(_row(f.token_bytes))[..., 0]
         return self.views["rows"]
 
     def word(self, dst_ptr: int) -> torch.dtype:
@@ -111,8 +121,13 @@ def lane_run(pieces: Sequence, i: int, band_of: Mapping[int, tuple[Band, int]]) 
     size, j = p.count * band.first.token_bytes, i + 1
     while j < len(pieces) and k + j - i < band.n:
         q = pieces[j]
-        if not (q.by_token and q.component == p.component and q.first == p.first and q.count == p.count
-                and q.offset == p.offset + (j - i) * size):
+        if not (
+            q.by_token
+            and q.component == p.component
+            and q.first == p.first
+            and q.count == p.count
+            and q.offset == p.offset + (j - i) * size
+        ):
             break
         b2, k2 = band_of.get(q.buffer, (None, -1))
         if b2 is not band or k2 != k + j - i:
@@ -125,10 +140,11 @@ def lane_run(pieces: Sequence, i: int, band_of: Mapping[int, tuple[Band, int]]) 
 class Rows:
     """Token rows of a run of positions as (page, slot) spans: `head` rows from one page,
     runs of consecutive whole pages, `tail` rows of one page."""
-    head: tuple[int, int, int] | None        # (page, first slot, rows)
-    runs: tuple[tuple[int, int], ...]        # (first page, pages), in order
-    tail: tuple[int, int] | None             # (page, rows): slots [0, rows)
-    pages: np.ndarray                        # the whole pages, in order (int64)
+
+    head: tuple[int, int, int] | None  # (page, first slot, rows)
+    runs: tuple[tuple[int, int], ...]  # (first page, pages), in order
+    tail: tuple[int, int] | None  # (page, rows): slots [0, rows)
+    pages: np.ndarray  # the whole pages, in order (int64)
 
 
 def split_rows(rows: np.ndarray, page_size: int) -> Rows | None:
@@ -140,18 +156,25 @@ def split_rows(rows: np.ndarray, page_size: int) -> Rows | None:
     head_n = min(n, -int(rows[0]) % p)
     whole = (n - head_n) // p * p
     tail_n = n - head_n - whole
-    head, body, tail = rows[:head_n], rows[head_n:head_n + whole], rows[head_n + whole:]
+    head, body, tail = rows[:head_n], rows[head_n : head_n + whole], rows[head_n + whole :]
     pages = body[::p] // p
-    ok = (np.array_equal(head, rows[0] + np.arange(head_n)) and np.array_equal(tail, tail[:1] + np.arange(tail_n))
-          and (tail_n == 0 or tail[0] % p == 0)
-          and np.array_equal(body, (pages[:, None] * p + np.arange(p)).reshape(-1)))
+    ok = (
+        np.array_equal(head, rows[0] + np.arange(head_n))
+        and np.array_equal(tail, tail[:1] + np.arange(tail_n))
+        and (tail_n == 0 or tail[0] % p == 0)
+        and np.array_equal(body, (pages[:, None] * p + np.arange(p)).reshape(-1))
+    )
     if not ok:
         return None
     cuts = np.flatnonzero(np.diff(pages) != 1) + 1
     starts, ends = np.concatenate(([0], cuts)), np.concatenate((cuts, [len(pages)]))
     runs = tuple((int(pages[a]), int(b - a)) for a, b in zip(starts, ends) if b > a)
-    return Rows((int(rows[0]) // p, int(rows[0]) % p, head_n) if head_n else None, runs,
-                (int(tail[0]) // p, tail_n) if tail_n else None, np.ascontiguousarray(pages, dtype=np.int64))
+    return Rows(
+        (int(rows[0]) // p, int(rows[0]) % p, head_n) if head_n else None,
+        runs,
+        (int(tail[0]) // p, tail_n) if tail_n else None,
+        np.ascontiguousarray(pages, dtype=np.int64),
+    )
 
 
 def _pages(rows, m: int, p: int):
@@ -162,7 +185,7 @@ def _pages(rows, m: int, p: int):
     return np.lib.stride_tricks.as_strided(rows, (rows.shape[0], m, p, *rows.shape[2:]), (s[0], s[1] * p, *s[1:]))
 
 
-RUNS_BY_SLICE = 8   # a device tensor's pages in more runs than this: one index_select, not a copy per run
+RUNS_BY_SLICE = 8  # a device tensor's pages in more runs than this: one index_select, not a copy per run
 
 
 def _put(dst, src) -> None:
@@ -186,11 +209,11 @@ def copy_rows(pool, spans: Rows, rows, into_pool: bool) -> None:
     p, at = pool.shape[2], 0
     if spans.head:
         page, first, k = spans.head
-        _move(pool[:, page, first:first + k], rows[:, :k], into_pool)
+        _move(pool[:, page, first : first + k], rows[:, :k], into_pool)
         at = k
     m = len(spans.pages)
     if m:
-        part = _pages(rows[:, at:at + m * p], m, p)
+        part = _pages(rows[:, at : at + m * p], m, p)
         if isinstance(pool, torch.Tensor) and len(spans.runs) > RUNS_BY_SLICE:
             pages = torch.from_numpy(spans.pages).to(pool.device)
             if into_pool:
@@ -200,12 +223,12 @@ def copy_rows(pool, spans: Rows, rows, into_pool: bool) -> None:
         else:
             done = 0
             for page, k in spans.runs:
-                _move(pool[:, page:page + k], part[:, done:done + k], into_pool)
+                _move(pool[:, page : page + k], part[:, done : done + k], into_pool)
                 done += k
         at += m * p
     if spans.tail:
         page, k = spans.tail
-        _move(pool[:, page, :k], rows[:, at:at + k], into_pool)
+        _move(pool[:, page, :k], rows[:, at : at + k], into_pool)
 
 
 def copy_indexed(pool, idx: np.ndarray, rows, into_pool: bool) -> None:
@@ -224,8 +247,9 @@ def copy_indexed(pool, idx: np.ndarray, rows, into_pool: bool) -> None:
         rows.copy_(pool[:, r // p, r % p])
 
 
-def band_copy(band: Band, lanes: slice, idx: np.ndarray, spans: Rows | None, part: torch.Tensor,
-              into_pool: bool) -> None:
+def band_copy(
+    band: Band, lanes: slice, idx: np.ndarray, spans: Rows | None, part: torch.Tensor, into_pool: bool
+) -> None:
     """Rows `idx` (split as `spans`) of the band's `lanes` to or from `part` of a slot (uint8,
     [lanes, rows, row bytes] back to back): numpy rows on the host, torch words elsewhere."""
     n, tb = lanes.stop - lanes.start, band.first.token_bytes

@@ -24,12 +24,13 @@ from kvpool.storage import BufferDescriptor
 
 class Buffer(msgspec.Struct, frozen=True, array_like=True):
     """One pool buffer, as both sides and the wire know it. Decoding validates it."""
-    region: int                # index in the owner's exposed region table
+
+    region: int  # index in the owner's exposed region table
     nbytes: int
     item_bytes: int
     component: Component
-    layer: int | None          # None: a page-major buffer holding every layer of the component
-    part: str | None           # "k", "v", "latent", ... for layer-major buffers
+    layer: int | None  # None: a page-major buffer holding every layer of the component
+    part: str | None  # "k", "v", "latent", ... for layer-major buffers
 
     def __post_init__(self) -> None:
         if self.region < 0 or self.nbytes <= 0 or self.item_bytes <= 0 or self.nbytes % self.item_bytes:
@@ -62,17 +63,22 @@ def component_difference(component: Component, ours: Sequence[Buffer], theirs: S
     layer, part and item size), else the first difference."""
     c = Component(component).value
     if len(ours) != len(theirs):
-        return (f"{c}: {len(ours)} source buffers vs {len(theirs)} destination buffers "
-                "(page-major vs layer-major, or a different layer set)")
+        return (
+            f"{c}: {len(ours)} source buffers vs {len(theirs)} destination buffers "
+            "(page-major vs layer-major, or a different layer set)"
+        )
     for i, (a, b) in enumerate(zip(ours, theirs)):
         if _shape(a) != _shape(b):
-            return (f"{c} buffer {i}: source (layer {a.layer}, {a.part}, {a.item_bytes} B/item) vs "
-                    f"destination (layer {b.layer}, {b.part}, {b.item_bytes} B/item)")
+            return (
+                f"{c} buffer {i}: source (layer {a.layer}, {a.part}, {a.item_bytes} B/item) vs "
+                f"destination (layer {b.layer}, {b.part}, {b.item_bytes} B/item)"
+            )
     return None
 
 
-def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: bool = True,
-                      per_request: bool = True) -> str | None:
+def layout_difference(
+    ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: bool = True, per_request: bool = True
+) -> str | None:
     """None if every component of the two sides pairs up, else the first difference. With
     paged=False the paged components are not compared buffer by buffer: pools of different
     page sizes pair them by token (transfer.tokens); with per_request=False neither are state
@@ -80,8 +86,10 @@ def layout_difference(ours: Sequence[Buffer], theirs: Sequence[Buffer], paged: b
     sets must still match."""
     a, b = by_component(ours), by_component(theirs)
     if set(a) != set(b):
-        return (f"component sets differ: destination lacks {sorted(c.value for c in set(a) - set(b))}, "
-                f"source lacks {sorted(c.value for c in set(b) - set(a))}")
+        return (
+            f"component sets differ: destination lacks {sorted(c.value for c in set(a) - set(b))}, "
+            f"source lacks {sorted(c.value for c in set(b) - set(a))}"
+        )
     for c in a:
         diff = component_difference(c, a[c], b[c]) if (per_request if c.per_request else paged) else None
         if diff:

@@ -29,8 +29,9 @@ def estimate(plan: TransferPlan, cost: LinkCost, config: TransferConfig, slot_by
     }
 
 
-def choose_mode(plan: TransferPlan, cost: LinkCost, config: TransferConfig, slot_bytes: int,
-                staging_available: bool) -> Mode:
+def choose_mode(
+    plan: TransferPlan, cost: LinkCost, config: TransferConfig, slot_bytes: int, staging_available: bool
+) -> Mode:
     """DIRECT when configured or when the receiver lent no staging slots (all in use by other
     transfers: a request never fails for want of a slot); STAGED when configured; for AUTO the
     cheaper estimate."""

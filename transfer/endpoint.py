@@ -26,6 +26,7 @@ from transfer.transports.base import Exposure, Offer, Transport
 
 class StagingInfo(msgspec.Struct, frozen=True, array_like=True):
     """A receiver's staging area as a sender addresses it (it travels in the registration)."""
+
     region: int
     slots: int
     slot_bytes: int
@@ -37,8 +38,9 @@ class StagingInfo(msgspec.Struct, frozen=True, array_like=True):
 
 class ExposedPool(Protocol):
     """What an endpoint needs of the memory it exposes (HybridPool, kvpool.engine.EnginePool)."""
-    config: Any        # PoolConfig-like: model, page_size, tp_size, tp_rank, layout, device, components
-    token_rows: bool   # whether items hold token rows in the model's segment order (transfer.tokens)
+
+    config: Any  # PoolConfig-like: model, page_size, tp_size, tp_rank, layout, device, components
+    token_rows: bool  # whether items hold token rows in the model's segment order (transfer.tokens)
 
     def buffer_descriptors(self) -> list[BufferDescriptor]: ...
     def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]: ...
@@ -51,15 +53,17 @@ class PoolEndpoint:
         if not self.transports:
             raise ValueError("an endpoint needs at least one transport")
         self.pool, self.config = pool, config
-        self.staging = StagingArea(config.staging_slots, config.staging_slot_bytes,
-                                   config.staging_device or pool.config.device)
+        self.staging = StagingArea(
+            config.staging_slots, config.staging_slot_bytes, config.staging_device or pool.config.device
+        )
         descs = pool.buffer_descriptors()
-        self.buffers: list[Buffer] = buffers_of(descs)   # the pool as peers address it
+        self.buffers: list[Buffer] = buffers_of(descs)  # the pool as peers address it
         # each paged component's segments as token rows, for peers of another page size (none
         # where the pool does not describe rows: it pairs with peers of its own page size and TP only)
         pc = pool.config
-        self.lanes = pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local") \
-            if pool.token_rows else {}
+        self.lanes = (
+            pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local") if pool.token_rows else {}
+        )
         self.staging_region = len(descs)
         regions = [(d.ptr, d.nbytes) for d in descs] + [(self.staging.ptr, self.staging.nbytes)]
         self.exposures: dict[str, Exposure] = {}

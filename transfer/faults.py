@@ -16,23 +16,23 @@ from transfer.errors import InjectedFault
 POINTS = {
     "prefill.compute": "prefill: computing the prompt's KV fails",
     "send.write": "prefill: a transport write fails (body, staged chunk or AUX, or a body chained with its AUX "
-                  "row on an ordered link; earlier writes landed)",
+    "row on an ordered link; earlier writes landed)",
     "control.drop_done": "prefill: a TransferDone is lost on the way to decode",
     "send.stall": "prefill: once a send's body writes are out (some may have landed), the sender stops there for "
-                  "good, as a producer stopped or dying mid-transfer does (tests kill it there: it logs "
-                  "'injected fault at send.stall')",
+    "good, as a producer stopped or dying mid-transfer does (tests kill it there: it logs "
+    "'injected fault at send.stall')",
     "decode.alloc": "decode: allocating the destination fails",
     "recv.chunk": "decode: scattering a staged chunk fails",
     "prefill.flip": "prefill: one byte of the KV it computed is flipped before it is digested and sent (only "
-                    "the colocated check, --check-rate, can tell)",
+    "the colocated check, --check-rate, can tell)",
     "decode.flip": "decode: one byte of the KV that arrived is flipped before it is verified, one no decode step "
-                   "reads where there is one (verification must fail the request)",
+    "reads where there is one (verification must fail the request)",
 }
 
 
 @dataclass(frozen=True)
 class FaultPlan:
-    rates: dict[str, float] = field(default_factory=dict)   # point -> probability per pass
+    rates: dict[str, float] = field(default_factory=dict)  # point -> probability per pass
     seed: int | None = None
 
     def __post_init__(self) -> None:

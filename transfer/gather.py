@@ -34,9 +34,10 @@ class Gatherer:
         self.band_of: dict[Component, dict[int, tuple[Band, int]]] = {}
         for cp in body:
             if cp.by_token:
-                ids = [cp.buffer_id(i) for i in range(cp.streams)]   # a piece names a lane by its id
-                self.band_of[cp.component] = {ids[i]: at for i, at in band_index(cp.src_lanes,
-                                                                                 tensors[cp.component]).items()}
+                ids = [cp.buffer_id(i) for i in range(cp.streams)]  # a piece names a lane by its id
+                self.band_of[cp.component] = {
+                    ids[i]: at for i, at in band_index(cp.src_lanes, tensors[cp.component]).items()
+                }
 
     def gather(self, chunk: Chunk, slot: torch.Tensor) -> None:
         """Copy the chunk's source rows and items into `slot`; returns once they are there."""
@@ -57,11 +58,11 @@ class Gatherer:
         band, k, n = lane_run(pieces, i, self.band_of[Component(p.component)])
         cp = self.plans[Component(p.component)]
         first = p.first - cp.first_position
-        rows = cp.src_idx[first:first + p.count]
+        rows = cp.src_idx[first : first + p.count]
         key = (p.component, p.first, p.count, band.first.page_size)
         if key not in spans:
             spans[key] = split_rows(rows, band.first.page_size)
-        part = slot[p.offset:p.offset + n * p.count * band.first.token_bytes]
+        part = slot[p.offset : p.offset + n * p.count * band.first.token_bytes]
         band_copy(band, slice(k, k + n), rows, spans[key], part, into_pool=False)
         devices.add(band.buf.device)
         return i + n
@@ -73,8 +74,8 @@ class Gatherer:
         buf = field_view(self.tensors[c][p.buffer], p)
         width = buf.shape[1]
         first = p.first - cp.first_item
-        idx = torch.from_numpy(np.array(cp.src_idx[first:first + p.count], dtype=np.int64)).to(buf.device)
-        out = slot[p.offset:p.offset + p.count * width].view(p.count, width)
+        idx = torch.from_numpy(np.array(cp.src_idx[first : first + p.count], dtype=np.int64)).to(buf.device)
+        out = slot[p.offset : p.offset + p.count * width].view(p.count, width)
         if out.device == buf.device:  # one kernel straight into the slot
             torch.index_select(word_rows(buf, width), 0, idx, out=word_rows(out, width))
         else:  # e.g. a host staging area for a GPU pool

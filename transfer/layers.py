@@ -16,13 +16,13 @@ from kvpool.geometry import Component
 from kvpool.layout import ALIGN
 from transfer.plan import ComponentPlan, TransferPlan
 
-Placement = tuple[int, int, int, int]   # (buffer, layer, byte offset in the item, bytes)
+Placement = tuple[int, int, int, int]  # (buffer, layer, byte offset in the item, bytes)
 
 
 @dataclass(frozen=True)
 class LayerGroup:
-    layers: range                      # the model layers whose KV (and state) this part carries
-    body: tuple[ComponentPlan, ...]    # may be empty: no component has a layer in it
+    layers: range  # the model layers whose KV (and state) this part carries
+    body: tuple[ComponentPlan, ...]  # may be empty: no component has a layer in it
 
     @property
     def nbytes(self) -> int:
@@ -52,21 +52,27 @@ def _whole_streams(cp: ComponentPlan, layers: range) -> ComponentPlan | None:
 
     def pick(seq):
         return tuple(seq[i] for i in keep)
-    sides = dict(src_lanes=pick(cp.src_lanes), dst_lanes=pick(cp.dst_lanes)) if cp.by_token else \
-        dict(src_bufs=pick(cp.src_bufs), dst_bufs=pick(cp.dst_bufs))
+
+    sides = (
+        dict(src_lanes=pick(cp.src_lanes), dst_lanes=pick(cp.dst_lanes))
+        if cp.by_token
+        else dict(src_bufs=pick(cp.src_bufs), dst_bufs=pick(cp.dst_bufs))
+    )
     return dataclasses.replace(cp, buffer_ids=pick([cp.buffer_id(i) for i in range(cp.streams)]), **sides)
 
 
-def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Component, list[Placement]],
-                 align: int = ALIGN) -> list[LayerGroup]:
+def split_layers(
+    plan: TransferPlan, bounds: list[int], placements: dict[Component, list[Placement]], align: int = ALIGN
+) -> list[LayerGroup]:
     """The plan's body as consecutive layer groups [bounds[g], bounds[g + 1]): every byte the
     plan moves for a layer lands in exactly one group. `placements` are where each layer's
     segments lie in the sender's items (a buffer that pairs up has the same on the receiver).
     The AUX row belongs to no group: it still goes last."""
     if len(bounds) < 2 or any(b >= a for a, b in zip(bounds[1:], bounds)):
         raise ValueError(f"layer group bounds must increase: {bounds}")
-    layers_sent = {b.layer for cp in plan.body for b in cp.src_bufs if b.layer is not None} | \
-        {p[1] for cp in plan.body if any(b.layer is None for b in cp.src_bufs) for p in placements.get(cp.component, [])}
+    layers_sent = {b.layer for cp in plan.body for b in cp.src_bufs if b.layer is not None} | {
+        p[1] for cp in plan.body if any(b.layer is None for b in cp.src_bufs) for p in placements.get(cp.component, [])
+    }
     outside = sorted(l for l in layers_sent if not bounds[0] <= l < bounds[-1])
     if outside:
         raise ValueError(f"layer groups {bounds[0]}..{bounds[-1] - 1} leave out layers {outside}")
@@ -75,15 +81,22 @@ def split_layers(plan: TransferPlan, bounds: list[int], placements: dict[Compone
     for cp in plan.body:
         whole = {bi: b.item_bytes for bi, b in enumerate(cp.src_bufs)}
         for g, layers in enumerate(groups):
-            if cp.by_token or all(b.layer is not None for b in cp.src_bufs):   # whole lanes or buffers
+            if cp.by_token or all(b.layer is not None for b in cp.src_bufs):  # whole lanes or buffers
                 part = _whole_streams(cp, layers)
                 if part is not None:
                     parts[g].append(part)
                 continue
-            for bi in range(len(cp.src_bufs)):                         # page-major: a field of each row
+            for bi in range(len(cp.src_bufs)):  # page-major: a field of each row
                 mine = [p for p in placements.get(cp.component, []) if p[0] == bi and p[1] in layers]
                 for off, n in _spans(mine, align, whole[bi]):
                     field = None if (off, n) == (0, whole[bi]) else (off, n)
-                    parts[g].append(dataclasses.replace(cp, src_bufs=(cp.src_bufs[bi],), dst_bufs=(cp.dst_bufs[bi],),
-                                                        field=field, buffer_ids=(cp.buffer_id(bi),)))
+                    parts[g].append(
+                        dataclasses.replace(
+                            cp,
+                            src_bufs=(cp.src_bufs[bi],),
+                            dst_bufs=(cp.dst_bufs[bi],),
+                            field=field,
+                            buffer_ids=(cp.buffer_id(bi),),
+                        )
+                    )
     return [LayerGroup(layers, tuple(p)) for layers, p in zip(groups, parts)]

@@ -48,8 +48,8 @@ class AckLedger:
     chunk is dropped, never counted."""
 
     def __init__(self) -> None:
-        self._sent: dict[int, int] = {}   # transfer id -> chunks notified
-        self._done: dict[int, int] = {}   # transfer id -> highest chunk acknowledged
+        self._sent: dict[int, int] = {}  # transfer id -> chunks notified
+        self._done: dict[int, int] = {}  # transfer id -> highest chunk acknowledged
         self._cond = threading.Condition()
 
     def sent(self, transfer_id: int, index: int) -> None:

@@ -36,20 +36,20 @@ from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 @dataclass(frozen=True)
 class ComponentPlan:
     component: Component
-    src_idx: np.ndarray          # int64, aligned
-    dst_idx: np.ndarray          # int64, aligned
+    src_idx: np.ndarray  # int64, aligned
+    dst_idx: np.ndarray  # int64, aligned
     src_bufs: tuple[Buffer, ...]
     dst_bufs: tuple[Buffer, ...]
     runs: Runs
-    field: tuple[int, int] | None = None   # (offset, bytes) of every item that move; None: whole items
-    buffer_ids: tuple[int, ...] | None = None   # each buffer's index among the component's (None: 0, 1, ...)
+    field: tuple[int, int] | None = None  # (offset, bytes) of every item that move; None: whole items
+    buffer_ids: tuple[int, ...] | None = None  # each buffer's index among the component's (None: 0, 1, ...)
     # pools of different page sizes (transfer.tokens): src_idx / dst_idx / runs are token rows,
     # moved per lane (segment) instead of per buffer; rows [i] hold position first_position + i
     src_lanes: tuple[Lane, ...] | None = None
     dst_lanes: tuple[Lane, ...] | None = None
     first_position: int = 0
-    first_item: int = 0   # whole items: src_idx / dst_idx [i] are the aligned arrays' [first_item + i]
-                          # (a receiver's prefix is left out, transfer.suffix)
+    first_item: int = 0  # whole items: src_idx / dst_idx [i] are the aligned arrays' [first_item + i]
+    # (a receiver's prefix is left out, transfer.suffix)
 
     @property
     def by_token(self) -> bool:
@@ -79,7 +79,7 @@ class ComponentPlan:
         return items * self.streams
 
     @functools.cached_property
-    def nbytes(self) -> int:   # (asked again when a send reports, after its writes landed)
+    def nbytes(self) -> int:  # (asked again when a send reports, after its writes landed)
         return int(self.runs.count.sum()) * sum(self.unit_bytes)
 
     @functools.cached_property
@@ -97,10 +97,20 @@ class ComponentPlan:
         ints = _ints
         if self.by_token:
             return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
-        field = (ints(self.field[0] for _ in self.src_bufs), ints(self.field[1] for _ in self.src_bufs)) \
-            if self.field else (None, None)
-        return RunSet(self.runs.src_start, self.runs.dst_start, self.runs.count, ints(b.region for b in self.src_bufs),
-                      ints(b.region for b in self.dst_bufs), ints(b.item_bytes for b in self.src_bufs), *field)
+        field = (
+            (ints(self.field[0] for _ in self.src_bufs), ints(self.field[1] for _ in self.src_bufs))
+            if self.field
+            else (None, None)
+        )
+        return RunSet(
+            self.runs.src_start,
+            self.runs.dst_start,
+            self.runs.count,
+            ints(b.region for b in self.src_bufs),
+            ints(b.region for b in self.dst_bufs),
+            ints(b.item_bytes for b in self.src_bufs),
+            *field,
+        )
 
 
 def _ints(values) -> np.ndarray:
@@ -114,15 +124,29 @@ def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> Ru
     a = _lane_arrays(src, dst)
     if a.linear:
         return RunSet(runs.src_start, runs.dst_start, runs.count, a.src_region, a.dst_region, a.row_bytes)
-    return LaneRuns(runs.src_start, runs.dst_start, runs.count, a.src_offset, a.dst_offset, a.row_bytes,
-                    a.src_region, a.dst_region, a.src_pitch, a.dst_pitch, a.src_stride, a.dst_stride,
-                    src[0].page_size, dst[0].page_size)
+    return LaneRuns(
+        runs.src_start,
+        runs.dst_start,
+        runs.count,
+        a.src_offset,
+        a.dst_offset,
+        a.row_bytes,
+        a.src_region,
+        a.dst_region,
+        a.src_pitch,
+        a.dst_pitch,
+        a.src_stride,
+        a.dst_stride,
+        src[0].page_size,
+        dst[0].page_size,
+    )
 
 
 @dataclass(frozen=True)
 class _LaneArrays:
     """A lane pairing's per-lane numbers as arrays (int64 [n_lanes] each): what every send
     to one peer shares."""
+
     linear: bool
     src_region: np.ndarray
     dst_region: np.ndarray
@@ -147,10 +171,18 @@ def _lane_arrays(src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> _LaneArrays:
     if hit is not None and hit[0] is src and hit[1] is dst:
         return hit[2]
     ints = _ints
-    arrays = _LaneArrays(all(l.linear for l in src + dst), ints(l.region for l in src), ints(l.region for l in dst),
-                         ints(l.token_bytes for l in src), ints(l.offset for l in src), ints(l.offset for l in dst),
-                         ints(l.pitch for l in src), ints(l.pitch for l in dst), ints(l.stride for l in src),
-                         ints(l.stride for l in dst))
+    arrays = _LaneArrays(
+        all(l.linear for l in src + dst),
+        ints(l.region for l in src),
+        ints(l.region for l in dst),
+        ints(l.token_bytes for l in src),
+        ints(l.offset for l in src),
+        ints(l.offset for l in dst),
+        ints(l.pitch for l in src),
+        ints(l.pitch for l in dst),
+        ints(l.stride for l in src),
+        ints(l.stride for l in dst),
+    )
     for f in dataclasses.fields(arrays)[1:]:
         getattr(arrays, f.name).setflags(write=False)
     if len(_LANE_ARRAYS) >= 512:
@@ -186,13 +218,23 @@ class TransferPlan:
         return [c.runset for c in self.body]
 
 
-def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Buffer], dst_bufs: list[Buffer],
-               tokens: Tokens, *, suffix: Suffix | None = None) -> ComponentPlan:
+def token_plan(
+    c: Component,
+    src: np.ndarray,
+    dst: np.ndarray,
+    src_bufs: list[Buffer],
+    dst_bufs: list[Buffer],
+    tokens: Tokens,
+    *,
+    suffix: Suffix | None = None,
+) -> ComponentPlan:
     """A component moved by lane (transfer.tokens): a paged one as the positions both sides
     cover (from the receiver's prefix_len on, `suffix`), as token rows on each side; a state
     slot (or the AUX row) as one row per index. Rows are grouped into runs."""
     if c not in tokens.src or c not in tokens.dst:
-        raise LayoutIncompatible(f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side")
+        raise LayoutIncompatible(
+            f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side"
+        )
     src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
     if any(a.token_bytes != b.token_bytes for a, b in zip(src_lanes, dst_lanes)) or len(src_lanes) != len(dst_lanes):
         raise LayoutIncompatible(f"{c.value}: lanes that do not pair up")
@@ -200,33 +242,61 @@ def token_plan(c: Component, src: np.ndarray, dst: np.ndarray, src_bufs: list[Bu
         s_rows, d_rows = align(src, dst, c)
         check_pages(c, "source", s_rows, src_lanes)
         check_pages(c, "destination", d_rows, dst_lanes)
-        return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), group_runs(s_rows, d_rows, 1, 1),
-                             src_lanes=src_lanes, dst_lanes=dst_lanes)
+        return ComponentPlan(
+            c,
+            s_rows,
+            d_rows,
+            tuple(src_bufs),
+            tuple(dst_bufs),
+            group_runs(s_rows, d_rows, 1, 1),
+            src_lanes=src_lanes,
+            dst_lanes=dst_lanes,
+        )
     n, ps, pd = tokens.num_tokens, src_lanes[0].page_size, dst_lanes[0].page_size
     first_src = first_covered(n, ps, len(src), "source", c)
     first_dst = first_covered(n, pd, len(dst), "destination", c)
     if (first_src or first_dst) and not c.truncatable:
-        raise IndexMismatch(f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} "
-                            f"must each cover all {n} tokens")
+        raise IndexMismatch(
+            f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} "
+            f"must each cover all {n} tokens"
+        )
     check_pages(c, "source", src, src_lanes)
     check_pages(c, "destination", dst, dst_lanes)
     first = max(first_src, first_dst)
     if suffix is not None:
         first = suffix.first_position(first)
     s_rows, d_rows = span_rows(src, n, ps, first), span_rows(dst, n, pd, first)
-    paged = not all(l.linear for l in src_lanes + dst_lanes)   # runs end at pages
+    paged = not all(l.linear for l in src_lanes + dst_lanes)  # runs end at pages
     s_rows.setflags(write=False)
     d_rows.setflags(write=False)
     # first is a multiple of the smaller page size (each side's first covered position, or a
     # prefix_len aligned to decode's pages): segment_runs' premise
-    runs = segment_runs(s_rows, d_rows, min(ps, pd), paged) if first % min(ps, pd) == 0 \
+    runs = (
+        segment_runs(s_rows, d_rows, min(ps, pd), paged)
+        if first % min(ps, pd) == 0
         else group_runs(s_rows, d_rows, *((ps, pd) if paged else ()))
-    return ComponentPlan(c, s_rows, d_rows, tuple(src_bufs), tuple(dst_bufs), runs,
-                         src_lanes=src_lanes, dst_lanes=dst_lanes, first_position=first)
+    )
+    return ComponentPlan(
+        c,
+        s_rows,
+        d_rows,
+        tuple(src_bufs),
+        tuple(dst_bufs),
+        runs,
+        src_lanes=src_lanes,
+        dst_lanes=dst_lanes,
+        first_position=first,
+    )
 
 
-def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst_bufs: list[Buffer],
-               tokens: Tokens | None = None, suffix: Suffix | None = None) -> TransferPlan:
+def build_plan(
+    src_set: IndexSet,
+    dst_set: IndexSet,
+    src_bufs: list[Buffer],
+    dst_bufs: list[Buffer],
+    tokens: Tokens | None = None,
+    suffix: Suffix | None = None,
+) -> TransferPlan:
     """Plan moving every component of `src_set` (local pool) into `dst_set` (the peer's pool).
     With `tokens` (the pools' page sizes differ), paged components move in token rows; between
     TP shards (tokens.sliced) every component moves as the slices of its rows this pair owns.
@@ -243,7 +313,7 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
     for c in src_set.components():
         sb, db = src_by.get(c, []), dst_by[c]
         if tokens is not None and tokens.sliced and c not in tokens.src:
-            continue   # TP shards: none of this component is this source rank's to send (transfer.reshard)
+            continue  # TP shards: none of this component is this source rank's to send (transfer.reshard)
         if tokens is not None and (tokens.sliced or not c.per_request):
             (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens, suffix=suffix))
             continue
@@ -253,7 +323,7 @@ def build_plan(src_set: IndexSet, dst_set: IndexSet, src_bufs: list[Buffer], dst
         # checks that again when it builds ranges; the link checks against the regions).
         check_indices(c, "source", s_idx, sb)
         check_indices(c, "destination", d_idx, db)
-        k = suffix.first_item(c, len(d_idx)) if suffix is not None else 0   # the receiver's own pages: left out
+        k = suffix.first_item(c, len(d_idx)) if suffix is not None else 0  # the receiver's own pages: left out
         s_idx, d_idx = s_idx[k:], d_idx[k:]
         plan = ComponentPlan(c, s_idx, d_idx, tuple(sb), tuple(db), group_runs(s_idx, d_idx), first_item=k)
         (last if c.sent_last else body).append(plan)

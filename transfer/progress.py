@@ -20,7 +20,7 @@ import torch
 
 from transfer.errors import Cancelled
 
-POLL_S = 0.05   # how often a waiting worker asks whether its request was stopped
+POLL_S = 0.05  # how often a waiting worker asks whether its request was stopped
 
 
 class LayerProgress:
@@ -29,9 +29,9 @@ class LayerProgress:
         self._device = torch.device(device)
         self._cuda = self._device.type == "cuda"
         self._done = np.zeros(num_layers, dtype=bool)
-        self._final = 0            # layers [0, _final) are final
-        self._complete = False     # the engine returned: every layer and the AUX row written
-        self._event = None         # CUDA: recorded at the latest report, on the engine's stream
+        self._final = 0  # layers [0, _final) are final
+        self._complete = False  # the engine returned: every layer and the AUX row written
+        self._event = None  # CUDA: recorded at the latest report, on the engine's stream
         self._cond = threading.Condition()
 
     @property
@@ -85,6 +85,6 @@ class LayerProgress:
     def _record(self):
         if not self._cuda:
             return None
-        event = torch.cuda.Event(blocking=True)   # the waiting worker sleeps: a spinning one contends with
-        event.record(torch.cuda.current_stream(self._device))   # the engine thread for the driver
+        event = torch.cuda.Event(blocking=True)  # the waiting worker sleeps: a spinning one contends with
+        event.record(torch.cuda.current_stream(self._device))  # the engine thread for the driver
         return event

@@ -27,7 +27,7 @@ class KVReceiver:
 
     def __init__(self, endpoint: PoolEndpoint):
         self.endpoint = endpoint
-        self.bands: dict = {}   # scatter's bands of our lanes, per lane pairing (a few per sender shard)
+        self.bands: dict = {}  # scatter's bands of our lanes, per lane pairing (a few per sender shard)
 
     def reserve_slots(self, n: int = 2) -> list[int]:
         """Staging slots for one transfer ([] when all are in use: the sender goes direct)."""
@@ -45,7 +45,7 @@ class KVReceiver:
         want = min(sum(wants), total)
         got = lease.take(want, timeout) or lease.acquire(want, timeout=0.0)
         out: list[list[int]] = [[] for _ in wants]
-        for rnd in range(max(wants, default=0)):   # one slot per sender per round
+        for rnd in range(max(wants, default=0)):  # one slot per sender per round
             for i, w in enumerate(wants):
                 if rnd < w and got:
                     out[i].append(got.pop())
@@ -74,12 +74,24 @@ class KVReceiver:
         if not by_token(sender, own):
             return None
         try:
-            return pair_lanes(pc.model, sender, own, self.endpoint.lanes, self.endpoint.lanes)[1]   # ours depend on our lanes only
-        except SpecError as exc:   # its TP size does not split our model
+            return pair_lanes(pc.model, sender, own, self.endpoint.lanes, self.endpoint.lanes)[
+                1
+            ]  # ours depend on our lanes only
+        except SpecError as exc:  # its TP size does not split our model
             raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 
-    def on_chunk(self, index: int, slot: int, pieces: list[Piece], dst: IndexSet, leased: list[int],
-                 num_tokens: int, *, lanes: Lanes | None = None, prefix_len: int = 0) -> None:
+    def on_chunk(
+        self,
+        index: int,
+        slot: int,
+        pieces: list[Piece],
+        dst: IndexSet,
+        leased: list[int],
+        num_tokens: int,
+        *,
+        lanes: Lanes | None = None,
+        prefix_len: int = 0,
+    ) -> None:
         """Scatter chunk `index`, landed in `slot`, into `dst` (the pages of a request of
         `num_tokens`, of which we hold [0, prefix_len) already: never written); `leased` are
         the slots this transfer holds; `lanes`: the sender's pairing (lanes_from), None: our
@@ -88,9 +100,17 @@ class KVReceiver:
             raise StagingError(f"chunk {index} names slot {slot}, not leased to this transfer")
         if self.endpoint.faults.hit("recv.chunk"):
             raise StagingError(f"injected fault at recv.chunk (chunk {index})")
-        if lanes is None:   # a sender of our TP shard: our paged segments whole
+        if lanes is None:  # a sender of our TP shard: our paged segments whole
             lanes = {c: l for c, l in self.endpoint.lanes.items() if not c.per_request}
         if len(self.bands) > 64:
             self.bands.clear()
-        scatter(index, slot, pieces, dst, self.endpoint.tensors, self.endpoint.staging, own=TokenRows(num_tokens, lanes, prefix_len),
-                bands=self.bands)
+        scatter(
+            index,
+            slot,
+            pieces,
+            dst,
+            self.endpoint.tensors,
+            self.endpoint.staging,
+            own=TokenRows(num_tokens, lanes, prefix_len),
+            bands=self.bands,
+        )

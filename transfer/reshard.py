@@ -31,7 +31,9 @@ Lanes = Mapping[Component, tuple[Lane, ...]]
 __all__ = ["Lanes", "Shard", "by_token", "check_pair", "pair_lanes", "peer_shard", "receivers", "senders"]
 
 
-def peer_shard(page_size: int, tp_size: int, tp_rank: int, whose: str = "the peer's", own: Shard | None = None) -> Shard:
+def peer_shard(
+    page_size: int, tp_size: int, tp_rank: int, whose: str = "the peer's", own: Shard | None = None
+) -> Shard:
     """The shard a peer claims (untrusted), under `own` pool's page rule (a pool of whole engine
     blocks takes any block size: it pairs only with its own): LayoutIncompatible with the
     reason when impossible."""
@@ -50,12 +52,16 @@ def check_pair(src: Shard, dst: Shard) -> None:
     """Equal TP sizes pair rank r with rank r only (each holds the same heads), and a pool of
     whole engine blocks (no token rows to cut) only its own block size and TP size; refused otherwise."""
     if (src.whole_blocks or dst.whole_blocks) and by_token(src, dst):
-        raise LayoutIncompatible(f"block size {src.page_size}, TP {src.tp_size} (sender) vs {dst.page_size}, TP "
-                                 f"{dst.tp_size} (receiver): engine KV caches pair only equal block sizes and TP sizes "
-                                 "(start both sides with the same --block-size and TP)")
+        raise LayoutIncompatible(
+            f"block size {src.page_size}, TP {src.tp_size} (sender) vs {dst.page_size}, TP "
+            f"{dst.tp_size} (receiver): engine KV caches pair only equal block sizes and TP sizes "
+            "(start both sides with the same --block-size and TP)"
+        )
     if src.tp_size == dst.tp_size and src.tp_rank != dst.tp_rank:
-        raise LayoutIncompatible(f"TP rank {src.tp_rank} of {src.tp_size} holds other heads than rank "
-                                 f"{dst.tp_rank} of {dst.tp_size}: equal TP sizes pair rank r with rank r")
+        raise LayoutIncompatible(
+            f"TP rank {src.tp_rank} of {src.tp_size} holds other heads than rank "
+            f"{dst.tp_rank} of {dst.tp_size}: equal TP sizes pair rank r with rank r"
+        )
 
 
 def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_lanes: Lanes) -> tuple[Lanes, Lanes]:
@@ -63,7 +69,7 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
     the other (same bytes per row). Each side's lanes are its pool's (transfer.tokens.lanes,
     buffers checked there)."""
     check_pair(src, dst)
-    if src.tp_size == dst.tp_size:   # only the page size differs: whole segments, paged ones
+    if src.tp_size == dst.tp_size:  # only the page size differs: whole segments, paged ones
         keep = [c for c in src_lanes if not c.per_request and c in dst_lanes]
         return {c: src_lanes[c] for c in keep}, {c: dst_lanes[c] for c in keep}
     out_src: dict[Component, tuple[Lane, ...]] = {}
@@ -72,7 +78,9 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
         d_lanes = dst_lanes.get(c)
         if d_lanes is None:
             continue
-        if len(s_lanes) != len(d_lanes) or any((a.layer, a.part) != (b.layer, b.part) for a, b in zip(s_lanes, d_lanes)):
+        if len(s_lanes) != len(d_lanes) or any(
+            (a.layer, a.part) != (b.layer, b.part) for a, b in zip(s_lanes, d_lanes)
+        ):
             raise LayoutIncompatible(f"{c.value}: the two sides' segments differ")
         a_out, b_out = [], []
         slices = {part: reshard(parts(model, c, part), src.tp, dst.tp) for part in {a.part for a in s_lanes}}
@@ -87,12 +95,16 @@ def pair_lanes(model: ModelSpec, src: Shard, dst: Shard, src_lanes: Lanes, dst_l
 
 def receivers(model: ModelSpec, src: Shard, dst_tp: int, components: tuple[Component, ...]) -> tuple[int, ...]:
     """The ranks of a destination instance of TP size `dst_tp` that source rank `src` sends to."""
-    return tuple(t for t in range(dst_tp) if sends(model, src, Shard(src.page_size, dst_tp, t, src.whole_blocks), components))
+    return tuple(
+        t for t in range(dst_tp) if sends(model, src, Shard(src.page_size, dst_tp, t, src.whole_blocks), components)
+    )
 
 
 def senders(model: ModelSpec, src_tp: int, dst: Shard, components: tuple[Component, ...]) -> tuple[int, ...]:
     """The ranks of a source instance of TP size `src_tp` that send to destination rank `dst`."""
-    return tuple(t for t in range(src_tp) if sends(model, Shard(dst.page_size, src_tp, t, dst.whole_blocks), dst, components))
+    return tuple(
+        t for t in range(src_tp) if sends(model, Shard(dst.page_size, src_tp, t, dst.whole_blocks), dst, components)
+    )
 
 
 def sends(model: ModelSpec, src: Shard, dst: Shard, components: tuple[Component, ...]) -> bool:
@@ -100,5 +112,8 @@ def sends(model: ModelSpec, src: Shard, dst: Shard, components: tuple[Component,
     same rank; else some slice of some segment of `components`)."""
     if src.tp_size == dst.tp_size:
         return src.tp_rank == dst.tp_rank
-    return any(reshard(parts(model, c, part), src.tp, dst.tp)
-               for c in components for part in {seg.part for seg in segments(model, c, 1, src.tp_size)})
+    return any(
+        reshard(parts(model, c, part), src.tp, dst.tp)
+        for c in components
+        for part in {seg.part for seg in segments(model, c, 1, src.tp_size)}
+    )

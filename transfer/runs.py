@@ -28,9 +28,15 @@ def align(src: np.ndarray, dst: np.ndarray, component: Component) -> tuple[np.nd
     if len(src) != len(dst):
         if not component.truncatable:
             raise IndexMismatch(
-                f"{component.value}: {len(src)} source vs {len(dst)} destination indices must match exactly")
-        log.warning("%s: %d source vs %d destination indices; truncating to %d",
-                    component.value, len(src), len(dst), min(len(src), len(dst)))
+                f"{component.value}: {len(src)} source vs {len(dst)} destination indices must match exactly"
+            )
+        log.warning(
+            "%s: %d source vs %d destination indices; truncating to %d",
+            component.value,
+            len(src),
+            len(dst),
+            min(len(src), len(dst)),
+        )
     n = min(len(src), len(dst))
     out_src = np.array(src[:n], dtype=np.int64)
     out_dst = np.array(dst[:n], dtype=np.int64)
@@ -43,7 +49,7 @@ def align(src: np.ndarray, dst: np.ndarray, component: Component) -> tuple[np.nd
 class Runs:
     src_start: np.ndarray  # int64 [n_runs]
     dst_start: np.ndarray  # int64 [n_runs]
-    count: np.ndarray      # int64 [n_runs], items per run
+    count: np.ndarray  # int64 [n_runs], items per run
 
     def __len__(self) -> int:
         return len(self.count)
@@ -111,7 +117,7 @@ def expand(runs: Runs, src: list[Buffer], dst: list[Buffer]) -> Ranges:
     Each buffer's block of ranges is checked against that buffer's own size."""
     n_runs = len(runs)
     item = np.array([b.item_bytes for b in src], dtype=np.int64)[:, None]
-    src_off = runs.src_start[None, :] * item   # [n_buffers, n_runs]
+    src_off = runs.src_start[None, :] * item  # [n_buffers, n_runs]
     dst_off = runs.dst_start[None, :] * item
     length = np.broadcast_to(runs.count[None, :] * item, src_off.shape)
     if n_runs:
@@ -120,8 +126,10 @@ def expand(runs: Runs, src: list[Buffer], dst: list[Buffer]) -> Ranges:
             bad = np.flatnonzero((off.min(axis=1) < 0) | (hi > np.array([b.nbytes for b in bufs], dtype=np.int64)))
             if len(bad):
                 b = bufs[int(bad[0])]
-                raise OutOfBounds(f"{Component(b.component).value} {side} buffer (layer {b.layer}, {b.part}): "
-                                  f"ranges up to byte {int(hi[bad[0]])} exceed its {b.nbytes}")
+                raise OutOfBounds(
+                    f"{Component(b.component).value} {side} buffer (layer {b.layer}, {b.part}): "
+                    f"ranges up to byte {int(hi[bad[0]])} exceed its {b.nbytes}"
+                )
     src_region = np.repeat(np.array([b.region for b in src], dtype=np.int64), n_runs)
     dst_region = np.repeat(np.array([b.region for b in dst], dtype=np.int64), n_runs)
     return Ranges(src_region, src_off.ravel(), dst_region, dst_off.ravel(), length.ravel())

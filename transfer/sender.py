@@ -62,15 +62,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class RemotePool:
     """What a sender knows of one receiver: a connected link, its buffers, its staging area."""
-    link: Link                           # the transport picked for this peer, connected
-    buffers: tuple[Buffer, ...]          # the receiver's pool buffers (regions 0..n-1)
-    staging: StagingInfo | None = None   # the receiver's staging area (None: direct only)
+
+    link: Link  # the transport picked for this peer, connected
+    buffers: tuple[Buffer, ...]  # the receiver's pool buffers (regions 0..n-1)
+    staging: StagingInfo | None = None  # the receiver's staging area (None: direct only)
     # by lane (transfer.reshard), when its page size or TP size is not ours: its lanes, ours
     # paired with them (lane i with lane i), and whether they are TP slices
     lanes: Mapping[Component, tuple[Lane, ...]] | None = None
     src_lanes: Mapping[Component, tuple[Lane, ...]] | None = None
     sliced: bool = False
-    page_size: int | None = None         # its pool's page size (None: the sender's)
+    page_size: int | None = None  # its pool's page size (None: the sender's)
 
     def slot_offset(self, slot: int) -> int:
         return slot * self.staging.slot_bytes
@@ -80,34 +81,50 @@ class RemotePool:
 class PreparedSend:
     """One request's send laid out before its KV is final (KVSender.prepare); one send uses it
     (its writes start once)."""
+
     peer: RemotePool
     src: IndexSet
     dst: IndexSet
     plan: TransferPlan
-    groups: tuple[LayerGroup, ...]     # one (the whole body) unless streamed
+    groups: tuple[LayerGroup, ...]  # one (the whole body) unless streamed
     mode: Mode
-    writes: tuple[PreparedWrite | None, ...]   # direct: one per group (None: nothing in it); staged: ()
-    aux: PreparedWrite | None          # None: none, or chained behind the body (an ordered link, not streamed)
-    ranges: int                        # transport ranges of the direct writes
+    writes: tuple[PreparedWrite | None, ...]  # direct: one per group (None: nothing in it); staged: ()
+    aux: PreparedWrite | None  # None: none, or chained behind the body (an ordered link, not streamed)
+    ranges: int  # transport ranges of the direct writes
     plan_ms: float
     prepare_ms: float
     streamed: bool
     can_stage: bool
     num_tokens: int | None
     used: bool = False
-    prefix_len: int = 0                # the receiver's own prefix, left out (transfer.suffix)
+    prefix_len: int = 0  # the receiver's own prefix, left out (transfer.suffix)
 
-    def fits(self, peer: RemotePool, src: IndexSet, dst: IndexSet, streamed: bool, can_stage: bool,
-             num_tokens: int | None, *, prefix_len: int = 0) -> bool:
+    def fits(
+        self,
+        peer: RemotePool,
+        src: IndexSet,
+        dst: IndexSet,
+        streamed: bool,
+        can_stage: bool,
+        num_tokens: int | None,
+        *,
+        prefix_len: int = 0,
+    ) -> bool:
         """Whether it is this send's: same peer link, indices, length, prefix, streaming and staging."""
-        return (not self.used and self.peer is peer and self.streamed == streamed and self.can_stage == can_stage
-                and self.num_tokens == num_tokens and self.prefix_len == prefix_len
-                and _same(self.src, src) and _same(self.dst, dst))
+        return (
+            not self.used
+            and self.peer is peer
+            and self.streamed == streamed
+            and self.can_stage == can_stage
+            and self.num_tokens == num_tokens
+            and self.prefix_len == prefix_len
+            and _same(self.src, src)
+            and _same(self.dst, dst)
+        )
 
 
 def _same(a: IndexSet, b: IndexSet) -> bool:
-    return a is b or (a.components() == b.components()
-                      and all(np.array_equal(a[c], b[c]) for c in a.components()))
+    return a is b or (a.components() == b.components() and all(np.array_equal(a[c], b[c]) for c in a.components()))
 
 
 class KVSender:
@@ -121,8 +138,14 @@ class KVSender:
     def shard(self) -> Shard:
         return self.endpoint.pool.config.shard
 
-    def connect(self, offers: Sequence[Offer], buffers: Sequence[Buffer], staging: StagingInfo | None = None,
-                page_size: int | None = None, tp: tuple[int, int] | None = None) -> RemotePool:
+    def connect(
+        self,
+        offers: Sequence[Offer],
+        buffers: Sequence[Buffer],
+        staging: StagingInfo | None = None,
+        page_size: int | None = None,
+        tp: tuple[int, int] | None = None,
+    ) -> RemotePool:
         """A receiver that offers `offers` (its order of preference) for `buffers` of a pool of
         `page_size` (None: ours) and TP (size, rank) `tp` (None: ours): refused with the first
         difference unless its buffers pair up with ours (another page size or TP size: those
@@ -134,27 +157,36 @@ class KVSender:
         dst = peer_shard(page_size, *(tp or (cfg.tp_size, cfg.tp_rank)), whose="the receiver's", own=self.shard)
         check_pair(self.shard, dst)
         same_tp = dst.tp_size == cfg.tp_size
-        diff = layout_difference(self.endpoint.buffers, buffers, paged=same_tp and page_size == cfg.page_size,
-                                 per_request=same_tp)
+        diff = layout_difference(
+            self.endpoint.buffers, buffers, paged=same_tp and page_size == cfg.page_size, per_request=same_tp
+        )
         if diff:
             raise LayoutIncompatible(diff)
         lanes = None
         if by_token(self.shard, dst):
             try:
                 theirs = pool_lanes(cfg.model, page_size, dst.tp_size, cfg.layout, list(buffers), "destination")
-            except SpecError as exc:   # their TP size does not split our model
+            except SpecError as exc:  # their TP size does not split our model
                 raise LayoutIncompatible(f"the receiver's TP size {dst.tp_size}: {exc}") from None
             lanes = pair_lanes(cfg.model, self.shard, dst, self.endpoint.lanes, theirs)
         offer, transport = pick(offers, self.endpoint.transports)
-        return RemotePool(transport.connect(offer, self.endpoint.exposures[transport.kind]), tuple(buffers), staging,
-                          lanes[1] if lanes else None, lanes[0] if lanes else None, not same_tp, page_size)
+        return RemotePool(
+            transport.connect(offer, self.endpoint.exposures[transport.kind]),
+            tuple(buffers),
+            staging,
+            lanes[1] if lanes else None,
+            lanes[0] if lanes else None,
+            not same_tp,
+            page_size,
+        )
 
     def streams_well(self, peer: RemotePool) -> bool:
         """Whether layer-wise streaming to this peer hides more than it costs the compute."""
         return streams_well(str(self.endpoint.pool.config.device), peer.link)
 
-    def plan(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
-             prefix_len: int = 0) -> TransferPlan:
+    def plan(
+        self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None, prefix_len: int = 0
+    ) -> TransferPlan:
         """Plan one request; a peer of another page size needs the request's `num_tokens`, and
         so does a receiver that holds the first `prefix_len` positions (transfer.suffix)."""
         suffix = suffix_of(num_tokens, prefix_len, peer.page_size or self.endpoint.pool.config.page_size)
@@ -171,8 +203,17 @@ class KVSender:
         bounds = layer_bounds(num_layers, sum(c.nbytes for c in plan.body), peer.link.cost, self.endpoint.config)
         return split_layers(plan, bounds, self.endpoint.placements)
 
-    def prepare(self, peer: RemotePool, src: IndexSet, dst: IndexSet, num_tokens: int | None = None,
-                streamed: bool = False, can_stage: bool = False, *, prefix_len: int = 0) -> PreparedSend:
+    def prepare(
+        self,
+        peer: RemotePool,
+        src: IndexSet,
+        dst: IndexSet,
+        num_tokens: int | None = None,
+        streamed: bool = False,
+        can_stage: bool = False,
+        *,
+        prefix_len: int = 0,
+    ) -> PreparedSend:
         """Everything of a send that needs only the indices: plan, layer groups (`streamed`),
         direct or staged (`can_stage`: the receiver leased staging slots and a chunk channel
         exists), each direct write and the AUX row's prepared by the link. Moves no byte, so
@@ -180,21 +221,47 @@ class KVSender:
         t0 = time.perf_counter()
         plan = self.plan(peer, src, dst, num_tokens, prefix_len)
         groups = tuple(self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)])
-        body = tuple(c for g in groups for c in g.body)    # what actually moves (fields when streamed)
+        body = tuple(c for g in groups for c in g.body)  # what actually moves (fields when streamed)
         plan_ms = (time.perf_counter() - t0) * 1e3
-        mode = choose_mode(TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer),
-                           can_stage)
+        mode = choose_mode(
+            TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer), can_stage
+        )
         aux_runs = [plan.aux.runset] if plan.aux is not None else None
-        if mode is Mode.DIRECT and peer.link.ordered and not streamed and aux_runs and len(groups) == 1 and groups[0].body:
+        if (
+            mode is Mode.DIRECT
+            and peer.link.ordered
+            and not streamed
+            and aux_runs
+            and len(groups) == 1
+            and groups[0].body
+        ):
             # the AUX row behind the body, one hand-off (cuda-ipc: one table, one upload)
             writes, aux = (peer.link.prepare_chain([[c.runset for c in groups[0].body], aux_runs]),), None
         else:
-            writes = tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None
-                           for g in groups) if mode is Mode.DIRECT else ()
+            writes = (
+                tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None for g in groups)
+                if mode is Mode.DIRECT
+                else ()
+            )
             aux = peer.link.prepare_runs(aux_runs) if aux_runs else None
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
-        return PreparedSend(peer, src, dst, plan, groups, mode, writes, aux, ranges, plan_ms,
-                            (time.perf_counter() - t0) * 1e3, streamed, can_stage, num_tokens, prefix_len=prefix_len)
+        return PreparedSend(
+            peer,
+            src,
+            dst,
+            plan,
+            groups,
+            mode,
+            writes,
+            aux,
+            ranges,
+            plan_ms,
+            (time.perf_counter() - t0) * 1e3,
+            streamed,
+            can_stage,
+            num_tokens,
+            prefix_len=prefix_len,
+        )
 
     @staticmethod
     def can_stage(peer: RemotePool, remote: RemoteSlots | None) -> bool:
@@ -206,10 +273,19 @@ class KVSender:
         own = self.endpoint.staging.slot_bytes
         return min(own, peer.staging.slot_bytes if peer.staging else own)
 
-    def send(self, peer: RemotePool, src: IndexSet, dst: IndexSet, remote: RemoteSlots | None = None, *,
-             num_tokens: int | None = None, stopped: Callable[[], bool] | None = None,
-             progress: LayerProgress | None = None, prepared: PreparedSend | None = None,
-             prefix_len: int = 0) -> TransferReport:
+    def send(
+        self,
+        peer: RemotePool,
+        src: IndexSet,
+        dst: IndexSet,
+        remote: RemoteSlots | None = None,
+        *,
+        num_tokens: int | None = None,
+        stopped: Callable[[], bool] | None = None,
+        progress: LayerProgress | None = None,
+        prepared: PreparedSend | None = None,
+        prefix_len: int = 0,
+    ) -> TransferReport:
         """Move `src` (local) into `dst` (peer). Staged mode needs `remote` (the receiver's
         staging slots leased to this transfer, and a chunk channel). `stopped()` is asked before
         planning and before every write (a body chained with its AUX row is one): true (the
@@ -226,10 +302,12 @@ class KVSender:
         paged components moves (transfer.suffix; a bad one is BadPrefix, before any write)."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
         run = _InFlight(PendingWrites(peer.link.ordered), stopped or (lambda: False), progress, self.endpoint.faults)
-        if run.stopped():   # aborted while queued: not even planned
+        if run.stopped():  # aborted while queued: not even planned
             raise Cancelled("send stopped: the request was aborted")
         can_stage, streamed = self.can_stage(peer, remote), progress is not None
-        ahead = prepared is not None and prepared.fits(peer, src, dst, streamed, can_stage, num_tokens, prefix_len=prefix_len)
+        ahead = prepared is not None and prepared.fits(
+            peer, src, dst, streamed, can_stage, num_tokens, prefix_len=prefix_len
+        )
         p = prepared if ahead else self.prepare(peer, src, dst, num_tokens, streamed, can_stage, prefix_len=prefix_len)
         p.used = True
         t_submit, chunks = time.perf_counter(), 0
@@ -240,17 +318,27 @@ class KVSender:
                 chunks = self._write_staged(peer, p, remote, run)
             self._write_aux(p, run)
         except BaseException:
-            run.writes.drain()   # a failure is reported only once no write of ours is in flight
+            run.writes.drain()  # a failure is reported only once no write of ours is in flight
             raise
         direct = p.mode is Mode.DIRECT
         return TransferReport(
-            mode=p.mode, transport=peer.link.kind, nbytes=p.plan.nbytes, chunks=chunks,
+            mode=p.mode,
+            transport=peer.link.kind,
+            nbytes=p.plan.nbytes,
+            chunks=chunks,
             ranges=p.ranges if direct else chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0),
-            groups=sum(1 for g in p.groups if g.body), streamed=streamed, prepared_ahead=ahead,
-            transfer_ms=(time.perf_counter() - t0) * 1e3, plan_ms=p.plan_ms, prepare_ms=p.prepare_ms,
+            groups=sum(1 for g in p.groups if g.body),
+            streamed=streamed,
+            prepared_ahead=ahead,
+            transfer_ms=(time.perf_counter() - t0) * 1e3,
+            plan_ms=p.plan_ms,
+            prepare_ms=p.prepare_ms,
             submit_ms=(time.perf_counter() - t_submit - run.waited) * 1e3 if direct else 0.0,
-            wait_ms=run.waited * 1e3, cpu_ms=(time.thread_time() - cpu0) * 1e3,
-            first_write_at=run.first_write[0] if run.first_write else 0.0, end_at=time.time())
+            wait_ms=run.waited * 1e3,
+            cpu_ms=(time.thread_time() - cpu0) * 1e3,
+            first_write_at=run.first_write[0] if run.first_write else 0.0,
+            end_at=time.time(),
+        )
 
     def _write_direct(self, peer: RemotePool, p: PreparedSend, run: "_InFlight") -> None:
         """Start each layer group's prepared write once its layers are final; on a link that
@@ -266,8 +354,11 @@ class KVSender:
     def _write_staged(self, peer: RemotePool, p: PreparedSend, remote: RemoteSlots, run: "_InFlight") -> int:
         """The body gathered into chunks through staging slots (StagedWrite); the number of chunks."""
         streamed = run.progress is not None
-        chunks = [dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
-                  for g in p.groups for c in chunk_plan(g.body, self._slot_bytes(peer))]
+        chunks = [
+            dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
+            for g in p.groups
+            for c in chunk_plan(g.body, self._slot_bytes(peer))
+        ]
         staged = StagedWrite(self.endpoint, peer, remote, run)
         return staged.send(p.plan.body, chunks, share=0.5 if streamed else 1.0)
 
@@ -287,12 +378,13 @@ class KVSender:
 class _InFlight:
     """One send's writes in flight, what stops it, and where its time went (send()'s steps
     share it)."""
-    writes: PendingWrites            # the body's writes (streamed: one per layer group) and the AUX row's
+
+    writes: PendingWrites  # the body's writes (streamed: one per layer group) and the AUX row's
     stopped: Callable[[], bool]
-    progress: LayerProgress | None   # streamed: which layers the engine has finished
-    faults: FaultInjector            # the endpoint's: "send.write" before every write
-    first_write: list[float] = field(default_factory=list)   # wall clock of the first body write
-    waited: float = 0.0              # s blocked on layers or on the link (what submit_ms leaves out)
+    progress: LayerProgress | None  # streamed: which layers the engine has finished
+    faults: FaultInjector  # the endpoint's: "send.write" before every write
+    first_write: list[float] = field(default_factory=list)  # wall clock of the first body write
+    waited: float = 0.0  # s blocked on layers or on the link (what submit_ms leaves out)
 
     def before_write(self) -> None:
         """Asked before every write (the staged writer's thread too): stopped is Cancelled."""
@@ -330,9 +422,9 @@ class StagedWrite:
 
     def __init__(self, endpoint: PoolEndpoint, peer: RemotePool, remote: RemoteSlots, run: _InFlight):
         self.endpoint, self.peer, self.remote, self.run = endpoint, peer, remote, run
-        self.free: list[int] = []              # local slots to gather into
-        self.flying: deque[_ChunkWrite] = deque()   # started, not yet told, in chunk order
-        self.told = 0                          # chunks told to the receiver (0 .. told-1)
+        self.free: list[int] = []  # local slots to gather into
+        self.flying: deque[_ChunkWrite] = deque()  # started, not yet told, in chunk order
+        self.told = 0  # chunks told to the receiver (0 .. told-1)
         self.gatherer: Gatherer | None = None  # the send's lane views (built in send())
 
     def send(self, body: Sequence[ComponentPlan], chunks: list[Chunk], share: float = 1.0) -> int:
@@ -358,7 +450,7 @@ class StagedWrite:
             if chunks:
                 self._await_ack(len(chunks) - 1)
         except BaseException:
-            self._drain()   # no write reads a local slot once it is released
+            self._drain()  # no write reads a local slot once it is released
             raise
         finally:
             staging.lease.release(local_slots)
@@ -370,7 +462,7 @@ class StagedWrite:
         remote, peer, staging = self.remote, self.peer, self.endpoint.staging
         n_remote = len(remote.slots)
         self.run.layers(chunk.layers_needed, self._tell_landed)
-        if not self.free:   # every local slot is in flight: the oldest must land first
+        if not self.free:  # every local slot is in flight: the oldest must land first
             self._tell_landed(self.told + 1)
         slot = self.free.pop()
         self.gatherer.gather(chunk, staging.slot(slot))
@@ -381,8 +473,15 @@ class StagedWrite:
             self._tell_landed()
         into = remote.slots[i % n_remote]
         self.run.before_write()
-        pending = peer.link.write_async(Ranges.one(self.endpoint.staging_region, staging.slot_offset(slot),
-                                                   peer.staging.region, peer.slot_offset(into), chunk.nbytes))
+        pending = peer.link.write_async(
+            Ranges.one(
+                self.endpoint.staging_region,
+                staging.slot_offset(slot),
+                peer.staging.region,
+                peer.slot_offset(into),
+                chunk.nbytes,
+            )
+        )
         self.flying.append(_ChunkWrite(i, slot, into, chunk, pending))
 
     def _tell_landed(self, upto: int = 0) -> None:
@@ -433,6 +532,7 @@ class StagedWrite:
 @dataclass(frozen=True)
 class _ChunkWrite:
     """A staged chunk's write in flight: chunk `index`, from local slot `slot` into remote slot `into`."""
+
     index: int
     slot: int
     into: int

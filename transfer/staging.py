@@ -34,15 +34,15 @@ from transfer.tokens import TokenRows, first_covered, rows
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
-    component: str   # Component value
-    buffer: int      # index among the component's buffers
-    first: int       # first item in the component's aligned index array
-    count: int       # items
-    offset: int      # byte offset inside the slot
-    field_off: int = 0    # only bytes [field_off, field_off + field_len) of each item (a layer group
-    field_len: int = 0    # of a page-major row); field_len 0: whole items
-    by_token: bool = False   # pools of different page sizes: `buffer` is a lane (segment) of the
-                             # component and `first` a token position (transfer.tokens)
+    component: str  # Component value
+    buffer: int  # index among the component's buffers
+    first: int  # first item in the component's aligned index array
+    count: int  # items
+    offset: int  # byte offset inside the slot
+    field_off: int = 0  # only bytes [field_off, field_off + field_len) of each item (a layer group
+    field_len: int = 0  # of a page-major row); field_len 0: whole items
+    by_token: bool = False  # pools of different page sizes: `buffer` is a lane (segment) of the
+    # component and `first` a token position (transfer.tokens)
 
 
 class ChunkChannel(Protocol):
@@ -65,6 +65,7 @@ class RemoteSlots:
     """What a staged send may write through: the receiver's staging slots leased to this
     transfer, and the channel its chunk notices and acks go over (`transfer_id` names the
     transfer there)."""
+
     transfer_id: int
     slots: Sequence[int]
     channel: ChunkChannel | None
@@ -74,7 +75,7 @@ class RemoteSlots:
 class Chunk:
     pieces: tuple[Piece, ...]
     nbytes: int
-    layers_needed: int = 0   # streamed: model layers [0, n) must be final before it is gathered
+    layers_needed: int = 0  # streamed: model layers [0, n) must be final before it is gathered
 
 
 def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
@@ -99,7 +100,7 @@ def chunk_plan(body: Sequence[ComponentPlan], slot_bytes: int) -> list[Chunk]:
                     continue
                 if cp.by_token:
                     pieces.append(Piece(cp.component.value, b, cp.first_position + first, k, used, by_token=True))
-                else:   # `first` counts in the aligned index arrays (a receiver's prefix left out before it)
+                else:  # `first` counts in the aligned index arrays (a receiver's prefix left out before it)
                     pieces.append(Piece(cp.component.value, b, cp.first_item + first, k, used, field_off, field_len))
                 used = min(slot_bytes, _align(used + k * item))
                 first += k
@@ -145,7 +146,7 @@ class StagingArea:
         return slot * self.slot_bytes
 
     def slot(self, slot: int) -> torch.Tensor:
-        return self.buffer[slot * self.slot_bytes:(slot + 1) * self.slot_bytes]
+        return self.buffer[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
 
 
 def sync(device: torch.device) -> None:
@@ -156,7 +157,7 @@ def sync(device: torch.device) -> None:
 def field_view(buf: torch.Tensor, p: "Piece") -> torch.Tensor:
     """[items, bytes that move] of a buffer for one piece: the whole rows, or a field of each
     (a strided view: a layer group of page-major rows)."""
-    return buf[:, p.field_off:p.field_off + p.field_len] if p.field_len else buf
+    return buf[:, p.field_off : p.field_off + p.field_len] if p.field_len else buf
 
 
 def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRows):
@@ -173,12 +174,14 @@ def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRo
             first, end = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c), own.num_tokens
         except IndexMismatch as exc:
             raise StagingError(f"chunk {index}: {exc}") from None
-        first = max(first, own.prefix_len)   # below it: the receiver's own prefix, never written
+        first = max(first, own.prefix_len)  # below it: the receiver's own prefix, never written
     if p.count < 1 or p.first < first or p.first + p.count > end:
-        raise StagingError(f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
-                           f"positions [{first}, {end}) a transfer writes here")
+        raise StagingError(
+            f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
+            f"positions [{first}, {end}) a transfer writes here"
+        )
     if c.per_request:
-        return lane, np.asarray(idx[p.first:p.first + p.count], dtype=np.int64)
+        return lane, np.asarray(idx[p.first : p.first + p.count], dtype=np.int64)
     return lane, rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
 
 
@@ -191,9 +194,17 @@ def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
     return Suffix(own.num_tokens, own.prefix_len, page_size).first_item(c, len(idx))
 
 
-def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
-            buffers: dict[Component, list[torch.Tensor]], area: StagingArea, *, own: TokenRows | None = None,
-            bands: dict | None = None) -> None:
+def scatter(
+    index: int,
+    slot: int,
+    pieces: list[Piece],
+    dst: IndexSet,
+    buffers: dict[Component, list[torch.Tensor]],
+    area: StagingArea,
+    *,
+    own: TokenRows | None = None,
+    bands: dict | None = None,
+) -> None:
     """Receiver entry point: after chunk `index` has landed in `slot` of `area`, copy its
     pieces into the pool items `dst` names (by-token pieces: the rows of `own`'s lanes; `bands`:
     the caller's cache of those lanes' bands over `buffers`, kept across chunks).
@@ -209,46 +220,60 @@ def scatter(index: int, slot: int, pieces: list[Piece], dst: IndexSet,
             raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
         if p.by_token:
             if own is None:
-                raise StagingError(f"chunk {index}: a by-token {p.component} piece, and this pool's page size "
-                                   "is the sender's")
+                raise StagingError(
+                    f"chunk {index}: a by-token {p.component} piece, and this pool's page size is the sender's"
+                )
             if c not in dst:
                 raise StagingError(f"chunk {index}: no {p.component} pages here")
             lane, rows_ = _token_piece(index, p, c, dst, own)
             end = p.offset + p.count * lane.token_bytes
             if p.offset < 0 or end > area.slot_bytes or p.offset % PIECE_ALIGN:
-                raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot or not "
-                                   f"{PIECE_ALIGN}-byte aligned")
+                raise StagingError(
+                    f"chunk {index}: bytes [{p.offset}, {end}) outside the slot or not {PIECE_ALIGN}-byte aligned"
+                )
             plan.append((buffers[c][lane.buffer], (lane, rows_), p.offset, end))
             continue
         if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
             raise StagingError(f"chunk {index}: no {p.component} buffer {p.buffer} here")
         whole = buffers[c][p.buffer].shape[1]
         if p.field_len and not (0 <= p.field_off and 0 < p.field_len and p.field_off + p.field_len <= whole):
-            raise StagingError(f"chunk {index}: field [{p.field_off}, {p.field_off + p.field_len}) outside the "
-                               f"{whole}-byte {p.component} item")
+            raise StagingError(
+                f"chunk {index}: field [{p.field_off}, {p.field_off + p.field_len}) outside the "
+                f"{whole}-byte {p.component} item"
+            )
         buf = field_view(buffers[c][p.buffer], p)
         idx, lo = dst[c], _first_item(c, dst[c], own)
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
-            raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
-                               f"{len(idx)} {p.component} destination indices")
+            raise StagingError(
+                f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
+                f"{len(idx)} {p.component} destination indices"
+            )
         if p.first < lo:
-            raise StagingError(f"chunk {index}: items [{p.first}, {p.first + p.count}) of {p.component} write pages "
-                               f"of the prefix held here (its indices [0, {lo}))")
+            raise StagingError(
+                f"chunk {index}: items [{p.first}, {p.first + p.count}) of {p.component} write pages "
+                f"of the prefix held here (its indices [0, {lo}))"
+            )
         end = p.offset + p.count * buf.shape[1]
         if p.offset < 0 or end > area.slot_bytes:
             raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
-        plan.append((buf, idx[p.first:p.first + p.count], p.offset, end))
+        plan.append((buf, idx[p.first : p.first + p.count], p.offset, end))
     _write(plan, pieces, area.slot(slot), buffers, own, {} if bands is None else bands)
     for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
         sync(device)
 
 
-def _write(plan: list, pieces: list[Piece], data: torch.Tensor, buffers: dict[Component, list[torch.Tensor]],
-           own: TokenRows | None, bands: dict) -> None:
+def _write(
+    plan: list,
+    pieces: list[Piece],
+    data: torch.Tensor,
+    buffers: dict[Component, list[torch.Tensor]],
+    own: TokenRows | None,
+    bands: dict,
+) -> None:
     """Copy each validated piece (plan[i] is pieces[i]'s) from the slot into the pool: a run of
     by-token pieces over one band of our lanes in one copy per span (transfer.bands), a
     whole-item piece with one index_copy_."""
-    spans: dict[tuple, object] = {}   # a component's rows of the same positions: split once
+    spans: dict[tuple, object] = {}  # a component's rows of the same positions: split once
     i = 0
     while i < len(plan):
         buf, items, start, end = plan[i]
@@ -266,5 +291,5 @@ def _write(plan: list, pieces: list[Piece], data: torch.Tensor, buffers: dict[Co
         key = (c, pieces[i].first, pieces[i].count, lane.page_size)
         if key not in spans:
             spans[key] = split_rows(rows_, lane.page_size)
-        band_copy(band, slice(k, k + n), rows_, spans[key], data[start:start + n * (end - start)], into_pool=True)
+        band_copy(band, slice(k, k + n), rows_, spans[key], data[start : start + n * (end - start)], into_pool=True)
         i += n

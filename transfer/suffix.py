@@ -48,9 +48,10 @@ def check_prefix(prefix_len, num_tokens: int, page_size: int) -> int:
 class Suffix:
     """The part of a request of `num_tokens` a transfer moves: the receiver (pages of
     `page_size`) holds positions [0, prefix_len) already. Checked when built."""
+
     num_tokens: int
     prefix_len: int
-    page_size: int   # the receiver's
+    page_size: int  # the receiver's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefix_len", check_prefix(self.prefix_len, self.num_tokens, self.page_size))

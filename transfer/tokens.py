@@ -39,16 +39,17 @@ from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
 @dataclass(frozen=True)
 class Lane:
     """One segment of a component (or a TP slice of it) as token rows on one side."""
-    buffer: int        # which of the component's buffers holds it
-    region: int        # that buffer's region
-    num_items: int     # that buffer's items (pages, the sentinel included)
+
+    buffer: int  # which of the component's buffers holds it
+    region: int  # that buffer's region
+    num_items: int  # that buffer's items (pages, the sentinel included)
     layer: int
-    part: str          # the segment's part ("k", "conv", ...)
-    offset: int        # bytes into each item where the lane's first row starts
-    pitch: int         # bytes of one item of the buffer
-    page_size: int     # token rows per item (a state slot: one row)
-    token_bytes: int   # bytes of one row that move (a TP slice: part of the segment's row)
-    stride: int        # bytes from one row of a page to the next (the segment's whole row)
+    part: str  # the segment's part ("k", "conv", ...)
+    offset: int  # bytes into each item where the lane's first row starts
+    pitch: int  # bytes of one item of the buffer
+    page_size: int  # token rows per item (a state slot: one row)
+    token_bytes: int  # bytes of one row that move (a TP slice: part of the segment's row)
+    stride: int  # bytes from one row of a page to the next (the segment's whole row)
 
     @property
     def linear(self) -> bool:
@@ -67,37 +68,64 @@ class Lane:
         return dataclasses.replace(self, offset=self.offset + offset, token_bytes=nbytes)
 
 
-def lanes(model: ModelSpec, component: Component, page_size: int, tp_size: int, layout: Layout,
-          bufs: list[Buffer], *, side: str) -> tuple[Lane, ...]:
+def lanes(
+    model: ModelSpec,
+    component: Component,
+    page_size: int,
+    tp_size: int,
+    layout: Layout,
+    bufs: list[Buffer],
+    *,
+    side: str,
+) -> tuple[Lane, ...]:
     """The lanes of a side whose pool holds `model` at `page_size` in `layout`. Its buffers
     must be exactly what that pool allocates (count, layer, part, item bytes), else
     LayoutIncompatible: a peer's buffers are its claim, checked here before any offset is
     derived from them."""
     segs = segments(model, component, page_size, tp_size)
     packed = pack(segs, Layout(layout))
-    want = [(None if packed.layout is Layout.PAGE_MAJOR else pl.segment.layer,
-             None if packed.layout is Layout.PAGE_MAJOR else pl.segment.part) for pl in packed.placements]
+    want = [
+        (
+            None if packed.layout is Layout.PAGE_MAJOR else pl.segment.layer,
+            None if packed.layout is Layout.PAGE_MAJOR else pl.segment.part,
+        )
+        for pl in packed.placements
+    ]
     if packed.layout is Layout.PAGE_MAJOR:
         want = want[:1]
     got = [(b.layer, b.part) for b in bufs]
     sizes = [b.item_bytes for b in bufs]
     if got != want or sizes != list(packed.item_bytes):
-        raise LayoutIncompatible(f"{component.value}: the {side} buffers are not those of {model.name} at page size "
-                                 f"{page_size} ({len(bufs)} buffers of {sizes[:4]} B/item, expected "
-                                 f"{len(packed.item_bytes)} of {list(packed.item_bytes)[:4]})")
-    rows = 1 if component.per_request else page_size   # a state slot is one row
-    return tuple(Lane(pl.buffer, bufs[pl.buffer].region, bufs[pl.buffer].num_items, pl.segment.layer, pl.segment.part,
-                      pl.offset, packed.item_bytes[pl.buffer], rows, pl.segment.nbytes // rows,
-                      pl.segment.nbytes // rows)
-                 for pl in packed.placements)
+        raise LayoutIncompatible(
+            f"{component.value}: the {side} buffers are not those of {model.name} at page size "
+            f"{page_size} ({len(bufs)} buffers of {sizes[:4]} B/item, expected "
+            f"{len(packed.item_bytes)} of {list(packed.item_bytes)[:4]})"
+        )
+    rows = 1 if component.per_request else page_size  # a state slot is one row
+    return tuple(
+        Lane(
+            pl.buffer,
+            bufs[pl.buffer].region,
+            bufs[pl.buffer].num_items,
+            pl.segment.layer,
+            pl.segment.part,
+            pl.offset,
+            packed.item_bytes[pl.buffer],
+            rows,
+            pl.segment.nbytes // rows,
+            pl.segment.nbytes // rows,
+        )
+        for pl in packed.placements
+    )
 
 
 def first_covered(num_tokens: int, page_size: int, length: int, side: str, component: Component) -> int:
     """The first position a side's index array of `length` pages covers (it covers the last ones)."""
     pages = -(-num_tokens // page_size)
     if length > pages:
-        raise IndexMismatch(f"{component.value}: {length} {side} pages for {num_tokens} tokens of {page_size} "
-                            f"(at most {pages})")
+        raise IndexMismatch(
+            f"{component.value}: {length} {side} pages for {num_tokens} tokens of {page_size} (at most {pages})"
+        )
     return (pages - length) * page_size
 
 
@@ -117,9 +145,9 @@ def span_rows(idx: np.ndarray, num_tokens: int, page_size: int, first: int) -> n
         return np.zeros(0, dtype=np.int64)
     first_page = -(-num_tokens // page_size) - len(idx)
     lo, hi = first // page_size, -(-num_tokens // page_size)
-    pages = np.asarray(idx[lo - first_page:hi - first_page], dtype=np.int64) * page_size
+    pages = np.asarray(idx[lo - first_page : hi - first_page], dtype=np.int64) * page_size
     out = (pages[:, None] + np.arange(page_size, dtype=np.int64)).reshape(-1)
-    return out[first - lo * page_size:num_tokens - lo * page_size]
+    return out[first - lo * page_size : num_tokens - lo * page_size]
 
 
 def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[Lane, ...]) -> None:
@@ -136,6 +164,7 @@ def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[
 class TokenRows:
     """A receiver's side of staged pieces: its lanes, the request's length, and the positions
     it holds already (its prefix, transfer.suffix: no piece may write below prefix_len)."""
+
     num_tokens: int
     lanes: Mapping[Component, tuple[Lane, ...]]
     prefix_len: int = 0
@@ -147,14 +176,16 @@ class Tokens:
     lanes per component (lane i of src pairs with lane i of dst). Pools of different page
     sizes: every paged component's segments. TP shards (`sliced`, transfer.reshard): the
     slices this pair owns of every component; one absent is not this sender's to send."""
+
     num_tokens: int
     src: Mapping[Component, tuple[Lane, ...]]
     dst: Mapping[Component, tuple[Lane, ...]]
     sliced: bool = False
 
 
-def pool_lanes(model: ModelSpec, page_size: int, tp_size: int, layout: Layout, bufs: list[Buffer],
-               side: str) -> dict[Component, tuple[Lane, ...]]:
+def pool_lanes(
+    model: ModelSpec, page_size: int, tp_size: int, layout: Layout, bufs: list[Buffer], side: str
+) -> dict[Component, tuple[Lane, ...]]:
     """Lanes of every component of a side (its buffers checked, see lanes()); a state slot or
     AUX row is one row (moved by lane only between TP shards of different sizes)."""
     by_c: dict[Component, list[Buffer]] = {}

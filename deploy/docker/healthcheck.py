@@ -17,7 +17,7 @@ import sys
 import urllib.error
 import urllib.request
 
-SERVERS = ("prefill", "decode", "router")   # the commands that serve /health
+SERVERS = ("prefill", "decode", "router")  # the commands that serve /health
 TIMEOUT_S = 4.0
 WILDCARDS = ("", "0.0.0.0", "::")
 
@@ -46,15 +46,21 @@ def target(argv: list[str]) -> tuple[str, str] | str:
     starts = [i for i, a in enumerate(argv) if os.path.basename(a) == "disagg"]
     if not starts or starts[0] + 1 >= len(argv):
         return f"not a disagg server: {' '.join(argv)[:200]}"
-    command, args = argv[starts[0] + 1], argv[starts[0] + 2:]
+    command, args = argv[starts[0] + 1], argv[starts[0] + 2 :]
     if command not in SERVERS:
         return f"disagg {command} serves no HTTP"
     port = flag(args, "--http-port", "--port") or os.environ.get("DISAGG_HTTP_PORT", "")
     if not port.isdigit() or int(port) == 0:
-        raise SystemExit(f"unhealthy: no fixed HTTP port for disagg {command} (--http-port or DISAGG_HTTP_PORT; "
-                         f"got {port or 'none'})")
-    host = flag(args, "--http-host") or os.environ.get("DISAGG_HTTP_HOST") or flag(args, "--host") or (
-        os.environ.get("DISAGG_HOST", "") if command != "router" else "")   # a worker serves on --host by default
+        raise SystemExit(
+            f"unhealthy: no fixed HTTP port for disagg {command} (--http-port or DISAGG_HTTP_PORT; "
+            f"got {port or 'none'})"
+        )
+    host = (
+        flag(args, "--http-host")
+        or os.environ.get("DISAGG_HTTP_HOST")
+        or flag(args, "--host")
+        or (os.environ.get("DISAGG_HOST", "") if command != "router" else "")
+    )  # a worker serves on --host by default
     host = "127.0.0.1" if host in WILDCARDS else host
     return command, f"http://{host}:{port}/health"
 
@@ -71,7 +77,7 @@ def main(argv: list[str]) -> int:
             return 0
     except urllib.error.HTTPError as e:
         print(f"unhealthy: disagg {command} answered {e.code} at {url}: {e.read(300).decode(errors='replace')}")
-    except (OSError, ValueError) as e:   # refused, timed out, unresolvable
+    except (OSError, ValueError) as e:  # refused, timed out, unresolvable
         print(f"unhealthy: no answer from disagg {command} at {url}: {getattr(e, 'reason', e)}")
     return 1
 

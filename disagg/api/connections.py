@@ -43,7 +43,7 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 PROBE_EVERY_S = 0.5
-HEAD_TURNS = 4        # loop turns after a half-close before headers still not whole are refused
+HEAD_TURNS = 4  # loop turns after a half-close before headers still not whole are refused
 LINGER_S = 2.0
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
@@ -51,10 +51,11 @@ _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 @dataclass(frozen=True)
 class HttpLimits:
     """The DoS limits of one HTTP server (every process has one)."""
-    max_inflight: int = 0          # POSTs running at once (0: no limit); more: 503 at once
-    headroom: int = 32             # connections beyond max_inflight: probes, /metrics, keep-alive
-    receive_s: float = 10.0        # a request's headers and body, in total, from its first byte
-    idle_s: float = 10.0           # a keep-alive connection with no request is closed after this
+
+    max_inflight: int = 0  # POSTs running at once (0: no limit); more: 503 at once
+    headroom: int = 32  # connections beyond max_inflight: probes, /metrics, keep-alive
+    receive_s: float = 10.0  # a request's headers and body, in total, from its first byte
+    idle_s: float = 10.0  # a keep-alive connection with no request is closed after this
     max_body_bytes: int = 16 << 20
 
     @property
@@ -63,17 +64,19 @@ class HttpLimits:
 
 
 class State(enum.Enum):
-    IDLE = "idle"            # connected, no request under way
+    IDLE = "idle"  # connected, no request under way
     RECEIVING = "receiving"  # a request's bytes are arriving
-    BUSY = "busy"            # a route runs (or answers) this connection's request
+    BUSY = "busy"  # a route runs (or answers) this connection's request
 
 
 def raw_answer(status: int, reason: str, message: str) -> bytes:
     """A whole HTTP/1.1 answer, for the few the connection layer gives before aiohttp has a
     request to answer (the connection closes after it)."""
     body = json.dumps({"error": message}).encode()
-    return (b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n%sContent-Length: %d\r\n\r\n%s"
-            % (status, reason.encode(), b"Retry-After: 1\r\n" if status == 503 else b"", len(body), body))
+    return (
+        b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nConnection: close\r\n%sContent-Length: %d\r\n\r\n%s"
+        % (status, reason.encode(), b"Retry-After: 1\r\n" if status == 503 else b"", len(body), body)
+    )
 
 
 class Connection(asyncio.Protocol):
@@ -86,9 +89,9 @@ class Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.state, self.since = State.IDLE, time.monotonic()
         self.http11, self.answer_started, self.eof, self.lost = True, False, False, False
-        self.routed = False          # the current request reached a route (its headers are whole)
-        self.admitted = False        # under the bound: aiohttp's protocol saw the connection
-        self.refused = False         # answered by this layer (408/400/503): closing, input dropped
+        self.routed = False  # the current request reached a route (its headers are whole)
+        self.admitted = False  # under the bound: aiohttp's protocol saw the connection
+        self.refused = False  # answered by this layer (408/400/503): closing, input dropped
         self.eof_event = asyncio.Event()
         self._deadline: asyncio.TimerHandle | None = None
         self._probed = float("-inf")
@@ -114,9 +117,9 @@ class Connection(asyncio.Protocol):
         self.eof = True
         self.eof_event.set()
         if self.refused:
-            return True                     # the lingering close ends it
+            return True  # the lingering close ends it
         if not self.admitted or self.state is State.IDLE:
-            return None                     # nothing asked: close
+            return None  # nothing asked: close
         if self.state is State.RECEIVING and not self.routed:
             self._after_turns(HEAD_TURNS, self._cut_short)
         return True
@@ -132,8 +135,9 @@ class Connection(asyncio.Protocol):
 
     def _cut_short(self) -> None:
         if self.state is State.RECEIVING and not self.routed:
-            self._refuse(400, "Bad Request", "BadRequest: request cut short: the connection ended before its "
-                                             "headers did")
+            self._refuse(
+                400, "Bad Request", "BadRequest: request cut short: the connection ended before its headers did"
+            )
 
     def connection_lost(self, exc) -> None:
         self.lost = True
@@ -175,7 +179,7 @@ class Connection(asyncio.Protocol):
         if not self.eof or self.answer_started:
             return False
         if not self.http11:
-            return True             # HTTP/1.0 has no interim answers: end-of-stream is a cancel
+            return True  # HTTP/1.0 has no interim answers: end-of-stream is a cancel
         now = time.monotonic()
         if now - self._probed >= PROBE_EVERY_S:
             self._probed = now
@@ -215,8 +219,9 @@ class Connection(asyncio.Protocol):
 
     def evict(self) -> None:
         """Make room for a newcomer: close this connection (idle or still receiving)."""
-        self._refuse(408, "Request Timeout", "connection closed to make room for another (server at its "
-                                             "connection bound)")
+        self._refuse(
+            408, "Request Timeout", "connection closed to make room for another (server at its connection bound)"
+        )
 
 
 class Connections:
@@ -243,8 +248,11 @@ class Connections:
             if len(self._open) >= self.limits.max_connections:
                 waiting = [c for c in self._open.values() if c.state is not State.BUSY and not c.lost]
                 if not waiting:
-                    conn._refuse(503, "Service Unavailable",
-                                 f"Overloaded: {self.limits.max_connections} connections open, each serving a request")
+                    conn._refuse(
+                        503,
+                        "Service Unavailable",
+                        f"Overloaded: {self.limits.max_connections} connections open, each serving a request",
+                    )
                     return False
                 victim = min(waiting, key=lambda c: (c.state is State.RECEIVING, c.since))
                 del self._open[victim.transport]

@@ -15,6 +15,7 @@ class EventStream:
     """What a route returns to answer with server-sent events instead of one JSON body:
     `produce(send)` runs on the request's thread and calls send(event) per event. The status
     line goes out with the first event, so an error raised before it still gets its 4xx/5xx."""
+
     produce: Callable[[Callable[[dict], None]], None]
 
 
@@ -22,6 +23,7 @@ class EventStream:
 class Reply:
     """What a route returns to answer with a status other than 200 and a JSON body (the
     router's failed /generate: a 5xx that still carries ok, reason, room and timings)."""
+
     status: int
     body: dict
 
@@ -45,7 +47,7 @@ def optional_int(body: dict, key: str, default: int, lo: int, hi: int) -> int:
     return value
 
 
-STREAM_LAYERS = ("auto", "on", "off")   # layer-wise streaming of a request's KV (prefill)
+STREAM_LAYERS = ("auto", "on", "off")  # layer-wise streaming of a request's KV (prefill)
 
 
 def stream_layers(body: dict) -> str | None:

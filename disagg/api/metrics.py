@@ -13,13 +13,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg.errors import Cancelled, Overloaded
 
-disable_created_metrics()   # process-wide; read when a registry is scraped, so it holds for every metric
+disable_created_metrics()  # process-wide; read when a registry is scraped, so it holds for every metric
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 # the unit a pool figure is counted in (the end of its key: "full_tokens", "mamba_slots", "aux_rows")
-POOL_UNITS = {"tokens": "free tokens in page pools, by allocator",
-              "slots": "free per-request state slots, by allocator",
-              "rows": "free aux rows (one per request), by allocator"}
+POOL_UNITS = {
+    "tokens": "free tokens in page pools, by allocator",
+    "slots": "free per-request state slots, by allocator",
+    "rows": "free aux rows (one per request), by allocator",
+}
 
 
 class WorkerMetrics:
@@ -28,23 +30,39 @@ class WorkerMetrics:
         r = self.registry
         self.requests = Counter("disagg_requests_total", "requests by outcome", ["role", "outcome"], registry=r)
         self.failures = Counter("disagg_failures_total", "failed requests by reason", ["role", "reason"], registry=r)
-        self.bytes = Counter("disagg_transfer_bytes_total", "KV bytes moved, by transport", ["role", "transport"],
-                             registry=r)
-        self.transfers = Counter("disagg_transfers_total", "transfers by mode and transport",
-                                 ["role", "mode", "transport"], registry=r)
-        self.latency = Histogram("disagg_phase_seconds", "latency per phase", ["role", "phase"],
-                                 buckets=LATENCY_BUCKETS, registry=r)
-        self.ranges = Histogram("disagg_transfer_ranges", "transport ranges per transfer", ["role"],
-                                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536), registry=r)
-        self.pool_free = {unit: Gauge(f"disagg_pool_free_{unit}", text, ["role", "allocator"], registry=r)
-                          for unit, text in POOL_UNITS.items()}
+        self.bytes = Counter(
+            "disagg_transfer_bytes_total", "KV bytes moved, by transport", ["role", "transport"], registry=r
+        )
+        self.transfers = Counter(
+            "disagg_transfers_total", "transfers by mode and transport", ["role", "mode", "transport"], registry=r
+        )
+        self.latency = Histogram(
+            "disagg_phase_seconds", "latency per phase", ["role", "phase"], buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.ranges = Histogram(
+            "disagg_transfer_ranges",
+            "transport ranges per transfer",
+            ["role"],
+            buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
+            registry=r,
+        )
+        self.pool_free = {
+            unit: Gauge(f"disagg_pool_free_{unit}", text, ["role", "allocator"], registry=r)
+            for unit, text in POOL_UNITS.items()
+        }
         self.inflight = Gauge("disagg_inflight_requests", "requests being served (queue depth)", ["role"], registry=r)
-        self.capacity = Gauge("disagg_capacity_requests", "requests this process takes at once (--max-inflight)",
-                              ["role"], registry=r)
-        self.connections = Gauge("disagg_http_connections_requests", "open HTTP connections (each may carry a "
-                                 "request)", ["role"], registry=r)
-        self.answers = Counter("disagg_http_answers_total", "HTTP answers by route and status (400s and 503s too)",
-                               ["role", "route", "status"], registry=r)
+        self.capacity = Gauge(
+            "disagg_capacity_requests", "requests this process takes at once (--max-inflight)", ["role"], registry=r
+        )
+        self.connections = Gauge(
+            "disagg_http_connections_requests", "open HTTP connections (each may carry a request)", ["role"], registry=r
+        )
+        self.answers = Counter(
+            "disagg_http_answers_total",
+            "HTTP answers by route and status (400s and 503s too)",
+            ["role", "route", "status"],
+            registry=r,
+        )
         self.role = role
 
     def observe_pool(self, available: dict[str, int]) -> None:
@@ -53,8 +71,12 @@ class WorkerMetrics:
             allocator, unit = pool_key(key)
             self.pool_free[unit].labels(self.role, allocator).set(value)
 
-    def count(self, call: Callable[[], dict], succeeded: Callable[[dict], bool],
-              observe: Callable[[dict, bool], None] | None = None) -> dict:
+    def count(
+        self,
+        call: Callable[[], dict],
+        succeeded: Callable[[dict], bool],
+        observe: Callable[[dict, bool], None] | None = None,
+    ) -> dict:
         """One API call: the in-flight gauge around it, an Overloaded refusal or a call its
         client gave up on (Cancelled: HTTP 499, answered to nobody) counted and raised on, the
         outcome counted (success, or failure by reason), then `observe(out, ok)` for the
@@ -93,15 +115,29 @@ class WorkerMetrics:
 
 
 # the kind of a failure, by what its reason says (first match); anything else is "other"
-FAILURE_KINDS = (("cancel", "cancelled"), ("abort", "cancelled"), ("deadline", "timeout"), ("timed out", "timeout"),
-                 ("no answer", "timeout"), ("unreachable", "unreachable"), ("refused", "refused"),
-                 ("layout", "layout"), ("overloaded", "overloaded"), ("verif", "verify"), ("check", "check"),
-                 ("outofspace", "out_of_space"), ("out of space", "out_of_space"), ("malformed", "malformed"),
-                 ("transfer", "transfer"), ("silent", "peer_lost"), ("lost", "peer_lost"))
+FAILURE_KINDS = (
+    ("cancel", "cancelled"),
+    ("abort", "cancelled"),
+    ("deadline", "timeout"),
+    ("timed out", "timeout"),
+    ("no answer", "timeout"),
+    ("unreachable", "unreachable"),
+    ("refused", "refused"),
+    ("layout", "layout"),
+    ("overloaded", "overloaded"),
+    ("verif", "verify"),
+    ("check", "check"),
+    ("outofspace", "out_of_space"),
+    ("out of space", "out_of_space"),
+    ("malformed", "malformed"),
+    ("transfer", "transfer"),
+    ("silent", "peer_lost"),
+    ("lost", "peer_lost"),
+)
 
 
 def failure_label(reason: str) -> str:
-    """"decode failed: TRANSFERRING deadline of 30 s passed" -> "decode:timeout"."""
+    """ "decode failed: TRANSFERRING deadline of 30 s passed" -> "decode:timeout"."""
     first = reason.split(":")[0].split(" ")[0][:40].lower()
     side = first if first in ("prefill", "decode", "router") else ""
     text = reason.lower()
@@ -110,7 +146,7 @@ def failure_label(reason: str) -> str:
 
 
 def pool_key(key: str) -> tuple[str, str]:
-    """"full_tokens" -> ("full", "tokens"); ValueError for a figure that names no unit."""
+    """ "full_tokens" -> ("full", "tokens"); ValueError for a figure that names no unit."""
     allocator, _, unit = key.rpartition("_")
     if not allocator or unit not in POOL_UNITS:
         raise ValueError(f"pool figure {key!r} must end in its unit, one of {', '.join(POOL_UNITS)}")
@@ -124,15 +160,28 @@ class PrefixCacheMetrics:
 
     def __init__(self, registry: CollectorRegistry, role: str):
         r = registry
-        self.hit = Counter("disagg_prefix_cache_hit_tokens_total", "prompt positions requests took from the "
-                           "prefix cache (succeeded requests)", ["role"], registry=r)
-        self.queried = Counter("disagg_prefix_cache_queried_tokens_total", "prompt positions of the requests that "
-                               "looked the prefix cache up (succeeded requests; hit / queried: the hit rate)",
-                               ["role"], registry=r)
-        self.saved = Counter("disagg_prefix_cache_saved_bytes_total", "KV bytes not received thanks to the prefix "
-                             "cache (succeeded requests)", ["role"], registry=r)
-        self.evicted = Counter("disagg_prefix_cache_evicted_tokens_total", "cached positions evicted to make room",
-                               ["role"], registry=r)
+        self.hit = Counter(
+            "disagg_prefix_cache_hit_tokens_total",
+            "prompt positions requests took from the prefix cache (succeeded requests)",
+            ["role"],
+            registry=r,
+        )
+        self.queried = Counter(
+            "disagg_prefix_cache_queried_tokens_total",
+            "prompt positions of the requests that "
+            "looked the prefix cache up (succeeded requests; hit / queried: the hit rate)",
+            ["role"],
+            registry=r,
+        )
+        self.saved = Counter(
+            "disagg_prefix_cache_saved_bytes_total",
+            "KV bytes not received thanks to the prefix cache (succeeded requests)",
+            ["role"],
+            registry=r,
+        )
+        self.evicted = Counter(
+            "disagg_prefix_cache_evicted_tokens_total", "cached positions evicted to make room", ["role"], registry=r
+        )
         self.cached = Gauge("disagg_prefix_cache_tokens", "positions the prefix cache holds", ["role"], registry=r)
         self.role, self._evicted_seen = role, 0
 
@@ -154,11 +203,16 @@ class PrefixCacheMetrics:
 def pool_free(text: str) -> dict[str, float]:
     """The free-capacity gauges of an exposition text, keyed as the pool names them ("full_tokens")."""
     names = {f"disagg_pool_free_{unit}": unit for unit in POOL_UNITS}
-    return {f"{s.labels['allocator']}_{names[f.name]}": s.value
-            for f in text_string_to_metric_families(text) if f.name in names for s in f.samples}
+    return {
+        f"{s.labels['allocator']}_{names[f.name]}": s.value
+        for f in text_string_to_metric_families(text)
+        if f.name in names
+        for s in f.samples
+    }
 
 
 def inflight(text: str) -> float:
     """Requests being served, summed over the page's roles (0 before the first one)."""
-    return sum(s.value for f in text_string_to_metric_families(text) if f.name == "disagg_inflight_requests"
-               for s in f.samples)
+    return sum(
+        s.value for f in text_string_to_metric_families(text) if f.name == "disagg_inflight_requests" for s in f.samples
+    )

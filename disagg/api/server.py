@@ -51,14 +51,14 @@ log = logging.getLogger(__name__)
 
 __all__ = ["ApiServer", "HttpLimits", "Service", "client_gone", "default_error_body", "listen"]
 
-STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (   # first match wins
+STATUS: tuple[tuple[type | tuple[type, ...], int], ...] = (  # first match wins
     ((BadRequest, ValueError, KeyError, TypeError, OverflowError), 400),
     ((Overloaded, Unavailable), 503),
     (Cancelled, 499),
-    (DisaggError, 409),       # (RequestFailed carries its own status)
+    (DisaggError, 409),  # (RequestFailed carries its own status)
 )
 PROBES = ("/health", "/ready", "/metrics")
-STOP_GRACE_S = 3.0   # on stop, how long requests under way may take to be answered
+STOP_GRACE_S = 3.0  # on stop, how long requests under way may take to be answered
 _conn: contextvars.ContextVar[Connection | None] = contextvars.ContextVar("http_connection", default=None)
 
 
@@ -96,6 +96,7 @@ class Service:
     shapes a failure's JSON (the OpenAI routes want OpenAI's error object); with `metrics`
     (the role's, on `registry`), every answer is counted by route and status, and open
     connections and the in-flight bound are gauges."""
+
     routes: dict[str, Route]
     ready: Callable[[], "bool | dict"]
     registry: CollectorRegistry
@@ -104,12 +105,16 @@ class Service:
     unlimited: tuple[str, ...] = ("/abort",)
     gets: dict[str, Callable[[], dict]] = field(default_factory=dict)
     error_body: Callable[[str, int, "BaseException | str"], dict] = default_error_body
-    metrics: "WorkerMetrics | None" = None   # where the server counts its answers, connections, capacity
+    metrics: "WorkerMetrics | None" = None  # where the server counts its answers, connections, capacity
 
 
 def _json(status: int, body: dict) -> web.Response:
-    return web.Response(status=status, body=json.dumps(body).encode(), content_type="application/json",
-                        headers={"Retry-After": "1"} if status == 503 else None)
+    return web.Response(
+        status=status,
+        body=json.dumps(body).encode(),
+        content_type="application/json",
+        headers={"Retry-After": "1"} if status == 503 else None,
+    )
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -119,16 +124,18 @@ def listen(host: str, port: int) -> socket.socket:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
         return socket.create_server((host, port), family=family, backlog=1024)
     except OSError as exc:
-        raise ConfigError(f"HTTP {host}:{port}: cannot bind ({exc.strerror or exc}); choose another port or 0 for "
-                          f"any free one") from None
+        raise ConfigError(
+            f"HTTP {host}:{port}: cannot bind ({exc.strerror or exc}); choose another port or 0 for any free one"
+        ) from None
 
 
 class ApiServer:
     """Serves `service` on `listener` (a socket from listen(), or (host, port) to bind now)
     from start() to stop(), on a thread of its own."""
 
-    def __init__(self, listener: "socket.socket | tuple[str, int]", service: Service,
-                 limits: HttpLimits = HttpLimits()):
+    def __init__(
+        self, listener: "socket.socket | tuple[str, int]", service: Service, limits: HttpLimits = HttpLimits()
+    ):
         self.service, self.limits = service, limits
         self._sock = listener if isinstance(listener, socket.socket) else listen(*listener)
         self.port = self._sock.getsockname()[1]
@@ -139,8 +146,9 @@ class ApiServer:
         self._thread = threading.Thread(target=self._loop.run_forever, name="http", daemon=True)
         app = web.Application(client_max_size=limits.max_body_bytes)
         app.router.add_route("*", "/{path:.*}", self._handle)
-        self._runner = web.AppRunner(app, handle_signals=False, access_log=None, keepalive_timeout=limits.idle_s,
-                                     shutdown_timeout=STOP_GRACE_S)
+        self._runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, keepalive_timeout=limits.idle_s, shutdown_timeout=STOP_GRACE_S
+        )
         self.connections: Connections | None = None
         self._server: asyncio.AbstractServer | None = None
 
@@ -176,14 +184,14 @@ class ApiServer:
     # --- one request
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         conn = self.connections.of(request.transport)
-        if conn is None:   # closed (evicted, or the client left) before its request was read
+        if conn is None:  # closed (evicted, or the client left) before its request was read
             return self._error(request.path, 503, "Overloaded: the connection was closed to make room for another")
         try:
             response = await self._route(request, conn)
         finally:
             conn.answered()
         if conn.eof:
-            response.force_close()   # a client that half-closed: answer, then close
+            response.force_close()  # a client that half-closed: answer, then close
         self._count(request.path, response.status)
         return response
 
@@ -200,8 +208,11 @@ class ApiServer:
         route = self.service.routes.get(request.path)
         if route is None or request.method != "POST":
             conn.received()
-            return self._error(request.path, 404, f"no route {request.path}") if route is None else \
-                self._error(request.path, 405, f"{request.path} takes POST with a JSON body")
+            return (
+                self._error(request.path, 404, f"no route {request.path}")
+                if route is None
+                else self._error(request.path, 405, f"{request.path} takes POST with a JSON body")
+            )
         conn.routing(request.version >= (1, 1))
         return await self._post(request, conn, route)
 
@@ -231,13 +242,12 @@ class ApiServer:
 
     def _metrics(self) -> web.Response:
         if self.service.before_scrape is not None:
-            self.service.before_scrape()   # gauges read at scrape time, never stale
+            self.service.before_scrape()  # gauges read at scrape time, never stale
         m = self.service.metrics
         if m is not None:
             m.connections.labels(m.role).set(self.connections.count)
             m.capacity.labels(m.role).set(self.limits.max_inflight)
-        return web.Response(body=generate_latest(self.service.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=generate_latest(self.service.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def _post(self, request: web.Request, conn: Connection, route: Route) -> web.StreamResponse:
         try:
@@ -265,7 +275,7 @@ class ApiServer:
         ended = asyncio.ensure_future(conn.eof_event.wait())
         await asyncio.wait({read, ended}, return_when=asyncio.FIRST_COMPLETED)
         ended.cancel()
-        if not read.done():   # every byte sent came before the end of the stream: none will follow
+        if not read.done():  # every byte sent came before the end of the stream: none will follow
             read.cancel()
             raise BadRequest("body cut short: the connection ended before the whole body arrived")
         try:
@@ -279,7 +289,7 @@ class ApiServer:
             body = json.loads(raw or b"{}")
         except ValueError as exc:
             raise BadRequest(f"body is not JSON: {exc}") from None
-        except RecursionError:   # e.g. 100,000 nested brackets
+        except RecursionError:  # e.g. 100,000 nested brackets
             raise BadRequest("JSON nested too deeply") from None
         if not isinstance(body, dict):
             raise BadRequest("body must be a JSON object")
@@ -296,14 +306,14 @@ class ApiServer:
             return _json(200, out)
         except Exception as exc:
             status = status_of(exc)
-            if status == 500:   # a route's bug must not take the server down
+            if status == 500:  # a route's bug must not take the server down
                 log.error("handler for %s failed", request.path, exc_info=exc)
             return self._error(request.path, status, exc)
 
     async def _events(self, request: web.Request, conn: Connection, stream: EventStream) -> web.StreamResponse:
         """Runs `stream.produce` on a route thread; its events go out from this loop."""
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        response.force_close()   # no length: the end of the stream is the end of the body
+        response.force_close()  # no length: the end of the stream is the end of the body
         loop = self._loop
 
         async def write(event: dict | None) -> None:
@@ -328,7 +338,7 @@ class ApiServer:
             if not isinstance(exc, (DisaggError, OSError)):
                 log.error("event stream for %s failed", request.path, exc_info=exc)
             if isinstance(exc, OSError):
-                return response   # the client went away: nothing to tell it
+                return response  # the client went away: nothing to tell it
             await write(self.service.error_body(request.path, status_of(exc), exc))
         try:
             await response.write(b"data: [DONE]\n\n")

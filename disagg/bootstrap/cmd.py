@@ -15,16 +15,21 @@ HELP = "run the bootstrap server that introduces decode workers to prefill ranks
 
 
 def add_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--bootstrap-bind", default="tcp://127.0.0.1:8998", metavar="tcp://HOST:PORT",
-                   help="ZMQ endpoint to serve on: this host only by default; give the address prefill and "
-                        "decode reach it at (tcp://0.0.0.0:PORT: every address; PORT *: any free port)")
-    p.add_argument("--bind", dest="bootstrap_bind", help=argparse.SUPPRESS)   # its former name
+    p.add_argument(
+        "--bootstrap-bind",
+        default="tcp://127.0.0.1:8998",
+        metavar="tcp://HOST:PORT",
+        help="ZMQ endpoint to serve on: this host only by default; give the address prefill and "
+        "decode reach it at (tcp://0.0.0.0:PORT: every address; PORT *: any free port)",
+    )
+    p.add_argument("--bind", dest="bootstrap_bind", help=argparse.SUPPRESS)  # its former name
     add_process_flags(p)
     add_auth_flags(p)
 
 
 def config_from(args: argparse.Namespace) -> "BootstrapConfig":
     from disagg.bootstrap.server import BootstrapConfig
+
     return BootstrapConfig(bind=args.bootstrap_bind)
 
 

@@ -29,7 +29,7 @@ from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
-LOST_REPEAT_S = 30.0   # a lost rank is logged again this often while it stays lost
+LOST_REPEAT_S = 30.0  # a lost rank is logged again this often while it stays lost
 
 
 class Hold(enum.Enum):
@@ -41,7 +41,7 @@ class Hold(enum.Enum):
 class BootstrapLease:
     def __init__(self, gate: Gate, endpoint: str, info: RegisterPrefill, renew_s: float = RENEW_S):
         self.gate, self.endpoint, self.info, self.renew_s = gate, endpoint, info, renew_s
-        self.state: tuple[Hold, str] = (Hold.HELD, "")   # and why not; written by the renewing thread only
+        self.state: tuple[Hold, str] = (Hold.HELD, "")  # and why not; written by the renewing thread only
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="bootstrap-lease", daemon=True)
 
@@ -60,7 +60,7 @@ class BootstrapLease:
                 except ProtocolError as exc:
                     if LIVE_HOLDER not in str(exc) and RECLAIMING not in str(exc):
                         raise
-                    if RECLAIMING in str(exc):   # (bounded: a grace period is about wait_s)
+                    if RECLAIMING in str(exc):  # (bounded: a grace period is about wait_s)
                         give_up = min(max(give_up, time.monotonic() + wait_s), start + 3 * wait_s)
                     if time.monotonic() >= give_up:
                         raise ConfigError(f"{exc} (still so after {wait_s:g} s)") from None
@@ -71,7 +71,7 @@ class BootstrapLease:
 
     def _renew(self) -> None:
         client = BootstrapClient(self.endpoint, self.gate, timeout_s=max(self.renew_s, 1.0))
-        said = float("-inf")   # when the current trouble was last logged
+        said = float("-inf")  # when the current trouble was last logged
         try:
             while not self._stop.wait(self.renew_s):
                 try:
@@ -97,9 +97,14 @@ class BootstrapLease:
         elif hold is Hold.UNREACHABLE:
             log.warning("bootstrap %s: renewing rank %d failed: %s", self.endpoint, rank, why)
         else:
-            log.error("bootstrap %s: rank %d is no longer this prefill's (%s): not ready; decode is sent to "
-                      "whoever holds it. Stop the other holder, or restart this prefill to take it back once "
-                      "that one stopped", self.endpoint, rank, why)
+            log.error(
+                "bootstrap %s: rank %d is no longer this prefill's (%s): not ready; decode is sent to "
+                "whoever holds it. Stop the other holder, or restart this prefill to take it back once "
+                "that one stopped",
+                self.endpoint,
+                rank,
+                why,
+            )
         return now
 
     @property

@@ -28,24 +28,36 @@ import msgspec
 import zmq
 
 from disagg.control.auth import Gate
-from disagg.control.messages import (MAX_TP_SIZE, BootstrapReply, BootstrapRequest, Decoder, Lookup, PrefillInfo,
-                                     RegisterPrefill, Registered, Refused, RenewPrefill, check_version, encoder)
+from disagg.control.messages import (
+    MAX_TP_SIZE,
+    BootstrapReply,
+    BootstrapRequest,
+    Decoder,
+    Lookup,
+    PrefillInfo,
+    RegisterPrefill,
+    Registered,
+    Refused,
+    RenewPrefill,
+    check_version,
+    encoder,
+)
 from disagg.errors import ConfigError, ProtocolError
 
 log = logging.getLogger(__name__)
 
-LIVE_HOLDER = "held by a live prefill"   # in a refusal: wait for its lease to run out, or give up
+LIVE_HOLDER = "held by a live prefill"  # in a refusal: wait for its lease to run out, or give up
 RECLAIMING = "kept for its live holder"  # in a refusal: the bootstrap restarted; wait out its grace period
-RENEW_S = 1.0          # a prefill renews its lease this often
-LEASE_S = 3.0          # a rank is live this long after its last renewal
-EPOCH_SLACK_S = 5.0    # how far ahead of the bootstrap's clock an epoch may be (hosts' clock skew)
+RENEW_S = 1.0  # a prefill renews its lease this often
+LEASE_S = 3.0  # a rank is live this long after its last renewal
+EPOCH_SLACK_S = 5.0  # how far ahead of the bootstrap's clock an epoch may be (hosts' clock skew)
 
 
 @dataclass(frozen=True)
 class BootstrapConfig:
     bind: str = "tcp://127.0.0.1:8998"
-    lease_s: float = LEASE_S    # a rank is live this long after its prefill last renewed it
-    grace_s: float = LEASE_S + RENEW_S   # after a start, only renewals take ranks (a live rank's is due by then)
+    lease_s: float = LEASE_S  # a rank is live this long after its prefill last renewed it
+    grace_s: float = LEASE_S + RENEW_S  # after a start, only renewals take ranks (a live rank's is due by then)
 
 
 class BootstrapServer:
@@ -58,13 +70,15 @@ class BootstrapServer:
             self._sock.bind(config.bind)
         except zmq.ZMQError as exc:
             self._sock.close(linger=0)
-            raise ConfigError(f"bootstrap {config.bind}: cannot bind ({exc}); if another prefill runs its bootstrap "
-                              f"there, register with it instead: --bootstrap-bind none --bootstrap-addr "
-                              f"tcp://HOST:PORT") from None
+            raise ConfigError(
+                f"bootstrap {config.bind}: cannot bind ({exc}); if another prefill runs its bootstrap "
+                f"there, register with it instead: --bootstrap-bind none --bootstrap-addr "
+                f"tcp://HOST:PORT"
+            ) from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._decoder = Decoder(BootstrapRequest, "bootstrap")
         self.ranks: dict[int, RegisterPrefill] = {}
-        self._renewed: dict[int, float] = {}   # rank -> monotonic time of its last registration
+        self._renewed: dict[int, float] = {}  # rank -> monotonic time of its last registration
         self._started = time.monotonic()
         if own is not None:
             self.ranks[own.tp_rank], self._renewed[own.tp_rank] = own, self._started
@@ -98,35 +112,53 @@ class BootstrapServer:
             raise ProtocolError(f"tp_rank {rank} outside [0, {size})")
         ahead_s = (epoch - time.time_ns()) / 1e9
         if ahead_s > EPOCH_SLACK_S:
-            raise ProtocolError(f"epoch {epoch} is {ahead_s:.0f} s ahead of this bootstrap's clock (at most "
-                                f"{EPOCH_SLACK_S:g} s allowed; epochs are start times in ns): sync the hosts' clocks")
+            raise ProtocolError(
+                f"epoch {epoch} is {ahead_s:.0f} s ahead of this bootstrap's clock (at most "
+                f"{EPOCH_SLACK_S:g} s allowed; epochs are start times in ns): sync the hosts' clocks"
+            )
         old, now = self.ranks.get(rank), time.monotonic()
         if old is not None and epoch < old.epoch:
-            raise ProtocolError(f"rank {rank}: epoch {epoch} is older than registered {old.epoch} (held by "
-                                f"{old.control_endpoint}); only a restarted prefill can take it back")
-        if old == msg:   # the holder renews its lease
+            raise ProtocolError(
+                f"rank {rank}: epoch {epoch} is older than registered {old.epoch} (held by "
+                f"{old.control_endpoint}); only a restarted prefill can take it back"
+            )
+        if old == msg:  # the holder renews its lease
             self._renewed[rank] = now
             return Registered(epoch)
         age = now - self._renewed.get(rank, float("-inf"))
         if old is not None and age < self.config.lease_s:
-            log.warning("refused %s prefill for rank %d (%s): rank %d is held by %s",
-                        "a renewing" if renewal else "a second", rank, msg.control_endpoint, rank,
-                        old.control_endpoint)
-            raise ProtocolError(f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch {old.epoch}, "
-                                f"renewed {age:.1f} s ago); stop it first or give this one another --tp-rank")
+            log.warning(
+                "refused %s prefill for rank %d (%s): rank %d is held by %s",
+                "a renewing" if renewal else "a second",
+                rank,
+                msg.control_endpoint,
+                rank,
+                old.control_endpoint,
+            )
+            raise ProtocolError(
+                f"rank {rank} is {LIVE_HOLDER} at {old.control_endpoint} (epoch {old.epoch}, "
+                f"renewed {age:.1f} s ago); stop it first or give this one another --tp-rank"
+            )
         up_s = now - self._started
         if not renewal and up_s < self.config.grace_s:
-            raise ProtocolError(f"rank {rank} is {RECLAIMING}: this bootstrap started {up_s:.1f} s ago and "
-                                f"waits {self.config.grace_s:g} s for live ranks to renew before a new prefill "
-                                f"takes one")
+            raise ProtocolError(
+                f"rank {rank} is {RECLAIMING}: this bootstrap started {up_s:.1f} s ago and "
+                f"waits {self.config.grace_s:g} s for live ranks to renew before a new prefill "
+                f"takes one"
+            )
         odd = self._odd_rank(msg, now)
         if odd:
             raise ProtocolError(odd)
         self.ranks[rank], self._renewed[rank] = msg, now
-        for stale in [r for r in self.ranks if r >= size]:   # of an instance of more ranks before
+        for stale in [r for r in self.ranks if r >= size]:  # of an instance of more ranks before
             del self.ranks[stale], self._renewed[stale]
-        log.info("prefill rank %d %s (epoch %d, %s)", rank, "re-claimed" if renewal else "registered", epoch,
-                 msg.control_endpoint)
+        log.info(
+            "prefill rank %d %s (epoch %d, %s)",
+            rank,
+            "re-claimed" if renewal else "registered",
+            epoch,
+            msg.control_endpoint,
+        )
         return Registered(epoch)
 
     def _live(self, rank: int) -> RegisterPrefill:
@@ -138,8 +170,10 @@ class BootstrapServer:
             raise ProtocolError(f"no prefill rank {rank} registered")
         age = time.monotonic() - self._renewed[rank]
         if age >= self.config.lease_s:
-            raise ProtocolError(f"prefill rank {rank} ({info.control_endpoint}) stopped renewing its lease "
-                                f"{age:.1f} s ago: no live prefill holds it")
+            raise ProtocolError(
+                f"prefill rank {rank} ({info.control_endpoint}) stopped renewing its lease "
+                f"{age:.1f} s ago: no live prefill holds it"
+            )
         return info
 
     def _odd_rank(self, msg: RegisterPrefill, now: float) -> str | None:
@@ -152,24 +186,32 @@ class BootstrapServer:
             words = [f"tp_size {live.tp_size} vs {msg.tp_size}"] if live.tp_size != msg.tp_size else []
             if (a.page_size, a.layout) != (b.page_size, b.layout):
                 words.append(f"pool {a.page_size}-token pages {a.layout} vs {b.page_size}-token pages {b.layout}")
-            if a.model is not None and b.model is not None and (
-                    msgspec.structs.replace(a.model, tp_size=1) != msgspec.structs.replace(b.model, tp_size=1)):
-                words.append(f"model {a.model.name} vs {b.model.name}" + (" (alike by name, not by geometry)"
-                                                                         if a.model.name == b.model.name else ""))
+            if (
+                a.model is not None
+                and b.model is not None
+                and (msgspec.structs.replace(a.model, tp_size=1) != msgspec.structs.replace(b.model, tp_size=1))
+            ):
+                words.append(
+                    f"model {a.model.name} vs {b.model.name}"
+                    + (" (alike by name, not by geometry)" if a.model.name == b.model.name else "")
+                )
             if words:
-                return (f"rank {msg.tp_rank} does not belong with live rank {rank} ({live.control_endpoint}): "
-                        f"{'; '.join(words[:4])} (the ranks registered at one bootstrap are one instance)")
+                return (
+                    f"rank {msg.tp_rank} does not belong with live rank {rank} ({live.control_endpoint}): "
+                    f"{'; '.join(words[:4])} (the ranks registered at one bootstrap are one instance)"
+                )
         return None
 
     def serve_forever(self, poll_ms: int = 100) -> None:
         while not self._stop.is_set():
             if not self._sock.poll(poll_ms):
                 continue
-            frames = self._sock.recv_multipart()   # the whole message: REP must answer before the next
+            frames = self._sock.recv_multipart()  # the whole message: REP must answer before the next
             try:
-                reply = self.handle(frames[0]) if len(frames) == 1 else Refused(
-                    f"one frame per request, got {len(frames)}")
-            except Exception as exc:   # no request may end the loop
+                reply = (
+                    self.handle(frames[0]) if len(frames) == 1 else Refused(f"one frame per request, got {len(frames)}")
+                )
+            except Exception as exc:  # no request may end the loop
                 log.exception("bootstrap request failed")
                 reply = Refused(f"internal error: {type(exc).__name__}")
             self._sock.send(encoder.encode(reply))
@@ -222,8 +264,10 @@ class BootstrapClient:
         if not self._sock.poll(int(self.timeout_s * 1000)):
             self._sock.close()
             self._sock = self._connect()
-            raise ProtocolError(f"bootstrap {self.endpoint} did not answer within {self.timeout_s:.3g} s (is it "
-                                f"running, and does it hold this deployment's auth key?)")
+            raise ProtocolError(
+                f"bootstrap {self.endpoint} did not answer within {self.timeout_s:.3g} s (is it "
+                f"running, and does it hold this deployment's auth key?)"
+            )
         reply = self._decoder.decode(self._sock.recv())
         if isinstance(reply, Refused):
             raise Refusal(f"bootstrap refused: {reply.reason}")

@@ -29,11 +29,12 @@ class Admission:
             raise ValueError("max_waiting and wait_s must be >= 0")
         self.shortfall, self.max_waiting, self.wait_s = shortfall, max_waiting, wait_s
         self._freed = threading.Condition()
-        self._generation = 0    # bumped on every release: waiters retry only after one
+        self._generation = 0  # bumped on every release: waiters retry only after one
         self.waiting = 0
 
-    def admit(self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None,
-              grow_to: int | None = None) -> T:
+    def admit(
+        self, num_tokens: int, alloc: Callable[[], T], deadline: float | None = None, grow_to: int | None = None
+    ) -> T:
         """alloc(), waiting for frees while the pool is full. `deadline` is a monotonic time;
         `grow_to`: the most tokens the request will hold (decode: prompt + new tokens)."""
         why = self.shortfall(num_tokens, grow_to=grow_to)

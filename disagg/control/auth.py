@@ -36,15 +36,17 @@ from disagg.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-FAILURES = {zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
-            zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (not CURVE, or a different key)",
-            zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused: the key is not this deployment's"}
-REPEAT_LOG_S = 10.0   # a flood of failed handshakes logs once per socket and kind this often
+FAILURES = {
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL: "handshake failed",
+    zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL: "handshake failed (not CURVE, or a different key)",
+    zmq.EVENT_HANDSHAKE_FAILED_AUTH: "refused: the key is not this deployment's",
+}
+REPEAT_LOG_S = 10.0  # a flood of failed handshakes logs once per socket and kind this often
 
 
 @dataclass(frozen=True)
 class AuthKey:
-    public: bytes | None = None   # Z85, 40 bytes; None: insecure
+    public: bytes | None = None  # Z85, 40 bytes; None: insecure
     secret: bytes | None = None
 
     @property
@@ -63,9 +65,14 @@ class AuthKey:
         if secret is None:
             raise ConfigError(f"auth key {path!r} holds no secret key (give the file `disagg keygen` wrote)")
         mode = os.stat(path).st_mode
-        if mode & 0o004:   # (group-readable is how Kubernetes mounts a Secret for the pod's fsGroup)
-            log.warning("auth key %s is readable by every user of this machine (mode %o): anyone who reads it "
-                        "can join the deployment; chmod 600 %s", path, mode & 0o777, path)
+        if mode & 0o004:  # (group-readable is how Kubernetes mounts a Secret for the pod's fsGroup)
+            log.warning(
+                "auth key %s is readable by every user of this machine (mode %o): anyone who reads it "
+                "can join the deployment; chmod 600 %s",
+                path,
+                mode & 0o777,
+                path,
+            )
         return AuthKey(public, secret)
 
     @staticmethod
@@ -74,8 +81,10 @@ class AuthKey:
         public, secret = zmq.curve_keypair()
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as f:
-            f.write("#   disagg deployment key (CURVE): keep it secret\nmetadata\ncurve\n"
-                    f'    public-key = "{public.decode()}"\n    secret-key = "{secret.decode()}"\n')
+            f.write(
+                "#   disagg deployment key (CURVE): keep it secret\nmetadata\ncurve\n"
+                f'    public-key = "{public.decode()}"\n    secret-key = "{secret.decode()}"\n'
+            )
         return AuthKey(public, secret)
 
 
@@ -89,12 +98,15 @@ class Gate:
             self._zap.start()
             self._zap.configure_curve_callback("*", credentials_provider=self)
         else:
-            log.warning("%s runs its control plane WITHOUT authentication (--insecure): anyone who reaches its "
-                        "ports can register, look up and request transfers; for local development only", process)
+            log.warning(
+                "%s runs its control plane WITHOUT authentication (--insecure): anyone who reaches its "
+                "ports can register, look up and request transfers; for local development only",
+                process,
+            )
 
     def callback(self, domain: str, client_key: bytes) -> bool:
         """ZAP: admit a CURVE client only if it holds the deployment's key."""
-        ok = hmac.compare_digest(client_key, self.key.public)   # pyzmq hands the key Z85-encoded
+        ok = hmac.compare_digest(client_key, self.key.public)  # pyzmq hands the key Z85-encoded
         if not ok and self._watch is not None:
             self._watch.note("ZAP", "refused a CURVE client whose key is not this deployment's")
         return ok
@@ -145,11 +157,16 @@ class _HandshakeWatch:
         # descriptor, which a new socket may reuse before the closed one's monitor let go of it
         # ("Address already in use")
         addr = f"inproc://disagg-handshakes-{next(self._ids)}"
-        sock.monitor(addr, zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                     | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_MONITOR_STOPPED)
+        sock.monitor(
+            addr,
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+            | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            | zmq.EVENT_MONITOR_STOPPED,
+        )
         monitor = sock.context.socket(zmq.PAIR)
         monitor.connect(addr)
-        with self._lock:   # handed to the watch thread: it alone uses the monitor socket from now on
+        with self._lock:  # handed to the watch thread: it alone uses the monitor socket from now on
             self._new.append((monitor, name))
 
     def note(self, name: str, what: str) -> None:
@@ -170,12 +187,12 @@ class _HandshakeWatch:
             for monitor, name in new:
                 poller.register(monitor, zmq.POLLIN)
                 names[monitor] = name
-            if not names:   # zmq polls nothing without waiting
+            if not names:  # zmq polls nothing without waiting
                 self._stop.wait(0.1)
                 continue
             for monitor, _ in poller.poll(100):
                 event = recv_monitor_message(monitor)
-                if event["event"] == zmq.EVENT_MONITOR_STOPPED:   # the watched socket closed
+                if event["event"] == zmq.EVENT_MONITOR_STOPPED:  # the watched socket closed
                     poller.unregister(monitor)
                     monitor.close(linger=0)
                     del names[monitor]
@@ -184,7 +201,7 @@ class _HandshakeWatch:
                     self.note(names[monitor], f"{FAILURES[event['event']]} with {peer}")
         with self._lock:
             new, self._new = self._new, []
-        for monitor in [*names, *(m for m, _ in new)]:   # a context cannot end with one open
+        for monitor in [*names, *(m for m, _ in new)]:  # a context cannot end with one open
             monitor.close(linger=0)
 
     def stop(self) -> None:
@@ -200,20 +217,24 @@ def key_from(path: str | None, insecure: bool) -> AuthKey:
         return AuthKey.load(str(Path(path).expanduser()))
     if insecure:
         return AuthKey()
-    raise ConfigError("the control plane needs a key: --auth-key FILE (env DISAGG_AUTH_KEY; create one with "
-                      "`disagg keygen FILE` and give every process of the deployment the same file), or "
-                      "--insecure (env DISAGG_INSECURE=1) to run without authentication on a development machine")
+    raise ConfigError(
+        "the control plane needs a key: --auth-key FILE (env DISAGG_AUTH_KEY; create one with "
+        "`disagg keygen FILE` and give every process of the deployment the same file), or "
+        "--insecure (env DISAGG_INSECURE=1) to run without authentication on a development machine"
+    )
 
 
 def add_auth_flags(p) -> None:
     # one of the two: the command line's choice beats the environment's (--insecure given by
     # hand wins over a DISAGG_AUTH_KEY exported earlier), which beats the file's (disagg/config.py)
     g = p.add_argument_group("authentication").add_mutually_exclusive_group()
-    g.add_argument("--auth-key", default=None, metavar="FILE",
-                   help="the deployment's CURVE key file, the same for every process (`disagg keygen FILE` "
-                        "writes one)")
-    g.add_argument("--insecure", action="store_true",
-                   help="no authentication on the control plane: development only")
+    g.add_argument(
+        "--auth-key",
+        default=None,
+        metavar="FILE",
+        help="the deployment's CURVE key file, the same for every process (`disagg keygen FILE` writes one)",
+    )
+    g.add_argument("--insecure", action="store_true", help="no authentication on the control plane: development only")
 
 
 def key_of(args) -> AuthKey:

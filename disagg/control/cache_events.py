@@ -20,9 +20,9 @@ from typing import Annotated
 
 import msgspec
 
-MAX_KEYS = 1 << 20             # keys in one answer (16M cached tokens at page size 16)
-MAX_BYTES = 24 << 20           # an answer's JSON (a key is at most 20 digits and a comma)
-Key = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]   # a uint64 key read as int64
+MAX_KEYS = 1 << 20  # keys in one answer (16M cached tokens at page size 16)
+MAX_BYTES = 24 << 20  # an answer's JSON (a key is at most 20 digits and a comma)
+Key = Annotated[int, msgspec.Meta(ge=-(1 << 63), le=(1 << 63) - 1)]  # a uint64 key read as int64
 Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
 
 
@@ -31,10 +31,10 @@ class CacheEventsError(ValueError):
 
 
 class CacheEvents(msgspec.Struct, tag=True, frozen=True):
-    epoch: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]     # the worker process's (new on a restart)
-    seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]       # its journal's number after these changes
+    epoch: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # the worker process's (new on a restart)
+    seq: Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # its journal's number after these changes
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 16)]
-    reset: bool                                               # added is everything it holds
+    reset: bool  # added is everything it holds
     added: Keys = []
     evicted: Keys = []
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Deadlines:
     """Seconds each phase may last; defaults suit interactive serving."""
+
     bootstrap_s: float = 10.0
     waiting_s: float = 30.0
     transfer_s: float = 30.0
@@ -24,8 +25,7 @@ class Deadlines:
                 raise ValueError(f"deadline {name} must be > 0")
 
 
-
-MARK = "deadline of"   # in every timeout's reason, never in another's
+MARK = "deadline of"  # in every timeout's reason, never in another's
 
 
 def passed(side: str, phase: str, limit_s: float, missing: str) -> str:

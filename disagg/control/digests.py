@@ -23,7 +23,7 @@ from kvpool.geometry import Component, components
 from kvpool.spec import ModelSpec
 
 RECORD = np.dtype([("slot", "<u4"), ("sum", "<i8")])
-Digest = dict[Component, np.ndarray]   # component -> int64 sums by slot (kvpool.digest.compute)
+Digest = dict[Component, np.ndarray]  # component -> int64 sums by slot (kvpool.digest.compute)
 
 
 def for_destination(model: ModelSpec, sums: Digest, src: tuple[int, int], dst: tuple[int, int]) -> dict[str, bytes]:
@@ -52,8 +52,10 @@ def expected(model: ModelSpec, tp: tuple[int, int], wires: list[dict[str, bytes]
             raise ProtocolError(f"digest: {slot_name(model, c, int(found[counts > 1][0]))} reported twice")
         missing = np.setdiff1d(slots, found)
         if len(missing):
-            raise ProtocolError(f"digest: no sender reported {slot_name(model, c, int(missing[0]))} "
-                                f"({len(missing)} of {len(slots)} {c.value} units)")
+            raise ProtocolError(
+                f"digest: no sender reported {slot_name(model, c, int(missing[0]))} "
+                f"({len(missing)} of {len(slots)} {c.value} units)"
+            )
         sums = np.zeros(int(slots.max()) + 1, dtype=np.int64)
         sums[records["slot"].astype(np.int64)] = records["sum"]
         want[c] = sums
@@ -67,8 +69,9 @@ def _components(model: ModelSpec, wires: list[dict[str, bytes]]) -> list[Compone
     for wire in wires:
         for name in wire:
             if name not in names:
-                raise ProtocolError(f"digest: {str(name)[:40]!r} is not a component of this model "
-                                    f"({', '.join(sorted(names))})")
+                raise ProtocolError(
+                    f"digest: {str(name)[:40]!r} is not a component of this model ({', '.join(sorted(names))})"
+                )
     return mine
 
 
@@ -84,11 +87,15 @@ def check(model: ModelSpec, tp: tuple[int, int], held: Digest, want: Digest) -> 
         slots = held_slots(model, c, tp)
         bad = slots[held[c][slots] != sums[slots]]
         if len(bad):
-            raise VerifyError(f"{slot_name(model, c, int(bad[0]))}: the bytes that arrived differ from those "
-                              f"prefill wrote ({len(bad)} of {len(slots)} {c.value} units differ)")
+            raise VerifyError(
+                f"{slot_name(model, c, int(bad[0]))}: the bytes that arrived differ from those "
+                f"prefill wrote ({len(bad)} of {len(slots)} {c.value} units differ)"
+            )
 
 
 def summary(held: Digest) -> dict[str, str]:
     """Per component, a short hex of its sums (what a decode answer's `digests` shows)."""
-    return {c.value: hashlib.sha256(np.ascontiguousarray(sums, dtype="<i8").tobytes()).hexdigest()[:16]
-            for c, sums in held.items()}
+    return {
+        c.value: hashlib.sha256(np.ascontiguousarray(sums, dtype="<i8").tobytes()).hexdigest()[:16]
+        for c, sums in held.items()
+    }

@@ -34,8 +34,9 @@ class RouterIO:
                 port = self._router.bind_to_random_port(f"tcp://{host}")
         except zmq.ZMQError as exc:
             self._router.close(linger=0)
-            raise ConfigError(f"control socket tcp://{host}:{port or '*'}: cannot bind ({exc}); check --host "
-                              f"and --control-port") from None
+            raise ConfigError(
+                f"control socket tcp://{host}:{port or '*'}: cannot bind ({exc}); check --host and --control-port"
+            ) from None
         self.endpoint = f"tcp://{host}:{port}"
         self._outbox = Outbox(ctx)
         self._decoder = Decoder(ToPrefill, "prefill control")
@@ -61,7 +62,7 @@ class RouterIO:
         events = dict(self._poller.poll(timeout_ms))
         while self._outbox.pull.poll(0):
             frames = self._outbox.pull.recv_multipart()
-            if len(frames) == 2:   # (one frame: a wake)
+            if len(frames) == 2:  # (one frame: a wake)
                 self._router.send_multipart(frames)
         while self._router in events and self._router.poll(0):
             frames = self._router.recv_multipart()
@@ -114,7 +115,7 @@ class DealerIO:
         events = dict(self._poller.poll(timeout_ms))
         while self._outbox.pull.poll(0):
             frames = self._outbox.pull.recv_multipart()
-            if len(frames) != 3:   # a wake
+            if len(frames) != 3:  # a wake
                 continue
             kind, endpoint, payload = frames
             endpoint = endpoint.decode()

@@ -25,14 +25,14 @@ from transfer.buffers import Buffer, layout_difference as buffer_difference
 MAX_NAME_CHARS = 128
 Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS, pattern=r"^[ -~]+$")]  # printable ASCII
 DType = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")]
-Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]     # layers, TP size
-Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]       # heads, dims, windows
+Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]  # layers, TP size
+Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # heads, dims, windows
 Hash = Annotated[str, msgspec.Meta(min_length=1, max_length=80, pattern=r"^[a-z0-9]+:[0-9a-f]+$")]  # sha256:hex
 
 
 class AttentionDescription(msgspec.Struct, frozen=True):
     layers: Count
-    kv_heads: Dim                # the whole model's (before the TP split)
+    kv_heads: Dim  # the whole model's (before the TP split)
     k_dim: Dim
     v_dim: Dim
     dtype: DType
@@ -69,11 +69,12 @@ class LinearDescription(msgspec.Struct, frozen=True):
 
 class ModelDescription(msgspec.Struct, frozen=True):
     """The model a side's pool was built for, in the terms a person compares two sides in."""
-    name: Name                   # the preset (or the model a model engine read its geometry off)
+
+    name: Name  # the preset (or the model a model engine read its geometry off)
     tp_size: Count
     num_layers: Count
-    full: AttentionDescription | None = None    # full attention (MHA/GQA) ...
-    mla: MLADescription | None = None           # ... or latent attention on the full layers
+    full: AttentionDescription | None = None  # full attention (MHA/GQA) ...
+    mla: MLADescription | None = None  # ... or latent attention on the full layers
     swa: AttentionDescription | None = None
     nsa: NSADescription | None = None
     linear: LinearDescription | None = None
@@ -91,23 +92,37 @@ def _clip_name(name: str) -> str:
 def describe_model(model: ModelSpec, tp_size: int = 1, identity: dict | None = None) -> ModelDescription:
     """What a side tells its peer about `model` (a pool's config.model, split `tp_size` ways);
     `identity`: the engine's config_hash and weights fingerprint, where it has them."""
+
     def attention(a: AttentionSpec | None) -> AttentionDescription | None:
         if a is None:
             return None
         return AttentionDescription(len(a.layers), a.kv_heads, a.k_dim, a.v_dim, a.dtype, a.window)
+
     full = model.full
     lin, nsa = model.linear, model.nsa
     return ModelDescription(
-        _clip_name(model.name), tp_size, model.num_layers,
+        _clip_name(model.name),
+        tp_size,
+        model.num_layers,
         full=attention(full) if isinstance(full, AttentionSpec) else None,
         mla=MLADescription(len(full.layers), full.latent_dim, full.dtype) if isinstance(full, MLASpec) else None,
         swa=attention(model.swa),
-        nsa=None if nsa is None else NSADescription(len(nsa.layers), nsa.key_dim, nsa.key_dtype, nsa.scale_block,
-                                                    nsa.scale_dtype),
-        linear=None if lin is None else LinearDescription(len(lin.layers), lin.conv_dim, lin.conv_width,
-                                                          lin.temporal_heads, lin.temporal_d1, lin.temporal_d2,
-                                                          lin.conv_dtype, lin.temporal_dtype,
-                                                          [tuple(g) for g in lin.conv_layout]),
+        nsa=None
+        if nsa is None
+        else NSADescription(len(nsa.layers), nsa.key_dim, nsa.key_dtype, nsa.scale_block, nsa.scale_dtype),
+        linear=None
+        if lin is None
+        else LinearDescription(
+            len(lin.layers),
+            lin.conv_dim,
+            lin.conv_width,
+            lin.temporal_heads,
+            lin.temporal_d1,
+            lin.temporal_d2,
+            lin.conv_dtype,
+            lin.temporal_dtype,
+            [tuple(g) for g in lin.conv_layout],
+        ),
         **(identity or {}),
     )
 
@@ -115,50 +130,68 @@ def describe_model(model: ModelSpec, tp_size: int = 1, identity: dict | None = N
 class LayoutInfo(msgspec.Struct, frozen=True):
     """What must match between the two sides for a transfer to be meaningful, and the model
     behind it (None from a peer that does not describe it: the words fall back to buffers)."""
+
     page_size: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]
-    layout: str                 # page_major | layer_major
-    buffers: list[Buffer]       # the pool's buffers, region i = buffer i
+    layout: str  # page_major | layer_major
+    buffers: list[Buffer]  # the pool's buffers, region i = buffer i
     model: ModelDescription | None = None
 
 
 _LABELS = {"full": "full attention", "mla": "mla", "swa": "swa", "nsa": "nsa indexer", "linear": "linear state"}
-MAX_WORDS = 8            # differences named in one message; the rest are counted
-MAX_BUFFER_WORDS = 300   # characters of a buffer-level difference (a peer's part names are not bounded)
+MAX_WORDS = 8  # differences named in one message; the rest are counted
+MAX_BUFFER_WORDS = 300  # characters of a buffer-level difference (a peer's part names are not bounded)
 
 
 def _properties(d) -> list[tuple[str, object]]:
     """One component's description as (what, value) pairs, in the order they are compared."""
     if isinstance(d, AttentionDescription):
         dims = d.k_dim if d.k_dim == d.v_dim else f"{d.k_dim}/{d.v_dim}"
-        return [("layers", d.layers), ("kv_heads x head_dim", f"{d.kv_heads} x {dims}"), ("dtype", d.dtype),
-                ("window", d.window if d.window is not None else "none")]
+        return [
+            ("layers", d.layers),
+            ("kv_heads x head_dim", f"{d.kv_heads} x {dims}"),
+            ("dtype", d.dtype),
+            ("window", d.window if d.window is not None else "none"),
+        ]
     if isinstance(d, MLADescription):
         return [("layers", d.layers), ("latent_dim", d.latent_dim), ("dtype", d.dtype)]
     if isinstance(d, NSADescription):
-        return [("layers", d.layers), ("key_dim", d.key_dim), ("key dtype", d.key_dtype),
-                ("scale_block", d.scale_block), ("scale dtype", d.scale_dtype)]
-    return [("layers", d.layers), ("conv_dim x conv_width", f"{d.conv_dim} x {d.conv_width}"),
-            ("temporal heads x d1 x d2", f"{d.temporal_heads} x {d.temporal_d1} x {d.temporal_d2}"),
-            ("conv dtype", d.conv_dtype), ("temporal dtype", d.temporal_dtype),
-            ("conv groups (units x channels)", " + ".join(f"{u} x {c}" for u, c in d.conv_groups or ()) or "not described")]
+        return [
+            ("layers", d.layers),
+            ("key_dim", d.key_dim),
+            ("key dtype", d.key_dtype),
+            ("scale_block", d.scale_block),
+            ("scale dtype", d.scale_dtype),
+        ]
+    return [
+        ("layers", d.layers),
+        ("conv_dim x conv_width", f"{d.conv_dim} x {d.conv_width}"),
+        ("temporal heads x d1 x d2", f"{d.temporal_heads} x {d.temporal_d1} x {d.temporal_d2}"),
+        ("conv dtype", d.conv_dtype),
+        ("temporal dtype", d.temporal_dtype),
+        ("conv groups (units x channels)", " + ".join(f"{u} x {c}" for u, c in d.conv_groups or ()) or "not described"),
+    ]
 
 
 def identity_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
     """Where the two sides hold different models of one geometry (another checkpoint, another
     config), in words; nothing where neither side describes it (geometry presets, stand-in)."""
     out = []
-    for what, p, d in (("model config", prefill.config_hash, decode.config_hash),
-                       ("weights", prefill.weights, decode.weights)):
+    for what, p, d in (
+        ("model config", prefill.config_hash, decode.config_hash),
+        ("weights", prefill.weights, decode.weights),
+    ):
         if p != d:
-            out.append(f"{what}: prefill {p or 'not described'}, decode {d or 'not described'} "
-                       f"(both sides must load the same model)")
+            out.append(
+                f"{what}: prefill {p or 'not described'}, decode {d or 'not described'} "
+                f"(both sides must load the same model)"
+            )
     return out
 
 
 def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:
     """Every difference between the two sides' models, in words ("what: prefill X, decode Y")."""
     out = identity_differences(prefill, decode)
-    if prefill.num_layers != decode.num_layers:   # (TP sizes may differ: transfer.reshard)
+    if prefill.num_layers != decode.num_layers:  # (TP sizes may differ: transfer.reshard)
         out.append(f"layers: prefill {prefill.num_layers}, decode {decode.num_layers}")
     kinds = [k for k in _LABELS if getattr(prefill, k) is not None or getattr(decode, k) is not None]
     only_p = [_LABELS[k] for k in kinds if getattr(decode, k) is None]
@@ -200,22 +233,26 @@ def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
     same_pages = prefill.page_size == decode.page_size
     same_tp = not described or prefill.model.tp_size == decode.model.tp_size
     buffers = buffer_difference(prefill.buffers, decode.buffers, paged=same_pages and same_tp, per_request=same_tp)
-    windows = [i.model.swa.window if i.model is not None and i.model.swa is not None else None
-               for i in (prefill, decode)]
+    windows = [
+        i.model.swa.window if i.model is not None and i.model.swa is not None else None for i in (prefill, decode)
+    ]
     same_window = None in windows or windows[0] == windows[1]
-    same_model = ((same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))) \
-        and not (described and identity_differences(prefill.model, decode.model))
+    same_model = (
+        (same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))
+    ) and not (described and identity_differences(prefill.model, decode.model))
     if prefill.layout == decode.layout and buffers is None and same_window and same_model:
         return None
     words = []
     if not same_pages and not described:
-        words.append(f"page size: prefill {prefill.page_size}, decode {decode.page_size} (pools of different page "
-                     "sizes pair only where both sides describe their model)")
+        words.append(
+            f"page size: prefill {prefill.page_size}, decode {decode.page_size} (pools of different page "
+            "sizes pair only where both sides describe their model)"
+        )
     if prefill.layout != decode.layout:
         words.append(f"pool layout: prefill {prefill.layout}, decode {decode.layout}")
     if prefill.model is not None and decode.model is not None:
         words += model_differences(prefill.model, decode.model)
-    if not words:   # a peer that sent no description, or models alike but buffers not (padding, versions)
+    if not words:  # a peer that sent no description, or models alike but buffers not (padding, versions)
         text = buffers if len(buffers) <= MAX_BUFFER_WORDS else buffers[:MAX_BUFFER_WORDS] + "..."
         words.append(f"buffers (prefill = source, decode = destination): {text}")
     more = len(words) - MAX_WORDS

@@ -29,12 +29,12 @@ from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-PROTOCOL_VERSION = 6   # 6: TransferDone carries the digest of the units it sent; 5: TransferRequest.prefix_len;
-                       # 4: TransferDone carries the send's TransferReport, RenewPrefill
+PROTOCOL_VERSION = 6  # 6: TransferDone carries the digest of the units it sent; 5: TransferRequest.prefix_len;
+# 4: TransferDone carries the send's TransferReport, RenewPrefill
 MAX_TP_SIZE = 1024
 TPSize = Annotated[int, msgspec.Meta(ge=1, le=MAX_TP_SIZE)]
 TPRank = Annotated[int, msgspec.Meta(ge=0, lt=MAX_TP_SIZE)]
-MAX_FRAME_BYTES = 64 << 20   # larger frames are refused before decoding
+MAX_FRAME_BYTES = 64 << 20  # larger frames are refused before decoding
 
 
 # ---- bootstrap ------------------------------------------------------------------------------
@@ -42,14 +42,15 @@ class RegisterPrefill(msgspec.Struct, tag=True, frozen=True):
     version: int
     tp_rank: int
     tp_size: int
-    control_endpoint: str     # tcp://host:port of the prefill rank's ROUTER
-    epoch: int                # instance epoch: new on every start
+    control_endpoint: str  # tcp://host:port of the prefill rank's ROUTER
+    epoch: int  # instance epoch: new on every start
     layout: LayoutInfo
 
 
 class RenewPrefill(msgspec.Struct, tag=True, frozen=True):
     """A rank's holder renewing its lease (every RENEW_S), or re-claiming it from a bootstrap
     that restarted; RegisterPrefill is a prefill taking a rank at start."""
+
     info: RegisterPrefill
 
 
@@ -67,20 +68,21 @@ class RegisterDecode(msgspec.Struct, tag=True, frozen=True):
     version: int
     epoch: int
     layout: LayoutInfo
-    transports: list[Offer]          # how to reach decode's regions, in its order of preference
-    staging: StagingInfo | None      # decode's staging area (None: direct writes only)
-    tp_size: TPSize = 1              # decode's instance: its ranks, and which one this is (the
-    tp_rank: TPRank = 0              # prefill side works out which heads go to it)
+    transports: list[Offer]  # how to reach decode's regions, in its order of preference
+    staging: StagingInfo | None  # decode's staging area (None: direct writes only)
+    tp_size: TPSize = 1  # decode's instance: its ranks, and which one this is (the
+    tp_rank: TPRank = 0  # prefill side works out which heads go to it)
 
 
 class TransferRequest(msgspec.Struct, tag=True, frozen=True):
     """One decode rank's destination for a room: it goes to every prefill rank that holds some
     of that decode rank's heads (transfer.reshard.sends), each with slots of its own."""
+
     room: int
     decode_epoch: int
     num_tokens: int
-    indices: dict[str, bytes]   # component -> raw int32 destination indices (the whole request's)
-    slots: list[int]            # decode staging slots leased to this transfer ([]: direct only)
+    indices: dict[str, bytes]  # component -> raw int32 destination indices (the whole request's)
+    slots: list[int]  # decode staging slots leased to this transfer ([]: direct only)
     # the first position decode lacks: it holds [0, prefix_len) already (its cached prefix), and
     # only the rest moves (transfer.suffix). Untrusted: prefill answers TransferDone(fail) for one
     # that is negative, beyond num_tokens or not a multiple of decode's page size.
@@ -89,6 +91,7 @@ class TransferRequest(msgspec.Struct, tag=True, frozen=True):
 
 class TransferStarted(msgspec.Struct, tag=True, frozen=True):
     """Prefill began writing the room's KV (decode: WAITING_FOR_INPUT -> TRANSFERRING)."""
+
     room: int
     prefill_epoch: int
 
@@ -98,7 +101,7 @@ class TransferDone(msgspec.Struct, tag=True, frozen=True):
     prefill_epoch: int
     ok: bool
     reason: str = ""
-    report: TransferReport | None = None   # ok: what the send of this decode rank's share did
+    report: TransferReport | None = None  # ok: what the send of this decode rank's share did
     # ok: per component, the digest of the units sent to this decode rank, as prefill wrote
     # them (disagg.control.digests: raw records; decode checks what arrived against it)
     digest: dict[str, bytes] = msgspec.field(default_factory=dict)
@@ -119,11 +122,12 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
 
 class Registered(msgspec.Struct, tag=True, frozen=True):
     epoch: int
-    transport: str = ""      # to RegisterDecode: the transport prefill picked
+    transport: str = ""  # to RegisterDecode: the transport prefill picked
 
 
 class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
     """Prefill -> decode: staged chunk `index` of room `transfer_id` is in decode slot `slot`."""
+
     transfer_id: int
     index: int
     slot: int
@@ -132,6 +136,7 @@ class ChunkLanded(msgspec.Struct, tag=True, frozen=True):
 
 class ChunkDone(msgspec.Struct, tag=True, frozen=True):
     """Decode -> prefill: chunk `index` was scattered; its slot may be reused."""
+
     transfer_id: int
     index: int
 

@@ -18,7 +18,7 @@ _ids = itertools.count()
 class Outbox:
     def __init__(self, context: zmq.Context):
         self.address = f"inproc://outbox-{next(_ids)}"
-        self.pull = context.socket(zmq.PULL)   # owned by the I/O thread
+        self.pull = context.socket(zmq.PULL)  # owned by the I/O thread
         self.pull.bind(self.address)
         self._push = context.socket(zmq.PUSH)
         self._push.connect(self.address)

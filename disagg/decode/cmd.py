@@ -17,35 +17,64 @@ HELP = "run a decode worker"
 def add_parser(p: argparse.ArgumentParser) -> None:
     add_pool_flags(p)
     g = p.add_argument_group("decode")
-    g.add_argument("--bootstrap-addr", action="append", type=named_endpoint, metavar="[NAME=]tcp://HOST:PORT",
-                   help="a bootstrap this decode may look prefill up at (repeat for more; the first is the "
-                        "default, also named 'default'; requests name one by NAME or by its address, never "
-                        "another; default tcp://127.0.0.1:8998; env: several separated by spaces)")
-    g.add_argument("--slots-per-transfer", type=positive_int, default=2,
-                   help="staging slots lent to one sender of a request at most (one per chunk it has); every "
-                        "sender that moves by token gets one, the request waiting for them if need be")
+    g.add_argument(
+        "--bootstrap-addr",
+        action="append",
+        type=named_endpoint,
+        metavar="[NAME=]tcp://HOST:PORT",
+        help="a bootstrap this decode may look prefill up at (repeat for more; the first is the "
+        "default, also named 'default'; requests name one by NAME or by its address, never "
+        "another; default tcp://127.0.0.1:8998; env: several separated by spaces)",
+    )
+    g.add_argument(
+        "--slots-per-transfer",
+        type=positive_int,
+        default=2,
+        help="staging slots lent to one sender of a request at most (one per chunk it has); every "
+        "sender that moves by token gets one, the request waiting for them if need be",
+    )
     g.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between heartbeats to prefill")
-    g.add_argument("--check-rate", type=share, default=0.0, metavar="SHARE",
-                   help="share of requests (0..1) whose generation decode compares, token for token and logit "
-                        "for logit, with the same prompt run colocated (costs one more prefill and decode); one that "
-                        "differs fails the request (HTTP 500 at the router)")
-    g.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep the whole pages of finished requests (prompt and generated tokens) in a radix tree "
-                        "and reuse the longest cached prefix of a new prompt: prefill then sends only the rest; "
-                        "unused cached pages are evicted (least recently used) whenever a request needs room; "
-                        "the engine says what of a request it may keep (the model engine: the prompt's whole "
-                        "prefill chunks), or that none is exact (then it is off; the log says why)")
-    g.add_argument("--quarantine", type=seconds, default=60.0,
-                   help="longest hold, in seconds, of a failed request's pages while prefill may still write")
+    g.add_argument(
+        "--check-rate",
+        type=share,
+        default=0.0,
+        metavar="SHARE",
+        help="share of requests (0..1) whose generation decode compares, token for token and logit "
+        "for logit, with the same prompt run colocated (costs one more prefill and decode); one that "
+        "differs fails the request (HTTP 500 at the router)",
+    )
+    g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the whole pages of finished requests (prompt and generated tokens) in a radix tree "
+        "and reuse the longest cached prefix of a new prompt: prefill then sends only the rest; "
+        "unused cached pages are evicted (least recently used) whenever a request needs room; "
+        "the engine says what of a request it may keep (the model engine: the prompt's whole "
+        "prefill chunks), or that none is exact (then it is off; the log says why)",
+    )
+    g.add_argument(
+        "--quarantine",
+        type=seconds,
+        default=60.0,
+        help="longest hold, in seconds, of a failed request's pages while prefill may still write",
+    )
 
 
 def config_from(args: argparse.Namespace) -> "DecodeConfig":
     from disagg.decode.server import DecodeConfig
+
     entries = args.bootstrap_addr or [("", "tcp://127.0.0.1:8998")]
-    return DecodeConfig(**worker_settings(args), bootstrap_addr=entries[0][1],
-                        bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
-                        slots_per_transfer=args.slots_per_transfer, heartbeat_interval_s=args.heartbeat_interval,
-                        quarantine_s=args.quarantine, check_rate=args.check_rate, prefix_cache=args.prefix_cache)
+    return DecodeConfig(
+        **worker_settings(args),
+        bootstrap_addr=entries[0][1],
+        bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
+        slots_per_transfer=args.slots_per_transfer,
+        heartbeat_interval_s=args.heartbeat_interval,
+        quarantine_s=args.quarantine,
+        check_rate=args.check_rate,
+        prefix_cache=args.prefix_cache,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,9 +90,16 @@ def run(args: argparse.Namespace) -> int:
     torch.set_num_threads(args.torch_threads)
     server = DecodeServer(config_from(args))
     api = ApiServer(listener, DecodeRoutes(server).service(), http_limits(args))
-    serve_api(api, server.readiness,
-              lambda: announce(role="decode", http=http_url(args, api.port), pool=server.pool_summary,
-                               transports={t.kind: t.host for t in server.endpoint.transports},
-                               bootstrap=server.config.bootstrap_addr),
-              server.close)
+    serve_api(
+        api,
+        server.readiness,
+        lambda: announce(
+            role="decode",
+            http=http_url(args, api.port),
+            pool=server.pool_summary,
+            transports={t.kind: t.host for t in server.endpoint.transports},
+            bootstrap=server.config.bootstrap_addr,
+        ),
+        server.close,
+    )
     return 0

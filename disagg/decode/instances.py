@@ -23,7 +23,7 @@ class SenderRanks:
         self.receiver = receiver
         cfg = receiver.endpoint.pool.config
         self.own = cfg.shard
-        self._ranks: dict[int, tuple[int, ...]] = {}   # prefill TP size -> the ranks we receive from
+        self._ranks: dict[int, tuple[int, ...]] = {}  # prefill TP size -> the ranks we receive from
         self._lanes: dict[Shard, Lanes | None] = {}
 
     def sender_ranks(self, rank0: RegisterPrefill) -> tuple[int, ...]:
@@ -35,8 +35,10 @@ class SenderRanks:
             try:
                 ranks = senders(cfg.model, rank0.tp_size, self.own, tuple(cfg.components))
             except (SpecError, LayoutIncompatible) as exc:
-                raise ProtocolError(f"a prefill instance of TP size {rank0.tp_size} cannot send to ours "
-                                    f"(rank {self.own.tp_rank} of {self.own.tp_size}): {exc}") from None
+                raise ProtocolError(
+                    f"a prefill instance of TP size {rank0.tp_size} cannot send to ours "
+                    f"(rank {self.own.tp_rank} of {self.own.tp_size}): {exc}"
+                ) from None
             self._ranks[rank0.tp_size] = ranks
         return ranks
 

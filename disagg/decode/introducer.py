@@ -25,8 +25,9 @@ log = logging.getLogger(__name__)
 
 
 class Introducer:
-    def __init__(self, peers: PrefillPeers, instances: SenderRanks, io: DealerIO,
-                 registration: Callable[[], RegisterDecode]):
+    def __init__(
+        self, peers: PrefillPeers, instances: SenderRanks, io: DealerIO, registration: Callable[[], RegisterDecode]
+    ):
         self.peers, self.instances, self.io, self.registration = peers, instances, io, registration
 
     def senders(self, bootstrap: str, deadline: float, check_layout: bool = True) -> list[PrefillPeer]:
@@ -39,8 +40,10 @@ class Introducer:
         for rank in self.instances.sender_ranks(first):
             info = first if rank == 0 else self.peers.lookup(bootstrap, deadline, rank, check_layout)
             if info.tp_size != first.tp_size:
-                raise ProtocolError(f"prefill ranks behind {bootstrap} disagree on their TP size (rank 0: "
-                                    f"{first.tp_size}, rank {rank}: {info.tp_size}): an instance is restarting")
+                raise ProtocolError(
+                    f"prefill ranks behind {bootstrap} disagree on their TP size (rank 0: "
+                    f"{first.tp_size}, rank {rank}: {info.tp_size}): an instance is restarting"
+                )
             peer, fresh = self.peers.join(info)
             if fresh:
                 self.io.send(peer.endpoint, self.registration(), connect=True)
@@ -55,9 +58,11 @@ class ReadinessWatch:
 
     def __init__(self, introducer: Introducer, bootstrap: str, timeout_s: float, every_s: float = 1.0):
         self.introducer, self.bootstrap, self.timeout_s, self.every_s = introducer, bootstrap, timeout_s, every_s
-        self._state = {"ready": False, "bootstrap": bootstrap,
-                       "why": f"starting: introducing this decode to the prefill behind its --bootstrap-addr "
-                              f"{bootstrap}"}
+        self._state = {
+            "ready": False,
+            "bootstrap": bootstrap,
+            "why": f"starting: introducing this decode to the prefill behind its --bootstrap-addr {bootstrap}",
+        }
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="decode-ready", daemon=True)
 
@@ -81,11 +86,15 @@ class ReadinessWatch:
             peers = self.introducer.senders(self.bootstrap, time.monotonic() + self.timeout_s, check_layout=False)
             state = {"ready": True, "bootstrap": self.bootstrap, "prefill": [p.endpoint for p in peers]}
         except DisaggError as exc:
-            state = {"ready": False, "bootstrap": self.bootstrap,
-                     "why": f"{exc} (prefill behind this decode's --bootstrap-addr {self.bootstrap})"}
+            state = {
+                "ready": False,
+                "bootstrap": self.bootstrap,
+                "why": f"{exc} (prefill behind this decode's --bootstrap-addr {self.bootstrap})",
+            }
         if state["ready"] != self._state.get("ready") or state.get("why") != self._state.get("why"):
-            (log.info if state["ready"] else log.warning)("ready: %s" if state["ready"] else "not ready: %s",
-                                                         state.get("prefill") or state["why"])
+            (log.info if state["ready"] else log.warning)(
+                "ready: %s" if state["ready"] else "not ready: %s", state.get("prefill") or state["why"]
+            )
         self._state = state
         return state
 
@@ -93,6 +102,6 @@ class ReadinessWatch:
         while not self._stop.is_set():
             try:
                 self.check()
-            except Exception:   # a bug here must not end the watch
+            except Exception:  # a bug here must not end the watch
                 log.exception("readiness check failed")
             self._stop.wait(self.every_s)

@@ -18,10 +18,10 @@ from disagg.errors import ProtocolError
 @dataclass(eq=False)
 class PrefillPeer:
     info: RegisterPrefill
-    registered: threading.Event = field(default_factory=threading.Event)   # answered (either way)
+    registered: threading.Event = field(default_factory=threading.Event)  # answered (either way)
     refused: str = ""
     epoch: int = 0
-    transport: str = ""              # the transport prefill picked for us
+    transport: str = ""  # the transport prefill picked for us
 
     @property
     def endpoint(self) -> str:
@@ -32,10 +32,10 @@ class PrefillPeers:
     def __init__(self, gate: Gate, layout: LayoutInfo, dead_after_s: float):
         self._gate, self.layout = gate, layout
         self._lock = threading.Lock()
-        self._peers: dict[str, PrefillPeer] = {}              # control endpoint -> peer
+        self._peers: dict[str, PrefillPeer] = {}  # control endpoint -> peer
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
-        self._liveness = Liveness(dead_after_s)               # registered peers only
-        self._abandoned: set[str] = set()                     # registration failed: close the socket
+        self._liveness = Liveness(dead_after_s)  # registered peers only
+        self._abandoned: set[str] = set()  # registration failed: close the socket
 
     # ---- request threads ---------------------------------------------------------------------
     def lookup(self, bootstrap: str, deadline: float, tp_rank: int = 0, check_layout: bool = True) -> RegisterPrefill:
@@ -50,8 +50,9 @@ class PrefillPeers:
             finally:
                 client.close()
             if info.tp_rank != tp_rank:
-                raise ProtocolError(f"bootstrap {bootstrap} answered for prefill rank {tp_rank} with rank "
-                                    f"{info.tp_rank}")
+                raise ProtocolError(
+                    f"bootstrap {bootstrap} answered for prefill rank {tp_rank} with rank {info.tp_rank}"
+                )
             with self._lock:
                 self._lookups[(bootstrap, tp_rank)] = info
         diff = layout_difference(prefill=info.layout, decode=self.layout) if check_layout else None
@@ -75,8 +76,9 @@ class PrefillPeers:
         thread to close (`abandoned`)."""
         if not peer.registered.wait(max(0.0, deadline - time.monotonic())):
             self._abandon(peer)
-            raise ProtocolError(f"prefill {peer.endpoint} did not answer the registration in time (the next "
-                                f"request looks it up again)")
+            raise ProtocolError(
+                f"prefill {peer.endpoint} did not answer the registration in time (the next request looks it up again)"
+            )
         if peer.refused:
             self._abandon(peer)
             raise ProtocolError(f"prefill refused registration: {peer.refused}")
@@ -84,7 +86,7 @@ class PrefillPeers:
 
     def _abandon(self, peer: PrefillPeer) -> None:
         with self._lock:
-            if self._peers.get(peer.endpoint) is not peer:   # another request got there first
+            if self._peers.get(peer.endpoint) is not peer:  # another request got there first
                 return
             self._forget(peer.endpoint)
             self._abandoned.add(peer.endpoint)

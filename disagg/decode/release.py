@@ -20,5 +20,5 @@ class Release:
             self.cache.release(r.kv, r.hit, r.kept)
         elif r.kv is not None:
             self.pool.free_request(r.kv)
-        self.receiver.release_slots(r.slots)   # every sender's
+        self.receiver.release_slots(r.slots)  # every sender's
         self.admission.released()

@@ -69,12 +69,13 @@ class Phase(Enum):
 @dataclass(eq=False)
 class Sender:
     """One prefill rank a request's KV comes from."""
-    endpoint: str                     # its control endpoint (where the TransferRequest went)
-    epoch: int                        # its epoch
-    slots: list[int] = field(default_factory=list)   # our staging slots lent to it for this request
-    lanes: Lanes | None = None        # our lanes its staged pieces name (KVReceiver.lanes_from; None: pages)
+
+    endpoint: str  # its control endpoint (where the TransferRequest went)
+    epoch: int  # its epoch
+    slots: list[int] = field(default_factory=list)  # our staging slots lent to it for this request
+    lanes: Lanes | None = None  # our lanes its staged pieces name (KVReceiver.lanes_from; None: pages)
     done: TransferDone | None = None  # TransferDone(ok): its share landed
-    stopped: bool = False             # it said it no longer writes (TransferDone, settled)
+    stopped: bool = False  # it said it no longer writes (TransferDone, settled)
 
 
 @dataclass(eq=False)
@@ -82,17 +83,17 @@ class DecodeRequest:
     room: int
     phase: Phase = Phase.BOOTSTRAPPING
     since: float = field(default_factory=time.monotonic)
-    senders: dict[str, Sender] = field(default_factory=dict)   # endpoint -> the prefill rank
-    kv: RequestKV | None = None       # set on admission
+    senders: dict[str, Sender] = field(default_factory=dict)  # endpoint -> the prefill rank
+    kv: RequestKV | None = None  # set on admission
     dst: IndexSet | None = None
-    prefix_len: int = 0               # positions [0, prefix_len) of the prompt decode holds already (its
-                                      # own cached prefix, set on admission): prefill sends the rest
-    hit: "Hit | None" = None          # that prefix in the prefix cache (None: no cache), held until forgotten
-    kept: np.ndarray | None = None    # once it ended well: the ids of the positions whose KV it holds,
-                                      # which the cache keeps (None: nothing of its own is kept)
+    prefix_len: int = 0  # positions [0, prefix_len) of the prompt decode holds already (its
+    # own cached prefix, set on admission): prefill sends the rest
+    hit: "Hit | None" = None  # that prefix in the prefix cache (None: no cache), held until forgotten
+    kept: np.ndarray | None = None  # once it ended well: the ids of the positions whose KV it holds,
+    # which the cache keeps (None: nothing of its own is kept)
     reason: str = ""
-    kv_ready_at: float = 0.0          # wall clock when the last TransferDone(ok) arrived
-    until: float = 0.0                # QUARANTINED: when the cap passes
+    kv_ready_at: float = 0.0  # wall clock when the last TransferDone(ok) arrived
+    until: float = 0.0  # QUARANTINED: when the cap passes
 
     @property
     def slots(self) -> list[int]:
@@ -113,8 +114,9 @@ class RequestTable:
     """room -> DecodeRequest. Every method is one transition, atomic under the lock; its
     effects (free pages, send Abort) happen inside it."""
 
-    def __init__(self, deadlines: Deadlines, quarantine_s: float, release: Holdings,
-                 send: Callable[[str, object], None]):
+    def __init__(
+        self, deadlines: Deadlines, quarantine_s: float, release: Holdings, send: Callable[[str, object], None]
+    ):
         """`release`: gives back what a request holds outside the table when it is forgotten
         (decode/release.py); `send`: a message to a prefill peer (the control socket's)."""
         self.deadlines, self.quarantine_s = deadlines, quarantine_s
@@ -136,8 +138,9 @@ class RequestTable:
                 self._fail(r, why)
             return r
 
-    def admitted(self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, prefix_len: int = 0,
-                 hit: "Hit | None" = None) -> None:
+    def admitted(
+        self, r: DecodeRequest, kv: RequestKV, dst: IndexSet, prefix_len: int = 0, hit: "Hit | None" = None
+    ) -> None:
         """r holds `kv` (indices `dst`), of whose positions [0, prefix_len) it holds the KV already
         (`hit`: taken from the prefix cache, which `prefix_len` then is)."""
         with self._lock:
@@ -186,7 +189,7 @@ class RequestTable:
                 for s in r.writing():
                     self._send(s.endpoint, Abort(r.room, r.reason))
                 return
-            if not r.phase.ended:   # it never got past bootstrapping (an error)
+            if not r.phase.ended:  # it never got past bootstrapping (an error)
                 self._move(r, Phase.FAILED)
             self._forget(r)
 
@@ -215,7 +218,7 @@ class RequestTable:
             r, s = self._about(msg.room, endpoint)
             if r is None:
                 return
-            if r.phase is Phase.QUARANTINED:      # the pages are ours again, once nothing can land
+            if r.phase is Phase.QUARANTINED:  # the pages are ours again, once nothing can land
                 s.stopped = s.stopped or msg.settled
                 if not r.writing():
                     self._forget(r)
@@ -250,7 +253,7 @@ class RequestTable:
             return self._fail(r, why)
 
     def _fail(self, r: DecodeRequest, why: str) -> bool:
-        if r.phase is Phase.SUCCESS:   # verifying or generating: nothing writes; the engine stops at its next step
+        if r.phase is Phase.SUCCESS:  # verifying or generating: nothing writes; the engine stops at its next step
             r.reason = why
             self._move(r, Phase.FAILED)
             return True
@@ -317,5 +320,7 @@ class RequestTable:
             return sum(1 for r in self._rooms.values() if r.phase is Phase.QUARANTINED)
 
 
-_MISSING = {Phase.WAITING_FOR_INPUT: "prefill never started the transfer",
-            Phase.TRANSFERRING: "no TransferDone from prefill"}
+_MISSING = {
+    Phase.WAITING_FOR_INPUT: "prefill never started the transfer",
+    Phase.TRANSFERRING: "no TransferDone from prefill",
+}

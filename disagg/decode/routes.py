@@ -21,8 +21,15 @@ class DecodeRoutes:
         routes = {"/decode": self.decode, "/abort": abort_route(self.server.abort)}
         if self.server.cache is not None:
             routes["/cache/events"] = self.cache_events
-        return Service(routes, self.server.readiness, self.metrics.registry, health=self.server.health,
-                       metrics=self.metrics, before_scrape=self._scrape, unlimited=("/abort", "/cache/events"))
+        return Service(
+            routes,
+            self.server.readiness,
+            self.metrics.registry,
+            health=self.server.health,
+            metrics=self.metrics,
+            before_scrape=self._scrape,
+            unlimited=("/abort", "/cache/events"),
+        )
 
     def cache_events(self, body: dict) -> dict:
         """{"since": the seq of the caller's last answer, or null; "epoch": that answer's}: the
@@ -48,9 +55,11 @@ class DecodeRoutes:
         bootstrap = body.get("bootstrap")
         if bootstrap is not None and not (isinstance(bootstrap, str) and 0 < len(bootstrap) <= 256):
             raise BadRequest("bootstrap must be the name or address of a bootstrap this decode is configured with")
-        return self.metrics.count(lambda: self.server.decode(room, tokens, max_new, bootstrap),
-                                  lambda out: out["state"] == "SUCCESS",
-                                  lambda out, ok: self._observe(out, ok, len(tokens)))
+        return self.metrics.count(
+            lambda: self.server.decode(room, tokens, max_new, bootstrap),
+            lambda out: out["state"] == "SUCCESS",
+            lambda out, ok: self._observe(out, ok, len(tokens)),
+        )
 
     def _observe(self, out: dict, ok: bool, prompt_tokens: int) -> None:
         if ok:

@@ -25,8 +25,19 @@ import numpy as np
 
 from disagg.control import digests
 from disagg.control.io import DealerIO
-from disagg.control.messages import (PROTOCOL_VERSION, ChunkDone, ChunkLanded, Heartbeat, RegisterDecode, Registered,
-                                     Refused, TransferDone, TransferRequest, TransferStarted, indices_to_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    ChunkDone,
+    ChunkLanded,
+    Heartbeat,
+    RegisterDecode,
+    Registered,
+    Refused,
+    TransferDone,
+    TransferRequest,
+    TransferStarted,
+    indices_to_wire,
+)
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
 from disagg.decode.release import Release
@@ -48,16 +59,16 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DecodeConfig(WorkerSettings):
-    bootstrap_addr: str = "tcp://127.0.0.1:8998"   # the default bootstrap (also named "default")
+    bootstrap_addr: str = "tcp://127.0.0.1:8998"  # the default bootstrap (also named "default")
     bootstraps: tuple[tuple[str, str], ...] = ()  # (name, endpoint): the others a request may name
     slots_per_transfer: int = 2
     # A failed request whose TransferRequest went out keeps its pages until that prefill says
     # TransferDone (it stopped writing), or at the latest this long: beyond Mooncake's own
     # 30 s retention of in-flight slices.
     quarantine_s: float = 60.0
-    heartbeat_interval_s: float = 1.0     # to every registered prefill
-    check_rate: float = 0.0               # share of requests compared with a colocated run (engine.check)
-    prefix_cache: bool = True             # keep finished requests' pages and reuse them as prefixes (kvpool.cache)
+    heartbeat_interval_s: float = 1.0  # to every registered prefill
+    check_rate: float = 0.0  # share of requests compared with a colocated run (engine.check)
+    prefix_cache: bool = True  # keep finished requests' pages and reuse them as prefixes (kvpool.cache)
 
 
 class DecodeServer(Worker):
@@ -67,11 +78,16 @@ class DecodeServer(Worker):
         self.receiver = KVReceiver(self.endpoint)
         self.io = DealerIO(self.gate)
         self.cache = PrefixCache(self.pool) if config.prefix_cache and self.model.exact_reuse else None
-        if config.prefix_cache:   # where reuse is not exact, say so loudly (the engine's words)
+        if config.prefix_cache:  # where reuse is not exact, say so loudly (the engine's words)
             (log.info if self.model.exact_reuse else log.warning)(
-                "prefix cache %s: %s", "on" if self.model.exact_reuse else "off", self.model.reuse_note)
-        self.requests = RequestTable(config.deadlines, config.quarantine_s,
-                                     Release(self.pool, self.receiver, self.admission, self.cache), self.io.send)
+                "prefix cache %s: %s", "on" if self.model.exact_reuse else "off", self.model.reuse_note
+            )
+        self.requests = RequestTable(
+            config.deadlines,
+            config.quarantine_s,
+            Release(self.pool, self.receiver, self.admission, self.cache),
+            self.io.send,
+        )
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
         self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
@@ -83,8 +99,15 @@ class DecodeServer(Worker):
 
     def _registration(self) -> RegisterDecode:
         pc = self.pool.config
-        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, self.endpoint.offers(),
-                              self.endpoint.staging_info(), tp_size=pc.tp_size, tp_rank=pc.tp_rank)
+        return RegisterDecode(
+            PROTOCOL_VERSION,
+            self.epoch,
+            self.layout,
+            self.endpoint.offers(),
+            self.endpoint.staging_info(),
+            tp_size=pc.tp_size,
+            tp_rank=pc.tp_rank,
+        )
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
     def _admit(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, deadline: float) -> None:
@@ -102,43 +125,58 @@ class DecodeServer(Worker):
             if self.cache is not None:
                 return self.cache.admit(tokens, grow_to)
             return self.pool.alloc_request(num_tokens, swa_window_only=True, grow_to=grow_to), None
+
         kv, hit = self.admission.admit(num_tokens, alloc, deadline, grow_to)
         self.requests.admitted(r, kv, self.pool.index_set(kv), hit=hit)
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
         timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
-        tokens = self.check_tokens(token_ids)                      # BadRequest before anything changes
+        tokens = self.check_tokens(token_ids)  # BadRequest before anything changes
         bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)
         timings: dict = {}
         try:
             r = self.requests.open(room)
-        except ProtocolError as exc:   # refused; the request with this room goes on
+        except ProtocolError as exc:  # refused; the request with this room goes on
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"ProtocolError: {exc}"}
         try:
-            if r.phase.ended:   # aborted before it got here
+            if r.phase.ended:  # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}
             peers = self._receive(r, tokens, max_new_tokens, bootstrap_endpoint, timings)
             if r.phase is not Phase.SUCCESS:
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
-            return {**self._generate(r, tokens, max_new_tokens, timings),
-                    "transport": "+".join(sorted({p.transport for p in peers}))}
-        except Cancelled:   # aborted while generating: stopped at a step, freed below
+            return {
+                **self._generate(r, tokens, max_new_tokens, timings),
+                "transport": "+".join(sorted({p.transport for p in peers})),
+            }
+        except Cancelled:  # aborted while generating: stopped at a step, freed below
             return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason, **timings}
         except VerifyError as exc:
-            return {"room": room, "state": "FAILED", "verified": False, "integrity": "verify", "reason": f"verify: {exc}",
-                    **timings}
+            return {
+                "room": room,
+                "state": "FAILED",
+                "verified": False,
+                "integrity": "verify",
+                "reason": f"verify: {exc}",
+                **timings,
+            }
         except (DisaggError, KVPoolError) as exc:
             self.requests.fail(r, f"{type(exc).__name__}: {exc}")
             if isinstance(exc, (Overloaded, ValueError)):
                 raise  # HTTP 503 / 400, after the cleanup below
-            return {"room": room, "state": "FAILED", "verified": False, "reason": f"{type(exc).__name__}: {exc}",
-                    **timings}
+            return {
+                "room": room,
+                "state": "FAILED",
+                "verified": False,
+                "reason": f"{type(exc).__name__}: {exc}",
+                **timings,
+            }
         finally:
             self.requests.finish(r)
 
-    def _receive(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, bootstrap_endpoint: str,
-                 timings: dict) -> list:
+    def _receive(
+        self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, bootstrap_endpoint: str, timings: dict
+    ) -> list:
         """Find the prefill ranks, admit the request, lend staging slots, ask every sender for
         its share and wait until the table ends the transfer (r.phase says how). Returns the
         sender ranks' peers."""
@@ -147,15 +185,17 @@ class DecodeServer(Worker):
         peers = self.introducer.senders(bootstrap_endpoint, deadline)
         timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
         self._admit(r, tokens, max_new_tokens, deadline)
-        lanes = [self.instances.lanes(p.info) for p in peers]   # (may refuse: before any slot is leased)
+        lanes = [self.instances.lanes(p.info) for p in peers]  # (may refuse: before any slot is leased)
         slots = self._lend(lanes, len(tokens), r.prefix_len, deadline)
         t1 = time.perf_counter()
         senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
-        if self.requests.sending(r, senders):   # an abort may have come meanwhile
+        if self.requests.sending(r, senders):  # an abort may have come meanwhile
             indices = indices_to_wire(r.dst)
             for s in senders:
-                self.io.send(s.endpoint, TransferRequest(r.room, self.epoch, len(tokens), indices, s.slots,
-                                                         prefix_len=r.prefix_len))
+                self.io.send(
+                    s.endpoint,
+                    TransferRequest(r.room, self.epoch, len(tokens), indices, s.slots, prefix_len=r.prefix_len),
+                )
             self.requests.wait(r)
         timings["wait_ms"] = (time.perf_counter() - t1) * 1e3
         return peers
@@ -164,20 +204,30 @@ class DecodeServer(Worker):
         """Verify the KV that arrived, decode, check against a colocated run where asked, and
         keep the request's pages in the prefix cache when nothing failed. Returns the answer."""
         if self.faults.hit("decode.flip"):
-            log.warning("room %d: injected fault at decode.flip: %s", r.room,
-                        flip_unread(self.pool, r.kv, r.prefix_len))
+            log.warning(
+                "room %d: injected fault at decode.flip: %s", r.room, flip_unread(self.pool, r.kv, r.prefix_len)
+            )
         t2 = time.perf_counter()
         held = self._verify(r, tokens, r.room)
         timings["verify_ms"] = (time.perf_counter() - t2) * 1e3
         t3 = time.perf_counter()
         output = self.model.decode(self.pool, r.kv, tokens, max_new_tokens, stop=lambda: self.requests.stopped(r))
         timings["decode_ms"] = (time.perf_counter() - t3) * 1e3
-        timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})   # e.g. rebuild_ms, steps_ms
+        timings.update({f"{k}_ms": v for k, v in output.timings_ms.items()})  # e.g. rebuild_ms, steps_ms
         checked = self._check(r.room, tokens, output, timings)
         if "integrity" not in checked:
             self._keep(r, tokens, output.tokens)
-        return {"room": r.room, "state": "SUCCESS", "verified": True, "digests": held,
-                "output_tokens": output.tokens, **self._report(r), "kv_ready_at": r.kv_ready_at, **timings, **checked}
+        return {
+            "room": r.room,
+            "state": "SUCCESS",
+            "verified": True,
+            "digests": held,
+            "output_tokens": output.tokens,
+            **self._report(r),
+            "kv_ready_at": r.kv_ready_at,
+            **timings,
+            **checked,
+        }
 
     def _verify(self, r: DecodeRequest, tokens: np.ndarray, room: int) -> dict[str, str]:
         """What arrived is this prompt's (the engine: the AUX row; the stand-in every byte) and
@@ -186,7 +236,7 @@ class DecodeServer(Worker):
         for a malformed digest. Returns a short digest per component (the answer's `digests`;
         {} without)."""
         self.model.verify(self.pool, r.kv, tokens, room)
-        if not self.model.byte_digest:   # (its verify checked every byte)
+        if not self.model.byte_digest:  # (its verify checked every byte)
             return {}
         cfg = self.pool.config
         tp = (cfg.tp_size, cfg.tp_rank)
@@ -207,12 +257,19 @@ class DecodeServer(Worker):
         if check["token_match"] and check.get("logits_match", True) and check.get("shard_match", True):
             return {"check": check}
         log.warning("room %d: generation differs from the colocated run: %s", room, check)
-        differs = (f"tokens differ from index {check['first_mismatch']}" if not check["token_match"] else
-                   f"logits differ (max {check.get('max_logit_diff', float('nan')):.3g}), tokens equal"
-                   if not check.get("logits_match", True) else
-                   f"the bytes this rank holds differ from its shard: {check.get('shard_differences')}")
-        return {"check": check, "state": "FAILED", "integrity": "check",
-                "reason": f"check: the generation differs from the colocated run: {differs}"}
+        differs = (
+            f"tokens differ from index {check['first_mismatch']}"
+            if not check["token_match"]
+            else f"logits differ (max {check.get('max_logit_diff', float('nan')):.3g}), tokens equal"
+            if not check.get("logits_match", True)
+            else f"the bytes this rank holds differ from its shard: {check.get('shard_differences')}"
+        )
+        return {
+            "check": check,
+            "state": "FAILED",
+            "integrity": "check",
+            "reason": f"check: the generation differs from the colocated run: {differs}",
+        }
 
     def _keep(self, r: DecodeRequest, prompt: np.ndarray, output: list[int]) -> None:
         """A request that verified and generated: the cache may keep its KV when it is freed,
@@ -255,8 +312,10 @@ class DecodeServer(Worker):
             return known[name]
         if name in known.values():
             return name
-        raise BadRequest(f"bootstrap {name[:100]!r} is not one this decode is configured with (--bootstrap-addr); "
-                         f"known names: {', '.join(sorted(known))}")
+        raise BadRequest(
+            f"bootstrap {name[:100]!r} is not one this decode is configured with (--bootstrap-addr); "
+            f"known names: {', '.join(sorted(known))}"
+        )
 
     def health(self) -> dict:
         """/health, with the bootstraps a request may name (the router checks its pairs'
@@ -287,15 +346,18 @@ class DecodeServer(Worker):
             if now >= next_sweep:
                 try:
                     for r in self.requests.sweep():
-                        log.warning("room %d: released from quarantine after %.0f s without word from prefill",
-                                    r.room, self.config.quarantine_s)
+                        log.warning(
+                            "room %d: released from quarantine after %.0f s without word from prefill",
+                            r.room,
+                            self.config.quarantine_s,
+                        )
                 except Exception:
                     log.exception("quarantine sweep failed")
                 next_sweep = now + 1.0
             if now >= next_beat:
                 for endpoint in self.peers.silent():
                     self._peer_lost(endpoint, f"prefill {endpoint} silent for {self.config.dead_after_s:.0f} s")
-                for endpoint in self.peers.abandoned():   # its registration failed
+                for endpoint in self.peers.abandoned():  # its registration failed
                     self.io.drop(endpoint)
                 for endpoint in self.peers.registered_endpoints():
                     self.io.reply(endpoint, Heartbeat(self.epoch))
@@ -327,7 +389,7 @@ class DecodeServer(Worker):
             case Registered(epoch=epoch, transport=transport):
                 self.peers.registered(endpoint, epoch, transport)
             case Refused(reason=reason):
-                if self.peers.refused(endpoint, reason):   # it dropped us after we registered
+                if self.peers.refused(endpoint, reason):  # it dropped us after we registered
                     self._peer_lost(endpoint, f"prefill {endpoint} dropped us: {reason}")
             case TransferStarted(room=room, prefill_epoch=epoch):
                 self.requests.started(room, endpoint, epoch)
@@ -336,11 +398,19 @@ class DecodeServer(Worker):
                 if r is None:
                     return None  # not ours (any more): never scatter into freed pages
                 try:
-                    self.receiver.on_chunk(msg.index, msg.slot, msg.pieces, r.dst, sender.slots, r.kv.num_tokens,
-                                           lanes=sender.lanes, prefix_len=r.prefix_len)
+                    self.receiver.on_chunk(
+                        msg.index,
+                        msg.slot,
+                        msg.pieces,
+                        r.dst,
+                        sender.slots,
+                        r.kv.num_tokens,
+                        lanes=sender.lanes,
+                        prefix_len=r.prefix_len,
+                    )
                     return ChunkDone(room, msg.index)
                 except StagingError as exc:
-                    self.requests.fail(r, f"bad chunk: {exc}")   # quarantined; prefill hears Abort
+                    self.requests.fail(r, f"bad chunk: {exc}")  # quarantined; prefill hears Abort
             case TransferDone():
                 self.requests.done(msg, endpoint)
         return None

@@ -28,13 +28,13 @@ from transfer.errors import Cancelled
 @dataclass(frozen=True)
 class PrefillResult:
     first_token: int
-    digest: bytes   # 32 bytes over the prompt; written to the AUX row
+    digest: bytes  # 32 bytes over the prompt; written to the AUX row
 
 
 @dataclass(frozen=True)
 class DecodeOutput:
-    tokens: list[int]                                            # the first token (from prefill) and the rest
-    logits: list[torch.Tensor] = field(default_factory=list)    # [vocab] float32 per generated step after the first
+    tokens: list[int]  # the first token (from prefill) and the rest
+    logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 per generated step after the first
     timings_ms: dict[str, float] = field(default_factory=dict)  # the engine's own split, e.g. rebuild / steps
     # where this rank's pool bytes differ from its units of the colocated run's cache of the
     # same tokens (a callable of that cache, so only a checked request pays for the compare)
@@ -45,8 +45,9 @@ def prompt_digest(token_ids: np.ndarray) -> bytes:
     return hashlib.sha256(np.asarray(token_ids, dtype="<i4").tobytes()).digest()
 
 
-def check_aux(pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
-              first_token_ok: Callable[[int], bool]) -> None:
+def check_aux(
+    pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int, first_token_ok: Callable[[int], bool]
+) -> None:
     """The AUX row arrived last and names this room, this prompt and a first token the engine
     could have computed (every engine's verify starts here); else VerifyError."""
     aux = pool.aux.read(req.aux_row)
@@ -74,16 +75,22 @@ def compare_tokens(want: list[int], got: list[int]) -> dict:
 
 class ModelEngine(Protocol):
     name: str
-    spec: ModelSpec | None     # the pool geometry the engine needs (None: it fills any preset)
-    vocab_size: int | None     # token ids it takes are below this (None: any)
-    byte_digest: bool          # prefill digests the KV and decode compares what arrived with it
-                               # (False: the engine's verify checks every byte itself)
-    exact_reuse: bool          # some of its KV of a prefix is the same bits in every prompt that
-                               # starts with it (`reusable`): decode may keep a prefix cache
-    reuse_note: str            # what decode's startup log says about that
+    spec: ModelSpec | None  # the pool geometry the engine needs (None: it fills any preset)
+    vocab_size: int | None  # token ids it takes are below this (None: any)
+    byte_digest: bool  # prefill digests the KV and decode compares what arrived with it
+    # (False: the engine's verify checks every byte itself)
+    exact_reuse: bool  # some of its KV of a prefix is the same bits in every prompt that
+    # starts with it (`reusable`): decode may keep a prefix cache
+    reuse_note: str  # what decode's startup log says about that
 
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
-                on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        pool: HybridPool,
+        req: RequestKV,
+        token_ids: np.ndarray,
+        room: int,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> PrefillResult:
         """Compute the prompt's KV into `req` and its AUX row; call on_layer(i) once layer i's
         KV is in the pool (in layer order for a forward pass)."""
 
@@ -93,8 +100,14 @@ class ModelEngine(Protocol):
         prefill wrote, decode checks against prefill's digest (disagg.control.digests) for an
         engine with `byte_digest` (the model engine, whose outputs could hide a wrong byte)."""
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
-               stop: Callable[[], bool] | None = None) -> DecodeOutput:
+    def decode(
+        self,
+        pool: HybridPool,
+        req: RequestKV,
+        token_ids: np.ndarray,
+        max_new_tokens: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> DecodeOutput:
         """Generate tokens from the pool, appending KV (and evicting out-of-window SWA pages).
         Before every step, `stop()` true (the request was aborted) raises Cancelled: the
         pages it holds are freed at once, not when the last token is done."""

@@ -22,22 +22,30 @@ if TYPE_CHECKING:
     from disagg.engine.base import ModelEngine
 
 
-def _standin(preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None) -> "ModelEngine":
+def _standin(
+    preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+) -> "ModelEngine":
     if source is not None:
         raise ConfigError("--model / --model-type need the model engine (--engine model or auto), not the stand-in")
     from disagg.engine.standin import StandInEngine
+
     return StandInEngine(simulate_layer_ms)
 
 
-def _model(preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None) -> "ModelEngine":
+def _model(
+    preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+) -> "ModelEngine":
     if simulate_layer_ms:
         raise ConfigError("--simulate-layer-ms is for the stand-in engine; the model engine computes for real")
     if source is None and preset not in FAMILIES:
-        raise ConfigError(f"--engine model runs model code, and preset {preset!r} is a geometry only; "
-                          f"use one of: {', '.join(FAMILIES)}")
-    if importlib.util.find_spec("transformers") is None:   # not imported here: offline switches first
+        raise ConfigError(
+            f"--engine model runs model code, and preset {preset!r} is a geometry only; "
+            f"use one of: {', '.join(FAMILIES)}"
+        )
+    if importlib.util.find_spec("transformers") is None:  # not imported here: offline switches first
         raise ConfigError("--engine model needs transformers: pip install 'disagg[model]'")
     from disagg.engine.model.engine import TransformersEngine
+
     return TransformersEngine(source or preset, device)
 
 
@@ -49,8 +57,9 @@ def resolve(name: str, preset: str, source: ModelSource | None = None) -> str:
     return ("model" if source is not None or preset in FAMILIES else "standin") if name == "auto" else name
 
 
-def create(name: str, preset: str, device: str, simulate_layer_ms: float = 0.0,
-           source: ModelSource | None = None) -> "ModelEngine":
+def create(
+    name: str, preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+) -> "ModelEngine":
     """The engine `name` (or auto) for `preset` or `source` (--model, --model-type), its model
     on `device` (a resolved device)."""
     return ENGINES[resolve(name, preset, source)](preset, device, simulate_layer_ms, source)

@@ -47,8 +47,8 @@ def _bytes_for(seeds: np.ndarray, nbytes: int) -> np.ndarray:
     return words.view(np.uint8)[:, :nbytes]
 
 
-_FNV = 0xCBF29CE484222325 - (1 << 64)      # the same 64-bit constants as int64 (two's complement)
-_LOW35 = (1 << 35) - 1                     # >> 29 on int64 keeps 35 bits: a logical shift
+_FNV = 0xCBF29CE484222325 - (1 << 64)  # the same 64-bit constants as int64 (two's complement)
+_LOW35 = (1 << 35) - 1  # >> 29 on int64 keeps 35 bits: a logical shift
 
 
 def _mix_t(*parts) -> torch.Tensor:
@@ -67,8 +67,8 @@ def _bytes_for_t(seeds: torch.Tensor, nbytes: int) -> torch.Tensor:
     """_bytes_for on the seeds' device: uint8 [len(seeds), nbytes]."""
     j = torch.arange(-(-nbytes // 4), dtype=torch.int64, device=seeds.device)
     words = (seeds[:, None] * (2 * j + 1)[None, :] + (j * 0x9E3779B1)[None, :]) & 0xFFFFFFFF
-    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)   # exact, no overflow
-    return words.view(torch.uint8).reshape(len(seeds), 4 * len(j))[:, :nbytes]   # (no seeds: no rows)
+    words = torch.where(words >= 1 << 31, words - (1 << 32), words).to(torch.int32)  # exact, no overflow
+    return words.view(torch.uint8).reshape(len(seeds), 4 * len(j))[:, :nbytes]  # (no seeds: no rows)
 
 
 def first_token(token_ids: np.ndarray) -> int:
@@ -93,17 +93,24 @@ class StandInEngine:
     """Loops over the pool's components as kvpool.positions describes them; it names none."""
 
     name = "standin"
-    spec = None          # fills any preset
-    vocab_size = None    # takes any token id
+    spec = None  # fills any preset
+    vocab_size = None  # takes any token id
     byte_digest = False  # decode recomputes every byte it holds (verify): stronger than a digest
-    exact_reuse = True   # a position's KV is a function of its token and position alone
+    exact_reuse = True  # a position's KV is a function of its token and position alone
     reuse_note = "standin: a position's KV is a function of its token and position: decode may reuse all it holds"
 
     def __init__(self, layer_ms: float = 0.0):
-        self.layer_ms = layer_ms   # simulated compute per layer in prefill (0: none)
+        self.layer_ms = layer_ms  # simulated compute per layer in prefill (0: none)
 
-    def _expected(self, layer: int, c: Component, token_ids: torch.Tensor, positions: torch.Tensor, nbytes: int,
-                  cols: tuple | None = None):
+    def _expected(
+        self,
+        layer: int,
+        c: Component,
+        token_ids: torch.Tensor,
+        positions: torch.Tensor,
+        nbytes: int,
+        cols: tuple | None = None,
+    ):
         """uint8 [len(positions), nbytes] on the tensors' device: a TP shard's row (`cols`) is
         its bytes of the whole model's row, so a resharded row verifies on any rank."""
         if cols is None:
@@ -141,13 +148,15 @@ class StandInEngine:
         out = []
         for c in paged_components(pool):
             items, slots = token_items(pool, c, req, positions)
-            keep = backed(items)   # only positions whose page the component still holds
+            keep = backed(items)  # only positions whose page the component still holds
             pos = torch.from_numpy(positions[keep].astype(np.int64)).to(device)
             it = torch.from_numpy(items[keep].astype(np.int64)).to(device)
             sl = torch.from_numpy(slots[keep].astype(np.int64)).to(device)
             for layer, part, view in self._parts(pool, c):
                 cols = self._columns(pool, c, part)
-                out.append((layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl=sl, cols=cols)))
+                out.append(
+                    (layer, functools.partial(self._write_part, view, layer, c, tokens, pos, it, sl=sl, cols=cols))
+                )
         return out
 
     def _write_part(self, view, layer: int, c: Component, tokens, pos, it, *, sl, cols) -> None:
@@ -180,20 +189,22 @@ class StandInEngine:
         return int(pool.index_set(req)[c][0])
 
     # ---- ModelEngine ---------------------------------------------------------------------
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
-                on_layer=None) -> PrefillResult:
+    def prefill(
+        self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int, on_layer=None
+    ) -> PrefillResult:
         """Layer by layer, as a forward pass goes: every part of layer i (KV of every
         position, its state), then `layer_ms` of simulated compute, then on_layer(i)."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
         by_layer: dict[int, list] = {}
-        for layer, write in self._writes(pool, req, token_ids, np.arange(len(token_ids))) + \
-                self._state_writes(pool, req, token_ids):
+        for layer, write in self._writes(pool, req, token_ids, np.arange(len(token_ids))) + self._state_writes(
+            pool, req, token_ids
+        ):
             by_layer.setdefault(layer, []).append(write)
         for layer in range(pool.config.model.num_layers):
             for write in by_layer.get(layer, ()):
                 write()
             if self.layer_ms:
-                time.sleep(self.layer_ms / 1e3)   # the compute a real layer would take (benchmarks, tests)
+                time.sleep(self.layer_ms / 1e3)  # the compute a real layer would take (benchmarks, tests)
             if on_layer is not None:
                 on_layer(layer)
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
@@ -211,7 +222,7 @@ class StandInEngine:
         device = pool.config.device
         tokens = torch.from_numpy(token_ids).to(device)
         for c in paged_components(pool):
-            positions = kept_positions(pool, c, n)   # what the receiver holds (SWA: the window)
+            positions = kept_positions(pool, c, n)  # what the receiver holds (SWA: the window)
             items, slots = token_items(pool, c, req, positions)
             pos = torch.from_numpy(positions.astype(np.int64)).to(device)
             it = torch.from_numpy(items.astype(np.int64)).to(device)
@@ -222,7 +233,9 @@ class StandInEngine:
                 want = self._expected(layer, c, tokens, pos, per_token, self._columns(pool, c, part))
                 if not torch.equal(got, want):
                     bad = int(torch.nonzero((got != want).any(dim=1))[0, 0])
-                    raise VerifyError(f"{c.value} layer {layer} {part}: token at position {int(positions[bad])} differs")
+                    raise VerifyError(
+                        f"{c.value} layer {layer} {part}: token at position {int(positions[bad])} differs"
+                    )
         for c in state_components(pool):
             item = self._state_item(pool, c, req)
             for layer, part, want in self._state_bytes(pool, c, token_ids):
@@ -230,8 +243,9 @@ class StandInEngine:
                 if not np.array_equal(got, want):
                     raise VerifyError(f"{c.value} layer {layer} {part} differs")
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
-               stop=None) -> DecodeOutput:
+    def decode(
+        self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int, stop=None
+    ) -> DecodeOutput:
         tokens = list(np.asarray(token_ids, dtype=np.int64))
         out = [first_token(np.asarray(token_ids))]
         for step in range(1, max_new_tokens):

@@ -36,7 +36,7 @@ from transfer.staging import RemoteSlots
 
 log = logging.getLogger(__name__)
 
-DIGEST_WAIT_S = 60.0   # a send that landed waits at most this for its KV's digest (one pass over the KV)
+DIGEST_WAIT_S = 60.0  # a send that landed waits at most this for its KV's digest (one pass over the KV)
 
 
 class TransferJobs:
@@ -71,8 +71,9 @@ class TransferJobs:
         except RuntimeError:
             return None
 
-    def submit(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None,
-               finished: Finished) -> str | None:
+    def submit(
+        self, r: PrefillRequest, d: Destination, progress: LayerProgress | None, finished: Finished
+    ) -> str | None:
         """Start d's send on its peer's shard (`progress`: streamed, the engine still computes);
         its worker reports to `finished`. Returns why it could not start, if it could not."""
         peer = self._peers.get(d.peer)
@@ -90,7 +91,7 @@ class TransferJobs:
         cfg = self._pool.config
         try:
             digest = r.digest.result(timeout=DIGEST_WAIT_S)[0] if r.digest is not None else {}
-        except Exception as exc:   # noqa: BLE001 (the digest thread's error, or no result in time)
+        except Exception as exc:  # noqa: BLE001 (the digest thread's error, or no result in time)
             raise TransferError(f"the KV's digest: {type(exc).__name__}: {exc}") from None
         return for_destination(cfg.model, digest, (cfg.tp_size, cfg.tp_rank), (r.tp_size or 1, d.rank))
 
@@ -106,8 +107,7 @@ class TransferJobs:
             return None
         return self._sender.prepare(target, r.src, d.dst, len(r.tokens), False, stage, prefix_len=d.prefix_len)
 
-    def _transfer(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None,
-                  finished: Finished) -> None:
+    def _transfer(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None, finished: Finished) -> None:
         """Send r's KV (our share of destination d's); `finished` tells d, and frees the pages
         once every destination is done (or r failed)."""
         ok, reason, done, settled = False, "", None, True
@@ -115,16 +115,24 @@ class TransferJobs:
             peer = self._peers.get(d.peer)
             if peer is None:
                 raise ProtocolError("decode peer is not registered")
-            if progress is None and r.phase.sending:   # (streamed: the table says so once computed;
+            if progress is None and r.phase.sending:  # (streamed: the table says so once computed;
                 # aborted while queued: send() stops before it plans)
                 self._io.send(d.peer, TransferStarted(r.room, self._epoch))
-            report = self._sender.send(peer.target, self._pool.index_set(r.kv), d.dst, self._remote(r, d, peer),
-                                       stopped=lambda: not r.phase.sending, progress=progress,
-                                       num_tokens=r.kv.num_tokens, prepared=take_prepared(d),
-                                       prefix_len=d.prefix_len)
+            report = self._sender.send(
+                peer.target,
+                self._pool.index_set(r.kv),
+                d.dst,
+                self._remote(r, d, peer),
+                stopped=lambda: not r.phase.sending,
+                progress=progress,
+                num_tokens=r.kv.num_tokens,
+                prepared=take_prepared(d),
+                prefix_len=d.prefix_len,
+            )
             # what decode waits for once compute is over: the part of the send not hidden
             report = msgspec.structs.replace(
-                report, after_compute_ms=max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3))
+                report, after_compute_ms=max(0.0, (time.time() - r.timings["prefill_done_at"]) * 1e3)
+            )
             done = TransferDone(r.room, self._epoch, True, report=report, digest=self._digest(r, d))
             ok = True
         except (DisaggError, KVPoolError) as exc:
@@ -146,5 +154,5 @@ def take_prepared(d: Destination):
         return None
     try:
         return job.result()
-    except Exception:   # noqa: BLE001
+    except Exception:  # noqa: BLE001
         return None

@@ -26,10 +26,10 @@ log = logging.getLogger(__name__)
 
 @dataclass(eq=False)
 class DecodePeer:
-    target: RemotePool            # the link over the transport picked for this peer
+    target: RemotePool  # the link over the transport picked for this peer
     epoch: int
     relay: ChunkRelay
-    workers: ThreadPoolExecutor   # this destination's shard
+    workers: ThreadPoolExecutor  # this destination's shard
     tp: tuple[int, int] = (1, 0)  # its instance's TP size, and its rank
 
     def close(self, wait: bool = False) -> None:
@@ -38,14 +38,15 @@ class DecodePeer:
 
 
 class DecodePeers:
-    def __init__(self, sender: KVSender, layout: LayoutInfo, io: RouterIO, transfer_workers: int,
-                 dead_after_s: float, epoch: int):
+    def __init__(
+        self, sender: KVSender, layout: LayoutInfo, io: RouterIO, transfer_workers: int, dead_after_s: float, epoch: int
+    ):
         self.sender, self.layout, self.io = sender, layout, io
         self.transfer_workers, self.epoch = transfer_workers, epoch
         self.liveness = Liveness(dead_after_s)
         self._peers: dict[bytes, DecodePeer] = {}
-        self._receivers: dict[int, frozenset[int]] = {}   # decode TP size -> ranks we send to
-        self._refusals: dict[str, float] = {}              # reason -> when last logged
+        self._receivers: dict[int, frozenset[int]] = {}  # decode TP size -> ranks we send to
+        self._refusals: dict[str, float] = {}  # reason -> when last logged
 
     def get(self, identity: bytes) -> DecodePeer | None:
         return self._peers.get(identity)
@@ -85,35 +86,51 @@ class DecodePeers:
             if not msg.tp_rank < msg.tp_size:
                 raise ProtocolError(f"decode TP rank {msg.tp_rank} is not a rank of its TP size {msg.tp_size}")
             if msg.layout.model is not None and msg.layout.model.tp_size != msg.tp_size:
-                raise ProtocolError(f"decode says TP size {msg.tp_size}, its pool is described at TP size "
-                                    f"{msg.layout.model.tp_size}")
+                raise ProtocolError(
+                    f"decode says TP size {msg.tp_size}, its pool is described at TP size {msg.layout.model.tp_size}"
+                )
             diff = layout_difference(prefill=self.layout, decode=msg.layout)
             if diff:
                 raise ProtocolError(f"layout mismatch: {diff}")
-            target = self.sender.connect(msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size,
-                                         tp=(msg.tp_size, msg.tp_rank))
+            target = self.sender.connect(
+                msg.transports, msg.layout.buffers, msg.staging, msg.layout.page_size, tp=(msg.tp_size, msg.tp_rank)
+            )
         except (ProtocolError, TransferError) as exc:
             self._refused(str(exc))
             return Refused(str(exc))
         old = self._peers.get(identity)
         if old is not None:
-            old.target.link.close()   # a new registration (new epoch, new regions): a new link
-        workers = old.workers if old is not None else ThreadPoolExecutor(
-            self.transfer_workers, thread_name_prefix=f"kv-transfer-{target.link.peer}")
-        self._peers[identity] = DecodePeer(target, msg.epoch, ChunkRelay(self.io, identity), workers,
-                                           (msg.tp_size, msg.tp_rank))
+            old.target.link.close()  # a new registration (new epoch, new regions): a new link
+        workers = (
+            old.workers
+            if old is not None
+            else ThreadPoolExecutor(self.transfer_workers, thread_name_prefix=f"kv-transfer-{target.link.peer}")
+        )
+        self._peers[identity] = DecodePeer(
+            target, msg.epoch, ChunkRelay(self.io, identity), workers, (msg.tp_size, msg.tp_rank)
+        )
         self.liveness.heard(identity)
         log.info("decode %s registered (epoch %d, %s)", target.link.peer, msg.epoch, target.link.kind)
         ours = self.sender.shard
         if msg.tp_size != ours.tp_size:
-            log.info("decode %s is TP rank %d of %d, we are rank %d of %d: we send it the slices of our heads "
-                     "that it holds (%d lanes; state slots and the AUX row by slice too)", target.link.peer,
-                     msg.tp_rank, msg.tp_size, ours.tp_rank, ours.tp_size,
-                     sum(len(l) for l in target.src_lanes.values()))
+            log.info(
+                "decode %s is TP rank %d of %d, we are rank %d of %d: we send it the slices of our heads "
+                "that it holds (%d lanes; state slots and the AUX row by slice too)",
+                target.link.peer,
+                msg.tp_rank,
+                msg.tp_size,
+                ours.tp_rank,
+                ours.tp_size,
+                sum(len(l) for l in target.src_lanes.values()),
+            )
         elif target.lanes is not None:
-            log.info("decode %s keeps pages of %d tokens, ours hold %d: its paged components move by token "
-                     "(runs end where a page of either side ends)", target.link.peer, msg.layout.page_size,
-                     self.layout.page_size)
+            log.info(
+                "decode %s keeps pages of %d tokens, ours hold %d: its paged components move by token "
+                "(runs end where a page of either side ends)",
+                target.link.peer,
+                msg.layout.page_size,
+                self.layout.page_size,
+            )
         return Registered(self.epoch, transport=target.link.kind)
 
     def receivers(self, tp_size: int) -> frozenset[int]:
@@ -123,7 +140,8 @@ class DecodePeers:
         if known is None:
             cfg = self.sender.endpoint.pool.config
             known = self._receivers[tp_size] = frozenset(
-                receivers(cfg.model, self.sender.shard, tp_size, tuple(cfg.components)))
+                receivers(cfg.model, self.sender.shard, tp_size, tuple(cfg.components))
+            )
         return known
 
     def drop_silent(self) -> set[bytes]:
@@ -132,8 +150,9 @@ class DecodePeers:
         for identity in gone:
             peer = self._peers.pop(identity, None)
             if peer is not None:
-                log.warning("decode %s silent for %.0f s: dropping it", peer.target.link.peer,
-                            self.liveness.dead_after_s)
+                log.warning(
+                    "decode %s silent for %.0f s: dropping it", peer.target.link.peer, self.liveness.dead_after_s
+                )
                 peer.close()
         return gone
 

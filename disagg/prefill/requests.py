@@ -130,7 +130,8 @@ _NEXT = {
     Phase.STREAMING: {Phase.TRANSFERRING, Phase.STOPPING, Phase.FAILED},
     Phase.TRANSFERRING: {Phase.DONE, Phase.STOPPING, Phase.FAILED},
     Phase.STOPPING: {Phase.FAILED},
-    Phase.DONE: set(), Phase.FAILED: set(),
+    Phase.DONE: set(),
+    Phase.FAILED: set(),
     Compute.PENDING: {Compute.ALLOCATED, Compute.STREAMING, Compute.COMPUTED, Compute.RELEASED},
     Compute.ALLOCATED: {Compute.COMPUTED, Compute.RELEASED},
     Compute.STREAMING: {Compute.COMPUTED, Compute.BROKEN},
@@ -142,8 +143,8 @@ _NEXT = {
     Delivery.STOPPED: {Delivery.TOLD},
     Delivery.TOLD: set(),
 }
-for _now, _moves in _NEXT.items():   # kept on the member as a tuple: `in` then compares by identity,
-    _now.moves = tuple(_moves)       # where a set would call Enum.__hash__ (Python) on every move
+for _now, _moves in _NEXT.items():  # kept on the member as a tuple: `in` then compares by identity,
+    _now.moves = tuple(_moves)  # where a set would call Enum.__hash__ (Python) on every move
 
 
 def step(now: Enum, to: S) -> S:
@@ -157,19 +158,20 @@ def step(now: Enum, to: S) -> S:
 class Destination:
     """One decode rank a request's KV goes to: several when the TP sizes differ.
 
-        TP 1 -> 2:  prefill rank 0 --half the heads--> decode rank 0
-                                   --the other half--> decode rank 1      (two destinations)
-        TP 2 -> 1:  prefill rank r --its heads--> decode rank 0           (one destination each)
+    TP 1 -> 2:  prefill rank 0 --half the heads--> decode rank 0
+                               --the other half--> decode rank 1      (two destinations)
+    TP 2 -> 1:  prefill rank r --its heads--> decode rank 0           (one destination each)
     """
-    peer: bytes                 # its control identity
-    rank: int                   # its TP rank
-    dst: IndexSet               # its destination indices
-    slots: list[int]            # its staging slots lent to this transfer
+
+    peer: bytes  # its control identity
+    rank: int  # its TP rank
+    dst: IndexSet  # its destination indices
+    slots: list[int]  # its staging slots lent to this transfer
     delivery: Delivery = Delivery.WAITING
-    prepared: Future | None = None   # its send laid out while the KV computes (TransferJobs.prepare);
-                                     # its transfer worker takes it
-    report: TransferReport | None = None   # what its send did (None: it has not finished)
-    prefix_len: int = 0         # it holds the prompt's positions [0, prefix_len) already: the rest goes
+    prepared: Future | None = None  # its send laid out while the KV computes (TransferJobs.prepare);
+    # its transfer worker takes it
+    report: TransferReport | None = None  # what its send did (None: it has not finished)
+    prefix_len: int = 0  # it holds the prompt's positions [0, prefix_len) already: the rest goes
 
 
 @dataclass(eq=False)
@@ -177,21 +179,21 @@ class PrefillRequest:
     room: int
     phase: Phase
     compute: Compute = Compute.PENDING
-    since: float = field(default_factory=time.monotonic)     # when the phase began
-    tokens: np.ndarray | None = None      # the prompt (None while ORPHANED)
-    kv: RequestKV | None = None           # the pages the table holds (STREAMING, COMPUTED, BROKEN)
-    src: IndexSet | None = None           # their indices from ALLOCATED on (sends are prepared then)
-    progress: LayerProgress | None = None   # STREAMING on: which layers the engine has finished
-    dests: dict[int, Destination] = field(default_factory=dict)   # decode rank -> where its share goes
-    receivers: frozenset[int] | None = None   # the decode ranks to expect (from the first one's TP size)
-    tp_size: int = 0                      # the decode instance's TP size
-    stream_auto: bool = False             # streams by `auto`: only over a link that leaves the compute alone
-    settled: bool = True      # False: its writes were abandoned in flight (peer lost): decode is
-                              # told so, and keeps the pages until the cap (TransferDone.settled)
+    since: float = field(default_factory=time.monotonic)  # when the phase began
+    tokens: np.ndarray | None = None  # the prompt (None while ORPHANED)
+    kv: RequestKV | None = None  # the pages the table holds (STREAMING, COMPUTED, BROKEN)
+    src: IndexSet | None = None  # their indices from ALLOCATED on (sends are prepared then)
+    progress: LayerProgress | None = None  # STREAMING on: which layers the engine has finished
+    dests: dict[int, Destination] = field(default_factory=dict)  # decode rank -> where its share goes
+    receivers: frozenset[int] | None = None  # the decode ranks to expect (from the first one's TP size)
+    tp_size: int = 0  # the decode instance's TP size
+    stream_auto: bool = False  # streams by `auto`: only over a link that leaves the compute alone
+    settled: bool = True  # False: its writes were abandoned in flight (peer lost): decode is
+    # told so, and keeps the pages until the cap (TransferDone.settled)
     reason: str = ""
     timings: dict = field(default_factory=dict)
-    digest: Future | None = None   # (kvpool.digest of its KV, ms), computed beside the sends: each
-                                   # TransferDone(ok) waits for it and carries its destination's units
+    digest: Future | None = None  # (kvpool.digest of its KV, ms), computed beside the sends: each
+    # TransferDone(ok) waits for it and carries its destination's units
 
     @property
     def complete(self) -> bool:
@@ -208,18 +210,28 @@ class PrefillRequest:
 
 class Finished(Protocol):
     """RequestTable.finished, as a transfer worker reports to it."""
-    def __call__(self, r: PrefillRequest, ok: bool, reason: str = "", done: TransferDone | None = None,
-                 settled: bool = True, dest: Destination | None = None) -> None: ...
+
+    def __call__(
+        self,
+        r: PrefillRequest,
+        ok: bool,
+        reason: str = "",
+        done: TransferDone | None = None,
+        settled: bool = True,
+        dest: Destination | None = None,
+    ) -> None: ...
 
 
 class Jobs(Protocol):
     """What the table's transitions do outside it (prefill/jobs.py: TransferJobs)."""
+
     def free(self, kv: RequestKV) -> None: ...
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None: ...
     def may_stream(self, r: PrefillRequest) -> bool: ...
     def prepare(self, r: PrefillRequest, d: Destination) -> Future | None: ...
-    def submit(self, r: PrefillRequest, d: Destination, progress: LayerProgress | None,
-               finished: Finished) -> str | None: ...
+    def submit(
+        self, r: PrefillRequest, d: Destination, progress: LayerProgress | None, finished: Finished
+    ) -> str | None: ...
 
 
 class RequestTable:
@@ -233,8 +245,14 @@ class RequestTable:
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
 
     # ---- arrivals (the prompt: its HTTP thread; a destination: the loop thread) ------------
-    def prompt(self, room: int, tokens: np.ndarray, stream_auto: bool = False, receivers: frozenset[int] | None = None,
-               tp_size: int = 0) -> PrefillRequest:
+    def prompt(
+        self,
+        room: int,
+        tokens: np.ndarray,
+        stream_auto: bool = False,
+        receivers: frozenset[int] | None = None,
+        tp_size: int = 0,
+    ) -> PrefillRequest:
         """The prompt arrived (HTTP). A room that ended here fails at once. `stream_auto`: it
         streams by `auto` (TransferJobs.may_stream decides per link). `receivers`: the decode
         ranks (of an instance of `tp_size`) to expect, where the caller knows them (None: the
@@ -252,32 +270,41 @@ class RequestTable:
                 why = why or f"room {room}: the router says decode TP size {tp_size}, decode's request {r.tp_size}"
             if r.phase is Phase.ORPHANED:
                 self._move(r, Phase.COMPUTING if r.complete else Phase.AWAITING_DECODE)
-            elif r.phase is Phase.AWAITING_DECODE and r.complete:   # no decode rank to wait for
+            elif r.phase is Phase.AWAITING_DECODE and r.complete:  # no decode rank to wait for
                 self._move(r, Phase.COMPUTING)
             r.tokens, r.stream_auto = tokens, stream_auto
             if why and not r.phase.ended:
                 self._fail(r, why)
             return r
 
-    def destination(self, room: int, peer: bytes, dst: IndexSet, slots: list[int], rank: int = 0,
-                    tp_size: int = 1, *, receivers: frozenset[int] = frozenset({0}),
-                    prefix_len: int = 0) -> TransferDone | None:
+    def destination(
+        self,
+        room: int,
+        peer: bytes,
+        dst: IndexSet,
+        slots: list[int],
+        rank: int = 0,
+        tp_size: int = 1,
+        *,
+        receivers: frozenset[int] = frozenset({0}),
+        prefix_len: int = 0,
+    ) -> TransferDone | None:
         """Decode rank `rank` (of an instance of `tp_size`, of which we send to `receivers`)
         sent its TransferRequest; returns an answer to send at once, if any."""
         with self._lock:
             r = self._rooms.get(room)
             why = self.ended.reason(room) if r is None else None
-            if why is not None:       # this room already ended here: decode must not wait for it
+            if why is not None:  # this room already ended here: decode must not wait for it
                 return TransferDone(room, self.epoch, False, reason=why)
             claimed = r.dests.get(rank) if r is not None else None
             if claimed is not None and claimed.peer == peer:
-                return None           # a second TransferRequest: ignored
+                return None  # a second TransferRequest: ignored
             refusal = self._refusal(room, r, rank, tp_size, receivers, claimed)
-            if refusal:               # nothing changes
+            if refusal:  # nothing changes
                 return TransferDone(room, self.epoch, False, reason=refusal)
             if r is None:
                 r = self._rooms[room] = PrefillRequest(room, Phase.ORPHANED)
-            if r.phase.ended:         # STOPPING: it will not be sent
+            if r.phase.ended:  # STOPPING: it will not be sent
                 return TransferDone(room, self.epoch, False, reason=r.reason)
             r.receivers, r.tp_size = receivers, tp_size
             r.dests[rank] = Destination(peer, rank, dst, list(slots), prefix_len=prefix_len)
@@ -288,8 +315,14 @@ class RequestTable:
             return None
 
     @staticmethod
-    def _refusal(room: int, r: PrefillRequest | None, rank: int, tp_size: int, receivers: frozenset[int],
-                 claimed: Destination | None) -> str | None:
+    def _refusal(
+        room: int,
+        r: PrefillRequest | None,
+        rank: int,
+        tp_size: int,
+        receivers: frozenset[int],
+        claimed: Destination | None,
+    ) -> str | None:
         if claimed is not None:
             return f"decode rank {rank} of room {room} is claimed by another connection"
         if r is not None and r.receivers is not None and r.tp_size != tp_size:
@@ -306,7 +339,7 @@ class RequestTable:
         with self._lock:
             if r.phase.ended:
                 return
-            if r.compute is not Compute.ALLOCATED:   # (a second call: nothing new)
+            if r.compute is not Compute.ALLOCATED:  # (a second call: nothing new)
                 r.src, r.compute = src, step(r.compute, Compute.ALLOCATED)
             self._maybe_prepare(r)
 
@@ -321,10 +354,12 @@ class RequestTable:
         """A streamed request's on_layer hook (called on the engine's thread): each layer goes
         to `progress`; at the first, the table takes the pages (streaming(); refused, and
         asked again at the next layer, if r ended: the HTTP thread keeps them)."""
+
         def final(layer: int) -> None:
-            progress.final(layer)   # (on a GPU: its kernels are queued; progress records an event)
-            if r.compute is Compute.PENDING:   # moved only by this thread until the table has them
+            progress.final(layer)  # (on a GPU: its kernels are queued; progress records an event)
+            if r.compute is Compute.PENDING:  # moved only by this thread until the table has them
                 self.streaming(r, kv, progress)
+
         return final
 
     def streaming(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> bool:
@@ -342,7 +377,7 @@ class RequestTable:
     def computed(self, r: PrefillRequest, kv: RequestKV) -> None:
         """The KV is computed into `kv`: the table holds it now (and frees it if r ended)."""
         with self._lock:
-            if r.compute is Compute.STREAMING:    # the table holds kv already
+            if r.compute is Compute.STREAMING:  # the table holds kv already
                 r.compute = step(r.compute, Compute.COMPUTED)
                 r.progress.complete()
                 if r.phase is Phase.STREAMING:
@@ -351,8 +386,8 @@ class RequestTable:
                         self._jobs.tell(d.peer, TransferStarted(r.room, self.epoch))
                 elif r.phase in (Phase.DONE, Phase.FAILED):
                     self._release(r)
-                else:   # its worker waited for the engine (may_stream), or decode is not here yet;
-                    self._maybe_start(r)   # STOPPING: the last worker's report releases them
+                else:  # its worker waited for the engine (may_stream), or decode is not here yet;
+                    self._maybe_start(r)  # STOPPING: the last worker's report releases them
                 return
             if r.phase.ended:
                 self._free_unseen(r, kv)
@@ -376,13 +411,12 @@ class RequestTable:
                 self._release(r)
 
     def _maybe_start(self, r: PrefillRequest) -> None:
-        if r.phase is not Phase.COMPUTING or not r.complete or r.compute not in (Compute.STREAMING,
-                                                                                  Compute.COMPUTED):
+        if r.phase is not Phase.COMPUTING or not r.complete or r.compute not in (Compute.STREAMING, Compute.COMPUTED):
             return
         streams = r.compute is Compute.STREAMING
         if streams and not self._jobs.may_stream(r):
-            return   # its worker starts once the KV is computed
-        if not r.dests:   # we hold none of the decode instance's share (another rank sends it)
+            return  # its worker starts once the KV is computed
+        if not r.dests:  # we hold none of the decode instance's share (another rank sends it)
             if not streams:
                 self._release(r)
                 self._done(r)
@@ -391,13 +425,20 @@ class RequestTable:
         for d in r.dests.values():
             refused = self._jobs.submit(r, d, r.progress if streams else None, self.finished)
             if refused:
-                self._fail(r, f"transfer workers unavailable: {refused}")   # the others stop
+                self._fail(r, f"transfer workers unavailable: {refused}")  # the others stop
                 return
             d.delivery = step(d.delivery, Delivery.WRITING)
 
     # ---- ends (a transfer worker, or any thread failing r) ------------------------------------
-    def finished(self, r: PrefillRequest, ok: bool, reason: str = "", done: TransferDone | None = None,
-                 settled: bool = True, dest: Destination | None = None) -> None:
+    def finished(
+        self,
+        r: PrefillRequest,
+        ok: bool,
+        reason: str = "",
+        done: TransferDone | None = None,
+        settled: bool = True,
+        dest: Destination | None = None,
+    ) -> None:
         """The transfer worker of `dest` (None: the only one) stopped writing (sent, failed or
         stopped); `settled` False: it gave up on writes in flight (their peer was lost), which
         may still land."""
@@ -407,11 +448,11 @@ class RequestTable:
             if ok and done is not None:
                 d.report = done.report
             if ok and r.phase is Phase.TRANSFERRING:
-                self._tell(d, done)   # its KV is complete: it need not wait for the others
+                self._tell(d, done)  # its KV is complete: it need not wait for the others
                 if all(x.delivery is Delivery.TOLD for x in r.dests.values()):
                     self._release(r)
                     self._done(r)
-            elif r.phase.sending:   # else STOPPING: it keeps the reason it failed for
+            elif r.phase.sending:  # else STOPPING: it keeps the reason it failed for
                 self._fail(r, reason or "transfer failed")
             elif r.phase is Phase.STOPPING and not r.writers:
                 self._move(r, Phase.FAILED)
@@ -428,7 +469,7 @@ class RequestTable:
     def _fail(self, r: PrefillRequest, why: str) -> None:
         r.reason = why
         if r.phase.sending and r.writers:
-            self._move(r, Phase.STOPPING)   # the workers stop before their next write, then report
+            self._move(r, Phase.STOPPING)  # the workers stop before their next write, then report
             self._lock.notify_all()
             return
         self._move(r, Phase.FAILED)
@@ -437,7 +478,7 @@ class RequestTable:
     def _end_failed(self, r: PrefillRequest) -> None:
         self._release(r)
         self._forget(r)
-        self.ended.bury(r.room, r.reason)   # a late TransferRequest or prompt is answered at once
+        self.ended.bury(r.room, r.reason)  # a late TransferRequest or prompt is answered at once
         for d in r.dests.values():
             if d.delivery is not Delivery.TOLD:
                 self._tell(d, TransferDone(r.room, self.epoch, False, reason=r.reason, settled=r.settled))
@@ -461,7 +502,7 @@ class RequestTable:
 
     def _free_unseen(self, r: PrefillRequest, kv: RequestKV) -> None:
         """The HTTP thread's pages, which the table never held (r ended first)."""
-        if r.compute not in (Compute.PENDING, Compute.ALLOCATED):   # the table's: freeing kv too would free twice
+        if r.compute not in (Compute.PENDING, Compute.ALLOCATED):  # the table's: freeing kv too would free twice
             raise IllegalTransition(f"Compute {r.compute.name}: the table holds room {r.room}'s pages, not its caller")
         r.compute = step(r.compute, Compute.RELEASED)
         self._jobs.free(kv)
@@ -520,6 +561,10 @@ class RequestTable:
                     self._fail(r, "prefill never arrived")
 
 
-_MISSING = {Phase.AWAITING_DECODE: "no TransferRequest from decode", Phase.ORPHANED: "the prompt never came",
-            Phase.COMPUTING: "KV not computed", Phase.STREAMING: "KV not computed",
-            Phase.TRANSFERRING: "send not finished"}
+_MISSING = {
+    Phase.AWAITING_DECODE: "no TransferRequest from decode",
+    Phase.ORPHANED: "the prompt never came",
+    Phase.COMPUTING: "KV not computed",
+    Phase.STREAMING: "KV not computed",
+    Phase.TRANSFERRING: "send not finished",
+}

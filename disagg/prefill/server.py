@@ -27,8 +27,18 @@ import numpy as np
 from disagg.api.fields import STREAM_LAYERS
 from disagg.bootstrap.lease import BootstrapLease
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
-from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
-                                     Refused, TransferDone, TransferRequest, indices_from_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    ChunkDone,
+    Heartbeat,
+    RegisterDecode,
+    RegisterPrefill,
+    Refused,
+    TransferDone,
+    TransferRequest,
+    indices_from_wire,
+)
 from disagg.control.io import RouterIO
 from disagg.engine.base import ModelEngine
 from disagg.errors import BadRequest, DisaggError, Overloaded, ProtocolError
@@ -50,12 +60,12 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PrefillConfig(WorkerSettings):
-    control_port: int = 0                   # 0: any free port
-    bootstrap_bind: str | None = "tcp://127.0.0.1:8998"   # run the bootstrap here (None: external)
-    bootstrap_addr: str | None = None       # where to register (default: our own bootstrap)
-    transfer_workers: int = 4               # per decode peer
-    stream_layers: str = "auto"             # on | off | auto: send layer groups while computing
-    stream_min_tokens: int = 2048           # auto streams prompts at least this long
+    control_port: int = 0  # 0: any free port
+    bootstrap_bind: str | None = "tcp://127.0.0.1:8998"  # run the bootstrap here (None: external)
+    bootstrap_addr: str | None = None  # where to register (default: our own bootstrap)
+    transfer_workers: int = 4  # per decode peer
+    stream_layers: str = "auto"  # on | off | auto: send layer groups while computing
+    stream_min_tokens: int = 2048  # auto streams prompts at least this long
 
     def __post_init__(self) -> None:
         if self.stream_layers not in STREAM_LAYERS:
@@ -69,18 +79,25 @@ class PrefillServer(Worker):
         self.sender = KVSender(self.endpoint)
         self.io = RouterIO(self.gate, config.host, config.control_port)
         self.control_endpoint = self.io.endpoint
-        self.peers = DecodePeers(self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s,
-                                 self.epoch)
-        self.requests = RequestTable(self.epoch, config.deadlines,
-                                     TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission))
+        self.peers = DecodePeers(
+            self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s, self.epoch
+        )
+        self.requests = RequestTable(
+            self.epoch, config.deadlines, TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission)
+        )
         # the KV's digest is computed beside its transfer, not before it: only TransferDone needs it
         self._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-digest")
-        rank = RegisterPrefill(PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint,
-                               self.epoch, self.layout)
+        rank = RegisterPrefill(
+            PROTOCOL_VERSION, config.pool.tp_rank, config.pool.tp_size, self.control_endpoint, self.epoch, self.layout
+        )
         # (a bootstrap of our own holds our rank from its start: it started with us)
-        self.bootstrap = BootstrapServer(BootstrapConfig(config.bootstrap_bind), self.gate,
-                                         own=None if config.bootstrap_addr else rank).start() \
-            if config.bootstrap_bind else None
+        self.bootstrap = (
+            BootstrapServer(
+                BootstrapConfig(config.bootstrap_bind), self.gate, own=None if config.bootstrap_addr else rank
+            ).start()
+            if config.bootstrap_bind
+            else None
+        )
         self.bootstrap_endpoint = config.bootstrap_addr or (self.bootstrap.endpoint if self.bootstrap else None)
         if self.bootstrap_endpoint is None:
             raise ValueError("give bootstrap_bind or bootstrap_addr")
@@ -95,7 +112,9 @@ class PrefillServer(Worker):
         self.ready = True
 
     # ---- the request path (HTTP threads) -----------------------------------------------------
-    def prefill(self, room: int, token_ids: np.ndarray, stream: str | None = None, decode_tp: int | None = None) -> dict:
+    def prefill(
+        self, room: int, token_ids: np.ndarray, stream: str | None = None, decode_tp: int | None = None
+    ) -> dict:
         """Compute the prompt's KV, wait for decode's destinations, transfer (`stream`: on, off
         or auto, default --stream-layers: whether layer groups go while the engine computes;
         `decode_tp`: the decode instance's TP size where the router says it, so a rank that
@@ -104,7 +123,7 @@ class PrefillServer(Worker):
         Returns the outcome with timings; the request's pages are free when this returns.
         Raises Overloaded (pool full past queue_wait_s) or TooLarge after the same cleanup."""
         t0 = time.perf_counter()
-        tokens = self.check_tokens(token_ids)    # BadRequest before anything changes
+        tokens = self.check_tokens(token_ids)  # BadRequest before anything changes
         mode = stream or self.config.stream_layers
         streams = self._streams(mode, len(tokens))
         receivers = self._receivers(decode_tp) if decode_tp else None
@@ -116,26 +135,27 @@ class PrefillServer(Worker):
                 kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
                 self.faults.check("prefill.compute")
                 on_layer = None
-                if streams:   # the table takes the pages at the engine's first layer (RequestTable.handover)
+                if streams:  # the table takes the pages at the engine's first layer (RequestTable.handover)
                     on_layer = self.requests.handover(
-                        r, kv, LayerProgress(self.pool.config.model.num_layers, self.pool.config.device))
-                else:   # the sends are laid out while the engine computes
+                        r, kv, LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
+                    )
+                else:  # the sends are laid out while the engine computes
                     self.requests.allocated(r, self.pool.index_set(kv))
                 first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
                 r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
                 r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                if self.faults.hit("prefill.flip"):   # a wrong computation: only the colocated check catches it
+                if self.faults.hit("prefill.flip"):  # a wrong computation: only the colocated check catches it
                     log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
                 if self.model.byte_digest:
-                    self._digest(r, kv)   # (beside the sends: their TransferDone carries it)
+                    self._digest(r, kv)  # (beside the sends: their TransferDone carries it)
                 held, kv = kv, None
-                self.requests.computed(r, held)   # only now may a transfer see it whole (AUX row last)
+                self.requests.computed(r, held)  # only now may a transfer see it whole (AUX row last)
         except (KVPoolError, DisaggError) as exc:
             if isinstance(exc, (Overloaded, ValueError)):
                 refused = exc
             self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
         finally:
-            if kv is not None:   # raised after the pages were allocated (the engine, an injected fault):
+            if kv is not None:  # raised after the pages were allocated (the engine, an injected fault):
                 # the table fails r and decides who frees them
                 self.requests.compute_ended(r, kv, "prefill: the model engine failed")
         phase = self.requests.wait(r)
@@ -147,8 +167,14 @@ class PrefillServer(Worker):
         timings = {k: v for k, v in r.timings.items() if r.receivers or k != "prefill_done_at"}
         if r.digest is not None and r.digest.done() and r.digest.exception() is None:
             timings["digest_ms"] = r.digest.result()[1]
-        return {"room": room, "state": "SUCCESS" if done else "FAILED", "reason": r.reason,
-                **({"first_token": first_token} if done else {}), **timings, **self._report(r)}
+        return {
+            "room": room,
+            "state": "SUCCESS" if done else "FAILED",
+            "reason": r.reason,
+            **({"first_token": first_token} if done else {}),
+            **timings,
+            **self._report(r),
+        }
 
     def _digest(self, r: PrefillRequest, kv) -> None:
         """Start the digest of the KV as the engine wrote it, which decode checks what arrived
@@ -182,7 +208,7 @@ class PrefillServer(Worker):
                     reply = self._handle(identity, msg)
                 except Exception:  # a bug or a hostile frame must not stop the control plane
                     log.exception("control frame from %r failed", identity)
-                    reply = None   # (a Refused would make a registered decode drop the connection)
+                    reply = None  # (a Refused would make a registered decode drop the connection)
                 if reply is not None:
                     self.io.reply(identity, reply)
             if time.monotonic() >= next_sweep:
@@ -207,21 +233,27 @@ class PrefillServer(Worker):
                 self.peers.get(identity).relay.on_done(room, index)
             case Abort(room=room, reason=why):
                 r = self.requests.get(room)
-                if r is None:   # nothing of ours writes for this room (unless a write given up on)
-                    return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}",
-                                        settled=not self.endpoint.unsettled())
-                if not self.peers.same_decode(identity, r.peers()):   # ownership: only its decode ends it
+                if r is None:  # nothing of ours writes for this room (unless a write given up on)
+                    return TransferDone(
+                        room,
+                        self.epoch,
+                        False,
+                        reason=f"aborted by decode: {why}",
+                        settled=not self.endpoint.unsettled(),
+                    )
+                if not self.peers.same_decode(identity, r.peers()):  # ownership: only its decode ends it
                     log.warning("decode %r tried to abort room %d of another decode: ignored", identity, room)
                     return TransferDone(room, self.epoch, False, reason="not a room of yours: nothing done")
-                self.requests.fail(r, f"aborted by decode: {why}")   # every destination of r hears it
+                self.requests.fail(r, f"aborted by decode: {why}")  # every destination of r hears it
                 # A decode on a connection the room came from hears the end from the table;
                 # the same decode on a new connection (it re-registered) is answered here,
                 # unless a transfer still writes (then it asks again later).
                 if identity not in r.peers() and r.phase is not Phase.STOPPING:
-                    return TransferDone(room, self.epoch, False, reason=r.reason,
-                                        settled=r.settled and not self.endpoint.unsettled())
+                    return TransferDone(
+                        room, self.epoch, False, reason=r.reason, settled=r.settled and not self.endpoint.unsettled()
+                    )
             case Heartbeat():
-                if not known:   # we dropped it (it went silent): it must register again
+                if not known:  # we dropped it (it went silent): it must register again
                     return Refused("unknown decode: register again")
                 return Heartbeat(self.epoch)
         return None
@@ -241,8 +273,16 @@ class PrefillServer(Worker):
         if reason is not None:
             return TransferDone(msg.room, self.epoch, False, reason=reason)
         size, rank = peer.tp
-        return self.requests.destination(msg.room, identity, dst, list(msg.slots), rank, size,
-                                         receivers=self.peers.receivers(size), prefix_len=msg.prefix_len)
+        return self.requests.destination(
+            msg.room,
+            identity,
+            dst,
+            list(msg.slots),
+            rank,
+            size,
+            receivers=self.peers.receivers(size),
+            prefix_len=msg.prefix_len,
+        )
 
     def available(self) -> dict[str, int]:
         return self.pool.available()
@@ -254,8 +294,11 @@ class PrefillServer(Worker):
             return {"ready": False, "why": "starting"}
         lost = self.lease.lost
         if lost:
-            return {"ready": False, "why": f"bootstrap {self.bootstrap_endpoint} no longer lists this prefill as "
-                                          f"rank {self.config.pool.tp_rank}: {lost}"}
+            return {
+                "ready": False,
+                "why": f"bootstrap {self.bootstrap_endpoint} no longer lists this prefill as "
+                f"rank {self.config.pool.tp_rank}: {lost}",
+            }
         return {"ready": True, "bootstrap": self.bootstrap_endpoint}
 
     def health(self) -> dict:
@@ -267,8 +310,12 @@ class PrefillServer(Worker):
 
     def threads(self) -> dict[str, bool]:
         """For /health: whether each thread this process cannot serve without is alive."""
-        return {**super().threads(), "loop": self._loop_thread.is_alive(), "bootstrap lease": self.lease.alive,
-                **({"bootstrap": self.bootstrap.alive} if self.bootstrap is not None else {})}
+        return {
+            **super().threads(),
+            "loop": self._loop_thread.is_alive(),
+            "bootstrap lease": self.lease.alive,
+            **({"bootstrap": self.bootstrap.alive} if self.bootstrap is not None else {}),
+        }
 
     def close(self) -> None:
         self.lease.stop()

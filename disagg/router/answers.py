@@ -18,33 +18,43 @@ from transfer.report import REPORT_KEYS, Count, TransferReport, merged
 
 class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     """A prefill or decode worker's answer, or post_json's word for a call that failed."""
-    state: str = ""                  # SUCCESS; anything else is a failure
+
+    state: str = ""  # SUCCESS; anything else is a failure
     reason: str = ""
-    status: int | None = None        # the HTTP status of a refused call (post_json)
-    unreachable: bool = False        # the worker could not be reached (post_json)
-    first_token: int | None = None   # prefill: the first generated token
-    verified: bool | None = None     # decode: every byte of the KV checked
+    status: int | None = None  # the HTTP status of a refused call (post_json)
+    unreachable: bool = False  # the worker could not be reached (post_json)
+    first_token: int | None = None  # prefill: the first generated token
+    verified: bool | None = None  # decode: every byte of the KV checked
     # decode: the check that found the answer wrong (verify, check; the router's merge: ranks)
     integrity: Literal["verify", "check", "ranks"] | None = None
-    output_tokens: list[int] = []    # decode
-    check: dict[str, Any] | None = None   # decode: compared with a colocated run (token_match, ...)
-    prefill_ms: float | None = None       # ms: prefill's compute
+    output_tokens: list[int] = []  # decode
+    check: dict[str, Any] | None = None  # decode: compared with a colocated run (token_match, ...)
+    prefill_ms: float | None = None  # ms: prefill's compute
     prefill_done_at: float | None = None  # s, wall clock: prefill's compute ended
-    bootstrap_ms: float | None = None     # ms, decode: looking prefill up
-    wait_ms: float | None = None          # ms, decode: from its TransferRequests to the KV's arrival
-    verify_ms: float | None = None        # ms, decode
-    decode_ms: float | None = None        # ms, decode
-    rebuild_ms: float | None = None       # ms, decode (a real model's engine)
-    check_ms: float | None = None         # ms, decode
-    kv_ready_at: float | None = None      # s, wall clock: decode had the whole KV
-    ranks: int = 1                        # the instance's ranks merged into it
-    prefix_tokens: Count | None = None    # decode: prompt positions taken from its prefix cache (None: not said)
-    reused_bytes: Count | None = None     # decode: KV bytes it did not receive thanks to them
+    bootstrap_ms: float | None = None  # ms, decode: looking prefill up
+    wait_ms: float | None = None  # ms, decode: from its TransferRequests to the KV's arrival
+    verify_ms: float | None = None  # ms, decode
+    decode_ms: float | None = None  # ms, decode
+    rebuild_ms: float | None = None  # ms, decode (a real model's engine)
+    check_ms: float | None = None  # ms, decode
+    kv_ready_at: float | None = None  # s, wall clock: decode had the whole KV
+    ranks: int = 1  # the instance's ranks merged into it
+    prefix_tokens: Count | None = None  # decode: prompt positions taken from its prefix cache (None: not said)
+    reused_bytes: Count | None = None  # decode: KV bytes it did not receive thanks to them
     report: TransferReport | None = None  # what its sends did (None: the answer carries no report)
 
 
-_SLOWEST = ("prefill_ms", "prefill_done_at", "bootstrap_ms", "wait_ms", "verify_ms", "decode_ms", "rebuild_ms",
-            "check_ms", "kv_ready_at")
+_SLOWEST = (
+    "prefill_ms",
+    "prefill_done_at",
+    "bootstrap_ms",
+    "wait_ms",
+    "verify_ms",
+    "decode_ms",
+    "rebuild_ms",
+    "check_ms",
+    "kv_ready_at",
+)
 """Times of an instance's ranks, which work at once: the instance's is the slowest rank's."""
 
 
@@ -81,17 +91,28 @@ def merge_ranks(outs: list[WorkerAnswer], role: str = "decode") -> WorkerAnswer:
     odd = [rank for rank, t in enumerate(tokens) if t != tokens[0]]
     if odd:
         return msgspec.structs.replace(
-            outs[0], state="FAILED", integrity="ranks", check=check,
-            reason=f"ranks differ: decode rank {', '.join(map(str, odd))} generated other tokens than rank 0: "
-                   f"{tokens}"[:500])
+            outs[0],
+            state="FAILED",
+            integrity="ranks",
+            check=check,
+            reason=f"ranks differ: decode rank {', '.join(map(str, odd))} generated other tokens than rank 0: {tokens}"[
+                :500
+            ],
+        )
     slowest = {}
     for name in _SLOWEST:
         values = [getattr(out, name) for out in outs if getattr(out, name) is not None]
         if values:
             slowest[name] = max(values)
     return msgspec.structs.replace(
-        outs[0], **slowest, **_reused(outs), ranks=len(outs), report=merged(out.report for out in outs), check=check,
-        verified=all(out.verified for out in outs) if outs[0].verified is not None else None)
+        outs[0],
+        **slowest,
+        **_reused(outs),
+        ranks=len(outs),
+        report=merged(out.report for out in outs),
+        check=check,
+        verified=all(out.verified for out in outs) if outs[0].verified is not None else None,
+    )
 
 
 def _reused(outs: list[WorkerAnswer]) -> dict:
@@ -102,8 +123,10 @@ def _reused(outs: list[WorkerAnswer]) -> dict:
     said = [out for out in outs if out.prefix_tokens is not None]
     if not said:
         return {}
-    return {"prefix_tokens": min(out.prefix_tokens for out in said),
-            "reused_bytes": sum(out.reused_bytes or 0 for out in said)}
+    return {
+        "prefix_tokens": min(out.prefix_tokens for out in said),
+        "reused_bytes": sum(out.reused_bytes or 0 for out in said),
+    }
 
 
 def _check(outs: list[WorkerAnswer]) -> dict | None:
@@ -114,14 +137,22 @@ def _check(outs: list[WorkerAnswer]) -> dict | None:
     checks = [out.check for out in outs]
     if all(c is None for c in checks):
         return None
-    bad = [r for r, c in enumerate(checks) if c is not None and not (c.get("token_match") and c.get("logits_match", True))]
+    bad = [
+        r for r, c in enumerate(checks) if c is not None and not (c.get("token_match") and c.get("logits_match", True))
+    ]
     first = checks[bad[0]] if bad else next(c for c in checks if c is not None)
-    return {**first, "ranks_checked": sum(c is not None for c in checks), "failed_ranks": bad,
-            **({"rank": bad[0]} if bad else {}), "per_rank": checks}
+    return {
+        **first,
+        "ranks_checked": sum(c is not None for c in checks),
+        "failed_ranks": bad,
+        **({"rank": bad[0]} if bad else {}),
+        "per_rank": checks,
+    }
 
 
 class Timings(msgspec.Struct, frozen=True, kw_only=True):
     """The router's `timings_ms`: each phase in ms, null where the request did not get there."""
+
     bootstrap: float | None
     prefill: float | None
     transfer: float | None
@@ -131,13 +162,14 @@ class Timings(msgspec.Struct, frozen=True, kw_only=True):
     decode: float | None
     rebuild: float | None
     check: float | None
-    control: float | None                  # prefill done -> KV ready on decode, minus the send's own time
-    kv_ready_after_compute: float | None   # prefill done -> KV ready on decode
+    control: float | None  # prefill done -> KV ready on decode, minus the send's own time
+    kv_ready_after_compute: float | None  # prefill done -> KV ready on decode
     total: float
 
 
 class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """The router's answer to /generate (the fields with a default are left out when unset)."""
+
     room: int
     pair: int
     ok: bool
@@ -145,8 +177,8 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     prompt_tokens: int
     output_tokens: list[int]
     verified: bool
-    check: dict[str, Any] | None = None   # decode's check, when one was made
-    nbytes: int = msgspec.field(name="bytes")   # bytes the KV took (decode's count)
+    check: dict[str, Any] | None = None  # decode's check, when one was made
+    nbytes: int = msgspec.field(name="bytes")  # bytes the KV took (decode's count)
     # decode's prefix cache: prompt positions every decode rank already held (moved from there on),
     # and the KV bytes that did not move thanks to them, all ranks; left out where decode said nothing
     prefix_tokens: int | None = None
@@ -155,7 +187,7 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     transport: str | None
     streamed: bool
     layer_groups: int | None
-    prepared_ahead: bool   # the send was planned and laid out while the prompt was computed
+    prepared_ahead: bool  # the send was planned and laid out while the prompt was computed
     # streamed: how long before the engine's last layer the first KV write went out
     first_write_before_compute_end_ms: float | None = None
     reason: str

@@ -42,10 +42,10 @@ class RankCache:
     def __init__(self, max_keys: int = MAX_KEYS):
         self.max_keys = max_keys
         self.epoch: int | None = None
-        self.seq: int | None = None      # None: ask for the whole contents next
+        self.seq: int | None = None  # None: ask for the whole contents next
         self.page_size: int | None = None
         self.keys: set[int] = set()
-        self.lock = threading.Lock()     # keys vs lookups; polls of one rank are serialized by the index
+        self.lock = threading.Lock()  # keys vs lookups; polls of one rank are serialized by the index
 
     def apply(self, ev: CacheEvents, asked: "int | None") -> None:
         """Take an answer to a poll that sent `since=asked`, whole, or CacheEventsError and
@@ -54,8 +54,10 @@ class RankCache:
             if asked is None or self.epoch is None:
                 raise CacheEventsError("changes without a reset, to a poll that asked for everything")
             if ev.epoch != self.epoch or ev.page_size != self.page_size:
-                raise CacheEventsError(f"changes of epoch {ev.epoch} page size {ev.page_size} without a reset "
-                                       f"(we hold epoch {self.epoch}, page size {self.page_size})")
+                raise CacheEventsError(
+                    f"changes of epoch {ev.epoch} page size {ev.page_size} without a reset "
+                    f"(we hold epoch {self.epoch}, page size {self.page_size})"
+                )
             if ev.seq < asked:
                 raise CacheEventsError(f"seq {ev.seq} is before the {asked} we asked from")
         size = len(ev.added) if ev.reset else len(self.keys) + len(ev.added)
@@ -83,7 +85,7 @@ class CacheIndex:
         self.timeout_s, self.max_keys = timeout_s, max_keys
         self._ranks: dict[str, RankCache] = {}
         self._polling: dict[str, threading.Lock] = {}
-        self._refused: dict[str, str] = {}    # url -> why its last answer was refused (logged once)
+        self._refused: dict[str, str] = {}  # url -> why its last answer was refused (logged once)
         self._lock = threading.Lock()
 
     def poll(self, url: str) -> None:
@@ -96,7 +98,7 @@ class CacheIndex:
                 rank = self._ranks.get(url)
             asked = rank.seq if rank is not None else None
             status, raw = self._post(url, asked, rank.epoch if rank is not None else None)
-            if status == 404:   # this rank keeps no cache
+            if status == 404:  # this rank keeps no cache
                 with self._lock:
                     self._ranks.pop(url, None)
                 return
@@ -113,10 +115,10 @@ class CacheIndex:
                 self._refused.pop(url, None)
 
     def _refuse(self, url: str, rank: RankCache, why: str) -> None:
-        rank.seq = None   # ask for the whole contents next time; keep what we have meanwhile
+        rank.seq = None  # ask for the whole contents next time; keep what we have meanwhile
         with self._lock:
             said, self._refused[url] = self._refused.get(url), why
-        if said is None:   # once until the rank answers well again
+        if said is None:  # once until the rank answers well again
             log.warning("cache index: %s/cache/events refused (nothing changed): %s", url, why)
 
     def _post(self, url: str, since: "int | None", epoch: "int | None") -> tuple[int, bytes]:
@@ -138,8 +140,9 @@ class CacheIndex:
                 self._polling.pop(url, None)
                 self._refused.pop(url, None)
 
-    def cached_tokens(self, urls: "tuple[str, ...]", tokens: np.ndarray,
-                      chains: "dict[int, np.ndarray] | None" = None) -> int:
+    def cached_tokens(
+        self, urls: "tuple[str, ...]", tokens: np.ndarray, chains: "dict[int, np.ndarray] | None" = None
+    ) -> int:
         """The longest prefix of the prompt every rank of one instance holds, in tokens, capped
         where decode caps a hit ((n - 1) // P * P: prefill computes the last token); 0 when a
         rank has no cache or no copy yet. `chains` (page size -> the prompt's keys) is filled

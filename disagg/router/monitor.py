@@ -41,15 +41,16 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Probe:
     """What one rank said: why it cannot serve (None: it can) and its /health."""
+
     why: str | None
     health: dict
 
 
 @dataclass(frozen=True)
 class PairState:
-    up: bool | None                 # None: not probed yet (a request may still try it)
+    up: bool | None  # None: not probed yet (a request may still try it)
     why: tuple[str, ...] = ()
-    vocab_size: int | None = None   # the smallest vocabulary its ranks report
+    vocab_size: int | None = None  # the smallest vocabulary its ranks report
 
 
 NOT_PROBED = PairState(None, ("not probed yet",))
@@ -103,29 +104,44 @@ def probe_health(url: str, timeout_s: float) -> Probe:
 
 def judge(pair: Pair, prefill: list[Probe], decode: list[Probe]) -> PairState:
     """A pair's state from its ranks' probes."""
-    why = [f"{role}{f' rank {rank}' if len(probes) > 1 else ''}: {p.why}"
-           for role, probes in (("prefill", prefill), ("decode", decode))
-           for rank, p in enumerate(probes) if p.why is not None]
+    why = [
+        f"{role}{f' rank {rank}' if len(probes) > 1 else ''}: {p.why}"
+        for role, probes in (("prefill", prefill), ("decode", decode))
+        for rank, p in enumerate(probes)
+        if p.why is not None
+    ]
     known = decode[0].health.get("bootstraps") if decode else None
     if isinstance(known, list) and pair.bootstrap not in known:
-        why.append(f"decode was not given the pair's bootstrap {pair.bootstrap!r} (it knows "
-                   f"{', '.join(map(str, known))}): fix the router's --pair or decode's --bootstrap-addr")
-    vocabs = {role: {p.health["vocab_size"] for p in probes if type(p.health.get("vocab_size")) is int}
-              for role, probes in (("prefill", prefill), ("decode", decode))}
+        why.append(
+            f"decode was not given the pair's bootstrap {pair.bootstrap!r} (it knows "
+            f"{', '.join(map(str, known))}): fix the router's --pair or decode's --bootstrap-addr"
+        )
+    vocabs = {
+        role: {p.health["vocab_size"] for p in probes if type(p.health.get("vocab_size")) is int}
+        for role, probes in (("prefill", prefill), ("decode", decode))
+    }
     if vocabs["prefill"] and vocabs["decode"] and vocabs["prefill"] != vocabs["decode"]:
-        why.append(f"prefill and decode report different vocabularies ({sorted(vocabs['prefill'])} vs "
-                   f"{sorted(vocabs['decode'])}): they serve different models")
+        why.append(
+            f"prefill and decode report different vocabularies ({sorted(vocabs['prefill'])} vs "
+            f"{sorted(vocabs['decode'])}): they serve different models"
+        )
     every = vocabs["prefill"] | vocabs["decode"]
     return PairState(not why, tuple(why), min(every) if every else None)
 
 
 class PairMonitor:
-    def __init__(self, pairs: "tuple[Pair, ...] | Roster", every_s: float = 1.0, timeout_s: float = 2.0,
-                 probe_fn=probe, cache: CacheIndex | None = None):
+    def __init__(
+        self,
+        pairs: "tuple[Pair, ...] | Roster",
+        every_s: float = 1.0,
+        timeout_s: float = 2.0,
+        probe_fn=probe,
+        cache: CacheIndex | None = None,
+    ):
         self.roster = pairs if isinstance(pairs, Roster) else Roster(pairs)
         self.every_s, self.timeout_s, self.probe_fn, self.cache = every_s, timeout_s, probe_fn, cache
         self._states: dict[int, PairState] = {}
-        self._health: dict[str, dict] = {}     # url -> its last /health
+        self._health: dict[str, dict] = {}  # url -> its last /health
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(32, thread_name_prefix="router-probe")
@@ -180,6 +196,6 @@ class PairMonitor:
         while not self._stop.is_set():
             try:
                 self.probe_all()
-            except Exception:   # a bug here must not stop the probes (nor the router)
+            except Exception:  # a bug here must not stop the probes (nor the router)
                 log.exception("probing the pairs failed")
             self._stop.wait(self.every_s)

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 class Pair:
     """A prefill instance and a decode instance: each one worker URL per TP rank (every rank
     of both takes part in every request), and the bootstrap decode looks prefill up at."""
+
     prefill: tuple[str, ...]
     decode: tuple[str, ...]
     bootstrap: str
 
-    def __post_init__(self) -> None:   # one URL: an instance of one rank
+    def __post_init__(self) -> None:  # one URL: an instance of one rank
         for side in ("prefill", "decode"):
             if isinstance(getattr(self, side), str):
                 object.__setattr__(self, side, (getattr(self, side),))
@@ -29,12 +30,14 @@ class Pair:
         """--pair PREFILL_URL[+URL...],DECODE_URL[+URL...],BOOTSTRAP (a name decode knows, or
         its address); several URLs on a side are that instance's TP ranks."""
         parts = text.split(",")
-        if len(parts) == 2:   # a vLLM pair (`--backend vllm`): no bootstrap
+        if len(parts) == 2:  # a vLLM pair (`--backend vllm`): no bootstrap
             parts.append("")
         if len(parts) != 3 or not all(parts[:2]) or (len(text.split(",")) == 3 and not parts[2]):
-            raise argparse.ArgumentTypeError(f"want PREFILL_URL,DECODE_URL,BOOTSTRAP (e.g. http://10.0.0.5:8080,"
-                                             f"http://10.0.0.6:8080,main; ranks of a TP instance joined by +; "
-                                             f"PREFILL_URL,DECODE_URL for --backend vllm), got {text!r}")
+            raise argparse.ArgumentTypeError(
+                f"want PREFILL_URL,DECODE_URL,BOOTSTRAP (e.g. http://10.0.0.5:8080,"
+                f"http://10.0.0.6:8080,main; ranks of a TP instance joined by +; "
+                f"PREFILL_URL,DECODE_URL for --backend vllm), got {text!r}"
+            )
         sides = [tuple(part.split("+")) for part in parts[:2]]
         for url in (u for side in sides for u in side):
             try:
@@ -49,7 +52,7 @@ class Pair:
                 raise argparse.ArgumentTypeError(f"{'+'.join(side)}: a rank's URL given twice")
         return Pair(sides[0], sides[1], parts[2])
 
-    def __str__(self) -> str:   # as --pair takes it
+    def __str__(self) -> str:  # as --pair takes it
         tail = f",{self.bootstrap}" if self.bootstrap else ""
         return f"{'+'.join(self.prefill)},{'+'.join(self.decode)}{tail}"
 

@@ -19,8 +19,9 @@ Across hosts the two clocks differ by their sync error: a phase is never reporte
 """
 
 
-def handoff_ms(prefill_done_at: float | None, transfer_end_at: float | None,
-               kv_ready_at: float | None) -> tuple[float | None, float | None]:
+def handoff_ms(
+    prefill_done_at: float | None, transfer_end_at: float | None, kv_ready_at: float | None
+) -> tuple[float | None, float | None]:
     """(kv_ready_after_compute, control) in ms, or None where a clock is missing (0: unset)."""
     return _since(prefill_done_at, kv_ready_at), _since(transfer_end_at, kv_ready_at)
 

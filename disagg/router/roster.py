@@ -35,8 +35,9 @@ def read_pairs(path: str) -> list[Pair]:
         except argparse.ArgumentTypeError as exc:
             raise ValueError(f"{path}:{number}: {exc}") from None
         if not pair.bootstrap:
-            raise ValueError(f"{path}:{number}: give the bootstrap decode looks prefill up at (PREFILL_URL,"
-                             f"DECODE_URL,BOOTSTRAP)")
+            raise ValueError(
+                f"{path}:{number}: give the bootstrap decode looks prefill up at (PREFILL_URL,DECODE_URL,BOOTSTRAP)"
+            )
         pairs.append(pair)
     return pairs
 
@@ -80,6 +81,10 @@ class Roster:
             self._seen = stamp
             changed = before != self._current
         if changed:
-            log.info("--pairs-file %s: serving %d pair(s): %s", self.path, len(self._current),
-                     "; ".join(f"{i}: {p}" for i, p in self._current))
+            log.info(
+                "--pairs-file %s: serving %d pair(s): %s",
+                self.path,
+                len(self._current),
+                "; ".join(f"{i}: {p}" for i, p in self._current),
+            )
         return changed

@@ -38,8 +38,8 @@ from disagg.router.roster import Roster
 log = logging.getLogger(__name__)
 
 GENERATE_FIELDS = frozenset({"token_ids", "prompt_len", "seed", "max_new_tokens", "request_id", "stream_layers"})
-POLL_S = 0.1   # how often a waiting request looks for a client cancel
-ABORT_GRACE_S = 2.0   # how long an aborted side may take to answer before the client is answered
+POLL_S = 0.1  # how often a waiting request looks for a client cancel
+ABORT_GRACE_S = 2.0  # how long an aborted side may take to answer before the client is answered
 
 
 @dataclass(frozen=True)
@@ -50,15 +50,16 @@ class RouterConfig:
     timeout_s: float = 60.0
     max_prompt_tokens: int = 1 << 20
     max_inflight: int = 256
-    vocab_size: int = 50000        # prompt_len requests draw token ids below this (unless the pair says)
-    model_name: str = "disagg"     # what /v1/models lists and /v1/completions answers name
-    probe_every_s: float = 1.0     # how often every rank's /ready and /health are asked (PairMonitor)
-    route: str = "kv"              # "kv": by cached prefix and load (scoring.py); "round-robin"
-    kv_load_weight: float = 1.0    # scoring.py's weight of load against reuse
+    vocab_size: int = 50000  # prompt_len requests draw token ids below this (unless the pair says)
+    model_name: str = "disagg"  # what /v1/models lists and /v1/completions answers name
+    probe_every_s: float = 1.0  # how often every rank's /ready and /health are asked (PairMonitor)
+    route: str = "kv"  # "kv": by cached prefix and load (scoring.py); "round-robin"
+    kv_load_weight: float = 1.0  # scoring.py's weight of load against reuse
     pairs_file: str | None = None  # more pairs, read again when it changes (roster.py)
 
 
 ROUTES = ("kv", "round-robin")
+
 
 def post_json(url: str, body: dict, timeout: float) -> dict:
     """POST, never raise: a failure comes back as {"state": "FAILED", "reason", "status"}."""
@@ -66,7 +67,7 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())
-    except urllib.error.HTTPError as exc:   # its JSON body is kept: a router's 5xx still says ok, reason
+    except urllib.error.HTTPError as exc:  # its JSON body is kept: a router's 5xx still says ok, reason
         try:
             raw = exc.read(1 << 20)
         except (http.client.HTTPException, OSError) as cut:
@@ -76,8 +77,11 @@ def post_json(url: str, body: dict, timeout: float) -> dict:
         except ValueError:
             parsed = None
         parsed = parsed if isinstance(parsed, dict) else {}
-        said = parsed.get("reason") if isinstance(parsed.get("reason"), str) else \
-            f"HTTP {exc.code}: {_message(parsed) or raw[:500].decode(errors='replace')}"
+        said = (
+            parsed.get("reason")
+            if isinstance(parsed.get("reason"), str)
+            else f"HTTP {exc.code}: {_message(parsed) or raw[:500].decode(errors='replace')}"
+        )
         return {"state": "FAILED", "status": exc.code, **parsed, "reason": said}
     except (urllib.error.URLError, http.client.HTTPException, OSError, ValueError) as exc:
         # a peer killed mid-answer: refused, reset, or cut short (IncompleteRead, found by the soak)
@@ -125,10 +129,20 @@ def _timings(pre: WorkerAnswer, dec: WorkerAnswer, ok: bool, total_ms: float) ->
     sent, control, after = pre.report, None, None
     if ok and sent is not None:
         after, control = handoff_ms(pre.prefill_done_at, sent.end_at, dec.kv_ready_at)
-    return Timings(bootstrap=dec.bootstrap_ms, prefill=pre.prefill_ms, transfer=sent.transfer_ms if sent else None,
-                   transfer_cpu=sent.cpu_ms if sent else None, wait=dec.wait_ms, verify=dec.verify_ms,
-                   decode=dec.decode_ms, rebuild=dec.rebuild_ms, check=dec.check_ms, control=control,
-                   kv_ready_after_compute=after, total=total_ms)
+    return Timings(
+        bootstrap=dec.bootstrap_ms,
+        prefill=pre.prefill_ms,
+        transfer=sent.transfer_ms if sent else None,
+        transfer_cpu=sent.cpu_ms if sent else None,
+        wait=dec.wait_ms,
+        verify=dec.verify_ms,
+        decode=dec.decode_ms,
+        rebuild=dec.rebuild_ms,
+        check=dec.check_ms,
+        control=control,
+        kv_ready_after_compute=after,
+        total=total_ms,
+    )
 
 
 def _prompt(body: dict, max_tokens: int, vocab_size: int) -> list[int]:
@@ -167,29 +181,48 @@ class Router:
             raise ValueError(f"route must be one of {', '.join(ROUTES)}")
         self.config = config
         self.roster = Roster(config.pairs, config.pairs_file)
-        self._turn = 0   # round robin: where the next turn (or tie) starts
+        self._turn = 0  # round robin: where the next turn (or tie) starts
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(config.max_inflight)
         ranks = max([len(p.prefill) + len(p.decode) for _, p in self.roster.current()] + [8])
         self._calls = ThreadPoolExecutor(ranks * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
-        self._live: dict[str, threading.Event] = {}   # request_id -> cancel
-        self._inflight: dict[tuple[str, ...], int] = {}   # an instance's ranks -> tokens of our requests on it
+        self._live: dict[str, threading.Event] = {}  # request_id -> cancel
+        self._inflight: dict[tuple[str, ...], int] = {}  # an instance's ranks -> tokens of our requests on it
         self.cache = CacheIndex() if config.route == "kv" else None
         self.monitor = PairMonitor(self.roster, config.probe_every_s, cache=self.cache)
-        self.monitor.probe_all()   # a first look before serving: requests never go to a pair known down
+        self.monitor.probe_all()  # a first look before serving: requests never go to a pair known down
         self.monitor.start()
 
     def ready(self) -> dict:
         """/ready: ready while at least one pair is up; each pair says why not. From the
         monitor's last look (at most probe_every_s old): never waits for a worker."""
-        pairs = [{"pair": i, "prefill": "+".join(p.prefill), "decode": "+".join(p.decode), "bootstrap": p.bootstrap,
-                  "up": bool(st.up), **({"why": list(st.why)} if not st.up else {})}
-                 for i, p, st in self.monitor.snapshot()]
+        pairs = [
+            {
+                "pair": i,
+                "prefill": "+".join(p.prefill),
+                "decode": "+".join(p.decode),
+                "bootstrap": p.bootstrap,
+                "up": bool(st.up),
+                **({"why": list(st.why)} if not st.up else {}),
+            }
+            for i, p, st in self.monitor.snapshot()
+        ]
         up = sum(p["up"] for p in pairs)
-        return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
-                **({} if up else {"why": "no prefill/decode pair has both sides ready" if pairs else
-                    "no prefill/decode pair is configured (--pairs-file is empty)"})}
+        return {
+            "ready": up > 0,
+            "pairs_up": up,
+            "pairs": pairs,
+            **(
+                {}
+                if up
+                else {
+                    "why": "no prefill/decode pair has both sides ready"
+                    if pairs
+                    else "no prefill/decode pair is configured (--pairs-file is empty)"
+                }
+            ),
+        }
 
     def _pick(self, tokens: "np.ndarray | None") -> "tuple[int, Pair, PairState]":
         """The pair a request goes to, among those not known down: round robin, or (`--route
@@ -207,7 +240,7 @@ class Router:
             chosen, turned = start, True
         else:
             n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
-            chains: dict = {}   # the prompt's keys per page size, computed once for every pair
+            chains: dict = {}  # the prompt's keys per page size, computed once for every pair
             candidates = [self._candidate(p, tokens, load, chains) for _, p, _ in up]
             chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
         if turned:
@@ -220,10 +253,13 @@ class Router:
         prompt, our tokens in flight on its two instances, its decode's free tokens (/health)."""
         free = [_free_tokens(self.monitor.health(u)) for u in pair.decode]
         known = [f for f in free if f is not None]
-        cached = (lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0)
-        return scoring.Candidate(decode_cached=cached(pair.decode), prefill_cached=cached(pair.prefill),
-                                 inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
-                                 free=min(known) if len(known) == len(free) else None)
+        cached = lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0
+        return scoring.Candidate(
+            decode_cached=cached(pair.decode),
+            prefill_cached=cached(pair.prefill),
+            inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
+            free=min(known) if len(known) == len(free) else None,
+        )
 
     def abort(self, body: dict) -> dict:
         request_id = body.get("request_id")
@@ -244,8 +280,18 @@ class Router:
             out = self._generate(body, client_gone, on_prefill)
         except Unavailable as exc:
             log.warning("request refused (Unavailable): %s", exc)
-            return {"room": None, "pair": None, "ok": False, "status": 503, "prompt_tokens": 0, "output_tokens": [],
-                    "verified": False, "bytes": 0, "reason": str(exc), "timings_ms": {}}
+            return {
+                "room": None,
+                "pair": None,
+                "ok": False,
+                "status": 503,
+                "prompt_tokens": 0,
+                "output_tokens": [],
+                "verified": False,
+                "bytes": 0,
+                "reason": str(exc),
+                "timings_ms": {},
+            }
         except (BadRequest, Overloaded) as exc:
             log.warning("request refused (%s): %s", type(exc).__name__, exc)
             raise
@@ -255,17 +301,23 @@ class Router:
 
     def _generate(self, body: dict, client_gone, on_prefill) -> dict:
         unknown = sorted(set(body) - GENERATE_FIELDS)
-        if unknown:   # (`max_new_token` used to give 1 token without a word)
-            raise BadRequest(f"unknown field(s) {', '.join(map(repr, unknown))}; /generate takes "
-                             f"{', '.join(sorted(GENERATE_FIELDS))}", unknown[0])
+        if unknown:  # (`max_new_token` used to give 1 token without a word)
+            raise BadRequest(
+                f"unknown field(s) {', '.join(map(repr, unknown))}; /generate takes "
+                f"{', '.join(sorted(GENERATE_FIELDS))}",
+                unknown[0],
+            )
         given = _prompt(body, self.config.max_prompt_tokens, 1) if "token_ids" in body else None
         try:
             pair_index, pair, state = self._pick(None if given is None else np.asarray(given, dtype=np.int64))
-        except Unavailable:   # a request that is wrong is still a 400, pairs down or not
+        except Unavailable:  # a request that is wrong is still a 400, pairs down or not
             _prompt(body, self.config.max_prompt_tokens, 1)
             raise
-        tokens = given if given is not None else _prompt(body, self.config.max_prompt_tokens,
-                                                         state.vocab_size or self.config.vocab_size)
+        tokens = (
+            given
+            if given is not None
+            else _prompt(body, self.config.max_prompt_tokens, state.vocab_size or self.config.vocab_size)
+        )
         max_new = optional_int(body, "max_new_tokens", 1, 1, 4096)
         request_id = body.get("request_id")
         if request_id is not None and (not isinstance(request_id, str) or not 0 < len(request_id) <= 128):
@@ -282,10 +334,12 @@ class Router:
                     self._live[request_id] = cancel
             self._load(pair, len(tokens))
             try:
-                return self._run(pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill=on_prefill, stream_layers=layers)
+                return self._run(
+                    pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill=on_prefill, stream_layers=layers
+                )
             finally:
                 self._load(pair, -len(tokens))
-                if self.cache is not None:   # its pages are in decode's cache now: the next turn sees them
+                if self.cache is not None:  # its pages are in decode's cache now: the next turn sees them
                     for url in pair.decode:
                         if caches(self.monitor.health(url)):
                             self.cache.poll(url)
@@ -304,8 +358,18 @@ class Router:
                 if not self._inflight[side]:
                     del self._inflight[side]
 
-    def _run(self, pair_index: int, pair: Pair, tokens: list[int], max_new: int, cancel: threading.Event,
-             client_gone, *, on_prefill, stream_layers: str | None = None) -> dict:
+    def _run(
+        self,
+        pair_index: int,
+        pair: Pair,
+        tokens: list[int],
+        max_new: int,
+        cancel: threading.Event,
+        client_gone,
+        *,
+        on_prefill,
+        stream_layers: str | None = None,
+    ) -> dict:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
         calls = self._start(pair, room, tokens, max_new, stream_layers)
@@ -318,36 +382,66 @@ class Router:
         if 503 in (pre.status, dec.status):
             raise Overloaded(f"{dec.reason if dec.status == 503 else pre.reason} (room {room}, pair {pair_index})")
         refused = [side.reason for side in (dec, pre) if side.status == 400]
-        if refused:   # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
+        if refused:  # the caller's mistake (e.g. a token id outside the vocabulary): a 400 here too
             raise BadRequest(f"{refused[0]} (room {room}, pair {pair_index})")
         ok = pre.state == "SUCCESS" and dec.state == "SUCCESS" and dec.verified is True
         return RouterAnswer(
-            room=room, pair=pair_index, ok=ok, status=200 if ok else _failure_status(pre, dec, cancelled),
-            prompt_tokens=len(tokens), output_tokens=dec.output_tokens, verified=bool(dec.verified), check=dec.check,
-            nbytes=dec.report.nbytes if dec.report else 0, prefix_tokens=dec.prefix_tokens,
-            reused_bytes=dec.reused_bytes, mode=dec.report.mode if dec.report else None,
-            transport=dec.report.transport if dec.report else None, streamed=bool(pre.report and pre.report.streamed),
+            room=room,
+            pair=pair_index,
+            ok=ok,
+            status=200 if ok else _failure_status(pre, dec, cancelled),
+            prompt_tokens=len(tokens),
+            output_tokens=dec.output_tokens,
+            verified=bool(dec.verified),
+            check=dec.check,
+            nbytes=dec.report.nbytes if dec.report else 0,
+            prefix_tokens=dec.prefix_tokens,
+            reused_bytes=dec.reused_bytes,
+            mode=dec.report.mode if dec.report else None,
+            transport=dec.report.transport if dec.report else None,
+            streamed=bool(pre.report and pre.report.streamed),
             layer_groups=pre.report.groups if pre.report else None,
             prepared_ahead=bool(pre.report and pre.report.prepared_ahead),
             first_write_before_compute_end_ms=_first_write_lead(pre) if ok else None,
             reason="" if ok else (why if cancelled else dec.reason or pre.reason or "unknown"),
-            timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3)).to_dict()
+            timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3),
+        ).to_dict()
 
-    def _start(self, pair: Pair, room: int, tokens: list[int], max_new: int,
-               stream_layers: str | None) -> dict[Future, tuple[str, int, str]]:
+    def _start(
+        self, pair: Pair, room: int, tokens: list[int], max_new: int, stream_layers: str | None
+    ) -> dict[Future, tuple[str, int, str]]:
         """Post the request to every rank of both instances at once: future -> (role, rank, URL)."""
         calls = {}
         for role, urls, body in (
-                ("prefill", pair.prefill, {"room": room, "token_ids": tokens, "decode_tp": len(pair.decode),
-                                           **({"stream_layers": stream_layers} if stream_layers else {})}),
-                ("decode", pair.decode, {"room": room, "token_ids": tokens, "max_new_tokens": max_new,
-                                         "bootstrap": pair.bootstrap})):
-            for rank, url in enumerate(urls):   # every rank of both instances takes part
+            (
+                "prefill",
+                pair.prefill,
+                {
+                    "room": room,
+                    "token_ids": tokens,
+                    "decode_tp": len(pair.decode),
+                    **({"stream_layers": stream_layers} if stream_layers else {}),
+                },
+            ),
+            (
+                "decode",
+                pair.decode,
+                {"room": room, "token_ids": tokens, "max_new_tokens": max_new, "bootstrap": pair.bootstrap},
+            ),
+        ):
+            for rank, url in enumerate(urls):  # every rank of both instances takes part
                 calls[self._calls.submit(post_json, f"{url}/{role}", body, self.config.timeout_s)] = (role, rank, url)
         return calls
 
-    def _collect(self, calls: dict[Future, tuple[str, int, str]], pair: Pair, room: int, cancel: threading.Event,
-                 client_gone, on_prefill) -> tuple[dict[tuple[str, int], WorkerAnswer], str | None]:
+    def _collect(
+        self,
+        calls: dict[Future, tuple[str, int, str]],
+        pair: Pair,
+        room: int,
+        cancel: threading.Event,
+        client_gone,
+        on_prefill,
+    ) -> tuple[dict[tuple[str, int], WorkerAnswer], str | None]:
         """Every rank's answer, and why the request failed or was cancelled (None: it did not):
         the first failure or cancellation aborts the other ranks at once; the first token goes
         to `on_prefill` once every prefill rank sent its KV."""
@@ -360,17 +454,21 @@ class Router:
                 out = results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
                 if why is None and out.state != "SUCCESS":
                     why = f"{side_name(role, rank, pair)} failed: {out.reason[:200]}"
-            if (why is None and not prefilled and on_prefill is not None
-                    and all(("prefill", r) in results for r in range(len(pair.prefill)))):
-                prefilled = True   # every prefill rank sent its KV: the first token is known
+            if (
+                why is None
+                and not prefilled
+                and on_prefill is not None
+                and all(("prefill", r) in results for r in range(len(pair.prefill)))
+            ):
+                prefilled = True  # every prefill rank sent its KV: the first token is known
                 if results["prefill", 0].first_token is not None:
                     try:
                         on_prefill(results["prefill", 0].first_token)
-                    except OSError:   # the streaming client went away: decode is aborted below
+                    except OSError:  # the streaming client went away: decode is aborted below
                         why = "cancelled by the client"
             if why is None and (cancel.is_set() or client_gone()):
                 why = "cancelled by the client"
-            if why is not None and pending:   # every other rank stops now instead of at its deadline
+            if why is not None and pending:  # every other rank stops now instead of at its deadline
                 for f in pending:
                     self._aborts.submit(post_json, calls[f][2] + "/abort", {"room": room, "reason": why}, 5.0)
                 break
@@ -378,8 +476,12 @@ class Router:
         return results, why
 
     @staticmethod
-    def _after_abort(calls: dict[Future, tuple[str, int, str]], pending: set[Future],
-                     results: dict[tuple[str, int], WorkerAnswer], pair: Pair) -> None:
+    def _after_abort(
+        calls: dict[Future, tuple[str, int, str]],
+        pending: set[Future],
+        results: dict[tuple[str, int], WorkerAnswer],
+        pair: Pair,
+    ) -> None:
         """An aborted rank's answer is awaited briefly, never for its whole deadline; a frozen
         or unreachable one is answered for: the client is answered without it."""
         if not pending:
@@ -390,8 +492,9 @@ class Router:
             results[role, rank] = read_answer(f.result(), side_name(role, rank, pair))
         for f in pending:
             role, rank, _ = calls[f]
-            results[role, rank] = failed(f"{side_name(role, rank, pair)} gave no answer within "
-                                         f"{ABORT_GRACE_S:g} s of being aborted")
+            results[role, rank] = failed(
+                f"{side_name(role, rank, pair)} gave no answer within {ABORT_GRACE_S:g} s of being aborted"
+            )
 
     def close(self) -> None:
         self._calls.shutdown(wait=False, cancel_futures=True)

@@ -23,19 +23,34 @@ class RouterRoutes:
 
     def service(self) -> Service:
         router = self.router
-        return Service({"/generate": self.generate_route, "/v1/completions": openai.Completions(self.generate, router.config.model_name),
-                        "/abort": self.router.abort}, self.router.ready, self.metrics.registry, health=self.health,
-                       gets={"/v1/models": lambda: openai.models(self.router.config.model_name)},
-                       error_body=error_body, metrics=self.metrics)
+        return Service(
+            {
+                "/generate": self.generate_route,
+                "/v1/completions": openai.Completions(self.generate, router.config.model_name),
+                "/abort": self.router.abort,
+            },
+            self.router.ready,
+            self.metrics.registry,
+            health=self.health,
+            gets={"/v1/models": lambda: openai.models(self.router.config.model_name)},
+            error_body=error_body,
+            metrics=self.metrics,
+        )
 
     def health(self) -> dict:
-        return {"status": "ok", "role": "router", "version": __version__, "pairs": len(self.router.roster.current()),
-                "route": self.router.config.route,
-                **({"cache_index": self.router.cache.ranks()} if self.router.cache is not None else {})}
+        return {
+            "status": "ok",
+            "role": "router",
+            "version": __version__,
+            "pairs": len(self.router.roster.current()),
+            "route": self.router.config.route,
+            **({"cache_index": self.router.cache.ranks()} if self.router.cache is not None else {}),
+        }
 
     def generate(self, body: dict, on_prefill=None) -> dict:
-        return self.metrics.count(lambda: self.router.generate(body, client_gone, on_prefill),
-                                  lambda out: out["ok"], self._observe)
+        return self.metrics.count(
+            lambda: self.router.generate(body, client_gone, on_prefill), lambda out: out["ok"], self._observe
+        )
 
     def generate_route(self, body: dict) -> Reply:
         """A failed request is answered 5xx (or 409 if aborted) with the same JSON body."""
@@ -55,9 +70,21 @@ class VllmRoutes:
 
     def service(self) -> Service:
         routes = {path: (lambda body, path=path: self.router.forward(path, body)) for path in ROUTES}
-        return Service(routes, self.router.ready, self.metrics.registry, health=self.health,
-                       gets={"/v1/models": self.router.models}, error_body=error_body, metrics=self.metrics)
+        return Service(
+            routes,
+            self.router.ready,
+            self.metrics.registry,
+            health=self.health,
+            gets={"/v1/models": self.router.models},
+            error_body=error_body,
+            metrics=self.metrics,
+        )
 
     def health(self) -> dict:
-        return {"status": "ok", "role": "router", "backend": "vllm", "version": __version__,
-                "pairs": len(self.router.config.pairs)}
+        return {
+            "status": "ok",
+            "role": "router",
+            "backend": "vllm",
+            "version": __version__,
+            "pairs": len(self.router.config.pairs),
+        }

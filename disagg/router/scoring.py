@@ -27,10 +27,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Candidate:
     """What the router knows of one pair that is up."""
-    decode_cached: int = 0          # prompt tokens its decode holds (every rank), 0..n
-    prefill_cached: int = 0         # prompt tokens its prefill holds (0: none cached)
-    inflight: int = 0               # tokens of requests in flight on its prefill and decode
-    free: "int | None" = None       # tokens its decode can take now (None: not known)
+
+    decode_cached: int = 0  # prompt tokens its decode holds (every rank), 0..n
+    prefill_cached: int = 0  # prompt tokens its prefill holds (0: none cached)
+    inflight: int = 0  # tokens of requests in flight on its prefill and decode
+    free: "int | None" = None  # tokens its decode can take now (None: not known)
 
 
 def cost(c: Candidate, n: int, weight: float) -> float:

@@ -81,7 +81,7 @@ def relay(url: str, body: dict, timeout_s: float, send) -> None:
     with resp:
         for line in resp:
             if not line.startswith(b"data:"):
-                continue   # blank separators, comments, event names
+                continue  # blank separators, comments, event names
             data = line[5:].strip()
             if data == DONE:
                 return
@@ -106,12 +106,23 @@ class VllmRouter:
     def ready(self) -> dict:
         """/ready: ready while at least one pair has both servers healthy; each pair says why not."""
         states = self.monitor.states()
-        pairs = [{"pair": i, "prefill": p.prefill[0], "decode": p.decode[0], "up": bool(st.up),
-                  **({"why": list(st.why)} if not st.up else {})}
-                 for i, (p, st) in enumerate(zip(self.config.pairs, states))]
+        pairs = [
+            {
+                "pair": i,
+                "prefill": p.prefill[0],
+                "decode": p.decode[0],
+                "up": bool(st.up),
+                **({"why": list(st.why)} if not st.up else {}),
+            }
+            for i, (p, st) in enumerate(zip(self.config.pairs, states))
+        ]
         up = sum(p["up"] for p in pairs)
-        return {"ready": up > 0, "pairs_up": up, "pairs": pairs,
-                **({} if up else {"why": "no vLLM prefill/decode pair has both servers healthy"})}
+        return {
+            "ready": up > 0,
+            "pairs_up": up,
+            "pairs": pairs,
+            **({} if up else {"why": "no vLLM prefill/decode pair has both servers healthy"}),
+        }
 
     def _pick(self) -> Pair:
         states = self.monitor.states()
@@ -120,8 +131,11 @@ class VllmRouter:
                 i, pair = next(self._next)
                 if states[i].up is not False:
                     return pair
-        raise Unavailable("no vLLM prefill/decode pair is up (" + "; ".join(
-            f"pair {i}: {', '.join(st.why)}" for i, st in enumerate(states)) + ")")
+        raise Unavailable(
+            "no vLLM prefill/decode pair is up ("
+            + "; ".join(f"pair {i}: {', '.join(st.why)}" for i, st in enumerate(states))
+            + ")"
+        )
 
     def forward(self, path: str, body: dict) -> "dict | Reply | EventStream":
         """One OpenAI request through a pair (module docstring)."""
@@ -135,8 +149,14 @@ class VllmRouter:
             return self._failed("prefill", pair.prefill[0], status, answer)
         params = answer.get("kv_transfer_params")
         if not isinstance(params, dict):
-            return Reply(502, openai.error_body(502, f"prefill {pair.prefill[0]} answered without "
-                                                     "kv_transfer_params (is it a kv_producer with DisaggConnector?)"))
+            return Reply(
+                502,
+                openai.error_body(
+                    502,
+                    f"prefill {pair.prefill[0]} answered without "
+                    "kv_transfer_params (is it a kv_producer with DisaggConnector?)",
+                ),
+            )
         streamed = body.get("stream") is True
         second = {k: v for k, v in body.items() if k not in (("kv_transfer_params",) if streamed else NOT_FORWARDED)}
         second["kv_transfer_params"] = params
@@ -173,6 +193,8 @@ def check_pairs(pairs: tuple[Pair, ...]) -> str | None:
         if len(p.prefill) != 1 or len(p.decode) != 1:
             return f"--pair {p}: a vLLM server is one URL (its TP ranks are its own), not several joined by +"
         if p.bootstrap:
-            return f"--pair {p}: vLLM pairs take no bootstrap (its producer names its own in kv_transfer_params); " \
-                   "give PREFILL_URL,DECODE_URL"
+            return (
+                f"--pair {p}: vLLM pairs take no bootstrap (its producer names its own in kv_transfer_params); "
+                "give PREFILL_URL,DECODE_URL"
+            )
     return None

@@ -23,32 +23,56 @@ HELP = "drive a router with a workload; print throughput, GB/s and latency perce
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", required=True, help="router URL, e.g. http://127.0.0.1:8000")
-    p.add_argument("--compare-router", default=None, metavar="URL",
-                   help="multiturn: a second router the same workload then runs through, summarized side by side "
-                        "(e.g. a stack whose decode runs --no-prefix-cache); each is labelled by what its decode "
-                        "workers say of their prefix cache")
+    p.add_argument(
+        "--compare-router",
+        default=None,
+        metavar="URL",
+        help="multiturn: a second router the same workload then runs through, summarized side by side "
+        "(e.g. a stack whose decode runs --no-prefix-cache); each is labelled by what its decode "
+        "workers say of their prefix cache",
+    )
     add_workload_flags(p)
-    p.add_argument("--json", action="store_true",
-                   help="print the summary as one JSON object (keys name their unit: _ms, _s, _per_s, bytes)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print the summary as one JSON object (keys name their unit: _ms, _s, _per_s, bytes)",
+    )
 
 
 def add_workload_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="random", choices=["random", "multiturn"],
-                   help="random: --requests prompts of --prompt-len random tokens; multiturn: --conversations "
-                        "of --turns, each turn resending the conversation so far (see --system-prompt-len, "
-                        "--user-len), a table per turn of bytes moved, transfer time, TTFT and prefix-cache hit rate")
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "multiturn"],
+        help="random: --requests prompts of --prompt-len random tokens; multiturn: --conversations "
+        "of --turns, each turn resending the conversation so far (see --system-prompt-len, "
+        "--user-len), a table per turn of bytes moved, transfer time, TTFT and prefix-cache hit rate",
+    )
     p.add_argument("--requests", type=positive_int, default=32, help="requests to send in all (a count)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once (a count)")
-    p.add_argument("--prompt-len", type=token_lengths, default="128:1024",
-                   help="prompt length in tokens: N, or MIN:MAX drawn uniformly per request (plain integers)")
+    p.add_argument(
+        "--prompt-len",
+        type=token_lengths,
+        default="128:1024",
+        help="prompt length in tokens: N, or MIN:MAX drawn uniformly per request (plain integers)",
+    )
     p.add_argument("--max-new-tokens", type=positive_int, default=4, help="tokens decode generates per request")
-    p.add_argument("--seed", type=int, default=0,
-                   help="seed (an integer) of the prompt lengths and token ids; request i uses seed+i")
-    p.add_argument("--stream-layers", default=None, choices=[*STREAM_LAYERS, "both"],
-                   help="layer-wise streaming per request: on, off, auto, or both (the workload twice, off then "
-                        "on, each summarized); unset, prefill's --stream-layers decides")
-    p.add_argument("--plot", default=None, metavar="PNG",
-                   help="write a PNG file here: latency per phase and throughput over time")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed (an integer) of the prompt lengths and token ids; request i uses seed+i",
+    )
+    p.add_argument(
+        "--stream-layers",
+        default=None,
+        choices=[*STREAM_LAYERS, "both"],
+        help="layer-wise streaming per request: on, off, auto, or both (the workload twice, off then "
+        "on, each summarized); unset, prefill's --stream-layers decides",
+    )
+    p.add_argument(
+        "--plot", default=None, metavar="PNG", help="write a PNG file here: latency per phase and throughput over time"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar (it goes to stderr)")
     multiturn.add_flags(p)
 
@@ -66,8 +90,10 @@ def run_workloads(router: str, args: argparse.Namespace) -> dict[str, dict]:
     With --plot, one PNG shows every run."""
     if args.stream_layers != "both":
         return {"": run_workload(router, args)}
-    runs = [send_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}), f"stream_{mode}")
-            for mode in ("off", "on")]
+    runs = [
+        send_workload(router, argparse.Namespace(**{**vars(args), "stream_layers": mode}), f"stream_{mode}")
+        for mode in ("off", "on")
+    ]
     write_plot(runs, args)
     return {run.label: summarize(run.results, run.wall) for run in runs}
 
@@ -76,14 +102,16 @@ def run_multiturn(routers: list[str], args: argparse.Namespace) -> dict:
     """The multi-turn workload through every router, interleaved (plotted with --plot),
     summarized side by side (multiturn.outcome)."""
     if args.stream_layers == "both":
-        raise SystemExit("--stream-layers both runs the random workload twice; with --workload multiturn give "
-                         "on, off or auto")
+        raise SystemExit(
+            "--stream-layers both runs the random workload twice; with --workload multiturn give on, off or auto"
+        )
     shape = multiturn.Shape.of(args)
     extra = {"stream_layers": args.stream_layers} if args.stream_layers else {}
     runs = multiturn.send(multiturn.targets(routers), shape, args.concurrency, not args.no_progress, extra)
     write_plot(runs, args)
-    return multiturn.outcome(shape, {run.label: multiturn.summarize(run, summarize(run.results, run.wall))
-                                     for run in runs})
+    return multiturn.outcome(
+        shape, {run.label: multiturn.summarize(run, summarize(run.results, run.wall)) for run in runs}
+    )
 
 
 def run_workload(router: str, args: argparse.Namespace) -> dict:
@@ -96,8 +124,9 @@ def run_workload(router: str, args: argparse.Namespace) -> dict:
 def write_plot(runs: list[Run], args: argparse.Namespace) -> None:
     if args.plot:
         from disagg.tools.plot import plot, plot_title
+
         plot(runs, args.plot, plot_title(args, runs))
-        print(f"plot written to {args.plot}", file=sys.stderr)   # stderr: --json keeps stdout to itself
+        print(f"plot written to {args.plot}", file=sys.stderr)  # stderr: --json keeps stdout to itself
 
 
 def send_workload(router: str, args: argparse.Namespace, label: str = "") -> Run:
@@ -111,16 +140,21 @@ def send_workload(router: str, args: argparse.Namespace, label: str = "") -> Run
     pool = ThreadPoolExecutor(args.concurrency)
     try:
         extra = {"stream_layers": args.stream_layers} if getattr(args, "stream_layers", None) else {}
-        futures = [pool.submit(post_json, router + "/generate",
-                               {"prompt_len": n, "max_new_tokens": args.max_new_tokens, "seed": args.seed + i, **extra},
-                               120)
-                   for i, n in enumerate(lengths)]
+        futures = [
+            pool.submit(
+                post_json,
+                router + "/generate",
+                {"prompt_len": n, "max_new_tokens": args.max_new_tokens, "seed": args.seed + i, **extra},
+                120,
+            )
+            for i, n in enumerate(lengths)
+        ]
         for f in as_completed(futures):
             results.append(f.result())
             finished.append(time.perf_counter() - t0)
             bar.update(1)
     except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)   # requests already sent end on their own
+        pool.shutdown(wait=False, cancel_futures=True)  # requests already sent end on their own
         raise
     finally:
         bar.close()
@@ -138,21 +172,30 @@ def summarize(results: list[dict], wall: float) -> dict:
         values = [r["timings_ms"][phase] for r in ok if r.get("timings_ms", {}).get(phase) is not None]
         if values:
             q = np.percentile(values, [50, 90, 99])
-            latency[phase] = {"p50": round(q[0], 2), "p90": round(q[1], 2), "p99": round(q[2], 2),
-                              "mean": round(statistics.fmean(values), 2)}
-    checked = [r["check"] for r in results if isinstance(r.get("check"), dict)]   # a mismatch fails its request
+            latency[phase] = {
+                "p50": round(q[0], 2),
+                "p90": round(q[1], 2),
+                "p99": round(q[2], 2),
+                "mean": round(statistics.fmean(values), 2),
+            }
+    checked = [r["check"] for r in results if isinstance(r.get("check"), dict)]  # a mismatch fails its request
     failures, failure_rooms = group_failures([r for r in results if not r.get("ok")])
     return {
-        "requests": len(results), "verified": sum(1 for r in ok if r.get("verified")),
-        "failed": len(results) - len(ok), "wall_s": round(wall, 3),
+        "requests": len(results),
+        "verified": sum(1 for r in ok if r.get("verified")),
+        "failed": len(results) - len(ok),
+        "wall_s": round(wall, 3),
         "requests_per_s": round(len(results) / wall, 2) if wall else 0.0,
-        "bytes": total_bytes, "gb_per_s": round(total_bytes / wall / 1e9, 6) if wall else 0.0,
+        "bytes": total_bytes,
+        "gb_per_s": round(total_bytes / wall / 1e9, 6) if wall else 0.0,
         "transfer_gb_per_s": round(total_bytes / transfer_s / 1e9, 6) if transfer_s else 0.0,
         "modes": {m: sum(1 for r in ok if r.get("mode") == m) for m in {r.get("mode") for r in ok}},
         "transports": {t: sum(1 for r in ok if r.get("transport") == t) for t in {r.get("transport") for r in ok}},
         "streamed": sum(1 for r in ok if r.get("streamed")),
         "prepared_ahead": sum(1 for r in ok if r.get("prepared_ahead")),
-        "latency_ms": latency, "failures": failures, "failure_rooms": failure_rooms,
+        "latency_ms": latency,
+        "failures": failures,
+        "failure_rooms": failure_rooms,
         "token_match": check_counts(checked),
     }
 
@@ -161,12 +204,20 @@ def check_counts(checks: list[dict]) -> dict:
     """Generations compared with a colocated run (decode --check-rate). Logits are counted only
     where a check compared them: the stand-in engine has none, so its checks are tokens only."""
     with_logits = [c for c in checks if "logits_match" in c]
-    with_shard = [c for c in checks if "shard_match" in c]   # the bytes each decode rank held: its shard
-    return {"checked": len(checks), "match": sum(1 for c in checks if c.get("token_match")),
-            "logits_checked": len(with_logits), "logits_match": sum(1 for c in with_logits if c["logits_match"]),
-            "shard_checked": len(with_shard), "shard_match": sum(1 for c in with_shard if c["shard_match"]),
-            "differ": sum(1 for c in checks if not (c.get("token_match") and c.get("logits_match", True)
-                                                    and c.get("shard_match", True)))}
+    with_shard = [c for c in checks if "shard_match" in c]  # the bytes each decode rank held: its shard
+    return {
+        "checked": len(checks),
+        "match": sum(1 for c in checks if c.get("token_match")),
+        "logits_checked": len(with_logits),
+        "logits_match": sum(1 for c in with_logits if c["logits_match"]),
+        "shard_checked": len(with_shard),
+        "shard_match": sum(1 for c in with_shard if c["shard_match"]),
+        "differ": sum(
+            1
+            for c in checks
+            if not (c.get("token_match") and c.get("logits_match", True) and c.get("shard_match", True))
+        ),
+    }
 
 
 ROOM = re.compile(r"\b(rooms?) (\d+)")
@@ -182,8 +233,11 @@ def group_failures(failed: list[dict]) -> tuple[dict[str, int], dict[str, list[i
         reason = str(r.get("reason") or r.get("error") or "unknown")
         key = ROOM.sub(r"\1 *", reason)
         counts[key] = counts.get(key, 0) + 1
-        room = r.get("room") if isinstance(r.get("room"), int) else next(
-            (int(m.group(2)) for m in ROOM.finditer(reason)), None)
+        room = (
+            r.get("room")
+            if isinstance(r.get("room"), int)
+            else next((int(m.group(2)) for m in ROOM.finditer(reason)), None)
+        )
         examples = rooms.setdefault(key, [])
         if room is not None and room not in examples and len(examples) < EXAMPLE_ROOMS:
             examples.append(room)
@@ -211,17 +265,23 @@ def print_summary(s: dict) -> None:
         print(f"all {s['requests']} requests failed (wall {s['wall_s']:.2f} s); reasons:")
         _print_failures(s["failures"], s.get("failure_rooms", {}))
         return
-    print(f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  "
-          f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s")
-    print(f"throughput: {significant(s['gb_per_s'])} GB/s aggregate (KV bytes / wall), "
-          f"{significant(s['transfer_gb_per_s'])} GB/s per transfer (KV bytes / time in transfers)")
-    print(f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}   "
-          f"streamed layer-wise: {s.get('streamed', 0)}   sends prepared while computing: "
-          f"{s.get('prepared_ahead', 0)}")
+    print(
+        f"requests {s['requests']}  verified {s['verified']}  failed {s['failed']}  "
+        f"wall {s['wall_s']:.2f} s  {significant(s['requests_per_s'])} req/s"
+    )
+    print(
+        f"throughput: {significant(s['gb_per_s'])} GB/s aggregate (KV bytes / wall), "
+        f"{significant(s['transfer_gb_per_s'])} GB/s per transfer (KV bytes / time in transfers)"
+    )
+    print(
+        f"modes: {_counts(s['modes']) or 'none'}   transports: {_counts(s.get('transports', {})) or 'none'}   "
+        f"streamed layer-wise: {s.get('streamed', 0)}   sends prepared while computing: "
+        f"{s.get('prepared_ahead', 0)}"
+    )
     lat = s["latency_ms"]
     if lat:
         print()
-        width = max(len("phase"), *(len(p) for p in lat))   # the longest name sets the column
+        width = max(len("phase"), *(len(p) for p in lat))  # the longest name sets the column
         print(f"{'phase':<{width}} {'p50 ms':>9} {'p90 ms':>9} {'p99 ms':>9} {'mean ms':>9}   (successful requests)")
         for phase, q in lat.items():
             print(f"{phase:<{width}} {q['p50']:>9.1f} {q['p90']:>9.1f} {q['p99']:>9.1f} {q['mean']:>9.1f}")
@@ -267,8 +327,10 @@ def print_summaries(summaries: dict[str, dict]) -> None:
             print()
     after = {label: s["latency_ms"].get("kv_ready_after_compute", {}).get("p50") for label, s in summaries.items()}
     if len(after) == 2 and all(v is not None for v in after.values()):
-        print(f"KV ready after compute, p50: {significant(after['stream_off'])} ms not streamed, "
-              f"{significant(after['stream_on'])} ms streamed layer-wise")
+        print(
+            f"KV ready after compute, p50: {significant(after['stream_off'])} ms not streamed, "
+            f"{significant(after['stream_on'])} ms streamed layer-wise"
+        )
 
 
 def one_json(summaries: dict[str, dict]) -> dict:
@@ -276,11 +338,13 @@ def one_json(summaries: dict[str, dict]) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.compare_router and args.workload != "multiturn":   # (it would be left unused without a word)
-        raise SystemExit("--compare-router runs the multiturn workload through a second router: give --workload "
-                         "multiturn")
-    if args.plot:   # the plot's title names the preset: the workers behind the router know it
+    if args.compare_router and args.workload != "multiturn":  # (it would be left unused without a word)
+        raise SystemExit(
+            "--compare-router runs the multiturn workload through a second router: give --workload multiturn"
+        )
+    if args.plot:  # the plot's title names the preset: the workers behind the router know it
         from disagg.tools.deployment import router_preset
+
         args.preset = router_preset(args.router)
     if args.workload == "multiturn":
         out = run_multiturn([args.router, *([args.compare_router] if args.compare_router else [])], args)

@@ -22,39 +22,91 @@ HELP = "start a local prefill/decode pair and router, run a workload, verify eve
 
 def add_parser(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("the pair")
-    g.add_argument("--preset", default=None, choices=[*PRESETS, *FAMILIES], metavar="PRESET",
-                   help="model geometry, one of `disagg presets` or a model family (tiny-model-*, model-*); "
-                        "default: tiny-hybrid, or tiny-model-gpt-oss with --engine model")
-    g.add_argument("--engine", default="auto", choices=registry.CHOICES,
-                   help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg "
-                        "prefill --help); every model generation is checked against a colocated run")
+    g.add_argument(
+        "--preset",
+        default=None,
+        choices=[*PRESETS, *FAMILIES],
+        metavar="PRESET",
+        help="model geometry, one of `disagg presets` or a model family (tiny-model-*, model-*); "
+        "default: tiny-hybrid, or tiny-model-gpt-oss with --engine model",
+    )
+    g.add_argument(
+        "--engine",
+        default="auto",
+        choices=registry.CHOICES,
+        help="what computes KV: model code (tiny-model-*, model-* presets) or the stand-in (see disagg "
+        "prefill --help); every model generation is checked against a colocated run",
+    )
     add_model_flags(g)
     g.add_argument("--page-size", type=power_of_two, default=None, help="tokens per page (default: the preset's)")
-    g.add_argument("--prefill-page-size", type=power_of_two, default=None, metavar="N",
-                   help="prefill's tokens per page, where the two sides differ (default: --page-size); the KV "
-                        "then moves by token")
-    g.add_argument("--decode-page-size", type=power_of_two, default=None, metavar="N",
-                   help="decode's tokens per page (default: --page-size)")
-    g.add_argument("--prefill-tp", type=positive_int, default=1, metavar="N",
-                   help="tensor-parallel ranks of the prefill instance (one process each)")
-    g.add_argument("--decode-tp", type=positive_int, default=1, metavar="M",
-                   help="tensor-parallel ranks of the decode instance; where N != M each decode rank receives its "
-                        "heads from the prefill ranks that hold them")
+    g.add_argument(
+        "--prefill-page-size",
+        type=power_of_two,
+        default=None,
+        metavar="N",
+        help="prefill's tokens per page, where the two sides differ (default: --page-size); the KV then moves by token",
+    )
+    g.add_argument(
+        "--decode-page-size",
+        type=power_of_two,
+        default=None,
+        metavar="N",
+        help="decode's tokens per page (default: --page-size)",
+    )
+    g.add_argument(
+        "--prefill-tp",
+        type=positive_int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks of the prefill instance (one process each)",
+    )
+    g.add_argument(
+        "--decode-tp",
+        type=positive_int,
+        default=1,
+        metavar="M",
+        help="tensor-parallel ranks of the decode instance; where N != M each decode rank receives its "
+        "heads from the prefill ranks that hold them",
+    )
     g.add_argument("--max-tokens", type=positive_int, default=65536, help="pool capacity per side, in tokens")
-    g.add_argument("--max-requests", type=positive_int, default=64,
-                   help="request slots per side (each holds a Mamba/GDN state and an AUX row; fewer use less memory)")
+    g.add_argument(
+        "--max-requests",
+        type=positive_int,
+        default=64,
+        help="request slots per side (each holds a Mamba/GDN state and an AUX row; fewer use less memory)",
+    )
     g.add_argument("--layout", default="page_major", choices=[l.value for l in Layout], help="buffer layout")
-    g.add_argument("--transfer-mode", default="auto", choices=[m.value for m in Mode],
-                   help="direct, staged, or auto (chosen per request)")
-    g.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="pool device: cpu, or cuda (prefill on "
-                   "the first GPU, decode on the second where there are two or more)")
-    g.add_argument("--transport", default="auto", choices=TRANSPORTS.choices(),
-                   help="how KV moves between the two (auto: cuda-ipc for CUDA pools on one host, else mooncake)")
-    g.add_argument("--simulate-layer-ms", type=float, default=0.0, metavar="MS",
-                   help="stand-in engine: simulated prefill compute per layer, to watch --stream-layers hide the "
-                        "transfer (0: none)")
-    g.add_argument("--worker-logs", action="store_true",
-                   help="pass the workers' and router's logs through to stderr (else shown only if one fails)")
+    g.add_argument(
+        "--transfer-mode",
+        default="auto",
+        choices=[m.value for m in Mode],
+        help="direct, staged, or auto (chosen per request)",
+    )
+    g.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="pool device: cpu, or cuda (prefill on the first GPU, decode on the second where there are two or more)",
+    )
+    g.add_argument(
+        "--transport",
+        default="auto",
+        choices=TRANSPORTS.choices(),
+        help="how KV moves between the two (auto: cuda-ipc for CUDA pools on one host, else mooncake)",
+    )
+    g.add_argument(
+        "--simulate-layer-ms",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="stand-in engine: simulated prefill compute per layer, to watch --stream-layers hide the "
+        "transfer (0: none)",
+    )
+    g.add_argument(
+        "--worker-logs",
+        action="store_true",
+        help="pass the workers' and router's logs through to stderr (else shown only if one fails)",
+    )
     g = p.add_argument_group("workload and output")
     add_workload_flags(g)
     g.add_argument("--json", action="store_true", help="print the summary as one JSON object")
@@ -66,6 +118,7 @@ def devices(device: str) -> tuple[str, str]:
     if device != "cuda":
         return device, device
     import torch
+
     return "cuda:0", "cuda:1" if torch.cuda.device_count() > 1 else "cuda:0"
 
 
@@ -75,19 +128,32 @@ def urls(ranks: list[dict]) -> str:
 
 
 def say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)   # progress: stderr, so --json keeps stdout
+    print(text, file=sys.stderr, flush=True)  # progress: stderr, so --json keeps stdout
 
 
-def decode_and_router(launcher, args: argparse.Namespace, prefill: list[dict], flags: list[str], device: str,
-                      cache: list[str]) -> str:
+def decode_and_router(
+    launcher, args: argparse.Namespace, prefill: list[dict], flags: list[str], device: str, cache: list[str]
+) -> str:
     """A decode instance of `flags` and `cache` (its prefix-cache flag, or none: the default)
     registered with `prefill`, and a router of that one pair: its URL. (prompt_len ids are drawn
     below the vocabulary the workers report in /health.)"""
     say(f"starting decode ({device}, TP {args.decode_tp}{''.join(', ' + c.lstrip('-') for c in cache)}) ...")
-    decode = launcher.start_instance("decode", args.decode_tp, *flags, *cache, "--device", device, "--bootstrap-addr",
-                                     prefill[0]["bootstrap"], "--check-rate", "1")
-    say(f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
-        f"{decode[0]['pool']['human']} per rank")
+    decode = launcher.start_instance(
+        "decode",
+        args.decode_tp,
+        *flags,
+        *cache,
+        "--device",
+        device,
+        "--bootstrap-addr",
+        prefill[0]["bootstrap"],
+        "--check-rate",
+        "1",
+    )
+    say(
+        f"  decode ready in {sum(r['started_s'] for r in decode):.1f} s on {urls(decode)}, pool "
+        f"{decode[0]['pool']['human']} per rank"
+    )
     router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
     say(f"  router ready on {router['http']}")
     return router["http"]
@@ -112,28 +178,62 @@ def run(args: argparse.Namespace) -> int:
     if args.preset is None:
         args.preset = "tiny-model-gpt-oss" if args.engine == "model" else "tiny-hybrid"
     engine = registry.resolve(args.engine, args.preset, source)
-    models = [f"--{flag.replace('_', '-')}={getattr(args, flag)}" for flag in ("model", "model_type", "model_config")
-              if getattr(args, flag) is not None] + ["--dtype", args.dtype]
+    models = [
+        f"--{flag.replace('_', '-')}={getattr(args, flag)}"
+        for flag in ("model", "model_type", "model_config")
+        if getattr(args, flag) is not None
+    ] + ["--dtype", args.dtype]
     name = source.name if source is not None else args.preset
-    pool = ["--preset", args.preset, *models, "--engine", args.engine, "--max-tokens", str(args.max_tokens),
-            "--max-requests", str(args.max_requests), "--layout", args.layout, "--transport", args.transport,
-            "--transfer-mode", args.transfer_mode, "--host", "127.0.0.1"]
-    pages = {side: (["--page-size", str(n)] if n else [])
-             for side, n in (("prefill", args.prefill_page_size or args.page_size),
-                             ("decode", args.decode_page_size or args.page_size))}
+    pool = [
+        "--preset",
+        args.preset,
+        *models,
+        "--engine",
+        args.engine,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--max-requests",
+        str(args.max_requests),
+        "--layout",
+        args.layout,
+        "--transport",
+        args.transport,
+        "--transfer-mode",
+        args.transfer_mode,
+        "--host",
+        "127.0.0.1",
+    ]
+    pages = {
+        side: (["--page-size", str(n)] if n else [])
+        for side, n in (
+            ("prefill", args.prefill_page_size or args.page_size),
+            ("decode", args.decode_page_size or args.page_size),
+        )
+    }
     prefill_device, decode_device = devices(args.device)
     with Launcher(logs=args.worker_logs) as launcher:
         say(f"starting prefill ({name}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
         prefill = launcher.start_instance(
-            "prefill", args.prefill_tp, *pool, *pages["prefill"], "--device", prefill_device,
-            "--bootstrap-bind", "tcp://127.0.0.1:*",
-            *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []))
-        say(f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
-            f"{prefill[0]['pool']['human']} per rank")
+            "prefill",
+            args.prefill_tp,
+            *pool,
+            *pages["prefill"],
+            "--device",
+            prefill_device,
+            "--bootstrap-bind",
+            "tcp://127.0.0.1:*",
+            *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []),
+        )
+        say(
+            f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
+            f"{prefill[0]['pool']['human']} per rank"
+        )
         # multiturn: the same prefill feeds two decodes, prefix cache on and off, each behind its router
         caches = [["--prefix-cache"], ["--no-prefix-cache"]] if args.workload == "multiturn" else [[]]
-        routers = [decode_and_router(launcher, args, prefill, [*pool, *pages["decode"]], decode_device, cache)
-                   for cache in caches]
+        routers = [
+            decode_and_router(launcher, args, prefill, [*pool, *pages["decode"]], decode_device, cache)
+            for cache in caches
+        ]
         if args.workload == "multiturn":
             return _multiturn(routers, args, name, engine)
         say(f"{args.requests} requests, {args.concurrency} at a time, prompts of {args.prompt_len} tokens")

@@ -9,7 +9,7 @@ import urllib.error
 import urllib.request
 
 TIMEOUT_S = 5.0
-PRESET = re.compile(r"[\w.-]{1,64}")   # what a preset name looks like; anything else is not shown
+PRESET = re.compile(r"[\w.-]{1,64}")  # what a preset name looks like; anything else is not shown
 
 
 def get_json(url: str, timeout: float = TIMEOUT_S) -> dict | None:

@@ -20,6 +20,8 @@ def run(args: argparse.Namespace) -> int:
         key = AuthKey.generate(args.file)
     except OSError as exc:
         raise ConfigError(f"cannot write {args.file}: {exc.strerror}") from None
-    print(f"wrote {args.file} (public key {key.public.decode()}); give every process --auth-key {args.file}, "
-          f"or on Kubernetes: kubectl create secret generic disagg-auth --from-file=deployment.key={args.file}")
+    print(
+        f"wrote {args.file} (public key {key.public.decode()}); give every process --auth-key {args.file}, "
+        f"or on Kubernetes: kubectl create secret generic disagg-auth --from-file=deployment.key={args.file}"
+    )
     return 0

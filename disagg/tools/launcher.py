@@ -23,7 +23,7 @@ from disagg.control.auth import AuthKey
 from disagg.errors import DisaggError
 
 
-PASSED = ("DISAGG_AUTH_KEY", "DISAGG_INSECURE")   # DISAGG_ variables the children see (DISAGG_TEST_* too)
+PASSED = ("DISAGG_AUTH_KEY", "DISAGG_INSECURE")  # DISAGG_ variables the children see (DISAGG_TEST_* too)
 
 
 def _interrupt(signum, frame):
@@ -37,7 +37,7 @@ class Launcher:
         self.logs = logs
         self._old_sigterm = None
         self.procs: list[subprocess.Popen] = []
-        self._drains: dict[int, threading.Thread] = {}   # pid -> the thread keeping its last log lines
+        self._drains: dict[int, threading.Thread] = {}  # pid -> the thread keeping its last log lines
         self._keys: tempfile.TemporaryDirectory | None = None
         self.auth_env: dict[str, str] = {}
         if not os.environ.get("DISAGG_AUTH_KEY") and os.environ.get("DISAGG_INSECURE") != "1":
@@ -48,28 +48,36 @@ class Launcher:
     def start(self, *args: str, prefix: tuple[str, ...] = ()) -> dict:
         """Run `[PREFIX...] python -m disagg ARGS` (a prefix such as `ip netns exec NS`); return
         the JSON line it prints once ready."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith("DISAGG_") or k in PASSED or k.startswith("DISAGG_TEST_")}
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("DISAGG_") or k in PASSED or k.startswith("DISAGG_TEST_")
+        }
         env.update(self.auth_env)
         quiet = not self.logs
         t0 = time.perf_counter()
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "disagg", *args], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE if quiet else None, text=True, env=env)
+        proc = subprocess.Popen(
+            [*prefix, sys.executable, "-m", "disagg", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE if quiet else None,
+            text=True,
+            env=env,
+        )
         self.procs.append(proc)
-        tail: deque[str] = deque(maxlen=3)   # its last log lines, to explain a failed start
+        tail: deque[str] = deque(maxlen=3)  # its last log lines, to explain a failed start
         drain = threading.Thread(target=tail.extend, args=(proc.stderr,), daemon=True) if quiet else None
         if drain is not None:
             drain.start()
             self._drains[proc.pid] = drain
         ready, _, _ = select.select([proc.stdout], [], [], self.start_timeout_s)
         line = proc.stdout.readline() if ready else ""
-        if not line:   # its stdout ended (it exits) or it took too long (it is stopped)
+        if not line:  # its stdout ended (it exits) or it took too long (it is stopped)
             if not ready:
                 proc.kill()
             code = proc.wait()
             state = f"exit code {code}" if ready else f"still starting after {self.start_timeout_s:g} s"
             if drain is not None:
-                drain.join(5)   # it exited: its stderr ends
+                drain.join(5)  # it exited: its stderr ends
             said = (": " + " | ".join(l.strip() for l in tail)) if tail else ""
             raise DisaggError(f"`disagg {args[0]}` did not become ready ({state}){said}")
         ready_line = json.loads(line)
@@ -102,7 +110,7 @@ class Launcher:
             proc.stdout.close()
             drain = self._drains.pop(proc.pid, None)
             if drain is not None:
-                drain.join(5)    # it exited: its stderr has ended
+                drain.join(5)  # it exited: its stderr has ended
             if proc.stderr is not None:
                 proc.stderr.close()
         self.procs.clear()

@@ -26,36 +26,54 @@ from disagg.router.router import post_json
 from disagg.tools.deployment import router_workers
 from disagg.tools.runs import Run
 
-DEFAULT_VOCAB = 50000   # the router's own default (RouterConfig.vocab_size) where no worker says
+DEFAULT_VOCAB = 50000  # the router's own default (RouterConfig.vocab_size) where no worker says
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--conversations", type=positive_int, default=8, help="multiturn: conversations (a count)")
     p.add_argument("--turns", type=positive_int, default=4, help="multiturn: turns per conversation (a count)")
-    p.add_argument("--system-prompt-len", type=non_negative_int, default=1024, metavar="N",
-                   help="multiturn: tokens of the system prompt every conversation starts with (0: none)")
-    p.add_argument("--user-len", type=token_lengths, default="256", metavar="N|MIN:MAX",
-                   help="multiturn: tokens of each new user message: N, or MIN:MAX drawn uniformly per turn")
+    p.add_argument(
+        "--system-prompt-len",
+        type=non_negative_int,
+        default=1024,
+        metavar="N",
+        help="multiturn: tokens of the system prompt every conversation starts with (0: none)",
+    )
+    p.add_argument(
+        "--user-len",
+        type=token_lengths,
+        default="256",
+        metavar="N|MIN:MAX",
+        help="multiturn: tokens of each new user message: N, or MIN:MAX drawn uniformly per turn",
+    )
 
 
 @dataclass(frozen=True)
 class Shape:
     """What every run of the workload sends: the same prompts' ids and lengths."""
+
     conversations: int
     turns: int
     system_len: int
-    user_len: str          # N or MIN:MAX
-    answer_len: int        # max_new_tokens of every turn
+    user_len: str  # N or MIN:MAX
+    answer_len: int  # max_new_tokens of every turn
     seed: int
 
     @classmethod
     def of(cls, args: argparse.Namespace) -> "Shape":
-        return cls(args.conversations, args.turns, args.system_prompt_len, args.user_len, args.max_new_tokens,
-                   args.seed)
+        return cls(
+            args.conversations, args.turns, args.system_prompt_len, args.user_len, args.max_new_tokens, args.seed
+        )
 
     def describe(self) -> dict:
-        return {"conversations": self.conversations, "turns": self.turns, "system_prompt_tokens": self.system_len,
-                "user_tokens": self.user_len, "answer_tokens": self.answer_len, "seed": self.seed}
+        return {
+            "conversations": self.conversations,
+            "turns": self.turns,
+            "system_prompt_tokens": self.system_len,
+            "user_tokens": self.user_len,
+            "answer_tokens": self.answer_len,
+            "seed": self.seed,
+        }
 
     def system_prompt(self, vocab: int) -> list[int]:
         return np.random.default_rng([self.seed, 0]).integers(0, vocab, self.system_len).tolist()
@@ -72,6 +90,7 @@ class Shape:
 class Target:
     """A router the workload runs through, labelled by what its decode workers say of their
     prefix cache (/health): reuse_on, reuse_off, or reuse_unknown."""
+
     label: str
     url: str
     vocab: int
@@ -100,15 +119,25 @@ def send(targets: list[Target], shape: Shape, concurrency: int, progress: bool, 
     router c mod the number of routers, `concurrency` conversations at a time. Each answer is
     the router's with its conversation and turn (from 1) added. Requests that are not counted
     warm each stack up first (their random ids share no prefix with the workload)."""
-    vocab = min(t.vocab for t in targets)   # the same ids through every router
-    with ThreadPoolExecutor(concurrency) as pool:   # warm-up: as many at once as the workload sends
-        list(pool.map(lambda job: post_json(job[0].url + "/generate", {"prompt_len": 64, "max_new_tokens": 1,
-                                                                        "seed": (1 << 40) + job[1]}, 120),
-                      [(t, i) for t in targets for i in range(concurrency)]))
+    vocab = min(t.vocab for t in targets)  # the same ids through every router
+    with ThreadPoolExecutor(concurrency) as pool:  # warm-up: as many at once as the workload sends
+        list(
+            pool.map(
+                lambda job: post_json(
+                    job[0].url + "/generate", {"prompt_len": 64, "max_new_tokens": 1, "seed": (1 << 40) + job[1]}, 120
+                ),
+                [(t, i) for t in targets for i in range(concurrency)],
+            )
+        )
     results: dict[str, list[dict]] = {t.label: [] for t in targets}
     finished: dict[str, list[float]] = {t.label: [] for t in targets}
-    bar = tqdm(total=shape.conversations * shape.turns * len(targets), unit="req", disable=not progress,
-               file=sys.stderr, leave=False)
+    bar = tqdm(
+        total=shape.conversations * shape.turns * len(targets),
+        unit="req",
+        disable=not progress,
+        file=sys.stderr,
+        leave=False,
+    )
     t0 = time.perf_counter()
 
     def talk(job: tuple[int, Target]) -> None:
@@ -124,7 +153,7 @@ def send(targets: list[Target], shape: Shape, concurrency: int, progress: bool, 
             list(pool.map(talk, jobs))
     finally:
         bar.close()
-    wall = time.perf_counter() - t0   # (of every run together: they were interleaved)
+    wall = time.perf_counter() - t0  # (of every run together: they were interleaved)
     return [Run(t.label, results[t.label], finished[t.label], wall) for t in targets]
 
 
@@ -136,7 +165,7 @@ def conversation(url: str, c: int, shape: Shape, vocab: int, extra: dict):
         prompt += message
         out = post_json(url + "/generate", {"token_ids": prompt, "max_new_tokens": shape.answer_len, **extra}, 120)
         yield {**out, "conversation": c, "turn": turn, "prompt_tokens": len(prompt)}
-        prompt += out.get("output_tokens") or []   # a failed turn's answer is missing: the next goes on
+        prompt += out.get("output_tokens") or []  # a failed turn's answer is missing: the next goes on
 
 
 def ttft_ms(result: dict) -> float | None:
@@ -151,10 +180,19 @@ def ttft_ms(result: dict) -> float | None:
 def per_request(result: dict) -> dict:
     prompt, prefix = result.get("prompt_tokens", 0), result.get("prefix_tokens") or 0
     t = result.get("timings_ms") or {}
-    return {"conversation": result["conversation"], "turn": result["turn"], "ok": bool(result.get("ok")),
-            "prompt_tokens": prompt, "prefix_tokens": prefix, "hit_rate": round(prefix / prompt, 4) if prompt else 0.0,
-            "bytes": result.get("bytes", 0), "reused_bytes": result.get("reused_bytes") or 0,
-            "transfer_ms": t.get("transfer"), "ttft_ms": ttft_ms(result), "total_ms": t.get("total")}
+    return {
+        "conversation": result["conversation"],
+        "turn": result["turn"],
+        "ok": bool(result.get("ok")),
+        "prompt_tokens": prompt,
+        "prefix_tokens": prefix,
+        "hit_rate": round(prefix / prompt, 4) if prompt else 0.0,
+        "bytes": result.get("bytes", 0),
+        "reused_bytes": result.get("reused_bytes") or 0,
+        "transfer_ms": t.get("transfer"),
+        "ttft_ms": ttft_ms(result),
+        "total_ms": t.get("total"),
+    }
 
 
 def figures(rows: list[dict]) -> dict:
@@ -162,12 +200,16 @@ def figures(rows: list[dict]) -> dict:
     transfer time and TTFT percentiles."""
     ok = [r for r in rows if r["ok"]]
     prompt = sum(r["prompt_tokens"] for r in ok)
-    return {"requests": len(rows), "ok": len(ok),
-            "prompt_tokens": round(prompt / len(ok), 1) if ok else 0.0,
-            "hit_rate": round(sum(r["prefix_tokens"] for r in ok) / prompt, 4) if prompt else 0.0,
-            "bytes_per_request": round(statistics.fmean(r["bytes"] for r in ok)) if ok else 0,
-            "reused_bytes_per_request": round(statistics.fmean(r["reused_bytes"] for r in ok)) if ok else 0,
-            "transfer_ms": spread([r["transfer_ms"] for r in ok]), "ttft_ms": spread([r["ttft_ms"] for r in ok])}
+    return {
+        "requests": len(rows),
+        "ok": len(ok),
+        "prompt_tokens": round(prompt / len(ok), 1) if ok else 0.0,
+        "hit_rate": round(sum(r["prefix_tokens"] for r in ok) / prompt, 4) if prompt else 0.0,
+        "bytes_per_request": round(statistics.fmean(r["bytes"] for r in ok)) if ok else 0,
+        "reused_bytes_per_request": round(statistics.fmean(r["reused_bytes"] for r in ok)) if ok else 0,
+        "transfer_ms": spread([r["transfer_ms"] for r in ok]),
+        "ttft_ms": spread([r["ttft_ms"] for r in ok]),
+    }
 
 
 def spread(values: list[float | None]) -> dict:
@@ -183,9 +225,12 @@ def summarize(run: Run, base: dict) -> dict:
     multi-turn figures: over all requests, per turn, and each request's."""
     rows = sorted((per_request(r) for r in run.results), key=lambda r: (r["conversation"], r["turn"]))
     turns = sorted({r["turn"] for r in rows})
-    return {**base, **figures(rows), "per_turn": [{"turn": t, **figures([r for r in rows if r["turn"] == t])}
-                                                  for t in turns],
-            "per_request": rows}
+    return {
+        **base,
+        **figures(rows),
+        "per_turn": [{"turn": t, **figures([r for r in rows if r["turn"] == t])} for t in turns],
+        "per_request": rows,
+    }
 
 
 def compare(summaries: dict[str, dict]) -> dict:
@@ -197,9 +242,11 @@ def compare(summaries: dict[str, dict]) -> dict:
     def times(a: float | None, b: float | None) -> float | None:
         return round(a / b, 2) if a and b else None
 
-    return {"bytes_fewer_x": times(off["bytes_per_request"], on["bytes_per_request"]),
-            "transfer_ms_p50_less_x": times(off["transfer_ms"].get("p50"), on["transfer_ms"].get("p50")),
-            "ttft_ms_p50_less_x": times(off["ttft_ms"].get("p50"), on["ttft_ms"].get("p50"))}
+    return {
+        "bytes_fewer_x": times(off["bytes_per_request"], on["bytes_per_request"]),
+        "transfer_ms_p50_less_x": times(off["transfer_ms"].get("p50"), on["transfer_ms"].get("p50")),
+        "ttft_ms_p50_less_x": times(off["ttft_ms"].get("p50"), on["ttft_ms"].get("p50")),
+    }
 
 
 def outcome(shape: Shape, summaries: dict[str, dict]) -> dict:
@@ -209,19 +256,25 @@ def outcome(shape: Shape, summaries: dict[str, dict]) -> dict:
 
 def all_served(out: dict) -> bool:
     """Every request of every run verified, and no colocated check differed."""
-    return all(s["failed"] == 0 and s["verified"] == s["requests"] and s["token_match"]["differ"] == 0
-               for s in out["runs"].values())
+    return all(
+        s["failed"] == 0 and s["verified"] == s["requests"] and s["token_match"]["differ"] == 0
+        for s in out["runs"].values()
+    )
 
 
 # ---- the table -----------------------------------------------------------------------------------
-COLUMNS = (("hit %", 6), ("MB/req", 9), ("xfer ms", 9), ("TTFT ms", 9))   # per run: name, width
+COLUMNS = (("hit %", 6), ("MB/req", 9), ("xfer ms", 9), ("TTFT ms", 9))  # per run: name, width
 
 
 def _cells(f: dict) -> str:
     if not f["ok"]:
         return " ".join(f"{'-':>{w}}" for _, w in COLUMNS)
-    values = (f"{100 * f['hit_rate']:.1f}", f"{f['bytes_per_request'] / 1e6:.3f}",
-              _ms(f["transfer_ms"].get("p50")), _ms(f["ttft_ms"].get("p50")))
+    values = (
+        f"{100 * f['hit_rate']:.1f}",
+        f"{f['bytes_per_request'] / 1e6:.3f}",
+        _ms(f["transfer_ms"].get("p50")),
+        _ms(f["ttft_ms"].get("p50")),
+    )
     return " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, COLUMNS))
 
 
@@ -233,9 +286,11 @@ def print_table(out: dict) -> None:
     """Per turn and over all turns, each run side by side (p50 times of successful requests),
     then the comparison and each run's failures."""
     w, runs = out["workload"], out["runs"]
-    print(f"multiturn: {w['conversations']} conversations x {w['turns']} turns; a shared system prompt of "
-          f"{w['system_prompt_tokens']} tokens, user messages of {w['user_tokens']}, answers of "
-          f"{w['answer_tokens']} tokens")
+    print(
+        f"multiturn: {w['conversations']} conversations x {w['turns']} turns; a shared system prompt of "
+        f"{w['system_prompt_tokens']} tokens, user messages of {w['user_tokens']}, answers of "
+        f"{w['answer_tokens']} tokens"
+    )
     width = sum(c + 1 for _, c in COLUMNS) - 1
     print(f"{'':<14}" + "".join(f" | {label.replace('_', ' '):<{width}}" for label in runs))
     print(f"{'turn':<5}{'prompt':>9}" + " | ".join([""] + [" ".join(f"{n:>{c}}" for n, c in COLUMNS)] * len(runs)))
@@ -244,18 +299,24 @@ def print_table(out: dict) -> None:
         cells = [_cells(s["per_turn"][i]) for s in runs.values()]
         print(f"{row['turn']:<5}{row['prompt_tokens']:>9.0f}" + " | ".join([""] + cells))
     print(f"{'all':<5}{first['prompt_tokens']:>9.0f}" + " | ".join([""] + [_cells(s) for s in runs.values()]))
-    print("(hit %: prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the send, p50, which "
-          "holds the compute it overlaps where streamed layer-wise; TTFT: prefill taking the request -> decode "
-          "holding its KV, p50)")
+    print(
+        "(hit %: prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the send, p50, which "
+        "holds the compute it overlaps where streamed layer-wise; TTFT: prefill taking the request -> decode "
+        "holding its KV, p50)"
+    )
     if out["reuse_on_vs_off"]:
         on, off = runs["reuse_on"], runs["reuse_off"]
-        print(f"reuse off -> on: {off['bytes_per_request'] / 1e6:.3f} -> {on['bytes_per_request'] / 1e6:.3f} MB per "
-              f"request ({_x(out['reuse_on_vs_off']['bytes_fewer_x'])} fewer), transfer p50 "
-              f"{_ms(off['transfer_ms'].get('p50'))} -> {_ms(on['transfer_ms'].get('p50'))} ms, TTFT p50 "
-              f"{_ms(off['ttft_ms'].get('p50'))} -> {_ms(on['ttft_ms'].get('p50'))} ms")
+        print(
+            f"reuse off -> on: {off['bytes_per_request'] / 1e6:.3f} -> {on['bytes_per_request'] / 1e6:.3f} MB per "
+            f"request ({_x(out['reuse_on_vs_off']['bytes_fewer_x'])} fewer), transfer p50 "
+            f"{_ms(off['transfer_ms'].get('p50'))} -> {_ms(on['transfer_ms'].get('p50'))} ms, TTFT p50 "
+            f"{_ms(off['ttft_ms'].get('p50'))} -> {_ms(on['ttft_ms'].get('p50'))} ms"
+        )
     for label, s in runs.items():
-        print(f"{label}: {s['requests']} requests, {s['verified']} verified, {s['failed']} failed, "
-              f"wall {s['wall_s']:.2f} s")
+        print(
+            f"{label}: {s['requests']} requests, {s['verified']} verified, {s['failed']} failed, "
+            f"wall {s['wall_s']:.2f} s"
+        )
         for reason, n in sorted(s["failures"].items(), key=lambda kv: -kv[1]):
             print(f"  {n} x {reason}")
 

@@ -12,8 +12,26 @@ from disagg.tools.runs import PHASES, Run
 
 # One colour per phase, the same in every run's panel: matplotlib's default cycle has 10,
 # fewer than the phases, so total, rebuild and check came out alike.
-PHASE_COLOURS = dict(zip(PHASES, ["tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple", "tab:brown",
-                                  "tab:pink", "tab:gray", "tab:olive", "tab:cyan", "black", "gold"], strict=True))
+PHASE_COLOURS = dict(
+    zip(
+        PHASES,
+        [
+            "tab:blue",
+            "tab:orange",
+            "tab:green",
+            "tab:red",
+            "tab:purple",
+            "tab:brown",
+            "tab:pink",
+            "tab:gray",
+            "tab:olive",
+            "tab:cyan",
+            "black",
+            "gold",
+        ],
+        strict=True,
+    )
+)
 
 
 def plot_title(args: argparse.Namespace, runs: list[Run], when: datetime.datetime | None = None) -> str:
@@ -24,19 +42,24 @@ def plot_title(args: argparse.Namespace, runs: list[Run], when: datetime.datetim
     transports = sorted({r["transport"] for r in results if r.get("transport")})
     if not transports and getattr(args, "transport", "auto") not in (None, "auto"):
         transports = [args.transport]
-    first = [f"preset {preset}" if preset else "preset unknown",
-             f"page size {page_size}" if page_size else "preset's page size",
-             f"concurrency {args.concurrency}",
-             f"transport {'+'.join(transports) or 'unknown'}",
-             (when or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M")]
+    first = [
+        f"preset {preset}" if preset else "preset unknown",
+        f"page size {page_size}" if page_size else "preset's page size",
+        f"concurrency {args.concurrency}",
+        f"transport {'+'.join(transports) or 'unknown'}",
+        (when or datetime.datetime.now()).strftime("%Y-%m-%d %H:%M"),
+    ]
     each = max((len(run.results) for run in runs), default=0)
     if getattr(args, "workload", "random") == "multiturn":
-        second = (f"{args.conversations} conversations x {args.turns} turns, a system prompt of "
-                  f"{args.system_prompt_len} tokens, user messages of {args.user_len}, {args.max_new_tokens} new "
-                  f"tokens each, seed {args.seed}")
+        second = (
+            f"{args.conversations} conversations x {args.turns} turns, a system prompt of "
+            f"{args.system_prompt_len} tokens, user messages of {args.user_len}, {args.max_new_tokens} new "
+            f"tokens each, seed {args.seed}"
+        )
     else:
-        second = (f"{each} requests, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, "
-                  f"seed {args.seed}")
+        second = (
+            f"{each} requests, prompt {args.prompt_len} tokens, {args.max_new_tokens} new tokens each, seed {args.seed}"
+        )
     labelled = [_label(run) for run in runs if run.label]
     if labelled:
         second += "; runs: " + ", then ".join(labelled)
@@ -57,14 +80,17 @@ def throughput_bins(results: list[dict], finished: list[float], wall: float) -> 
     bytes (successful requests) and requests/s, ok and failed apart."""
     width = _bin_width(wall) if wall > 0 else 1.0
     edges = np.arange(max(1, math.ceil(wall / width - 1e-9)) + 1) * width
-    edges[-1] = max([edges[-1], wall, *finished])   # rounding must not drop the last completion
+    edges[-1] = max([edges[-1], wall, *finished])  # rounding must not drop the last completion
     times = np.asarray(finished, dtype=float)
     good = np.asarray([bool(r.get("ok")) for r in results], dtype=bool)
     nbytes = np.asarray([r.get("bytes", 0) if r.get("ok") else 0 for r in results], dtype=float)
-    return {"width_s": width, "edges_s": edges,
-            "gb_per_s": np.histogram(times, edges, weights=nbytes)[0] / width / 1e9,
-            "ok_per_s": np.histogram(times[good], edges)[0] / width,
-            "failed_per_s": np.histogram(times[~good], edges)[0] / width}
+    return {
+        "width_s": width,
+        "edges_s": edges,
+        "gb_per_s": np.histogram(times, edges, weights=nbytes)[0] / width / 1e9,
+        "ok_per_s": np.histogram(times[good], edges)[0] / width,
+        "failed_per_s": np.histogram(times[~good], edges)[0] / width,
+    }
 
 
 def figure(runs: list[Run], title: str):
@@ -72,6 +98,7 @@ def figure(runs: list[Run], title: str):
     requests/s completed (right, one panel each: with one prompt length the two curves
     coincide). The latency panels share their x axis, so runs compare at a glance."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -94,10 +121,20 @@ def _latency(ax, run: Run) -> None:
     for phase in PHASES:
         values = np.sort([v for r in ok if (v := r.get("timings_ms", {}).get(phase)) is not None and v > 0])
         if len(values):
-            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", label=phase,
-                    color=PHASE_COLOURS[phase])
-    ax.set(xscale="log", xlabel="latency (ms, log scale)", ylabel="fraction of successful requests",
-           title="latency per phase (CDF)" + (f": {_label(run)}" if run.label else ""), ylim=(0, 1.02))
+            ax.step(
+                values,
+                np.arange(1, len(values) + 1) / len(values),
+                where="post",
+                label=phase,
+                color=PHASE_COLOURS[phase],
+            )
+    ax.set(
+        xscale="log",
+        xlabel="latency (ms, log scale)",
+        ylabel="fraction of successful requests",
+        title="latency per phase (CDF)" + (f": {_label(run)}" if run.label else ""),
+        ylim=(0, 1.02),
+    )
     ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
     ax.grid(True, which="both", alpha=0.3)
     if ok:
@@ -109,8 +146,10 @@ def _throughput(gb, req, run: Run) -> None:
     width = bins["width_s"]
     centers = bins["edges_s"][:-1] + width / 2
     gb.bar(centers, bins["gb_per_s"], width=width * 0.9, color="tab:blue")
-    gb.set(ylabel="GB/s", title=f"KV bytes of requests completed per {width:.3g} s bin"
-           + (f": {_label(run)}" if run.label else ""))
+    gb.set(
+        ylabel="GB/s",
+        title=f"KV bytes of requests completed per {width:.3g} s bin" + (f": {_label(run)}" if run.label else ""),
+    )
     n_ok, n_failed = bins["ok_per_s"], bins["failed_per_s"]
     req.bar(centers, n_ok, width=width * 0.9, color="tab:green", label="ok")
     req.bar(centers, n_failed, width=width * 0.9, bottom=n_ok, color="tab:red", label="failed")
@@ -121,7 +160,7 @@ def _throughput(gb, req, run: Run) -> None:
 
 def plot(runs: list[Run], path: str, title: str) -> None:
     """Write the figure of `runs` as a PNG at `path`, its title in the PNG's metadata too."""
-    fig = figure(runs, title)   # (selects the Agg backend before pyplot is imported)
+    fig = figure(runs, title)  # (selects the Agg backend before pyplot is imported)
     import matplotlib.pyplot as plt
 
     fig.savefig(path, dpi=100, metadata={"Title": title.replace("\n", "; ")})

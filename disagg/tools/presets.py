@@ -27,7 +27,7 @@ def describe(model: ModelSpec) -> dict:
             entry["bytes_per_request"] = bytes_per_request(model, c)
         else:
             entry["bytes_per_token"] = bytes_per_token(model, c)
-        comps.append(entry | c.spec.describe(model))   # what the component adds (window, attention, ...)
+        comps.append(entry | c.spec.describe(model))  # what the component adds (window, attention, ...)
     return {"layers": model.num_layers, "page_size": model.default_page_size, "components": comps}
 
 
@@ -46,8 +46,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({name: describe(m) for name, m in PRESETS.items()}, indent=2))
         return 0
     tp = args.tp
-    header = f"{'preset':<20} {'layers':>6} {'page':>4}  {'component':<10} {'n':>3} {'window':>6} " \
-             f"{'B/token':>12} {f'B/token TP{tp}':>13} {'B/request':>13} {f'B/request TP{tp}':>15}"
+    header = (
+        f"{'preset':<20} {'layers':>6} {'page':>4}  {'component':<10} {'n':>3} {'window':>6} "
+        f"{'B/token':>12} {f'B/token TP{tp}':>13} {'B/request':>13} {f'B/request TP{tp}':>15}"
+    )
     print(header)
     print("-" * len(header))
     for name, model in PRESETS.items():
@@ -58,8 +60,10 @@ def run(args: argparse.Namespace) -> int:
             lead = f"{name:<20} {model.num_layers:>6} {model.default_page_size:>4}" if first else " " * 32
             per_tok = f"{entry['bytes_per_token']:,}" if not c.per_request else "-"
             per_req = f"{entry['bytes_per_request']:,}" if c.per_request else "-"
-            print(f"{lead}  {kind:<10} {entry['num_layers']:>3} {entry.get('window', '-'):>6} "
-                  f"{per_tok:>12} {(_shard(model, c, tp) if not c.per_request else '-'):>13} "
-                  f"{per_req:>13} {(_shard(model, c, tp) if c.per_request else '-'):>15}")
+            print(
+                f"{lead}  {kind:<10} {entry['num_layers']:>3} {entry.get('window', '-'):>6} "
+                f"{per_tok:>12} {(_shard(model, c, tp) if not c.per_request else '-'):>13} "
+                f"{per_req:>13} {(_shard(model, c, tp) if c.per_request else '-'):>15}"
+            )
             first = False
     return 0

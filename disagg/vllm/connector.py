@@ -45,10 +45,12 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
         self._worker = None
         groups, state_layers = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = DisaggScheduler(groups, cfg.is_kv_producer, cfg.is_kv_consumer,
-                                              self._extra.get("bootstrap"))
+            self._scheduler = DisaggScheduler(
+                groups, cfg.is_kv_producer, cfg.is_kv_consumer, self._extra.get("bootstrap")
+            )
         else:
-            from disagg.vllm.worker import DisaggWorker   # the transfer layer: worker processes only
+            from disagg.vllm.worker import DisaggWorker  # the transfer layer: worker processes only
+
             self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, groups, state_layers)
 
     # ---- scheduler side -----------------------------------------------------------------------
@@ -129,6 +131,8 @@ def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], froz
         elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
             groups.append(Group(Kind.FULL, spec.block_size))
         else:
-            raise ValueError(f"DisaggConnector: KV cache group {g.layer_names[:3]} of {type(spec).__name__} is "
-                             "not supported (full attention, sliding window and Mamba/GDN state are)")
+            raise ValueError(
+                f"DisaggConnector: KV cache group {g.layer_names[:3]} of {type(spec).__name__} is "
+                "not supported (full attention, sliding window and Mamba/GDN state are)"
+            )
     return tuple(groups), frozenset(state)

@@ -30,8 +30,18 @@ from dataclasses import dataclass
 from disagg.control.auth import Gate
 from disagg.control.io import DealerIO
 from disagg.control.layout import LayoutInfo
-from disagg.control.messages import (PROTOCOL_VERSION, Abort, Heartbeat, RegisterDecode, Registered, Refused,
-                                     TransferDone, TransferRequest, TransferStarted, indices_to_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Heartbeat,
+    RegisterDecode,
+    Registered,
+    Refused,
+    TransferDone,
+    TransferRequest,
+    TransferStarted,
+    indices_to_wire,
+)
 from disagg.decode.instances import SenderRanks
 from disagg.decode.introducer import Introducer
 from disagg.decode.peers import PrefillPeers
@@ -52,10 +62,10 @@ LOOKUP_THREADS = 4
 
 
 class Phase(enum.Enum):
-    ASKING = "asking"             # lookup, registration, TransferRequest on their way
-    WAITING = "waiting"           # the producer has our request
+    ASKING = "asking"  # lookup, registration, TransferRequest on their way
+    WAITING = "waiting"  # the producer has our request
     TRANSFERRING = "transferring"  # it started writing
-    QUARANTINED = "quarantined"   # it failed with writes in flight: wait for their end
+    QUARANTINED = "quarantined"  # it failed with writes in flight: wait for their end
 
 
 @dataclass(eq=False)
@@ -64,7 +74,7 @@ class Loading:
     deadline: float
     phase: Phase = Phase.ASKING
     endpoint: str | None = None
-    release: str = ""              # why vLLM released it (the load goes on until the producer stopped)
+    release: str = ""  # why vLLM released it (the load goes on until the producer stopped)
 
     def blocks(self) -> tuple[int, ...]:
         return tuple(b for g in self.load.block_ids for b in g if b != NULL_BLOCK)
@@ -83,8 +93,17 @@ class IntroFailed:
 
 
 class Consumer:
-    def __init__(self, settings: ConnectorSettings, receiver: KVReceiver, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int, *, groups: tuple[Group, ...]):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        receiver: KVReceiver,
+        layout: LayoutInfo,
+        gate: Gate,
+        handoff: Handoff,
+        epoch: int,
+        *,
+        groups: tuple[Group, ...],
+    ):
         self.settings, self.receiver, self.layout, self.handoff, self.epoch = settings, receiver, layout, handoff, epoch
         self.groups = groups
         self.io = DealerIO(gate)
@@ -99,8 +118,15 @@ class Consumer:
     def _registration(self) -> RegisterDecode:
         endpoint = self.receiver.endpoint
         pc = endpoint.pool.config
-        return RegisterDecode(PROTOCOL_VERSION, self.epoch, self.layout, endpoint.offers(),
-                              endpoint.staging_info(), tp_size=pc.tp_size, tp_rank=pc.tp_rank)
+        return RegisterDecode(
+            PROTOCOL_VERSION,
+            self.epoch,
+            self.layout,
+            endpoint.offers(),
+            endpoint.staging_info(),
+            tp_size=pc.tp_size,
+            tp_rank=pc.tp_rank,
+        )
 
     # ---- the loop thread ---------------------------------------------------------------------
     def _loop(self) -> None:
@@ -109,7 +135,7 @@ class Consumer:
             for endpoint, msg in self.io.recv(POLL_MS):
                 try:
                     self._handle(endpoint, msg)
-                except Exception:   # a bug or a hostile frame must not stop the control plane
+                except Exception:  # a bug or a hostile frame must not stop the control plane
                     log.exception("frame from %s failed", endpoint)
             for item in self.handoff.take():
                 self._event(item)
@@ -130,7 +156,7 @@ class Consumer:
                     self._release(rel)
             case Introduced(room=room, endpoint=endpoint):
                 r = self.loads.get(room)
-                if r is not None and r.endpoint is None:   # (its TransferStarted may have come first)
+                if r is not None and r.endpoint is None:  # (its TransferStarted may have come first)
                     r.endpoint = endpoint
                     r.phase = Phase.WAITING if r.phase is Phase.ASKING else r.phase
                     if r.release:
@@ -143,8 +169,12 @@ class Consumer:
     def _start(self, load: Load) -> None:
         room = load.remote.room
         if room in self.loads:
-            log.warning("room %d loaded twice (requests %s, %s): failing the second", room,
-                        self.loads[room].load.req_id, load.req_id)
+            log.warning(
+                "room %d loaded twice (requests %s, %s): failing the second",
+                room,
+                self.loads[room].load.req_id,
+                load.req_id,
+            )
             self.handoff.received(load.req_id, Loading(load, 0.0).blocks())
             return
         r = self.loads[room] = Loading(load, time.monotonic() + self.settings.load_s)
@@ -156,7 +186,7 @@ class Consumer:
         room = rel.remote.room
         r = self.loads.get(room)
         if r is None or rel.req_id is None or r.load.req_id != rel.req_id:
-            if rel.req_id is None:   # never loaded: the producer still holds the room
+            if rel.req_id is None:  # never loaded: the producer still holds the room
                 deadline = time.monotonic() + self.settings.load_s
                 self._lookups.submit(self._introduce, rel.remote, deadline, Abort(room, rel.reason))
             return
@@ -173,7 +203,7 @@ class Consumer:
             case Registered(epoch=epoch, transport=transport):
                 self.peers.registered(endpoint, epoch, transport)
             case Refused(reason=reason):
-                if self.peers.refused(endpoint, reason):   # it dropped us after we registered
+                if self.peers.refused(endpoint, reason):  # it dropped us after we registered
                     self._peer_lost(endpoint, f"producer {endpoint} dropped us: {reason}")
             case TransferStarted(room=room):
                 r = self.loads.get(room)
@@ -190,9 +220,13 @@ class Consumer:
             self._end(r, "")
         elif msg.settled:
             self._end(r, msg.reason or "producer gave up")
-        elif r.phase is not Phase.QUARANTINED:   # writes of its may still land in the blocks: not yet
-            log.warning("room %d: %s; writes may still land: holding its blocks up to %g s", msg.room, msg.reason,
-                        self.settings.quarantine_s)
+        elif r.phase is not Phase.QUARANTINED:  # writes of its may still land in the blocks: not yet
+            log.warning(
+                "room %d: %s; writes may still land: holding its blocks up to %g s",
+                msg.room,
+                msg.reason,
+                self.settings.quarantine_s,
+            )
             r.phase, r.endpoint = Phase.QUARANTINED, endpoint
             r.deadline = time.monotonic() + self.settings.quarantine_s
 
@@ -215,7 +249,7 @@ class Consumer:
     def _beat(self) -> None:
         for endpoint in self.peers.silent():
             self._peer_lost(endpoint, f"producer {endpoint} silent for {self.settings.dead_after_s:g} s")
-        for endpoint in self.peers.abandoned():   # its registration failed
+        for endpoint in self.peers.abandoned():  # its registration failed
             self.io.drop(endpoint)
         for endpoint in self.peers.registered_endpoints():
             self.io.reply(endpoint, Heartbeat(self.epoch))

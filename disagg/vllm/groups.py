@@ -30,7 +30,7 @@ from disagg.errors import ProtocolError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 
-NULL_BLOCK = 0   # vLLM's null block: a placeholder in a block table, never transferred
+NULL_BLOCK = 0  # vLLM's null block: a placeholder in a block table, never transferred
 
 
 class Kind(enum.Enum):
@@ -46,8 +46,8 @@ WIRE = {Kind.FULL: Component.FULL, Kind.WINDOW: Component.SWA, Kind.STATE: Compo
 class Group:
     kind: Kind
     block_size: int
-    window_blocks: int = 0      # WINDOW: blocks one window can touch (window / block size, + 1)
-    scratch_blocks: int = 0     # STATE: trailing speculative scratch slots (never moved)
+    window_blocks: int = 0  # WINDOW: blocks one window can touch (window / block size, + 1)
+    scratch_blocks: int = 0  # STATE: trailing speculative scratch slots (never moved)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or (self.kind is Kind.WINDOW and self.window_blocks < 1):
@@ -57,7 +57,7 @@ class Group:
         """Producer: what it keeps of a finished request's block list (STATE: its slot)."""
         if self.kind is not Kind.STATE:
             return tuple(blocks)
-        blocks = tuple(blocks)[:len(blocks) - min(self.scratch_blocks, max(len(blocks) - 1, 0))]
+        blocks = tuple(blocks)[: len(blocks) - min(self.scratch_blocks, max(len(blocks) - 1, 0))]
         return blocks[-1:]
 
     def wanted(self, blocks: Sequence[int], first: int, count: int) -> tuple[int, ...]:
@@ -66,21 +66,24 @@ class Group:
             return self.held(blocks)
         lo, hi = first // self.block_size, math.ceil((first + count) / self.block_size)
         span = tuple(blocks)[lo:hi]
-        return span[-self.window_blocks:] if self.kind is Kind.WINDOW else span
+        return span[-self.window_blocks :] if self.kind is Kind.WINDOW else span
 
     def source(self, held: Sequence[int], n: int, num_tokens: int, held_tokens: int) -> tuple[int, ...]:
         """Producer: its blocks for a destination of `n` blocks ending at token `num_tokens`
         (the last n blocks of those tokens); ProtocolError for one that cannot be ours."""
         if self.kind is Kind.STATE:
             if n != 1 or num_tokens != held_tokens or len(held) != 1:
-                raise ProtocolError(f"a state group pairs one slot at exactly {held_tokens} tokens (asked: {n} "
-                                    f"at {num_tokens})")
+                raise ProtocolError(
+                    f"a state group pairs one slot at exactly {held_tokens} tokens (asked: {n} at {num_tokens})"
+                )
             return tuple(held)
         hi = math.ceil(num_tokens / self.block_size)
         if not 1 <= n <= hi or hi > len(held):
-            raise ProtocolError(f"{n} destination blocks for {num_tokens} tokens of {self.block_size} per block "
-                                f"(held: {len(held)} blocks)")
-        return tuple(held[hi - n:hi])
+            raise ProtocolError(
+                f"{n} destination blocks for {num_tokens} tokens of {self.block_size} per block "
+                f"(held: {len(held)} blocks)"
+            )
+        return tuple(held[hi - n : hi])
 
 
 def to_wire(groups: Sequence[Group], per_group: Sequence[Sequence[int]]) -> IndexSet:
@@ -91,8 +94,9 @@ def to_wire(groups: Sequence[Group], per_group: Sequence[Sequence[int]]) -> Inde
     return IndexSet({c: np.asarray(b, dtype=np.int32) for c, b in out.items()})
 
 
-def pairs(groups: Sequence[Group], held: Sequence[Sequence[int]], dst: IndexSet, num_tokens: int,
-          held_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+def pairs(
+    groups: Sequence[Group], held: Sequence[Sequence[int]], dst: IndexSet, num_tokens: int, held_tokens: int
+) -> tuple[np.ndarray, np.ndarray]:
     """Producer: (source blocks, destination blocks), pair by pair, for an untrusted destination;
     pairs with a null block on either side are left out. ProtocolError for a destination that
     does not split into our groups."""
@@ -100,8 +104,10 @@ def pairs(groups: Sequence[Group], held: Sequence[Sequence[int]], dst: IndexSet,
         raise ProtocolError(f"num_tokens {num_tokens} outside [1, {held_tokens}]")
     kinds = {WIRE[g.kind]: [i for i, x in enumerate(groups) if x.kind is g.kind] for g in groups}
     if set(dst.components()) - set(kinds):
-        raise ProtocolError(f"indices for {sorted(c.value for c in dst.components())}, this producer has groups "
-                            f"{sorted(c.value for c in kinds)}")
+        raise ProtocolError(
+            f"indices for {sorted(c.value for c in dst.components())}, this producer has groups "
+            f"{sorted(c.value for c in kinds)}"
+        )
     src_all, dst_all = [], []
     for component, members in kinds.items():
         arr = dst[component] if component in dst.components() else np.zeros(0, np.int32)
@@ -112,7 +118,7 @@ def pairs(groups: Sequence[Group], held: Sequence[Sequence[int]], dst: IndexSet,
             if n == 0:
                 continue
             src_all.extend(groups[i].source(held[i], n, num_tokens, held_tokens))
-            dst_all.extend(arr[k * n:(k + 1) * n].tolist())
+            dst_all.extend(arr[k * n : (k + 1) * n].tolist())
     src, dst_arr = np.asarray(src_all, np.int32), np.asarray(dst_all, np.int32)
     keep = (src != NULL_BLOCK) & (dst_arr != NULL_BLOCK)
     if not keep.any():

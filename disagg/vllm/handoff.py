@@ -21,9 +21,9 @@ class Handoff:
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._sending: set[str] = set()
-        self._recving: dict[str, tuple[int, ...]] = {}   # req_id -> its failed blocks (none: loaded)
-        self._errors: set[int] = set()                   # taken by the last finished()
-        self._failed: set[str] = set()                   # their requests
+        self._recving: dict[str, tuple[int, ...]] = {}  # req_id -> its failed blocks (none: loaded)
+        self._errors: set[int] = set()  # taken by the last finished()
+        self._failed: set[str] = set()  # their requests
 
     # ---- the loop thread's side ----------------------------------------------------------------
     def post(self, item) -> None:

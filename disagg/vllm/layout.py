@@ -45,24 +45,34 @@ def geometry(name: str, t: torch.Tensor) -> tuple[str, int, int, int]:
     """(kind, block size, KV heads on this rank, head size) of one layer's tensor; kind is
     "block" (one buffer per layer) or "kv" (K and V buffers)."""
     if not isinstance(t, torch.Tensor) or t.dim() not in (4, 5):
-        raise VllmLayoutError(f"KV cache layer {name!r}: {type(t).__name__} {tuple(getattr(t, 'shape', ()))} is not a "
-                              "per-layer attention block tensor (a Mamba/GDN layer's state is described as one)")
+        raise VllmLayoutError(
+            f"KV cache layer {name!r}: {type(t).__name__} {tuple(getattr(t, 'shape', ()))} is not a "
+            "per-layer attention block tensor (a Mamba/GDN layer's state is described as one)"
+        )
     if not t.is_contiguous():
-        raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(t.shape)} strides {t.stride()} is not "
-                              "contiguous (a block-outermost layout such as BLHNC; use a layer-compact one, "
-                              "VLLM_KV_CACHE_LAYOUT=LBHNC or NHD)")
+        raise VllmLayoutError(
+            f"KV cache layer {name!r}: shape {tuple(t.shape)} strides {t.stride()} is not "
+            "contiguous (a block-outermost layout such as BLHNC; use a layer-compact one, "
+            "VLLM_KV_CACHE_LAYOUT=LBHNC or NHD)"
+        )
     s = t.shape
-    if t.dim() == 4:                         # [blocks, heads, block_size, 2 * head]
+    if t.dim() == 4:  # [blocks, heads, block_size, 2 * head]
         return "block", s[2], s[1], s[3] // 2
-    if s[0] == 2 and s[1] != 2:              # [2, blocks, block_size, heads, head]
+    if s[0] == 2 and s[1] != 2:  # [2, blocks, block_size, heads, head]
         return "kv", s[2], s[3], s[4]
-    if s[1] == 2 and s[0] != 2:              # [blocks, 2, block_size, heads, head]
+    if s[1] == 2 and s[0] != 2:  # [blocks, 2, block_size, heads, head]
         return "block", s[2], s[3], s[4]
     raise VllmLayoutError(f"KV cache layer {name!r}: shape {tuple(s)}: cannot tell K/V-first from block-first")
 
 
-def engine_pool(kv_caches: dict[str, Any], block_size: int, model_name: str, tp_size: int = 1,
-                tp_rank: int = 0, state_layers: frozenset[str] = frozenset()) -> EnginePool:
+def engine_pool(
+    kv_caches: dict[str, Any],
+    block_size: int,
+    model_name: str,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    state_layers: frozenset[str] = frozenset(),
+) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
     or a list of them, per layer); every other layer is attention. Raises VllmLayoutError
@@ -86,8 +96,9 @@ def engine_pool(kv_caches: dict[str, Any], block_size: int, model_name: str, tp_
             bufs = [b for i, _, t in attention for b in kv_first(i, t)]
         else:
             bufs = shared_pages([(i, "kv", t) for i, _, t in attention] + list(_states(named, state_layers)))
-        model = attention_model(model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype,
-                                named[-1][0] + 1)
+        model = attention_model(
+            model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype, named[-1][0] + 1
+        )
         return EnginePool(EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank), bufs)
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
@@ -97,7 +108,7 @@ def _states(named, state_layers):
     """(layer, "state", tensor) of each state tensor of the state layers."""
     for i, n, t in named:
         if n in state_layers:
-            for x in (t if isinstance(t, (list, tuple)) else (t,)):
+            for x in t if isinstance(t, (list, tuple)) else (t,):
                 if not isinstance(x, torch.Tensor) or x.dim() < 2:
                     raise VllmLayoutError(f"state layer {n!r}: {type(x).__name__} is not a block-major tensor")
                 yield i, "state", x

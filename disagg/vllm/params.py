@@ -29,6 +29,7 @@ class ParamsError(ValueError):
 class RemotePrefill(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Where a consumer finds a prompt's KV: the producer holds it under `room` until the
     consumer asks (or its hold deadline passes); `bootstrap` names the producer instance."""
+
     room: int
     bootstrap: str
     num_tokens: int
@@ -43,8 +44,11 @@ class RemotePrefill(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     def to_params(self) -> dict[str, Any]:
         """The params a producer returns (what the proxy hands the consumer)."""
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "disagg": {"room": self.room, "bootstrap": self.bootstrap, "num_tokens": self.num_tokens}}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "disagg": {"room": self.room, "bootstrap": self.bootstrap, "num_tokens": self.num_tokens},
+        }
 
 
 def new_room() -> int:

@@ -28,8 +28,19 @@ from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
 from disagg.control.auth import Gate
 from disagg.control.io import RouterIO
 from disagg.control.layout import LayoutInfo
-from disagg.control.messages import (PROTOCOL_VERSION, Abort, ChunkDone, Heartbeat, RegisterDecode, RegisterPrefill,
-                                     Refused, TransferDone, TransferRequest, TransferStarted, indices_from_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    ChunkDone,
+    Heartbeat,
+    RegisterDecode,
+    RegisterPrefill,
+    Refused,
+    TransferDone,
+    TransferRequest,
+    TransferStarted,
+    indices_from_wire,
+)
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
 from disagg.vllm.groups import Group, pairs
@@ -43,9 +54,9 @@ from transfer.sender import KVSender
 
 log = logging.getLogger(__name__)
 
-POLL_MS = 5          # the loop's longest sleep: a step's Send waits at most this long
+POLL_MS = 5  # the loop's longest sleep: a step's Send waits at most this long
 SWEEP_S = 0.5
-TRANSFER_WORKERS = 2   # per consumer peer
+TRANSFER_WORKERS = 2  # per consumer peer
 
 
 class Phase(enum.Enum):
@@ -55,11 +66,11 @@ class Phase(enum.Enum):
 
 @dataclass(eq=False)
 class Held:
-    send: Send                  # its block_ids: per KV cache group, what the producer keeps
+    send: Send  # its block_ids: per KV cache group, what the producer keeps
     deadline: float
     phase: Phase = Phase.HELD
     owner: bytes | None = None  # the consumer it is being sent to
-    stop: bool = False          # set by the loop: the send ends with Cancelled at its next write
+    stop: bool = False  # set by the loop: the send ends with Cancelled at its next write
 
 
 @dataclass(frozen=True)
@@ -68,18 +79,31 @@ class SendEnded:
 
 
 class Producer:
-    def __init__(self, settings: ConnectorSettings, sender: KVSender, layout: LayoutInfo, gate: Gate,
-                 handoff: Handoff, epoch: int, *, tp: tuple[int, int], groups: tuple[Group, ...]):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        sender: KVSender,
+        layout: LayoutInfo,
+        gate: Gate,
+        handoff: Handoff,
+        epoch: int,
+        *,
+        tp: tuple[int, int],
+        groups: tuple[Group, ...],
+    ):
         self.settings, self.sender, self.handoff, self.epoch, self.groups = settings, sender, handoff, epoch, groups
         self.io = RouterIO(gate, settings.host)
         self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
         self.held: dict[int, Held] = {}
-        self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}   # room -> asked before held
+        self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}  # room -> asked before held
         rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
         try:
-            self.bootstrap = BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start() \
-                if settings.run_bootstrap and tp[1] == 0 else None
-        except BaseException:   # (its port is taken, ...): what this opened closes with it
+            self.bootstrap = (
+                BootstrapServer(BootstrapConfig(settings.bootstrap), gate, own=rank).start()
+                if settings.run_bootstrap and tp[1] == 0
+                else None
+            )
+        except BaseException:  # (its port is taken, ...): what this opened closes with it
             self.peers.close()
             self.io.close()
             raise
@@ -100,7 +124,7 @@ class Producer:
             for identity, msg in self.io.recv(POLL_MS):
                 try:
                     reply = self._handle(identity, msg)
-                except Exception:   # a bug or a hostile frame must not stop the control plane
+                except Exception:  # a bug or a hostile frame must not stop the control plane
                     log.exception("control frame from %r failed", identity)
                     reply = None
                 if reply is not None:
@@ -123,13 +147,18 @@ class Producer:
 
     def _hold(self, s: Send) -> None:
         if s.room in self.held:
-            log.warning("room %d held twice (requests %s, %s): keeping the first", s.room,
-                        self.held[s.room].send.req_id, s.req_id)
+            log.warning(
+                "room %d held twice (requests %s, %s): keeping the first",
+                s.room,
+                self.held[s.room].send.req_id,
+                s.req_id,
+            )
             self.handoff.sent(s.req_id)
             return
         if len(s.block_ids) != len(self.groups):
-            log.warning("room %d: blocks of %d groups, the model has %d; not held", s.room, len(s.block_ids),
-                        len(self.groups))
+            log.warning(
+                "room %d: blocks of %d groups, the model has %d; not held", s.room, len(s.block_ids), len(self.groups)
+            )
             self.handoff.sent(s.req_id)
             return
         self.held[s.room] = Held(s, time.monotonic() + self.settings.hold_s)
@@ -155,7 +184,7 @@ class Producer:
             case Heartbeat():
                 return Heartbeat(self.epoch) if known else Refused("unknown decode: register again")
             case ChunkDone():
-                return None   # never staged: we lend no slots
+                return None  # never staged: we lend no slots
         return Refused("register first") if not known else None
 
     def _transfer_request(self, identity: bytes, msg: TransferRequest):
@@ -163,7 +192,7 @@ class Producer:
         if peer is None or msg.decode_epoch != peer.epoch:
             return TransferDone(msg.room, self.epoch, False, reason="decode is not registered (or not at this epoch)")
         h = self.held.get(msg.room)
-        if h is None:   # its step may not have reached us yet
+        if h is None:  # its step may not have reached us yet
             self.early[msg.room] = (identity, msg, time.monotonic() + self.settings.hold_s)
             return None
         if h.phase is not Phase.HELD:
@@ -186,11 +215,16 @@ class Producer:
     def _abort(self, identity: bytes, room: int, why: str):
         h = self.held.get(room)
         if h is None:
-            return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}",
-                                settled=not self.sender.endpoint.unsettled())
+            return TransferDone(
+                room,
+                self.epoch,
+                False,
+                reason=f"aborted by decode: {why}",
+                settled=not self.sender.endpoint.unsettled(),
+            )
         if h.phase is Phase.SENDING:
             if h.owner == identity:
-                h.stop = True   # the send answers with TransferDone
+                h.stop = True  # the send answers with TransferDone
             return None
         del self.held[room]
         self.handoff.sent(h.send.req_id)
@@ -200,8 +234,12 @@ class Producer:
         now = time.monotonic()
         for room, h in list(self.held.items()):
             if h.phase is Phase.HELD and now >= h.deadline:
-                log.warning("room %d (request %s): no consumer asked within %g s; freeing its blocks", room,
-                            h.send.req_id, self.settings.hold_s)
+                log.warning(
+                    "room %d (request %s): no consumer asked within %g s; freeing its blocks",
+                    room,
+                    h.send.req_id,
+                    self.settings.hold_s,
+                )
                 del self.held[room]
                 self.handoff.sent(h.send.req_id)
         for room, (identity, _, deadline) in list(self.early.items()):
@@ -222,11 +260,13 @@ class Producer:
             reason = f"aborted: {exc}"
         except TransferError as exc:
             reason, settled = f"{type(exc).__name__}: {exc}", not isinstance(exc, WritesAbandoned)
-        except Exception as exc:   # a bug: the consumer still hears the end
+        except Exception as exc:  # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(identity, TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report,
-                                            settled=settled))
+        self.io.send(
+            identity,
+            TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled),
+        )
         self.handoff.post(SendEnded(h.send.room))
 
     def wake(self) -> None:

@@ -28,12 +28,13 @@ from disagg.vllm.params import ParamsError, RemotePrefill, new_room, remote_pref
 
 log = logging.getLogger(__name__)
 
-BlockIds = tuple[tuple[int, ...], ...]   # per KV cache group
+BlockIds = tuple[tuple[int, ...], ...]  # per KV cache group
 
 
 @dataclass(frozen=True)
 class Send:
     """Producer: a finished prompt's blocks, held under `room` until a consumer takes them."""
+
     req_id: str
     room: int
     num_tokens: int
@@ -44,6 +45,7 @@ class Send:
 class Load:
     """Consumer: tokens [first_token, first_token + num_tokens) of the prompt come from the
     producer into `block_ids` (per group: the blocks of exactly those tokens)."""
+
     req_id: str
     remote: RemotePrefill
     first_token: int
@@ -55,6 +57,7 @@ class Load:
 class Release:
     """Consumer: the producer may stop and free `remote.room` (aborted, or nothing to load);
     `req_id` is set when a load of ours is under way and must be reported finished."""
+
     remote: RemotePrefill
     reason: str
     req_id: str | None = None
@@ -63,6 +66,7 @@ class Release:
 @dataclass
 class StepMeta:
     """What one scheduler step tells the workers."""
+
     sends: list[Send] = field(default_factory=list)
     loads: list[Load] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
@@ -71,15 +75,17 @@ class StepMeta:
 class DisaggScheduler:
     def __init__(self, groups: tuple[Group, ...], producer: bool, consumer: bool, bootstrap: str | None):
         if producer and not bootstrap:
-            raise ValueError("a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port of its "
-                             "bootstrap, which consumers look its workers up at)")
+            raise ValueError(
+                "a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port of its "
+                "bootstrap, which consumers look its workers up at)"
+            )
         if not groups:
             raise ValueError("no KV cache groups")
         self.groups, self.producer, self.consumer, self.bootstrap = groups, producer, consumer, bootstrap
         self.backoff = 1 if any(g.kind is Kind.STATE for g in groups) else 0
-        self._local_hit: dict[str, tuple[RemotePrefill, int]] = {}   # consumer: asked, not yet allocated
-        self._loading: dict[str, RemotePrefill] = {}                  # consumer: load handed to the workers
-        self._taken: set[str] = set()                                 # consumer: params used (once per request)
+        self._local_hit: dict[str, tuple[RemotePrefill, int]] = {}  # consumer: asked, not yet allocated
+        self._loading: dict[str, RemotePrefill] = {}  # consumer: load handed to the workers
+        self._taken: set[str] = set()  # consumer: params used (once per request)
         self._meta = StepMeta()
 
     # ---- consumer ---------------------------------------------------------------------------
@@ -137,11 +143,11 @@ class DisaggScheduler:
         self._local_hit.pop(req_id, None)
         if self.consumer and req_id not in self._taken:
             remote = self._remote(request)
-            if remote is not None:   # never allocated: the producer still holds the room
+            if remote is not None:  # never allocated: the producer still holds the room
                 self._meta.releases.append(Release(remote, "the request ended on decode before it was scheduled"))
         self._taken.discard(req_id)
         remote = self._loading.pop(req_id, None)
-        if remote is not None:   # vLLM keeps the blocks until the workers report the load finished
+        if remote is not None:  # vLLM keeps the blocks until the workers report the load finished
             self._meta.releases.append(Release(remote, "the request was aborted on decode", req_id))
         if not (self.producer and completed and wants_remote_decode(request.kv_transfer_params)):
             return False, None

@@ -47,16 +47,19 @@ class ConnectorSettings:
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; known: {sorted(known)}")
-        key = key_from(extra.get("auth_key") or os.environ.get("DISAGG_AUTH_KEY"),
-                       bool(extra.get("insecure")) or os.environ.get("DISAGG_INSECURE") == "1")
+        key = key_from(
+            extra.get("auth_key") or os.environ.get("DISAGG_AUTH_KEY"),
+            bool(extra.get("insecure")) or os.environ.get("DISAGG_INSECURE") == "1",
+        )
         values = {k: v for k, v in extra.items() if k not in ("auth_key", "insecure")}
         for name in ("hold_s", "load_s", "dead_after_s", "quarantine_s"):
             v = values.get(name, 1.0)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: {v!r} is not a positive number of seconds")
         if values.get("mooncake_protocol", "tcp") not in ("tcp", "rdma"):
-            raise ConfigError(f"kv_connector_extra_config.mooncake_protocol: {values['mooncake_protocol']!r} is not "
-                              "tcp or rdma")
+            raise ConfigError(
+                f"kv_connector_extra_config.mooncake_protocol: {values['mooncake_protocol']!r} is not tcp or rdma"
+            )
         try:
             if not isinstance(values.get("inject_faults", ""), str):
                 raise ValueError(f"{values['inject_faults']!r} is not a string of point=rate")

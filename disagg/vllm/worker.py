@@ -44,9 +44,11 @@ from transfer.transports.mooncake import MooncakeSettings
 
 log = logging.getLogger(__name__)
 
+
 @dataclass(frozen=True)
 class KVGroups:
     """vLLM's KV cache groups (disagg.vllm.groups) and which layers hold a state."""
+
     groups: tuple[Group, ...]
     state_layers: frozenset[str] = frozenset()
 
@@ -56,12 +58,25 @@ TRANSFER = TransferConfig(mode=Mode.DIRECT, staging_slots=1, staging_slot_bytes=
 
 
 class DisaggWorker:
-    def __init__(self, settings: ConnectorSettings, producer: bool, block_size: int, model_name: str,
-                 tp: tuple[int, int] = (1, 0), kv: KVGroups | None = None):
+    def __init__(
+        self,
+        settings: ConnectorSettings,
+        producer: bool,
+        block_size: int,
+        model_name: str,
+        tp: tuple[int, int] = (1, 0),
+        kv: KVGroups | None = None,
+    ):
         if producer and not settings.bootstrap:
             raise ConfigError("a kv_producer needs kv_connector_extra_config.bootstrap (tcp://host:port)")
-        self.settings, self.producer, self.block_size, self.model_name, self.tp, self.kv = \
-            settings, producer, block_size, model_name, tp, kv or KVGroups((Group(Kind.FULL, block_size),))
+        self.settings, self.producer, self.block_size, self.model_name, self.tp, self.kv = (
+            settings,
+            producer,
+            block_size,
+            model_name,
+            tp,
+            kv or KVGroups((Group(Kind.FULL, block_size),)),
+        )
         self.handoff = Handoff()
         self.endpoint = self.side = self.gate = self._ctx = None
 
@@ -69,13 +84,20 @@ class DisaggWorker:
     def from_vllm(vllm_config, extra: dict, groups: tuple[Group, ...], state_layers: frozenset[str]) -> "DisaggWorker":
         kv = vllm_config.kv_transfer_config
         if kv.is_kv_producer and kv.is_kv_consumer:
-            raise ConfigError("DisaggConnector: kv_role kv_both is not supported yet; run a kv_producer and a "
-                              "kv_consumer")
+            raise ConfigError(
+                "DisaggConnector: kv_role kv_both is not supported yet; run a kv_producer and a kv_consumer"
+            )
         par = vllm_config.parallel_config
         tp_size = par.tensor_parallel_size
         name = os.path.basename(str(vllm_config.model_config.model).rstrip("/")) or "model"
-        return DisaggWorker(ConnectorSettings.from_extra(extra), kv.is_kv_producer, vllm_config.cache_config.block_size,
-                            name, (tp_size, getattr(par, "rank", 0) % tp_size), KVGroups(groups, state_layers))
+        return DisaggWorker(
+            ConnectorSettings.from_extra(extra),
+            kv.is_kv_producer,
+            vllm_config.cache_config.block_size,
+            name,
+            (tp_size, getattr(par, "rank", 0) % tp_size),
+            KVGroups(groups, state_layers),
+        )
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe vLLM's tensors, expose them, start the control plane. Raises
@@ -86,26 +108,48 @@ class DisaggWorker:
         transports = create(resolve("auto", ts), ts)
         try:
             self.endpoint = PoolEndpoint(transports, pool, s.transfer_config(TRANSFER))
-            layout = LayoutInfo(pool.page_size, pool.config.layout.value, self.endpoint.buffers,
-                                describe_model(pool.config.model, self.tp[0]))
+            layout = LayoutInfo(
+                pool.page_size,
+                pool.config.layout.value,
+                self.endpoint.buffers,
+                describe_model(pool.config.model, self.tp[0]),
+            )
             self._ctx = zmq.Context()
             self.gate = Gate(self._ctx, s.auth, f"vLLM {'producer' if self.producer else 'consumer'} worker")
             epoch = time.time_ns()
-            self.side = Producer(s, KVSender(self.endpoint), layout, self.gate, self.handoff, epoch, tp=self.tp,
-                                 groups=self.kv.groups) if self.producer else \
-                Consumer(s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch, groups=self.kv.groups)
+            self.side = (
+                Producer(
+                    s,
+                    KVSender(self.endpoint),
+                    layout,
+                    self.gate,
+                    self.handoff,
+                    epoch,
+                    tp=self.tp,
+                    groups=self.kv.groups,
+                )
+                if self.producer
+                else Consumer(
+                    s, KVReceiver(self.endpoint), layout, self.gate, self.handoff, epoch, groups=self.kv.groups
+                )
+            )
         except BaseException:
             self.close(transports)
             raise
-        log.info("disagg %s: %d KV buffers of %d blocks (%s), transports %s", "producer" if self.producer
-                 else "consumer", len(self.endpoint.buffers), pool.num_blocks, pool.config.device,
-                 [t.kind for t in transports])
+        log.info(
+            "disagg %s: %d KV buffers of %d blocks (%s), transports %s",
+            "producer" if self.producer else "consumer",
+            len(self.endpoint.buffers),
+            pool.num_blocks,
+            pool.config.device,
+            [t.kind for t in transports],
+        )
 
     def step(self, meta: StepMeta) -> None:
         if meta.sends or meta.loads or meta.releases:
             self.handoff.post(meta)
             if self.side is not None:
-                self.side.wake()   # its loop takes the step now, not after its poll timeout
+                self.side.wake()  # its loop takes the step now, not after its poll timeout
 
     def finished(self) -> tuple[set[str] | None, set[str] | None]:
         return self.handoff.finished()
@@ -134,5 +178,5 @@ class DisaggWorker:
         if gate is not None:
             gate.close()
         ctx, self._ctx = self._ctx, None
-        if ctx is not None:   # closes any socket a side that failed half-built left open (term would wait on it)
+        if ctx is not None:  # closes any socket a side that failed half-built left open (term would wait on it)
             ctx.destroy(linger=0)

@@ -43,43 +43,54 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class WorkerSettings:
     pool: PoolSettings = PoolSettings()
-    host: str = "127.0.0.1"                 # bound and advertised (control sockets)
-    transports: tuple[str, ...] = ("mooncake",)   # decode offers them in this order; prefill picks
+    host: str = "127.0.0.1"  # bound and advertised (control sockets)
+    transports: tuple[str, ...] = ("mooncake",)  # decode offers them in this order; prefill picks
     transport_settings: TransportSettings = TransportSettings()
     transfer: TransferConfig = field(default_factory=TransferConfig)
     deadlines: Deadlines = field(default_factory=Deadlines)
-    dead_after_s: float = 5.0               # a peer silent this long fails its requests
-    queue_wait_s: float = 5.0               # longest wait for pool space before refusing
-    max_waiting: int = 64                   # requests waiting for pool space; more are refused at once
-    auth: AuthKey = AuthKey()               # the deployment's key (none: insecure, logged loudly)
-    engine: str = "auto"                    # the model engine (disagg.engine.registry)
-    simulate_layer_ms: float = 0.0          # stand-in engine: simulated compute per layer in prefill
+    dead_after_s: float = 5.0  # a peer silent this long fails its requests
+    queue_wait_s: float = 5.0  # longest wait for pool space before refusing
+    max_waiting: int = 64  # requests waiting for pool space; more are refused at once
+    auth: AuthKey = AuthKey()  # the deployment's key (none: insecure, logged loudly)
+    engine: str = "auto"  # the model engine (disagg.engine.registry)
+    simulate_layer_ms: float = 0.0  # stand-in engine: simulated compute per layer in prefill
     model_source: ModelSource | None = None  # --model / --model-type (None: the preset's own model)
 
 
 class Worker:
     def __init__(self, settings: WorkerSettings, model: ModelEngine | None, swa_window_only: bool):
         self.settings = settings
-        self.model = model or registry.create(settings.engine, settings.pool.preset, settings.pool.resolved_device(),
-                                              settings.simulate_layer_ms, settings.model_source)
+        self.model = model or registry.create(
+            settings.engine,
+            settings.pool.preset,
+            settings.pool.resolved_device(),
+            settings.simulate_layer_ms,
+            settings.model_source,
+        )
         try:
             pool_config = settings.pool.pool_config(self.model.spec, swa_window_only)
-        except SpecError as exc:   # a pool the flags describe cannot exist: one line, not a traceback
-            raise ConfigError(f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
-                              f"--max-tokens or --pool-bytes, --max-requests, --tp-size)") from None
+        except SpecError as exc:  # a pool the flags describe cannot exist: one line, not a traceback
+            raise ConfigError(
+                f"{exc} (pool flags: --preset {settings.pool.preset}, --page-size, "
+                f"--max-tokens or --pool-bytes, --max-requests, --tp-size)"
+            ) from None
         self.pool_summary = memory(pool_config, settings.transfer.staging_slots * settings.transfer.staging_slot_bytes)
         log.info("pool %s: %s", settings.pool.preset, self.pool_summary["line"])
         self.pool = HybridPool(pool_config)
-        self.admission = Admission(partial(self.pool.shortfall, swa_window_only=swa_window_only),
-                                   settings.max_waiting,
-                                   settings.queue_wait_s)
-        self.endpoint = PoolEndpoint(create(settings.transports, settings.transport_settings), self.pool,
-                                       settings.transfer)
+        self.admission = Admission(
+            partial(self.pool.shortfall, swa_window_only=swa_window_only), settings.max_waiting, settings.queue_wait_s
+        )
+        self.endpoint = PoolEndpoint(
+            create(settings.transports, settings.transport_settings), self.pool, settings.transfer
+        )
         self.faults = self.endpoint.faults
         self.epoch = time.time_ns()
-        self.layout = LayoutInfo(self.pool.page_size, self.pool.config.layout.value, self.endpoint.buffers,
-                                 describe_model(self.pool.config.model, self.pool.config.tp_size,
-                                                getattr(self.model, "identity", None)))
+        self.layout = LayoutInfo(
+            self.pool.page_size,
+            self.pool.config.layout.value,
+            self.endpoint.buffers,
+            describe_model(self.pool.config.model, self.pool.config.tp_size, getattr(self.model, "identity", None)),
+        )
         self._ctx = zmq.Context()
         self.gate = Gate(self._ctx, settings.auth, type(self).__name__)
         self._stop = threading.Event()
@@ -90,8 +101,10 @@ class Worker:
         tokens = np.asarray(token_ids, dtype=np.int64)
         vocab = self.model.vocab_size
         if vocab is not None and len(tokens) and int(tokens.max()) >= vocab:
-            raise BadRequest(f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab} "
-                             f"(engine {self.model.name}, preset {self.settings.pool.preset})")
+            raise BadRequest(
+                f"token id {int(tokens.max())} is outside the model's vocabulary of {vocab} "
+                f"(engine {self.model.name}, preset {self.settings.pool.preset})"
+            )
         return tokens
 
     def threads(self) -> dict[str, bool]:
@@ -107,13 +120,20 @@ class Worker:
         """/health: unhealthy (503, so an orchestrator restarts it) as soon as one of those died,
         rather than serving half-alive; with what a person checking a process wants to see."""
         dead = sorted(name for name, alive in self.threads().items() if not alive)
-        return {"status": "unhealthy" if dead else "ok", **({"dead_threads": dead} if dead else {}),
-                "role": type(self).__name__.removesuffix("Server").lower(), "version": __version__,
-                "epoch": self.epoch, "preset": self.settings.pool.preset, "engine": self.model.name,
-                "vocab_size": self.model.vocab_size, "device": str(self.pool.config.device),
-                "transports": [t.kind for t in self.endpoint.transports],
-                "auth": "curve" if self.gate.key.secure else "insecure",
-                "available": self.available()}   # (the router's KV-aware choice weighs it)
+        return {
+            "status": "unhealthy" if dead else "ok",
+            **({"dead_threads": dead} if dead else {}),
+            "role": type(self).__name__.removesuffix("Server").lower(),
+            "version": __version__,
+            "epoch": self.epoch,
+            "preset": self.settings.pool.preset,
+            "engine": self.model.name,
+            "vocab_size": self.model.vocab_size,
+            "device": str(self.pool.config.device),
+            "transports": [t.kind for t in self.endpoint.transports],
+            "auth": "curve" if self.gate.key.secure else "insecure",
+            "available": self.available(),
+        }  # (the router's KV-aware choice weighs it)
 
     def abort(self, room: int, reason: str) -> dict:
         """Abort a room (router, client or operator): it fails now and the peer hears it; its

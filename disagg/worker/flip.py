@@ -14,7 +14,7 @@ import torch
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.positions import token_items
 
-FLIP = 0x40   # an exponent bit of the byte's value: the model cannot round it away
+FLIP = 0x40  # an exponent bit of the byte's value: the model cannot round it away
 
 
 def flip_byte(pool: HybridPool, kv: RequestKV, prefix_len: int = 0) -> str:
@@ -46,10 +46,10 @@ def flip_unread(pool: HybridPool, kv: RequestKV, prefix_len: int = 0) -> str:
     for the log."""
     spec = pool.config.model.swa
     oldest = kv.num_tokens - spec.window if spec is not None else -1
-    if oldest < prefix_len:   # (none kept, or the cache's)
+    if oldest < prefix_len:  # (none kept, or the cache's)
         return flip_byte(pool, kv, prefix_len)
     items, slots = token_items(pool, Component.SWA, kv, np.array([oldest]))
     layer = spec.layers[0]
-    first = pool.layer_view(layer, "k")[int(items[0]), int(slots[0])].reshape(-1)[:1]   # a view of the pool
-    first.view(torch.uint8)[-1] ^= FLIP   # its high byte (little-endian)
+    first = pool.layer_view(layer, "k")[int(items[0]), int(slots[0])].reshape(-1)[:1]  # a view of the pool
+    first.view(torch.uint8)[-1] ^= FLIP  # its high byte (little-endian)
     return f"swa layer {layer} k, position {oldest} (no decode step reads it)"

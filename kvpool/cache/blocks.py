@@ -43,7 +43,7 @@ def page_keys(tokens: np.ndarray, page_size: int) -> np.ndarray:
     return h
 
 
-_R = np.uint64(0x9E3779B97F4A7C15)   # odd: every page position weighs differently
+_R = np.uint64(0x9E3779B97F4A7C15)  # odd: every page position weighs differently
 
 
 @functools.lru_cache(maxsize=64)

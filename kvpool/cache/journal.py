@@ -15,23 +15,24 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEEP = 1 << 16   # keys kept for readers that are behind (about 1 MiB of int64)
+KEEP = 1 << 16  # keys kept for readers that are behind (about 1 MiB of int64)
 
 
 @dataclass(frozen=True)
 class Changes:
     """What happened after a reader's `since`, up to `seq`, net: each key in one of the two,
     by its last change in the span (so the order of applying them does not matter)."""
+
     seq: int
-    added: np.ndarray     # uint64
-    evicted: np.ndarray   # uint64
+    added: np.ndarray  # uint64
+    evicted: np.ndarray  # uint64
 
 
 class Journal:
     def __init__(self, keep: int = KEEP):
         self.keep = keep
         self.seq = 0
-        self._entries: deque[tuple[int, bool, np.ndarray]] = deque()   # (seq after it, added?, keys)
+        self._entries: deque[tuple[int, bool, np.ndarray]] = deque()  # (seq after it, added?, keys)
         self._kept = 0
 
     def record(self, added: bool, keys: np.ndarray) -> None:
@@ -56,6 +57,6 @@ class Journal:
             return Changes(self.seq, np.zeros(0, np.uint64), np.zeros(0, np.uint64))
         keys = np.concatenate([k for _, k in events])
         adds = np.concatenate([np.full(len(k), added) for added, k in events])
-        last, at = np.unique(keys[::-1], return_index=True)   # each key's last change
+        last, at = np.unique(keys[::-1], return_index=True)  # each key's last change
         final = adds[::-1][at]
         return Changes(self.seq, last[final], last[~final])

@@ -46,6 +46,7 @@ from kvpool.request import RequestKV
 @dataclass(frozen=True)
 class Hit:
     """The cached prefix a request took: positions [0, prefix_len) on `match.pages`."""
+
     match: Match
     prefix_len: int
 
@@ -56,10 +57,10 @@ class PrefixCache:
         self.page_size = pool.page_size
         self.tree = RadixTree(pool.page_size)
         self._lock = threading.Lock()
-        self.hit_tokens = 0        # prefix positions requests took (cumulative)
-        self.evicted_pages = 0     # pages evicted to make room (cumulative)
+        self.hit_tokens = 0  # prefix positions requests took (cumulative)
+        self.evicted_pages = 0  # pages evicted to make room (cumulative)
         self.journal = Journal()
-        self._chain = np.zeros(pool.pages.num_pages + 1, np.uint64)   # cached page -> its chained key
+        self._chain = np.zeros(pool.pages.num_pages + 1, np.uint64)  # cached page -> its chained key
 
     # ---- a request's life ---------------------------------------------------------------------
     def admit(self, tokens: np.ndarray, grow_to: int | None = None) -> tuple[RequestKV, Hit]:
@@ -130,6 +131,7 @@ class PrefixCache:
         if short.component == self.pool.pages.name:
             helps = None
         elif swa is not None and short.component == swa.swa.name:
+
             def helps(pages):
                 return swa.translate(pages) != SENTINEL
         else:
@@ -152,8 +154,8 @@ class PrefixCache:
         whole = len(tokens) // self.page_size
         taken = self.tree.insert(tokens[: whole * self.page_size], kv.full_pages[:whole])
         self.pool.hold(taken)
-        if len(taken):   # the tree takes a tail: the pages after what it held already
-            self._chain[taken] = chain_keys(tokens[: whole * self.page_size], self.page_size)[whole - len(taken):]
+        if len(taken):  # the tree takes a tail: the pages after what it held already
+            self._chain[taken] = chain_keys(tokens[: whole * self.page_size], self.page_size)[whole - len(taken) :]
             self.journal.record(True, self._chain[taken])
 
     # ---- what readers see ---------------------------------------------------------------------
@@ -168,8 +170,13 @@ class PrefixCache:
                 added, evicted = self._chain[self.tree.pages()], np.zeros(0, np.uint64)
             else:
                 added, evicted = changes.added, changes.evicted
-            return {"seq": self.journal.seq, "page_size": self.page_size, "reset": changes is None,
-                    "added": added.view(np.int64).tolist(), "evicted": evicted.view(np.int64).tolist()}
+            return {
+                "seq": self.journal.seq,
+                "page_size": self.page_size,
+                "reset": changes is None,
+                "added": added.view(np.int64).tolist(),
+                "evicted": evicted.view(np.int64).tolist(),
+            }
 
     # ---- accounting ---------------------------------------------------------------------------
     def available(self) -> dict[str, int]:
@@ -185,9 +192,12 @@ class PrefixCache:
     def stats(self) -> dict[str, int]:
         """For /health and the metrics: what is cached, in use, taken and evicted so far."""
         with self._lock:
-            return {"cached_tokens": self.tree.num_pages * self.page_size,
-                    "unused_tokens": len(self.tree.pages(unused_only=True)) * self.page_size,
-                    "hit_tokens": self.hit_tokens, "evicted_tokens": self.evicted_pages * self.page_size}
+            return {
+                "cached_tokens": self.tree.num_pages * self.page_size,
+                "unused_tokens": len(self.tree.pages(unused_only=True)) * self.page_size,
+                "hit_tokens": self.hit_tokens,
+                "evicted_tokens": self.evicted_pages * self.page_size,
+            }
 
 
 def reused_bytes(pool: HybridPool, num_tokens: int, prefix_len: int) -> int:
@@ -199,6 +209,6 @@ def reused_bytes(pool: HybridPool, num_tokens: int, prefix_len: int) -> int:
     for c in paged_components(pool):
         first = SPECS[c].first_kept(pool.config.model, num_tokens) // page * page
         below = max(0, prefix_len - first)
-        row = sum(buf.shape[1] for buf in pool.pools[c].storage.buffers)   # one item: page_size tokens
+        row = sum(buf.shape[1] for buf in pool.pools[c].storage.buffers)  # one item: page_size tokens
         total += below * row // pool.page_size
     return total

@@ -31,12 +31,12 @@ class Node:
     __slots__ = ("blocks", "pages", "children", "parent", "users", "used")
 
     def __init__(self, blocks: np.ndarray, pages: np.ndarray, parent: "Node | None"):
-        self.blocks = blocks            # int64 [k, page_size]: the token ids of its pages
-        self.pages = pages              # int32 [k]: the pool page holding each
+        self.blocks = blocks  # int64 [k, page_size]: the token ids of its pages
+        self.pages = pages  # int32 [k]: the pool page holding each
         self.children: dict[int, Node] = {}
         self.parent = parent
-        self.users = 0                  # live requests whose match ends at or below it
-        self.used = 0                   # tick of its last match or insert (LRU)
+        self.users = 0  # live requests whose match ends at or below it
+        self.used = 0  # tick of its last match or insert (LRU)
 
     def __len__(self) -> int:
         return len(self.pages)
@@ -46,6 +46,7 @@ class Node:
 class Match:
     """The longest cached prefix of a request: `pages` (int32, the pool pages of its first
     len(pages) pages), ending at `node` (the root when nothing matched)."""
+
     node: Node
     pages: np.ndarray
 
@@ -65,14 +66,14 @@ class RadixTree:
     def __init__(self, page_size: int):
         self.page_size = page_size
         self.root = Node(np.zeros((0, page_size), np.int64), np.zeros(0, INDEX_DTYPE), None)
-        self.num_pages = 0              # pages the tree holds
+        self.num_pages = 0  # pages the tree holds
         self._tick = itertools.count(1)
 
     # ---- lookups ------------------------------------------------------------------------
     def match(self, tokens: np.ndarray, most_pages: int) -> Match:
         """The longest cached prefix of `tokens`, at most `most_pages` pages; a node it ends
         inside is split there, so the match ends at a node (which acquire() can hold)."""
-        blocks = page_blocks(tokens, self.page_size)[:max(0, most_pages)]
+        blocks = page_blocks(tokens, self.page_size)[: max(0, most_pages)]
         keys = page_keys(tokens[: len(blocks) * self.page_size], self.page_size)
         node, i, found, tick = self.root, 0, [], next(self._tick)
         while i < len(blocks):
@@ -110,14 +111,14 @@ class RadixTree:
         while i < len(blocks):
             child = node.children.get(int(keys[i]))
             if child is None:
-                leaf = Node(blocks[i:].copy(), np.array(pages[i: len(blocks)], dtype=INDEX_DTYPE), node)
+                leaf = Node(blocks[i:].copy(), np.array(pages[i : len(blocks)], dtype=INDEX_DTYPE), node)
                 leaf.used = tick
                 node.children[int(keys[i])] = leaf
                 self.num_pages += len(leaf)
                 return leaf.pages
             j = _common(child.blocks, blocks[i:])
             if j == 0:
-                break   # another block with this key: not cached (never shared)
+                break  # another block with this key: not cached (never shared)
             if j < len(child):
                 child = self._split(child, j)
             child.used = tick
@@ -146,7 +147,7 @@ class RadixTree:
             counts = np.ones(len(leaf), bool) if helps is None else np.asarray(helps(leaf.pages), bool)
             from_tail = np.cumsum(counts[::-1])
             cut = int(np.searchsorted(from_tail, wanted)) + 1 if from_tail[-1] >= wanted else len(leaf)
-            removed.append(leaf.pages[len(leaf) - cut:])
+            removed.append(leaf.pages[len(leaf) - cut :])
             wanted -= int(from_tail[cut - 1])
             parent = self._trim(leaf, cut)
             if parent is not None:

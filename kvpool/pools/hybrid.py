@@ -43,7 +43,8 @@ from kvpool.storage import BufferDescriptor
 # The pool class that keeps each component's items (kvpool.components says what a component
 # is; its pool is built on that): one entry per component.
 POOL_CLASSES: dict[Component, type[ComponentPool]] = {
-    cls.component: cls for cls in (FullPool, SWAPool, NSAPool, MambaPool, AuxPool)}
+    cls.component: cls for cls in (FullPool, SWAPool, NSAPool, MambaPool, AuxPool)
+}
 
 
 class HybridPool(KVPool):
@@ -56,24 +57,31 @@ class HybridPool(KVPool):
         self.pages = PagedAllocator(sizes.full_pages, config.page_size, "full pages")
         self.swa_allocator = (
             SWAAllocator(self.pages, PagedAllocator(sizes.swa_pages, config.page_size, "swa pages"))
-            if Component.SWA in comps else None
+            if Component.SWA in comps
+            else None
         )
         self.state_slots = StateSlotAllocator(sizes.state_slots, "mamba slots") if Component.MAMBA in comps else None
         self.aux_rows = StateSlotAllocator(sizes.state_slots, "aux rows")
-        self._holders = np.zeros(sizes.full_pages + 1, dtype=np.int32)   # full page -> who holds it
-        self._reserved = {id(self.pages): 0}   # allocator -> pages promised to live requests, not yet taken
+        self._holders = np.zeros(sizes.full_pages + 1, dtype=np.int32)  # full page -> who holds it
+        self._reserved = {id(self.pages): 0}  # allocator -> pages promised to live requests, not yet taken
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] = 0
         self.pools: dict[Component, ComponentPool] = {
-            c: POOL_CLASSES[c](config, sizes.num_items(c), self.swa_allocator) for c in comps}
+            c: POOL_CLASSES[c](config, sizes.num_items(c), self.swa_allocator) for c in comps
+        }
 
     @property
     def aux(self) -> AuxPool:
         return self.pools[Component.AUX]
 
     # ---- request lifecycle ------------------------------------------------------------
-    def alloc_request(self, num_tokens: int, swa_window_only: bool = False, grow_to: int | None = None,
-                      prefix: np.ndarray | None = None) -> RequestKV:
+    def alloc_request(
+        self,
+        num_tokens: int,
+        swa_window_only: bool = False,
+        grow_to: int | None = None,
+        prefix: np.ndarray | None = None,
+    ) -> RequestKV:
         """Allocate a request of `num_tokens` tokens. With `swa_window_only`, SWA pages back
         only the window (what a decode side receives); otherwise every page (prefill).
         `grow_to`: the most tokens it will be extended to; what it needs by then is reserved.
@@ -95,12 +103,21 @@ class HybridPool(KVPool):
             return np.zeros(0, dtype=INDEX_DTYPE)
         pages = as_indices(prefix, "prefix")
         if len(pages) >= num_pages_for(num_tokens, self.page_size):
-            raise AllocatorError(f"a prefix of {len(pages)} pages leaves a {num_tokens}-token request no page of its own")
-        if len(pages) and (pages.min() < 1 or pages.max() >= len(self._holders) or
-                           (self._holders[pages] < 1).any() or len(np.unique(pages)) != len(pages)):
+            raise AllocatorError(
+                f"a prefix of {len(pages)} pages leaves a {num_tokens}-token request no page of its own"
+            )
+        if len(pages) and (
+            pages.min() < 1
+            or pages.max() >= len(self._holders)
+            or (self._holders[pages] < 1).any()
+            or len(np.unique(pages)) != len(pages)
+        ):
             raise AllocatorError("prefix pages must be distinct pages someone holds")
-        if self.swa_allocator is not None and swa_first < len(pages) and \
-                (self.swa_allocator.translate(pages[swa_first:]) == SENTINEL).any():
+        if (
+            self.swa_allocator is not None
+            and swa_first < len(pages)
+            and (self.swa_allocator.translate(pages[swa_first:]) == SENTINEL).any()
+        ):
             raise AllocatorError("a prefix page in the request's window has no SWA page")
         return pages
 
@@ -112,8 +129,9 @@ class HybridPool(KVPool):
             raise AllocatorError(f"grow_to must be an int >= the request's {num_tokens} tokens, got {grow_to!r}")
         return int(grow_to)
 
-    def _needs(self, num_tokens: int, swa_first: int, grow_to: int | None = None,
-               shared: int = 0) -> list[tuple[SlotAllocator, int, int]]:
+    def _needs(
+        self, num_tokens: int, swa_first: int, grow_to: int | None = None, shared: int = 0
+    ) -> list[tuple[SlotAllocator, int, int]]:
         """What a request takes from each allocator now, and what it keeps reserved there until
         it has grown to `grow_to` tokens; SWA pages back [swa_first, num_pages) now, its first
         `shared` pages being someone else's (it takes none for them)."""
@@ -151,8 +169,11 @@ class HybridPool(KVPool):
         for allocator, n, later in self._needs(num_tokens, first, grow_to):
             if n + later > allocator.capacity:
                 paged = isinstance(allocator, PagedAllocator)
-                held = f"{allocator.capacity} ({allocator.capacity * self.page_size} tokens)" if paged \
+                held = (
+                    f"{allocator.capacity} ({allocator.capacity * self.page_size} tokens)"
+                    if paged
                     else str(allocator.capacity)
+                )
                 return f"the {allocator.name} hold {held} even when empty; this request needs {n + later}"
         return None
 
@@ -174,8 +195,9 @@ class HybridPool(KVPool):
         if self.swa_allocator is not None:
             self._reserved[id(self.swa_allocator.swa)] += swa - before[1]
 
-    def _alloc(self, num_tokens: int, swa_first: int, grow_to: int | None = None,
-               prefix: np.ndarray | None = None) -> RequestKV:
+    def _alloc(
+        self, num_tokens: int, swa_first: int, grow_to: int | None = None, prefix: np.ndarray | None = None
+    ) -> RequestKV:
         """Allocate; SWA pages back positions [swa_first, num_pages); reserve up to grow_to;
         `prefix` (checked: _check_prefix) are its first pages, shared."""
         prefix = np.zeros(0, dtype=INDEX_DTYPE) if prefix is None else prefix
@@ -194,8 +216,13 @@ class HybridPool(KVPool):
         self._holders[prefix] += 1
         slot = int(self.state_slots.alloc(1)[0]) if self.state_slots is not None else SENTINEL
         row = int(self.aux_rows.alloc(1)[0])
-        req = RequestKV(num_tokens=num_tokens, full_pages=np.concatenate([prefix, own]), state_slot=slot,
-                        aux_row=row, swa_evicted=swa_first)
+        req = RequestKV(
+            num_tokens=num_tokens,
+            full_pages=np.concatenate([prefix, own]),
+            state_slot=slot,
+            aux_row=row,
+            swa_evicted=swa_first,
+        )
         req.shared = shared
         req.grow_to = grow_to or num_tokens
         if self.swa_allocator is not None:
@@ -246,14 +273,14 @@ class HybridPool(KVPool):
                 return 0
             before = self._promise(req)
             freed = self._evict_before(req, self._window_first(req.num_tokens))
-            self._promised(req, before)   # (evicted pages it was promised back are reserved again)
+            self._promised(req, before)  # (evicted pages it was promised back are reserved again)
             return freed
 
     def free_request(self, req: RequestKV) -> None:
         """The request lets go of its pages (those nobody else holds go back), slot and row."""
         with self._lock:
             self._check_live(req)
-            full, swa = self._promise(req)   # its reservation ends with it
+            full, swa = self._promise(req)  # its reservation ends with it
             self._reserved[id(self.pages)] -= full
             if self.swa_allocator is not None:
                 self._reserved[id(self.swa_allocator.swa)] -= swa
@@ -275,7 +302,7 @@ class HybridPool(KVPool):
             self._let_go(self._held(pages, "drop"))
 
     def _held(self, pages: np.ndarray, what: str) -> np.ndarray:
-        pages = self.pages.check_owned(pages, what)   # allocated, distinct, never the sentinel
+        pages = self.pages.check_owned(pages, what)  # allocated, distinct, never the sentinel
         if (self._holders[pages] < 1).any():
             raise AllocatorError(f"{what}: a page nobody holds")
         return pages
@@ -329,7 +356,7 @@ class HybridPool(KVPool):
         O(request length), so per-token decode growth stays cheap."""
         if first <= req.swa_evicted:
             return 0
-        freed = self.swa_allocator.evict(req.full_pages[max(req.swa_evicted, req.shared):max(first, req.shared)])
+        freed = self.swa_allocator.evict(req.full_pages[max(req.swa_evicted, req.shared) : max(first, req.shared)])
         req.swa_evicted = first
         return freed
 
@@ -342,7 +369,7 @@ class HybridPool(KVPool):
         return [d for pool in self.pools.values() for d in pool.buffer_descriptors()]
 
     # ---- what a transfer endpoint exposes (transfer.endpoint.ExposedPool) ----
-    token_rows = True   # items hold token rows in the model's segment order (transfer.tokens)
+    token_rows = True  # items hold token rows in the model's segment order (transfer.tokens)
 
     def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]:
         """uint8 [num_items, item_bytes] per buffer and component, for gather and scatter."""
@@ -350,8 +377,10 @@ class HybridPool(KVPool):
 
     def exposed_placements(self) -> dict[Component, list[tuple[int, int, int, int]]]:
         """(buffer, layer, offset, bytes) of each layer in an item, for layer-wise streaming."""
-        return {c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
-                for c, p in self.pools.items()}
+        return {
+            c: [(pl.buffer, pl.segment.layer, pl.offset, pl.segment.nbytes) for pl in p.storage.packed.placements]
+            for c, p in self.pools.items()
+        }
 
     def index_set(self, req: RequestKV) -> IndexSet:
         with self._lock:
@@ -385,8 +414,10 @@ class HybridPool(KVPool):
         """Free capacity per allocator, less what live requests were promised (what a new
         request can take): tokens for page pools, slots otherwise."""
         with self._lock:
-            out = {"full_tokens": self._free_for(self.pages) * self.page_size,
-                   "aux_rows": self.aux_rows.available_size()}
+            out = {
+                "full_tokens": self._free_for(self.pages) * self.page_size,
+                "aux_rows": self.aux_rows.available_size(),
+            }
             if self.swa_allocator is not None:
                 out["swa_tokens"] = self._free_for(self.swa_allocator.swa) * self.page_size
             if self.state_slots is not None:
@@ -398,8 +429,9 @@ class HybridPool(KVPool):
             (self.swa_allocator or self.pages).check_integrity()
             held = self._holders > 0
             assert not held[0] and (self._holders >= 0).all(), "the sentinel is held, or a page has < 0 holders"
-            assert np.array_equal(np.flatnonzero(held).astype(INDEX_DTYPE), self.pages.used()), \
+            assert np.array_equal(np.flatnonzero(held).astype(INDEX_DTYPE), self.pages.used()), (
                 "pages held and pages allocated disagree"
+            )
             if self.state_slots is not None:
                 self.state_slots.check_integrity()
             self.aux_rows.check_integrity()

@@ -39,7 +39,7 @@ class SWAPool(ComponentPool):
     def held(self, req: RequestKV) -> tuple[np.ndarray, np.ndarray]:
         """The window pages it reads (a shared page before its window may keep an SWA page
         for the cache: not the request's)."""
-        swa_pages = self.allocator.translate(req.full_pages[req.swa_evicted:])
+        swa_pages = self.allocator.translate(req.full_pages[req.swa_evicted :])
         positions = np.flatnonzero(swa_pages != SENTINEL).astype(np.int32)
         return positions + req.swa_evicted, swa_pages[positions]
 

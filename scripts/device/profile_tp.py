@@ -17,7 +17,7 @@ from pathlib import Path
 
 
 PROFILE = cProfile.Profile()
-SKIP = {"sends": 0}   # the warm-up round's sends (kernel compile, first pinning) are left out
+SKIP = {"sends": 0}  # the warm-up round's sends (kernel compile, first pinning) are left out
 
 
 class Inline(threading.Thread):
@@ -44,16 +44,16 @@ def main() -> int:
     if "--warm-sends" in args:
         i = args.index("--warm-sends")
         warm = int(args[i + 1])
-        del args[i:i + 2]
+        del args[i : i + 2]
     if "--top" in args:
         i = args.index("--top")
         top = int(args[i + 1])
-        del args[i:i + 2]
+        del args[i : i + 2]
     if "--senders" not in args:
-        args += ["--senders", "thread"]   # the sends in this process, where the profiler sees them
+        args += ["--senders", "thread"]  # the sends in this process, where the profiler sees them
     sys.argv = ["bench_tp.py", *args]
     bench = runpy.run_path(str(Path(__file__).resolve().parents[1] / "bench_tp.py"), run_name="bench_tp")
-    bench["main"].__globals__["threading"] = types.SimpleNamespace(Thread=Inline)   # the bench's name only
+    bench["main"].__globals__["threading"] = types.SimpleNamespace(Thread=Inline)  # the bench's name only
     SKIP["sends"] = warm
     rc = bench["main"]()
     stats = pstats.Stats(PROFILE, stream=sys.stderr)

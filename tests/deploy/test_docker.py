@@ -15,7 +15,7 @@ from packaging.requirements import Requirement
 
 try:
     import tomllib
-except ModuleNotFoundError:   # Python 3.10
+except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,8 +23,11 @@ DOCKER = ROOT / "deploy" / "docker"
 DOCKERFILES = ["Dockerfile", "Dockerfile.cpu"]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 EXTRAS = PROJECT["optional-dependencies"]
-PINS = {Requirement(line).name.lower().replace("_", "-"): Requirement(line)
-        for line in (DOCKER / "constraints.txt").read_text().splitlines() if line and not line.startswith("#")}
+PINS = {
+    Requirement(line).name.lower().replace("_", "-"): Requirement(line)
+    for line in (DOCKER / "constraints.txt").read_text().splitlines()
+    if line and not line.startswith("#")
+}
 
 
 def instructions(dockerfile: str) -> list[tuple[str, str]]:
@@ -40,8 +43,13 @@ def run_step(dockerfile: str, containing: str, env: dict[str, str]) -> str:
     echoing its arguments; its stdout."""
     (step,) = [args for kind, args in instructions(dockerfile) if kind == "RUN" and containing in args]
     script = 'pip() { echo pip "$@"; }\n' + step
-    run = subprocess.run(["bash", "-o", "pipefail", "-c", script], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], **env}, timeout=30)
+    run = subprocess.run(
+        ["bash", "-o", "pipefail", "-c", script],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], **env},
+        timeout=30,
+    )
     assert run.returncode == 0, run.stderr
     return run.stdout
 
@@ -63,7 +71,9 @@ def hadolint() -> str:
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
 def test_hadolint_finds_nothing(dockerfile):
-    run = subprocess.run([hadolint(), "--no-color", str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=60)
+    run = subprocess.run(
+        [hadolint(), "--no-color", str(DOCKER / dockerfile)], capture_output=True, text=True, timeout=60
+    )
     assert run.returncode == 0, run.stdout + run.stderr
 
 
@@ -78,8 +88,8 @@ def test_dockerfiles_copy_what_exists_and_run_disagg(dockerfile):
     for extras in installed_extras(dockerfile):
         assert all(e in EXTRAS for e in extras), extras
         assert any(e.startswith("mooncake-") for e in extras)
-        assert "model" in extras, extras                 # the model presets run in the image
-        if dockerfile == "Dockerfile":   # the GPU image: cuda-ipc compiles its copy kernel with CuPy
+        assert "model" in extras, extras  # the model presets run in the image
+        if dockerfile == "Dockerfile":  # the GPU image: cuda-ipc compiles its copy kernel with CuPy
             assert any(any(d.startswith("cupy-") for d in EXTRAS[e]) for e in extras), extras
 
 
@@ -92,8 +102,8 @@ def test_the_server_runs_unprivileged(dockerfile):
     assert users, "the image runs as root"
     user = steps[users[-1]][1]
     assert user.isdigit() and int(user) != 0, user
-    assert not [kind for kind, _ in steps[users[-1]:] if kind in ("RUN", "COPY", "ADD")]
-    assert any(kind == "RUN" and f"--uid {user} --gid {user}" in args for kind, args in steps)   # as the pods run it
+    assert not [kind for kind, _ in steps[users[-1] :] if kind in ("RUN", "COPY", "ADD")]
+    assert any(kind == "RUN" and f"--uid {user} --gid {user}" in args for kind, args in steps)  # as the pods run it
 
 
 @pytest.mark.parametrize("dockerfile", DOCKERFILES)
@@ -128,28 +138,41 @@ def test_the_constraints_pin_every_requirement_within_its_range():
         wanted += [Requirement(r) for e in extras for r in EXTRAS[e]]
     for req in wanted:
         if req.marker and not any(req.marker.evaluate({"python_version": v}) for v in ("3.11", "3.12")):
-            continue   # the images run Python 3.11 (CPU) and 3.12 (Ubuntu 24.04)
+            continue  # the images run Python 3.11 (CPU) and 3.12 (Ubuntu 24.04)
         pin = PINS.get(req.name.lower().replace("_", "-"))
         assert pin is not None, f"{req.name} is not pinned in constraints.txt"
         (spec,) = pin.specifier
         assert spec.operator == "==" and req.specifier.contains(spec.version, prereleases=True), (req, pin)
 
 
-@pytest.mark.parametrize("cuda,tag,extras", [("12.8.1", "cu128", "model,mooncake-cuda,cuda12"),
-                                             ("13.0.1", "cu130", "model,mooncake-cuda13,cuda13")])
+@pytest.mark.parametrize(
+    "cuda,tag,extras",
+    [("12.8.1", "cu128", "model,mooncake-cuda,cuda12"), ("13.0.1", "cu130", "model,mooncake-cuda13,cuda13")],
+)
 def test_one_build_arg_picks_the_cuda_flavour(cuda, tag, extras):
     """CUDA_VERSION names the base image, torch's wheel index and the extras, so they agree."""
     steps = instructions("Dockerfile")
-    assert steps[0][0] == "ARG" and steps[0][1].startswith("CUDA_VERSION=12.")   # the default: CUDA 12
+    assert steps[0][0] == "ARG" and steps[0][1].startswith("CUDA_VERSION=12.")  # the default: CUDA 12
     assert steps[1] == ("FROM", "nvidia/cuda:${CUDA_VERSION}-runtime-ubuntu24.04")
     torch = run_step("Dockerfile", "torch", {"CUDA_VERSION": cuda, "TORCH_INDEX": "https://download.pytorch.org/whl"})
     assert f"--index-url https://download.pytorch.org/whl/{tag} " in torch and "-c constraints.txt" in torch
-    assert run_step("Dockerfile", "case", {"CUDA_VERSION": cuda}).split() == \
-        ["pip", "install", "--no-cache-dir", "-c", "constraints.txt", f".[{extras}]"]
+    assert run_step("Dockerfile", "case", {"CUDA_VERSION": cuda}).split() == [
+        "pip",
+        "install",
+        "--no-cache-dir",
+        "-c",
+        "constraints.txt",
+        f".[{extras}]",
+    ]
 
 
 def test_an_unknown_cuda_major_stops_the_build():
     (step,) = [args for kind, args in instructions("Dockerfile") if kind == "RUN" and "case" in args]
-    run = subprocess.run(["bash", "-c", 'pip() { echo pip "$@"; }\n' + step], capture_output=True, text=True,
-                         env={"PATH": os.environ["PATH"], "CUDA_VERSION": "11.8.0"}, timeout=30)
+    run = subprocess.run(
+        ["bash", "-c", 'pip() { echo pip "$@"; }\n' + step],
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "CUDA_VERSION": "11.8.0"},
+        timeout=30,
+    )
     assert run.returncode == 1 and "CUDA 12.x or 13.x" in run.stderr and not run.stdout

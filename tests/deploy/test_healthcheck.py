@@ -18,8 +18,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "deploy" / "docker" / "healthchec
 
 def check(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    run = subprocess.run([sys.executable, str(SCRIPT), *argv], capture_output=True, text=True,
-                         env={**clean, **(env or {})}, timeout=30)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), *argv], capture_output=True, text=True, env={**clean, **(env or {})}, timeout=30
+    )
     assert run.stderr == "" or run.returncode != 0, run.stderr
     return run.returncode, (run.stdout + run.stderr).strip()
 
@@ -27,7 +28,9 @@ def check(*argv: str, env: dict[str, str] | None = None) -> tuple[int, str]:
 @pytest.fixture
 def server():
     state = {"status": "ok"}
-    api = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry(), health=lambda: dict(state))).start()
+    api = ApiServer(
+        ("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry(), health=lambda: dict(state))
+    ).start()
     yield api, state
     api.stop()
 
@@ -53,7 +56,7 @@ def test_a_server_answering_503_is_unhealthy_and_says_why(server):
 
 
 def test_no_answer_is_unhealthy():
-    with socket.socket() as s:   # a port nothing listens on
+    with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     code, out = check("disagg", "router", "--http-port", str(port))

@@ -27,7 +27,7 @@ def _kind(path: Path) -> str:
 # Every kustomization a user may build (components are built through them).
 BUILDS = sorted(str(p.parent.relative_to(K8S)) for p in K8S.rglob("kustomization.yaml") if _kind(p) == "Kustomization")
 OVERLAYS = ["base", "overlays/tcp", "overlays/rdma", "overlays/scale-out", "overlays/tp", "preflight"]
-K8S_VERSION = {"overlays/same-node": "1.34"}   # DRA (resource.k8s.io/v1) is GA from 1.34
+K8S_VERSION = {"overlays/same-node": "1.34"}  # DRA (resource.k8s.io/v1) is GA from 1.34
 IMAGES = {i["name"]: f"{i['newName']}:{i['newTag']}" for i in yaml.safe_load(IMAGE_SETTING.read_text())["images"]}
 
 
@@ -83,8 +83,10 @@ def test_no_kustomization_but_the_image_setting_sets_images():
 
 def _image_user() -> int:
     """The uid both images run as (their last USER; tests/deploy/test_docker.py checks them)."""
-    users = {re.findall(r"^USER (\S+)$", (ROOT / "deploy" / "docker" / f).read_text(), re.M)[-1]
-             for f in ("Dockerfile", "Dockerfile.cpu")}
+    users = {
+        re.findall(r"^USER (\S+)$", (ROOT / "deploy" / "docker" / f).read_text(), re.M)[-1]
+        for f in ("Dockerfile", "Dockerfile.cpu")
+    }
     (user,) = users
     return int(user)
 
@@ -126,7 +128,7 @@ def test_every_container_command_parses_with_the_cli(built):
 def test_workers_are_wired_for_a_cluster(name):
     objects = kustomize(name)
     by = {(o["kind"], o["metadata"]["name"]): o for o in objects}
-    if name == "preflight":   # an HTTP client: the CPU image serves on any cluster
+    if name == "preflight":  # an HTTP client: the CPU image serves on any cluster
         (c,) = _containers(by[("Job", "disagg-preflight")])
         assert "--router" in c["args"] and c["image"] == IMAGES["disagg-cpu"]
         return
@@ -157,7 +159,9 @@ def test_workers_are_wired_for_a_cluster(name):
     _admits_only_who_needs_it(by)
     # the router's pairs name pods that exist behind headless services
     router = by[("Deployment", "disagg-router")]
-    pairs = [a for i, a in enumerate(_containers(router)[0]["args"]) if _containers(router)[0]["args"][i - 1] == "--pair"]
+    pairs = [
+        a for i, a in enumerate(_containers(router)[0]["args"]) if _containers(router)[0]["args"][i - 1] == "--pair"
+    ]
     assert pairs
     for pair in pairs:
         for host in re.findall(r"//([a-z0-9-]+)\.([a-z0-9-]+):", pair):
@@ -173,11 +177,15 @@ def test_workers_are_wired_for_a_cluster(name):
     for pair in pairs:
         assert pair.split(",")[2] in known, (pair, known)
     if name == "overlays/rdma":
-        assert config["DISAGG_MOONCAKE_PROTOCOL"] == "rdma" and config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_RDMA_DEVICES"]
+        assert (
+            config["DISAGG_MOONCAKE_PROTOCOL"] == "rdma"
+            and config["DISAGG_DEVICE"] == "cuda"
+            and config["DISAGG_RDMA_DEVICES"]
+        )
         for role in ("prefill", "decode"):
             (c,) = _containers(by[("StatefulSet", f"disagg-{role}")])
             assert "IPC_LOCK" in c["securityContext"]["capabilities"]["add"]
-            assert c["securityContext"]["runAsUser"] == 0   # a non-root process gets no capability
+            assert c["securityContext"]["runAsUser"] == 0  # a non-root process gets no capability
             assert c["image"] == IMAGES["disagg-cuda"]
             assert c["resources"]["limits"]["nvidia.com/gpu"] == "1"
             assert any(k.startswith("rdma/") for k in c["resources"]["limits"])
@@ -187,15 +195,19 @@ def test_workers_are_wired_for_a_cluster(name):
         prefills, decodes = {p for p, _ in sides}, {d for _, d in sides}
         assert len(prefills) == len(decodes) == 2 and sides == {(p, d) for p in prefills for d in decodes}
         assert by[("StatefulSet", "disagg-prefill")]["spec"]["replicas"] == 2
-    if name == "overlays/tp":   # one pod per rank: TP size = replicas, rank = the pod's ordinal
+    if name == "overlays/tp":  # one pod per rank: TP size = replicas, rank = the pod's ordinal
         (pair,) = pairs
         for role, urls in zip(("prefill", "decode"), pair.split(",")[:2]):
             sts = by[("StatefulSet", f"disagg-{role}")]
             env = {e["name"]: e for e in _containers(sts)[0]["env"]}
             assert env["DISAGG_TP_SIZE"]["value"] == str(sts["spec"]["replicas"]) == str(len(urls.split("+")))
-            assert env["DISAGG_TP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-                "metadata.labels['apps.kubernetes.io/pod-index']"
-            assert [int(u.split(".")[0].rsplit("-", 1)[1]) for u in urls.split("+")] == list(range(len(urls.split("+"))))
+            assert (
+                env["DISAGG_TP_RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+                == "metadata.labels['apps.kubernetes.io/pod-index']"
+            )
+            assert [int(u.split(".")[0].rsplit("-", 1)[1]) for u in urls.split("+")] == list(
+                range(len(urls.split("+")))
+            )
         args = build_parser().parse_args(_containers(by[("StatefulSet", "disagg-prefill")])[0]["args"])
         assert args.bootstrap_bind == "none" and args.bootstrap_addr == pair.split(",")[2]
         boot = by[("Deployment", "disagg-bootstrap")]
@@ -212,16 +224,21 @@ def _admits_only_who_needs_it(by: dict) -> None:
         names = set()
         for p in policies:
             sel = p["podSelector"]
-            if sel.get("matchLabels", {}).get("app.kubernetes.io/name") != f"disagg-{role}" and f"disagg-{role}" not in (
-                    sel.get("matchExpressions", [{}])[0].get("values", [])):
+            if sel.get("matchLabels", {}).get(
+                "app.kubernetes.io/name"
+            ) != f"disagg-{role}" and f"disagg-{role}" not in (sel.get("matchExpressions", [{}])[0].get("values", [])):
                 continue
             for rule in p.get("ingress", []):
                 if any(q["port"] <= port <= q.get("endPort", q["port"]) for q in rule["ports"]):
-                    names |= {f["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
-                              for f in rule.get("from", []) if "podSelector" in f}
+                    names |= {
+                        f["podSelector"]["matchLabels"]["app.kubernetes.io/name"]
+                        for f in rule.get("from", [])
+                        if "podSelector" in f
+                    }
         return names
+
     assert sources("prefill", 9000) == sources("prefill", 8998) == {"disagg-decode", "disagg-prefill"}
-    assert sources("decode", 20000) == {"disagg-prefill"}        # Mooncake's ports: prefill writes, no one else
+    assert sources("decode", 20000) == {"disagg-prefill"}  # Mooncake's ports: prefill writes, no one else
     assert sources("decode", 8080) == sources("prefill", 8080) == {"disagg-router"}
 
 
@@ -242,7 +259,7 @@ def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
     args = {name: parser.parse_args(c["args"]) for name, c in containers.items()}
     assert {a.command for a in args.values()} == {"prefill", "decode"} == set(containers)
     for name, c in containers.items():
-        assert c["resources"]["claims"] == [{"name": claim["name"]}]   # both see both GPUs
+        assert c["resources"]["claims"] == [{"name": claim["name"]}]  # both see both GPUs
         assert c["image"] == IMAGES["disagg-cuda"]
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
@@ -254,7 +271,10 @@ def test_the_same_node_pair_is_one_pod_whose_containers_share_two_gpus():
     assert config["DISAGG_DEVICE"] == "cuda" and config["DISAGG_TRANSPORT"] == "auto"
     router = _containers(by[("Deployment", "disagg-router")])[0]["args"]
     pair = router[router.index("--pair") + 1].split(",")
-    assert pair == [f"http://disagg-pair-0.disagg-pair:{args['prefill'].http_port}",
-                    f"http://disagg-pair-0.disagg-pair:{args['decode'].http_port}", args["prefill"].bootstrap_bind]
+    assert pair == [
+        f"http://disagg-pair-0.disagg-pair:{args['prefill'].http_port}",
+        f"http://disagg-pair-0.disagg-pair:{args['decode'].http_port}",
+        args["prefill"].bootstrap_bind,
+    ]
     service = by[("Service", "disagg-pair")]["spec"]
     assert {p["port"] for p in service["ports"]} == {args["prefill"].http_port, args["decode"].http_port}

@@ -30,22 +30,32 @@ def _effective(*args: str, **env: str) -> dict:
 
 def test_command_line_over_environment_over_file_over_default(tmp_path):
     cfg = tmp_path / "disagg.toml"
-    cfg.write_text('page-size = 32\nqueue-wait = 2.5\ntransport = "mooncake"\n'
-                   '[prefill]\nmax-requests = 7\ninsecure = true\n'
-                   '[decode]\nmax-requests = 9\n')
+    cfg.write_text(
+        'page-size = 32\nqueue-wait = 2.5\ntransport = "mooncake"\n'
+        "[prefill]\nmax-requests = 7\ninsecure = true\n"
+        "[decode]\nmax-requests = 9\n"
+    )
     prefill = _effective("prefill", "--config", str(cfg), "--page-size", "64", DISAGG_QUEUE_WAIT="4")
-    assert prefill["page-size"] == 64            # command line
-    assert prefill["queue-wait"] == 4.0          # environment over file
-    assert prefill["transport"] == "mooncake"    # file (top level)
-    assert prefill["max-requests"] == 7 and prefill["insecure"] is True   # its own table
-    assert prefill["dead-after"] == 5.0          # built-in
+    assert prefill["page-size"] == 64  # command line
+    assert prefill["queue-wait"] == 4.0  # environment over file
+    assert prefill["transport"] == "mooncake"  # file (top level)
+    assert prefill["max-requests"] == 7 and prefill["insecure"] is True  # its own table
+    assert prefill["dead-after"] == 5.0  # built-in
     assert _effective("decode", "--config", str(cfg))["max-requests"] == 9
     assert _effective("router", "--config", str(cfg), "--pair", "http://a:1,http://b:2,main")["http-port"] == 0
 
 
 def test_the_printed_config_reads_back_to_the_same_values(tmp_path):
-    first = _run("decode", "--page-size", "16", "--bootstrap-addr", "main=tcp://10.0.0.5:8998",
-                 "--pool-bytes", "512MiB", "--print-config")
+    first = _run(
+        "decode",
+        "--page-size",
+        "16",
+        "--bootstrap-addr",
+        "main=tcp://10.0.0.5:8998",
+        "--pool-bytes",
+        "512MiB",
+        "--print-config",
+    )
     assert first.returncode == 0, first.stderr
     saved = tmp_path / "decode.toml"
     saved.write_text(first.stdout)
@@ -65,23 +75,26 @@ def test_flags_that_exclude_each_other_are_settled_by_source(tmp_path):
     cfg = tmp_path / "c.toml"
     cfg.write_text("max-tokens = 4096\n")
     values = _effective("prefill", "--config", str(cfg), "--pool-bytes", "1GiB")
-    assert values["pool-bytes"] == 1 << 30 and "max-tokens" not in values   # the file's choice gave way
+    assert values["pool-bytes"] == 1 << 30 and "max-tokens" not in values  # the file's choice gave way
     values = _effective("prefill", "--config", str(cfg), DISAGG_POOL_BYTES="2GiB")
     assert values["pool-bytes"] == 2 << 30 and "max-tokens" not in values
 
 
-@pytest.mark.parametrize("args,env,file,says", [
-    (["prefill"], {"DISAGG_PAGE_SIZE": "12"}, None, "DISAGG_PAGE_SIZE=12: 12 is not a power of two"),
-    (["prefill"], {"DISAGG_TRANSPORT": "carrier-pigeon"}, None, "DISAGG_TRANSPORT=carrier-pigeon: choose from"),
-    (["prefill"], {"DISAGG_INSECURE": "maybe"}, None, "DISAGG_INSECURE=maybe: want true or false"),
-    (["prefill"], {}, "[prefill]\npage-sise = 16\n", "[prefill] has no flag page-sise"),
-    (["prefill"], {}, "page-size = 12\n", "page-size = 12: 12 is not a power of two"),
-    (["prefill"], {}, "page-sise = 16\n", "no command has a flag or table page-sise"),
-    (["prefill"], {}, "[prefil]\npage-size = 16\n", "no command has a flag or table prefil"),
-    (["prefill"], {}, "page-size = [", "not TOML"),
-    (["router"], {"DISAGG_PAIR": "A,B,C,D"}, None, "DISAGG_PAIR=A,B,C,D: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
-    (["router"], {"DISAGG_PAIR": "A,B"}, None, "DISAGG_PAIR=A,B: 'A' is not http://HOST:PORT"),
-])
+@pytest.mark.parametrize(
+    "args,env,file,says",
+    [
+        (["prefill"], {"DISAGG_PAGE_SIZE": "12"}, None, "DISAGG_PAGE_SIZE=12: 12 is not a power of two"),
+        (["prefill"], {"DISAGG_TRANSPORT": "carrier-pigeon"}, None, "DISAGG_TRANSPORT=carrier-pigeon: choose from"),
+        (["prefill"], {"DISAGG_INSECURE": "maybe"}, None, "DISAGG_INSECURE=maybe: want true or false"),
+        (["prefill"], {}, "[prefill]\npage-sise = 16\n", "[prefill] has no flag page-sise"),
+        (["prefill"], {}, "page-size = 12\n", "page-size = 12: 12 is not a power of two"),
+        (["prefill"], {}, "page-sise = 16\n", "no command has a flag or table page-sise"),
+        (["prefill"], {}, "[prefil]\npage-size = 16\n", "no command has a flag or table prefil"),
+        (["prefill"], {}, "page-size = [", "not TOML"),
+        (["router"], {"DISAGG_PAIR": "A,B,C,D"}, None, "DISAGG_PAIR=A,B,C,D: want PREFILL_URL,DECODE_URL,BOOTSTRAP"),
+        (["router"], {"DISAGG_PAIR": "A,B"}, None, "DISAGG_PAIR=A,B: 'A' is not http://HOST:PORT"),
+    ],
+)
 def test_a_bad_value_from_a_variable_or_file_is_one_line_naming_its_source(tmp_path, args, env, file, says):
     if file is not None:
         (tmp_path / "c.toml").write_text(file)
@@ -126,11 +139,12 @@ def test_pool_bytes_takes_human_units():
 
 @pytest.mark.parametrize("command", ["", *CONFIGURABLE, "presets", "keygen"])
 def test_help_imports_no_torch(command):
-    code = ("import sys\nfrom disagg.cli import main\ntry:\n    main([%r, '--help'] if %r else ['--help'])\n"
-            "except SystemExit:\n    pass\nprint([m for m in ('torch', 'transformers', 'mooncake', 'cupy') "
-            "if m in sys.modules])")
-    out = subprocess.run([sys.executable, "-c", code % (command, command)], capture_output=True, text=True,
-                         timeout=60)
+    code = (
+        "import sys\nfrom disagg.cli import main\ntry:\n    main([%r, '--help'] if %r else ['--help'])\n"
+        "except SystemExit:\n    pass\nprint([m for m in ('torch', 'transformers', 'mooncake', 'cupy') "
+        "if m in sys.modules])"
+    )
+    out = subprocess.run([sys.executable, "-c", code % (command, command)], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-300:]
 
 
@@ -152,13 +166,25 @@ def test_every_transport_choice_and_setting_comes_from_the_registry():
     from disagg.worker import flags
     from transfer.transports import TRANSPORTS
     from transfer.transports.mooncake import MooncakeSettings
+
     memory.register()
     parser = build_parser()
     for command in ("prefill", "decode", "demo"):
         [choices] = [a.choices for a in parser.commands[command]._actions if a.dest == "transport"]
         assert list(choices) == TRANSPORTS.choices() and "memory" in choices, command
-    args = parser.parse_args(["prefill", "--transport", "memory", "--memory-fail-writes", "--device", "cpu",
-                              "--mooncake-protocol", "rdma", "--insecure"])
+    args = parser.parse_args(
+        [
+            "prefill",
+            "--transport",
+            "memory",
+            "--memory-fail-writes",
+            "--device",
+            "cpu",
+            "--mooncake-protocol",
+            "rdma",
+            "--insecure",
+        ]
+    )
     settings = flags.worker_settings(args)
     assert settings["transports"] == ("memory",)
     assert settings["transport_settings"].of(memory.MemorySettings) == memory.MemorySettings(fail_writes=True)
@@ -174,7 +200,7 @@ def test_flags_sit_in_groups_that_say_what_they_are_for():
 
 
 def test_the_prefix_cache_switch_comes_from_every_source_and_is_checked(tmp_path):
-    assert _effective("decode")["prefix-cache"] is True                      # on by default
+    assert _effective("decode")["prefix-cache"] is True  # on by default
     assert _effective("decode", "--no-prefix-cache")["prefix-cache"] is False
     assert _effective("decode", DISAGG_PREFIX_CACHE="0")["prefix-cache"] is False
     path = tmp_path / "c.toml"

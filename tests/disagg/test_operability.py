@@ -52,14 +52,15 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
 
 def test_decode_with_a_wrong_bootstrap_says_why_and_is_not_announced(eventually):
     wrong, http = f"tcp://127.0.0.1:{_free_port()}", _free_port()
-    decode = _start("decode", "--preset", "tiny-full", "--max-tokens", "1024", "--bootstrap-addr", wrong,
-                    "--http-port", str(http))
+    decode = _start(
+        "decode", "--preset", "tiny-full", "--max-tokens", "1024", "--bootstrap-addr", wrong, "--http-port", str(http)
+    )
     try:
         url = f"http://127.0.0.1:{http}"
         eventually(lambda: _ready(url)[0] == 503, 60, "decode serves /ready")
         status, body = _ready(url)
         assert body["ready"] is False and wrong in body["why"] and "--bootstrap-addr" in body["why"]
-        assert select.select([decode.stdout], [], [], 0)[0] == []   # no "ready" line while /ready is false
+        assert select.select([decode.stdout], [], [], 0)[0] == []  # no "ready" line while /ready is false
     finally:
         out, err = _stop(decode)
     assert out == ""
@@ -67,8 +68,17 @@ def test_decode_with_a_wrong_bootstrap_says_why_and_is_not_announced(eventually)
 
 
 def test_a_worker_starts_quietly_and_states_its_pool_first():
-    prefill = _start("prefill", "--preset", "tiny-hybrid", "--max-tokens", "4096", "--max-requests", "8",
-                     "--bootstrap-bind", "tcp://127.0.0.1:0")
+    prefill = _start(
+        "prefill",
+        "--preset",
+        "tiny-hybrid",
+        "--max-tokens",
+        "4096",
+        "--max-requests",
+        "8",
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:0",
+    )
     try:
         line = json.loads(prefill.stdout.readline())
     finally:
@@ -84,8 +94,17 @@ def test_a_worker_starts_quietly_and_states_its_pool_first():
 
 
 def test_debug_log_level_shows_the_transfer_engine_start_up():
-    prefill = _start("prefill", "--preset", "tiny-full", "--max-tokens", "1024", "--bootstrap-bind",
-                     "tcp://127.0.0.1:0", "--log-level", "debug")
+    prefill = _start(
+        "prefill",
+        "--preset",
+        "tiny-full",
+        "--max-tokens",
+        "1024",
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:0",
+        "--log-level",
+        "debug",
+    )
     try:
         prefill.stdout.readline()
     finally:
@@ -108,10 +127,15 @@ def _gone(pid: int) -> bool:
 
 def test_demo_ends_its_processes_on_sigterm_without_a_traceback(eventually):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    demo = spawn([DISAGG, "demo", "--requests", "100000", "--prompt-len", "16:64", "--no-progress"],
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    demo = spawn(
+        [DISAGG, "demo", "--requests", "100000", "--prompt-len", "16:64", "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
-        for line in demo.stderr:   # progress: one line per process as it comes up
+        for line in demo.stderr:  # progress: one line per process as it comes up
             if "router ready on" in line:
                 break
         children = _children(demo.pid)
@@ -121,15 +145,24 @@ def test_demo_ends_its_processes_on_sigterm_without_a_traceback(eventually):
         assert demo.returncode == 130 and "disagg demo: interrupted" in err and "Traceback" not in err
         eventually(lambda: all(_gone(pid) for pid in children), 30, "the demo's prefill, decode and router ended")
     finally:
-        reap(demo)   # (its group: the demo, and what it left behind if this failed)
+        reap(demo)  # (its group: the demo, and what it left behind if this failed)
 
 
 def test_a_worker_says_at_once_that_it_stops_and_exits_without_its_teardown():
     """Issue 36, item 10: SIGTERM to an idle worker took 4-18 s (Ctrl-C up to 55 s) with no
     word: the interpreter collected the worker's objects at exit. Now it says it stops at once
     and exits as soon as it has closed what it holds."""
-    proc = _start("prefill", "--preset", "tiny-full", "--device", "cpu", "--max-tokens", "4096",
-                  "--bootstrap-bind", "tcp://127.0.0.1:0")
+    proc = _start(
+        "prefill",
+        "--preset",
+        "tiny-full",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "4096",
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:0",
+    )
     try:
         assert select.select([proc.stdout], [], [], 60)[0] and json.loads(proc.stdout.readline())["role"] == "prefill"
         proc.send_signal(signal.SIGTERM)

@@ -32,7 +32,7 @@ def router_ready(http: str) -> bool:
     try:
         with urllib.request.urlopen(http + "/ready", timeout=10) as resp:
             return resp.status == 200
-    except OSError:   # (HTTPError: 503 while no pair is up)
+    except OSError:  # (HTTPError: 503 while no pair is up)
         return False
 
 
@@ -41,15 +41,16 @@ def until_ready(http: str, timeout: float = 30.0) -> str:
     decode has registered with its prefill (ReadinessWatch, every second) and the router has
     looked (PairMonitor, every second); until then the router answers 503, as it should."""
     deadline = time.monotonic() + timeout
-    while not router_ready(http):   # (a condition with a deadline, as tests/conftest.py's eventually)
+    while not router_ready(http):  # (a condition with a deadline, as tests/conftest.py's eventually)
         assert time.monotonic() < deadline, f"router {http} not ready within {timeout} s"
         time.sleep(0.05)
     return http
 
 
 def start_router(launcher: Launcher, prefill: dict, decode: dict) -> str:
-    return until_ready(launcher.start("router", "--pair",
-                                      f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"])
+    return until_ready(
+        launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")["http"]
+    )
 
 
 def device_args(role: str) -> list[str]:
@@ -59,5 +60,6 @@ def device_args(role: str) -> list[str]:
     if not device.startswith("cuda"):
         return ["--device", device]
     import torch
+
     index = 1 if role == "decode" and torch.cuda.device_count() > 1 else 0
     return ["--device", f"cuda:{index}"]

@@ -25,19 +25,32 @@ COMMON = ["--preset", "tiny-hybrid", "--device", "cpu", "--max-requests", "8", *
 @pytest.fixture(scope="module")
 def stack():
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *COMMON, "--max-tokens", "16384", "--bootstrap-bind", "tcp://127.0.0.1:*",
-                                 "--inject-faults", "control.drop_done=1.0")
-        decode = launcher.start("decode", *COMMON, "--max-tokens", "1024", "--queue-wait", "0.5",
-                                "--bootstrap-addr", prefill["bootstrap"])
-        router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}",
-                                "--max-inflight", "2")["http"]
+        prefill = launcher.start(
+            "prefill",
+            *COMMON,
+            "--max-tokens",
+            "16384",
+            "--bootstrap-bind",
+            "tcp://127.0.0.1:*",
+            "--inject-faults",
+            "control.drop_done=1.0",
+        )
+        decode = launcher.start(
+            "decode", *COMMON, "--max-tokens", "1024", "--queue-wait", "0.5", "--bootstrap-addr", prefill["bootstrap"]
+        )
+        router = launcher.start(
+            "router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}", "--max-inflight", "2"
+        )["http"]
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
         yield {"prefill": prefill["http"], "decode": decode["http"], "router": router, "initial": initial}
 
 
 def _back(stack) -> bool:
-    return (pool_free(stack["prefill"]), pool_free(stack["decode"])) == stack["initial"] \
-        and inflight(stack["prefill"]) == 0 and inflight(stack["decode"]) == 0
+    return (
+        (pool_free(stack["prefill"]), pool_free(stack["decode"])) == stack["initial"]
+        and inflight(stack["prefill"]) == 0
+        and inflight(stack["decode"]) == 0
+    )
 
 
 class Hanging:
@@ -64,7 +77,7 @@ class Hanging:
 
 def test_decode_refusing_at_once_aborts_the_prefill_side(stack, eventually):
     t0 = time.monotonic()
-    out = post_json(stack["router"] + "/generate", {"prompt_len": 4000}, 60)   # decode's pool holds 1024
+    out = post_json(stack["router"] + "/generate", {"prompt_len": 4000}, 60)  # decode's pool holds 1024
     assert not out.get("ok") and "does not fit" in out["reason"], out
     assert time.monotonic() - t0 < 5, "prefill waited for its 30 s bootstrap deadline"
     eventually(lambda: _back(stack), 5, "both pools back")
@@ -72,10 +85,13 @@ def test_decode_refusing_at_once_aborts_the_prefill_side(stack, eventually):
 
 def test_client_disconnect_aborts_both_sides(stack, eventually):
     hang = Hanging(stack["router"], 300)
-    eventually(lambda: inflight(stack["decode"]) == 1 and inflight(stack["prefill"]) == 0, 10,
-               "the request hangs on decode (prefill finished, its TransferDone lost)")
+    eventually(
+        lambda: inflight(stack["decode"]) == 1 and inflight(stack["prefill"]) == 0,
+        10,
+        "the request hangs on decode (prefill finished, its TransferDone lost)",
+    )
     t0 = time.monotonic()
-    hang.conn.sock.shutdown(socket.SHUT_RDWR)    # the client goes away (FIN)
+    hang.conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away (FIN)
     eventually(lambda: _back(stack), 5, "the router aborted decode; decode's pages are back")
     assert time.monotonic() - t0 < 5
     hang.thread.join(10)
@@ -86,8 +102,10 @@ def test_abort_by_request_id(stack, eventually):
     eventually(lambda: inflight(stack["decode"]) == 1, 10, "the request hangs on decode")
     dup = post_json(stack["router"] + "/generate", {"prompt_len": 10, "request_id": "job-7"}, 10)
     assert dup.get("status") == 400 and "already in flight" in dup["reason"]
-    assert post_json(stack["router"] + "/abort", {"request_id": "job-7"}, 10) == {"request_id": "job-7",
-                                                                                  "aborted": True}
+    assert post_json(stack["router"] + "/abort", {"request_id": "job-7"}, 10) == {
+        "request_id": "job-7",
+        "aborted": True,
+    }
     hang.thread.join(10)
     assert hang.result["status"] == 409 and hang.result["body"]["reason"] == "cancelled by the client"
     eventually(lambda: _back(stack), 5, "both pools back")

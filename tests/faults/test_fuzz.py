@@ -23,12 +23,18 @@ QUICK = ["--bootstrap-timeout", "1", "--waiting-timeout", "1", "--transfer-timeo
 COMMON = ["--preset", "tiny-full", "--device", "cpu", "--max-tokens", "8192", "--max-requests", "8"]
 FUZZ = settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
-scalars = st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False) | st.text(max_size=20)
-values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner,
-                                                                                            max_size=4), max_leaves=12)
+scalars = (
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False) | st.text(max_size=20)
+)
+values = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 small_ints = st.integers(-3, 3000)
-fields = st.sampled_from(["prompt_len", "token_ids", "max_new_tokens", "seed", "request_id", "room", "reason",
-                          "bootstrap", "x"])
+fields = st.sampled_from(
+    ["prompt_len", "token_ids", "max_new_tokens", "seed", "request_id", "room", "reason", "bootstrap", "x"]
+)
 bodies = st.dictionaries(fields, values | small_ints | st.lists(small_ints, max_size=30), max_size=5)
 
 
@@ -36,8 +42,9 @@ bodies = st.dictionaries(fields, values | small_ints | st.lists(small_ints, max_
 def stack(keyed):
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, *QUICK, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *COMMON, *QUICK, "--quarantine", "2",
-                                "--bootstrap-addr", prefill["bootstrap"])
+        decode = launcher.start(
+            "decode", *COMMON, *QUICK, "--quarantine", "2", "--bootstrap-addr", prefill["bootstrap"]
+        )
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
         yield {"prefill": prefill, "decode": decode, "router": router["http"], "initial": initial, "gate": keyed}
@@ -55,7 +62,7 @@ def _post_raw(url: str, body: bytes) -> int:
             json.loads(resp.read())
             return resp.status
     except urllib.error.HTTPError as exc:
-        json.loads(exc.read())   # every refusal is a JSON error, not a stack trace
+        json.loads(exc.read())  # every refusal is a JSON error, not a stack trace
         return exc.code
 
 
@@ -79,12 +86,13 @@ def test_raw_bytes_on_http_ports(stack, data, target):
     with socket.create_connection((url.hostname, url.port), timeout=10) as sock:
         sock.sendall(data)
         sock.shutdown(socket.SHUT_WR)
-        while sock.recv(4096):   # the server answers or closes; it never hangs
+        while sock.recv(4096):  # the server answers or closes; it never hangs
             pass
 
 
 def _layout(stack) -> P.LayoutInfo:
     from disagg.bootstrap.server import BootstrapClient
+
     client = BootstrapClient(stack["prefill"]["bootstrap"], stack["gate"])
     try:
         return client.lookup(P.PROTOCOL_VERSION).layout
@@ -98,18 +106,31 @@ def _fake_decode(layout: P.LayoutInfo, layout_override: P.LayoutInfo | None = No
     import msgspec
     from transfer.transports import Offer
     from transfer.transports.mooncake import _Blob
+
     blob = _Blob("127.0.0.1:9", [((1 << 40) + (i << 34), b.nbytes) for i, b in enumerate(layout.buffers)])
-    return P.RegisterDecode(P.PROTOCOL_VERSION, 1, layout_override or layout,
-                            [Offer("mooncake", "127.0.0.1", msgspec.msgpack.encode(blob))], None)
+    return P.RegisterDecode(
+        P.PROTOCOL_VERSION,
+        1,
+        layout_override or layout,
+        [Offer("mooncake", "127.0.0.1", msgspec.msgpack.encode(blob))],
+        None,
+    )
 
 
 room_ids = st.integers(0, (1 << 62) - 1)
 index_bytes = st.binary(max_size=64) | st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=16).map(
-    lambda xs: b"".join(x.to_bytes(4, "little", signed=True) for x in xs))
+    lambda xs: b"".join(x.to_bytes(4, "little", signed=True) for x in xs)
+)
 messages = st.one_of(
-    st.builds(P.TransferRequest, room_ids, st.integers(0, 1 << 62), st.integers(-5, 1 << 20),
-              st.dictionaries(st.sampled_from(["full", "aux", "swa", "bogus"]), index_bytes, max_size=3),
-              st.lists(st.integers(-5, 100), max_size=4), st.integers(-(1 << 40), 1 << 40) | st.sampled_from([0, 4, 16])),
+    st.builds(
+        P.TransferRequest,
+        room_ids,
+        st.integers(0, 1 << 62),
+        st.integers(-5, 1 << 20),
+        st.dictionaries(st.sampled_from(["full", "aux", "swa", "bogus"]), index_bytes, max_size=3),
+        st.lists(st.integers(-5, 100), max_size=4),
+        st.integers(-(1 << 40), 1 << 40) | st.sampled_from([0, 4, 16]),
+    ),
     st.builds(P.Abort, room_ids, st.text(max_size=30)),
     st.builds(P.Heartbeat, st.integers(0, 1 << 62)),
     st.builds(P.TransferDone, room_ids, st.integers(0, 1 << 62), st.booleans()),
@@ -117,9 +138,14 @@ messages = st.one_of(
 
 
 @FUZZ
-@given(frames=st.lists(st.lists(messages.map(P.encoder.encode) | st.binary(max_size=200), min_size=1, max_size=3),
-                       min_size=1, max_size=6),
-       register=st.booleans())
+@given(
+    frames=st.lists(
+        st.lists(messages.map(P.encoder.encode) | st.binary(max_size=200), min_size=1, max_size=3),
+        min_size=1,
+        max_size=6,
+    ),
+    register=st.booleans(),
+)
 def test_control_socket(stack, frames, register):
     """A fake decode (registered with the prefill's own layout and a dead transport, or not at all)
     sends hostile frames; prefill answers each with a refusal or nothing, never writes."""
@@ -132,7 +158,7 @@ def test_control_socket(stack, frames, register):
             assert sock.poll(10_000)
             assert isinstance(P.Decoder(P.ToDecode, "t").decode(sock.recv()), (P.Registered, P.Refused))
         decoder = P.Decoder(P.ToDecode, "test")
-        for parts in frames:   # single frames and multi-part messages
+        for parts in frames:  # single frames and multi-part messages
             sock.send_multipart(parts)
         sock.send(P.encoder.encode(P.Heartbeat(1)))  # the socket still answers after all that
         while True:
@@ -144,15 +170,18 @@ def test_control_socket(stack, frames, register):
         sock.close()
 
 
-@pytest.mark.parametrize("role,path,body", [
-    ("decode", "/decode", {"room": 1 << 64, "token_ids": [1]}),      # beyond int64: once killed the I/O thread
-    ("prefill", "/prefill", {"room": -1, "token_ids": [1]}),
-    ("decode", "/abort", {"room": 1 << 63}),
-    ("prefill", "/prefill", {"room": 5, "token_ids": [[1, 2], [3, 4]]}),
-    ("decode", "/decode", {"room": 5, "token_ids": [1 << 40]}),
-    ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "garbage"}),   # was a ZMQError: 500
-    ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "tcp://127.0.0.1:99999"}),
-])
+@pytest.mark.parametrize(
+    "role,path,body",
+    [
+        ("decode", "/decode", {"room": 1 << 64, "token_ids": [1]}),  # beyond int64: once killed the I/O thread
+        ("prefill", "/prefill", {"room": -1, "token_ids": [1]}),
+        ("decode", "/abort", {"room": 1 << 63}),
+        ("prefill", "/prefill", {"room": 5, "token_ids": [[1, 2], [3, 4]]}),
+        ("decode", "/decode", {"room": 5, "token_ids": [1 << 40]}),
+        ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "garbage"}),  # was a ZMQError: 500
+        ("decode", "/decode", {"room": 5, "token_ids": [1], "bootstrap": "tcp://127.0.0.1:99999"}),
+    ],
+)
 def test_out_of_range_fields_are_refused(stack, role, path, body):
     assert _post_raw(stack[role]["http"] + path, json.dumps(body).encode()) == 400
 
@@ -164,8 +193,12 @@ def test_a_malformed_layout_in_a_registration_is_refused(stack):
     try:
         layout = _layout(stack)
         from msgspec.structs import replace
-        bad = P.LayoutInfo(layout.page_size, layout.layout,
-                           [replace(b, item_bytes=2 * b.item_bytes, nbytes=2 * b.nbytes) for b in layout.buffers])
+
+        bad = P.LayoutInfo(
+            layout.page_size,
+            layout.layout,
+            [replace(b, item_bytes=2 * b.item_bytes, nbytes=2 * b.nbytes) for b in layout.buffers],
+        )
         sock.send(P.encoder.encode(_fake_decode(layout, bad)))
         assert sock.poll(10_000)
         reply = P.Decoder(P.ToDecode, "t").decode(sock.recv())
@@ -175,9 +208,15 @@ def test_a_malformed_layout_in_a_registration_is_refused(stack):
 
 
 def test_after_the_fuzzing_both_pools_are_back(stack, eventually):
-    eventually(lambda: (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
-               and inflight(stack["prefill"]["http"]) == 0 and inflight(stack["decode"]["http"]) == 0, 30,
-               "both pools back to their initial free counts")
+    eventually(
+        lambda: (
+            (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
+            and inflight(stack["prefill"]["http"]) == 0
+            and inflight(stack["decode"]["http"]) == 0
+        ),
+        30,
+        "both pools back to their initial free counts",
+    )
     _serves_and_nothing_leaked(stack)
 
 

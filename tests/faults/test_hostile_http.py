@@ -27,12 +27,17 @@ COMMON = ["--preset", "tiny-full", "--device", "cpu", "--max-tokens", "8192", "-
 def stack():
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start("decode", *COMMON, "--max-inflight", str(DECODE_INFLIGHT),
-                                "--bootstrap-addr", prefill["bootstrap"])
+        decode = launcher.start(
+            "decode", *COMMON, "--max-inflight", str(DECODE_INFLIGHT), "--bootstrap-addr", prefill["bootstrap"]
+        )
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
-        yield {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"],
-               "bootstrap": prefill["bootstrap"],
-               "initial": (pool_free(prefill["http"]), pool_free(decode["http"]))}
+        yield {
+            "prefill": prefill["http"],
+            "decode": decode["http"],
+            "router": router["http"],
+            "bootstrap": prefill["bootstrap"],
+            "initial": (pool_free(prefill["http"]), pool_free(decode["http"])),
+        }
 
 
 def _connect(url: str) -> socket.socket:
@@ -46,7 +51,7 @@ def _read_answer(sock: socket.socket) -> tuple[int, dict]:
     while chunk := sock.recv(65536):
         data += chunk
     while data.startswith(b"HTTP/1.1 1"):
-        data = data[data.index(b"\r\n\r\n") + 4:]
+        data = data[data.index(b"\r\n\r\n") + 4 :]
     head, _, body = data.partition(b"\r\n\r\n")
     return int(head.split()[1]), json.loads(body)
 
@@ -65,8 +70,8 @@ def test_half_sent_bodies_do_not_take_the_in_flight_slots(stack):
         for sock in stalled:
             sock.sendall(head)
         t0 = time.monotonic()
-        _serves(stack)      # before the fix: 503 "32 requests in flight"
-        status, body = _read_answer(stalled[0])   # the stalled ones get a 408 once their time is up
+        _serves(stack)  # before the fix: 503 "32 requests in flight"
+        status, body = _read_answer(stalled[0])  # the stalled ones get a 408 once their time is up
         assert status == 408 and "not sent within" in body["error"], body
         assert READ_TIMEOUT_S - 1 < time.monotonic() - t0 < READ_TIMEOUT_S + 10
     finally:
@@ -77,7 +82,7 @@ def test_half_sent_bodies_do_not_take_the_in_flight_slots(stack):
 def test_a_body_cut_short_is_a_400_and_frees_nothing_it_did_not_take(stack):
     sock = _connect(stack["decode"])
     with sock:
-        sock.sendall(b"POST /decode HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"room\": 1")
+        sock.sendall(b'POST /decode HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{"room": 1')
         sock.shutdown(socket.SHUT_WR)
         status, body = _read_answer(sock)
     assert status == 400 and "cut short" in body["error"], body
@@ -99,8 +104,8 @@ def test_idle_connections_at_the_bound_make_room_for_probes_and_requests(stack, 
     bound = HttpLimits(max_inflight=DECODE_INFLIGHT).max_connections
     idle = [_connect(stack["decode"]) for _ in range(bound)]
     try:
-        assert _health(stack["decode"]) == 200          # before issue 35: 503 "64 connections open"
-        status, body = _read_answer(idle[0])             # the oldest idle one made room
+        assert _health(stack["decode"]) == 200  # before issue 35: 503 "64 connections open"
+        status, body = _read_answer(idle[0])  # the oldest idle one made room
         assert status == 408 and "make room" in body["error"], body
         _serves(stack)
     finally:
@@ -112,8 +117,15 @@ def test_idle_connections_at_the_bound_make_room_for_probes_and_requests(stack, 
 def small_router(stack):
     """A router with a connection bound of 4 + 32 and a 2 s receipt deadline."""
     with Launcher() as launcher:
-        yield launcher.start("router", "--pair", f"{stack['prefill']},{stack['decode']},{stack['bootstrap']}",
-                             "--max-inflight", "4", "--http-receive-timeout", "2")["http"]
+        yield launcher.start(
+            "router",
+            "--pair",
+            f"{stack['prefill']},{stack['decode']},{stack['bootstrap']}",
+            "--max-inflight",
+            "4",
+            "--http-receive-timeout",
+            "2",
+        )["http"]
 
 
 def _get_health(sock: socket.socket) -> int:
@@ -121,7 +133,9 @@ def _get_health(sock: socket.socket) -> int:
     head = b""
     while b"\r\n\r\n" not in head:
         head += sock.recv(1)
-    length = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+    length = int(
+        next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    )
     while length:
         length -= len(sock.recv(length))
     return int(head.split()[1])
@@ -132,7 +146,7 @@ def test_the_router_holds_as_many_connections_as_its_in_flight_bound(stack):
     100 concurrent clients got 503 "64 connections open". Now it follows --max-inflight (256)."""
     socks = [_connect(stack["router"]) for _ in range(100)]
     try:
-        assert [_get_health(sock) for sock in socks] == [200] * 100   # all open at once (keep-alive)
+        assert [_get_health(sock) for sock in socks] == [200] * 100  # all open at once (keep-alive)
     finally:
         for sock in socks:
             sock.close()
@@ -145,7 +159,7 @@ def _trickle(sock: socket.socket, stop: threading.Event) -> None:
         while not stop.wait(0.25):
             sock.sendall(b"a")
     except OSError:
-        pass   # closed by the server: what the test waits for
+        pass  # closed by the server: what the test waits for
 
 
 def test_trickled_headers_are_cut_off_at_one_total_deadline(small_router):
@@ -193,7 +207,7 @@ def _dechunk(data: bytes) -> bytes:
         n = int(size, 16)
         if n == 0:
             return out
-        out, data = out + data[:n], data[n + 2:]
+        out, data = out + data[:n], data[n + 2 :]
 
 
 def test_a_half_closed_event_stream_carries_nothing_but_events(stack):
@@ -202,14 +216,16 @@ def test_a_half_closed_event_stream_carries_nothing_but_events(stack):
     body = json.dumps({"prompt": list(range(1, 200)), "max_tokens": 256, "stream": True}).encode()
     sock = _connect(stack["router"])
     with sock:
-        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         sock.shutdown(socket.SHUT_WR)
         data = b""
         while chunk := sock.recv(65536):
             data += chunk
-    while data.startswith(b"HTTP/1.1 1"):   # interim answers before the stream began are allowed
-        data = data[data.index(b"\r\n\r\n") + 4:]
+    while data.startswith(b"HTTP/1.1 1"):  # interim answers before the stream began are allowed
+        data = data[data.index(b"\r\n\r\n") + 4 :]
     head, _, stream = data.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
     assert b"HTTP/1.1" not in stream, stream[:500]
@@ -226,14 +242,22 @@ def test_a_client_that_half_closes_after_sending_gets_its_answer(stack):
     body = json.dumps({"prompt_len": 300, "seed": 7}).encode()
     sock = _connect(stack["router"])
     with sock:
-        sock.sendall(b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body)
+        )
         sock.shutdown(socket.SHUT_WR)
         status, out = _read_answer(sock)
     assert status == 200 and out["ok"] and out["verified"], out
 
 
 def test_nothing_leaked(stack, eventually):
-    eventually(lambda: (pool_free(stack["prefill"]), pool_free(stack["decode"])) == stack["initial"]
-               and inflight(stack["prefill"]) == 0 and inflight(stack["decode"]) == 0, 30,
-               "both pools back to their initial free counts")
+    eventually(
+        lambda: (
+            (pool_free(stack["prefill"]), pool_free(stack["decode"])) == stack["initial"]
+            and inflight(stack["prefill"]) == 0
+            and inflight(stack["decode"]) == 0
+        ),
+        30,
+        "both pools back to their initial free counts",
+    )

@@ -33,15 +33,23 @@ def stack(keyed):
         client = BootstrapClient(prefill["bootstrap"], keyed, timeout_s=10)
         layout = client.lookup(P.PROTOCOL_VERSION).layout
         client.close()
-        yield {"prefill": prefill, "decode": decode, "router": router["http"], "layout": layout,
-               "initial": (pool_free(prefill["http"]), pool_free(decode["http"]))}
+        yield {
+            "prefill": prefill,
+            "decode": decode,
+            "router": router["http"],
+            "layout": layout,
+            "initial": (pool_free(prefill["http"]), pool_free(decode["http"])),
+        }
 
 
 def _forged(layout: P.LayoutInfo) -> bytes:
     """A RegisterDecode as the attacker built it: the real layout, regions it made up."""
     blob = _Blob("127.0.0.1:9", [((1 << 40) + (i << 34), b.nbytes) for i, b in enumerate(layout.buffers)])
-    return P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, layout,
-                                             [Offer("mooncake", "127.0.0.1", msgspec.msgpack.encode(blob))], None))
+    return P.encoder.encode(
+        P.RegisterDecode(
+            P.PROTOCOL_VERSION, 1, layout, [Offer("mooncake", "127.0.0.1", msgspec.msgpack.encode(blob))], None
+        )
+    )
 
 
 def _serves(stack) -> None:
@@ -61,7 +69,7 @@ def test_only_the_deployment_key_registers_with_prefill(stack, keyed, stranger, 
     try:
         sock.send(_forged(stack["layout"]))
         answered = sock.poll(3000)
-        if who == "the deployment's key":   # a member of the deployment is heard (and bounded: docs/security.md)
+        if who == "the deployment's key":  # a member of the deployment is heard (and bounded: docs/security.md)
             assert answered and isinstance(P.Decoder(P.ToDecode, "t").decode(sock.recv()), P.Registered)
         else:
             assert not answered, f"prefill answered a peer with {who}"
@@ -99,7 +107,7 @@ def test_decode_never_registers_with_a_bootstrap_a_client_names(stack, keyed, ke
 
 
 def test_requests_name_a_configured_bootstrap_by_name_or_address(stack):
-    _serves(stack)   # the router's pair names it "main"
+    _serves(stack)  # the router's pair names it "main"
     for name in ("main", "default", stack["prefill"]["bootstrap"]):
         status, out = _decode_with(stack, name)
         assert status == 200 and out["state"] == "FAILED" and "not one" not in out.get("reason", ""), out
@@ -129,5 +137,11 @@ def test_fuzzed_frames_from_a_peer_without_credentials_get_nothing(stack, batch)
 
 
 def test_nothing_leaked(stack, eventually):
-    eventually(lambda: (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
-               and inflight(stack["prefill"]["http"]) == 0, 30, "both pools back to their initial free counts")
+    eventually(
+        lambda: (
+            (pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])) == stack["initial"]
+            and inflight(stack["prefill"]["http"]) == 0
+        ),
+        30,
+        "both pools back to their initial free counts",
+    )

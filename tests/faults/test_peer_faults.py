@@ -14,8 +14,20 @@ from fault_stack import device_args, inflight, pool_free, requests, start_router
 pytestmark = pytest.mark.slow
 
 DEAD_AFTER = 2.0
-COMMON = ["--preset", "gpt-oss-20b", "--max-tokens", "65536", "--max-requests", "16",
-          "--waiting-timeout", "15", "--transfer-timeout", "15", "--dead-after", str(DEAD_AFTER)]
+COMMON = [
+    "--preset",
+    "gpt-oss-20b",
+    "--max-tokens",
+    "65536",
+    "--max-requests",
+    "16",
+    "--waiting-timeout",
+    "15",
+    "--transfer-timeout",
+    "15",
+    "--dead-after",
+    str(DEAD_AFTER),
+]
 # DISAGG_TEST_DEVICE=cuda (the GPU machine): prefill on the first GPU, decode on the second where
 # there is one; --transport auto then picks cuda-ipc (same host, pools on CUDA).
 PREFILL = [*COMMON, *device_args("prefill")]
@@ -81,8 +93,16 @@ def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually
     it (Mooncake would leave them pending while it is frozen), and once it thaws the stale
     ranges end and return its budget, so it is served again."""
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *PREFILL, "--stream-layers", stream, "--simulate-layer-ms", "2",
-                                 "--bootstrap-bind", "tcp://127.0.0.1:*")
+        prefill = launcher.start(
+            "prefill",
+            *PREFILL,
+            "--stream-layers",
+            stream,
+            "--simulate-layer-ms",
+            "2",
+            "--bootstrap-bind",
+            "tcp://127.0.0.1:*",
+        )
         decode = launcher.start("decode", *DECODE, "--quarantine", "3", "--bootstrap-addr", prefill["bootstrap"])
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
@@ -93,16 +113,25 @@ def test_frozen_decode_past_the_bound_fails_its_requests_and_recovers(eventually
         eventually(lambda: inflight(prefill["http"]) > 0, 30, "requests in flight on prefill")
         os.kill(_proc(launcher, 1).pid, signal.SIGSTOP)
         try:
-            eventually(lambda: pool_free(prefill["http"]) == initial[0], DEAD_AFTER + 20,
-                       "prefill frees the frozen decode's requests")
+            eventually(
+                lambda: pool_free(prefill["http"]) == initial[0],
+                DEAD_AFTER + 20,
+                "prefill frees the frozen decode's requests",
+            )
         finally:
             os.kill(_proc(launcher, 1).pid, signal.SIGCONT)
         batch.join(60)
         # thawed: it learns it was dropped, registers again, serves
-        eventually(lambda: all(r["ok"] and r["verified"] for r in requests(router, [200, 1500])), 30,
-                   "the thawed decode serves again")
-        eventually(lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial, 30,
-                   "both pools back to their initial free counts")
+        eventually(
+            lambda: all(r["ok"] and r["verified"] for r in requests(router, [200, 1500])),
+            30,
+            "the thawed decode serves again",
+        )
+        eventually(
+            lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial,
+            30,
+            "both pools back to their initial free counts",
+        )
 
 
 def test_a_client_is_answered_soon_after_one_side_failed_even_if_the_other_is_frozen():
@@ -127,6 +156,7 @@ def test_a_client_is_answered_soon_after_one_side_failed_even_if_the_other_is_fr
 
 def _free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -144,7 +174,7 @@ def test_restart_prefill_under_load(eventually):
         router = start_router(launcher, prefill, decode)
         initial = pool_free(prefill["http"]), pool_free(decode["http"])
         stop = threading.Event()
-        log: list[tuple[float, float, dict]] = []   # (sent, done, result)
+        log: list[tuple[float, float, dict]] = []  # (sent, done, result)
 
         def load(seed: int) -> None:
             i = 0
@@ -153,6 +183,7 @@ def test_restart_prefill_under_load(eventually):
                 out = requests(router, [200 + (seed * 997 + i * 131) % 2500])[0]
                 log.append((sent, time.monotonic(), out))
                 i += 1
+
         threads = [threading.Thread(target=load, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()
@@ -162,9 +193,12 @@ def test_restart_prefill_under_load(eventually):
         _proc(launcher, 0).wait()
         launcher.start("prefill", *prefill_args)
         restarted = time.monotonic()
-        settled = restarted + DEAD_AFTER + 2    # decode has noticed the old one is gone by then
-        eventually(lambda: sum(r["ok"] for s, _, r in log if s > settled) >= 10, 90,
-                   "requests succeed through the restarted prefill")
+        settled = restarted + DEAD_AFTER + 2  # decode has noticed the old one is gone by then
+        eventually(
+            lambda: sum(r["ok"] for s, _, r in log if s > settled) >= 10,
+            90,
+            "requests succeed through the restarted prefill",
+        )
         stop.set()
         for t in threads:
             t.join(60)
@@ -172,6 +206,9 @@ def test_restart_prefill_under_load(eventually):
         affected = [(s, d, r) for s, d, r in log if not r["ok"]]
         assert affected, "the kill affected no request"
         assert all(s < settled for s, _, _ in affected), [r["reason"] for s, _, r in affected if s >= settled]
-        assert all(d - max(s, killed) < DEAD_AFTER + 15 + 5 for s, d, _ in affected)   # within the bound
-        eventually(lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial, 30,
-                   "both pools back (the new prefill's and the surviving decode's)")
+        assert all(d - max(s, killed) < DEAD_AFTER + 15 + 5 for s, d, _ in affected)  # within the bound
+        eventually(
+            lambda: (pool_free(prefill["http"]), pool_free(decode["http"])) == initial,
+            30,
+            "both pools back (the new prefill's and the surviving decode's)",
+        )

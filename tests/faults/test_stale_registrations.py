@@ -75,9 +75,9 @@ def test_a_registration_that_was_never_answered_is_not_kept(eventually):
     with Launcher() as launcher:
         boot = launcher.start("bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:*")["bootstrap"]
         prefill = launcher.start("prefill", *COMMON, *QUICK, "--bootstrap-bind", "none", "--bootstrap-addr", boot)
-        decode = launcher.start("decode", *COMMON, *QUICK, "--bootstrap-addr", boot)   # registered at start
+        decode = launcher.start("decode", *COMMON, *QUICK, "--bootstrap-addr", boot)  # registered at start
         _kill(launcher, prefill)
-        failed = _decode_alone(decode)   # its prefill is gone: within the lease, the bootstrap still names it
+        failed = _decode_alone(decode)  # its prefill is gone: within the lease, the bootstrap still names it
         assert failed["state"] == "FAILED", failed
         # decode's readiness watch drops the silent peer, looks the rank up (the lapsing lease), registers
         # and gets no answer: neither that lookup nor that peer may be kept

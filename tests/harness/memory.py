@@ -54,7 +54,7 @@ class MemoryExposure(Exposure):
 
 class MemoryLink(Link):
     kind = KIND
-    ordered = True    # a write is done when write_async returns
+    ordered = True  # a write is done when write_async returns
     cost = LinkCost(per_range_us=1.0, link_gbps=10.0)
 
     def __init__(self, transport: "MemoryTransport", local: MemoryExposure, key: int):
@@ -70,7 +70,7 @@ class MemoryLink(Link):
         return peer
 
     def write_async(self, ranges: Ranges) -> PendingWrite:
-        if self.closed:   # (a transport that mapped the peer's memory has unmapped it)
+        if self.closed:  # (a transport that mapped the peer's memory has unmapped it)
             raise PeerUnreachable("write", -1, self.peer, ranges.nbytes, detail="the link is closed")
         peer = self._peer()
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
@@ -87,7 +87,7 @@ class MemoryLink(Link):
         self._peer()
 
     def close(self) -> None:
-        if not self.closed:   # what a transport that maps the peer's memory would unmap
+        if not self.closed:  # what a transport that maps the peer's memory would unmap
             self.closed = True
             self._transport.closed += 1
 
@@ -98,7 +98,7 @@ class MemoryTransport(Transport):
 
     def __init__(self, fail_writes: bool = False):
         self.fail_writes = fail_writes
-        self.opened = self.closed = 0   # links, for bookkeeping tests
+        self.opened = self.closed = 0  # links, for bookkeeping tests
 
     def expose(self, regions) -> MemoryExposure:
         return MemoryExposure(regions)
@@ -111,25 +111,28 @@ class MemoryTransport(Transport):
 
 # ---- as the registry sees it, declared like any transport's (transfer/transports/kind.py) ----
 
+
 @dataclass(frozen=True)
 class MemorySettings:
-    fail_writes: bool = False   # every write fails (a unit-level fault)
+    fail_writes: bool = False  # every write fails (a unit-level fault)
 
 
 def _add_flags(g) -> None:
-    g.add_argument("--memory-fail-writes", action="store_true",
-                   help="the memory transport fails every write (tests only)")
+    g.add_argument(
+        "--memory-fail-writes", action="store_true", help="the memory transport fails every write (tests only)"
+    )
 
 
 def _create(common: TransportSettings, own: MemorySettings) -> MemoryTransport:
     return MemoryTransport(own.fail_writes)
 
 
-MEMORY = TransportKind(KIND, _create, MemorySettings, _add_flags, lambda args: MemorySettings(args.memory_fail_writes),
-                       auto=False)   # never part of --transport auto: it works within one process only
+MEMORY = TransportKind(
+    KIND, _create, MemorySettings, _add_flags, lambda args: MemorySettings(args.memory_fail_writes), auto=False
+)  # never part of --transport auto: it works within one process only
 
 
 def register() -> None:
     """Make --transport memory available in this process (idempotent: tests call it freely)."""
     if KIND not in TRANSPORTS.names():
-        TRANSPORTS.add(MEMORY)   # the one registry line
+        TRANSPORTS.add(MEMORY)  # the one registry line

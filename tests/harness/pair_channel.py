@@ -21,7 +21,7 @@ class PairChannel:
     share one peer's socket; the socket is used under a lock, and a sender waiting for an ack
     pumps it in short turns, so an ack another sender reads is counted for the one it is for."""
 
-    TURN_S = 0.002   # longest hold of the socket by one waiting sender
+    TURN_S = 0.002  # longest hold of the socket by one waiting sender
 
     def __init__(self, socket: zmq.Socket):
         self.socket = socket

@@ -19,8 +19,26 @@ import zmq
 from harness.pair_channel import PairChannel
 from harness.processes import reap, spawn
 from harness.peer_server import PeerCore
-from harness.wire import (Alloc, Allocated, Available, Configure, Counts, Digest, Digests, Error, Expect, Fill, Fragment,
-                          Free, Hello, Release, Reply, Stop, Target, Verify)
+from harness.wire import (
+    Alloc,
+    Allocated,
+    Available,
+    Configure,
+    Counts,
+    Digest,
+    Digests,
+    Error,
+    Expect,
+    Fill,
+    Fragment,
+    Free,
+    Hello,
+    Release,
+    Reply,
+    Stop,
+    Target,
+    Verify,
+)
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import AckTimeout, StagingError, TransferError
@@ -44,12 +62,34 @@ class _Driver:
             raise TransferError(f"peer server: {reply.message}")
         return reply
 
-    def configure(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
-                  max_requests: int = 8, swa_ratio: float = 0.5, device: str = "cpu",
-                  staging_slots: int = 4, staging_slot_mib: int = 16, tp: tuple[int, int] = (1, 0)) -> Target:
+    def configure(
+        self,
+        preset: str,
+        page_size: int,
+        tokens: int,
+        layout: str = "page_major",
+        max_requests: int = 8,
+        swa_ratio: float = 0.5,
+        device: str = "cpu",
+        staging_slots: int = 4,
+        staging_slot_mib: int = 16,
+        tp: tuple[int, int] = (1, 0),
+    ) -> Target:
         """Rebuild the server's pool (every old request is dropped); returns the new target."""
-        self._ok(Configure(preset, page_size, tokens, layout, max_requests, swa_ratio, device,
-                           staging_slots, staging_slot_mib << 20, *tp))
+        self._ok(
+            Configure(
+                preset,
+                page_size,
+                tokens,
+                layout,
+                max_requests,
+                swa_ratio,
+                device,
+                staging_slots,
+                staging_slot_mib << 20,
+                *tp,
+            )
+        )
         return self.target()
 
     def target(self) -> Target:
@@ -66,8 +106,14 @@ class _Driver:
     def fragment(self, seed: int) -> None:
         self._ok(Fragment(seed))
 
-    def expect(self, transfer_id: int, req: int, want_slots: int = 0,
-               sender: tuple[int, int, int] | None = None, prefix_len: int = 0) -> list[int]:
+    def expect(
+        self,
+        transfer_id: int,
+        req: int,
+        want_slots: int = 0,
+        sender: tuple[int, int, int] | None = None,
+        prefix_len: int = 0,
+    ) -> list[int]:
         reply: Allocated = self._ok(Expect(transfer_id, req, want_slots, sender, prefix_len))
         return np.frombuffer(reply.arrays["slots"], dtype=np.int32).tolist()
 
@@ -100,18 +146,52 @@ class _Driver:
 
 
 class PeerProcess(_Driver):
-    def __init__(self, preset: str, page_size: int, tokens: int, layout: str = "page_major",
-                 device: str = "cpu", staging_slots: int = 4, staging_slot_mib: int = 16,
-                 max_requests: int = 8, swa_ratio: float = 0.5, env: dict | None = None,
-                 start_timeout: float = 60.0, transport: str = "mooncake", chunk_channels: int = 1):
+    def __init__(
+        self,
+        preset: str,
+        page_size: int,
+        tokens: int,
+        layout: str = "page_major",
+        device: str = "cpu",
+        staging_slots: int = 4,
+        staging_slot_mib: int = 16,
+        max_requests: int = 8,
+        swa_ratio: float = 0.5,
+        env: dict | None = None,
+        start_timeout: float = 60.0,
+        transport: str = "mooncake",
+        chunk_channels: int = 1,
+    ):
         """`chunk_channels`: chunk channels the server binds; `.channel` is the first (this
         process's senders share it), `.channels` names them all (a sender process connects
         its own, harness.sender_client)."""
-        cmd = [sys.executable, "-m", "harness.peer_server", "--preset", preset, "--page-size", str(page_size),
-               "--tokens", str(tokens), "--layout", layout, "--device", device, "--transport", transport,
-               "--staging-slots", str(staging_slots), "--staging-slot-mib", str(staging_slot_mib),
-               "--max-requests", str(max_requests), "--swa-ratio", str(swa_ratio),
-               "--chunk-channels", str(chunk_channels)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness.peer_server",
+            "--preset",
+            preset,
+            "--page-size",
+            str(page_size),
+            "--tokens",
+            str(tokens),
+            "--layout",
+            layout,
+            "--device",
+            device,
+            "--transport",
+            transport,
+            "--staging-slots",
+            str(staging_slots),
+            "--staging-slot-mib",
+            str(staging_slot_mib),
+            "--max-requests",
+            str(max_requests),
+            "--swa-ratio",
+            str(swa_ratio),
+            "--chunk-channels",
+            str(chunk_channels),
+        ]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
         self.proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)
@@ -146,7 +226,7 @@ class PeerProcess(_Driver):
                 self.proc.wait(timeout=10)
             except (TransferError, subprocess.TimeoutExpired):
                 pass
-        reap(self.proc, signal.SIGKILL, 0)   # (whatever it left: nothing, unless it hung)
+        reap(self.proc, signal.SIGKILL, 0)  # (whatever it left: nothing, unless it hung)
         self.sock.close(linger=0)
         self.channel.socket.close(linger=0)
 
@@ -163,7 +243,7 @@ class LocalChannel:
     def notify(self, transfer_id: int, index: int, slot: int, pieces) -> None:
         try:
             self._core.on_chunk(transfer_id, index, slot, pieces)
-        except StagingError as exc:   # refused, as the real receiver does: no ack, and say why
+        except StagingError as exc:  # refused, as the real receiver does: no ack, and say why
             logging.getLogger("harness.local_peer").warning("chunk refused: %s", exc)
             return
         with self._cond:

@@ -23,8 +23,29 @@ import torch
 import zmq
 
 from harness.pair_channel import PairChannel
-from harness.wire import (Alloc, Allocated, Available, ChunkDone, Command, Configure, Counts, Digest, Digests, Error,
-                          Expect, Fill, Free, Fragment, Hello, Ok, Release, Reply, Stop, Verify, Target)
+from harness.wire import (
+    Alloc,
+    Allocated,
+    Available,
+    ChunkDone,
+    Command,
+    Configure,
+    Counts,
+    Digest,
+    Digests,
+    Error,
+    Expect,
+    Fill,
+    Free,
+    Fragment,
+    Hello,
+    Ok,
+    Release,
+    Reply,
+    Stop,
+    Verify,
+    Target,
+)
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.indices import IndexSet
 from kvpool.positions import backed, kept_positions, paged_components, token_items
@@ -57,12 +78,26 @@ class PeerCore:
         self.requests: dict[int, object] = {}
         self.expect: dict[int, tuple[IndexSet, list[int], int]] = {}
         self.next_req = 1
-        self.pool = HybridPool(PoolConfig(get_preset(c.preset), c.page_size, max_tokens=c.tokens,
-                                          max_requests=c.max_requests, layout=Layout(c.layout),
-                                          device=c.device, swa_ratio=c.swa_ratio, tp_size=c.tp_size,
-                                          tp_rank=c.tp_rank))
-        self.receiver = KVReceiver(PoolEndpoint(self.transport, self.pool, TransferConfig(
-            staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes)))
+        self.pool = HybridPool(
+            PoolConfig(
+                get_preset(c.preset),
+                c.page_size,
+                max_tokens=c.tokens,
+                max_requests=c.max_requests,
+                layout=Layout(c.layout),
+                device=c.device,
+                swa_ratio=c.swa_ratio,
+                tp_size=c.tp_size,
+                tp_rank=c.tp_rank,
+            )
+        )
+        self.receiver = KVReceiver(
+            PoolEndpoint(
+                self.transport,
+                self.pool,
+                TransferConfig(staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes),
+            )
+        )
 
     def on_chunk(self, transfer_id: int, index: int, slot: int, pieces) -> None:
         with self.lock:
@@ -92,14 +127,19 @@ class PeerCore:
                 rng = np.random.default_rng(seed)
                 for alloc in (self.pool.pages, getattr(self.pool.swa_allocator, "swa", None)):
                     if alloc is not None:
-                        rng.shuffle(alloc._stack[:alloc.num_free])
+                        rng.shuffle(alloc._stack[: alloc.num_free])
                 return Ok()
             case Expect(transfer_id=t, req=rid, want_slots=k, sender=sender, prefix_len=prefix_len):
                 lanes = None if sender is None else self.receiver.lanes_from(Shard(*sender))
                 slots = self.receiver.reserve_slots(k) if k else []
                 with self.lock:
-                    self.expect[t] = (self.pool.index_set(self.requests[rid]), slots, self.requests[rid].num_tokens,
-                                      lanes, prefix_len)
+                    self.expect[t] = (
+                        self.pool.index_set(self.requests[rid]),
+                        slots,
+                        self.requests[rid].num_tokens,
+                        lanes,
+                        prefix_len,
+                    )
                 return Allocated(t, {"slots": np.array(slots, dtype=np.int32).tobytes()})
             case Release(transfer_id=t):
                 with self.lock:
@@ -117,13 +157,17 @@ class PeerCore:
                 if garbage:
                     fill_garbage(self.pool, req, positions, room)
                 else:
-                    StandInEngine()._write_tokens(self.pool, req, np.frombuffer(tokens, dtype=np.int64).copy(), positions)
+                    StandInEngine()._write_tokens(
+                        self.pool, req, np.frombuffer(tokens, dtype=np.int64).copy(), positions
+                    )
                 return Ok()
             case Free(req=rid):
                 self.pool.free_request(self.requests.pop(rid))
                 return Ok()
             case Verify(req=rid, tokens=tokens, room=room):
-                StandInEngine().verify(self.pool, self.requests[rid], np.frombuffer(tokens, dtype=np.int64).copy(), room)
+                StandInEngine().verify(
+                    self.pool, self.requests[rid], np.frombuffer(tokens, dtype=np.int64).copy(), room
+                )
                 return Ok()
             case Available():
                 self.pool.check_integrity()
@@ -140,9 +184,20 @@ class PeerCore:
 class PeerServer:
     def __init__(self, args: argparse.Namespace):
         [transport] = create([args.transport], TransportSettings(args.host, device=args.device))
-        self.core = PeerCore(transport, Configure(args.preset, args.page_size, args.tokens, args.layout,
-                                                  args.max_requests, args.swa_ratio, args.device,
-                                                  args.staging_slots, args.staging_slot_mib << 20))
+        self.core = PeerCore(
+            transport,
+            Configure(
+                args.preset,
+                args.page_size,
+                args.tokens,
+                args.layout,
+                args.max_requests,
+                args.swa_ratio,
+                args.device,
+                args.staging_slots,
+                args.staging_slot_mib << 20,
+            ),
+        )
         ctx = zmq.Context.instance()
         self.commands = ctx.socket(zmq.REP)
         self.commands.bind(args.command)
@@ -152,8 +207,12 @@ class PeerServer:
         self.stopping = threading.Event()
         # Ready: tell the parent where we listen (binding "tcp://host:*" picks free ports).
         bound = [ch.socket.getsockopt_string(zmq.LAST_ENDPOINT) for ch in self.channels]
-        print(json.dumps({"command": self.commands.getsockopt_string(zmq.LAST_ENDPOINT), "chunks": bound[0],
-                          "channels": bound}), flush=True)
+        print(
+            json.dumps(
+                {"command": self.commands.getsockopt_string(zmq.LAST_ENDPOINT), "chunks": bound[0], "channels": bound}
+            ),
+            flush=True,
+        )
 
     def serve_chunks(self) -> None:
         poller = zmq.Poller()
@@ -221,8 +280,14 @@ def digest_tokens(pool: HybridPool, req, below: int = 0) -> dict[str, str]:
         h = hashlib.sha256()
         for pl in pool.pools[c].storage.packed.placements:
             view = pool.layer_view(pl.segment.layer, pl.segment.part)
-            h.update(view[at[0].to(view.device), at[1].to(view.device)].cpu().contiguous().view(torch.uint8)
-                     .numpy().tobytes())
+            h.update(
+                view[at[0].to(view.device), at[1].to(view.device)]
+                .cpu()
+                .contiguous()
+                .view(torch.uint8)
+                .numpy()
+                .tobytes()
+            )
         out[c.value] = h.hexdigest()
     return out
 
@@ -268,8 +333,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
     ap.add_argument("--chunks", default="tcp://127.0.0.1:*", help="chunk channel (PAIR) to bind")
     ap.add_argument("--chunk-channels", type=int, default=1, help="chunk channels to bind: one per sender process")
-    ap.add_argument("--torch-threads", type=int, default=1,
-                    help="torch intra-op threads (1: gather/scatter copies leave the transport's threads a core)")
+    ap.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: gather/scatter copies leave the transport's threads a core)",
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     PeerServer(args).run()

@@ -26,7 +26,7 @@ def reap(proc: subprocess.Popen, sig: int = signal.SIGTERM, wait_s: float = 30.0
                 pass
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)   # it, if it hung, and anything it left behind
+            os.killpg(proc.pid, signal.SIGKILL)  # it, if it hung, and anything it left behind
         proc.wait()
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:

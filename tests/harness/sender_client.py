@@ -19,13 +19,51 @@ from transfer.errors import TransferError
 
 
 class SenderProcess:
-    def __init__(self, preset: str, page_size: int, num_tokens: int, tp: tuple[int, int], *, layout: str = "page_major",
-                 seed: int = 0, room: int = 11, mode: str = "auto", staging_slots: int = 4, device: str = "cpu",
-                 transport: str = "mooncake", env: dict | None = None):
-        cmd = [sys.executable, "-m", "harness.sender_server", "--preset", preset, "--page-size", str(page_size),
-               "--layout", layout, "--tp", str(tp[0]), "--rank", str(tp[1]), "--num-tokens", str(num_tokens),
-               "--seed", str(seed), "--room", str(room), "--mode", mode, "--staging-slots", str(staging_slots),
-               "--device", device, "--transport", transport]
+    def __init__(
+        self,
+        preset: str,
+        page_size: int,
+        num_tokens: int,
+        tp: tuple[int, int],
+        *,
+        layout: str = "page_major",
+        seed: int = 0,
+        room: int = 11,
+        mode: str = "auto",
+        staging_slots: int = 4,
+        device: str = "cpu",
+        transport: str = "mooncake",
+        env: dict | None = None,
+    ):
+        cmd = [
+            sys.executable,
+            "-m",
+            "harness.sender_server",
+            "--preset",
+            preset,
+            "--page-size",
+            str(page_size),
+            "--layout",
+            layout,
+            "--tp",
+            str(tp[0]),
+            "--rank",
+            str(tp[1]),
+            "--num-tokens",
+            str(num_tokens),
+            "--seed",
+            str(seed),
+            "--room",
+            str(room),
+            "--mode",
+            mode,
+            "--staging-slots",
+            str(staging_slots),
+            "--device",
+            device,
+            "--transport",
+            transport,
+        ]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
         self.proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)

@@ -41,9 +41,18 @@ class SenderCore:
     def __init__(self, args: argparse.Namespace):
         [self.transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
         model = get_preset(args.preset)
-        self.pool = HybridPool(PoolConfig(model, args.page_size, max_tokens=int(args.num_tokens * 2.5), max_requests=2,
-                                          layout=Layout(args.layout), tp_size=args.tp, tp_rank=args.rank,
-                                          device=args.device))
+        self.pool = HybridPool(
+            PoolConfig(
+                model,
+                args.page_size,
+                max_tokens=int(args.num_tokens * 2.5),
+                max_requests=2,
+                layout=Layout(args.layout),
+                tp_size=args.tp,
+                tp_rank=args.rank,
+                device=args.device,
+            )
+        )
         self.req = self.pool.alloc_request(args.num_tokens)
         ids = np.random.default_rng(args.seed).integers(0, 50000, args.num_tokens)
         StandInEngine().prefill(self.pool, self.req, ids, args.room)
@@ -70,10 +79,16 @@ class SenderCore:
             try:
                 peer, channel = self.links[s.key]
                 dst = IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in s.arrays.items()})
-                reports[i] = self.sender.send(peer, self.pool.index_set(self.req), dst,
-                                              RemoteSlots(s.transfer_id, s.slots, channel), num_tokens=self.num_tokens)
-            except BaseException as exc:   # raised below, on the command thread
+                reports[i] = self.sender.send(
+                    peer,
+                    self.pool.index_set(self.req),
+                    dst,
+                    RemoteSlots(s.transfer_id, s.slots, channel),
+                    num_tokens=self.num_tokens,
+                )
+            except BaseException as exc:  # raised below, on the command thread
                 errors.append(exc)
+
         threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(cmd.sends)]
         for t in threads:
             t.start()

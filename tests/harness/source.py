@@ -16,16 +16,32 @@ def device_for(peer) -> str:
     return "cpu" if isinstance(peer, LocalPeer) else DEVICE
 
 
-def source_pool(peer, preset: str, page: int, layout: Layout, tokens: int = 2048, fragment: bool = True,
-                peer_page: int | None = None) -> HybridPool:
+def source_pool(
+    peer,
+    preset: str,
+    page: int,
+    layout: Layout,
+    tokens: int = 2048,
+    fragment: bool = True,
+    peer_page: int | None = None,
+) -> HybridPool:
     """Reconfigure `peer` (pages of `peer_page`, default `page`) and return a matching sender
     pool of random bytes."""
-    peer.configure(preset, peer_page or page, tokens, layout=layout.value, max_requests=4,
-                   staging_slots=4, staging_slot_mib=1, device=device_for(peer))
-    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout,
-                                 device=device_for(peer)))
+    peer.configure(
+        preset,
+        peer_page or page,
+        tokens,
+        layout=layout.value,
+        max_requests=4,
+        staging_slots=4,
+        staging_slot_mib=1,
+        device=device_for(peer),
+    )
+    pool = HybridPool(
+        PoolConfig(get_preset(preset), page, max_tokens=tokens, max_requests=4, layout=layout, device=device_for(peer))
+    )
     if fragment:
-        np.random.default_rng(0).shuffle(pool.pages._stack[:pool.pages.num_free])
+        np.random.default_rng(0).shuffle(pool.pages._stack[: pool.pages.num_free])
         peer.fragment(1)
     for p in pool.pools.values():
         for b in p.storage.buffers:

@@ -14,6 +14,7 @@ from transfer.transports import Offer
 # ---- command socket: client -> server ------------------------------------------------------
 class Configure(msgspec.Struct, tag=True, frozen=True):
     """(Re)build the server's pool and receiver; drops every request of the old pool."""
+
     preset: str
     page_size: int
     tokens: int
@@ -44,12 +45,13 @@ class Expect(msgspec.Struct, tag=True, frozen=True):
     transfer_id: int
     req: int
     want_slots: int = 0
-    sender: tuple[int, int, int] | None = None   # its (page size, TP size, TP rank); None: ours
-    prefix_len: int = 0      # positions the request holds already: a staged piece below them is refused
+    sender: tuple[int, int, int] | None = None  # its (page size, TP size, TP rank); None: ours
+    prefix_len: int = 0  # positions the request holds already: a staged piece below them is refused
 
 
 class Verify(msgspec.Struct, tag=True, frozen=True):
     """Check a request against what the stand-in engine writes for `tokens` (int64 raw) in room `room`."""
+
     req: int
     tokens: bytes
     room: int
@@ -59,6 +61,7 @@ class Fill(msgspec.Struct, tag=True, frozen=True):
     """Write positions [0, upto) of a request's paged components as a decode that cached that
     prefix holds them: the stand-in's bytes for `tokens` (int64 raw), or with `garbage`,
     random bytes (seeded by `room`) that a suffix transfer must leave as they are."""
+
     req: int
     tokens: bytes
     room: int
@@ -72,9 +75,9 @@ class Release(msgspec.Struct, tag=True, frozen=True):
 
 class Digest(msgspec.Struct, tag=True, frozen=True):
     req: int
-    outside: bool = False   # also hash every item the request does not hold (slow on big pools)
+    outside: bool = False  # also hash every item the request does not hold (slow on big pools)
     by_token: bool = False  # paged components per token position, not per page (page sizes differ)
-    below: int = 0          # > 0: only paged components' positions [0, below) (a prefix held)
+    below: int = 0  # > 0: only paged components' positions [0, below) (a prefix held)
 
 
 class Free(msgspec.Struct, tag=True, frozen=True):
@@ -95,6 +98,7 @@ Command = Configure | Hello | Alloc | Fragment | Expect | Release | Digest | Fre
 # ---- command socket: server -> client ------------------------------------------------------
 class Target(msgspec.Struct, tag=True, frozen=True):
     """What a sender needs to connect to the server's pool."""
+
     offers: list[Offer]
     buffers: list[Buffer]
     staging: StagingInfo
@@ -105,7 +109,7 @@ class Target(msgspec.Struct, tag=True, frozen=True):
 
 class Allocated(msgspec.Struct, tag=True, frozen=True):
     id: int
-    arrays: dict[str, bytes]   # raw int32
+    arrays: dict[str, bytes]  # raw int32
 
 
 class Digests(msgspec.Struct, tag=True, frozen=True):
@@ -136,25 +140,27 @@ Chunks = ChunkLanded | ChunkDone
 # ---- sender server (harness.sender_server): client -> server, server -> client -------------
 class Link(msgspec.Struct, tag=True, frozen=True):
     """Connect to a receiver (its Target), with a chunk channel of its own (`chunks`)."""
+
     key: int
     target: Target
     chunks: str
 
 
 class SendTo(msgspec.Struct, frozen=True):
-    key: int                    # a Link's
+    key: int  # a Link's
     transfer_id: int
-    arrays: dict[str, bytes]    # the receiver's indices (raw int32), as Allocated
-    slots: list[int]            # its staging slots leased to this transfer
+    arrays: dict[str, bytes]  # the receiver's indices (raw int32), as Allocated
+    slots: list[int]  # its staging slots leased to this transfer
 
 
 class Send(msgspec.Struct, tag=True, frozen=True):
     """Send the prefilled request to every receiver named, all at once (a thread each)."""
+
     sends: list[SendTo]
 
 
 class Sent(msgspec.Struct, tag=True, frozen=True):
-    reports: list[TransferReport]   # one per SendTo, in order
+    reports: list[TransferReport]  # one per SendTo, in order
 
 
 SenderCommand = Link | Send | Stop

@@ -18,7 +18,7 @@ from disagg.tools.launcher import Launcher
 pytestmark = pytest.mark.slow
 
 VOCAB = 512
-STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode page size, check rate)
+STACKS = {  # id: (preset, prefill TP, decode TP, prefill page size, decode page size, check rate)
     "gpt-oss TP 1, unread SWA byte, check-rate 1": ("tiny-model-gpt-oss", 1, 1, None, None, "1"),
     "qwen3-next TP 2 -> 1, state byte, check-rate 0": ("tiny-model-qwen3-next", 2, 1, None, None, "0"),
     "gpt-oss pages 4 -> 16, unread SWA byte, check-rate 0": ("tiny-model-gpt-oss", 1, 1, 4, 16, "0"),
@@ -38,16 +38,25 @@ def call(url: str, body: dict) -> tuple[int, dict]:
 @pytest.fixture(scope="module", params=list(STACKS))
 def stack(request):
     preset, n, m, p_page, d_page, rate = STACKS[request.param]
-    common = ["--preset", preset, "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
-              "--max-requests", "4"]
-    page = lambda size: ["--page-size", str(size)] if size else []   # noqa: E731
+    common = ["--preset", preset, "--engine", "model", "--device", "cpu", "--max-tokens", "1024", "--max-requests", "4"]
+    page = lambda size: ["--page-size", str(size)] if size else []  # noqa: E731
     with Launcher() as launcher:
         prefill = launcher.start_instance("prefill", n, *common, *page(p_page), "--bootstrap-bind", "tcp://127.0.0.1:*")
-        decode = launcher.start_instance("decode", m, *common, *page(d_page), "--bootstrap-addr",
-                                         prefill[0]["bootstrap"], "--check-rate", rate,
-                                         "--inject-faults", "decode.flip=1")
-        router = launcher.start("router", "--vocab-size", str(VOCAB),
-                                "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+        decode = launcher.start_instance(
+            "decode",
+            m,
+            *common,
+            *page(d_page),
+            "--bootstrap-addr",
+            prefill[0]["bootstrap"],
+            "--check-rate",
+            rate,
+            "--inject-faults",
+            "decode.flip=1",
+        )
+        router = launcher.start(
+            "router", "--vocab-size", str(VOCAB), "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}"
+        )
         yield {"router": router["http"], "where": WHERE[preset]}
 
 

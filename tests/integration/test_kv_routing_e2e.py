@@ -30,8 +30,12 @@ SERVED = "disagg_requests_total"
 def figure(http: str, name: str) -> float:
     with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == name and s.labels.get("outcome", "success") == "success")
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == name and s.labels.get("outcome", "success") == "success"
+    )
 
 
 class Conversation:
@@ -91,13 +95,25 @@ def wait_for(condition, deadline_s: float, what: str) -> None:
     while not condition():
         if time.monotonic() > end:
             raise AssertionError(f"not within {deadline_s} s: {what}")
-        threading.Event().wait(0.05)   # polling a condition with a deadline, not a sleep as a sync
+        threading.Event().wait(0.05)  # polling a condition with a deadline, not a sleep as a sync
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    common = ["--preset", "tiny-hybrid", "--device", "cpu", "--page-size", "4", "--max-requests", "8",
-              "--staging-slot-mib", "1", "--max-tokens", "8192"]
+    common = [
+        "--preset",
+        "tiny-hybrid",
+        "--device",
+        "cpu",
+        "--page-size",
+        "4",
+        "--max-requests",
+        "8",
+        "--staging-slot-mib",
+        "1",
+        "--max-tokens",
+        "8192",
+    ]
     with Launcher() as launcher:
         prefills = [launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*") for _ in range(2)]
         boots = [a for i, p in enumerate(prefills) for a in ("--bootstrap-addr", f"p{i}={p['bootstrap']}")]
@@ -105,40 +121,45 @@ def stack(tmp_path_factory):
         pairs = [f"{p['http']},{d['http']},p{i}" for i, p in enumerate(prefills) for d in decodes]
         path = str(tmp_path_factory.mktemp("kvroute") / "pairs")
         write(path, pairs)
-        routers = {route: launcher.start("router", "--pairs-file", path, "--route", route)["http"]
-                   for route in ("kv", "round-robin")}
+        routers = {
+            route: launcher.start("router", "--pairs-file", path, "--route", route)["http"]
+            for route in ("kv", "round-robin")
+        }
         yield {"decodes": [d["http"] for d in decodes], "routers": routers, "pairs": pairs, "path": path}
 
 
 def test_kv_routing_hits_the_cache_far_more_than_round_robin(stack):
     decodes, routers = stack["decodes"], stack["routers"]
     rr = hit_rate(decodes, lambda: interleaved(routers["round-robin"], seed=1))
-    kv = hit_rate(decodes, lambda: interleaved(routers["kv"], seed=2))   # its own system prompt: nothing shared
+    kv = hit_rate(decodes, lambda: interleaved(routers["kv"], seed=2))  # its own system prompt: nothing shared
     rr4 = hit_rate(decodes, lambda: concurrent(routers["round-robin"], seed=3))
     kv4 = hit_rate(decodes, lambda: concurrent(routers["kv"], seed=4))
-    print(f"\nhit rate (decode's prefix-cache hit tokens / prompt tokens): one at a time: kv {kv:.3f}, round robin "
-          f"{rr:.3f}; four at a time: kv {kv4:.3f}, round robin {rr4:.3f}")
+    print(
+        f"\nhit rate (decode's prefix-cache hit tokens / prompt tokens): one at a time: kv {kv:.3f}, round robin "
+        f"{rr:.3f}; four at a time: kv {kv4:.3f}, round robin {rr4:.3f}"
+    )
     # (the most a turn can hit is the history before it: about 0.6 of the prompts here)
     assert kv > 0.55 and kv > rr + 0.15, (kv, rr)
-    assert kv4 > rr4, (kv4, rr4)   # under load too (what is in flight counts against its pair)
+    assert kv4 > rr4, (kv4, rr4)  # under load too (what is in flight counts against its pair)
 
 
 def test_a_decode_taken_out_is_routed_around_and_used_again_once_back(stack):
     router, path, pairs = stack["routers"]["kv"], stack["path"], stack["pairs"]
     d0, d1 = stack["decodes"]
-    write(path, [p for p in pairs if d1 not in p])                 # d1's two pairs leave
+    write(path, [p for p in pairs if d1 not in p])  # d1's two pairs leave
     wait_for(lambda: all(d1 not in p["decode"] for p in _ready(router)), 20, "the router dropped d1's pairs")
     served = figure(d1, SERVED)
     concurrent(router, seed=5, n=4, turns=2)
-    assert figure(d1, SERVED) == served                            # routed around
-    write(path, pairs)                                             # back
+    assert figure(d1, SERVED) == served  # routed around
+    write(path, pairs)  # back
     wait_for(lambda: sum(p["up"] for p in _ready(router)) == 4, 20, "the router serves all four pairs")
-    concurrent(router, seed=6, n=6, turns=2)                       # new conversations spread again
+    concurrent(router, seed=6, n=6, turns=2)  # new conversations spread again
     assert figure(d1, SERVED) > served
 
 
 def _ready(router: str) -> list[dict]:
     import json
+
     with urllib.request.urlopen(router + "/ready", timeout=10) as resp:
         return json.loads(resp.read())["pairs"]
 
@@ -149,17 +170,29 @@ def test_a_tp_decode_of_other_pages_is_looked_up_rank_by_rank():
     and every turn of a conversation goes back to the decode that holds its history, where
     each rank counts the hit."""
     from disagg.tools.demo import urls
-    common = ["--preset", "tiny-swa", "--device", "cpu", "--max-requests", "8", "--staging-slot-mib", "1",
-              "--max-tokens", "4096"]
+
+    common = [
+        "--preset",
+        "tiny-swa",
+        "--device",
+        "cpu",
+        "--max-requests",
+        "8",
+        "--staging-slot-mib",
+        "1",
+        "--max-tokens",
+        "4096",
+    ]
     with Launcher() as launcher:
         prefill = launcher.start("prefill", *common, "--page-size", "4", "--bootstrap-bind", "tcp://127.0.0.1:*")
         boot = prefill["bootstrap"]
         a = launcher.start_instance("decode", 2, *common, "--page-size", "16", "--bootstrap-addr", boot)
         b = launcher.start_instance("decode", 1, *common, "--page-size", "4", "--bootstrap-addr", boot)
-        router = launcher.start("router", "--pair", f"{prefill['http']},{urls(a)},{boot}",
-                                "--pair", f"{prefill['http']},{urls(b)},{boot}")["http"]
+        router = launcher.start(
+            "router", "--pair", f"{prefill['http']},{urls(a)},{boot}", "--pair", f"{prefill['http']},{urls(b)},{boot}"
+        )["http"]
         ranks, began = {0: [r["http"] for r in a], 1: [r["http"] for r in b]}, []
-        for seed in range(4):   # new conversations alternate; each stays where it began
+        for seed in range(4):  # new conversations alternate; each stays where it began
             talk = conversations(seed, 1)[0]
             went, hits = [], []
             for _ in range(3):
@@ -170,6 +203,6 @@ def test_a_tp_decode_of_other_pages_is_looked_up_rank_by_rank():
                 went.append(out["pair"])
                 hits.append([figure(h, HITS) - b0 for h, b0 in zip(ranks[out["pair"]], before[out["pair"]])])
             assert len(set(went)) == 1, went
-            assert all(h > 0 for turn in hits[1:] for h in turn), hits   # every rank of it took the history
+            assert all(h > 0 for turn in hits[1:] for h in turn), hits  # every rank of it took the history
             began.append(went[0])
         assert began == [0, 1, 0, 1]

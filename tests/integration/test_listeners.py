@@ -19,13 +19,13 @@ from disagg.tools.launcher import Launcher
 pytestmark = pytest.mark.slow
 
 COMMON = ["--preset", "tiny-full", "--device", "cpu", "--max-tokens", "1024", "--max-requests", "2"]
-LISTEN = "0A"   # TCP_LISTEN in /proc/net/tcp
+LISTEN = "0A"  # TCP_LISTEN in /proc/net/tcp
 
 
 def _address(hex_addr: str) -> str:
     """/proc/net/tcp's address (host byte order per 32-bit word) as text."""
     raw = bytes.fromhex(hex_addr)
-    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i:i + 4])[0]) for i in range(0, len(raw), 4))
+    words = b"".join(struct.pack("<I", struct.unpack(">I", raw[i : i + 4])[0]) for i in range(0, len(raw), 4))
     return str(ipaddress.ip_address(words))
 
 
@@ -36,7 +36,7 @@ def listeners(pid: int) -> set[tuple[str, int]]:
         try:
             target = os.readlink(fd)
         except OSError:
-            continue   # closed meanwhile
+            continue  # closed meanwhile
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = set()
@@ -58,12 +58,18 @@ def test_the_listeners_of_every_process_are_on_the_chosen_host():
     with Launcher() as launcher:
         boot = launcher.start("bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:*")
         prefill = launcher.start("prefill", *COMMON, "--host", "127.0.0.1", "--bootstrap-bind", "tcp://127.0.0.1:*")
-        ranked = launcher.start("prefill", *COMMON, "--host", "127.0.0.1", "--bootstrap-bind", "none",
-                                "--bootstrap-addr", boot["bootstrap"])
+        ranked = launcher.start(
+            "prefill", *COMMON, "--host", "127.0.0.1", "--bootstrap-bind", "none", "--bootstrap-addr", boot["bootstrap"]
+        )
         decode = launcher.start("decode", *COMMON, "--host", "127.0.0.1", "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
-        ours = {"bootstrap": (boot, 0), "prefill": (prefill, 2), "prefill with an external bootstrap": (ranked, 2),
-                "decode": (decode, 2), "router": (router, 0)}
+        ours = {
+            "bootstrap": (boot, 0),
+            "prefill": (prefill, 2),
+            "prefill with an external bootstrap": (ranked, 2),
+            "decode": (decode, 2),
+            "router": (router, 0),
+        }
         for name, (ready, mooncake) in ours.items():
             found = listeners(ready["pid"])
             wild = {l for l in found if _wildcard(l[0])}

@@ -46,16 +46,33 @@ def test_a_pair_of_different_models_is_down_before_any_request(eventually, tmp_p
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
     log = (tmp_path / "prefill.log").open("w")
     pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-    prefill = spawn([DISAGG, "prefill", "--preset", "tiny-hybrid", *COMMON, "--bootstrap-bind",
-                     "tcp://127.0.0.1:0"], **{**pipes, "stderr": log})
+    prefill = spawn(
+        [DISAGG, "prefill", "--preset", "tiny-hybrid", *COMMON, "--bootstrap-bind", "tcp://127.0.0.1:0"],
+        **{**pipes, "stderr": log},
+    )
     decode = router = None
     try:
         p = _ready_line(prefill)
         decode_url = f"http://127.0.0.1:{_free_port()}"
-        decode = spawn([DISAGG, "decode", "--preset", "tiny-mamba", *COMMON, "--bootstrap-addr", p["bootstrap"],
-                        "--http-port", decode_url.rsplit(":", 1)[1]], **pipes)
-        eventually(lambda: "layout mismatch" in _get(decode_url + "/ready")[1].get("why", ""), 60,
-                   "decode unready with the layout difference")
+        decode = spawn(
+            [
+                DISAGG,
+                "decode",
+                "--preset",
+                "tiny-mamba",
+                *COMMON,
+                "--bootstrap-addr",
+                p["bootstrap"],
+                "--http-port",
+                decode_url.rsplit(":", 1)[1],
+            ],
+            **pipes,
+        )
+        eventually(
+            lambda: "layout mismatch" in _get(decode_url + "/ready")[1].get("why", ""),
+            60,
+            "decode unready with the layout difference",
+        )
         status, ready = _get(decode_url + "/ready")
         assert status == 503 and "tiny-hybrid vs decode tiny-mamba" in ready["why"], ready
         router = spawn([DISAGG, "router", "--pair", f"{p['http']},{decode_url},{p['bootstrap']}"], **pipes)
@@ -76,5 +93,6 @@ def test_a_pair_of_different_models_is_down_before_any_request(eventually, tmp_p
                 reap(proc)
         log.close()
     logged = (tmp_path / "prefill.log").read_text()
-    assert "WARNING refused a decode's registration: layout mismatch: prefill tiny-hybrid vs decode tiny-mamba" \
-        in logged, logged[-3000:]
+    assert (
+        "WARNING refused a decode's registration: layout mismatch: prefill tiny-hybrid vs decode tiny-mamba" in logged
+    ), logged[-3000:]

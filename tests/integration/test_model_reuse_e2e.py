@@ -19,9 +19,9 @@ from disagg.tools.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 
-CHUNK = 8        # the tiny families' prefill passes (engine/model/reuse.py)
+CHUNK = 8  # the tiny families' prefill passes (engine/model/reuse.py)
 VOCAB = 512
-STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode page size)
+STACKS = {  # id: (preset, prefill TP, decode TP, prefill page size, decode page size)
     "gpt-oss": ("tiny-model-gpt-oss", 1, 1, 4, 4),
     "qwen3-next": ("tiny-model-qwen3-next", 1, 1, 4, 4),
     "nemotron-h": ("tiny-model-nemotron-h", 1, 1, 4, 4),
@@ -37,14 +37,37 @@ def _health(http: str) -> dict:
 
 
 def launch(launcher: Launcher, preset: str, n: int, m: int, p_page: int, d_page: int) -> dict:
-    common = ["--preset", preset, "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
-              "--max-requests", "4", "--staging-slot-mib", "1"]
-    prefill = launcher.start_instance("prefill", n, *common, "--page-size", str(p_page),
-                                      "--bootstrap-bind", "tcp://127.0.0.1:*")
-    decode = launcher.start_instance("decode", m, *common, "--page-size", str(d_page), "--check-rate", "1",
-                                     "--bootstrap-addr", prefill[0]["bootstrap"])
-    router = launcher.start("router", "--vocab-size", str(VOCAB),
-                            "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+    common = [
+        "--preset",
+        preset,
+        "--engine",
+        "model",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "1024",
+        "--max-requests",
+        "4",
+        "--staging-slot-mib",
+        "1",
+    ]
+    prefill = launcher.start_instance(
+        "prefill", n, *common, "--page-size", str(p_page), "--bootstrap-bind", "tcp://127.0.0.1:*"
+    )
+    decode = launcher.start_instance(
+        "decode",
+        m,
+        *common,
+        "--page-size",
+        str(d_page),
+        "--check-rate",
+        "1",
+        "--bootstrap-addr",
+        prefill[0]["bootstrap"],
+    )
+    router = launcher.start(
+        "router", "--vocab-size", str(VOCAB), "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}"
+    )
     return {"decode": [r["http"] for r in decode], "router": router["http"], "page": d_page}
 
 

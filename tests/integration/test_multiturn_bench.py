@@ -19,22 +19,48 @@ pytestmark = pytest.mark.slow
 
 DISAGG = str(Path(sys.executable).with_name("disagg"))
 PAGE, SYSTEM, USER, ANSWER = 4, 64, 40, 5
-WORKLOAD = ["--workload", "multiturn", "--conversations", "2", "--turns", "3", "--system-prompt-len", str(SYSTEM),
-            "--user-len", str(USER), "--max-new-tokens", str(ANSWER), "--no-progress"]
+WORKLOAD = [
+    "--workload",
+    "multiturn",
+    "--conversations",
+    "2",
+    "--turns",
+    "3",
+    "--system-prompt-len",
+    str(SYSTEM),
+    "--user-len",
+    str(USER),
+    "--max-new-tokens",
+    str(ANSWER),
+    "--no-progress",
+]
 
 
 @pytest.fixture(scope="module")
 def routers():
     """Router URLs: reuse on, reuse off (the same prefill behind both)."""
-    common = ["--preset", "tiny-hybrid", "--device", "cpu", "--max-requests", "8", "--max-tokens", "4096",
-              "--page-size", str(PAGE), "--staging-slot-mib", "1"]
+    common = [
+        "--preset",
+        "tiny-hybrid",
+        "--device",
+        "cpu",
+        "--max-requests",
+        "8",
+        "--max-tokens",
+        "4096",
+        "--page-size",
+        str(PAGE),
+        "--staging-slot-mib",
+        "1",
+    ]
     with Launcher() as launcher:
         prefill = launcher.start_instance("prefill", 1, *common, "--bootstrap-bind", "tcp://127.0.0.1:*")
         out = []
         for cache in ("--prefix-cache", "--no-prefix-cache"):
             decode = launcher.start_instance("decode", 1, *common, cache, "--bootstrap-addr", prefill[0]["bootstrap"])
-            out.append(launcher.start("router", "--pair",
-                                      f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")["http"])
+            out.append(
+                launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")["http"]
+            )
         yield out
 
 
@@ -47,27 +73,40 @@ def test_later_turns_move_only_what_decode_lacks_with_reuse_on_and_everything_wi
     done = bench("--router", on_url, "--compare-router", off_url, "--concurrency", "1", "--json", *WORKLOAD)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     out = json.loads(done.stdout)
-    assert out["workload"] == {"conversations": 2, "turns": 3, "system_prompt_tokens": SYSTEM,
-                               "user_tokens": str(USER), "answer_tokens": ANSWER, "seed": 0}
+    assert out["workload"] == {
+        "conversations": 2,
+        "turns": 3,
+        "system_prompt_tokens": SYSTEM,
+        "user_tokens": str(USER),
+        "answer_tokens": ANSWER,
+        "seed": 0,
+    }
     on, off = out["runs"]["reuse_on"], out["runs"]["reuse_off"]
     for run in (on, off):
         assert run["requests"] == run["verified"] == 6 and run["failed"] == 0
-        assert {"hit_rate", "bytes_per_request", "reused_bytes_per_request", "transfer_ms", "ttft_ms",
-                "per_turn", "per_request"} <= set(run)
+        assert {
+            "hit_rate",
+            "bytes_per_request",
+            "reused_bytes_per_request",
+            "transfer_ms",
+            "ttft_ms",
+            "per_turn",
+            "per_request",
+        } <= set(run)
         assert {"p50", "p90", "mean"} == set(run["ttft_ms"]) == set(run["transfer_ms"])
         assert [t["turn"] for t in run["per_turn"]] == [1, 2, 3]
     pairs = list(zip(on["per_request"], off["per_request"], strict=True))
-    for a, b in pairs:   # the same conversations went through both (the stand-in answers alike)
+    for a, b in pairs:  # the same conversations went through both (the stand-in answers alike)
         assert (a["conversation"], a["turn"], a["prompt_tokens"]) == (b["conversation"], b["turn"], b["prompt_tokens"])
         assert b["prefix_tokens"] == b["reused_bytes"] == 0 and b["hit_rate"] == 0
-        assert a["bytes"] + a["reused_bytes"] == b["bytes"], (a, b)   # what did not move is the difference
+        assert a["bytes"] + a["reused_bytes"] == b["bytes"], (a, b)  # what did not move is the difference
         assert {"ttft_ms", "transfer_ms", "hit_rate"} <= set(a) and a["ttft_ms"] > 0
-    first, second = pairs[0][0], pairs[1][0]   # conversation 0, turns 1 and 2
+    first, second = pairs[0][0], pairs[1][0]  # conversation 0, turns 1 and 2
     assert first["prefix_tokens"] == 0
-    assert second["prefix_tokens"] == (first["prompt_tokens"] + ANSWER - 1) // PAGE * PAGE   # turn 1's pages
-    assert second["bytes"] < pairs[1][1]["bytes"] / 2   # (the GDN state and AUX row still move whole)
+    assert second["prefix_tokens"] == (first["prompt_tokens"] + ANSWER - 1) // PAGE * PAGE  # turn 1's pages
+    assert second["bytes"] < pairs[1][1]["bytes"] / 2  # (the GDN state and AUX row still move whole)
     other = next(a for a, _ in pairs if a["conversation"] == 1 and a["turn"] == 1)
-    assert other["prefix_tokens"] == SYSTEM          # the shared system prompt, from conversation 0
+    assert other["prefix_tokens"] == SYSTEM  # the shared system prompt, from conversation 0
     assert off["hit_rate"] == 0 < on["hit_rate"] and out["reuse_on_vs_off"]["bytes_fewer_x"] > 2
 
 
@@ -84,8 +123,12 @@ def test_the_table_puts_reuse_on_and_off_side_by_side(routers):
 
 
 def test_the_demo_runs_it_through_two_stacks_of_its_own():
-    done = subprocess.run([DISAGG, "demo", "--max-tokens", "4096", "--page-size", str(PAGE), "--json",
-                           "--concurrency", "2", *WORKLOAD], capture_output=True, text=True, timeout=240)
+    done = subprocess.run(
+        [DISAGG, "demo", "--max-tokens", "4096", "--page-size", str(PAGE), "--json", "--concurrency", "2", *WORKLOAD],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     out = json.loads(done.stdout)
     assert set(out["runs"]) == {"reuse_on", "reuse_off"} and out["workload"]["preset"] == "tiny-hybrid"

@@ -20,7 +20,7 @@ from disagg.tools.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 
-STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode page size)
+STACKS = {  # id: (preset, prefill TP, decode TP, prefill page size, decode page size)
     "hybrid 1->1, pages 4": ("tiny-hybrid", 1, 1, 4, 4),
     "gpt-oss-like 1->2, pages 4->16": ("tiny-swa", 1, 2, 4, 16),
 }
@@ -32,21 +32,34 @@ def _get(url: str) -> str:
 
 
 def figure(http: str, name: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(_get(http + "/metrics"))
-               for s in f.samples if s.name == name)
+    return sum(
+        s.value for f in text_string_to_metric_families(_get(http + "/metrics")) for s in f.samples if s.name == name
+    )
 
 
 def generate(router: str, tokens: list[int], new: int = 5) -> dict:
     return post_json(router + "/generate", {"token_ids": tokens, "max_new_tokens": new}, 60)
 
 
-def launch(launcher: Launcher, preset: str, n: int, m: int, p_page: int, d_page: int, prefill_more=(),
-           decode_more=()) -> dict:
+def launch(
+    launcher: Launcher, preset: str, n: int, m: int, p_page: int, d_page: int, prefill_more=(), decode_more=()
+) -> dict:
     common = ["--preset", preset, "--device", "cpu", "--max-requests", "8", "--staging-slot-mib", "1"]
-    prefill = launcher.start_instance("prefill", n, *common, "--max-tokens", "4096", "--page-size", str(p_page),
-                                      "--bootstrap-bind", "tcp://127.0.0.1:*", *prefill_more)
-    decode = launcher.start_instance("decode", m, *common, "--page-size", str(d_page), "--bootstrap-addr",
-                                     prefill[0]["bootstrap"], *decode_more)
+    prefill = launcher.start_instance(
+        "prefill",
+        n,
+        *common,
+        "--max-tokens",
+        "4096",
+        "--page-size",
+        str(p_page),
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:*",
+        *prefill_more,
+    )
+    decode = launcher.start_instance(
+        "decode", m, *common, "--page-size", str(d_page), "--bootstrap-addr", prefill[0]["bootstrap"], *decode_more
+    )
     router = launcher.start("router", "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
     return {"prefill": prefill, "decode": decode, "router": router["http"], "page": d_page}
 
@@ -69,20 +82,20 @@ def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     hits_before = sum(figure(h, "disagg_prefix_cache_hit_tokens_total") for h in ranks)
     queried_before = sum(figure(h, "disagg_prefix_cache_queried_tokens_total") for h in ranks)
     two = generate(router, second)
-    fresh = generate(router, [rng.randrange(50000) for _ in range(len(second))])   # the same length, no hit
-    assert two["ok"] and two["verified"], two.get("reason")    # the stand-in checked every byte, prefix too
+    fresh = generate(router, [rng.randrange(50000) for _ in range(len(second))])  # the same length, no hit
+    assert two["ok"] and two["verified"], two.get("reason")  # the stand-in checked every byte, prefix too
     assert fresh["ok"] and fresh["verified"], fresh.get("reason")
-    held = (203 + 4) // page * page                           # turn one's whole pages (prompt + 4 generated)
+    held = (203 + 4) // page * page  # turn one's whole pages (prompt + 4 generated)
     hits = sum(figure(h, "disagg_prefix_cache_hit_tokens_total") for h in ranks) - hits_before
     assert hits == held * len(ranks)
     queried = sum(figure(h, "disagg_prefix_cache_queried_tokens_total") for h in ranks) - queried_before
-    assert queried == 2 * len(second) * len(ranks)    # the second turn and the fresh prompt, on every rank
+    assert queried == 2 * len(second) * len(ranks)  # the second turn and the fresh prompt, on every rank
     saved = sum(figure(h, "disagg_prefix_cache_saved_bytes_total") for h in ranks) - saved_before
     assert 0 < two["bytes"] < fresh["bytes"] / 3 and saved > 0
     # the router's answer says what decode reused: the positions every rank held, the bytes of all
     assert (two["prefix_tokens"], two["reused_bytes"]) == (held, saved)
     assert (fresh["prefix_tokens"], fresh["reused_bytes"]) == (0, 0)
-    if len(ranks) == 1 and page == 4:   # pages alike on both sides: what moved + what was reused = all
+    if len(ranks) == 1 and page == 4:  # pages alike on both sides: what moved + what was reused = all
         assert two["bytes"] + saved == fresh["bytes"]
 
 
@@ -100,8 +113,11 @@ def conversation(router: str, seed: int, turns: int, shared: list[int]) -> list[
     for _ in range(turns):
         r = generate(router, prompt, new=rng.randrange(1, 8))
         out.append(r)
-        prompt = prompt + (r["output_tokens"] if r["ok"] else []) + [rng.randrange(50000) for _ in range(
-            rng.randrange(3, 50))]
+        prompt = (
+            prompt
+            + (r["output_tokens"] if r["ok"] else [])
+            + [rng.randrange(50000) for _ in range(rng.randrange(3, 50))]
+        )
     return out
 
 
@@ -112,8 +128,16 @@ def test_a_full_cache_keeps_admitting_and_failed_transfers_leave_nothing(faults)
     pages if they had been cached (its byte check would fail)."""
     more = ["--inject-faults", faults, "--fault-seed", "3"] if faults else []
     with Launcher() as launcher:
-        s = launch(launcher, "tiny-hybrid", 1, 1, 4, 4, prefill_more=more,
-                   decode_more=["--max-tokens", "1024", "--queue-wait", "20"])
+        s = launch(
+            launcher,
+            "tiny-hybrid",
+            1,
+            1,
+            4,
+            4,
+            prefill_more=more,
+            decode_more=["--max-tokens", "1024", "--queue-wait", "20"],
+        )
         decode = s["decode"][0]["http"]
         start = metrics.pool_free(_get(decode + "/metrics"))
         shared = [7] * 64
@@ -127,6 +151,5 @@ def test_a_full_cache_keeps_admitting_and_failed_transfers_leave_nothing(faults)
         assert figure(decode, "disagg_prefix_cache_evicted_tokens_total") > 0
         assert figure(decode, "disagg_prefix_cache_hit_tokens_total") > 0
         cache = json.loads(_get(decode + "/health"))["prefix_cache"]
-        assert cache["unused_tokens"] == cache["cached_tokens"], cache       # no request holds any
-        assert metrics.pool_free(_get(decode + "/metrics")) == start         # nothing leaked
-
+        assert cache["unused_tokens"] == cache["cached_tokens"], cache  # no request holds any
+        assert metrics.pool_free(_get(decode + "/metrics")) == start  # nothing leaked

@@ -33,15 +33,16 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--preset", "tiny-hybrid", "--device", "cpu", "--max-requests", "8"]
-DECODE_TOKENS = 10000          # decode: two long generations fit, a 12000-token prompt never does
-LONG = {"prompt_len": 100, "max_new_tokens": 4096}   # tens of seconds of generation on decode
+DECODE_TOKENS = 10000  # decode: two long generations fit, a 12000-token prompt never does
+LONG = {"prompt_len": 100, "max_new_tokens": 4096}  # tens of seconds of generation on decode
 WALKED = (200, 400, 409, 499, 500, 502, 503, 504)
 
 
 def call(url: str, body: dict | bytes, method: str = "POST") -> tuple[int, dict, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    req = urllib.request.Request(url, data if method == "POST" else None, {"Content-Type": "application/json"},
-                                 method=method)
+    req = urllib.request.Request(
+        url, data if method == "POST" else None, {"Content-Type": "application/json"}, method=method
+    )
     try:
         with urllib.request.urlopen(req, timeout=60) as resp:
             return resp.status, json.loads(resp.read()), dict(resp.headers)
@@ -55,8 +56,13 @@ def scrape(http: str) -> str:
 
 
 def failures(http: str, reason: str) -> float:
-    return sum(s.value for f in text_string_to_metric_families(scrape(http)) if f.name == "disagg_failures"
-               for s in f.samples if s.name == "disagg_failures_total" and s.labels["reason"] == reason)
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(scrape(http))
+        if f.name == "disagg_failures"
+        for s in f.samples
+        if s.name == "disagg_failures_total" and s.labels["reason"] == reason
+    )
 
 
 class InFlight:
@@ -96,15 +102,23 @@ def prefill(launcher):
 
 def _pair(launcher, prefill: dict, *decode_flags: str, router_flags: tuple[str, ...] = ()) -> dict:
     decode = launcher.start("decode", *COMMON, "--bootstrap-addr", prefill["bootstrap"], *decode_flags)
-    router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}",
-                            *router_flags)
+    router = launcher.start(
+        "router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}", *router_flags
+    )
     return {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}
 
 
 @pytest.fixture(scope="module")
 def clean(launcher, prefill):
-    stack = _pair(launcher, prefill, "--max-tokens", str(DECODE_TOKENS), "--queue-wait", "0.5",
-                  router_flags=("--max-inflight", "2"))
+    stack = _pair(
+        launcher,
+        prefill,
+        "--max-tokens",
+        str(DECODE_TOKENS),
+        "--queue-wait",
+        "0.5",
+        router_flags=("--max-inflight", "2"),
+    )
     stack["initial"] = metrics.pool_free(scrape(stack["decode"]))
     return stack
 
@@ -120,10 +134,13 @@ def test_200_served(clean):
     assert status == 200 and body["ok"] and body["verified"] and len(body["output_tokens"]) == 4, body
 
 
-@pytest.mark.parametrize("request_body,says", [
-    ({"prompt_len": 0}, "prompt_len must be an int"),
-    ({"prompt_len": 12000}, "does not fit in this pool: the full pages hold"),   # decode's refusal, naming the part
-])
+@pytest.mark.parametrize(
+    "request_body,says",
+    [
+        ({"prompt_len": 0}, "prompt_len must be an int"),
+        ({"prompt_len": 12000}, "does not fit in this pool: the full pages hold"),  # decode's refusal, naming the part
+    ],
+)
 def test_400_for_what_the_caller_must_change(clean, request_body, says):
     status, body, _ = call(clean["router"] + "/generate", request_body)
     assert status == 400 and says in body["error"], body
@@ -134,8 +151,11 @@ def test_503_409_499_while_generations_run(clean, eventually):
     request_id (409) and a client that hangs up (499, counted on the router's /metrics)."""
     router = clean["router"]
     first = InFlight(router, {**LONG, "request_id": "long-1"})
-    eventually(lambda: metrics.inflight(scrape(clean["decode"])) == 1 and metrics.inflight(scrape(clean["prefill"]))
-               == 0, 30, "decode is generating the first long request")
+    eventually(
+        lambda: metrics.inflight(scrape(clean["decode"])) == 1 and metrics.inflight(scrape(clean["prefill"])) == 0,
+        30,
+        "decode is generating the first long request",
+    )
     status, body, headers = call(router + "/generate", {"prompt_len": 9950})
     assert status == 503 and "pool full" in body["error"] and headers["Retry-After"] == "1", body
     second = InFlight(router, {**LONG, "request_id": "long-2"})
@@ -179,8 +199,16 @@ def test_502_when_a_worker_failed_the_request(failing):
 
 @pytest.fixture(scope="module")
 def late(launcher):
-    prefill = launcher.start("prefill", *COMMON, "--max-tokens", "4096", "--bootstrap-bind", "tcp://127.0.0.1:*",
-                             "--inject-faults", "control.drop_done=1")
+    prefill = launcher.start(
+        "prefill",
+        *COMMON,
+        "--max-tokens",
+        "4096",
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:*",
+        "--inject-faults",
+        "control.drop_done=1",
+    )
     return _pair(launcher, prefill, "--max-tokens", "4096", "--transfer-timeout", "1")
 
 
@@ -203,7 +231,7 @@ def test_the_http_layers_own_statuses(clean):
     assert call(clean["router"] + "/generate", {}, method="GET")[0] == 405
     url = urllib.parse.urlsplit(clean["router"])
     conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
-    try:   # the length is refused before a byte of the body is read
+    try:  # the length is refused before a byte of the body is read
         conn.putrequest("POST", "/generate")
         conn.putheader("Content-Type", "application/json")
         conn.putheader("Content-Length", str(17 << 20))
@@ -215,8 +243,8 @@ def test_the_http_layers_own_statuses(clean):
 
 def test_the_docs_list_every_status():
     readme = ROOT.joinpath("README.md").read_text()
-    api = readme[readme.index("## The HTTP API"):]
-    api = api[:api.index("\n## ", 5)]
+    api = readme[readme.index("## The HTTP API") :]
+    api = api[: api.index("\n## ", 5)]
     contract = ROOT.joinpath("docs", "contract.md").read_text()
     for status in (*WALKED, 404, 405, 408, 413):
         assert re.search(rf"\b{status}\b", api), f"README's HTTP API section does not list {status}"
@@ -229,10 +257,28 @@ def checked(launcher):
     prefill flips one byte of every prompt's KV before it digests and sends it (a wrong
     computation, which the bytes' digest cannot tell), and whose decode compares every
     generation with a colocated run."""
-    model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
-             "--max-requests", "4"]
-    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
-                             "--inject-faults", "prefill.flip=1", "--stream-layers", "off")   # (streamed, a layer
+    model = [
+        "--preset",
+        "tiny-model-qwen3-next",
+        "--engine",
+        "model",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "1024",
+        "--max-requests",
+        "4",
+    ]
+    prefill = launcher.start(
+        "prefill",
+        *model,
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:*",
+        "--inject-faults",
+        "prefill.flip=1",
+        "--stream-layers",
+        "off",
+    )  # (streamed, a layer
     # may leave before the flip: then decode never sees it, and the check rightly passes)
     decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
@@ -254,13 +300,44 @@ def tp_checked(launcher):
     """A decode instance of TP size 2 behind a prefill of TP size 1 (model engine, every
     generation checked on every rank); prefill flips the last byte of the state it computed,
     which is in decode rank 1's units (the last state heads)."""
-    model = ["--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu", "--max-tokens", "1024",
-             "--max-requests", "4"]
-    prefill = launcher.start("prefill", *model, "--bootstrap-bind", "tcp://127.0.0.1:*",
-                             "--inject-faults", "prefill.flip=1", "--stream-layers", "off")   # (streamed, a layer
+    model = [
+        "--preset",
+        "tiny-model-qwen3-next",
+        "--engine",
+        "model",
+        "--device",
+        "cpu",
+        "--max-tokens",
+        "1024",
+        "--max-requests",
+        "4",
+    ]
+    prefill = launcher.start(
+        "prefill",
+        *model,
+        "--bootstrap-bind",
+        "tcp://127.0.0.1:*",
+        "--inject-faults",
+        "prefill.flip=1",
+        "--stream-layers",
+        "off",
+    )  # (streamed, a layer
     # may leave before the flip: then decode never sees it, and the check rightly passes)
-    ranks = [launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1",
-                            "--tp-size", "2", "--tp-rank", str(rank)) for rank in range(2)]
+    ranks = [
+        launcher.start(
+            "decode",
+            *model,
+            "--bootstrap-addr",
+            prefill["bootstrap"],
+            "--check-rate",
+            "1",
+            "--tp-size",
+            "2",
+            "--tp-rank",
+            str(rank),
+        )
+        for rank in range(2)
+    ]
     decode = "+".join(r["http"] for r in ranks)
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode},{prefill['bootstrap']}")
     return {"router": router["http"]}
@@ -329,8 +406,11 @@ def test_503_when_what_a_generation_will_need_is_promised_to_another(clean, even
     is free now but not beside that reservation waits --queue-wait, then 503."""
     eventually(lambda: _back(clean), 120, "decode idle before the test")
     long = InFlight(clean["router"], {**LONG, "request_id": "reserving"})
-    eventually(lambda: metrics.inflight(scrape(clean["decode"])) == 1 and metrics.inflight(scrape(clean["prefill"]))
-               == 0, 60, "decode is generating")
+    eventually(
+        lambda: metrics.inflight(scrape(clean["decode"])) == 1 and metrics.inflight(scrape(clean["prefill"])) == 0,
+        60,
+        "decode is generating",
+    )
     status, body, _ = call(clean["router"] + "/generate", {"prompt_len": DECODE_TOKENS - 4000})
     assert status == 503 and "pool full" in body["error"], body
     call(clean["router"] + "/abort", {"request_id": "reserving"})

@@ -13,23 +13,48 @@ from test_e2e import pool_free
 
 pytestmark = pytest.mark.slow
 
-LAYER_MS = 60   # tiny-hybrid has 6 layers: 360 ms of "compute" per prefill
+LAYER_MS = 60  # tiny-hybrid has 6 layers: 360 ms of "compute" per prefill
 
 
 @pytest.fixture(scope="module", params=[("page_major", "direct"), ("layer_major", "staged")], ids=str)
 def stack(request):
     layout, mode = request.param
-    common = ["--preset", "tiny-hybrid", "--max-tokens", "8192", "--device", "cpu", "--max-requests", "16",
-              "--staging-slot-mib", "1", "--layout", layout, "--transfer-mode", mode]
+    common = [
+        "--preset",
+        "tiny-hybrid",
+        "--max-tokens",
+        "8192",
+        "--device",
+        "cpu",
+        "--max-requests",
+        "16",
+        "--staging-slot-mib",
+        "1",
+        "--layout",
+        layout,
+        "--transfer-mode",
+        mode,
+    ]
     with Launcher() as launcher:
-        prefill = launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*",
-                                 "--simulate-layer-ms", str(LAYER_MS), "--stream-group-ms", "0.001",
-                                 "--stream-layers", "auto", "--stream-min-tokens", "1000")
+        prefill = launcher.start(
+            "prefill",
+            *common,
+            "--bootstrap-bind",
+            "tcp://127.0.0.1:*",
+            "--simulate-layer-ms",
+            str(LAYER_MS),
+            "--stream-group-ms",
+            "0.001",
+            "--stream-layers",
+            "auto",
+            "--stream-min-tokens",
+            "1000",
+        )
         decode = launcher.start("decode", *common, "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         url = router["http"] + "/generate"
         warm = post_json(url, {"prompt_len": 8, "max_new_tokens": 2, "stream_layers": "off"}, 60)
-        assert warm["ok"], warm["reason"]   # registration done: decode's TransferRequest comes at once now
+        assert warm["ok"], warm["reason"]  # registration done: decode's TransferRequest comes at once now
         yield {"prefill": prefill, "decode": decode, "url": url, "mode": mode}
 
 
@@ -46,9 +71,11 @@ def test_streamed_requests_write_before_the_last_layer_and_verify(stack):
 
 def test_off_auto_and_concurrent_streams(stack):
     before = pool_free(stack["prefill"]["http"]), pool_free(stack["decode"]["http"])
-    bodies = [{"prompt_len": 300, "max_new_tokens": 3, "seed": 2, "stream_layers": "off"},   # never streamed
-              {"prompt_len": 999, "max_new_tokens": 3, "seed": 3},                            # auto, below 1000
-              *({"prompt_len": 1200 + i, "max_new_tokens": 3, "seed": 4 + i} for i in range(4))]   # auto: streamed
+    bodies = [
+        {"prompt_len": 300, "max_new_tokens": 3, "seed": 2, "stream_layers": "off"},  # never streamed
+        {"prompt_len": 999, "max_new_tokens": 3, "seed": 3},  # auto, below 1000
+        *({"prompt_len": 1200 + i, "max_new_tokens": 3, "seed": 4 + i} for i in range(4)),
+    ]  # auto: streamed
     with ThreadPoolExecutor(len(bodies)) as pool:
         results = list(pool.map(lambda b: post_json(stack["url"], b, 60), bodies))
     assert all(r["ok"] and r["verified"] for r in results), [r["reason"] for r in results]

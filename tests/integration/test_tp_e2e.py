@@ -18,7 +18,7 @@ from disagg.tools.launcher import Launcher
 
 pytestmark = pytest.mark.slow
 
-STACKS = {   # id: (preset, prefill TP, decode TP, prefill page size, decode page size, more flags)
+STACKS = {  # id: (preset, prefill TP, decode TP, prefill page size, decode page size, more flags)
     "gpt-oss-like 1->2, pages 4->16": ("tiny-swa", 1, 2, 4, 16, []),
     "qwen3-next-like 2->1": ("tiny-mamba", 2, 1, None, None, []),
     "deepseek-like 2->4, pages 16->1": ("tiny-mla-nsa", 2, 4, 16, 1, []),
@@ -38,17 +38,38 @@ def pool_free(http: str) -> dict:
 @pytest.fixture(scope="module", params=list(STACKS))
 def stack(request):
     preset, n, m, p_page, d_page, more = STACKS[request.param]
-    common = ["--preset", preset, "--max-tokens", "4096", "--device", "cpu", "--max-requests", "8",
-              "--staging-slot-mib", "1", *more]
+    common = [
+        "--preset",
+        preset,
+        "--max-tokens",
+        "4096",
+        "--device",
+        "cpu",
+        "--max-requests",
+        "8",
+        "--staging-slot-mib",
+        "1",
+        *more,
+    ]
     page = lambda size: ["--page-size", str(size)] if size else []
     with Launcher() as launcher:
         prefill = launcher.start_instance("prefill", n, *common, *page(p_page), "--bootstrap-bind", "tcp://127.0.0.1:*")
         model = preset.startswith("tiny-model-")
-        decode = launcher.start_instance("decode", m, *common, *page(d_page),
-                                         "--bootstrap-addr", prefill[0]["bootstrap"],
-                                         *(["--check-rate", "1"] if model else []))
-        router = launcher.start("router", *(["--vocab-size", str(MODEL_VOCAB)] if model else []),
-                                "--pair", f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}")
+        decode = launcher.start_instance(
+            "decode",
+            m,
+            *common,
+            *page(d_page),
+            "--bootstrap-addr",
+            prefill[0]["bootstrap"],
+            *(["--check-rate", "1"] if model else []),
+        )
+        router = launcher.start(
+            "router",
+            *(["--vocab-size", str(MODEL_VOCAB)] if model else []),
+            "--pair",
+            f"{urls(prefill)},{urls(decode)},{prefill[0]['bootstrap']}",
+        )
         yield {"prefill": prefill, "decode": decode, "router": router, "tp": (n, m), "model": model}
 
 
@@ -57,15 +78,21 @@ def test_every_decode_rank_receives_and_verifies_its_heads_and_every_pool_comes_
     before = {http: pool_free(http) for http in ranks}
     lengths = [1, 5, 17, 64, 333, 900]
     with ThreadPoolExecutor(len(lengths)) as pool:
-        results = list(pool.map(lambda n: post_json(stack["router"]["http"] + "/generate",
-                                                    {"prompt_len": n, "max_new_tokens": 3, "seed": n}, 60), lengths))
+        results = list(
+            pool.map(
+                lambda n: post_json(
+                    stack["router"]["http"] + "/generate", {"prompt_len": n, "max_new_tokens": 3, "seed": n}, 60
+                ),
+                lengths,
+            )
+        )
     for n, r in zip(lengths, results):
         assert r["ok"] and r["verified"], (n, r.get("reason"))
         assert len(r["output_tokens"]) == 3 and r["bytes"] > 0
         # differences of clocks over ranks that finish apart: never below zero (issue 40)
         assert all(v is None or v >= 0 for v in r["timings_ms"].values()), (n, r["timings_ms"])
         assert r["timings_ms"]["control"] is not None and r["timings_ms"]["kv_ready_after_compute"] is not None
-        if stack["model"]:   # every decode rank checked its own shard against the colocated run
+        if stack["model"]:  # every decode rank checked its own shard against the colocated run
             check = r["check"]
             assert check["token_match"] and check["logits_match"], (n, check)
             assert check["ranks_checked"] == stack["tp"][1], (n, check)

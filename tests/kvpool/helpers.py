@@ -13,8 +13,10 @@ def fill_random(pool: HybridPool, req: RequestKV, seed: int) -> dict:
     written = {}
     for c, p in pool.pools.items():
         _, items = p.held(req)
-        data = tuple(torch.randint(0, 256, (len(items), buf.shape[1]), generator=gen, dtype=torch.uint8)
-                     for buf in p.storage.buffers)
+        data = tuple(
+            torch.randint(0, 256, (len(items), buf.shape[1]), generator=gen, dtype=torch.uint8)
+            for buf in p.storage.buffers
+        )
         p.storage.scatter(items, data)
         written[c] = data
     return written
@@ -47,4 +49,6 @@ def copy_request(src: HybridPool, sreq: RequestKV, dst: HybridPool, dreq: Reques
     s_set, d_set = src.index_set(sreq), dst.index_set(dreq)
     for c in s_set.components():
         n = min(len(s_set[c]), len(d_set[c]))
-        dst.pools[c].storage.scatter(d_set[c][len(d_set[c]) - n:], src.pools[c].storage.gather(s_set[c][len(s_set[c]) - n:]))
+        dst.pools[c].storage.scatter(
+            d_set[c][len(d_set[c]) - n :], src.pools[c].storage.gather(s_set[c][len(s_set[c]) - n :])
+        )

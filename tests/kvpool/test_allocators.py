@@ -18,10 +18,16 @@ def test_fresh_allocator_never_hands_out_sentinel():
     a.check_integrity()
 
 
-@pytest.mark.parametrize("bad,message", [
-    ([0], "padding sentinel"), ([9], "not from this allocator"), ([-1], "padding sentinel|not from"),
-    ([3, 3], "duplicate"), ([5], "double free"),
-])
+@pytest.mark.parametrize(
+    "bad,message",
+    [
+        ([0], "padding sentinel"),
+        ([9], "not from this allocator"),
+        ([-1], "padding sentinel|not from"),
+        ([3, 3], "duplicate"),
+        ([5], "double free"),
+    ],
+)
 def test_bad_frees_are_rejected_and_change_nothing(bad, message):
     a = StateSlotAllocator(8)
     a.alloc(4)  # 1..4 in use

@@ -28,8 +28,11 @@ def _all_subclasses(cls):
 
 def test_every_pool_class_is_listed():
     """Every instantiable pool (a component pool names its component) is in POOL_CLASSES."""
-    concrete = {c for c in _all_subclasses(KVPool)
-                if not inspect.isabstract(c) and (getattr(c, "component", None) is not None or c is HybridPool)}
+    concrete = {
+        c
+        for c in _all_subclasses(KVPool)
+        if not inspect.isabstract(c) and (getattr(c, "component", None) is not None or c is HybridPool)
+    }
     assert concrete == set(POOL_CLASSES)
 
 
@@ -146,8 +149,13 @@ def test_freed_request_is_refused_everywhere():
     pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=256, max_requests=4))
     req = pool.alloc_request(10)
     pool.free_request(req)
-    for call in (lambda: pool.free_request(req), lambda: pool.index_set(req), lambda: pool.get_cpu_copy(req),
-                 lambda: pool.extend(req, 20), lambda: pool.evict_swa(req)):
+    for call in (
+        lambda: pool.free_request(req),
+        lambda: pool.index_set(req),
+        lambda: pool.get_cpu_copy(req),
+        lambda: pool.extend(req, 20),
+        lambda: pool.evict_swa(req),
+    ):
         with pytest.raises(Exception, match="already freed"):
             call()
     pool.check_integrity()

@@ -10,8 +10,16 @@ from kvpool import HybridPool, Layout, OutOfSpace, PoolConfig, get_preset
 
 from tests.kvpool.helpers import assert_same, fill_random, read_held
 
-FAMILIES = ["tiny-full", "tiny-swa", "tiny-mla-nsa", "tiny-mamba", "tiny-hybrid",
-            "gpt-oss-20b", "deepseek-v3.2", "qwen3-next-80b-a3b"]
+FAMILIES = [
+    "tiny-full",
+    "tiny-swa",
+    "tiny-mla-nsa",
+    "tiny-mamba",
+    "tiny-hybrid",
+    "gpt-oss-20b",
+    "deepseek-v3.2",
+    "qwen3-next-80b-a3b",
+]
 
 
 @pytest.mark.parametrize("layout", list(Layout))
@@ -19,8 +27,15 @@ FAMILIES = ["tiny-full", "tiny-swa", "tiny-mla-nsa", "tiny-mamba", "tiny-hybrid"
 def test_retract_restore_round_trip(preset, layout, device):
     model = get_preset(preset)
     tiny = preset.startswith("tiny-")
-    cfg = PoolConfig(model, model.default_page_size, tp_size=1 if tiny else 2,
-                     max_tokens=4096 if tiny else 1024, max_requests=3, layout=layout, device=device)
+    cfg = PoolConfig(
+        model,
+        model.default_page_size,
+        tp_size=1 if tiny else 2,
+        max_tokens=4096 if tiny else 1024,
+        max_requests=3,
+        layout=layout,
+        device=device,
+    )
     pool = HybridPool(cfg)
     initial = pool.available()
     req = pool.alloc_request(300 if not tiny else 37)
@@ -64,8 +79,8 @@ class HybridLifecycle(RuleBasedStateMachine):
         self.pool = HybridPool(PoolConfig(get_preset("tiny-hybrid"), 4, max_tokens=160, max_requests=4))
         assert self.pool.config.model.swa.window == 6 and self.pool.page_size == 4
         self.initial = self.pool.available()
-        self.live = []      # (req, written)
-        self.parked = []    # KVCopy
+        self.live = []  # (req, written)
+        self.parked = []  # KVCopy
         self.seed = 0
 
     def _fill(self, req):

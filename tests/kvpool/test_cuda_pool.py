@@ -11,8 +11,7 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("layout", list(Layout))
 def test_pool_lives_on_the_gpu(layout):
-    cfg = PoolConfig(get_preset("gpt-oss-20b"), 16, byte_budget=256 << 20, max_requests=4,
-                     layout=layout, device="cuda")
+    cfg = PoolConfig(get_preset("gpt-oss-20b"), 16, byte_budget=256 << 20, max_requests=4, layout=layout, device="cuda")
     pool = HybridPool(cfg)
     for d in pool.buffer_descriptors():
         assert d.ptr % 256 == 0 or layout is Layout.LAYER_MAJOR  # one cudaMalloc'd block each

@@ -20,8 +20,11 @@ def test_as_indices_is_int32_read_only_and_refuses_junk():
     out = as_indices(np.array([1, 2], dtype=np.int64))
     assert out.dtype == np.int32 and not out.flags.writeable
     assert as_indices([]).dtype == np.int32
-    for bad, msg in ([np.array([[1, 2]]), "1-D"], [np.array([0.5]), "integers"],
-                     [np.array([2**31], dtype=np.int64), "int32"]):
+    for bad, msg in (
+        [np.array([[1, 2]]), "1-D"],
+        [np.array([0.5]), "integers"],
+        [np.array([2**31], dtype=np.int64), "int32"],
+    ):
         with pytest.raises(AllocatorError, match=msg):
             as_indices(bad)
 

@@ -64,8 +64,9 @@ def test_descriptors_cover_every_buffer_once():
 
 def test_layouts_hold_the_same_values():
     """The same per-layer writes read back identically from both layouts."""
-    pools = [HybridPool(PoolConfig(get_preset("tiny-mamba"), 4, max_tokens=64, max_requests=2, layout=lay))
-             for lay in Layout]
+    pools = [
+        HybridPool(PoolConfig(get_preset("tiny-mamba"), 4, max_tokens=64, max_requests=2, layout=lay)) for lay in Layout
+    ]
     gen = torch.Generator().manual_seed(0)
     for layer, part in [(3, "k"), (3, "v"), (0, "conv"), (2, "temporal")]:
         ref = pools[0].layer_view(layer, part)

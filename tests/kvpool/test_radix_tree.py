@@ -12,12 +12,16 @@ from kvpool.cache.tree import RadixTree
 
 PAGE = 2
 seqs = st.lists(st.integers(0, 2), min_size=0, max_size=14)
-ops = st.lists(st.one_of(
-    st.tuples(st.just("insert"), seqs),
-    st.tuples(st.just("match"), seqs, st.integers(0, 8)),
-    st.tuples(st.just("release"), st.integers(0, 50)),
-    st.tuples(st.just("evict"), st.integers(1, 6)),
-), min_size=1, max_size=40)
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("insert"), seqs),
+        st.tuples(st.just("match"), seqs, st.integers(0, 8)),
+        st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("evict"), st.integers(1, 6)),
+    ),
+    min_size=1,
+    max_size=40,
+)
 
 
 class Model:
@@ -38,12 +42,12 @@ class Model:
 
 
 def blocks_of(seq: list[int]) -> list[tuple]:
-    return [tuple(seq[i:i + PAGE]) for i in range(0, len(seq) - len(seq) % PAGE, PAGE)]
+    return [tuple(seq[i : i + PAGE]) for i in range(0, len(seq) - len(seq) % PAGE, PAGE)]
 
 
 def run(ops_list, exact: bool) -> None:
     t, m = RadixTree(PAGE), Model()
-    held: list[tuple] = []      # (node, the pages its match named)
+    held: list[tuple] = []  # (node, the pages its match named)
     for op in ops_list:
         if op[0] == "insert":
             seq, blocks = op[1], blocks_of(op[1])
@@ -106,5 +110,5 @@ def test_keys_are_per_page_and_vectorized():
     tokens = np.arange(64, dtype=np.int64) % 7
     keys = page_keys(tokens, 8)
     assert keys.dtype == np.uint64 and len(keys) == 8
-    assert keys[0] == keys[7] and len(set(keys.tolist())) == 7   # the same block, the same key anywhere
-    assert len(page_keys(tokens[:15], 8)) == 1                   # a partial page has none
+    assert keys[0] == keys[7] and len(set(keys.tolist())) == 7  # the same block, the same key anywhere
+    assert len(page_keys(tokens[:15], 8)) == 1  # a partial page has none

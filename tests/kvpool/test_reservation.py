@@ -13,12 +13,12 @@ def _pool(preset: str, device: str) -> HybridPool:
 def test_the_growth_is_reserved_and_others_cannot_take_it(device):
     pool = _pool("tiny-full", device)
     empty = pool.available()["full_tokens"]
-    req = pool.alloc_request(10, grow_to=40)           # 3 pages now, 10 by its last token
+    req = pool.alloc_request(10, grow_to=40)  # 3 pages now, 10 by its last token
     assert pool.available()["full_tokens"] == empty - 40
     with pytest.raises(OutOfSpace):
-        pool.alloc_request(25)                         # fits in what is free, not beside the reservation
+        pool.alloc_request(25)  # fits in what is free, not beside the reservation
     other = pool.alloc_request(24)
-    for n in range(11, 41):                             # its own growth never runs short
+    for n in range(11, 41):  # its own growth never runs short
         pool.extend(req, n)
     assert pool.available()["full_tokens"] == 0
     pool.free_request(req)

@@ -9,13 +9,13 @@ from kvpool.errors import SpecError
 from kvpool.geometry import components, parts, segments
 from kvpool.shards import Part, global_spans, held, reshard, row_bytes
 
-CONV = (Part(4, 6), Part(2, 4), Part(2, 4))   # Mamba2-like [x: 4 heads | B: 2 groups | C: 2 groups]
+CONV = (Part(4, 6), Part(2, 4), Part(2, 4))  # Mamba2-like [x: 4 heads | B: 2 groups | C: 2 groups]
 
 
 def test_a_rank_holds_its_share_or_one_replicated_unit():
     assert held(Part(8, 1), 4, 3) == (6, 2)
-    assert held(Part(2, 1), 8, 5) == (1, 1)          # 4 ranks share each of 2 heads
-    assert held(Part(1, 1), 4, 2) == (0, 1)          # replicated whole
+    assert held(Part(2, 1), 8, 5) == (1, 1)  # 4 ranks share each of 2 heads
+    assert held(Part(1, 1), 4, 2) == (0, 1)  # replicated whole
     with pytest.raises(SpecError, match=r"heads \(8\) not divisible by TP size 3"):
         held(Part(8, 1), 3, 0, "heads")
     with pytest.raises(SpecError, match="neither divisible by nor a divisor of TP size 3"):
@@ -25,13 +25,13 @@ def test_a_rank_holds_its_share_or_one_replicated_unit():
 def test_conv_groups_split_each_group_on_its_own():
     # rank 1 of 2: x heads 2, 3 | B group 1 | C group 1  (global row: x 24 B, B 8 B, C 8 B)
     assert global_spans(CONV, 2, 1) == [(0, 12, 12), (12, 28, 4), (16, 36, 4)]
-    assert global_spans(CONV, 4, 3) == [(0, 18, 6), (6, 28, 4), (10, 36, 4)]   # B, C replicated 2 ways
+    assert global_spans(CONV, 4, 3) == [(0, 18, 6), (6, 28, 4), (10, 36, 4)]  # B, C replicated 2 ways
     assert row_bytes(CONV, 4) == 14
 
 
 def _row(parts_, tp, rank, whole):
     """A rank's row as the whole row's bytes (kvpool.shards.global_spans)."""
-    return np.concatenate([whole[g:g + n] for _, g, n in global_spans(parts_, tp, rank)])
+    return np.concatenate([whole[g : g + n] for _, g, n in global_spans(parts_, tp, rank)])
 
 
 @pytest.mark.parametrize("parts_", [CONV, (Part(8, 4),), (Part(2, 8),), (Part(1, 16),)])
@@ -44,8 +44,8 @@ def test_every_destination_byte_comes_from_exactly_one_source_rank(parts_, n, m)
         for r in range(n):
             src = _row(parts_, n, r, whole)
             for s_off, d_off, k in reshard(parts_, (n, r), (m, d)):
-                assert (got[d_off:d_off + k] == -1).all(), "a byte written twice"
-                got[d_off:d_off + k] = src[s_off:s_off + k]
+                assert (got[d_off : d_off + k] == -1).all(), "a byte written twice"
+                got[d_off : d_off + k] = src[s_off : s_off + k]
         assert (got == want).all()
 
 
@@ -61,8 +61,9 @@ def test_slices_merge_where_both_sides_are_contiguous():
     assert reshard(CONV, (1, 0), (2, 1)) == [(12, 0, 12), (28, 12, 4), (36, 16, 4)]
 
 
-@pytest.mark.parametrize("preset", ["gpt-oss-120b", "qwen3-next-80b-a3b", "nemotron-h-8b", "deepseek-v3.2",
-                                    "tiny-hybrid", "tiny-mamba"])
+@pytest.mark.parametrize(
+    "preset", ["gpt-oss-120b", "qwen3-next-80b-a3b", "nemotron-h-8b", "deepseek-v3.2", "tiny-hybrid", "tiny-mamba"]
+)
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_segments_are_as_long_as_their_parts_say(preset, tp):
     model = get_preset(preset)

@@ -5,10 +5,21 @@ from kvpool import Component, HybridPool, OutOfSpace, PoolConfig, get_preset
 from kvpool.pools.swa import window_first_page
 
 
-@pytest.mark.parametrize("tokens,window,page,first", [
-    (1, 8, 4, 0), (8, 8, 4, 0), (9, 8, 4, 0), (12, 8, 4, 1), (13, 8, 4, 1), (16, 8, 4, 2),
-    (130, 128, 16, 0), (144, 128, 16, 1), (2048, 128, 16, 120), (5, 3, 1, 2),
-])
+@pytest.mark.parametrize(
+    "tokens,window,page,first",
+    [
+        (1, 8, 4, 0),
+        (8, 8, 4, 0),
+        (9, 8, 4, 0),
+        (12, 8, 4, 1),
+        (13, 8, 4, 1),
+        (16, 8, 4, 2),
+        (130, 128, 16, 0),
+        (144, 128, 16, 1),
+        (2048, 128, 16, 120),
+        (5, 3, 1, 2),
+    ],
+)
 def test_window_first_page(tokens, window, page, first):
     assert window_first_page(tokens, window, page) == first
     # the first window page holds a token inside the window, the page before it holds none
@@ -92,4 +103,4 @@ def test_swa_frontier_matches_the_mapping():
     for n in (51, 60, 61, 90, 200):
         pool.extend(req, n)
         backed = pool.swa_allocator.translate(req.full_pages) != 0
-        assert not backed[: req.swa_evicted].any() and backed[req.swa_evicted:].all()
+        assert not backed[: req.swa_evicted].any() and backed[req.swa_evicted :].all()

@@ -43,7 +43,8 @@ def peer(kind, transport):
     env, device = dict(os.environ), "cpu"
     if kind == "cuda-ipc":
         import torch
-        env["CUDA_VISIBLE_DEVICES"] = "1" if torch.cuda.device_count() > 1 else "0"   # its own GPU
+
+        env["CUDA_VISIBLE_DEVICES"] = "1" if torch.cuda.device_count() > 1 else "0"  # its own GPU
         device = "cuda"
     with PeerProcess("tiny-hybrid", 4, 4096, env=env, transport=kind, device=device) as p:
         yield p

@@ -32,7 +32,7 @@ def _cuda_style(block=16, seed=0):
     return [torch.randn(2, BLOCKS, block, HEADS, HEAD, generator=g) for _ in range(LAYERS)]
 
 
-PAGE = 16 * HEADS * 2 * HEAD * 4   # one block of the CPU layout, float32
+PAGE = 16 * HEADS * 2 * HEAD * 4  # one block of the CPU layout, float32
 
 
 def _hybrid(block=16, seed=0):
@@ -43,7 +43,7 @@ def _hybrid(block=16, seed=0):
     return [state, raw.view(torch.float32).view(BLOCKS, HEADS, block, 2 * HEAD)]
 
 
-def _pages(layer, t):   # a stand-in describe(): _pool passes the hybrid's tensors as one list
+def _pages(layer, t):  # a stand-in describe(): _pool passes the hybrid's tensors as one list
     return shared_pages([(i, "page", x) for i, x in enumerate(t)])
 
 
@@ -63,10 +63,11 @@ def _blocks(tensors, layout):
     """Each layer's blocks as rows of bytes (K/V-first: K and V of a block side by side)."""
     if layout == "cpu":
         return [t.view(torch.uint8).view(BLOCKS, -1).clone() for t in tensors]
-    if layout == "hybrid":   # every page whole (the state's padding too), once per layer
+    if layout == "hybrid":  # every page whole (the state's padding too), once per layer
         return [tensors[1].view(torch.uint8).view(BLOCKS, -1).clone() for _ in range(LAYERS)]
-    return [torch.cat([t[0].reshape(BLOCKS, -1), t[1].reshape(BLOCKS, -1)], 1).view(torch.uint8).clone()
-            for t in tensors]
+    return [
+        torch.cat([t[0].reshape(BLOCKS, -1), t[1].reshape(BLOCKS, -1)], 1).view(torch.uint8).clone() for t in tensors
+    ]
 
 
 @pytest.fixture(params=["mooncake", "memory"])
@@ -80,8 +81,10 @@ def _move(transports, layout, src_blocks, dst_blocks, block=16):
     make, describe = LAYOUTS[layout]
     src_t, dst_t = make(block, seed=1), make(block, seed=2)
     before = _blocks(dst_t, layout)
-    with PoolEndpoint(transports[0], _pool(src_t, describe, block), CONFIG) as endpoint, \
-            PoolEndpoint(transports[1], _pool(dst_t, describe, block), CONFIG) as receiver:
+    with (
+        PoolEndpoint(transports[0], _pool(src_t, describe, block), CONFIG) as endpoint,
+        PoolEndpoint(transports[1], _pool(dst_t, describe, block), CONFIG) as receiver,
+    ):
         sender = KVSender(endpoint)
         peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
         idx = lambda b: IndexSet({Component.FULL: torch.tensor(b, dtype=torch.int32).numpy()})  # noqa: E731
@@ -127,48 +130,56 @@ def test_a_prefill_of_the_same_odd_block_size_registers_and_another_is_refused()
 
     def claim(page_size):
         return RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(page_size, "layer_major", []))
+
     with PoolEndpoint(memory.MemoryTransport(), _pool(_cpu(160), block_first, 160), CONFIG) as endpoint:
         ranks = SenderRanks(KVReceiver(endpoint))
         assert ranks.lanes(claim(160)) is None and ranks.sender_ranks(claim(160)) == (0,)
         with pytest.raises(ProtocolError, match="page size 0 is not a positive integer"):
             ranks.lanes(claim(0))
-        with pytest.raises(ProtocolError, match="block size 12, TP 1 .sender. vs 160, TP 1 .receiver.: engine KV caches"):
+        with pytest.raises(
+            ProtocolError, match="block size 12, TP 1 .sender. vs 160, TP 1 .receiver.: engine KV caches"
+        ):
             ranks.lanes(claim(12))
 
 
 def test_a_shared_page_pool_is_one_buffer_and_overlapping_pages_are_refused():
     assert [(b.layer, tuple(b.blocks.shape)) for b in _pages(0, _hybrid())] == [(0, (BLOCKS, PAGE))]
-    whole = torch.zeros(BLOCKS, 2, HEADS, 16, 2 * HEAD)   # [blocks, layers, ...]: BLHNC
+    whole = torch.zeros(BLOCKS, 2, HEADS, 16, 2 * HEAD)  # [blocks, layers, ...]: BLHNC
     with pytest.raises(SpecError, match="BLHNC"):
         shared_pages([(i, "kv", whole[:, i]) for i in range(2)])
 
 
 def test_consecutive_blocks_move_as_one_range_per_buffer(transports):
     report, *_ = _move(transports, "cuda-style", [2, 3, 4, 5], [6, 7, 8, 9])
-    assert report.ranges == LAYERS * 2   # one run x (K, V) per layer
+    assert report.ranges == LAYERS * 2  # one run x (K, V) per layer
 
 
 def test_another_block_size_is_refused_in_one_line(mooncake):
-    with PoolEndpoint(mooncake, _pool(_cpu(), block_first), CONFIG) as endpoint, \
-            PoolEndpoint(mooncake, _pool(_cpu(block=32), block_first, block=32), CONFIG) as receiver:
+    with (
+        PoolEndpoint(mooncake, _pool(_cpu(), block_first), CONFIG) as endpoint,
+        PoolEndpoint(mooncake, _pool(_cpu(block=32), block_first, block=32), CONFIG) as receiver,
+    ):
         sender = KVSender(endpoint)
         with pytest.raises(LayoutIncompatible, match="B/item"):
             sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
-        with pytest.raises(LayoutIncompatible):   # told the receiver's page size: no token rows to pair
+        with pytest.raises(LayoutIncompatible):  # told the receiver's page size: no token rows to pair
             sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info(), page_size=32)
 
 
 def test_buffers_are_the_engines_memory_and_bad_tensors_are_refused():
     t = _cuda_style()
     pool = _pool(t, kv_first)
-    assert [(d.layer, d.part, d.item_bytes) for d in pool.buffer_descriptors()] == \
-        [(layer, part, 16 * HEADS * HEAD * 4) for layer in range(LAYERS) for part in ("k", "v")]
-    pool.exposed_tensors()[Component.FULL][3][5].fill_(7)      # layer 1's V, block 5
+    assert [(d.layer, d.part, d.item_bytes) for d in pool.buffer_descriptors()] == [
+        (layer, part, 16 * HEADS * HEAD * 4) for layer in range(LAYERS) for part in ("k", "v")
+    ]
+    pool.exposed_tensors()[Component.FULL][3][5].fill_(7)  # layer 1's V, block 5
     assert (t[1][1, 5].view(torch.uint8) == 7).all() and not (t[1][0, 5].view(torch.uint8) == 7).all()
     with pytest.raises(SpecError, match="not contiguous"):
         block_first(0, torch.zeros(4, 2, 16, 16).transpose(1, 2))
     with pytest.raises(SpecError, match="blocks"):
-        EnginePool(pool.config, [*block_first(0, torch.zeros(4, 2, 16, 16)), *block_first(1, torch.zeros(5, 2, 16, 16))])
+        EnginePool(
+            pool.config, [*block_first(0, torch.zeros(4, 2, 16, 16)), *block_first(1, torch.zeros(5, 2, 16, 16))]
+        )
 
 
 def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_both():
@@ -193,11 +204,16 @@ def test_a_decode_of_another_block_or_tp_size_is_refused_at_registration_naming_
         peers = DecodePeers(KVSender(prefill), info(prefill), None, 1, 5.0, 1)
         for block, tp in ((16, 1), (160, 1), (32, 2)):
             with PoolEndpoint(memory.MemoryTransport(), pool(block, tp), CONFIG) as decode:
-                answer = peers.register(b"decode", RegisterDecode(PROTOCOL_VERSION, 2, info(decode), decode.offers(),
-                                                                  decode.staging_info(), tp_size=tp, tp_rank=0))
+                answer = peers.register(
+                    b"decode",
+                    RegisterDecode(
+                        PROTOCOL_VERSION, 2, info(decode), decode.offers(), decode.staging_info(), tp_size=tp, tp_rank=0
+                    ),
+                )
             assert isinstance(answer, Refused) and answer.reason.startswith(
                 f"block size 32, TP 1 (sender) vs {block}, TP {tp} (receiver): engine KV caches pair only equal "
-                "block sizes and TP sizes"), answer
+                "block sizes and TP sizes"
+            ), answer
 
 
 def _flashinfer(block=16, seed=0):
@@ -207,13 +223,17 @@ def _flashinfer(block=16, seed=0):
     return [torch.randn(BLOCKS, 2, block, HEADS, HEAD, generator=g) for _ in range(LAYERS)]
 
 
-GPU_LAYOUTS = {"flash-attn": (_cuda_style, kv_first), "flashinfer": (_flashinfer, block_first),
-               "hybrid": (_hybrid, _pages)}
+GPU_LAYOUTS = {
+    "flash-attn": (_cuda_style, kv_first),
+    "flashinfer": (_flashinfer, block_first),
+    "hybrid": (_hybrid, _pages),
+}
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("layout,block", [("flash-attn", 16), ("flash-attn", 160), ("flashinfer", 16),
-                                          ("flashinfer", 160), ("hybrid", 16)])
+@pytest.mark.parametrize(
+    "layout,block", [("flash-attn", 16), ("flash-attn", 160), ("flashinfer", 16), ("flashinfer", 160), ("hybrid", 16)]
+)
 def test_the_connectors_cuda_layouts_move_over_cuda_ipc_on_a_gpu(layout, block):
     """What a vLLM connector hands over on a GPU (FlashAttention's K/V-first tensors,
     FlashInfer's block-first ones, a hybrid model's shared page pool; vLLM's block sizes and a
@@ -225,21 +245,26 @@ def test_the_connectors_cuda_layouts_move_over_cuda_ipc_on_a_gpu(layout, block):
     make, describe = GPU_LAYOUTS[layout]
     src_t = [t.cuda() for t in make(block, seed=1)]
     dst_t = [t.cuda() for t in make(block, seed=2)]
-    if layout == "hybrid":   # the state view must keep its page stride over the moved storage
+    if layout == "hybrid":  # the state view must keep its page stride over the moved storage
         src_t, dst_t = _hybrid_on(src_t), _hybrid_on(dst_t)
     rows = lambda ts: _blocks([t.cpu() for t in ts], "cpu" if layout == "flashinfer" else layout)  # noqa: E731
     before, src = rows(dst_t), rows(src_t)
     [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
 
     def pool(tensors):
-        bufs = _pages(0, tensors) if describe is _pages else \
-            [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
+        bufs = (
+            _pages(0, tensors)
+            if describe is _pages
+            else [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
+        )
         model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
         return EnginePool(EnginePoolConfig(model, block, torch.device("cuda:0")), bufs)
 
     src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
-    with PoolEndpoint(transport, pool(src_t), CONFIG) as endpoint, \
-            PoolEndpoint(transport, pool(dst_t), CONFIG) as receiver:
+    with (
+        PoolEndpoint(transport, pool(src_t), CONFIG) as endpoint,
+        PoolEndpoint(transport, pool(dst_t), CONFIG) as receiver,
+    ):
         sender = KVSender(endpoint)
         peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
         idx = IndexSet({Component.FULL: torch.tensor(src_blocks, dtype=torch.int32).numpy()})

@@ -20,14 +20,24 @@ from transfer.reshard import Shard, pair_lanes
 from transfer.staging import chunk_plan
 from transfer.tokens import Tokens
 
-DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")   # cuda: the device copies (scripts/device/checks.sh)
+DEVICE = os.environ.get("DISAGG_TEST_DEVICE", "cpu")  # cuda: the device copies (scripts/device/checks.sh)
 
 
 def _pool(preset, page, layout, tp=(1, 0), shuffle=False):
-    pool = HybridPool(PoolConfig(get_preset(preset), page, max_tokens=1024, max_requests=2, layout=layout,
-                                 tp_size=tp[0], tp_rank=tp[1], device=DEVICE))
+    pool = HybridPool(
+        PoolConfig(
+            get_preset(preset),
+            page,
+            max_tokens=1024,
+            max_requests=2,
+            layout=layout,
+            tp_size=tp[0],
+            tp_rank=tp[1],
+            device=DEVICE,
+        )
+    )
     if shuffle:
-        np.random.default_rng(page).shuffle(pool.pages._stack[:pool.pages.num_free])
+        np.random.default_rng(page).shuffle(pool.pages._stack[: pool.pages.num_free])
     for p in pool.pools.values():
         for b in p.storage.buffers:
             b.random_(0, 256)
@@ -39,11 +49,17 @@ def _plan(src, dst, n):
     t = memory.MemoryTransport()
     sep, dep = PoolEndpoint(t, src, TransferConfig()), PoolEndpoint(t, dst, TransferConfig())
     sc, dc = src.config, dst.config
-    lanes = pair_lanes(sc.model, Shard(sc.page_size, sc.tp_size, sc.tp_rank),
-                       Shard(dc.page_size, dc.tp_size, dc.tp_rank), sep.lanes, dep.lanes)
+    lanes = pair_lanes(
+        sc.model,
+        Shard(sc.page_size, sc.tp_size, sc.tp_rank),
+        Shard(dc.page_size, dc.tp_size, dc.tp_rank),
+        sep.lanes,
+        dep.lanes,
+    )
     sreq, dreq = src.alloc_request(n), dst.alloc_request(n)
-    plan = build_plan(src.index_set(sreq), dst.index_set(dreq), sep.buffers, dep.buffers,
-                      Tokens(n, *lanes, sc.tp_size != dc.tp_size))
+    plan = build_plan(
+        src.index_set(sreq), dst.index_set(dreq), sep.buffers, dep.buffers, Tokens(n, *lanes, sc.tp_size != dc.tp_size)
+    )
     dep.close()
     return plan, sep
 
@@ -53,26 +69,29 @@ def _expected(piece, cp, tensors):
     whole-item piece: its items, or their field)."""
     if not piece.by_token:
         first = piece.first - cp.first_item
-        items = torch.from_numpy(np.array(cp.src_idx[first:first + piece.count], dtype=np.int64))
+        items = torch.from_numpy(np.array(cp.src_idx[first : first + piece.count], dtype=np.int64))
         buf = tensors[cp.component][piece.buffer][items.to(DEVICE)]
-        return (buf[:, piece.field_off:piece.field_off + piece.field_len] if piece.field_len else buf).reshape(-1)
+        return (buf[:, piece.field_off : piece.field_off + piece.field_len] if piece.field_len else buf).reshape(-1)
     ids = [cp.buffer_id(i) for i in range(cp.streams)]
     lane = cp.src_lanes[ids.index(piece.buffer)]
     first = piece.first - cp.first_position
     flat = tensors[cp.component][lane.buffer].reshape(-1)
-    at = lane.at(cp.src_idx[first:first + piece.count])
-    return torch.cat([flat[a:a + lane.token_bytes] for a in at.tolist()])
+    at = lane.at(cp.src_idx[first : first + piece.count])
+    return torch.cat([flat[a : a + lane.token_bytes] for a in at.tolist()])
 
 
-@pytest.mark.parametrize("preset,pages,tp,layout,n", [
-    ("tiny-hybrid", (4, 4), (2, 1), Layout.PAGE_MAJOR, 157),       # TP slices, page-major bands
-    ("tiny-hybrid", (4, 16), (1, 0), Layout.PAGE_MAJOR, 157),      # page sizes differ
-    ("tiny-hybrid", (16, 4), (2, 0), Layout.LAYER_MAJOR, 150),     # one lane per buffer
-    ("tiny-swa", (1, 4), (4, 3), Layout.PAGE_MAJOR, 61),           # page size 1: every row its own page
-    ("tiny-mla-nsa", (16, 4), (1, 0), Layout.PAGE_MAJOR, 100),
-])
+@pytest.mark.parametrize(
+    "preset,pages,tp,layout,n",
+    [
+        ("tiny-hybrid", (4, 4), (2, 1), Layout.PAGE_MAJOR, 157),  # TP slices, page-major bands
+        ("tiny-hybrid", (4, 16), (1, 0), Layout.PAGE_MAJOR, 157),  # page sizes differ
+        ("tiny-hybrid", (16, 4), (2, 0), Layout.LAYER_MAJOR, 150),  # one lane per buffer
+        ("tiny-swa", (1, 4), (4, 3), Layout.PAGE_MAJOR, 61),  # page size 1: every row its own page
+        ("tiny-mla-nsa", (16, 4), (1, 0), Layout.PAGE_MAJOR, 100),
+    ],
+)
 @pytest.mark.parametrize("shuffle", [False, True])
-@pytest.mark.parametrize("slot_bytes", [1 << 20, 4096 + 48])   # small: slots cut lanes mid-way
+@pytest.mark.parametrize("slot_bytes", [1 << 20, 4096 + 48])  # small: slots cut lanes mid-way
 def test_every_gathered_piece_is_its_lanes_rows(preset, pages, tp, layout, n, shuffle, slot_bytes):
     src = _pool(preset, pages[0], layout, shuffle=shuffle)
     dst = _pool(preset, pages[1], layout, tp)
@@ -86,7 +105,7 @@ def test_every_gathered_piece_is_its_lanes_rows(preset, pages, tp, layout, n, sh
         gatherer.gather(chunk, slot)
         for p in chunk.pieces:
             want = _expected(p, by_comp[p.component], sep.tensors)
-            assert torch.equal(slot[p.offset:p.offset + len(want)], want), p
+            assert torch.equal(slot[p.offset : p.offset + len(want)], want), p
             pieces += 1
     assert pieces > 0
     sep.close()
@@ -100,10 +119,10 @@ def test_one_components_slices_over_consecutive_pages_are_one_band_and_one_run()
     plan, sep = _plan(src, dst, 157)
     for cp in plan.body:
         assert len(bands(cp.src_lanes, sep.tensors[cp.component])) == 1, cp.component
-    rows = np.arange(4 * 7 + 2, 4 * 20 + 3)            # page 7 from slot 2 .. page 20 slot 2
+    rows = np.arange(4 * 7 + 2, 4 * 20 + 3)  # page 7 from slot 2 .. page 20 slot 2
     spans = split_rows(rows, 4)
     assert spans.head == (7, 2, 2) and spans.runs == ((8, 12),) and spans.tail == (20, 3)
-    broken = np.concatenate([np.arange(8, 16), np.arange(40, 44)])   # pages 2, 3, then 10
+    broken = np.concatenate([np.arange(8, 16), np.arange(40, 44)])  # pages 2, 3, then 10
     assert split_rows(broken, 4).runs == ((2, 2), (10, 1))
-    assert split_rows(np.array([5, 4]), 4) is None                   # not consecutive: by index
+    assert split_rows(np.array([5, 4]), 4) is None  # not consecutive: by index
     sep.close()

@@ -31,7 +31,7 @@ def test_align_never_mutates_and_equalizes(src, dst, component):
         assert len(src) != len(dst) and not component.truncatable
     else:
         assert len(a) == len(b) == min(len(src), len(dst))
-        assert np.array_equal(a, src[:len(a)]) and np.array_equal(b, dst[:len(b)])
+        assert np.array_equal(a, src[: len(a)]) and np.array_equal(b, dst[: len(b)])
         assert not a.flags.writeable and not b.flags.writeable
         assert not np.shares_memory(a, src) and not np.shares_memory(b, dst)
     assert np.array_equal(src, src_before) and np.array_equal(dst, dst_before)
@@ -88,7 +88,7 @@ def bufs(pool):
 @pytest.mark.parametrize("layout", list(Layout))
 def test_expand_matches_a_reference_loop(layout):
     a, b = _pools(layout=layout)
-    np.random.default_rng(0).shuffle(a.pages._stack[:a.pages.num_free])
+    np.random.default_rng(0).shuffle(a.pages._stack[: a.pages.num_free])
     ra, rb = a.alloc_request(40), b.alloc_request(40, swa_window_only=True)
     plan = build_plan(a.index_set(ra), b.index_set(rb), bufs(a), bufs(b))
     for cp in plan.components:
@@ -97,8 +97,9 @@ def test_expand_matches_a_reference_loop(layout):
             for s, d in zip(cp.src_idx.tolist(), cp.dst_idx.tolist()):
                 want.append((sb.region, s * sb.item_bytes, db.region, d * db.item_bytes, sb.item_bytes))
         r = cp.ranges
-        got = zip(r.src_region.tolist(), r.src_off.tolist(), r.dst_region.tolist(), r.dst_off.tolist(),
-                  r.length.tolist())
+        got = zip(
+            r.src_region.tolist(), r.src_off.tolist(), r.dst_region.tolist(), r.dst_off.tolist(), r.length.tolist()
+        )
         # ranges may cover several items; expand them item by item to compare
         items = []
         for sr, so, dr, do, n in got:
@@ -106,7 +107,7 @@ def test_expand_matches_a_reference_loop(layout):
             items += [(sr, so + k * item, dr, do + k * item, item) for k in range(n // item)]
         assert sorted(items) == sorted(want), cp.component
     assert plan.aux is not None and plan.components[-1] is plan.aux  # AUX last
-    for cp in plan.components:   # the factorized form links take is the same set of ranges
+    for cp in plan.components:  # the factorized form links take is the same set of ranges
         flat, rs = cp.ranges, cp.runset.flatten()
         assert len(rs) == len(flat) == cp.num_ranges and cp.runset.nbytes == flat.nbytes
         for f in ("src_region", "src_off", "dst_region", "dst_off", "length"):
@@ -154,7 +155,7 @@ def test_layouts_that_cannot_pair_are_refused_with_the_difference():
 @pytest.mark.parametrize("slot_bytes", [4096, 10_000, 1 << 20])
 def test_chunks_cover_every_item_once(slot_bytes):
     a, b = _pools(layout=Layout.LAYER_MAJOR)
-    np.random.default_rng(1).shuffle(a.pages._stack[:a.pages.num_free])
+    np.random.default_rng(1).shuffle(a.pages._stack[: a.pages.num_free])
     ra, rb = a.alloc_request(200), b.alloc_request(200)
     plan = build_plan(a.index_set(ra), b.index_set(rb), bufs(a), bufs(b))
     chunks = chunk_plan(plan.body, slot_bytes)
@@ -188,17 +189,23 @@ def test_item_larger_than_slot_is_a_clear_error():
 def test_cost_model_picks_what_the_measurements_say():
     cfg = TransferConfig()
     model = get_preset("gpt-oss-120b")
-    for page, layout, want in [(16, Layout.PAGE_MAJOR, Mode.DIRECT), (64, Layout.PAGE_MAJOR, Mode.DIRECT),
-                               (1, Layout.PAGE_MAJOR, Mode.STAGED), (1, Layout.LAYER_MAJOR, Mode.STAGED),
-                               (16, Layout.LAYER_MAJOR, Mode.STAGED)]:
-        pools = [HybridPool(PoolConfig(model, page, max_tokens=8192, max_requests=2, layout=layout, device="meta"))
-                 for _ in range(2)]
+    for page, layout, want in [
+        (16, Layout.PAGE_MAJOR, Mode.DIRECT),
+        (64, Layout.PAGE_MAJOR, Mode.DIRECT),
+        (1, Layout.PAGE_MAJOR, Mode.STAGED),
+        (1, Layout.LAYER_MAJOR, Mode.STAGED),
+        (16, Layout.LAYER_MAJOR, Mode.STAGED),
+    ]:
+        pools = [
+            HybridPool(PoolConfig(model, page, max_tokens=8192, max_requests=2, layout=layout, device="meta"))
+            for _ in range(2)
+        ]
         for i, p in enumerate(pools):
-            np.random.default_rng(i).shuffle(p.pages._stack[:p.pages.num_free])
+            np.random.default_rng(i).shuffle(p.pages._stack[: p.pages.num_free])
         reqs = [p.alloc_request(2048) for p in pools]
         # meta pools: no memory, no addresses; plans name regions and offsets only
         plan = build_plan(pools[0].index_set(reqs[0]), pools[1].index_set(reqs[1]), bufs(pools[0]), bufs(pools[1]))
-        cost = TCP_COST   # the Mooncake TCP link's own figures
+        cost = TCP_COST  # the Mooncake TCP link's own figures
         assert choose_mode(plan, cost, cfg, cfg.staging_slot_bytes, staging_available=True) is want, (page, layout)
         assert choose_mode(plan, cost, cfg, cfg.staging_slot_bytes, staging_available=False) is Mode.DIRECT
         forced = TransferConfig(mode=Mode.STAGED)

@@ -32,7 +32,7 @@ def _compute(pool) -> None:
 
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba"])
-@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])   # (prefill, decode): different ones move by token
+@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])  # (prefill, decode): different ones move by token
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport, peer, preset, layout, pages, mode):
     pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
@@ -49,8 +49,9 @@ def test_a_send_prepared_ahead_moves_the_bytes_present_when_it_starts(transport,
         assert prepared.mode is mode
         assert peer.digest(rid, outside=True) == before, "prepare moved bytes"
         _compute(pool)
-        report = sender.send(target, src, dst, RemoteSlots(3, slots, peer.channel), num_tokens=req.num_tokens,
-                             prepared=prepared)
+        report = sender.send(
+            target, src, dst, RemoteSlots(3, slots, peer.channel), num_tokens=req.num_tokens, prepared=prepared
+        )
         got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(3)
     assert report.prepared_ahead and report.mode is mode and report.prepare_ms > 0
@@ -83,14 +84,16 @@ def test_a_send_prepared_for_other_pages_or_used_once_is_planned_again(transport
         assert not report.prepared_ahead
         assert peer.digest(rid2).per_component == digest_request(pool, req)
         assert peer.digest(rid) == untouched, "the stale plan's pages were written"
-        again = IndexSet({c: np.array(a) for c, a in src.by_component.items()})   # equal indices, new arrays
+        again = IndexSet({c: np.array(a) for c, a in src.by_component.items()})  # equal indices, new arrays
         fresh = sender.prepare(target, again, dst, 100)
         assert sender.send(target, src, dst, num_tokens=100, prepared=fresh).prepared_ahead
-        assert not sender.send(target, src, dst, num_tokens=100, prepared=fresh).prepared_ahead   # started once
-        assert not sender.send(target, src, dst, num_tokens=100, prepared=sender.prepare(
-            target, src, dst, 100, streamed=True)).prepared_ahead   # laid out in layer groups: not this send's
-        assert not sender.send(target, src, dst, num_tokens=99, prepared=sender.prepare(
-            target, src, dst, 100)).prepared_ahead   # planned for another length
+        assert not sender.send(target, src, dst, num_tokens=100, prepared=fresh).prepared_ahead  # started once
+        assert not sender.send(
+            target, src, dst, num_tokens=100, prepared=sender.prepare(target, src, dst, 100, streamed=True)
+        ).prepared_ahead  # laid out in layer groups: not this send's
+        assert not sender.send(
+            target, src, dst, num_tokens=99, prepared=sender.prepare(target, src, dst, 100)
+        ).prepared_ahead  # planned for another length
         assert peer.digest(rid).per_component == digest_request(pool, req)
         peer.free(rid2)
 
@@ -103,14 +106,15 @@ def test_on_an_ordered_link_the_aux_row_goes_in_the_bodys_hand_off(transport, pe
         prepared = sender.prepare(target, src, dst, 100)
         chained = target.link.ordered
         assert (prepared.aux is None) == chained and len(prepared.writes) == 1
-        assert prepared.writes[0].nbytes == (prepared.plan.nbytes if chained else prepared.plan.nbytes
-                                             - prepared.plan.aux.nbytes)
+        assert prepared.writes[0].nbytes == (
+            prepared.plan.nbytes if chained else prepared.plan.nbytes - prepared.plan.aux.nbytes
+        )
         _compute(pool)
         report = sender.send(target, src, dst, num_tokens=100, prepared=prepared)
         assert report.prepared_ahead and report.nbytes == prepared.plan.nbytes
-        assert peer.digest(rid).per_component == digest_request(pool, req)   # the AUX row included
+        assert peer.digest(rid).per_component == digest_request(pool, req)  # the AUX row included
         streamed = sender.prepare(target, src, dst, 100, streamed=True)
-        assert streamed.aux is not None   # streamed: the AUX row waits for the engine to return
+        assert streamed.aux is not None  # streamed: the AUX row waits for the engine to return
 
 
 def test_the_same_pages_sent_again_land_the_new_bytes_and_an_unstarted_write_holds_nothing(transport, peer):
@@ -122,27 +126,27 @@ def test_the_same_pages_sent_again_land_the_new_bytes_and_an_unstarted_write_hol
     with _direct(transport, peer, "tiny-hybrid", 300) as (pool, sender, target, req, rid, dst):
         src = pool.index_set(req)
         dropped = sender.prepare(target, src, dst, req.num_tokens)
-        del dropped   # never started
+        del dropped  # never started
         for _ in range(3):
             prepared = sender.prepare(target, src, dst, req.num_tokens)
             _compute(pool)
             assert sender.send(target, src, dst, num_tokens=req.num_tokens, prepared=prepared).prepared_ahead
-            assert peer.digest(rid).per_component == digest_request(pool, req)   # the AUX row included
+            assert peer.digest(rid).per_component == digest_request(pool, req)  # the AUX row included
         if transport.kind == "cuda-ipc":
             tables = target.link._tables._tables
-            assert len(tables) == 1 and all(t.users == 0 for t in tables.values())   # one layout, reused
+            assert len(tables) == 1 and all(t.users == 0 for t in tables.values())  # one layout, reused
 
 
 def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):
     with _direct(transport, peer, "tiny-full", 64) as (pool, sender, target, req, rid, dst):
         before = peer.digest(rid, outside=True)
         prepared = sender.prepare(target, pool.index_set(req), dst, 64)
-        target.link.close()   # the peer was lost (or re-registered) while the KV computed
+        target.link.close()  # the peer was lost (or re-registered) while the KV computed
         assert prepared.fits(target, pool.index_set(req), dst, False, False, 64)
         with pytest.raises(PeerUnreachable, match="the link is closed"):
             sender.send(target, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid, outside=True) == before
-        again = peer.connect(sender)   # a new link serves the request (planned again: another link)
+        again = peer.connect(sender)  # a new link serves the request (planned again: another link)
         sender.send(again, pool.index_set(req), dst, num_tokens=64, prepared=prepared)
         assert peer.digest(rid).per_component == digest_request(pool, req)
 

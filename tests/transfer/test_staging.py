@@ -31,17 +31,20 @@ def test_valid_notice_lands_in_the_named_items(receiver):
     assert torch.equal(got.flatten(), area.slot(1)[: 3 * item])
 
 
-@pytest.mark.parametrize("notice,message", [   # (slot, pieces)
-    ((2, [Piece("full", 0, 0, 1, 0)]), "slot 2 outside"),
-    ((-1, [Piece("full", 0, 0, 1, 0)]), "slot -1 outside"),
-    ((0, [Piece("bogus", 0, 0, 1, 0)]), "unknown component"),
-    ((0, [Piece("full", 7, 0, 1, 0)]), "no full buffer 7"),
-    ((0, [Piece("full", 0, 3, 100, 0)]), "outside 5 full destination"),
-    ((0, [Piece("full", 0, -1, 1, 0)]), "outside"),
-    ((0, [Piece("full", 0, 0, 0, 0)]), "outside"),
-    ((0, [Piece("full", 0, 0, 1, 4000)]), "outside the slot"),
-    ((0, [Piece("full", 0, 0, 1, 0), Piece("swa", 0, 0, 9, 0)]), "swa destination"),
-])
+@pytest.mark.parametrize(
+    "notice,message",
+    [  # (slot, pieces)
+        ((2, [Piece("full", 0, 0, 1, 0)]), "slot 2 outside"),
+        ((-1, [Piece("full", 0, 0, 1, 0)]), "slot -1 outside"),
+        ((0, [Piece("bogus", 0, 0, 1, 0)]), "unknown component"),
+        ((0, [Piece("full", 7, 0, 1, 0)]), "no full buffer 7"),
+        ((0, [Piece("full", 0, 3, 100, 0)]), "outside 5 full destination"),
+        ((0, [Piece("full", 0, -1, 1, 0)]), "outside"),
+        ((0, [Piece("full", 0, 0, 0, 0)]), "outside"),
+        ((0, [Piece("full", 0, 0, 1, 4000)]), "outside the slot"),
+        ((0, [Piece("full", 0, 0, 1, 0), Piece("swa", 0, 0, 9, 0)]), "swa destination"),
+    ],
+)
 def test_bad_notices_are_refused_before_any_write(receiver, notice, message):
     pool, dst, buffers, area = receiver
     before = _snapshot(pool)

@@ -35,8 +35,10 @@ PRESETS = ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"]
 
 def _pools(preset, layout, page=4, dst_page=None):
     model = get_preset(preset)
-    src, dst = (HybridPool(PoolConfig(model, p, max_tokens=1024, max_requests=4, layout=layout))
-                for p in (page, dst_page or page))
+    src, dst = (
+        HybridPool(PoolConfig(model, p, max_tokens=1024, max_requests=4, layout=layout))
+        for p in (page, dst_page or page)
+    )
     for p in src.pools.values():
         for b in p.storage.buffers:
             b.random_(0, 256)
@@ -50,10 +52,11 @@ def _apply(ranges, src: HybridPool, dst: HybridPool, written: dict) -> None:
     flat_src = [_flat(src, i) for i in range(len(s_bufs))]
     flat_dst = [_flat(dst, i) for i in range(len(s_bufs))]
     for r in range(len(ranges)):
-        sr, so, dr, do, n = (int(a[r]) for a in (ranges.src_region, ranges.src_off, ranges.dst_region,
-                                                   ranges.dst_off, ranges.length))
-        flat_dst[dr][do:do + n] = flat_src[sr][so:so + n]
-        written.setdefault(dr, np.zeros(len(flat_dst[dr]), dtype=np.int32))[do:do + n] += 1
+        sr, so, dr, do, n = (
+            int(a[r]) for a in (ranges.src_region, ranges.src_off, ranges.dst_region, ranges.dst_off, ranges.length)
+        )
+        flat_dst[dr][do : do + n] = flat_src[sr][so : so + n]
+        written.setdefault(dr, np.zeros(len(flat_dst[dr]), dtype=np.int32))[do : do + n] += 1
 
 
 def _flat(pool: HybridPool, region: int) -> torch.Tensor:
@@ -102,8 +105,12 @@ def test_layer_groups_move_every_byte_of_the_plan_exactly_once(preset, layout, p
 def test_groups_that_leave_a_layer_out_are_refused():
     src, dst = _pools("tiny-hybrid", Layout.PAGE_MAJOR)
     req, dreq = src.alloc_request(8), dst.alloc_request(8)
-    plan = build_plan(src.index_set(req), dst.index_set(dreq), buffers_of(src.buffer_descriptors()),
-                      buffers_of(dst.buffer_descriptors()))
+    plan = build_plan(
+        src.index_set(req),
+        dst.index_set(dreq),
+        buffers_of(src.buffer_descriptors()),
+        buffers_of(dst.buffer_descriptors()),
+    )
     with PoolEndpoint(_memory(), src, TransferConfig()) as endpoint:
         with pytest.raises(ValueError, match="leave out layers"):
             split_layers(plan, [0, 1], endpoint.placements)
@@ -113,8 +120,16 @@ def test_groups_that_leave_a_layer_out_are_refused():
 
 def test_a_field_runset_is_one_fragment_per_item_and_stays_inside_its_item():
     one = np.ones(1, dtype=np.int64)
-    rs = RunSet(np.array([2, 10]), np.array([5, 0]), np.array([3, 1]), one * 0, one * 1, one * 100,
-                np.array([40]), np.array([20]))
+    rs = RunSet(
+        np.array([2, 10]),
+        np.array([5, 0]),
+        np.array([3, 1]),
+        one * 0,
+        one * 1,
+        one * 100,
+        np.array([40]),
+        np.array([20]),
+    )
     flat = rs.flatten()
     assert len(rs) == len(flat) == 4 and rs.nbytes == flat.nbytes == 80
     assert flat.src_off.tolist() == [240, 340, 440, 1040] and flat.dst_off.tolist() == [540, 640, 740, 40]
@@ -124,16 +139,16 @@ def test_a_field_runset_is_one_fragment_per_item_and_stays_inside_its_item():
 
 def test_group_count_follows_the_link_and_never_exceeds_the_layers():
     tcp, config = LinkCost(28.0, 2.2), TransferConfig()
-    assert layer_bounds(36, 1 << 20, tcp, config) == [0, 36]                # 0.5 ms of bytes: one group
-    bounds = layer_bounds(36, 64 << 20, tcp, config)                         # 30 ms: 15 groups of >= 2 ms
+    assert layer_bounds(36, 1 << 20, tcp, config) == [0, 36]  # 0.5 ms of bytes: one group
+    bounds = layer_bounds(36, 64 << 20, tcp, config)  # 30 ms: 15 groups of >= 2 ms
     assert bounds[0] == 0 and bounds[-1] == 36 and len(bounds) - 1 == 15
-    assert len(layer_bounds(36, 8 << 30, tcp, config)) - 1 == 36            # at most one group per layer
+    assert len(layer_bounds(36, 8 << 30, tcp, config)) - 1 == 36  # at most one group per layer
 
 
 def test_progress_counts_layers_in_order_and_a_stopped_wait_gives_up():
     p = LayerProgress(4)
     p.final(1)
-    assert p.final_layers == 0           # layer 0 is not final yet: nothing before layer 1 is usable
+    assert p.final_layers == 0  # layer 0 is not final yet: nothing before layer 1 is usable
     p.final(0)
     assert p.final_layers == 2
     with pytest.raises(Cancelled):
@@ -146,6 +161,7 @@ def test_progress_counts_layers_in_order_and_a_stopped_wait_gives_up():
 
 
 # ---- streamed sends over real transports (conformance fixtures: Mooncake, memory) ----------
+
 
 class _Watched:
     """The peer's link with a flag raised at its first write (so a test can tell whether the
@@ -174,7 +190,7 @@ class _Watched:
         self._mark()
         return self._link.write_runs_async(runsets)
 
-    def prepare_runs(self, runsets):   # (prepared ahead: the write starts at start())
+    def prepare_runs(self, runsets):  # (prepared ahead: the write starts at start())
         prepared, mark = self._link.prepare_runs(runsets), self._mark
 
         class Started:
@@ -183,6 +199,7 @@ class _Watched:
             def start(self):
                 mark()
                 return prepared.start()
+
         return Started()
 
 
@@ -193,8 +210,13 @@ def _watched(peer, sender: KVSender) -> tuple[RemotePool, _Watched]:
     return dataclasses.replace(target, link=watched), watched
 
 
-def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: int | None = None,
-            stop: threading.Event | None = None):
+def _engine(
+    progress: LayerProgress,
+    watched: _Watched,
+    log: list,
+    stop_after: int | None = None,
+    stop: threading.Event | None = None,
+):
     """Reports layers in order; before the last one it waits (up to 30 s) for the first write."""
     n = progress.num_layers
     for layer in range(n - 1):
@@ -209,14 +231,16 @@ def _engine(progress: LayerProgress, watched: _Watched, log: list, stop_after: i
     progress.complete()
 
 
-@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])   # (prefill, decode); different: by token
+@pytest.mark.parametrize("pages", [(4, 4), (16, 4)])  # (prefill, decode); different: by token
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mamba"])
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transport, peer, preset, layout, mode, pages):
     by_token = pages[0] != pages[1]
     pool = _setup(peer, preset, pages[0], layout, peer_page=pages[1])
-    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9)  # a group per layer, on any link
+    config = TransferConfig(
+        mode=mode, staging_slot_bytes=1 << 20, stream_group_ms=1e-9
+    )  # a group per layer, on any link
     with PoolEndpoint(transport, pool, config) as endpoint:
         sender = KVSender(endpoint)
         target, watched = _watched(peer, sender)
@@ -228,8 +252,9 @@ def test_streamed_send_starts_before_the_last_layer_and_lands_byte_exact(transpo
         engine = threading.Thread(target=_engine, args=(progress, watched, log))
         engine.start()
         try:
-            report = sender.send(target, pool.index_set(req), dst, RemoteSlots(7, slots, peer.channel), progress=progress,
-                                 num_tokens=301)
+            report = sender.send(
+                target, pool.index_set(req), dst, RemoteSlots(7, slots, peer.channel), progress=progress, num_tokens=301
+            )
         finally:
             engine.join()
         got = peer.digest(rid, outside=True, by_token=by_token)
@@ -258,13 +283,19 @@ def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mo
         engine.start()
         try:
             with pytest.raises(Cancelled):
-                sender.send(target, pool.index_set(req), dst, RemoteSlots(8, slots, peer.channel), stopped=stop.is_set,
-                            progress=progress)
+                sender.send(
+                    target,
+                    pool.index_set(req),
+                    dst,
+                    RemoteSlots(8, slots, peer.channel),
+                    stopped=stop.is_set,
+                    progress=progress,
+                )
         finally:
             engine.join()
         peer.release(8)
         [(_, writes_at_stop)] = log
-        assert writes_at_stop >= 1 and watched.writes == writes_at_stop   # nothing after the stop
+        assert writes_at_stop >= 1 and watched.writes == writes_at_stop  # nothing after the stop
         peer.free(rid)
         pool.free_request(req)
     counts = peer.available()
@@ -273,6 +304,7 @@ def test_a_stream_stopped_between_layers_writes_nothing_more(transport, peer, mo
 
 def _memory():
     from harness import memory
+
     return memory.MemoryTransport()
 
 
@@ -285,11 +317,14 @@ def test_auto_streams_only_over_links_that_leave_the_compute_alone(mooncake):
         link = mooncake.connect(endpoint.offers()[0], endpoint.exposures["mooncake"])
         assert not link.overlaps_gpu_compute and sender.streams_well(RemotePool(link, tuple(endpoint.buffers)))
         assert streams_well("cpu", link) and not streams_well("cuda:1", link)
-        assert streams_well("cuda", SimpleNamespace(overlaps_gpu_compute=True))   # cuda-ipc's copy kernel
+        assert streams_well("cuda", SimpleNamespace(overlaps_gpu_compute=True))  # cuda-ipc's copy kernel
 
 
-@pytest.mark.parametrize("kind", [pytest.param("cuda-ipc", marks=pytest.mark.gpu),
-                                  pytest.param("mooncake", marks=pytest.mark.gpu)], indirect=True)
+@pytest.mark.parametrize(
+    "kind",
+    [pytest.param("cuda-ipc", marks=pytest.mark.gpu), pytest.param("mooncake", marks=pytest.mark.gpu)],
+    indirect=True,
+)
 def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport, peer):
     """The engine reports each layer while its kernels are still queued (a GPU sleep before
     the layer's bytes change): the streamed send must move the computed bytes; the sender waits
@@ -306,16 +341,17 @@ def test_on_a_gpu_each_layer_goes_only_once_its_kernels_are_done(kind, transport
         rid, dst = peer.alloc(301)
         src = pool.index_set(req)
         prepared = sender.prepare(target, src, dst, 301, streamed=True)
-        torch.cuda.synchronize()   # the pool's first bytes and the copy tables are in place
+        torch.cuda.synchronize()  # the pool's first bytes and the copy tables are in place
         progress = LayerProgress(layers, pool.config.device)
 
         def engine():
             for layer in range(layers):
-                torch.cuda._sleep(50_000_000)   # ~30 ms of GPU time before this layer's KV is written
+                torch.cuda._sleep(50_000_000)  # ~30 ms of GPU time before this layer's KV is written
                 for value, part in enumerate(("k", "v")):
                     pool.layer_view(layer, part).fill_(layer + 1 + value / 2)
-                progress.final(layer)           # reported at once: its kernels are still queued
+                progress.final(layer)  # reported at once: its kernels are still queued
             progress.complete()
+
         computing = threading.Thread(target=engine)
         computing.start()
         try:

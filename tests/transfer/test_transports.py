@@ -22,10 +22,10 @@ from transfer.transports.base import PendingWrites
 
 
 def test_auto_and_names_resolve_and_unknown_names_are_refused():
-    assert resolve("auto", TransportSettings(device="cpu")) == ("mooncake",)           # CPU pools
-    assert resolve("auto", TransportSettings(device="cuda:1")) == ("cuda-ipc", "mooncake")   # GPU first
+    assert resolve("auto", TransportSettings(device="cpu")) == ("mooncake",)  # CPU pools
+    assert resolve("auto", TransportSettings(device="cuda:1")) == ("cuda-ipc", "mooncake")  # GPU first
     assert resolve("auto", TransportSettings(device="cuda")) == ("cuda-ipc", "mooncake")
-    assert "memory" not in resolve("auto")          # a test transport never joins auto
+    assert "memory" not in resolve("auto")  # a test transport never joins auto
     assert resolve("mooncake") == ("mooncake",) and resolve("cuda-ipc") == ("cuda-ipc",)
     with pytest.raises(ValueError, match="unknown transport 'carrier-pigeon'; known: auto, cuda-ipc, mooncake"):
         resolve("carrier-pigeon")
@@ -59,8 +59,21 @@ def test_a_kinds_flags_land_on_a_parser_and_its_settings_come_back_from_the_pars
     TRANSPORTS.add_flags(parser)
     for kind in ("--memory-fail-writes", "--mooncake-protocol", "--rdma-devices", "--cuda-ipc-blocks"):
         assert kind in parser._option_string_actions, kind
-    own = TransportSettings(own=TRANSPORTS.own_settings(parser.parse_args(
-        ["--memory-fail-writes", "--mooncake-protocol", "rdma", "--rdma-devices", "mlx5_0", "--cuda-ipc-blocks", "8"])))
+    own = TransportSettings(
+        own=TRANSPORTS.own_settings(
+            parser.parse_args(
+                [
+                    "--memory-fail-writes",
+                    "--mooncake-protocol",
+                    "rdma",
+                    "--rdma-devices",
+                    "mlx5_0",
+                    "--cuda-ipc-blocks",
+                    "8",
+                ]
+            )
+        )
+    )
     assert own.of(memory.MemorySettings) == memory.MemorySettings(fail_writes=True)
     assert own.of(MooncakeSettings) == MooncakeSettings("rdma", "mlx5_0")
     assert own.of(CudaIpcSettings) == CudaIpcSettings(blocks=8)
@@ -76,8 +89,11 @@ def _address(buf: bytearray) -> int:
 
 def test_the_first_offer_we_can_reach_wins_in_the_offerers_order():
     ours = [memory.MemoryTransport()]
-    offers = [Offer("cuda_ipc", "gpu-host", b""), Offer("memory", "this-process", b"x"),
-              Offer("mooncake", "10.0.0.1", b"y")]
+    offers = [
+        Offer("cuda_ipc", "gpu-host", b""),
+        Offer("memory", "this-process", b"x"),
+        Offer("mooncake", "10.0.0.1", b"y"),
+    ]
     offer, transport = pick(offers, ours)
     assert offer.kind == "memory" and transport is ours[0]
     with pytest.raises(TransportError, match=r"no common transport: peer offers \['cuda_ipc'\], we have \['memory'\]"):
@@ -87,9 +103,11 @@ def test_the_first_offer_we_can_reach_wins_in_the_offerers_order():
 def test_sender_connects_over_the_shared_transport_and_refuses_other_layouts():
     model = get_preset("tiny-hybrid")
     a = HybridPool(PoolConfig(model, 4, max_tokens=256, max_requests=2))
-    b = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=2))   # sizes may differ, shapes not
-    with PoolEndpoint(memory.MemoryTransport(), a, TransferConfig()) as endpoint, \
-            PoolEndpoint(memory.MemoryTransport(), b, TransferConfig()) as receiver:
+    b = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=2))  # sizes may differ, shapes not
+    with (
+        PoolEndpoint(memory.MemoryTransport(), a, TransferConfig()) as endpoint,
+        PoolEndpoint(memory.MemoryTransport(), b, TransferConfig()) as receiver,
+    ):
         sender = KVSender(endpoint)
         offers = [Offer("mooncake", "elsewhere", b"")] + receiver.offers()
         remote = sender.connect(offers, receiver.buffers, receiver.staging_info())
@@ -106,17 +124,22 @@ def test_offers_and_buffers_are_validated_when_decoded():
     dec = msgspec.msgpack.Decoder(list[Buffer])
     good = msgspec.msgpack.encode([Buffer(0, 4096, 1024, "full", None, None)])
     assert dec.decode(good)[0].num_items == 4
-    for bad in ([0, 4096, 1000, "full", None, None], [0, 4096, 1024, "bogus", None, None],
-                [-1, 4096, 1024, "full", None, None], [0, 0, 1024, "full", None, None]):
+    for bad in (
+        [0, 4096, 1000, "full", None, None],
+        [0, 4096, 1024, "bogus", None, None],
+        [-1, 4096, 1024, "full", None, None],
+        [0, 0, 1024, "full", None, None],
+    ):
         with pytest.raises(msgspec.ValidationError):
             dec.decode(msgspec.msgpack.encode([bad]))
-    assert "memory" in TRANSPORTS.names()   # registered by the conftest, for the conformance tests
+    assert "memory" in TRANSPORTS.names()  # registered by the conftest, for the conformance tests
 
 
 def test_cuda_ipc_reaches_only_its_own_host_and_says_why():
     from transfer.transports.cuda_offer import host_identity, reach_problem
+
     here = host_identity()
-    assert here == host_identity() and "/" in here          # boot id / hostname, stable
+    assert here == host_identity() and "/" in here  # boot id / hostname, stable
     assert reach_problem(Offer("cuda-ipc", here, b""), here) is None
     assert "on another host" in reach_problem(Offer("cuda-ipc", "other-boot/other-host", b""), here)
     assert reach_problem(Offer("mooncake", here, b""), here) == "not cuda-ipc"
@@ -126,6 +149,7 @@ def test_a_forced_cuda_ipc_that_cannot_work_is_refused_by_name():
     """Without a GPU the transport cannot start; with one, a CPU pool cannot be exposed."""
     import torch
     from transfer.transports import create
+
     if not torch.cuda.is_available():
         with pytest.raises(TransportError, match="cuda-ipc needs a CUDA device"):
             create(["cuda-ipc"], TransportSettings(device="cuda:0"))
@@ -140,6 +164,7 @@ def test_pick_names_why_a_shared_kind_could_not_be_used():
     class SameHostOnly(memory.MemoryTransport):
         def reach_problem(self, offer):
             return None if offer.host == "here" else f"{offer.kind}: the peer is on another host"
+
     with pytest.raises(TransportError, match=r"no common transport: .* \(memory: the peer is on another host\)"):
         pick([Offer("memory", "there", b"")], [SameHostOnly()])
 
@@ -175,7 +200,7 @@ def test_pending_writes_on_an_ordered_link_wait_each_write_in_order_and_report_f
     writes.add(later)
     with pytest.raises(WriteFailed):
         writes.wait()
-    assert writes.poll()   # the failed member left the set, the landed one was retired
+    assert writes.poll()  # the failed member left the set, the landed one was retired
 
 
 def test_pending_writes_time_out_with_a_typed_error():
@@ -192,14 +217,14 @@ class _Prepared:
     def start(self):
         if self.fail:
             raise self.fail
-        self.log.append(self)   # started
+        self.log.append(self)  # started
         self.write = _Write(log=self.log)
         return self.write
 
 
 def test_a_chain_starts_in_order_and_a_failed_start_drains_what_started_first():
     log = []
-    link = memory.MemoryLink.__new__(memory.MemoryLink)   # only its `ordered` and chain() are used
+    link = memory.MemoryLink.__new__(memory.MemoryLink)  # only its `ordered` and chain() are used
     first, second = _Prepared(log), _Prepared(log)
     started = link.chain([first, second]).start()
     assert log == [first, second], "a chain must start its writes in the order given"
@@ -234,6 +259,7 @@ def test_a_chained_write_that_fails_while_landing_fails_the_send_that_holds_it()
 def test_an_unordered_link_cannot_chain():
     class Unordered(memory.MemoryLink):
         ordered = False
+
     with pytest.raises(ValueError, match="does not land writes in order"):
         Unordered.__new__(Unordered).chain([])
 
@@ -245,9 +271,10 @@ def test_a_cuda_ipc_layout_cuts_only_ranges_longer_than_a_piece():
     group of short ranges is one copy_ranges launch over (src, dst, len) values."""
     from transfer.transports.cuda_copy import _PIECE_BYTES, _layout, _split
     from transfer.transports.ranges import RunSet
-    ints = lambda *v: np.array(v, dtype=np.int64)   # noqa: E731
+
+    ints = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
     short = RunSet(ints(0, 10), ints(5, 50), ints(3, 1), ints(0), ints(0), ints(4096))
-    long = RunSet(ints(0), ints(0), ints(300), ints(0), ints(1 << 30), ints(4096))   # 1.2 MB: five pieces
+    long = RunSet(ints(0), ints(0), ints(300), ints(0), ints(1 << 30), ints(4096))  # 1.2 MB: five pieces
     for rs, src_base, dst_base in ((short, ints(1000), ints(2000)), (long, ints(0), ints(1 << 30))):
         got = _split(rs, src_base, dst_base).reshape(3, -1).T.tolist()
         want = []

@@ -15,8 +15,16 @@ from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
 from harness.peer_server import digest_request, digest_tokens
 from harness.source import DEVICE, source_pool
-from transfer.errors import (Cancelled, InjectedFault, OutOfBounds, PeerUnreachable, RegistrationError, StagingError,
-                             TransportError, WriteFailed)
+from transfer.errors import (
+    Cancelled,
+    InjectedFault,
+    OutOfBounds,
+    PeerUnreachable,
+    RegistrationError,
+    StagingError,
+    TransportError,
+    WriteFailed,
+)
 from transfer.faults import FaultPlan
 from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
@@ -34,8 +42,9 @@ def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
         rid, dst = peer.alloc(tokens)
         before = peer.digest(rid, outside=True).outside
         slots = peer.expect(transfer_id, rid, want_slots=2)
-        report = sender.send(target, pool.index_set(req), dst, RemoteSlots(transfer_id, slots, peer.channel),
-                             num_tokens=req.num_tokens)
+        report = sender.send(
+            target, pool.index_set(req), dst, RemoteSlots(transfer_id, slots, peer.channel), num_tokens=req.num_tokens
+        )
         got = peer.digest(rid, outside=True, by_token=by_token)
         peer.release(transfer_id)
         assert got.per_component == (digest_tokens if by_token else digest_request)(pool, req), "bytes differ"
@@ -59,7 +68,7 @@ def test_byte_exact_fragmented(transport, peer, preset, layout, mode):
 
 
 @pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("pages", [(4, 16), (16, 4), (1, 16), (16, 1)])   # (prefill, decode)
+@pytest.mark.parametrize("pages", [(4, 16), (16, 4), (1, 16), (16, 1)])  # (prefill, decode)
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba"])
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_byte_exact_across_page_sizes(transport, peer, preset, pages, layout, mode):
@@ -110,6 +119,7 @@ def test_concurrent_senders_share_the_per_peer_budget(transport, peer):
                 sender.send(target, pool.index_set(reqs[i]), dsts[i])
             except Exception as exc:  # collected and asserted below
                 errors.append(exc)
+
         threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
         for t in threads:
             t.start()
@@ -148,6 +158,7 @@ def test_engine_errors_become_typed_exceptions(mooncake):
     import msgspec
     from transfer.transports import Offer
     from transfer.transports.mooncake import _Blob
+
     with PeerProcess("tiny-full", 4, 1024) as peer:
         pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR)
         with PoolEndpoint(mooncake, pool, TransferConfig()) as endpoint:
@@ -199,7 +210,7 @@ def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer
             src = torch.randint(0, 256, (size,), dtype=torch.uint8)
             exposure = transport.expose([(src.data_ptr(), size)])
             link = transport.connect(t.offers[0], exposure)
-            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)   # a working session first
+            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)  # a working session first
             n = 64
             at = np.arange(n, dtype=np.int64) * (size // n)
             zero = np.zeros(n, dtype=np.int64)
@@ -213,12 +224,15 @@ def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer
                     write.wait(timeout=5)
                 with pytest.raises(PeerUnreachable, match="closed"):
                     link.write_async(Ranges.one(0, 0, 0, 0, 4096))
-                assert len(transport.reaper) == 1 and budget.inflight > 0   # still in the engine
+                assert len(transport.reaper) == 1 and budget.inflight > 0  # still in the engine
             finally:
                 os.kill(frozen.proc.pid, signal.SIGCONT)
-            eventually(lambda: len(transport.reaper) == 0 and budget.inflight == 0, 30,
-                       "the reaper retired the abandoned ranges and returned the peer's budget")
-            again = transport.connect(frozen.target().offers[0], exposure)   # registered again
+            eventually(
+                lambda: len(transport.reaper) == 0 and budget.inflight == 0,
+                30,
+                "the reaper retired the abandoned ranges and returned the peer's budget",
+            )
+            again = transport.connect(frozen.target().offers[0], exposure)  # registered again
             again.write(Ranges.one(0, 0, 0, 0, size), timeout=30)
             exposure.close()
     finally:
@@ -233,8 +247,9 @@ def test_staged_failure_releases_every_slot(transport, peer):
     rid, dst = peer.alloc(600)
     slots = peer.expect(5, rid, want_slots=2)
     peer.release(5)  # forgotten on the receiver, but we still use the slot numbers
-    with PoolEndpoint(transport, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16,
-                                                      chunk_timeout_s=1.0)) as endpoint:
+    with PoolEndpoint(
+        transport, pool, TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16, chunk_timeout_s=1.0)
+    ) as endpoint:
         sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(StagingError, match="no ack"):
@@ -250,7 +265,7 @@ def test_staging_area_on_another_device_than_the_pool(transport, peer):
     runs through the separate-device branch check)."""
     pool = source_pool(peer, "tiny-hybrid", 4, Layout.LAYER_MAJOR)
     config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 20, staging_device="cpu")
-    if transport.kind == "cuda-ipc":   # a host staging area cannot be exposed to CUDA IPC: refused, named
+    if transport.kind == "cuda-ipc":  # a host staging area cannot be exposed to CUDA IPC: refused, named
         with pytest.raises(TransportError, match="not CUDA device memory"):
             PoolEndpoint(transport, pool, config)
         return
@@ -314,19 +329,25 @@ def test_an_aborted_staged_send_stops_waiting_for_acks(transport, peer):
     """The receiver stops acking an aborted transfer: the sender must not sit out the whole
     chunk timeout (30 s here) holding its pages and a transfer worker."""
     import time
+
     pool = source_pool(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
     req = pool.alloc_request(600)
     rid, dst = peer.alloc(600)
     slots = peer.expect(8, rid, want_slots=2)
-    peer.release(8)   # the receiver forgot it: no acks will come
+    peer.release(8)  # the receiver forgot it: no acks will come
     aborted_at = time.monotonic() + 0.5
     config = TransferConfig(mode=Mode.STAGED, staging_slot_bytes=1 << 16, chunk_timeout_s=30.0)
     with PoolEndpoint(transport, pool, config) as endpoint:
         sender = KVSender(endpoint)
         target = peer.connect(sender)
         with pytest.raises(Cancelled, match="waiting for an ack"):
-            sender.send(target, pool.index_set(req), dst, RemoteSlots(8, slots, peer.channel),
-                        stopped=lambda: time.monotonic() > aborted_at)
+            sender.send(
+                target,
+                pool.index_set(req),
+                dst,
+                RemoteSlots(8, slots, peer.channel),
+                stopped=lambda: time.monotonic() > aborted_at,
+            )
         assert time.monotonic() - aborted_at < 5
         assert endpoint.staging.lease.available() == config.staging_slots
     peer.free(rid)

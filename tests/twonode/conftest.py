@@ -34,8 +34,10 @@ class Hosts:
 
 def make_hosts(nodes: int):
     if os.geteuid() != 0 or shutil.which("ip") is None:
-        raise RuntimeError("twonode tests need root and iproute2 (scripts/setup.sh installs iproute2); "
-                           "deselect them with -m 'not twonode'")
+        raise RuntimeError(
+            "twonode tests need root and iproute2 (scripts/setup.sh installs iproute2); "
+            "deselect them with -m 'not twonode'"
+        )
     name = f"dg{os.getpid() % 100000}"
     subprocess.run([NETNS, "up", name, str(nodes)], check=True)
     return Hosts(name, nodes)

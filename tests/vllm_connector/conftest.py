@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-with warnings.catch_warnings():   # vLLM and torch's inductor warn of their own deprecations on import
+with warnings.catch_warnings():  # vLLM and torch's inductor warn of their own deprecations on import
     warnings.simplefilter("ignore")
     import disagg.vllm.connector  # noqa: F401
 

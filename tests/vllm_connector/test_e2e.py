@@ -48,8 +48,11 @@ def _free_port() -> int:
 # rounded to bf16 after N-1 prompt tokens, which a one-pass local prefill never rounds: on a
 # random model greedy drifts apart after some tokens (7 of 12 on the 100-token prompt), so
 # Qwen3-Next compares the first 6.
-MODELS = {"tiny_qwen3_next": ("bfloat16", None, 6), "tiny_gemma3": ("float32", 32, 12),
-          "tiny_llama": ("float32", 32, 12)}
+MODELS = {
+    "tiny_qwen3_next": ("bfloat16", None, 6),
+    "tiny_gemma3": ("float32", 32, 12),
+    "tiny_llama": ("float32", 32, 12),
+}
 LOAD_S = 20
 
 
@@ -77,21 +80,60 @@ class Deployment:
         boot = f"tcp://127.0.0.1:{self.ports['bootstrap']}"
         if name == "prefill":
             extra = {"bootstrap": boot, **({"inject_faults": faults} if faults else {})}
-            self.procs[name] = _server(self.model, self.ports[name], "kv_producer", extra,
-                                       str(self.cores[0]), log, (self.dtype, self.block_size))
+            self.procs[name] = _server(
+                self.model,
+                self.ports[name],
+                "kv_producer",
+                extra,
+                str(self.cores[0]),
+                log,
+                (self.dtype, self.block_size),
+            )
         elif name == "decode":
-            self.procs[name] = _server(self.model, self.ports[name], "kv_consumer", {"load_s": LOAD_S},
-                                       str(self.cores[-1]), log, (self.dtype, self.block_size))
+            self.procs[name] = _server(
+                self.model,
+                self.ports[name],
+                "kv_consumer",
+                {"load_s": LOAD_S},
+                str(self.cores[-1]),
+                log,
+                (self.dtype, self.block_size),
+            )
         elif name == "proxy":
             self.procs[name] = subprocess.Popen(
-                [sys.executable, str(PROXY), "--port", str(self.ports[name]), "--prefiller-host", "127.0.0.1",
-                 "--prefiller-port", str(self.ports["prefill"]), "--decoder-host", "127.0.0.1", "--decoder-port",
-                 str(self.ports["decode"])], **out)
+                [
+                    sys.executable,
+                    str(PROXY),
+                    "--port",
+                    str(self.ports[name]),
+                    "--prefiller-host",
+                    "127.0.0.1",
+                    "--prefiller-port",
+                    str(self.ports["prefill"]),
+                    "--decoder-host",
+                    "127.0.0.1",
+                    "--decoder-port",
+                    str(self.ports["decode"]),
+                ],
+                **out,
+            )
         else:
             self.procs[name] = subprocess.Popen(
-                [sys.executable, "-m", "disagg", "router", "--backend", "vllm", "--pair",
-                 f"{self.url('prefill')},{self.url('decode')}", "--http-port", str(self.ports[name])],
-                env={**os.environ, "PYTHONPATH": str(ROOT)}, **out)
+                [
+                    sys.executable,
+                    "-m",
+                    "disagg",
+                    "router",
+                    "--backend",
+                    "vllm",
+                    "--pair",
+                    f"{self.url('prefill')},{self.url('decode')}",
+                    "--http-port",
+                    str(self.ports[name]),
+                ],
+                env={**os.environ, "PYTHONPATH": str(ROOT)},
+                **out,
+            )
 
     def wait_ready(self, names=("prefill", "decode", "proxy", "router")) -> None:
         probes = {"prefill": "/health", "decode": "/health", "proxy": "/healthcheck", "router": "/ready"}
@@ -128,16 +170,47 @@ class Deployment:
 
 
 def _server(model: Path, port: int, role: str, extra: dict, core: str, log, shape: tuple) -> subprocess.Popen:
-    kv = {"kv_connector": "DisaggConnector", "kv_connector_module_path": "disagg.vllm.connector", "kv_role": role,
-          "kv_connector_extra_config": extra}
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": core,
-           "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
-    return subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-                             "--host", "127.0.0.1", "--port", str(port), "--gpu-memory-utilization", "0.2",
-                             "--max-model-len", "512", *(("--block-size", str(shape[1])) if shape[1] else ()),
-                             "--dtype", shape[0],
-                             "--no-enable-prefix-caching", "--kv-transfer-config", json.dumps(kv)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    kv = {
+        "kv_connector": "DisaggConnector",
+        "kv_connector_module_path": "disagg.vllm.connector",
+        "kv_role": role,
+        "kv_connector_extra_config": extra,
+    }
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": core,
+        "MC_LOG_LEVEL": "ERROR",
+        "GLOG_minloglevel": "2",
+    }
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--gpu-memory-utilization",
+            "0.2",
+            "--max-model-len",
+            "512",
+            *(("--block-size", str(shape[1])) if shape[1] else ()),
+            "--dtype",
+            shape[0],
+            "--no-enable-prefix-caching",
+            "--kv-transfer-config",
+            json.dumps(kv),
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _up(url: str) -> bool:
@@ -163,8 +236,9 @@ def pair(request, tmp_path_factory):
 
 
 def _complete(base: str, pair: Deployment, prompt: str) -> str:
-    body = json.dumps({"model": str(pair.model), "prompt": prompt, "max_tokens": pair.max_tokens,
-                       "temperature": 0}).encode()
+    body = json.dumps(
+        {"model": str(pair.model), "prompt": prompt, "max_tokens": pair.max_tokens, "temperature": 0}
+    ).encode()
     req = urllib.request.Request(f"{base}/v1/completions", body, {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=120) as r:
         return json.loads(r.read())["choices"][0]["text"]
@@ -172,7 +246,7 @@ def _complete(base: str, pair: Deployment, prompt: str) -> str:
 
 def test_pd_through_the_proxy_is_token_identical_to_computing_locally(pair):
     local = [_complete(pair.url("decode"), pair, prompt) for prompt in PROMPTS]
-    assert len(set(local)) == len(PROMPTS), local   # what is generated depends on the prompt's KV
+    assert len(set(local)) == len(PROMPTS), local  # what is generated depends on the prompt's KV
     for prompt, want in zip(PROMPTS, local):
         assert _complete(pair.url("proxy"), pair, prompt) == want, prompt
 
@@ -186,6 +260,7 @@ def test_pd_through_our_router_with_the_openai_client_is_token_identical(pair):
 
 def _openai(pair, prompt: str) -> str:
     import openai
+
     client = openai.OpenAI(base_url=pair.url("router") + "/v1", api_key="unused", max_retries=0, timeout=120)
     got = client.completions.create(model=str(pair.model), prompt=prompt, max_tokens=pair.max_tokens, temperature=0)
     return got.choices[0].text
@@ -197,15 +272,22 @@ def test_streamed_and_chat_requests_through_our_router_match_decode_computing_lo
     comes as decode's events (several chunks, the same text as decode's own answer); a chat
     completion, non-streamed and streamed, says what decode says computing the chat itself."""
     import openai
+
     prompt, model = PROMPTS[0], str(pair.model)
     client = openai.OpenAI(base_url=pair.url("router") + "/v1", api_key="unused", max_retries=0, timeout=120)
     local = openai.OpenAI(base_url=pair.url("decode") + "/v1", api_key="unused", max_retries=0, timeout=120)
-    chunks = list(client.completions.create(model=model, prompt=prompt, max_tokens=pair.max_tokens, temperature=0,
-                                            stream=True))
-    assert len(chunks) > 1 and "".join(c.choices[0].text for c in chunks if c.choices) == \
-        _complete(pair.url("decode"), pair, prompt)
-    chat = {"model": model, "messages": [{"role": "user", "content": PROMPTS[2]}], "max_tokens": pair.max_tokens,
-            "temperature": 0}
+    chunks = list(
+        client.completions.create(model=model, prompt=prompt, max_tokens=pair.max_tokens, temperature=0, stream=True)
+    )
+    assert len(chunks) > 1 and "".join(c.choices[0].text for c in chunks if c.choices) == _complete(
+        pair.url("decode"), pair, prompt
+    )
+    chat = {
+        "model": model,
+        "messages": [{"role": "user", "content": PROMPTS[2]}],
+        "max_tokens": pair.max_tokens,
+        "temperature": 0,
+    }
     want = local.chat.completions.create(**chat).choices[0].message.content
     assert want and client.chat.completions.create(**chat).choices[0].message.content == want
     streamed = list(client.chat.completions.create(**chat, stream=True))
@@ -250,9 +332,16 @@ def test_a_dead_prefill_fails_its_request_on_decode_and_the_next_is_served_once_
 
 def _prefill(pair, prompt: str) -> dict:
     """The producer's answer to `prompt` (its kv_transfer_params name the KV it holds)."""
-    status, first = _post(pair.url("prefill") + "/v1/completions", {
-        "model": str(pair.model), "prompt": prompt, "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}})
+    status, first = _post(
+        pair.url("prefill") + "/v1/completions",
+        {
+            "model": str(pair.model),
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     assert status == 200 and first["kv_transfer_params"]["do_remote_prefill"] is True, first
     return first
 
@@ -260,9 +349,16 @@ def _prefill(pair, prompt: str) -> dict:
 def _decode_fails(pair, prompt: str, first: dict) -> None:
     """Decode, asked for `prompt` with the producer's params, answers an error within load_s."""
     t0 = time.monotonic()
-    status, answer = _post(pair.url("decode") + "/v1/completions", {
-        "model": str(pair.model), "prompt": prompt, "max_tokens": 12, "temperature": 0,
-        "kv_transfer_params": first["kv_transfer_params"]})
+    status, answer = _post(
+        pair.url("decode") + "/v1/completions",
+        {
+            "model": str(pair.model),
+            "prompt": prompt,
+            "max_tokens": 12,
+            "temperature": 0,
+            "kv_transfer_params": first["kv_transfer_params"],
+        },
+    )
     assert status >= 500, answer
     assert time.monotonic() - t0 < LOAD_S + 15
 

@@ -11,10 +11,10 @@ FULL, WINDOW, STATE = Group(Kind.FULL, 32), Group(Kind.WINDOW, 32, 3), Group(Kin
 
 def test_consumer_wants_its_missing_blocks_a_windows_last_ones_and_the_state_slot():
     blocks = [1, 2, 3, 4]
-    assert FULL.wanted(blocks, 64, 36) == (3, 4)        # tokens 64..99: blocks 2 and 3
-    assert WINDOW.wanted(blocks, 0, 100) == (2, 3, 4)   # only the window's last 3
-    assert STATE.wanted([7, 8], 0, 99) == (7,)          # the running slot, not the scratch slot
-    assert Group(Kind.STATE, 512).held([0, 5]) == (5,)   # null placeholders before the slot
+    assert FULL.wanted(blocks, 64, 36) == (3, 4)  # tokens 64..99: blocks 2 and 3
+    assert WINDOW.wanted(blocks, 0, 100) == (2, 3, 4)  # only the window's last 3
+    assert STATE.wanted([7, 8], 0, 99) == (7,)  # the running slot, not the scratch slot
+    assert Group(Kind.STATE, 512).held([0, 5]) == (5,)  # null placeholders before the slot
 
 
 def test_pairs_follow_the_groups_and_skip_null_blocks():
@@ -22,8 +22,16 @@ def test_pairs_follow_the_groups_and_skip_null_blocks():
     held = ((5,), (0, 3, 4, 6), (8, 9, 10, 11))
     dst = to_wire(groups, ((9,), (12, 13, 14, 15), (1, 2, 5, 7)))
     src, got = pairs(groups, held, dst, 100, 100)
-    assert list(zip(src.tolist(), got.tolist())) == [(5, 9), (3, 13), (4, 14), (6, 15), (8, 1), (9, 2), (10, 5),
-                                                      (11, 7)]
+    assert list(zip(src.tolist(), got.tolist())) == [
+        (5, 9),
+        (3, 13),
+        (4, 14),
+        (6, 15),
+        (8, 1),
+        (9, 2),
+        (10, 5),
+        (11, 7),
+    ]
 
 
 def test_a_suffix_pairs_with_the_last_blocks():
@@ -31,12 +39,15 @@ def test_a_suffix_pairs_with_the_last_blocks():
     assert (src.tolist(), dst.tolist()) == ([10, 11], [2, 3])
 
 
-@pytest.mark.parametrize("dst, num_tokens, match", [
-    (((9,), (1, 2, 5, 7)), 99, "exactly 100 tokens"),            # a state at another length
-    (((9, 10), (1, 2, 5, 7)), 100, "one slot"),
-    (((9,), (1, 2, 5, 7, 8)), 100, "5 destination blocks"),
-    (((9,), (1, 2, 5, 7)), 101, r"outside \[1, 100\]"),
-])
+@pytest.mark.parametrize(
+    "dst, num_tokens, match",
+    [
+        (((9,), (1, 2, 5, 7)), 99, "exactly 100 tokens"),  # a state at another length
+        (((9, 10), (1, 2, 5, 7)), 100, "one slot"),
+        (((9,), (1, 2, 5, 7, 8)), 100, "5 destination blocks"),
+        (((9,), (1, 2, 5, 7)), 101, r"outside \[1, 100\]"),
+    ],
+)
 def test_a_destination_that_cannot_be_ours_is_refused(dst, num_tokens, match):
     groups = (STATE, FULL)
     with pytest.raises(ProtocolError, match=match):

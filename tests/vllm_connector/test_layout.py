@@ -12,8 +12,9 @@ from transfer.buffers import buffers_of, layout_difference
 
 def _cpu_caches(num_blocks=8, heads=2, block=16, head=64, dtype=torch.float32, layers=(1, 0)):
     """vLLM's CPU layout: [num_blocks, num_kv_heads, block_size, 2 * head_size] per layer."""
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, heads, block, 2 * head, dtype=dtype)
-            for i in layers}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, heads, block, 2 * head, dtype=dtype) for i in layers
+    }
 
 
 def _bufs(caches, block=16):
@@ -23,24 +24,26 @@ def _bufs(caches, block=16):
 def test_cpu_layout_is_one_buffer_per_layer_with_a_block_per_item():
     caches = _cpu_caches()
     pool = engine_pool(caches, 16, "tiny")
-    assert [(b.region, b.item_bytes, b.num_items, b.component, b.layer, b.part) for b in _bufs(caches)] == \
-        [(i, 2 * 16 * 128 * 4, 8, Component.FULL, i, "kv") for i in range(2)]
+    assert [(b.region, b.item_bytes, b.num_items, b.component, b.layer, b.part) for b in _bufs(caches)] == [
+        (i, 2 * 16 * 128 * 4, 8, Component.FULL, i, "kv") for i in range(2)
+    ]
     full = pool.config.model.full
     assert (full.layers, full.kv_heads, full.k_dim, full.dtype) == ((0, 1), 2, 64, "float32")
     src = caches["model.layers.0.self_attn.attn"]
-    pool.exposed_tensors()[Component.FULL][0][3].fill_(7)      # the view is vLLM's memory
+    pool.exposed_tensors()[Component.FULL][0][3].fill_(7)  # the view is vLLM's memory
     assert (src[3].view(torch.uint8) == 7).all() and not (src[2].view(torch.uint8) == 7).all()
 
 
 def test_kv_first_layout_is_k_and_v_buffers():
     caches = {f"model.layers.{i}.self_attn.attn": torch.zeros(2, 8, 16, 2, 64) for i in range(2)}
-    assert [(b.layer, b.part, b.item_bytes) for b in _bufs(caches)] == \
-        [(i, p, 16 * 2 * 64 * 4) for i in range(2) for p in ("k", "v")]
+    assert [(b.layer, b.part, b.item_bytes) for b in _bufs(caches)] == [
+        (i, p, 16 * 2 * 64 * 4) for i in range(2) for p in ("k", "v")
+    ]
 
 
 def test_two_sides_of_one_model_pair_and_another_block_size_does_not():
     a, b = _bufs(_cpu_caches()), _bufs(_cpu_caches(num_blocks=20))
-    assert layout_difference(a, b) is None          # capacity may differ
+    assert layout_difference(a, b) is None  # capacity may differ
     c = _bufs(_cpu_caches(block=32), block=32)
     assert "B/item" in layout_difference(a, c)
     with pytest.raises(VllmLayoutError, match="blocks of 32 tokens, vLLM's block size is 16"):
@@ -48,7 +51,7 @@ def test_two_sides_of_one_model_pair_and_another_block_size_does_not():
 
 
 def test_block_outermost_layout_is_refused_by_name():
-    whole = torch.zeros(8, 2, 2, 16, 128)           # [blocks, layers, heads, tokens, 2 x head]: BLHNC
+    whole = torch.zeros(8, 2, 2, 16, 128)  # [blocks, layers, heads, tokens, 2 x head]: BLHNC
     caches = {f"model.layers.{i}.self_attn.attn": whole[:, i] for i in range(2)}
     with pytest.raises(VllmLayoutError, match="BLHNC"):
         engine_pool(caches, 16, "tiny")
@@ -60,9 +63,10 @@ def test_a_hybrid_page_pool_is_one_buffer_of_whole_pages():
     attention layer's blocks over the same pages."""
     page = 2 * 16 * 128 * 4
     raw = torch.zeros(8 * page, dtype=torch.uint8)
-    caches = {"model.layers.0.linear_attn": torch.as_strided(raw.view(torch.int8), (8, 1, 1, 3000),
-                                                             (page, 3000, 3000, 1)),
-              "model.layers.1.self_attn.attn": raw.view(torch.float32).view(8, 2, 16, 128)}
+    caches = {
+        "model.layers.0.linear_attn": torch.as_strided(raw.view(torch.int8), (8, 1, 1, 3000), (page, 3000, 3000, 1)),
+        "model.layers.1.self_attn.attn": raw.view(torch.float32).view(8, 2, 16, 128),
+    }
     pool = engine_pool(caches, 16, "tiny", state_layers=frozenset({"model.layers.0.linear_attn"}))
     assert [(b.layer, b.part, tuple(b.blocks.shape)) for b in pool.buffers] == [(0, "state", (8, page))]
     assert pool.config.model.full.layers == (1,) and pool.config.model.num_layers == 2

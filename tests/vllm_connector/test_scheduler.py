@@ -13,9 +13,15 @@ BOOT = "tcp://127.0.0.1:8998"
 
 
 def _scheduler(u, model, role):
-    cfg = u.create_vllm_config(model=str(model), block_size=BS, kv_connector="DisaggConnector",
-                               kv_connector_module_path="disagg.vllm.connector", kv_role=role,
-                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32")
+    cfg = u.create_vllm_config(
+        model=str(model),
+        block_size=BS,
+        kv_connector="DisaggConnector",
+        kv_connector_module_path="disagg.vllm.connector",
+        kv_role=role,
+        kv_connector_extra_config={"bootstrap": BOOT},
+        dtype="float32",
+    )
     return u.create_scheduler(cfg, num_blocks=64)
 
 
@@ -39,7 +45,7 @@ def test_producer_holds_blocks_until_sent(vllm_utils, tiny_llama):
     params = eco[0].outputs[0].kv_transfer_params
     remote = RemotePrefill(**params["disagg"])
     assert params["do_remote_prefill"] is True and remote.bootstrap == BOOT and remote.num_tokens == 40
-    assert _free_blocks(s) == free0 - 3                  # held: 40 tokens in 3 blocks of 16
+    assert _free_blocks(s) == free0 - 3  # held: 40 tokens in 3 blocks of 16
     step = _meta(s.schedule())
     [send] = step.sends
     assert (send.req_id, send.room, send.num_tokens, len(send.block_ids[0])) == (req.request_id, remote.room, 40, 3)
@@ -50,6 +56,7 @@ def test_producer_holds_blocks_until_sent(vllm_utils, tiny_llama):
 
 def test_producer_abort_holds_nothing(vllm_utils, tiny_llama):
     from vllm.v1.request import RequestStatus
+
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_producer")
     req = u.create_request(num_tokens=40, do_remote_decode=True, block_size=BS)
@@ -75,11 +82,11 @@ def test_consumer_waits_for_remote_kv_then_runs(vllm_utils, tiny_llama):
     [load] = step.loads
     assert (load.first_token, load.num_tokens, len(load.block_ids[0])) == (0, 40, 3)
     assert load.remote.room == 7
-    assert not s.running                                  # waiting for the KV
+    assert not s.running  # waiting for the KV
     s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
     out = s.schedule()
     assert [r.req_id for r in out.scheduled_new_reqs] == [req.request_id]
-    assert out.num_scheduled_tokens[req.request_id] == 1   # only the last prompt token is recomputed
+    assert out.num_scheduled_tokens[req.request_id] == 1  # only the last prompt token is recomputed
     s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
     s.schedule()
     u.assert_scheduler_empty(s)
@@ -88,14 +95,14 @@ def test_consumer_waits_for_remote_kv_then_runs(vllm_utils, tiny_llama):
 def test_consumer_loads_only_beyond_its_prefix_cache_hit(vllm_utils, tiny_llama):
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_consumer")
-    warm = u.create_request(num_tokens=40, common_prefix_len=32, block_size=BS)   # computed here
+    warm = u.create_request(num_tokens=40, common_prefix_len=32, block_size=BS)  # computed here
     s.add_request(warm)
     out = s.schedule()
     s.update_from_output(out, u.create_model_runner_output([warm], use_eos=True))
     req = _remote_request(u, 48, common_prefix_len=32)
     s.add_request(req)
     [load] = _meta(s.schedule()).loads
-    assert (load.first_token, load.num_tokens, len(load.block_ids[0])) == (32, 16, 1)   # 2 blocks cached locally
+    assert (load.first_token, load.num_tokens, len(load.block_ids[0])) == (32, 16, 1)  # 2 blocks cached locally
     s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
     out = s.schedule()
     s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
@@ -105,6 +112,7 @@ def test_consumer_loads_only_beyond_its_prefix_cache_hit(vllm_utils, tiny_llama)
 
 def test_consumer_abort_releases_room_and_keeps_blocks_until_load_ends(vllm_utils, tiny_llama):
     from vllm.v1.request import RequestStatus
+
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_consumer")
     free0 = _free_blocks(s)
@@ -112,7 +120,7 @@ def test_consumer_abort_releases_room_and_keeps_blocks_until_load_ends(vllm_util
     s.add_request(req)
     s.schedule()
     s.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
-    assert _free_blocks(s) == free0 - 3                   # a write may still land: vLLM holds them
+    assert _free_blocks(s) == free0 - 3  # a write may still land: vLLM holds them
     [rel] = _meta(s.schedule()).releases
     assert (rel.remote.room, rel.req_id) == (7, req.request_id)
     s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}))
@@ -123,6 +131,7 @@ def test_consumer_abort_releases_room_and_keeps_blocks_until_load_ends(vllm_util
 
 def test_consumer_abort_before_scheduling_releases_room(vllm_utils, tiny_llama):
     from vllm.v1.request import RequestStatus
+
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_consumer")
     req = _remote_request(u, 40, room=9)
@@ -135,17 +144,24 @@ def test_consumer_abort_before_scheduling_releases_room(vllm_utils, tiny_llama):
 
 def test_failed_load_is_recomputed(vllm_utils, tiny_llama):
     u = vllm_utils
-    cfg = u.create_vllm_config(model=str(tiny_llama), block_size=BS, kv_connector="DisaggConnector",
-                               kv_connector_module_path="disagg.vllm.connector", kv_role="kv_consumer",
-                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32",
-                               kv_load_failure_policy="recompute")
+    cfg = u.create_vllm_config(
+        model=str(tiny_llama),
+        block_size=BS,
+        kv_connector="DisaggConnector",
+        kv_connector_module_path="disagg.vllm.connector",
+        kv_role="kv_consumer",
+        kv_connector_extra_config={"bootstrap": BOOT},
+        dtype="float32",
+        kv_load_failure_policy="recompute",
+    )
     s = u.create_scheduler(cfg, num_blocks=64)
     req = _remote_request(u, 40)
     s.add_request(req)
     [load] = _meta(s.schedule()).loads
     bad = set(load.block_ids[0])
-    s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id},
-                                                                     invalid_block_ids=bad))
+    s.update_from_output(
+        s.schedule(), u.create_model_runner_output([], finished_recving={req.request_id}, invalid_block_ids=bad)
+    )
     out = s.schedule()
     assert out.num_scheduled_tokens[req.request_id] == 40  # every prompt token computed here
     s.update_from_output(out, u.create_model_runner_output([req], use_eos=True))
@@ -153,9 +169,15 @@ def test_failed_load_is_recomputed(vllm_utils, tiny_llama):
     u.assert_scheduler_empty(s)
 
 
-@pytest.mark.parametrize("disagg", [{"room": 0, "bootstrap": BOOT, "num_tokens": 4},
-                                    {"room": 1, "bootstrap": "http://x", "num_tokens": 4},
-                                    {"room": 1, "bootstrap": BOOT, "num_tokens": 4, "extra": 1}, "nope"])
+@pytest.mark.parametrize(
+    "disagg",
+    [
+        {"room": 0, "bootstrap": BOOT, "num_tokens": 4},
+        {"room": 1, "bootstrap": "http://x", "num_tokens": 4},
+        {"room": 1, "bootstrap": BOOT, "num_tokens": 4, "extra": 1},
+        "nope",
+    ],
+)
 def test_malformed_params_compute_locally(vllm_utils, tiny_llama, disagg):
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_consumer")
@@ -170,23 +192,42 @@ def _hybrid_scheduler(u, model, role, policy="fail"):
     """vLLM's scheduler over three KV cache groups as HMA makes them for a hybrid model: full
     attention, a sliding window of 32 tokens, a Mamba state (its slot the last of its blocks)."""
     import torch
-    from vllm.v1.kv_cache_interface import (FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec,
-                                            SlidingWindowSpec)
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
     page = BS * 2 * 2 * 4
-    groups = [KVCacheGroupSpec(["model.layers.0.self_attn.attn"], FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2,
-                                                                               dtype=torch.float32)),
-              KVCacheGroupSpec(["model.layers.1.self_attn.attn"],
-                               SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype=torch.float32,
-                                                 sliding_window=32)),
-              KVCacheGroupSpec(["model.layers.2.linear_attn"],
-                               MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,),
-                                         page_size_padded=page))]
-    cfg = u.create_vllm_config(model=str(model), block_size=BS, kv_connector="DisaggConnector",
-                               kv_connector_module_path="disagg.vllm.connector", kv_role=role,
-                               kv_connector_extra_config={"bootstrap": BOOT}, dtype="float32",
-                               kv_load_failure_policy=policy)
-    return u.create_scheduler(cfg, kv_cache_config=KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                                                                 kv_cache_groups=groups))
+    groups = [
+        KVCacheGroupSpec(
+            ["model.layers.0.self_attn.attn"],
+            FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype=torch.float32),
+        ),
+        KVCacheGroupSpec(
+            ["model.layers.1.self_attn.attn"],
+            SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=2, dtype=torch.float32, sliding_window=32),
+        ),
+        KVCacheGroupSpec(
+            ["model.layers.2.linear_attn"],
+            MambaSpec(block_size=BS, shapes=((4,),), dtypes=(torch.float32,), page_size_padded=page),
+        ),
+    ]
+    cfg = u.create_vllm_config(
+        model=str(model),
+        block_size=BS,
+        kv_connector="DisaggConnector",
+        kv_connector_module_path="disagg.vllm.connector",
+        kv_role=role,
+        kv_connector_extra_config={"bootstrap": BOOT},
+        dtype="float32",
+        kv_load_failure_policy=policy,
+    )
+    return u.create_scheduler(
+        cfg, kv_cache_config=KVCacheConfig(num_blocks=64, kv_cache_tensors=[], kv_cache_groups=groups)
+    )
 
 
 def test_hybrid_producer_computes_one_token_less_and_holds_every_groups_blocks(vllm_utils, tiny_llama):
@@ -204,10 +245,10 @@ def test_hybrid_producer_computes_one_token_less_and_holds_every_groups_blocks(v
     [send] = _meta(s.schedule()).sends
     full, window, state = send.block_ids
     assert len(full) == 4 and len(state) == 1 and len(window) == 4
-    assert window[0] == 0 and all(window[1:])         # tokens 0..15 left the window: the null block
+    assert window[0] == 0 and all(window[1:])  # tokens 0..15 left the window: the null block
     s.update_from_output(s.schedule(), u.create_model_runner_output([], finished_sending={req.request_id}))
-    pool = s.kv_cache_manager.block_pool   # every block back (vLLM's own count on its null block 0 goes
-    assert not s.requests and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1   # negative with nulls)
+    pool = s.kv_cache_manager.block_pool  # every block back (vLLM's own count on its null block 0 goes
+    assert not s.requests and pool.get_num_free_blocks() == pool.num_gpu_blocks - 1  # negative with nulls)
     assert [b.block_id for b in pool.blocks if b.ref_cnt and b.block_id != 0] == []
 
 
@@ -220,9 +261,9 @@ def test_hybrid_consumer_loads_every_groups_blocks_and_a_failure_goes_by_request
     [load] = _meta(s.schedule()).loads
     full, window, state = load.block_ids
     assert (load.first_token, load.num_tokens) == (0, 59)
-    assert len(full) == 4 and len(window) == 3 and len(state) == 1   # the window's last blocks, the slot
+    assert len(full) == 4 and len(window) == 3 and len(state) == 1  # the window's last blocks, the slot
     out = u.create_model_runner_output([], finished_recving={req.request_id})
     out.kv_connector_output.failed_recving = {req.request_id}
     s.update_from_output(s.schedule(), out)
-    out = s.schedule()                     # recomputed, not run on blocks it believes loaded
+    out = s.schedule()  # recomputed, not run on blocks it believes loaded
     assert out.num_scheduled_tokens[req.request_id] == 60

@@ -12,8 +12,11 @@ def test_injected_faults_reach_the_transfer_config_and_bad_ones_are_refused_in_o
     plan = ConnectorSettings.from_extra({"inject_faults": "send.stall=1"}).transfer_config(TRANSFER)
     assert plan.faults.rates == {"send.stall": 1.0} and plan.mode is TRANSFER.mode
     assert ConnectorSettings.from_extra({}).transfer_config(TRANSFER) is TRANSFER
-    for bad, why in (("nope=1", "unknown fault point 'nope'"), (5, "5 is not a string"),
-                     ("send.stall=x", "'x' for send.stall is not a number")):
+    for bad, why in (
+        ("nope=1", "unknown fault point 'nope'"),
+        (5, "5 is not a string"),
+        ("send.stall=x", "'x' for send.stall is not a number"),
+    ):
         with pytest.raises(ConfigError, match=f"^kv_connector_extra_config.inject_faults: .*{why}") as exc:
             ConnectorSettings.from_extra({"inject_faults": bad})
         assert "\n" not in str(exc.value)

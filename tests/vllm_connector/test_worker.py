@@ -30,12 +30,32 @@ class Child:
     """A worker_child.py process and its JSON-line answers."""
 
     def __init__(self, role: str, model: Path, layout: str, seed: int, extra: dict, logs: Path, num_blocks=16):
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "DISAGG_VLLM_TESTS": str(VLLM_TESTS),
-               "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+        env = {
+            **os.environ,
+            "PYTHONPATH": str(ROOT),
+            "DISAGG_VLLM_TESTS": str(VLLM_TESTS),
+            "MC_LOG_LEVEL": "ERROR",
+            "GLOG_minloglevel": "2",
+            "VLLM_LOGGING_LEVEL": "WARNING",
+        }
         self.log = open(logs / f"{role}-{seed}.log", "w")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "worker_child.py"), role, str(model), layout, str(seed),
-                                      str(num_blocks), json.dumps(extra)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                str(HERE / "worker_child.py"),
+                role,
+                str(model),
+                layout,
+                str(seed),
+                str(num_blocks),
+                json.dumps(extra),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+        )
         self._answers: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -47,7 +67,7 @@ class Child:
         for line in self.proc.stdout:
             if line.startswith("@@ "):
                 self._answers.put(json.loads(line[3:]))
-        self._answers.put(None)   # it exited
+        self._answers.put(None)  # it exited
 
     def _answer(self, timeout: float) -> dict:
         try:
@@ -121,8 +141,11 @@ def pair(request, tiny_llama, tmp_path_factory):
 
 def _blocks(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
     """Block b of a layer's tensor, as bytes (K/V-first: its K and V)."""
-    return t[b].view(torch.uint8).flatten() if layout == "cpu" else \
-        torch.cat([t[0, b].view(torch.uint8).flatten(), t[1, b].view(torch.uint8).flatten()])
+    return (
+        t[b].view(torch.uint8).flatten()
+        if layout == "cpu"
+        else torch.cat([t[0, b].view(torch.uint8).flatten(), t[1, b].view(torch.uint8).flatten()])
+    )
 
 
 def _remote(room: int, boot: str, num_tokens: int) -> dict:
@@ -136,10 +159,19 @@ def _transfer(pair, tmp_path, room, src, num_tokens, first, dst):
     producer, consumer, boot = pair
     before = consumer.dump(tmp_path / "before.pt")
     producer.step(sends=[{"req_id": f"p{room}", "room": room, "num_tokens": num_tokens, "blocks": src}])
-    consumer.step(loads=[{"req_id": f"c{room}", "remote": _remote(room, boot, num_tokens), "first": first,
-                                    "count": num_tokens - first, "blocks": dst}])
+    consumer.step(
+        loads=[
+            {
+                "req_id": f"c{room}",
+                "remote": _remote(room, boot, num_tokens),
+                "first": first,
+                "count": num_tokens - first,
+                "blocks": dst,
+            }
+        ]
+    )
     got = consumer.wait(LOAD_S + 5)
-    assert producer.wait(10.0)["sending"] == [f"p{room}"]   # vLLM may free its blocks now
+    assert producer.wait(10.0)["sending"] == [f"p{room}"]  # vLLM may free its blocks now
     return got, producer.dump(tmp_path / "src.pt"), before, consumer.dump(tmp_path / "after.pt")
 
 
@@ -148,8 +180,9 @@ def _check(layout, src_t, before, after, moved: dict[int, int]) -> None:
         n = after[name].shape[1 if layout == "cuda-style" else 0]
         for d in range(n):
             want = _blocks(src_t[name], layout, moved[d]) if d in moved else _blocks(before[name], layout, d)
-            assert torch.equal(_blocks(after[name], layout, d), want), \
-                f"{name} block {d}: " + (f"not source block {moved[d]}" if d in moved else "changed")
+            assert torch.equal(_blocks(after[name], layout, d), want), f"{name} block {d}: " + (
+                f"not source block {moved[d]}" if d in moved else "changed"
+            )
 
 
 def test_blocks_land_byte_equal_and_nothing_else_changes(pair, request, tmp_path):
@@ -171,13 +204,14 @@ def test_a_prefix_cache_hit_receives_only_the_suffix(pair, request, tmp_path):
 def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path):
     producer, consumer, boot = _start(tiny_llama, "cpu", (3, 4), tmp_path)
     try:
-        got, *_ = _transfer((producer, consumer, boot), tmp_path, 21, [1, 2], 40, 0, [3, 4])   # registered
+        got, *_ = _transfer((producer, consumer, boot), tmp_path, 21, [1, 2], 40, 0, [3, 4])  # registered
         assert got["recving"] == ["c21"]
         producer.step(sends=[{"req_id": "p22", "room": 22, "num_tokens": 40, "blocks": [5, 6]}])
         producer.kill()
         t0 = time.monotonic()
-        consumer.step(loads=[{"req_id": "c22", "remote": _remote(22, boot, 40), "first": 0, "count": 40,
-                                        "blocks": [7, 8]}])
+        consumer.step(
+            loads=[{"req_id": "c22", "remote": _remote(22, boot, 40), "first": 0, "count": 40, "blocks": [7, 8]}]
+        )
         got = consumer.wait(LOAD_S + 5)
         assert (got["recving"], got["errors"]) == (["c22"], [7, 8])
         assert time.monotonic() - t0 <= LOAD_S + 1.0
@@ -211,8 +245,9 @@ def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path)
     assert (got["recving"], got["errors"], got["failed"]) == (["c31"], [], [])
     for d in range(after["pages"].shape[0]):
         want = src_t["pages"][moved[d]] if d in moved else before["pages"][d]
-        assert torch.equal(after["pages"][d], want), f"page {d}: " + (f"not source page {moved[d]}" if d in moved
-                                                                       else "changed")
+        assert torch.equal(after["pages"][d], want), f"page {d}: " + (
+            f"not source page {moved[d]}" if d in moved else "changed"
+        )
 
 
 def test_a_refused_hybrid_load_fails_by_request_not_by_block(hybrid, tmp_path):
@@ -224,11 +259,14 @@ def test_a_refused_hybrid_load_fails_by_request_not_by_block(hybrid, tmp_path):
     src = [[5], [3, 4, 6, 7]] if layout == "gdn" else [[0, 3, 4, 6], [8, 9, 10, 11]]
     dst, num_tokens = ([[9], [2, 10, 11, 12]], 99) if layout == "gdn" else ([[13, 14, 15], [1, 2, 5, 7, 8]], 100)
     producer.step(sends=[{"req_id": "p41", "room": 41, "num_tokens": 100, "blocks": src}])
-    consumer.step(loads=[{"req_id": "c41", "remote": _remote(41, boot, num_tokens), "first": 0, "count": num_tokens,
-                          "blocks": dst}])
+    consumer.step(
+        loads=[
+            {"req_id": "c41", "remote": _remote(41, boot, num_tokens), "first": 0, "count": num_tokens, "blocks": dst}
+        ]
+    )
     got = consumer.wait(LOAD_S + 5)
     assert (got["recving"], got["errors"], got["failed"]) == (["c41"], [], ["c41"])
-    assert got["waited"] < LOAD_S   # refused, not timed out
+    assert got["waited"] < LOAD_S  # refused, not timed out
 
 
 def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama, tmp_path):

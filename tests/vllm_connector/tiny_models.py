@@ -15,7 +15,7 @@ def save_tokenizer(path: Path) -> None:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
-    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"   # /v1/chat/completions: the words
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # /v1/chat/completions: the words
     fast.save_pretrained(path)
 
 
@@ -39,9 +39,20 @@ def build_tiny_llama(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     save_tokenizer(path)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=1024,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     return save_random(LlamaForCausalLM(cfg), path, 0.5)
 
 
@@ -51,9 +62,20 @@ def build_wide_llama(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     save_tokenizer(path)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-                      num_attention_heads=8, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
-                      bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, torch_dtype="float32")
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+        torch_dtype="float32",
+    )
     return save_random(LlamaForCausalLM(cfg), path, 0.1)
 
 
@@ -64,13 +86,29 @@ def build_tiny_qwen3_next(path: Path) -> Path:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     save_tokenizer(path)
-    cfg = Qwen3NextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                          layer_types=["linear_attention", "full_attention"], num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=2,
-                          linear_key_head_dim=128, linear_value_head_dim=128, num_experts=4, num_experts_per_tok=2,
-                          moe_intermediate_size=128, shared_expert_intermediate_size=128,
-                          max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, torch_dtype="float32")
-    return save_random(Qwen3NextForCausalLM(cfg), path, 0.1, head_scale=40.0)   # bf16: keep greedy margins wide
+    cfg = Qwen3NextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=128,
+        linear_value_head_dim=128,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=1024,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
+    return save_random(Qwen3NextForCausalLM(cfg), path, 0.1, head_scale=40.0)  # bf16: keep greedy margins wide
 
 
 def build_tiny_gemma3(path: Path) -> Path:
@@ -79,9 +117,21 @@ def build_tiny_gemma3(path: Path) -> Path:
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     save_tokenizer(path)
-    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                           layer_types=["sliding_attention", "full_attention"], sliding_window=64,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, query_pre_attn_scalar=64,
-                           max_position_embeddings=1024, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                           torch_dtype="float32")
+    cfg = Gemma3TextConfig(
+        vocab_size=VOCAB,
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        query_pre_attn_scalar=64,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        torch_dtype="float32",
+    )
     return save_random(Gemma3ForCausalLM(cfg), path, 0.5)

@@ -28,9 +28,15 @@ def vllm_config(role: str, model: str, extra: dict):
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
     u = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(u)
-    return u.create_vllm_config(model=model, block_size=BLOCK_SIZE, kv_connector="DisaggConnector",
-                                kv_connector_module_path="disagg.vllm.connector", kv_role=role,
-                                kv_connector_extra_config=extra, dtype="float32")
+    return u.create_vllm_config(
+        model=model,
+        block_size=BLOCK_SIZE,
+        kv_connector="DisaggConnector",
+        kv_connector_module_path="disagg.vllm.connector",
+        kv_role=role,
+        kv_connector_extra_config=extra,
+        dtype="float32",
+    )
 
 
 def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.Tensor]:
@@ -40,12 +46,14 @@ def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.T
     heads, head = m.get_num_kv_heads(cfg.parallel_config), m.get_head_size()
     shape = (num_blocks, heads, BLOCK_SIZE, 2 * head) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, heads, head)
     g = torch.Generator().manual_seed(seed)
-    return {f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g)
-            for i in range(m.get_num_layers(cfg.parallel_config))}
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g)
+        for i in range(m.get_num_layers(cfg.parallel_config))
+    }
 
 
-PAGE = 2 * BLOCK_SIZE * 128 * 4   # one attention block of vLLM's CPU layout: 2 KV heads of 64, float32
-STATE_BYTES = 20_000               # a GDN layer's conv + SSM state, padded to a page
+PAGE = 2 * BLOCK_SIZE * 128 * 4  # one attention block of vLLM's CPU layout: 2 KV heads of 64, float32
+STATE_BYTES = 20_000  # a GDN layer's conv + SSM state, padded to a page
 
 
 def hybrid_caches(layout: str, seed: int, num_blocks: int):
@@ -56,12 +64,14 @@ def hybrid_caches(layout: str, seed: int, num_blocks: int):
     layer 0 sliding window (64 tokens), layer 1 full attention, both attention views."""
     from disagg.vllm.groups import Group, Kind
     from disagg.vllm.worker import KVGroups
+
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (num_blocks * PAGE,), dtype=torch.uint8, generator=g)
     attention = raw.view(torch.float32).view(num_blocks, 2, BLOCK_SIZE, 128)
     if layout == "gdn":
-        state = torch.as_strided(raw.view(torch.int8), (num_blocks, 1, 1, STATE_BYTES), (PAGE, STATE_BYTES,
-                                                                                        STATE_BYTES, 1))
+        state = torch.as_strided(
+            raw.view(torch.int8), (num_blocks, 1, 1, STATE_BYTES), (PAGE, STATE_BYTES, STATE_BYTES, 1)
+        )
         kv = KVGroups((Group(Kind.STATE, 512), Group(Kind.FULL, BLOCK_SIZE)), frozenset({"model.layers.0.linear_attn"}))
         return {"model.layers.0.linear_attn": state, "model.layers.1.self_attn.attn": attention}, kv, raw
     kv = KVGroups((Group(Kind.WINDOW, BLOCK_SIZE, 3), Group(Kind.FULL, BLOCK_SIZE)), frozenset())
@@ -71,13 +81,18 @@ def hybrid_caches(layout: str, seed: int, num_blocks: int):
 def step_meta(cmd: dict):
     from disagg.vllm.params import RemotePrefill
     from disagg.vllm.scheduler import Load, Release, Send, StepMeta
-    def blocks(b):   # one KV cache group, or a list per group
+
+    def blocks(b):  # one KV cache group, or a list per group
         return tuple(tuple(x) for x in b) if b and isinstance(b[0], list) else (tuple(b),)
+
     return StepMeta(
         sends=[Send(s["req_id"], s["room"], s["num_tokens"], blocks(s["blocks"])) for s in cmd.get("sends", ())],
-        loads=[Load(x["req_id"], RemotePrefill(**x["remote"]), x["first"], x["count"], blocks(x["blocks"]))
-               for x in cmd.get("loads", ())],
-        releases=[Release(RemotePrefill(**x["remote"]), x["reason"], x.get("req_id")) for x in cmd.get("releases", ())])
+        loads=[
+            Load(x["req_id"], RemotePrefill(**x["remote"]), x["first"], x["count"], blocks(x["blocks"]))
+            for x in cmd.get("loads", ())
+        ],
+        releases=[Release(RemotePrefill(**x["remote"]), x["reason"], x.get("req_id")) for x in cmd.get("releases", ())],
+    )
 
 
 def wait(worker, timeout: float) -> dict:
@@ -85,9 +100,13 @@ def wait(worker, timeout: float) -> dict:
     while True:
         sending, recving = worker.finished()
         if sending or recving or time.monotonic() - t0 >= timeout:
-            return {"sending": sorted(sending or ()), "recving": sorted(recving or ()),
-                    "errors": sorted(worker.load_errors()), "failed": sorted(worker.failed_loads()),
-                    "waited": time.monotonic() - t0}
+            return {
+                "sending": sorted(sending or ()),
+                "recving": sorted(recving or ()),
+                "errors": sorted(worker.load_errors()),
+                "failed": sorted(worker.failed_loads()),
+                "waited": time.monotonic() - t0,
+            }
         time.sleep(0.005)
 
 
@@ -99,6 +118,7 @@ def main() -> None:
     role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
     from disagg.vllm.connector import kv_groups
     from disagg.vllm.worker import DisaggWorker
+
     cfg = vllm_config(role, model, json.loads(extra))
     if layout in ("gdn", "swa"):
         caches, kv, raw = hybrid_caches(layout, int(seed), int(num_blocks))

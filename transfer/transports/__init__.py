@@ -21,8 +21,22 @@ from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.mooncake import MOONCAKE
 from transfer.transports.ranges import Ranges
 
-__all__ = ["Exposure", "Link", "LinkCost", "Offer", "PendingWrite", "PreparedWrite", "Ranges", "Transport",
-           "TransportKind", "TransportSettings", "TRANSPORTS", "create", "pick", "resolve"]
+__all__ = [
+    "Exposure",
+    "Link",
+    "LinkCost",
+    "Offer",
+    "PendingWrite",
+    "PreparedWrite",
+    "Ranges",
+    "Transport",
+    "TransportKind",
+    "TransportSettings",
+    "TRANSPORTS",
+    "create",
+    "pick",
+    "resolve",
+]
 
 
 class Registry:
@@ -67,7 +81,7 @@ class Registry:
 
 
 TRANSPORTS = Registry()
-TRANSPORTS.add(CUDA_IPC)    # (preference order: the first a process suits is offered first)
+TRANSPORTS.add(CUDA_IPC)  # (preference order: the first a process suits is offered first)
 TRANSPORTS.add(MOONCAKE)
 
 
@@ -104,5 +118,7 @@ def pick(offers: Sequence[Offer], transports: Sequence[Transport]) -> tuple[Offe
                 return offer, t
             if t.kind == offer.kind:
                 why.append(problem)
-    raise TransportError(f"no common transport: peer offers {[o.kind for o in offers]}, "
-                         f"we have {[t.kind for t in transports]}" + (f" ({'; '.join(why)})" if why else ""))
+    raise TransportError(
+        f"no common transport: peer offers {[o.kind for o in offers]}, "
+        f"we have {[t.kind for t in transports]}" + (f" ({'; '.join(why)})" if why else "")
+    )

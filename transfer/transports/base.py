@@ -36,15 +36,16 @@ from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
 class Offer(msgspec.Struct, frozen=True, array_like=True):
     """One way to reach a side's exposed regions (it travels in the registration)."""
-    kind: str        # transport name in the registry
-    host: str        # host identity: same-host transports only connect where this matches
-    blob: bytes      # the transport's own reachability data (opaque to everyone else)
+
+    kind: str  # transport name in the registry
+    host: str  # host identity: same-host transports only connect where this matches
+    blob: bytes  # the transport's own reachability data (opaque to everyone else)
 
 
 @dataclass(frozen=True)
 class LinkCost:
-    per_range_us: float   # cost of each separate byte range
-    link_gbps: float      # one large write
+    per_range_us: float  # cost of each separate byte range
+    link_gbps: float  # one large write
 
 
 class PendingWrite(ABC):
@@ -62,6 +63,7 @@ class PendingWrite(ABC):
 
 class PreparedWrite(ABC):
     """A write checked and laid out ahead of its bytes (Link.prepare_runs); it starts once."""
+
     nbytes: int
 
     @abstractmethod
@@ -94,7 +96,7 @@ class _Chain(PreparedWrite):
             for w in self._writes:
                 started.add(w.start())
         except BaseException:
-            started.drain()   # what started is done before the failure is reported
+            started.drain()  # what started is done before the failure is reported
             raise
         return started
 
@@ -107,10 +109,10 @@ class PendingWrites(PendingWrite):
     POLL_S = 100e-6
 
     def __init__(self, ordered: bool = False) -> None:
-        self.ordered = ordered   # the link lands writes in order: the last one landed means all did
+        self.ordered = ordered  # the link lands writes in order: the last one landed means all did
         self._writes: list[PendingWrite] = []
         self.nbytes = 0
-        self.abandoned: WritesAbandoned | None = None   # a member given up on (its link closed)
+        self.abandoned: WritesAbandoned | None = None  # a member given up on (its link closed)
 
     def add(self, write: PendingWrite) -> None:
         """A write of the transfer; a set of them (a chain's) joins member by member, so that
@@ -150,7 +152,7 @@ class PendingWrites(PendingWrite):
                 for w in self._writes:
                     w.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             except TransferError:
-                pass   # raised below by poll(), with the other members retired first
+                pass  # raised below by poll(), with the other members retired first
         while not self.poll():
             if deadline is not None and time.monotonic() > deadline:
                 raise WriteFailed("write", -2, "peer", self.nbytes, detail=f"not done within {timeout} s")
@@ -172,7 +174,8 @@ class PendingWrites(PendingWrite):
 
 class Exposure(ABC):
     """Local memory registered with a transport as numbered regions."""
-    sizes: np.ndarray   # int64 [n_regions]
+
+    sizes: np.ndarray  # int64 [n_regions]
 
     @abstractmethod
     def offer(self) -> Offer: ...
@@ -184,10 +187,11 @@ class Exposure(ABC):
 
 class Link(ABC):
     """A connection from one local exposure to one peer's offered regions."""
+
     kind: str
-    peer: str           # a printable name of the peer
+    peer: str  # a printable name of the peer
     cost: LinkCost
-    ordered = False     # True: writes land in the order they were submitted (one stream)
+    ordered = False  # True: writes land in the order they were submitted (one stream)
     # Writes from a CUDA pool run beside the model engine's kernels without slowing them much
     # (a copy kernel on few SMs, a NIC reading GPU memory); False: they would cost the compute
     # more than streaming hides, so `auto` does not stream over this link.

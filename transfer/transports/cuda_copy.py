@@ -41,12 +41,12 @@ from transfer.errors import TransportError
 from transfer.transports.cuda_driver import Call, Driver
 from transfer.transports.ranges import LaneRuns, RunSet
 
-_PIECE_BYTES = 256 << 10      # longer ranges are split so warps share the work evenly
+_PIECE_BYTES = 256 << 10  # longer ranges are split so warps share the work evenly
 
 _KERNEL = (Path(__file__).parent / "copy_kernel.cu").read_text()
 
 
-_HOST_EXPAND = 1 << 12         # up to this many ranges are expanded on the host (numpy), more on the GPU
+_HOST_EXPAND = 1 << 12  # up to this many ranges are expanded on the host (numpy), more on the GPU
 
 
 class Table:
@@ -63,8 +63,9 @@ class Table:
 
     def __init__(self, values: np.ndarray, driver: Driver, stream, lock: threading.RLock) -> None:
         import torch
-        self.nbytes, self.users, self.cached, self._lock = values.nbytes, 0, True, lock   # lock: its cache's
-        self.host = torch.from_numpy(values).pin_memory()   # torch's pinned cache: no cudaHostAlloc per write
+
+        self.nbytes, self.users, self.cached, self._lock = values.nbytes, 0, True, lock  # lock: its cache's
+        self.host = torch.from_numpy(values).pin_memory()  # torch's pinned cache: no cudaHostAlloc per write
         self.ptr = torch.cuda.caching_allocator_alloc(values.nbytes, stream.device, stream)
         try:
             driver.upload(self.ptr, self.host.data_ptr(), values.nbytes, stream.cuda_stream)
@@ -93,12 +94,13 @@ class Table:
         ptr, self.ptr = self.ptr, 0
         if ptr:
             import torch
+
             torch.cuda.caching_allocator_delete(ptr)
 
-    def __del__(self) -> None:   # dropped by every holder and the cache
+    def __del__(self) -> None:  # dropped by every holder and the cache
         try:
             self.release()
-        except Exception:   # noqa: BLE001 (interpreter shutdown)
+        except Exception:  # noqa: BLE001 (interpreter shutdown)
             pass
 
 
@@ -110,9 +112,9 @@ class TableCache:
 
     def __init__(self, driver: Driver, entries: int = 32, max_bytes: int = 16 << 20):
         self.driver, self.entries, self.max_bytes = driver, entries, max_bytes
-        self._tables: dict[bytes, Table] = {}   # insertion order: the oldest first
+        self._tables: dict[bytes, Table] = {}  # insertion order: the oldest first
         self._bytes = 0
-        self._lock = threading.RLock()   # the cache's and its tables' holders (sends on several threads)
+        self._lock = threading.RLock()  # the cache's and its tables' holders (sends on several threads)
 
     def get(self, values: np.ndarray, stream) -> Table:
         """The table holding `values` (int64), held once for the caller (Table.drop)."""
@@ -122,7 +124,7 @@ class TableCache:
             if table is None:
                 table = Table(values, self.driver, stream, self._lock)
                 self._bytes += table.nbytes
-            self._tables[key] = table   # the newest now
+            self._tables[key] = table  # the newest now
             table.hold()
             while len(self._tables) > self.entries or (self._bytes > self.max_bytes and len(self._tables) > 1):
                 self._evict(next(iter(self._tables)))
@@ -151,7 +153,7 @@ def _split(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> np.ndarray
     """Flat [3, n] (src, dst, len) of a run set on the host, ranges cut into pieces of at most
     _PIECE_BYTES so the warps share long ones."""
     src, dst, length = _flat(rs, src_base, dst_base)
-    if not len(length) or int(length.max()) <= _PIECE_BYTES:   # nothing to cut (an AUX row, fragments)
+    if not len(length) or int(length.max()) <= _PIECE_BYTES:  # nothing to cut (an AUX row, fragments)
         return np.concatenate([src, dst, length])
     pieces = np.maximum(1, -(-length // _PIECE_BYTES))
     which = np.repeat(np.arange(len(length)), pieces)
@@ -165,21 +167,46 @@ def _layout(work) -> tuple[np.ndarray, list[tuple], int]:
     short ranges) crosses as runs + buffers and the kernel expands it; a set of few ranges is
     expanded here and split so the warps share long ones: one launch per fragmented set and
     one for all expanded ranges."""
-    total, tables, lanes, flats = 0, [], [], []   # factorized (values, n, b); host-expanded [3, k] pieces
+    total, tables, lanes, flats = 0, [], [], []  # factorized (values, n, b); host-expanded [3, k] pieces
     for rs, src_base, dst_base in work:
         if not len(rs):
             continue
         total += rs.nbytes
-        if isinstance(rs, LaneRuns):   # src_base / dst_base: each lane's buffer address
-            lanes.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, rs.src_pitch,
-                                          rs.src_offset, rs.src_stride, dst_base, rs.dst_pitch, rs.dst_offset,
-                                          rs.dst_stride, rs.row_bytes]),
-                          len(rs.count), len(rs.row_bytes), rs.src_rows, rs.dst_rows))
+        if isinstance(rs, LaneRuns):  # src_base / dst_base: each lane's buffer address
+            lanes.append(
+                (
+                    np.concatenate(
+                        [
+                            rs.src_start,
+                            rs.dst_start,
+                            rs.count,
+                            src_base,
+                            rs.src_pitch,
+                            rs.src_offset,
+                            rs.src_stride,
+                            dst_base,
+                            rs.dst_pitch,
+                            rs.dst_offset,
+                            rs.dst_stride,
+                            rs.row_bytes,
+                        ]
+                    ),
+                    len(rs.count),
+                    len(rs.row_bytes),
+                    rs.src_rows,
+                    rs.dst_rows,
+                )
+            )
             continue
         longest = int(rs.count.max()) * int(rs.item_bytes.max())
         if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
-            tables.append((np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base,
-                                           rs.item_bytes]), len(rs.count), len(rs.item_bytes)))
+            tables.append(
+                (
+                    np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base, rs.item_bytes]),
+                    len(rs.count),
+                    len(rs.item_bytes),
+                )
+            )
         else:
             flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
     flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
@@ -200,7 +227,7 @@ class RangeCopier:
     def __init__(self, driver: Driver, device: int, blocks: int = 32, threads: int = 512):
         self.driver, self.device, self.blocks, self.threads = driver, device, blocks, threads
         self._module, self._functions, self._ctx = None, {}, None
-        self._init = threading.Lock()   # links share the copier: one compile, one context retain
+        self._init = threading.Lock()  # links share the copier: one compile, one context retain
 
     def prepare(self, groups, stream, cache: TableCache) -> tuple[list[Call], Table | None, int]:
         """Lay out copies for `stream` (the link's torch.cuda.Stream; context() current): one
@@ -219,8 +246,9 @@ class RangeCopier:
             return [], None, total
         table = cache.get(np.concatenate(parts).astype(np.int64, copy=False), stream)
         try:
-            calls = [self._call(name, rows, *(table.ptr + 8 * p for p in ptrs), *ints)
-                     for name, rows, ptrs, ints in launches]
+            calls = [
+                self._call(name, rows, *(table.ptr + 8 * p for p in ptrs), *ints) for name, rows, ptrs, ints in launches
+            ]
         except BaseException:
             table.drop()
             raise
@@ -244,18 +272,24 @@ class RangeCopier:
             if name in self._functions:
                 return self._functions[name]
             import cupy
+
             if self._module is None:
                 self._module = cupy.RawModule(code=_KERNEL)
             with cupy.cuda.Device(self.device):
                 ptr = getattr(getattr(self._module.get_function(name), "kernel", None), "ptr", None)
             if not ptr:
-                raise TransportError(f"cuda-ipc: CuPy {cupy.__version__} gives no function handle for its kernel "
-                                     "(RawKernel.kernel.ptr)")
+                raise TransportError(
+                    f"cuda-ipc: CuPy {cupy.__version__} gives no function handle for its kernel (RawKernel.kernel.ptr)"
+                )
             self._functions[name] = int(ptr)
         return self._functions[name]
 
     def _call(self, name: str, rows: int, *args: int) -> Call | None:
         if rows == 0:
             return None
-        return self.driver.call(self._function(name), min(self.blocks, -(-rows * 32 // self.threads)), self.threads,
-                                tuple(int(a) for a in args))
+        return self.driver.call(
+            self._function(name),
+            min(self.blocks, -(-rows * 32 // self.threads)),
+            self.threads,
+            tuple(int(a) for a in args),
+        )

@@ -22,16 +22,16 @@ from contextlib import contextmanager
 from transfer.errors import TransportError
 
 _vp, _u32, _u64 = ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint64
-NOT_READY = 600                     # CUDA_ERROR_NOT_READY
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
 BLOCKING_SYNC, DISABLE_TIMING = 1, 2
 
 
 class Handle(ctypes.Structure):
-    _fields_ = [("reserved", ctypes.c_ubyte * 64)]   # not c_char: that reads back cut at the first NUL
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]  # not c_char: that reads back cut at the first NUL
 
 
 class Driver:
-    MEMORYTYPE_ATTRIBUTE, DEVICE = 2, 2          # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_DEVICE
+    MEMORYTYPE_ATTRIBUTE, DEVICE = 2, 2  # CU_POINTER_ATTRIBUTE_MEMORY_TYPE, CU_MEMORYTYPE_DEVICE
     LAZY_ENABLE_PEER_ACCESS = 1
 
     def __init__(self) -> None:
@@ -43,8 +43,9 @@ class Driver:
         # the hot path's calls with their C signatures (faster calls, and no silent int truncation)
         self._set_ctx = self._fn("cuCtxSetCurrent", _vp)
         self._get_ctx = self._fn("cuCtxGetCurrent", ctypes.POINTER(_vp))
-        self._launch = self._fn("cuLaunchKernel", _vp, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _vp,
-                                ctypes.POINTER(_vp), _vp)
+        self._launch = self._fn(
+            "cuLaunchKernel", _vp, _u32, _u32, _u32, _u32, _u32, _u32, _u32, _vp, ctypes.POINTER(_vp), _vp
+        )
         self._htod = self._fn("cuMemcpyHtoDAsync_v2", _u64, _vp, ctypes.c_size_t, _vp)
         self._stream_sync = self._fn("cuStreamSynchronize", _vp)
         self._ev_create = self._fn("cuEventCreate", ctypes.POINTER(_vp), _u32)
@@ -72,8 +73,10 @@ class Driver:
 
     def allocation(self, ptr: int) -> tuple[int, int]:
         base, size = ctypes.c_uint64(), ctypes.c_size_t()
-        self._check("cuMemGetAddressRange", self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size),
-                                                                            ctypes.c_uint64(ptr)))
+        self._check(
+            "cuMemGetAddressRange",
+            self.lib.cuMemGetAddressRange_v2(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr)),
+        )
         return base.value, size.value
 
     def export(self, base: int) -> bytes:
@@ -82,14 +85,16 @@ class Driver:
         if code != 0:
             raise TransportError(
                 f"cuda-ipc: memory at {base:#x} cannot be exported (code {code}): only plain cudaMalloc memory can; "
-                "memory from expandable segments cannot (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)")
+                "memory from expandable segments cannot (unset PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True)"
+            )
         return bytes(h.reserved)
 
     def open(self, handle: bytes) -> int:
         h, ptr = Handle(), ctypes.c_uint64()
         ctypes.memmove(ctypes.addressof(h), handle, 64)
-        self._check("cuIpcOpenMemHandle", self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h,
-                                                                          self.LAZY_ENABLE_PEER_ACCESS))
+        self._check(
+            "cuIpcOpenMemHandle", self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(ptr), h, self.LAZY_ENABLE_PEER_ACCESS)
+        )
         return ptr.value
 
     def close(self, ptr: int) -> None:
@@ -140,14 +145,16 @@ class Call:
 
     def __init__(self, driver: Driver, function: int, grid: int, block: int, args: tuple[int, ...]):
         self._d, self._function, self._grid, self._block = driver, function, grid, block
-        self._values = (ctypes.c_int64 * len(args))(*args)   # kept alive with the pointers into it
+        self._values = (ctypes.c_int64 * len(args))(*args)  # kept alive with the pointers into it
         base = ctypes.addressof(self._values)
         self._params = (_vp * len(args))(*(base + 8 * i for i in range(len(args))))
 
     def launch(self, stream: int) -> None:
         d = self._d
-        d._check("cuLaunchKernel", d._launch(self._function, self._grid, 1, 1, self._block, 1, 1, 0, stream,
-                                             self._params, None))
+        d._check(
+            "cuLaunchKernel",
+            d._launch(self._function, self._grid, 1, 1, self._block, 1, 1, 0, stream, self._params, None),
+        )
 
 
 class Event:
@@ -175,6 +182,6 @@ class Event:
         handle, self._handle = getattr(self, "_handle", None), None
         if handle:
             try:
-                self._d._ev_destroy(handle)   # a pending event's resources go once it completes
-            except Exception:   # noqa: BLE001 (interpreter shutdown: the library may be gone)
+                self._d._ev_destroy(handle)  # a pending event's resources go once it completes
+            except Exception:  # noqa: BLE001 (interpreter shutdown: the library may be gone)
                 pass

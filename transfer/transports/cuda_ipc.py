@@ -41,7 +41,7 @@ from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_decoder, host_identity, reach_problem
 from transfer.transports.pace import Pace, Watch
 
-COST = LinkCost(per_range_us=0.0, link_gbps=300.0)   # fragments run at full speed: always direct
+COST = LinkCost(per_range_us=0.0, link_gbps=300.0)  # fragments run at full speed: always direct
 
 
 class CudaWrite(PendingWrite):
@@ -49,14 +49,14 @@ class CudaWrite(PendingWrite):
 
     def __init__(self, event: Event, nbytes: int, watch: Watch, keep: object = None):
         self._event, self.nbytes, self._watch = event, nbytes, watch
-        self._keep = keep   # the pinned table its upload read (done once the write is)
+        self._keep = keep  # the pinned table its upload read (done once the write is)
 
     def poll(self) -> bool:
         return self._event.query()
 
     def wait(self, timeout: float | None = None) -> None:
         if timeout is None:
-            self._watch.wait(self._event)   # sleeps through most of it, watches its tail (pace.py)
+            self._watch.wait(self._event)  # sleeps through most of it, watches its tail (pace.py)
             return
         deadline = time.monotonic() + timeout
         while not self._event.query():
@@ -83,25 +83,26 @@ class CudaPrepared(PreparedWrite):
         calls, tables, self._calls, self._tables = self._calls, self._tables, None, ()
         return calls, tables
 
-    def __del__(self) -> None:   # never started: its tables are not held any more
+    def __del__(self) -> None:  # never started: its tables are not held any more
         for table in getattr(self, "_tables", ()):
             try:
                 table.drop()
-            except Exception:   # noqa: BLE001 (interpreter shutdown)
+            except Exception:  # noqa: BLE001 (interpreter shutdown)
                 pass
 
 
 class CudaIpcLink(Link):
     kind = KIND
     cost = COST
-    ordered = True   # one stream: a later write starts after an earlier one landed
+    ordered = True  # one stream: a later write starts after an earlier one landed
 
     def __init__(self, transport: "CudaIpcTransport", local: CudaIpcExposure, blob: Blob):
         import torch
+
         self._t, self._local, self._pid = transport, local, blob.pid
         self.peer = f"pid {blob.pid} on this host"
         self._mapped: dict[bytes, int] = {}
-        self._lock, self._closed = threading.Lock(), False   # the lock: launches vs close
+        self._lock, self._closed = threading.Lock(), False  # the lock: launches vs close
         bases = []
         torch.cuda.set_device(transport.device)
         try:
@@ -115,31 +116,31 @@ class CudaIpcLink(Link):
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
         self._stream = torch.cuda.Stream(transport.device)
-        self._pace, self._last = Pace(COST.link_gbps), None   # the stream's clock; its last write's event
-        self._tables = TableCache(transport.driver)   # this link's kernel tables by content (its stream's)
+        self._pace, self._last = Pace(COST.link_gbps), None  # the stream's clock; its last write's event
+        self._tables = TableCache(transport.driver)  # this link's kernel tables by content (its stream's)
 
     def _start(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
         try:
             return self._launch(calls, tables, nbytes)
         finally:
             for table in tables:
-                table.drop()   # queued (stream order protects it from here on), or never will be
+                table.drop()  # queued (stream order protects it from here on), or never will be
 
     def _launch(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
         driver, stream = self._t.driver, self._stream.cuda_stream
         with self._lock:
-            if self._closed:   # its mappings are gone: a kernel would write into unmapped memory
+            if self._closed:  # its mappings are gone: a kernel would write into unmapped memory
                 raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
             with driver.current(self._t.copier.context()):
-                alone = self._last is None or self._last.query()   # nothing of ours still runs
+                alone = self._last is None or self._last.query()  # nothing of ours still runs
                 started = time.perf_counter()
                 try:
                     for call in calls:
                         call.launch(stream)
                     event = driver.event()
                     event.record(stream)
-                except BaseException:   # kernels queued before the failure still read the table:
-                    try:                # let them finish before it can be reused
+                except BaseException:  # kernels queued before the failure still read the table:
+                    try:  # let them finish before it can be reused
                         driver.synchronize_stream(stream)
                     except TransportError:
                         pass
@@ -153,8 +154,18 @@ class CudaIpcLink(Link):
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
         zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
-        return (RunSet(self._local.bases[ranges.src_region] + ranges.src_off,
-                       self._bases[ranges.dst_region] + ranges.dst_off, ranges.length, zero, zero, one), zero, zero)
+        return (
+            RunSet(
+                self._local.bases[ranges.src_region] + ranges.src_off,
+                self._bases[ranges.dst_region] + ranges.dst_off,
+                ranges.length,
+                zero,
+                zero,
+                one,
+            ),
+            zero,
+            zero,
+        )
 
     def write_async(self, ranges: Ranges) -> CudaWrite:
         return self._prepare([[self._absolute(ranges)]]).start()
@@ -180,10 +191,14 @@ class CudaIpcLink(Link):
             # runs x buffers, or token rows x lanes (LaneRuns refuses negative rows itself): the
             # kernel expands them; per buffer or lane, its furthest byte within its region
             src_end, dst_end = rs.extents()
-            negative = isinstance(rs, RunSet) and min(int(rs.src_start.min()), int(rs.dst_start.min()),
-                                                      int(rs.count.min())) < 0
-            for side, region, end, sizes in (("source", rs.src_region, src_end, self._local.sizes),
-                                             (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes)):
+            negative = (
+                isinstance(rs, RunSet)
+                and min(int(rs.src_start.min()), int(rs.dst_start.min()), int(rs.count.min())) < 0
+            )
+            for side, region, end, sizes in (
+                ("source", rs.src_region, src_end, self._local.sizes),
+                (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes),
+            ):
                 bad = (region < 0) | (region >= len(sizes))
                 if negative or bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
                     raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
@@ -196,9 +211,10 @@ class CudaIpcLink(Link):
         copier = self._t.copier
         try:
             with self._t.driver.current(copier.context()):
-                calls, table, total = copier.prepare(groups, self._stream, self._tables) if any(groups) \
-                    else ([], None, 0)
-        except RuntimeError as exc:   # torch's pinned or device allocation (out of memory, ...)
+                calls, table, total = (
+                    copier.prepare(groups, self._stream, self._tables) if any(groups) else ([], None, 0)
+                )
+        except RuntimeError as exc:  # torch's pinned or device allocation (out of memory, ...)
             raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
         return CudaPrepared(self, calls, (table,) if table is not None else (), total)
 
@@ -210,8 +226,12 @@ class CudaIpcLink(Link):
         if any(w._calls is None for w in writes):
             raise RuntimeError("a prepared write starts once")
         taken = [w._take() for w in writes]
-        return CudaPrepared(self, [c for calls, _ in taken for c in calls], [t for _, ts in taken for t in ts],
-                            sum(w.nbytes for w in writes))
+        return CudaPrepared(
+            self,
+            [c for calls, _ in taken for c in calls],
+            [t for _, ts in taken for t in ts],
+            sum(w.nbytes for w in writes),
+        )
 
     def probe(self) -> None:
         """A mapping says nothing about its owner (writes after it exited still "succeed"):
@@ -221,7 +241,7 @@ class CudaIpcLink(Link):
         except ProcessLookupError:
             raise PeerUnreachable("probe", -1, self.peer, detail="the process that owns the memory is gone") from None
         except PermissionError:
-            pass   # it exists, under another user
+            pass  # it exists, under another user
 
     def close(self) -> None:
         """Unmap the peer's memory once every write on our stream is done; later writes are
@@ -237,7 +257,7 @@ class CudaIpcLink(Link):
                 return
             driver, failed = self._t.driver, []
             with driver.current(self._t.copier.context()):
-                for ptr in mapped.values():   # every one, even after a failure
+                for ptr in mapped.values():  # every one, even after a failure
                     try:
                         driver.close(ptr)
                     except TransportError as exc:
@@ -251,6 +271,7 @@ class CudaIpcTransport(Transport):
 
     def __init__(self, device: int | None = None, blocks: int = 32, threads: int = 512):
         import torch
+
         if not torch.cuda.is_available():
             raise TransportError("cuda-ipc needs a CUDA device, and torch sees none")
         self.device = torch.cuda.current_device() if device is None else device
@@ -264,6 +285,7 @@ class CudaIpcTransport(Transport):
 
     def expose(self, regions: Sequence[tuple[int, int]]) -> CudaIpcExposure:
         import torch
+
         torch.cuda.set_device(self.device)
         return CudaIpcExposure(self.driver, regions)
 
@@ -282,9 +304,10 @@ class CudaIpcTransport(Transport):
 
 # ---- as the registry sees it (transfer/transports/kind.py) ----
 
+
 @dataclass(frozen=True)
 class CudaIpcSettings:
-    blocks: int = 32    # thread blocks (SMs' worth) the copy kernel takes
+    blocks: int = 32  # thread blocks (SMs' worth) the copy kernel takes
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -292,9 +315,12 @@ class CudaIpcSettings:
 
 
 def _add_flags(g) -> None:
-    g.add_argument("--cuda-ipc-blocks", type=positive_int, default=CudaIpcSettings.blocks,
-                   help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside "
-                        "compute")
+    g.add_argument(
+        "--cuda-ipc-blocks",
+        type=positive_int,
+        default=CudaIpcSettings.blocks,
+        help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside compute",
+    )
 
 
 def _settings_from(args: argparse.Namespace) -> CudaIpcSettings:

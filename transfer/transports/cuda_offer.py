@@ -39,8 +39,8 @@ def reach_problem(offer: Offer, host: str) -> str | None:
 
 
 class _Region(msgspec.Struct, frozen=True, array_like=True):
-    handle: bytes    # cuIpcGetMemHandle of the allocation holding the region (64 bytes)
-    offset: int      # the region's start inside that allocation
+    handle: bytes  # cuIpcGetMemHandle of the allocation holding the region (64 bytes)
+    offset: int  # the region's start inside that allocation
     nbytes: int
 
 
@@ -59,8 +59,10 @@ class CudaIpcExposure(Exposure):
         out = []
         for i, (ptr, nbytes) in enumerate((int(p), int(n)) for p, n in regions):
             if not driver.is_device_memory(ptr):
-                raise TransportError(f"cuda-ipc: region {i} ({nbytes} bytes) is not CUDA device memory; "
-                                     "it needs pools on CUDA (--device cuda or cuda:N)")
+                raise TransportError(
+                    f"cuda-ipc: region {i} ({nbytes} bytes) is not CUDA device memory; "
+                    "it needs pools on CUDA (--device cuda or cuda:N)"
+                )
             base, size = driver.allocation(ptr)
             if ptr + nbytes > base + size:
                 raise TransportError(f"cuda-ipc: region {i} spans more than one allocation")
@@ -71,4 +73,4 @@ class CudaIpcExposure(Exposure):
         return Offer(KIND, host_identity(), self._blob)
 
     def close(self) -> None:
-        pass   # nothing is registered: a handle lives as long as the allocation
+        pass  # nothing is registered: a handle lives as long as the allocation

@@ -29,9 +29,10 @@ class NoSettings:
 @dataclass(frozen=True)
 class TransportSettings:
     """What the transports of one process need to start."""
-    host: str = "127.0.0.1"     # bound and advertised
-    device: str = "cpu"         # where the pool lives: cpu, cuda, cuda:N
-    own: tuple = ()             # kinds' own settings records, one per kind at most (others: defaults)
+
+    host: str = "127.0.0.1"  # bound and advertised
+    device: str = "cpu"  # where the pool lives: cpu, cuda, cuda:N
+    own: tuple = ()  # kinds' own settings records, one per kind at most (others: defaults)
 
     def __post_init__(self) -> None:
         classes = [type(s) for s in self.own]
@@ -69,17 +70,17 @@ def _always(settings: TransportSettings) -> bool:
 @dataclass(frozen=True)
 class TransportKind(Generic[S]):
     """One transport as the registry sees it (the module docstring says why)."""
-    name: str                                                  # --transport NAME; the offers' kind
-    create: Callable[[TransportSettings, S], Transport]        # imports its heavy parts when called
-    settings: type[S] = NoSettings                             # its frozen settings record
-    add_flags: Callable[[Any], None] = _no_flags               # its flags, on an argparse group
-    settings_from: Callable[[argparse.Namespace], S] | None = None   # its record from parsed flags
-    suits: Callable[[TransportSettings], bool] = _always       # joins `auto` for this process?
-    auto: bool = True                                          # part of --transport auto at all
+
+    name: str  # --transport NAME; the offers' kind
+    create: Callable[[TransportSettings, S], Transport]  # imports its heavy parts when called
+    settings: type[S] = NoSettings  # its frozen settings record
+    add_flags: Callable[[Any], None] = _no_flags  # its flags, on an argparse group
+    settings_from: Callable[[argparse.Namespace], S] | None = None  # its record from parsed flags
+    suits: Callable[[TransportSettings], bool] = _always  # joins `auto` for this process?
+    auto: bool = True  # part of --transport auto at all
 
     def own(self, args: argparse.Namespace) -> S:
         return self.settings() if self.settings_from is None else self.settings_from(args)
 
     def start(self, settings: TransportSettings) -> Transport:
         return self.create(settings, settings.of(self.settings))
-

@@ -45,8 +45,14 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from transfer.errors import (EngineInitError, PeerUnreachable, RegistrationError, TransportError, WriteFailed,
-                             WritesAbandoned)
+from transfer.errors import (
+    EngineInitError,
+    PeerUnreachable,
+    RegistrationError,
+    TransportError,
+    WriteFailed,
+    WritesAbandoned,
+)
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
@@ -66,14 +72,15 @@ _ENV_DEFAULTS = {
 
 
 class _Blob(msgspec.Struct, frozen=True, array_like=True):
-    session: str                     # Mooncake session "host:port"
-    regions: list[tuple[int, int]]   # (base address, nbytes) per exposed region
+    session: str  # Mooncake session "host:port"
+    regions: list[tuple[int, int]]  # (base address, nbytes) per exposed region
 
 
 _blob_decoder = msgspec.msgpack.Decoder(_Blob)
 
 
 # ---- one write (the module docstring says why it works this way) ----
+
 
 class PeerBudget:
     """Counts ranges in flight to one peer, across threads."""
@@ -104,10 +111,10 @@ class MooncakeWrite(PendingWrite):
         self._te, self.peer, self._budget = te, session, budget
         self._src, self._dst, self._len = src.tolist(), dst.tolist(), length.tolist()
         self.nbytes = int(length.sum()) if len(length) else 0
-        self._next = 0                        # next range to submit
+        self._next = 0  # next range to submit
         self._inflight: deque[int] = deque()  # batch ids, in submission order
         self._failure: tuple[int, str] | None = None
-        self._lock = threading.Lock()         # the owner's polls and the reaper's
+        self._lock = threading.Lock()  # the owner's polls and the reaper's
         self._abandoned = False
         self.pump()
 
@@ -154,8 +161,13 @@ class MooncakeWrite(PendingWrite):
 
     def poll(self) -> bool:
         if self._abandoned:
-            raise WritesAbandoned("write", -1, self.peer, self.nbytes,
-                                  detail="the link was closed (peer lost or re-registered); the write was abandoned")
+            raise WritesAbandoned(
+                "write",
+                -1,
+                self.peer,
+                self.nbytes,
+                detail="the link was closed (peer lost or re-registered); the write was abandoned",
+            )
         self.pump()
         if self._inflight or (self._failure is None and self._next < len(self._src)):
             return False
@@ -205,7 +217,7 @@ class MooncakeExposure(Exposure):
 
 class MooncakeLink(Link):
     kind = KIND
-    ordered = False   # ranges of one write land in any order; a later write must wait
+    ordered = False  # ranges of one write land in any order; a later write must wait
 
     def __init__(self, transport: "MooncakeTransport", local: MooncakeExposure, blob: _Blob):
         self._transport, self._local = transport, local
@@ -216,7 +228,7 @@ class MooncakeLink(Link):
         # TCP reads a CUDA pool through host copies that contend with the engine's kernels
         # (measured, H100: +20% prefill compute while streaming); RDMA reads GPU memory directly
         self.overlaps_gpu_compute = transport.protocol == "rdma"
-        self._writes: weakref.WeakSet[MooncakeWrite] = weakref.WeakSet()   # (a waiter holds each)
+        self._writes: weakref.WeakSet[MooncakeWrite] = weakref.WeakSet()  # (a waiter holds each)
         self._lock = threading.Lock()
         self._closed = False
 
@@ -229,19 +241,24 @@ class MooncakeLink(Link):
     def _prepare(self, ranges: Ranges) -> MooncakePrepared:
         check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
         check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
-        return MooncakePrepared(self, self._local.bases[ranges.src_region] + ranges.src_off,
-                         self._bases[ranges.dst_region] + ranges.dst_off, ranges.length)
+        return MooncakePrepared(
+            self,
+            self._local.bases[ranges.src_region] + ranges.src_off,
+            self._bases[ranges.dst_region] + ranges.dst_off,
+            ranges.length,
+        )
 
     def _start(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> MooncakeWrite:
         if self._closed:
             raise PeerUnreachable("write", -1, self.peer, int(length.sum()), detail="the link is closed")
-        write = MooncakeWrite(self._transport._te, self.peer, self._transport._budget(self.peer), src, dst,
-                              length)   # (submits its first ranges: outside the lock, writers in parallel)
+        write = MooncakeWrite(
+            self._transport._te, self.peer, self._transport._budget(self.peer), src, dst, length
+        )  # (submits its first ranges: outside the lock, writers in parallel)
         with self._lock:
             closed = self._closed
             if not closed:
                 self._writes.add(write)
-        if closed:   # closed while it was submitting: abandoned like the others
+        if closed:  # closed while it was submitting: abandoned like the others
             write.abandon()
             self._transport.reaper.add(write)
         return write
@@ -291,8 +308,14 @@ def _start_up_lines() -> Iterator:
 class MooncakeTransport(Transport):
     kind = KIND
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", device_names: str = "",
-                 max_inflight_per_peer: int = 1024, progress_timeout_s: int | None = 5):
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        protocol: str = "tcp",
+        device_names: str = "",
+        max_inflight_per_peer: int = 1024,
+        progress_timeout_s: int | None = 5,
+    ):
         if protocol not in PROTOCOLS:
             raise ValueError(f"mooncake protocol must be 'tcp' or 'rdma', got {protocol!r}")
         if max_inflight_per_peer < 1:
@@ -310,10 +333,14 @@ class MooncakeTransport(Transport):
             raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}: {' | '.join(said())}")
         self.host, self.protocol = host, protocol
         self.session_id = f"{host}:{self._te.get_rpc_port()}"
-        log.info("mooncake: its handshake port %d and its TCP data port listen on every address of this host, "
-                 "whatever the host given (%s): Mooncake binds no single address; only a NetworkPolicy or a "
-                 "firewall restricts them (both in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, default 15000-17000; "
-                 "docs/security.md)", self._te.get_rpc_port(), host)
+        log.info(
+            "mooncake: its handshake port %d and its TCP data port listen on every address of this host, "
+            "whatever the host given (%s): Mooncake binds no single address; only a NetworkPolicy or a "
+            "firewall restricts them (both in MC_MIN_RPC_PORT..MC_MAX_RPC_PORT, default 15000-17000; "
+            "docs/security.md)",
+            self._te.get_rpc_port(),
+            host,
+        )
         self.cost = TCP_COST
         self.max_inflight_per_peer = max_inflight_per_peer
         self._budgets: dict[str, PeerBudget] = {}
@@ -383,10 +410,11 @@ class MooncakeTransport(Transport):
 
 # ---- as the registry sees it (transfer/transports/kind.py) ----
 
+
 @dataclass(frozen=True)
 class MooncakeSettings:
-    protocol: str = "tcp"      # tcp or rdma
-    rdma_devices: str = ""     # NIC names for rdma ("" = all)
+    protocol: str = "tcp"  # tcp or rdma
+    rdma_devices: str = ""  # NIC names for rdma ("" = all)
 
     def __post_init__(self) -> None:
         if self.protocol not in PROTOCOLS:
@@ -394,10 +422,15 @@ class MooncakeSettings:
 
 
 def _add_flags(g) -> None:
-    g.add_argument("--mooncake-protocol", default=MooncakeSettings.protocol, choices=PROTOCOLS,
-                   help="Mooncake's own protocol")
-    g.add_argument("--rdma-devices", default=MooncakeSettings.rdma_devices, metavar="NIC,...",
-                   help="RDMA NICs for Mooncake, e.g. mlx5_0,mlx5_1 (empty: all)")
+    g.add_argument(
+        "--mooncake-protocol", default=MooncakeSettings.protocol, choices=PROTOCOLS, help="Mooncake's own protocol"
+    )
+    g.add_argument(
+        "--rdma-devices",
+        default=MooncakeSettings.rdma_devices,
+        metavar="NIC,...",
+        help="RDMA NICs for Mooncake, e.g. mlx5_0,mlx5_1 (empty: all)",
+    )
 
 
 def _settings_from(args: argparse.Namespace) -> MooncakeSettings:

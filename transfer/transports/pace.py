@@ -31,13 +31,13 @@ from typing import Protocol
 class Pace:
     """One stream's clock: the bytes queued on it and the rate its writes land at."""
 
-    START_S = 20e-6        # a launch reaches the GPU (cuLaunchKernel itself: ~12 us on an H100 host)
+    START_S = 20e-6  # a launch reaches the GPU (cuLaunchKernel itself: ~12 us on an H100 host)
     MIN_SAMPLE = 32 << 20  # smaller writes teach no rate (their time is mostly START_S)
-    WEIGHT_UP, WEIGHT_DOWN = 0.5, 0.1   # of a new sample faster / slower than the learned rate
+    WEIGHT_UP, WEIGHT_DOWN = 0.5, 0.1  # of a new sample faster / slower than the learned rate
 
     def __init__(self, gbps: float):
-        self.rate = gbps * 1e9     # bytes per second
-        self._busy_until = 0.0     # perf_counter time the stream's queued writes should end
+        self.rate = gbps * 1e9  # bytes per second
+        self._busy_until = 0.0  # perf_counter time the stream's queued writes should end
         self._lock = threading.Lock()
 
     def queued(self, nbytes: int, now: float, idle: bool) -> tuple[float, float]:
@@ -63,7 +63,7 @@ class Pace:
                 self.rate = max(self.rate, nbytes / seconds)
 
 
-class Event(Protocol):   # what a Watch needs of a CUDA event (cuda_driver.Event)
+class Event(Protocol):  # what a Watch needs of a CUDA event (cuda_driver.Event)
     def query(self) -> bool: ...
     def synchronize(self) -> None: ...
 
@@ -71,21 +71,21 @@ class Event(Protocol):   # what a Watch needs of a CUDA event (cuda_driver.Event
 class Watch:
     """Wait for one write: sleep until its tail, then query (module docstring)."""
 
-    TAIL_S = 300e-6    # time.sleep's overshoot (timer slack, scheduling)
-    TAIL_SHARE = 0.1   # of the write's expected duration: the learned rate's error
-    SPIN_S = 2e-3      # past the expected end by this much: stop querying, block on the event
-    SLICE_S = 0.5e-3   # the sleep is cut into slices, a query after each: a rate learned too low
-                       # (a GPU that was busy) oversleeps the end by at most one slice
+    TAIL_S = 300e-6  # time.sleep's overshoot (timer slack, scheduling)
+    TAIL_SHARE = 0.1  # of the write's expected duration: the learned rate's error
+    SPIN_S = 2e-3  # past the expected end by this much: stop querying, block on the event
+    SLICE_S = 0.5e-3  # the sleep is cut into slices, a query after each: a rate learned too low
+    # (a GPU that was busy) oversleeps the end by at most one slice
 
     def __init__(self, pace: Pace, nbytes: int, started: float, expected: tuple[float, float], alone: bool):
         self.pace, self.nbytes, self.started = pace, nbytes, started
         self.expected_end, duration = expected
         self.wake = self.expected_end - self.TAIL_S - self.TAIL_SHARE * duration
-        self.alone = alone   # the stream was idle when it started: its time is its own
+        self.alone = alone  # the stream was idle when it started: its time is its own
 
     def wait(self, event: Event) -> None:
         while True:
-            if event.query():   # done before we looked (asleep, or the waiter came late): when
+            if event.query():  # done before we looked (asleep, or the waiter came late): when
                 if self.alone:  # is unknown, only that it was by now
                     self.pace.at_least(self.nbytes, time.perf_counter() - self.started)
                 return
@@ -94,7 +94,7 @@ class Watch:
                 break
             time.sleep(min(left, self.SLICE_S))
         give_up = max(time.perf_counter(), self.expected_end) + self.SPIN_S
-        while not event.query():   # (each query releases the GIL)
+        while not event.query():  # (each query releases the GIL)
             if time.perf_counter() > give_up:
                 event.synchronize()
                 break

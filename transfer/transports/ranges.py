@@ -15,11 +15,12 @@ from transfer.errors import OutOfBounds
 class Ranges:
     """Byte ranges to write, vectorized: range i copies length[i] bytes from local region
     src_region[i] at src_off[i] to peer region dst_region[i] at dst_off[i]."""
-    src_region: np.ndarray   # int64 [n]
-    src_off: np.ndarray      # int64 [n]
-    dst_region: np.ndarray   # int64 [n]
-    dst_off: np.ndarray      # int64 [n]
-    length: np.ndarray       # int64 [n] bytes
+
+    src_region: np.ndarray  # int64 [n]
+    src_off: np.ndarray  # int64 [n]
+    dst_region: np.ndarray  # int64 [n]
+    dst_off: np.ndarray  # int64 [n]
+    length: np.ndarray  # int64 [n] bytes
 
     def __len__(self) -> int:
         return len(self.length)
@@ -37,8 +38,12 @@ class Ranges:
         if not parts:
             empty = np.zeros(0, dtype=np.int64)
             return Ranges(empty, empty, empty, empty, empty)
-        return Ranges(*(np.concatenate([getattr(p, f) for p in parts])
-                        for f in ("src_region", "src_off", "dst_region", "dst_off", "length")))
+        return Ranges(
+            *(
+                np.concatenate([getattr(p, f) for p in parts])
+                for f in ("src_region", "src_off", "dst_region", "dst_off", "length")
+            )
+        )
 
 
 @dataclass(frozen=True)
@@ -57,20 +62,25 @@ class RunSet:
                        |<- field_len ->|
                 field_off
     """
-    src_start: np.ndarray    # int64 [n_runs] items
-    dst_start: np.ndarray    # int64 [n_runs] items
-    count: np.ndarray        # int64 [n_runs] items
-    src_region: np.ndarray   # int64 [n_bufs]
-    dst_region: np.ndarray   # int64 [n_bufs]
-    item_bytes: np.ndarray   # int64 [n_bufs]: the item pitch of each buffer (both sides)
-    field_off: np.ndarray | None = None   # int64 [n_bufs]: bytes into each item (None: whole items)
-    field_len: np.ndarray | None = None   # int64 [n_bufs]: bytes of each item that move
+
+    src_start: np.ndarray  # int64 [n_runs] items
+    dst_start: np.ndarray  # int64 [n_runs] items
+    count: np.ndarray  # int64 [n_runs] items
+    src_region: np.ndarray  # int64 [n_bufs]
+    dst_region: np.ndarray  # int64 [n_bufs]
+    item_bytes: np.ndarray  # int64 [n_bufs]: the item pitch of each buffer (both sides)
+    field_off: np.ndarray | None = None  # int64 [n_bufs]: bytes into each item (None: whole items)
+    field_len: np.ndarray | None = None  # int64 [n_bufs]: bytes of each item that move
 
     def __post_init__(self) -> None:
         if (self.field_off is None) != (self.field_len is None):
             raise ValueError("a field needs both its offset and its length")
-        if self.fielded and ((self.field_off < 0) | (self.field_len <= 0)
-                             | (self.field_off + self.field_len > self.item_bytes)).any():
+        if (
+            self.fielded
+            and (
+                (self.field_off < 0) | (self.field_len <= 0) | (self.field_off + self.field_len > self.item_bytes)
+            ).any()
+        ):
             raise OutOfBounds("a field lies outside its item")
 
     @property
@@ -93,9 +103,16 @@ class RunSet:
         n = int(self.count.sum())
         first = np.repeat(np.cumsum(self.count) - self.count, self.count)
         step = np.arange(n, dtype=np.int64) - first
-        return RunSet(np.repeat(self.src_start, self.count) + step, np.repeat(self.dst_start, self.count) + step,
-                      np.ones(n, dtype=np.int64), self.src_region, self.dst_region, self.item_bytes,
-                      self.field_off, self.field_len)
+        return RunSet(
+            np.repeat(self.src_start, self.count) + step,
+            np.repeat(self.dst_start, self.count) + step,
+            np.ones(n, dtype=np.int64),
+            self.src_region,
+            self.dst_region,
+            self.item_bytes,
+            self.field_off,
+            self.field_len,
+        )
 
     def flatten(self) -> "Ranges":
         """Buffer-major flat ranges ([buffer 0 runs..., buffer 1 runs..., ...])."""
@@ -104,8 +121,13 @@ class RunSet:
         off = rs.field_off[:, None] if rs.fielded else np.zeros_like(item)
         unit = rs.field_len[:, None] if rs.fielded else item
         length = np.broadcast_to(rs.count[None, :] * unit, (len(rs.item_bytes), n))
-        return Ranges(np.repeat(rs.src_region, n), (rs.src_start[None, :] * item + off).ravel(),
-                      np.repeat(rs.dst_region, n), (rs.dst_start[None, :] * item + off).ravel(), length.ravel())
+        return Ranges(
+            np.repeat(rs.src_region, n),
+            (rs.src_start[None, :] * item + off).ravel(),
+            np.repeat(rs.dst_region, n),
+            (rs.dst_start[None, :] * item + off).ravel(),
+            length.ravel(),
+        )
 
     def extents(self) -> tuple[np.ndarray, np.ndarray]:
         """Per buffer pair, the end of the furthest range on each side (bytes): bounds in O(runs)."""
@@ -113,8 +135,10 @@ class RunSet:
             zero = np.zeros(len(self.item_bytes), dtype=np.int64)
             return zero, zero
         # a field ends inside the last item: at most the item's end, which is what is returned
-        return ((self.src_start + self.count).max() * self.item_bytes,
-                (self.dst_start + self.count).max() * self.item_bytes)
+        return (
+            (self.src_start + self.count).max() * self.item_bytes,
+            (self.dst_start + self.count).max() * self.item_bytes,
+        )
 
 
 def check_ranges(side: str, region: np.ndarray, off: np.ndarray, length: np.ndarray, sizes: np.ndarray) -> None:
@@ -127,8 +151,10 @@ def check_ranges(side: str, region: np.ndarray, off: np.ndarray, length: np.ndar
     ok &= off + length <= sizes[np.clip(region, 0, len(sizes) - 1)]
     if not ok.all():
         i = int(np.flatnonzero(~ok)[0])
-        raise OutOfBounds(f"{side}: range of {int(length[i])} bytes at region {int(region[i])} offset "
-                          f"{int(off[i])} lies outside the {len(sizes)} exposed regions")
+        raise OutOfBounds(
+            f"{side}: range of {int(length[i])} bytes at region {int(region[i])} offset "
+            f"{int(off[i])} lies outside the {len(sizes)} exposed regions"
+        )
 
 
 @dataclass(frozen=True)
@@ -143,36 +169,60 @@ class LaneRuns:
     count[r] * row_bytes[b] bytes; a slice of each row (a TP shard's heads) is one range per
     row. O(runs + lanes) numbers for what flat is runs x lanes ranges (1.2 million for 32k
     tokens of a 36-layer model with one side at page 1)."""
-    src_start: np.ndarray    # int64 [n_runs] rows
-    dst_start: np.ndarray    # int64 [n_runs] rows
-    count: np.ndarray        # int64 [n_runs] rows
-    src_offset: np.ndarray   # int64 [n_lanes] bytes into a source item
-    dst_offset: np.ndarray   # int64 [n_lanes] bytes into a destination item
-    row_bytes: np.ndarray    # int64 [n_lanes] bytes that move per row
-    src_region: np.ndarray   # int64 [n_lanes]
-    dst_region: np.ndarray   # int64 [n_lanes]
-    src_pitch: np.ndarray    # int64 [n_lanes] bytes per item (page) of the lane's buffer
-    dst_pitch: np.ndarray    # int64 [n_lanes]
-    src_stride: np.ndarray   # int64 [n_lanes] bytes from one row of a page to the next
-    dst_stride: np.ndarray   # int64 [n_lanes]
-    src_rows: int            # rows (tokens) per item
+
+    src_start: np.ndarray  # int64 [n_runs] rows
+    dst_start: np.ndarray  # int64 [n_runs] rows
+    count: np.ndarray  # int64 [n_runs] rows
+    src_offset: np.ndarray  # int64 [n_lanes] bytes into a source item
+    dst_offset: np.ndarray  # int64 [n_lanes] bytes into a destination item
+    row_bytes: np.ndarray  # int64 [n_lanes] bytes that move per row
+    src_region: np.ndarray  # int64 [n_lanes]
+    dst_region: np.ndarray  # int64 [n_lanes]
+    src_pitch: np.ndarray  # int64 [n_lanes] bytes per item (page) of the lane's buffer
+    dst_pitch: np.ndarray  # int64 [n_lanes]
+    src_stride: np.ndarray  # int64 [n_lanes] bytes from one row of a page to the next
+    dst_stride: np.ndarray  # int64 [n_lanes]
+    src_rows: int  # rows (tokens) per item
     dst_rows: int
 
     def __post_init__(self) -> None:
-        lanes = {len(getattr(self, f)) for f in ("src_offset", "dst_offset", "row_bytes", "src_region", "dst_region",
-                                                  "src_pitch", "dst_pitch", "src_stride", "dst_stride")}
+        lanes = {
+            len(getattr(self, f))
+            for f in (
+                "src_offset",
+                "dst_offset",
+                "row_bytes",
+                "src_region",
+                "dst_region",
+                "src_pitch",
+                "dst_pitch",
+                "src_stride",
+                "dst_stride",
+            )
+        }
         if not len(self.src_start) == len(self.dst_start) == len(self.count) or len(lanes) != 1:
             raise ValueError("lane runs: runs or lanes of different lengths")
         for side, off, pitch, stride, rows in (
-                ("source", self.src_offset, self.src_pitch, self.src_stride, self.src_rows),
-                ("destination", self.dst_offset, self.dst_pitch, self.dst_stride, self.dst_rows)):
-            if rows < 1 or ((off < 0) | (self.row_bytes < 1) | (stride < self.row_bytes)
-                            | (off + (rows - 1) * stride + self.row_bytes > pitch)).any():
+            ("source", self.src_offset, self.src_pitch, self.src_stride, self.src_rows),
+            ("destination", self.dst_offset, self.dst_pitch, self.dst_stride, self.dst_rows),
+        ):
+            if (
+                rows < 1
+                or (
+                    (off < 0)
+                    | (self.row_bytes < 1)
+                    | (stride < self.row_bytes)
+                    | (off + (rows - 1) * stride + self.row_bytes > pitch)
+                ).any()
+            ):
                 raise OutOfBounds(f"a {side} lane lies outside its item")
         n = len(self.count)
-        if n and (min(int(self.src_start.min()), int(self.dst_start.min())) < 0 or int(self.count.min()) < 1
-                  or (self.src_start % self.src_rows + self.count > self.src_rows).any()
-                  or (self.dst_start % self.dst_rows + self.count > self.dst_rows).any()):
+        if n and (
+            min(int(self.src_start.min()), int(self.dst_start.min())) < 0
+            or int(self.count.min()) < 1
+            or (self.src_start % self.src_rows + self.count > self.src_rows).any()
+            or (self.dst_start % self.dst_rows + self.count > self.dst_rows).any()
+        ):
             raise OutOfBounds("a run of rows leaves its page")
 
     @property
@@ -192,18 +242,27 @@ class LaneRuns:
         """The same bytes with every run cut into runs of one row."""
         n = int(self.count.sum())
         step = np.arange(n, dtype=np.int64) - np.repeat(np.cumsum(self.count) - self.count, self.count)
-        return dataclasses.replace(self, src_start=np.repeat(self.src_start, self.count) + step,
-                                   dst_start=np.repeat(self.dst_start, self.count) + step,
-                                   count=np.ones(n, dtype=np.int64))
+        return dataclasses.replace(
+            self,
+            src_start=np.repeat(self.src_start, self.count) + step,
+            dst_start=np.repeat(self.dst_start, self.count) + step,
+            count=np.ones(n, dtype=np.int64),
+        )
 
     def _flat(self, lanes: np.ndarray) -> Ranges:
         """Lane-major flat ranges of some lanes, one per run."""
         k = len(self.count)
-        at = [(start[None, :] // rows * pitch[lanes, None] + offset[lanes, None]
-               + start[None, :] % rows * stride[lanes, None]).ravel()
-              for start, rows, pitch, offset, stride in (
-                  (self.src_start, self.src_rows, self.src_pitch, self.src_offset, self.src_stride),
-                  (self.dst_start, self.dst_rows, self.dst_pitch, self.dst_offset, self.dst_stride))]
+        at = [
+            (
+                start[None, :] // rows * pitch[lanes, None]
+                + offset[lanes, None]
+                + start[None, :] % rows * stride[lanes, None]
+            ).ravel()
+            for start, rows, pitch, offset, stride in (
+                (self.src_start, self.src_rows, self.src_pitch, self.src_offset, self.src_stride),
+                (self.dst_start, self.dst_rows, self.dst_pitch, self.dst_offset, self.dst_stride),
+            )
+        ]
         length = (self.count[None, :] * self.row_bytes[lanes, None]).ravel()
         return Ranges(np.repeat(self.src_region[lanes], k), at[0], np.repeat(self.dst_region[lanes], k), at[1], length)
 
@@ -222,5 +281,7 @@ class LaneRuns:
             zero = np.zeros(len(self.row_bytes), dtype=np.int64)
             return zero, zero
         last = self.src_start + self.count - 1, self.dst_start + self.count - 1
-        return ((int(last[0].max()) // self.src_rows + 1) * self.src_pitch,
-                (int(last[1].max()) // self.dst_rows + 1) * self.dst_pitch)
+        return (
+            (int(last[0].max()) // self.src_rows + 1) * self.src_pitch,
+            (int(last[1].max()) // self.dst_rows + 1) * self.dst_pitch,
+        )

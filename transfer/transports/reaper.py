@@ -59,7 +59,7 @@ class Reaper:
             for w in pending:
                 try:
                     w.pump()
-                except Exception:   # a transport error ends it as well as a landing would
+                except Exception:  # a transport error ends it as well as a landing would
                     log.debug("abandoned write to %s: pump failed", w.peer, exc_info=True)
                 if w.ended:
                     ended.append(w)
@@ -67,8 +67,12 @@ class Reaper:
                 gone = {id(w) for w in ended}
                 self._pending = [w for w in self._pending if id(w) not in gone]
                 if ended:
-                    log.info("%d abandoned write(s) to %s ended; %d still in flight",
-                             len(ended), ended[0].peer, len(self._pending))
+                    log.info(
+                        "%d abandoned write(s) to %s ended; %d still in flight",
+                        len(ended),
+                        ended[0].peer,
+                        len(self._pending),
+                    )
                 self._wake.wait(self.interval_s)
 
     def stop(self) -> None:

@@ -18,24 +18,26 @@ import sys
 import torch
 
 NAME = "disagg_chunked_eager"
-CHUNK = 1024   # queries per block: 64 heads x 1024 x 32k keys x 2 B = 4 GiB of scores at 32k
+CHUNK = 1024  # queries per block: 64 heads x 1024 x 32k keys x 2 B = 4 GiB of scores at 32k
 
 
 def chunked_eager(module, query, key, value, attention_mask, *, chunk: int = CHUNK, indices=None, **model_kwargs):
     """transformers' attention-function signature. `model_kwargs` (scaling, dropout, sinks,
     sliding window, ...) differ per family and go to the family's own eager function as they
     came: this adapter reads none of them."""
-    if indices is not None:   # sparse attention a model applies only under "eager"
-        raise RuntimeError(f"{type(module).__name__} passes sparse indices: its family must run plain eager "
-                           "attention (Family.chunked_attention=False)")
+    if indices is not None:  # sparse attention a model applies only under "eager"
+        raise RuntimeError(
+            f"{type(module).__name__} passes sparse indices: its family must run plain eager "
+            "attention (Family.chunked_attention=False)"
+        )
     eager = sys.modules[type(module).__module__].eager_attention_forward
     n = query.shape[-2]
     if n <= chunk:
         return eager(module, query, key, value, attention_mask, **model_kwargs)
     outs = []
     for q0 in range(0, n, chunk):
-        mask = attention_mask[..., q0:q0 + chunk, :] if attention_mask is not None else None
-        out, _ = eager(module, query[..., q0:q0 + chunk, :], key, value, mask, **model_kwargs)
+        mask = attention_mask[..., q0 : q0 + chunk, :] if attention_mask is not None else None
+        out, _ = eager(module, query[..., q0 : q0 + chunk, :], key, value, mask, **model_kwargs)
         outs.append(out)
     return torch.cat(outs, dim=1), None
 

@@ -61,8 +61,8 @@ class _Shard:
         cfg = self.pool.config
         if cfg.tp_size == 1:
             return None
-        view = self.pool.layer_view(layer, part)           # [items, ..., split axis at `axis`, ...]
-        per = view[(0,) * (axis + 1)].numel() * view.element_size()   # bytes of one axis element
+        view = self.pool.layer_view(layer, part)  # [items, ..., split axis at `axis`, ...]
+        per = view[(0,) * (axis + 1)].numel() * view.element_size()  # bytes of one axis element
         ps = tuple(Part(p.units, p.unit_bytes // per) for p in parts(cfg.model, c, part))
         index = global_index(ps, cfg.tp_size, cfg.tp_rank)
         if len(index) == sum(p.units * p.unit_bytes for p in ps):
@@ -86,8 +86,8 @@ class CacheIO:
     def __init__(self, pool: HybridPool, states: dict[int, StateShape]):
         self.pool = pool
         spec = pool.config.model
-        self.kinds = spec.layer_kinds()                  # attention kind, or linear / none
-        self.stateful = set(spec.linear.layers) if spec.linear is not None else set()   # conv + temporal state
+        self.kinds = spec.layer_kinds()  # attention kind, or linear / none
+        self.stateful = set(spec.linear.layers) if spec.linear is not None else set()  # conv + temporal state
         self.nsa_layers = set(spec.nsa.layers) if spec.nsa is not None else set()
         self.window = spec.swa.window if spec.swa is not None else None
         self.states = states
@@ -96,15 +96,16 @@ class CacheIO:
 
     def _split(self, layer: int, kind: str) -> bool:
         """Whether this rank holds only some units of the layer (MLA and NSA: never)."""
-        if layer in self.stateful and any(self.shard.index(Component.MAMBA, layer, part, 1) is not None
-                                          for part in ("conv", "temporal")):
+        if layer in self.stateful and any(
+            self.shard.index(Component.MAMBA, layer, part, 1) is not None for part in ("conv", "temporal")
+        ):
             return True
         if kind in ("full", "swa"):
             return self._heads(Component.SWA if kind == "swa" else Component.FULL, layer) is not None
         return False
 
     def _heads(self, c: Component, layer: int) -> torch.Tensor | None:
-        return self.shard.index(c, layer, "k", 2)        # view [items, P, heads, dim]
+        return self.shard.index(c, layer, "k", 2)  # view [items, P, heads, dim]
 
     # ---- cache -> pool -------------------------------------------------------------------
     def _targets(self, req: RequestKV, layer: int, cl, n: int, first: int):
@@ -120,21 +121,31 @@ class CacheIO:
             yield "conv", conv, (item,), _pick(cl.conv_states[0][0], conv_index)[:, 1:]
             temporal = self.pool.layer_view(layer, "temporal")
             state_index = self.shard.index(Component.MAMBA, layer, "temporal", 1)
-            yield "temporal", temporal, (item,), _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:])
+            yield (
+                "temporal",
+                temporal,
+                (item,),
+                _pick(cl.recurrent_states[0][0], state_index).reshape(temporal.shape[1:]),
+            )
         if kind in ("none", "linear"):
             return
         c = Component.SWA if kind == "swa" else Component.FULL
-        held = cl.keys.shape[-2]                             # the cache holds tokens [n - held, n)
+        held = cl.keys.shape[-2]  # the cache holds tokens [n - held, n)
         positions = np.arange(max(first, n - held), n)
         items, slots, keep = _items(self.pool, c, req, positions)
         rows = torch.from_numpy(positions[keep] - (n - held)).to(cl.keys.device)
         if kind == "mla":
-            latent = torch.cat([cl.keys[0, 0], cl.values[0, 0]], dim=-1)     # [T, kv_lora_rank + rope]
+            latent = torch.cat([cl.keys[0, 0], cl.values[0, 0]], dim=-1)  # [T, kv_lora_rank + rope]
             yield "latent", self.pool.layer_view(layer, "latent"), (items, slots), latent[rows]
         else:
             heads = self._heads(c, layer)
             yield "k", self.pool.layer_view(layer, "k"), (items, slots), _pick(cl.keys[0], heads).transpose(0, 1)[rows]
-            yield "v", self.pool.layer_view(layer, "v"), (items, slots), _pick(cl.values[0], heads).transpose(0, 1)[rows]
+            yield (
+                "v",
+                self.pool.layer_view(layer, "v"),
+                (items, slots),
+                _pick(cl.values[0], heads).transpose(0, 1)[rows],
+            )
         if layer in self.nsa_layers:
             items, slots, keep = _items(self.pool, Component.NSA, req, positions)
             yield "key", self.pool.layer_view(layer, "key"), (items, slots), cl.indexer_keys[0][rows]
@@ -142,7 +153,7 @@ class CacheIO:
     def write_layer(self, req: RequestKV, layer: int, cl, n: int, first: int) -> None:
         for _, view, at, values in self._targets(req, layer, cl, n, first):
             view[at] = values
-        if layer in self.nsa_layers:   # unquantized keys: one (unused, 1.0) scale per token
+        if layer in self.nsa_layers:  # unquantized keys: one (unused, 1.0) scale per token
             items, slots, _ = _items(self.pool, Component.NSA, req, np.arange(first, n))
             self.pool.layer_view(layer, "scale")[items, slots] = 1.0
 
@@ -177,6 +188,7 @@ class CacheIO:
         every unit (TP 1; MLA/NSA at any TP); else this rank's units from the pool and the rest
         from `whole` (required)."""
         from transformers import DynamicCache
+
         if self.sharded and whole is None:
             raise ValueError("a TP shard holds part of each layer: read_cache needs the whole cache beside it")
         cache = DynamicCache(config=config)
@@ -186,21 +198,27 @@ class CacheIO:
                 shape, item = self.states[layer], _state_item(self.pool, req)
                 conv = self.pool.layer_view(layer, "conv")[item]
                 conv = torch.cat([torch.zeros_like(conv[:, :1]), conv], dim=1)
-                conv = _merge(conv, None if ref is None else ref.conv_states[0][0],
-                              self.shard.index(Component.MAMBA, layer, "conv", 1))
+                conv = _merge(
+                    conv,
+                    None if ref is None else ref.conv_states[0][0],
+                    self.shard.index(Component.MAMBA, layer, "conv", 1),
+                )
                 cl.update_conv_state(conv.unsqueeze(0))
                 temporal = self.pool.layer_view(layer, "temporal")[item].reshape(-1, *shape.recurrent[1:])
-                temporal = _merge(temporal, None if ref is None else ref.recurrent_states[0][0],
-                                  self.shard.index(Component.MAMBA, layer, "temporal", 1))
+                temporal = _merge(
+                    temporal,
+                    None if ref is None else ref.recurrent_states[0][0],
+                    self.shard.index(Component.MAMBA, layer, "temporal", 1),
+                )
                 cl.update_recurrent_state(temporal.unsqueeze(0).clone())
             if kind == "swa":
                 cl.update(*self._kv(req, Component.SWA, layer, np.arange(max(0, n - (self.window - 1)), n), ref))
-                cl.cumulative_length = n        # positions of later tokens count every token seen
+                cl.cumulative_length = n  # positions of later tokens count every token seen
             elif kind in ("full", "mla"):
                 positions = np.arange(n)
                 if kind == "full":
                     cl.update(*self._kv(req, Component.FULL, layer, positions, ref))
-                else:                           # replicated: every rank holds the latent whole
+                else:  # replicated: every rank holds the latent whole
                     latent = self._rows(req, Component.FULL, layer, "latent", positions)
                     rank = latent.shape[-1] - config.qk_rope_head_dim
                     cl.update(latent[None, None, :, :rank].contiguous(), latent[None, None, :, rank:].contiguous())

@@ -46,20 +46,27 @@ from disagg.engine.model.source import PLAIN_EAGER, ModelSource, config_hash, lo
 from disagg.errors import ConfigError
 from kvpool import HybridPool, RequestKV
 
-PROBE = (1, 2, 3)     # the prompt whose cache tells the pool geometry
+PROBE = (1, 2, 3)  # the prompt whose cache tells the pool geometry
 
 
 class TransformersEngine:
     name = "model"
-    byte_digest = True   # its outputs could hide a wrong byte: decode compares prefill's digest
+    byte_digest = True  # its outputs could hide a wrong byte: decode compares prefill's digest
 
-    def __init__(self, preset: "str | ModelSource", device: str = "cpu", seed: int = 0,
-                 attn_chunk: int = attention.CHUNK, prefill_chunk: int | None = None):
+    def __init__(
+        self,
+        preset: "str | ModelSource",
+        device: str = "cpu",
+        seed: int = 0,
+        attn_chunk: int = attention.CHUNK,
+        prefill_chunk: int | None = None,
+    ):
         """preset: a family of ours, or a ModelSource (--model / --model-type); attn_chunk:
         queries per block of the eager attention (disagg.engine.model.attention);
         prefill_chunk: tokens per prefill pass (None: the family's; a ModelSource: 0, one pass)."""
         go_offline()
         from transformers import DynamicCache
+
         self._new_cache = DynamicCache
         impl = lambda chunked: attention.register(attn_chunk) if chunked else "eager"  # noqa: E731
         if isinstance(preset, ModelSource) and preset.path is not None:
@@ -81,13 +88,14 @@ class TransformersEngine:
             layer.register_forward_hook(lambda *_, i=i: self._layer_done and self._layer_done(i))
         try:
             _, probe = self._forward(np.array(PROBE), self._cache())
-        except Exception as exc:   # the model code refuses our cache (e.g. a cache of linear layers only)
-            raise ConfigError(f"{name}: the model's forward pass over a {len(PROBE)}-token probe with a "
-                              f"DynamicCache failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
+        except Exception as exc:  # the model code refuses our cache (e.g. a cache of linear layers only)
+            raise ConfigError(
+                f"{name}: the model's forward pass over a {len(PROBE)}-token probe with a "
+                f"DynamicCache failed: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+            ) from None
         if len(probe.layers) != len(decoder):
             raise ConfigError(f"{name}: {len(decoder)} decoder layers but {len(probe.layers)} cache layers")
-        self.spec, self._states = spec_from_cache(name, probe, hasattr(self.config, "kv_lora_rank"), page_size,
-                                                  decoder)
+        self.spec, self._states = spec_from_cache(name, probe, hasattr(self.config, "kv_lora_rank"), page_size, decoder)
         chunk = chunk if prefill_chunk is None else prefill_chunk
         self.passes: Passes = pin_passes(self._forward, self._cache, self.vocab_size, name, chunk)
         self.exact_reuse = self.passes.exact
@@ -100,15 +108,19 @@ class TransformersEngine:
         """(config, model) of a family with seeded random weights (built on CPU from the seed:
         the same weights on any device)."""
         from transformers import AutoModelForCausalLM
+
         config = hf_config(f)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             try:
-                return config, AutoModelForCausalLM.from_config(config, attn_implementation=impl,
-                                                                dtype=getattr(torch, f.dtype))
-            except Exception as exc:   # e.g. a model type with no causal-LM class, a padding id past the vocabulary
-                raise ConfigError(f"{f.preset}: transformers cannot build it: {type(exc).__name__}: "
-                                  f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from None
+                return config, AutoModelForCausalLM.from_config(
+                    config, attn_implementation=impl, dtype=getattr(torch, f.dtype)
+                )
+            except Exception as exc:  # e.g. a model type with no causal-LM class, a padding id past the vocabulary
+                raise ConfigError(
+                    f"{f.preset}: transformers cannot build it: {type(exc).__name__}: "
+                    f"{str(exc).splitlines()[0][:300] if str(exc) else ''}"
+                ) from None
 
     def _cache(self):
         return self._new_cache(config=self.config)
@@ -140,26 +152,35 @@ class TransformersEngine:
         """The pool must have this model's geometry (one derivation, so this guards a
         hand-built pool or a preset of the same name from elsewhere)."""
         if pool.config.model != self.spec:
-            raise ConfigError(f"pool geometry {pool.config.model.name!r} is not the one model {self.preset!r} "
-                              f"keeps (derived from its cache): {self.spec}")
+            raise ConfigError(
+                f"pool geometry {pool.config.model.name!r} is not the one model {self.preset!r} "
+                f"keeps (derived from its cache): {self.spec}"
+            )
 
     # ---- ModelEngine ---------------------------------------------------------------------
-    def prefill(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int,
-                on_layer: Callable[[int], None] | None = None) -> PrefillResult:
+    def prefill(
+        self,
+        pool: HybridPool,
+        req: RequestKV,
+        token_ids: np.ndarray,
+        room: int,
+        on_layer: Callable[[int], None] | None = None,
+    ) -> PrefillResult:
         self.check_pool(pool)
         io, n, cache = CacheIO(pool, self._states), len(token_ids), self._cache()
 
-        span = (0, n)   # the pass under way: the loop below rebinds it, the hook reads it
+        span = (0, n)  # the pass under way: the loop below rebinds it, the hook reads it
 
-        def layer_done(i: int) -> None:   # the pass's positions and the state at its end
+        def layer_done(i: int) -> None:  # the pass's positions and the state at its end
             io.write_layer(req, i, cache.layers[i], span[1], span[0])
             if on_layer is not None and span[1] == n:
                 on_layer(i)
-        with self._lock:   # the hooks must see this prefill's cache and no other
+
+        with self._lock:  # the hooks must see this prefill's cache and no other
             self._layer_done = layer_done
             try:
                 for span in self.passes.spans(n):
-                    logits = self._pass(token_ids[span[0]:span[1]], cache)
+                    logits = self._pass(token_ids[span[0] : span[1]], cache)
             finally:
                 self._layer_done = None
         result = PrefillResult(int(logits.argmax()), prompt_digest(token_ids))
@@ -171,13 +192,28 @@ class TransformersEngine:
         check to show; that they are prefill's, decode checks against its digest."""
         check_aux(pool, req, token_ids, room, lambda token: 0 <= token < self.config.vocab_size)
 
-    def decode(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, max_new_tokens: int,
-               stop: Callable[[], bool] | None = None) -> DecodeOutput:
+    def decode(
+        self,
+        pool: HybridPool,
+        req: RequestKV,
+        token_ids: np.ndarray,
+        max_new_tokens: int,
+        stop: Callable[[], bool] | None = None,
+    ) -> DecodeOutput:
         first = int(pool.aux.read(req.aux_row)["first_token"])
         return self.generate(pool, req, len(token_ids), first, max_new_tokens, token_ids, stop=stop)
 
-    def generate(self, pool: HybridPool, req: RequestKV, n: int, next_token: int, max_new_tokens: int,
-                 token_ids: np.ndarray | None = None, *, stop: Callable[[], bool] | None = None) -> DecodeOutput:
+    def generate(
+        self,
+        pool: HybridPool,
+        req: RequestKV,
+        n: int,
+        next_token: int,
+        max_new_tokens: int,
+        token_ids: np.ndarray | None = None,
+        *,
+        stop: Callable[[], bool] | None = None,
+    ) -> DecodeOutput:
         """Continue a request whose first n tokens' KV is in the pool and whose next input is
         `next_token` (not in the pool yet): returns max_new_tokens tokens, next_token first.
         On a TP shard, `token_ids` (the n tokens) gives the units other ranks hold. `stop()`
@@ -201,7 +237,7 @@ class TransformersEngine:
         for i in range(1, max_new_tokens):
             stop_if(stop, i)
             step, cache = self._forward([tokens[-1]], cache)
-            pool.extend(req, n + 1)           # allocates a page when one fills, evicts SWA pages
+            pool.extend(req, n + 1)  # allocates a page when one fills, evicts SWA pages
             for i, cl in enumerate(cache.layers):
                 io.write_layer(req, i, cl, n + 1, n)
             n += 1
@@ -238,5 +274,10 @@ class TransformersEngine:
         same = [torch.equal(a, b) for a, b in zip(want.logits, output.logits)]
         diff = max((float((a - b).abs().max()) for a, b in zip(want.logits, output.logits)), default=0.0)
         held = output.held_differences(cache) if output.held_differences is not None and out["token_match"] else []
-        return {**out, "logits_match": all(same) and len(same) == len(want.logits), "max_logit_diff": diff,
-                "shard_match": out["token_match"] and not held, "shard_differences": held[:4]}
+        return {
+            **out,
+            "logits_match": all(same) and len(same) == len(want.logits),
+            "max_logit_diff": diff,
+            "shard_match": out["token_match"] and not held,
+            "shard_differences": held[:4],
+        }

@@ -41,8 +41,9 @@ from kvpool import AttentionSpec, LinearStateSpec, MLASpec, ModelSpec, NSAIndexe
 @dataclass(frozen=True)
 class StateShape:
     """How one linear layer's state looks inside transformers (per request, batch dim dropped)."""
-    conv_kernel: int                   # columns transformers keeps (the pool keeps one fewer)
-    recurrent: tuple[int, ...]         # [v_heads, k_dim, v_dim] (GDN, Mamba2) or [channels, d_state] (Mamba1)
+
+    conv_kernel: int  # columns transformers keeps (the pool keeps one fewer)
+    recurrent: tuple[int, ...]  # [v_heads, k_dim, v_dim] (GDN, Mamba2) or [channels, d_state] (Mamba1)
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -56,14 +57,20 @@ def _states(name: str, layer: int, cl) -> None:
     conv = {i for i, t in cl.conv_states.items() if t is not None}
     rec = {i for i, t in cl.recurrent_states.items() if t is not None}
     if len(cl.conv_states) > 1 or conv - {0} or rec - {0}:
-        raise ConfigError(f"{what} keeps {len(cl.conv_states)} conv/recurrent states per layer; the pool holds "
-                          "one of each (the others would be lost)")
+        raise ConfigError(
+            f"{what} keeps {len(cl.conv_states)} conv/recurrent states per layer; the pool holds "
+            "one of each (the others would be lost)"
+        )
     if not conv and not rec:
-        raise ConfigError(f"{what} filled no state in the cache it was given (the model keeps its state elsewhere, "
-                          "as pure state-space models such as mamba and mamba2 do); not supported")
+        raise ConfigError(
+            f"{what} filled no state in the cache it was given (the model keeps its state elsewhere, "
+            "as pure state-space models such as mamba and mamba2 do); not supported"
+        )
     if not rec:
-        raise ConfigError(f"{what} keeps a conv state and no recurrent state (a short-convolution layer, as "
-                          "lfm2's); the pool has no geometry for conv-only layers yet")
+        raise ConfigError(
+            f"{what} keeps a conv state and no recurrent state (a short-convolution layer, as "
+            "lfm2's); the pool has no geometry for conv-only layers yet"
+        )
     if not conv:
         raise ConfigError(f"{what} keeps a recurrent state and no conv state; the pool has no geometry for that")
 
@@ -94,6 +101,7 @@ def _one(what: str, values: set):
 class ConvGroups:
     """How TP may split one linear layer's conv channels: `groups` ((units, channels per unit)
     in channel order; None: every channel its own unit), or `refusal` (why it may not)."""
+
     groups: tuple[tuple[int, int], ...] | None = None
     refusal: str = ""
 
@@ -119,29 +127,36 @@ def conv_groups(layer, index: int, channels: int, recurrent: tuple[int, ...]) ->
     heads = recurrent[0] if recurrent else None
     if m is None:
         return ConvGroups(refusal=f"{what}: no Conv1d of {channels} channels found, so its channel groups are unknown")
-    if _has(m, "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):       # gated delta net
+    if _has(m, "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim"):  # gated delta net
         qk = (m.num_k_heads, m.head_k_dim)
         groups, state_units = (qk, qk, (m.num_v_heads, m.head_v_dim)), m.num_v_heads
-    elif _has(m, "num_heads", "head_dim", "n_groups", "ssm_state_size"):        # Mamba2
+    elif _has(m, "num_heads", "head_dim", "n_groups", "ssm_state_size"):  # Mamba2
         bc = (m.n_groups, m.ssm_state_size)
         groups, state_units = ((m.num_heads, m.head_dim), bc, bc), m.num_heads
-    elif _has(m, "intermediate_size", "ssm_state_size") and not hasattr(m, "num_heads"):   # Mamba1
+    elif _has(m, "intermediate_size", "ssm_state_size") and not hasattr(m, "num_heads"):  # Mamba1
         if channels == m.intermediate_size and recurrent == (channels, m.ssm_state_size):
             return ConvGroups()
-        return ConvGroups(refusal=f"{what}: Mamba1 conv of {channels} channels and state {recurrent} do not match "
-                                  f"its {m.intermediate_size} channels x d_state {m.ssm_state_size}")
+        return ConvGroups(
+            refusal=f"{what}: Mamba1 conv of {channels} channels and state {recurrent} do not match "
+            f"its {m.intermediate_size} channels x d_state {m.ssm_state_size}"
+        )
     else:
-        return ConvGroups(refusal=f"{what}: a mixer kind whose conv channel groups disagg cannot derive "
-                                  "(known: gated delta net, Mamba2, Mamba1)")
+        return ConvGroups(
+            refusal=f"{what}: a mixer kind whose conv channel groups disagg cannot derive "
+            "(known: gated delta net, Mamba2, Mamba1)"
+        )
     held = sum(u * ch for u, ch in groups)
     if held != channels or heads != state_units:
-        return ConvGroups(refusal=f"{what}: groups {groups} hold {held} channels and {state_units} state heads; "
-                                  f"its conv state has {channels} channels and its recurrent state {heads} heads")
+        return ConvGroups(
+            refusal=f"{what}: groups {groups} hold {held} channels and {state_units} state heads; "
+            f"its conv state has {channels} channels and its recurrent state {heads} heads"
+        )
     return ConvGroups(groups)
 
 
-def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
-                    decoder=None) -> tuple[ModelSpec, dict[int, StateShape]]:
+def spec_from_cache(
+    name: str, cache, is_mla: bool, page_size: int, decoder=None
+) -> tuple[ModelSpec, dict[int, StateShape]]:
     """The ModelSpec of the model whose probe filled `cache` (`decoder`: its decoder layer
     modules, where the conv channel groups are read; None: no groups, TP refused), and its
     linear layers' shapes."""
@@ -150,33 +165,50 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
     by = lambda ks, f: {f(cache.layers[i]) for i in layers(*ks)}  # noqa: E731
     full = swa = nsa = linear = None
     if layers("full"):
-        full = AttentionSpec(layers("full"), _one("full K/V heads", by(["full"], lambda c: c.keys.shape[1])),
-                             _one("full K dims", by(["full"], lambda c: c.keys.shape[-1])),
-                             _one("full V dims", by(["full"], lambda c: c.values.shape[-1])),
-                             dtype=_one("full dtypes", by(["full"], lambda c: _dtype(c.keys))))
+        full = AttentionSpec(
+            layers("full"),
+            _one("full K/V heads", by(["full"], lambda c: c.keys.shape[1])),
+            _one("full K dims", by(["full"], lambda c: c.keys.shape[-1])),
+            _one("full V dims", by(["full"], lambda c: c.values.shape[-1])),
+            dtype=_one("full dtypes", by(["full"], lambda c: _dtype(c.keys))),
+        )
     if layers("mla", "mla+nsa"):
         ks = ["mla", "mla+nsa"]
-        full = MLASpec(layers(*ks), _one("MLA latent dims", by(ks, lambda c: c.keys.shape[-1] + c.values.shape[-1])),
-                       dtype=_one("MLA dtypes", by(ks, lambda c: _dtype(c.keys))))
+        full = MLASpec(
+            layers(*ks),
+            _one("MLA latent dims", by(ks, lambda c: c.keys.shape[-1] + c.values.shape[-1])),
+            dtype=_one("MLA dtypes", by(ks, lambda c: _dtype(c.keys))),
+        )
     if layers("mla+nsa"):
         key_dim = _one("indexer key dims", by(["mla+nsa"], lambda c: c.indexer_keys.shape[-1]))
         # unquantized keys: one (unused, 1.0) scale per token keeps the pool's NSA layout
-        nsa = NSAIndexerSpec(layers("mla+nsa"), key_dim=key_dim, scale_block=key_dim, scale_dtype="float32",
-                             key_dtype=_one("indexer dtypes", by(["mla+nsa"], lambda c: _dtype(c.indexer_keys))))
+        nsa = NSAIndexerSpec(
+            layers("mla+nsa"),
+            key_dim=key_dim,
+            scale_block=key_dim,
+            scale_dtype="float32",
+            key_dtype=_one("indexer dtypes", by(["mla+nsa"], lambda c: _dtype(c.indexer_keys))),
+        )
     if layers("swa"):
-        swa = AttentionSpec(layers("swa"), _one("SWA K/V heads", by(["swa"], lambda c: c.keys.shape[1])),
-                            _one("SWA K dims", by(["swa"], lambda c: c.keys.shape[-1])),
-                            _one("SWA V dims", by(["swa"], lambda c: c.values.shape[-1])),
-                            dtype=_one("SWA dtypes", by(["swa"], lambda c: _dtype(c.keys))),
-                            window=_one("sliding windows", by(["swa"], lambda c: c.sliding_window)))
+        swa = AttentionSpec(
+            layers("swa"),
+            _one("SWA K/V heads", by(["swa"], lambda c: c.keys.shape[1])),
+            _one("SWA K dims", by(["swa"], lambda c: c.keys.shape[-1])),
+            _one("SWA V dims", by(["swa"], lambda c: c.values.shape[-1])),
+            dtype=_one("SWA dtypes", by(["swa"], lambda c: _dtype(c.keys))),
+            window=_one("sliding windows", by(["swa"], lambda c: c.sliding_window)),
+        )
     states, layouts = {}, set()
     stateful = tuple(i for i, cl in enumerate(cache.layers) if hasattr(cl, "conv_states"))
     if stateful:
         for i in stateful:
             cl = cache.layers[i]
             states[i] = StateShape(cl.conv_states[0].shape[-1], tuple(cl.recurrent_states[0].shape[1:]))
-            layouts.add(ConvGroups(refusal="no decoder modules to read conv groups off") if decoder is None else
-                        conv_groups(decoder[i], i, cl.conv_states[0].shape[1], states[i].recurrent))
+            layouts.add(
+                ConvGroups(refusal="no decoder modules to read conv groups off")
+                if decoder is None
+                else conv_groups(decoder[i], i, cl.conv_states[0].shape[1], states[i].recurrent)
+            )
         shape = _one("recurrent state shapes", {s.recurrent for s in states.values()})
         heads, d1, d2 = (*shape, 1) if len(shape) == 2 else shape
         groups = {g.groups for g in layouts}
@@ -184,14 +216,31 @@ def spec_from_cache(name: str, cache, is_mla: bool, page_size: int,
         if len(groups) > 1:
             refusals.append(f"conv channel groups differ between layers ({sorted(map(str, groups))})")
         of = lambda f: {f(cache.layers[i]) for i in stateful}  # noqa: E731
-        linear = LinearStateSpec(stateful, _one("conv channels", of(lambda c: c.conv_states[0].shape[1])),
-                                 _one("conv kernels", {s.conv_kernel for s in states.values()}) - 1, heads, d1, d2,
-                                 conv_dtype=_one("conv dtypes", of(lambda c: _dtype(c.conv_states[0]))),
-                                 temporal_dtype=_one("state dtypes", of(lambda c: _dtype(c.recurrent_states[0]))),
-                                 conv_groups=None if refusals else groups.pop(), tp_refusal="; ".join(refusals))
+        linear = LinearStateSpec(
+            stateful,
+            _one("conv channels", of(lambda c: c.conv_states[0].shape[1])),
+            _one("conv kernels", {s.conv_kernel for s in states.values()}) - 1,
+            heads,
+            d1,
+            d2,
+            conv_dtype=_one("conv dtypes", of(lambda c: _dtype(c.conv_states[0]))),
+            temporal_dtype=_one("state dtypes", of(lambda c: _dtype(c.recurrent_states[0]))),
+            conv_groups=None if refusals else groups.pop(),
+            tp_refusal="; ".join(refusals),
+        )
     if full is None and swa is None:
-        raise ConfigError(f"{name}: no layer keeps attention K/V (a pure state-space model): the pool indexes "
-                          "every request by its attention pages; not supported")
-    spec = ModelSpec(name, len(kinds), full=full, swa=swa, nsa=nsa, linear=linear, default_page_size=page_size,
-                     notes="derived from the model's own cache")
+        raise ConfigError(
+            f"{name}: no layer keeps attention K/V (a pure state-space model): the pool indexes "
+            "every request by its attention pages; not supported"
+        )
+    spec = ModelSpec(
+        name,
+        len(kinds),
+        full=full,
+        swa=swa,
+        nsa=nsa,
+        linear=linear,
+        default_page_size=page_size,
+        notes="derived from the model's own cache",
+    )
     return spec, states

@@ -36,13 +36,13 @@ import torch
 
 from disagg.errors import ConfigError
 
-CLOSE = 1e-2   # a chunked probe's logits within 1% of their largest: the model's (bad ones: 5-20%)
+CLOSE = 1e-2  # a chunked probe's logits within 1% of their largest: the model's (bad ones: 5-20%)
 
 
 @dataclass(frozen=True)
 class Passes:
-    chunk: int   # tokens per prefill pass, at positions that are multiples of it; 0: one pass
-    note: str    # what decode's startup log says about reuse
+    chunk: int  # tokens per prefill pass, at positions that are multiples of it; 0: one pass
+    note: str  # what decode's startup log says about reuse
 
     @property
     def exact(self) -> bool:
@@ -70,22 +70,31 @@ def pin_passes(forward: Callable, new_cache: Callable, vocab_size: int, name: st
     if chunk < 0:
         raise ConfigError(f"{name}: prefill chunk {chunk}: tokens per pass, 0 for one pass")
     if chunk == 0:
-        return Passes(0, f"{name}: prompts run in one forward pass, whose KV of a prefix depends on the "
-                         "prompt's length in its last bits: no prefix cache")
+        return Passes(
+            0,
+            f"{name}: prompts run in one forward pass, whose KV of a prefix depends on the "
+            "prompt's length in its last bits: no prefix cache",
+        )
     tokens = np.arange(2 * chunk + 3) % vocab_size
     one, cache = forward(tokens, new_cache())
     cache = new_cache()
     try:
         for start, end in Passes(chunk, "").spans(len(tokens)):
             got, cache = forward(tokens[start:end], cache)
-    except Exception as exc:   # the model code cannot continue a cache by several tokens at once (on
+    except Exception as exc:  # the model code cannot continue a cache by several tokens at once (on
         # an H100, deepseek-v32's concatenates a 1-token and a 4-token cache entry and raises)
-        return Passes(0, f"{name}: the model code fails to continue a cache with {chunk}-token passes "
-                         f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): prompts run in one pass, "
-                         "no prefix cache")
+        return Passes(
+            0,
+            f"{name}: the model code fails to continue a cache with {chunk}-token passes "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}): prompts run in one pass, "
+            "no prefix cache",
+        )
     off, scale = float((got - one).abs().max()), float(one.abs().max())
     if not torch.isfinite(got).all() or off > CLOSE * scale:
-        return Passes(0, f"{name}: the model code does not continue a cache with {chunk}-token passes (logits "
-                         f"off by {off:.3g} of {scale:.3g} against one pass): prompts run in one pass, no prefix cache")
+        return Passes(
+            0,
+            f"{name}: the model code does not continue a cache with {chunk}-token passes (logits "
+            f"off by {off:.3g} of {scale:.3g} against one pass): prompts run in one pass, no prefix cache",
+        )
     what = "every position it holds" if chunk == 1 else f"a prompt's whole {chunk}-token prefill chunks"
     return Passes(chunk, f"{name}: prompts run in passes of {chunk} tokens: decode may reuse {what}")

@@ -27,9 +27,16 @@ from disagg.errors import ConfigError
 from disagg.engine.model.families import Family, go_offline
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-SAMPLE = 4096                                   # values per parameter the fingerprint reads
-VOLATILE = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "_attn_implementation_internal",
-            "_commit_hash", "architectures")
+SAMPLE = 4096  # values per parameter the fingerprint reads
+VOLATILE = (
+    "_name_or_path",
+    "transformers_version",
+    "dtype",
+    "torch_dtype",
+    "_attn_implementation_internal",
+    "_commit_hash",
+    "architectures",
+)
 # model types whose code applies sparse masks only under plain "eager" attention (attention.py)
 PLAIN_EAGER = ("deepseek_v32",)
 
@@ -37,6 +44,7 @@ PLAIN_EAGER = ("deepseek_v32",)
 @dataclass(frozen=True)
 class ModelSource:
     """A model from outside our family list: a directory, or a model type and its config."""
+
     path: str | None = None
     model_type: str | None = None
     config_json: str | None = None
@@ -54,7 +62,7 @@ class ModelSource:
             if not os.path.isfile(os.path.join(self.path, "config.json")):
                 raise ConfigError(f"--model {self.path}: not a model directory (no config.json in it)")
         else:
-            self.config()   # a bad JSON is refused when the flags are read
+            self.config()  # a bad JSON is refused when the flags are read
 
     @property
     def name(self) -> str:
@@ -83,9 +91,15 @@ class ModelSource:
 
     def family(self) -> Family:
         """--model-type: a family made of the flags (random weights, no directory)."""
-        return Family(self.name, self.model_type, self.config(), page_size=self.page_size,
-                      dtype="float32" if self.dtype == "auto" else self.dtype,
-                      chunked_attention=self.model_type not in PLAIN_EAGER, tiny=False)
+        return Family(
+            self.name,
+            self.model_type,
+            self.config(),
+            page_size=self.page_size,
+            dtype="float32" if self.dtype == "auto" else self.dtype,
+            chunked_attention=self.model_type not in PLAIN_EAGER,
+            tiny=False,
+        )
 
 
 def load_directory(source: ModelSource, device: str, attn_impl) -> tuple:
@@ -94,12 +108,18 @@ def load_directory(source: ModelSource, device: str, attn_impl) -> tuple:
     go_offline()
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+
     try:
         config = AutoConfig.from_pretrained(source.path, local_files_only=True)
         dtype = "auto" if source.dtype == "auto" else getattr(torch, source.dtype)
-        model = AutoModelForCausalLM.from_pretrained(source.path, config=config, local_files_only=True,
-                                                     use_safetensors=True, dtype=dtype,
-                                                     attn_implementation=attn_impl(config.model_type))
+        model = AutoModelForCausalLM.from_pretrained(
+            source.path,
+            config=config,
+            local_files_only=True,
+            use_safetensors=True,
+            dtype=dtype,
+            attn_implementation=attn_impl(config.model_type),
+        )
     except (OSError, ValueError, KeyError) as exc:
         raise ConfigError(f"--model {source.path}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}") from None
     return config, model.to(device)
@@ -113,11 +133,12 @@ def config_hash(config) -> str:
 
 def weights_fingerprint(model) -> str:
     import torch
+
     h = hashlib.sha256()
     for name, p in sorted(model.state_dict().items()):
         flat = p.detach().reshape(-1)
         step = max(1, flat.numel() // SAMPLE)
         sample = flat[::step][:SAMPLE].contiguous().cpu()
         h.update(f"{name}:{tuple(p.shape)}:{p.dtype}:".encode())
-        h.update(sample.view(torch.uint8).numpy().tobytes())   # (bytes: bf16 has no numpy dtype)
+        h.update(sample.view(torch.uint8).numpy().tobytes())  # (bytes: bf16 has no numpy dtype)
     return "sha256:" + h.hexdigest()[:32]

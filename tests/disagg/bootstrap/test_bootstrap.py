@@ -54,7 +54,7 @@ def test_restarted_prefill_replaces_its_rank_once_the_old_lease_ran_out(keyed, e
     client = BootstrapClient(server.endpoint, keyed)
     try:
         client.register(_info(0, epoch=1))
-        client.register(_info(0, epoch=1))   # a renewal
+        client.register(_info(0, epoch=1))  # a renewal
         with pytest.raises(ProtocolError, match="held by a live prefill at tcp://127.0.0.1:7000"):
             client.register(_info(0, epoch=2))
         eventually(lambda: _registers(client, _info(0, epoch=2)), 10, "the successor takes the expired rank")
@@ -77,7 +77,7 @@ def test_a_lookup_never_names_a_rank_whose_lease_lapsed(keyed, eventually):
         eventually(lambda: not _looks_up(client), 10, "the lapsed rank is no longer named")
         with pytest.raises(ProtocolError, match=r"rank 0 \(tcp://127.0.0.1:7000\) stopped renewing its lease"):
             client.lookup(PROTOCOL_VERSION, 0)
-        with pytest.raises(ProtocolError, match="older than registered 1"):   # its epoch still orders restarts
+        with pytest.raises(ProtocolError, match="older than registered 1"):  # its epoch still orders restarts
             client.register(_info(0, epoch=0))
         client.register(_info(0, epoch=2))
         assert client.lookup(PROTOCOL_VERSION, 0).epoch == 2
@@ -97,7 +97,7 @@ def test_a_restarted_bootstrap_keeps_ranks_for_their_live_holders(keyed, eventua
     try:
         with pytest.raises(ProtocolError, match="rank 0 is kept for its live holder: this bootstrap started"):
             client.register(newcomer)
-        client.renew(live)                       # the live rank re-claims (any time)
+        client.renew(live)  # the live rank re-claims (any time)
         assert client.lookup(PROTOCOL_VERSION, 0).epoch == 1
         with pytest.raises(ProtocolError, match="held by a live prefill at tcp://127.0.0.1:7000"):
             client.register(newcomer)
@@ -171,7 +171,7 @@ def test_client_times_out_instead_of_hanging(keyed):
 
 
 def _ignore_sigint() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)   # as a background job of a script starts it
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as a background job of a script starts it
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
@@ -180,14 +180,19 @@ def test_standalone_process_serves_and_stops_on_a_signal(keyed, sig):
     never stopped on SIGINT, and it held a fixed port for every later run. It must stop on
     SIGINT (Ctrl-C) and SIGTERM (Kubernetes) wherever it was started, and say where it serves
     (a port of its choosing here)."""
-    with running([sys.executable, "-m", "disagg", "bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:*"],
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_ignore_sigint) as proc:
+    with running(
+        [sys.executable, "-m", "disagg", "bootstrap", "--bootstrap-bind", "tcp://127.0.0.1:*"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_ignore_sigint,
+    ) as proc:
         assert select.select([proc.stdout], [], [], 60)[0], "no ready line within 60 s"
         line = json.loads(proc.stdout.readline())
         assert line["role"] == "bootstrap" and line["bootstrap"].startswith("tcp://127.0.0.1:")
         client = BootstrapClient(line["bootstrap"], keyed, timeout_s=30)
         try:
-            client.renew(_info(0))   # (a live rank re-claiming: a new one waits out the start's grace period)
+            client.renew(_info(0))  # (a live rank re-claiming: a new one waits out the start's grace period)
             assert client.lookup(PROTOCOL_VERSION).epoch == 1
         finally:
             client.close()
@@ -220,7 +225,7 @@ def test_an_epoch_from_the_future_cannot_hold_a_rank_forever(client):
     for ahead_s in (1 << 33, 45):
         with pytest.raises(ProtocolError, match="ahead of this bootstrap's clock .*sync the hosts' clocks"):
             client.register(_info(0, epoch=time.time_ns() + ahead_s * 10**9))
-    client.register(_info(0, epoch=time.time_ns() + 2 * 10**9))   # a prefill host's clock 2 s ahead
+    client.register(_info(0, epoch=time.time_ns() + 2 * 10**9))  # a prefill host's clock 2 s ahead
     with pytest.raises(ProtocolError, match="tp_size 100000 outside"):
         client.register(_info(rank=5000, size=100_000))
 
@@ -236,11 +241,12 @@ def test_the_ranks_of_one_bootstrap_are_one_instance(keyed, eventually):
             client.register(_info(rank, epoch=1, size=4))
         with pytest.raises(ProtocolError, match=r"rank 1 does not belong with live rank 0 .*tp_size 4 vs 2"):
             client.register(_info(1, epoch=2, size=2))
-        other = RegisterPrefill(PROTOCOL_VERSION, 1, 4, "tcp://127.0.0.1:7001", 2,
-                                LayoutInfo(4, "page_major", LAYOUT.buffers))
+        other = RegisterPrefill(
+            PROTOCOL_VERSION, 1, 4, "tcp://127.0.0.1:7001", 2, LayoutInfo(4, "page_major", LAYOUT.buffers)
+        )
         with pytest.raises(ProtocolError, match="16-token pages page_major vs 4-token pages"):
             client.register(other)
-        with pytest.raises(ProtocolError, match="no prefill rank 1"):   # nothing changed
+        with pytest.raises(ProtocolError, match="no prefill rank 1"):  # nothing changed
             client.lookup(PROTOCOL_VERSION, 1)
         eventually(lambda: _registers(client, _info(0, epoch=3, size=2)), 10, "a new instance once the old expired")
         client.register(_info(1, epoch=3, size=2))
@@ -254,7 +260,8 @@ def test_the_ranks_of_one_bootstrap_are_one_instance(keyed, eventually):
 def test_a_silent_bootstrap_is_named_with_a_readable_timeout(keyed):
     """Issue 36: "did not answer within 9.99999 s" (a deadline's remainder printed whole)."""
     from disagg.errors import ProtocolError
-    silent = zmq.Context.instance().socket(zmq.ROUTER)   # takes the request, never answers
+
+    silent = zmq.Context.instance().socket(zmq.ROUTER)  # takes the request, never answers
     keyed.server(silent, "silent bootstrap")
     silent.setsockopt(zmq.LINGER, 0)
     port = silent.bind_to_random_port("tcp://127.0.0.1")

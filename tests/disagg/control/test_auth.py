@@ -37,7 +37,7 @@ def test_a_key_file_round_trips_and_is_private(tmp_path):
     assert AuthKey.load(path) == key and key.secure and len(key.public) == 40
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     with pytest.raises(FileExistsError):
-        AuthKey.generate(path)   # never overwritten
+        AuthKey.generate(path)  # never overwritten
 
 
 @pytest.mark.parametrize("content,match", [(None, "No such file"), ("not a certificate", "No public key")])
@@ -127,14 +127,17 @@ def test_a_key_file_every_user_can_read_is_warned_about(tmp_path, caplog):
     import logging
 
     from disagg.control.auth import AuthKey
+
     path = tmp_path / "deployment.key"
     AuthKey.generate(str(path))
     with caplog.at_level(logging.WARNING, logger="disagg.control.auth"):
         AuthKey.load(str(path))
-        assert not caplog.records                  # 0600, as keygen writes it
+        assert not caplog.records  # 0600, as keygen writes it
         os.chmod(path, 0o640)
         AuthKey.load(str(path))
-        assert not caplog.records                  # group-readable: a Kubernetes Secret for the pod's fsGroup
+        assert not caplog.records  # group-readable: a Kubernetes Secret for the pod's fsGroup
         os.chmod(path, 0o644)
         AuthKey.load(str(path))
-    assert "readable by every user" in caplog.records[-1].getMessage() and "chmod 600" in caplog.records[-1].getMessage()
+    assert (
+        "readable by every user" in caplog.records[-1].getMessage() and "chmod 600" in caplog.records[-1].getMessage()
+    )

@@ -18,7 +18,7 @@ from kvpool import digest
 from tests.disagg.engine.test_model_engine_tp import reshard_copy
 
 PRESETS = ["tiny-full", "tiny-swa", "tiny-mla-nsa", "tiny-mamba", "tiny-hybrid"]
-PAIRS = [(1, 1, 4, 4), (2, 1, 4, 16), (1, 2, 16, 4), (2, 4, 4, 1), (4, 2, 8, 8)]   # TP and page sizes
+PAIRS = [(1, 1, 4, 4), (2, 1, 4, 16), (1, 2, 16, 4), (2, 4, 4, 1), (4, 2, 8, 8)]  # TP and page sizes
 TOKENS = np.random.default_rng(1).integers(0, 50000, 53)
 
 
@@ -63,9 +63,12 @@ def test_every_decode_rank_matches_its_senders_and_a_flip_names_its_unit(preset,
     layer = digest.layout(model, c)[-1]
     at = (int(req.full_pages[-1] if c is Component.FULL else pool.index_set(req)[c][-1]), 0)
     view = pool.layer_view(layer.layer, layer.part)[at]
-    view.reshape(-1).view(torch.uint8)[-1] ^= 1            # the lowest bit of the last unit's last byte
-    with pytest.raises(VerifyError, match=rf"^{c.value} layer {layer.layer} {layer.part} unit \d+: the bytes "
-                                          r"that arrived differ from those prefill wrote \(1 of \d+"):
+    view.reshape(-1).view(torch.uint8)[-1] ^= 1  # the lowest bit of the last unit's last byte
+    with pytest.raises(
+        VerifyError,
+        match=rf"^{c.value} layer {layer.layer} {layer.part} unit \d+: the bytes "
+        r"that arrived differ from those prefill wrote \(1 of \d+",
+    ):
         _verify(model, pool, req, wires[-1])
 
 
@@ -84,13 +87,16 @@ def tp1():
     return model, wires[0]
 
 
-@pytest.mark.parametrize("spoil,says", [
-    (lambda w: {**w[0], "full": w[0]["full"][:-1]}, "is not whole 12-byte records"),
-    (lambda w: {**w[0], "nonsense": b""}, "'nonsense' is not a component of this model"),
-    (lambda w: {**w[0], "full": w[0]["full"] + w[1]["full"][:12]}, "reported twice"),
-    (lambda w: {**w[0], "full": np.array([(1 << 30, 0)], digests.RECORD).tobytes()}, "is not one this rank holds"),
-    (lambda w: {}, "no sender reported"),
-])
+@pytest.mark.parametrize(
+    "spoil,says",
+    [
+        (lambda w: {**w[0], "full": w[0]["full"][:-1]}, "is not whole 12-byte records"),
+        (lambda w: {**w[0], "nonsense": b""}, "'nonsense' is not a component of this model"),
+        (lambda w: {**w[0], "full": w[0]["full"] + w[1]["full"][:12]}, "reported twice"),
+        (lambda w: {**w[0], "full": np.array([(1 << 30, 0)], digests.RECORD).tobytes()}, "is not one this rank holds"),
+        (lambda w: {}, "no sender reported"),
+    ],
+)
 def test_malformed_records_are_a_protocol_error_naming_what_is_wrong(tp1, spoil, says):
     model, wires = tp1
     with pytest.raises(ProtocolError, match=says):
@@ -98,7 +104,8 @@ def test_malformed_records_are_a_protocol_error_naming_what_is_wrong(tp1, spoil,
 
 
 def test_a_digest_of_the_wrong_type_is_refused_when_the_frame_is_decoded():
-    frame = msgspec.msgpack.encode({"type": "TransferDone", "room": 1, "prefill_epoch": 2, "ok": True,
-                                    "digest": {"full": 5}})
+    frame = msgspec.msgpack.encode(
+        {"type": "TransferDone", "room": 1, "prefill_epoch": 2, "ok": True, "digest": {"full": 5}}
+    )
     with pytest.raises(ProtocolError, match="undecodable frame"):
         P.Decoder(P.ToDecode, "control").decode(frame)

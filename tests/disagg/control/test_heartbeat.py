@@ -18,8 +18,15 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
     pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*"), stuck)
-    decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint,
-                                       heartbeat_interval_s=0.2, dead_after_s=1.5, quarantine_s=2.0))
+    decode = DecodeServer(
+        DecodeConfig(
+            pool=pool,
+            bootstrap_addr=prefill.bootstrap_endpoint,
+            heartbeat_interval_s=0.2,
+            dead_after_s=1.5,
+            quarantine_s=2.0,
+        )
+    )
     initial = decode.available()
     tokens = np.arange(100)
     prefill_thread = threading.Thread(target=prefill.prefill, args=(7, tokens), daemon=True)
@@ -29,8 +36,9 @@ def test_silent_prefill_fails_its_requests_within_the_bound(eventually, StuckEng
         prefill_thread.start()
         assert stuck.entered.wait(10)
         decode_thread.start()
-        eventually(lambda: (r := prefill.requests.get(7)) is not None and r.dests, 10,
-                   "prefill holds decode's TransferRequest")
+        eventually(
+            lambda: (r := prefill.requests.get(7)) is not None and r.dests, 10, "prefill holds decode's TransferRequest"
+        )
         t0 = time.monotonic()
         prefill._stop.set()  # the prefill's control plane goes silent (no replies, no heartbeats)
         prefill._loop_thread.join()

@@ -31,6 +31,7 @@ def _returns_soon_after_wake(io) -> float:
         ready.set()
         got = list(io.recv(60_000))
         woke.append((time.monotonic(), got))
+
     t = threading.Thread(target=loop)
     t.start()
     ready.wait(5)
@@ -38,7 +39,7 @@ def _returns_soon_after_wake(io) -> float:
     io.wake()
     t.join(10)
     assert not t.is_alive(), "recv did not return within 10 s of wake()"
-    assert woke[0][1] == []   # a wake is no message
+    assert woke[0][1] == []  # a wake is no message
     return woke[0][0] - t0
 
 

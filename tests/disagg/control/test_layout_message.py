@@ -14,14 +14,32 @@ from kvpool import AttentionSpec, HybridPool, Layout, LinearStateSpec, ModelSpec
 from transfer.buffers import buffers_of
 
 
-def info(model: ModelSpec | str, page_size: int | None = None, described: bool = True,
-         tp_size: int = 1, layout: str = "page_major") -> L.LayoutInfo:
+def info(
+    model: ModelSpec | str,
+    page_size: int | None = None,
+    described: bool = True,
+    tp_size: int = 1,
+    layout: str = "page_major",
+) -> L.LayoutInfo:
     """The LayoutInfo a worker with this pool advertises (as worker/base.py builds it)."""
     model = get_preset(model) if isinstance(model, str) else model
-    pool = HybridPool(PoolConfig(model, page_size or model.default_page_size, max_tokens=2048, max_requests=2,
-                                 device="cpu", tp_size=tp_size, layout=Layout(layout)))
-    return L.LayoutInfo(pool.page_size, pool.config.layout.value, buffers_of(pool.buffer_descriptors()),
-                        L.describe_model(pool.config.model, pool.config.tp_size) if described else None)
+    pool = HybridPool(
+        PoolConfig(
+            model,
+            page_size or model.default_page_size,
+            max_tokens=2048,
+            max_requests=2,
+            device="cpu",
+            tp_size=tp_size,
+            layout=Layout(layout),
+        )
+    )
+    return L.LayoutInfo(
+        pool.page_size,
+        pool.config.layout.value,
+        buffers_of(pool.buffer_descriptors()),
+        L.describe_model(pool.config.model, pool.config.tp_size) if described else None,
+    )
 
 
 def _one_line(text: str) -> str:
@@ -34,7 +52,7 @@ def test_the_issue_gpt_oss_120b_prefill_with_gpt_oss_20b_decode():
     assert why.startswith("prefill gpt-oss-120b vs decode gpt-oss-20b: "), why
     assert "layers: prefill 36, decode 24" in why
     assert "full attention layers: prefill 18, decode 12" in why and "swa layers: prefill 18, decode 12" in why
-    assert "None" not in why and "B/item" not in why          # words, not buffer tuples
+    assert "None" not in why and "B/item" not in why  # words, not buffer tuples
     # the other way round names the sides the other way round
     back = L.layout_difference(prefill=info("gpt-oss-20b"), decode=info("gpt-oss-120b"))
     assert back.startswith("prefill gpt-oss-20b vs decode gpt-oss-120b: ") and "layers: prefill 24, decode 36" in back
@@ -49,16 +67,28 @@ def test_page_sizes_may_differ_where_both_sides_describe_the_same_model():
     """Pools of different page sizes pair by token (transfer.tokens); the description is the
     only thing that shows such pools hold the same model, so a side without one is refused."""
     for layout in ("page_major", "layer_major"):
-        assert L.layout_difference(prefill=info("tiny-hybrid", 4, layout=layout),
-                                   decode=info("tiny-hybrid", 8, layout=layout)) is None
-        assert L.layout_difference(prefill=info("gpt-oss-20b", 64, layout=layout),
-                                   decode=info("gpt-oss-20b", 1, layout=layout)) is None
+        assert (
+            L.layout_difference(
+                prefill=info("tiny-hybrid", 4, layout=layout), decode=info("tiny-hybrid", 8, layout=layout)
+            )
+            is None
+        )
+        assert (
+            L.layout_difference(
+                prefill=info("gpt-oss-20b", 64, layout=layout), decode=info("gpt-oss-20b", 1, layout=layout)
+            )
+            is None
+        )
     why = _one_line(L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8, described=False)))
-    assert why == ("prefill tiny-hybrid vs decode (model not described): page size: prefill 4, decode 8 (pools of "
-                   "different page sizes pair only where both sides describe their model)")
+    assert why == (
+        "prefill tiny-hybrid vs decode (model not described): page size: prefill 4, decode 8 (pools of "
+        "different page sizes pair only where both sides describe their model)"
+    )
     other = _one_line(L.layout_difference(prefill=info("gpt-oss-120b", 16), decode=info("gpt-oss-20b", 64)))
     assert "layers: prefill 36, decode 24" in other
-    mixed = _one_line(L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8, layout="layer_major")))
+    mixed = _one_line(
+        L.layout_difference(prefill=info("tiny-hybrid", 4), decode=info("tiny-hybrid", 8, layout="layer_major"))
+    )
     assert "pool layout: prefill page_major, decode layer_major" in mixed
 
 
@@ -72,7 +102,7 @@ def test_a_sliding_window_difference_is_refused_though_the_buffers_pair_up():
     assert p.buffers == d.buffers
     why = _one_line(L.layout_difference(prefill=p, decode=d))
     assert f"swa window: prefill {base.swa.window}, decode {2 * base.swa.window}" in why
-    assert L.layout_difference(prefill=p, decode=info(wider, described=False)) is None   # cannot tell
+    assert L.layout_difference(prefill=p, decode=info(wider, described=False)) is None  # cannot tell
 
 
 def test_dtype():
@@ -86,10 +116,12 @@ def test_heads_and_dims():
     gpt = get_preset("gpt-oss-20b")
     wider = dataclasses.replace(gpt, name="gpt-oss-20b-12h", full=dataclasses.replace(gpt.full, kv_heads=12))
     why = L.layout_difference(prefill=info(gpt), decode=info(wider))
-    assert why == ("prefill gpt-oss-20b vs decode gpt-oss-20b-12h: "
-                   "full attention kv_heads x head_dim: prefill 8 x 64, decode 12 x 64")
+    assert why == (
+        "prefill gpt-oss-20b vs decode gpt-oss-20b-12h: "
+        "full attention kv_heads x head_dim: prefill 8 x 64, decode 12 x 64"
+    )
     mimo = L.layout_difference(prefill=info("mimo-v2-flash"), decode=info("gpt-oss-20b"))
-    assert "full attention kv_heads x head_dim: prefill 4 x 192/128, decode 8 x 64" in mimo   # k/v dims differ
+    assert "full attention kv_heads x head_dim: prefill 4 x 192/128, decode 8 x 64" in mimo  # k/v dims differ
 
 
 def test_conv_groups_are_named_when_they_differ():
@@ -113,8 +145,10 @@ def test_layer_count():
     full = get_preset("tiny-full")
     deeper = ModelSpec("tiny-full-6", 6, full=AttentionSpec(tuple(range(6)), 2, 16, 16), default_page_size=4)
     why = L.layout_difference(prefill=info(deeper), decode=info(full))
-    assert why == ("prefill tiny-full-6 vs decode tiny-full: layers: prefill 6, decode 4; "
-                   "full attention layers: prefill 6, decode 4")
+    assert why == (
+        "prefill tiny-full-6 vs decode tiny-full: layers: prefill 6, decode 4; "
+        "full attention layers: prefill 6, decode 4"
+    )
 
 
 def test_tp_size_and_pool_layout():
@@ -131,8 +165,10 @@ def test_tp_size_and_pool_layout():
 
 def test_a_peer_without_a_description_gets_the_buffer_difference():
     why = _one_line(L.layout_difference(prefill=info("tiny-hybrid"), decode=info("tiny-mamba", described=False)))
-    assert why.startswith("prefill tiny-hybrid vs decode (model not described): buffers (prefill = source, "
-                          "decode = destination): component sets differ")
+    assert why.startswith(
+        "prefill tiny-hybrid vs decode (model not described): buffers (prefill = source, "
+        "decode = destination): component sets differ"
+    )
 
 
 def test_alike_descriptions_with_different_buffers_fall_back_to_the_buffers():
@@ -143,20 +179,26 @@ def test_alike_descriptions_with_different_buffers_fall_back_to_the_buffers():
 
 
 def test_many_differences_are_counted_not_all_listed():
-    other = ModelSpec("tiny-other", 8, full=AttentionSpec((2, 5), 4, 16, 16, dtype="float16"),
-                      swa=AttentionSpec((0, 3), 2, 16, 16, dtype="float16", window=3),
-                      nsa=NSAIndexerSpec((2, 5), key_dim=64, scale_block=64),
-                      linear=LinearStateSpec((1, 4), 16, 4, 4, 8, 8), default_page_size=8)
+    other = ModelSpec(
+        "tiny-other",
+        8,
+        full=AttentionSpec((2, 5), 4, 16, 16, dtype="float16"),
+        swa=AttentionSpec((0, 3), 2, 16, 16, dtype="float16", window=3),
+        nsa=NSAIndexerSpec((2, 5), key_dim=64, scale_block=64),
+        linear=LinearStateSpec((1, 4), 16, 4, 4, 8, 8),
+        default_page_size=8,
+    )
     why = _one_line(L.layout_difference(prefill=info("tiny-hybrid"), decode=info(other)))
     assert why.count(";") == L.MAX_WORDS and why.endswith(" more"), why
-    assert why.startswith("prefill tiny-hybrid vs decode tiny-other: layers: ")   # (page sizes may differ)
+    assert why.startswith("prefill tiny-hybrid vs decode tiny-other: layers: ")  # (page sizes may differ)
 
 
 def test_a_hostile_description_stays_one_bounded_line():
     a = info("tiny-full")
     name = "x" * L.MAX_NAME_CHARS
-    d = L.ModelDescription(name, 1 << 20, 1 << 20,
-                           swa=L.AttentionDescription(1 << 20, 1 << 30, 1, 1, "A" * 32, 1 << 30))
+    d = L.ModelDescription(
+        name, 1 << 20, 1 << 20, swa=L.AttentionDescription(1 << 20, 1 << 30, 1, 1, "A" * 32, 1 << 30)
+    )
     frame = P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, msgspec.structs.replace(a, model=d), [], None))
     msg = P.Decoder(P.ToPrefill, "control").decode(frame)
     why = _one_line(L.layout_difference(prefill=info("tiny-swa"), decode=msg.layout))
@@ -169,7 +211,7 @@ def test_describe_model_clips_what_it_cannot_send():
     assert len(d.name) == L.MAX_NAME_CHARS and "\n" not in d.name
     layout = L.LayoutInfo(4, "page_major", info("tiny-full").buffers, d)
     frame = P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, layout, [], None))
-    assert P.Decoder(P.ToPrefill, "control").decode(frame).layout == layout   # the peer can decode it
+    assert P.Decoder(P.ToPrefill, "control").decode(frame).layout == layout  # the peer can decode it
 
 
 def test_an_old_peer_without_a_description_still_decodes():
@@ -179,22 +221,25 @@ def test_an_old_peer_without_a_description_still_decodes():
     assert P.Decoder(P.ToPrefill, "control").decode(msgspec.msgpack.encode(raw)).layout.model is None
 
 
-@pytest.mark.parametrize("path,bad", [
-    (("name",), "n" * (L.MAX_NAME_CHARS + 1)),
-    (("name",), ""),
-    (("name",), "two\nlines"),
-    (("name",), 7),
-    (("tp_size",), 0),
-    (("num_layers",), -1),
-    (("num_layers",), 1 << 40),
-    (("full",), "attention"),
-    (("full", "kv_heads"), 0),
-    (("full", "k_dim"), 1 << 62),
-    (("full", "dtype"), "bf16; drop"),
-    (("full", "dtype"), "f" * 33),
-    (("swa",), {"layers": 1}),
-    (("linear",), [1, 2, 3]),
-])
+@pytest.mark.parametrize(
+    "path,bad",
+    [
+        (("name",), "n" * (L.MAX_NAME_CHARS + 1)),
+        (("name",), ""),
+        (("name",), "two\nlines"),
+        (("name",), 7),
+        (("tp_size",), 0),
+        (("num_layers",), -1),
+        (("num_layers",), 1 << 40),
+        (("full",), "attention"),
+        (("full", "kv_heads"), 0),
+        (("full", "k_dim"), 1 << 62),
+        (("full", "dtype"), "bf16; drop"),
+        (("full", "dtype"), "f" * 33),
+        (("swa",), {"layers": 1}),
+        (("linear",), [1, 2, 3]),
+    ],
+)
 def test_a_malformed_description_is_refused_with_a_reason(path, bad):
     good = info("tiny-full")
     raw = msgspec.msgpack.decode(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, good, [], None)))
@@ -227,26 +272,37 @@ def test_a_pair_of_different_presets_fails_requests_with_the_words():
     from disagg.prefill.server import PrefillConfig, PrefillServer
     from disagg.worker.pool_settings import PoolSettings
 
-    prefill = PrefillServer(PrefillConfig(pool=PoolSettings(preset="tiny-swa", max_tokens=2048, max_requests=4,
-                                                            device="cpu"), bootstrap_bind="tcp://127.0.0.1:*"))
-    decode = DecodeServer(DecodeConfig(pool=PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4,
-                                                         device="cpu"), bootstrap_addr=prefill.bootstrap_endpoint))
+    prefill = PrefillServer(
+        PrefillConfig(
+            pool=PoolSettings(preset="tiny-swa", max_tokens=2048, max_requests=4, device="cpu"),
+            bootstrap_bind="tcp://127.0.0.1:*",
+        )
+    )
+    decode = DecodeServer(
+        DecodeConfig(
+            pool=PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu"),
+            bootstrap_addr=prefill.bootstrap_endpoint,
+        )
+    )
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
         dec = decode.decode(1, np.arange(20), 1)
         assert dec["state"] == "FAILED"
         reason = _one_line(dec["reason"])
-        assert ("prefill layout differs: prefill tiny-swa vs decode tiny-full: components: prefill has swa, "
-                "decode has none; full attention layers: prefill 2, decode 4; "
-                "full attention kv_heads x head_dim: prefill 2 x 8, decode 2 x 16") in reason, reason
+        assert (
+            "prefill layout differs: prefill tiny-swa vs decode tiny-full: components: prefill has swa, "
+            "decode has none; full attention layers: prefill 2, decode 4; "
+            "full attention kv_heads x head_dim: prefill 2 x 8, decode 2 x 16"
+        ) in reason, reason
         sock.connect(prefill.control_endpoint)
         sock.send(P.encoder.encode(P.RegisterDecode(P.PROTOCOL_VERSION, 1, decode.layout, [], None)))
         assert sock.poll(10_000)
         reply = P.Decoder(P.ToDecode, "t").decode(sock.recv())
         assert isinstance(reply, P.Refused)
-        assert reply.reason.startswith("layout mismatch: prefill tiny-swa vs decode tiny-full: components: "
-                                       "prefill has swa, decode has none"), reply.reason
+        assert reply.reason.startswith(
+            "layout mismatch: prefill tiny-swa vs decode tiny-full: components: prefill has swa, decode has none"
+        ), reply.reason
     finally:
         sock.close()
         decode.close()
@@ -256,13 +312,16 @@ def test_a_pair_of_different_presets_fails_requests_with_the_words():
 def test_another_checkpoint_of_one_geometry_is_refused_naming_the_difference():
     """Same pools, same geometry, different weights (or config): the models are not the same."""
     from disagg.control.layout import LayoutInfo, describe_model, layout_difference
+
     spec = get_preset("tiny-hybrid")
     a = {"config_hash": "sha256:" + "a" * 32, "weights": "sha256:" + "1" * 32}
     b = {**a, "weights": "sha256:" + "2" * 32}
     info = lambda ident: LayoutInfo(4, "page_major", [], describe_model(spec, 1, ident))  # noqa: E731
     assert layout_difference(info(a), info(a)) is None and layout_difference(info(None), info(None)) is None
     why = layout_difference(info(a), info(b))
-    assert why == (f"prefill tiny-hybrid vs decode tiny-hybrid: weights: prefill sha256:{'1' * 32}, decode "
-                   f"sha256:{'2' * 32} (both sides must load the same model)"), why
+    assert why == (
+        f"prefill tiny-hybrid vs decode tiny-hybrid: weights: prefill sha256:{'1' * 32}, decode "
+        f"sha256:{'2' * 32} (both sides must load the same model)"
+    ), why
     assert "model config: prefill sha256:" in layout_difference(info(a), info({**b, "config_hash": "sha256:bb"}))
     assert "weights: prefill sha256:" in layout_difference(info(a), info(None))

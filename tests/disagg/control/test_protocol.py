@@ -14,22 +14,38 @@ from transfer.report import TransferReport
 from transfer.staging import Piece
 from transfer.transports import Offer
 
-LAYOUT = L.LayoutInfo(16, "page_major", [Buffer(0, 4096 * 10, 4096, "full", None, None),
-                                         Buffer(1, 64 * 4, 64, "aux", None, None)])
+LAYOUT = L.LayoutInfo(
+    16, "page_major", [Buffer(0, 4096 * 10, 4096, "full", None, None), Buffer(1, 64 * 4, 64, "aux", None, None)]
+)
 DESCRIBED = L.LayoutInfo(16, "page_major", LAYOUT.buffers, L.describe_model(get_preset("tiny-hybrid")))
 SAMPLES = [
     P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://10.0.0.1:5000", 42, LAYOUT),
     P.Lookup(P.PROTOCOL_VERSION, 0),
     P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", 1, LAYOUT)),
-    P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [Offer("mooncake", "10.0.0.2", b"opaque")],
-                     StagingInfo(2, 4, 1 << 20)),
+    P.RegisterDecode(
+        P.PROTOCOL_VERSION, 9, LAYOUT, [Offer("mooncake", "10.0.0.2", b"opaque")], StagingInfo(2, 4, 1 << 20)
+    ),
     P.RegisterDecode(P.PROTOCOL_VERSION, 9, LAYOUT, [], None),
     P.RegisterDecode(P.PROTOCOL_VERSION, 9, DESCRIBED, [], None),
     P.PrefillInfo(P.RegisterPrefill(P.PROTOCOL_VERSION, 0, 1, "tcp://h:1", 1, DESCRIBED)),
     P.TransferRequest(123, 9, 2048, {"full": np.arange(1, 5, dtype="<i4").tobytes()}, [0, 1]),
     P.TransferStarted(123, 42),
-    P.TransferDone(123, 42, True, "", TransferReport(mode="direct", transport="mooncake", nbytes=1 << 20, ranges=17,
-                                                   transfer_ms=3.5, streamed=True, groups=4, first_write_at=1e9)),
+    P.TransferDone(
+        123,
+        42,
+        True,
+        "",
+        TransferReport(
+            mode="direct",
+            transport="mooncake",
+            nbytes=1 << 20,
+            ranges=17,
+            transfer_ms=3.5,
+            streamed=True,
+            groups=4,
+            first_write_at=1e9,
+        ),
+    ),
     P.TransferDone(123, 42, False, "WriteFailed: boom", settled=False),
     P.Abort(123, "client cancelled"),
     P.Heartbeat(42),
@@ -43,8 +59,12 @@ SAMPLES = [
 
 @pytest.mark.parametrize("msg", SAMPLES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips_through_its_socket_decoder(msg):
-    unions = {"bootstrap-req": P.BootstrapRequest, "bootstrap-rep": P.BootstrapReply,
-              "to-prefill": P.ToPrefill, "to-decode": P.ToDecode}
+    unions = {
+        "bootstrap-req": P.BootstrapRequest,
+        "bootstrap-rep": P.BootstrapReply,
+        "to-prefill": P.ToPrefill,
+        "to-decode": P.ToDecode,
+    }
     homes = [name for name, u in unions.items() if type(msg) in u.__args__]
     assert homes, f"{type(msg).__name__} belongs to no socket"
     for name in homes:
@@ -111,10 +131,12 @@ def test_buffers_and_staging_in_a_registration_are_validated_when_decoded():
     good = P.RegisterDecode(P.PROTOCOL_VERSION, 1, LAYOUT, [], StagingInfo(2, 4, 4096))
     assert d.decode(P.encoder.encode(good)) == good
     raw = msgspec.msgpack.decode(P.encoder.encode(good))
-    for field, bad in (("layout", [16, "page_major", [[0, 8000, 4096, "full", None, None]]]),
-                       ("layout", [16, "page_major", [[0, 8192, 4096, "kv", None, None]]]),
-                       ("layout", [16, "page_major", [[-1, 8192, 4096, "full", None, None]]]),
-                       ("staging", [2, 0, 4096])):
+    for field, bad in (
+        ("layout", [16, "page_major", [[0, 8000, 4096, "full", None, None]]]),
+        ("layout", [16, "page_major", [[0, 8192, 4096, "kv", None, None]]]),
+        ("layout", [16, "page_major", [[-1, 8192, 4096, "full", None, None]]]),
+        ("staging", [2, 0, 4096]),
+    ):
         with pytest.raises(ProtocolError, match="undecodable"):
             d.decode(msgspec.msgpack.encode({**raw, field: bad}))
 

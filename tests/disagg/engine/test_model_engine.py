@@ -17,8 +17,8 @@ from tests.kvpool.helpers import copy_request
 
 ENGINES: dict = {}
 TINY = [f for f in FAMILIES if f.startswith("tiny-")]
-REAL_SIZE = [f for f in FAMILIES if not f.startswith("tiny-")]   # bf16, GB of weights: GPU suite
-LENGTHS = (1, 5, 7, 8, 9, 23, 40)        # window 8: shorter, equal, one past, several windows
+REAL_SIZE = [f for f in FAMILIES if not f.startswith("tiny-")]  # bf16, GB of weights: GPU suite
+LENGTHS = (1, 5, 7, 8, 9, 23, 40)  # window 8: shorter, equal, one past, several windows
 
 
 def engine(preset: str, device: str):
@@ -29,10 +29,18 @@ def engine(preset: str, device: str):
 
 
 def pools(eng, device, page_size, layout=Layout.PAGE_MAJOR):
-    make = lambda: HybridPool(PoolConfig(eng.spec, page_size, max_tokens=1024, max_requests=8,  # noqa: E731
-                                         layout=layout, device=device))
+    make = lambda: HybridPool(
+        PoolConfig(
+            eng.spec,
+            page_size,
+            max_tokens=1024,
+            max_requests=8,  # noqa: E731
+            layout=layout,
+            device=device,
+        )
+    )
     prefill, decode = make(), make()
-    np.random.default_rng(0).shuffle(prefill.pages._stack[:prefill.pages.num_free])  # pages out of order
+    np.random.default_rng(0).shuffle(prefill.pages._stack[: prefill.pages.num_free])  # pages out of order
     return prefill, decode
 
 
@@ -85,11 +93,18 @@ def test_both_layouts(layout, device):
 # some heads are gated off, so a flipped value the model gives ~0 weight rightly changes
 # nothing, e.g. qwen3-next layer 0's largest recurrent value)
 CORRUPTIONS = [
-    ("tiny-model-gpt-oss", 1, "k"), ("tiny-model-gpt-oss", 0, "k"), ("tiny-model-mimo", 1, "k"),
-    ("tiny-model-qwen3-next", 0, "conv"), ("tiny-model-qwen3-next", 2, "temporal"),
-    ("tiny-model-nemotron-h", 0, "conv"), ("tiny-model-nemotron-h", 0, "temporal"),
-    ("tiny-model-jamba", 0, "temporal"), ("tiny-model-falcon-h1", 0, "temporal"), ("tiny-model-falcon-h1", 1, "k"),
-    ("tiny-model-deepseek-v3", 0, "latent"), ("tiny-model-deepseek-v32", 0, "key"),
+    ("tiny-model-gpt-oss", 1, "k"),
+    ("tiny-model-gpt-oss", 0, "k"),
+    ("tiny-model-mimo", 1, "k"),
+    ("tiny-model-qwen3-next", 0, "conv"),
+    ("tiny-model-qwen3-next", 2, "temporal"),
+    ("tiny-model-nemotron-h", 0, "conv"),
+    ("tiny-model-nemotron-h", 0, "temporal"),
+    ("tiny-model-jamba", 0, "temporal"),
+    ("tiny-model-falcon-h1", 0, "temporal"),
+    ("tiny-model-falcon-h1", 1, "k"),
+    ("tiny-model-deepseek-v3", 0, "latent"),
+    ("tiny-model-deepseek-v32", 0, "key"),
 ]
 
 
@@ -99,7 +114,7 @@ def test_one_corrupted_byte_fails_the_check(preset, layer, part, device):
     last prompt token's row for per-token parts, the request's slot for state."""
     eng = engine(preset, device)
     prefill, decode = pools(eng, device, 4)
-    tokens = prompt(23, eng.vocab_size)                 # > the NSA top-k (8): the keys choose
+    tokens = prompt(23, eng.vocab_size)  # > the NSA top-k (8): the keys choose
     dreq = transfer(eng, prefill, decode, tokens)
     kind = eng.spec.layer_kinds()[layer]
     view = decode.layer_view(layer, part)
@@ -126,7 +141,7 @@ def test_generation_continues_after_retract_and_restore(preset, device):
     dreq = transfer(eng, prefill, decode, tokens)
     first = eng.decode(decode, dreq, tokens, max_new_tokens=5)
     copy = decode.retract(dreq)
-    other = decode.alloc_request(33)          # takes the pages the request had
+    other = decode.alloc_request(33)  # takes the pages the request had
     again = decode.restore(copy)
     assert not np.array_equal(again.full_pages, dreq.full_pages)
     rest = eng.generate(decode, again, again.num_tokens, first.tokens[-1], max_new_tokens=8)
@@ -142,7 +157,7 @@ def test_layer_progress_reports_each_layer_once_its_bytes_are_final(device):
     """on_layer(i) comes after layer i's pool bytes are final and before layer i+1's are (of
     the prompt's last prefill pass: the last page; the passes before wrote the first pages of
     every layer already)."""
-    eng = engine("tiny-model-deepseek-v3", device)        # every layer MLA: one part to look at
+    eng = engine("tiny-model-deepseek-v3", device)  # every layer MLA: one part to look at
     prefill, _ = pools(eng, device, 4)
     tokens = prompt(12, eng.vocab_size)
     req = prefill.alloc_request(len(tokens))
@@ -167,7 +182,7 @@ def test_geometry_is_the_models_and_mismatches_are_refused(device, monkeypatch):
         eng.check_pool(pools(other, device, 4)[0])
     with pytest.raises(ConfigError, match="geometry only"):
         registry.create("model", "tiny-hybrid", device)
-    falcon = engine("tiny-model-falcon-h1", device)     # K/V and a Mamba2 state in every layer: in both
+    falcon = engine("tiny-model-falcon-h1", device)  # K/V and a Mamba2 state in every layer: in both
     assert falcon.spec.full.layers == falcon.spec.linear.layers == (0, 1)
     assert falcon.spec.layer_kinds() == ("full", "full")
 
@@ -179,7 +194,7 @@ def test_chunked_attention_is_the_families_eager_attention_on_blocks_of_queries(
     rounding, and disaggregated still equals colocated with the chunked engine."""
     whole = engine(preset, device)
     chunked = TransformersEngine(preset, device, attn_chunk=5)
-    tokens = prompt(37, whole.vocab_size)   # 8 blocks, the last one short
+    tokens = prompt(37, whole.vocab_size)  # 8 blocks, the last one short
     want, _ = whole._forward(tokens, whole._cache())
     got, _ = chunked._forward(tokens, chunked._cache())
     assert not torch.equal(want, torch.zeros_like(want))
@@ -211,6 +226,7 @@ def test_a_layer_with_several_states_is_refused_not_half_carried():
     from transformers.cache_utils import LinearAttentionLayer
 
     from disagg.engine.model.geometry import _states
+
     layer = LinearAttentionLayer(number_of_states=2)
     for i in range(2):
         layer.update_conv_state(torch.zeros(1, 8, 4), state_idx=i)
@@ -221,9 +237,23 @@ def test_a_layer_with_several_states_is_refused_not_half_carried():
 
 # model types with no family entry of ours, from their config alone (--model-type/--model-config)
 FROM_CONFIG = [
-    ("olmo_hybrid", dict(**_ATTN, hidden_size=64, intermediate_size=128, vocab_size=512, num_hidden_layers=4,
-                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-                         linear_value_head_dim=8, initializer_range=0.5, pad_token_id=None, eos_token_id=None)),
+    (
+        "olmo_hybrid",
+        dict(
+            **_ATTN,
+            hidden_size=64,
+            intermediate_size=128,
+            vocab_size=512,
+            num_hidden_layers=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            initializer_range=0.5,
+            pad_token_id=None,
+            eos_token_id=None,
+        ),
+    ),
 ]
 
 
@@ -232,8 +262,10 @@ def test_a_model_type_from_its_config_alone_runs_exact(model_type, config, devic
     import json
 
     from disagg.engine.model.source import ModelSource
-    eng = registry.create("auto", "unused", device, source=ModelSource(model_type=model_type,
-                                                                        config_json=json.dumps(config), page_size=4))
+
+    eng = registry.create(
+        "auto", "unused", device, source=ModelSource(model_type=model_type, config_json=json.dumps(config), page_size=4)
+    )
     assert eng.spec.linear.conv_groups == ((2, 8), (2, 8), (4, 8)) and eng.identity["weights"].startswith("sha256:")
     prefill, decode = pools(eng, device, 4)
     tokens = prompt(13, eng.vocab_size)

@@ -31,8 +31,9 @@ def engine(preset: str, device: str):
 
 
 def pool(eng, device: str, page_size: int, tp: int, rank: int) -> HybridPool:
-    return HybridPool(PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device=device,
-                                 tp_size=tp, tp_rank=rank))
+    return HybridPool(
+        PoolConfig(eng.spec, page_size, max_tokens=512, max_requests=4, device=device, tp_size=tp, tp_rank=rank)
+    )
 
 
 def _rows(p: HybridPool, req, c: Component, layer: int, part: str, n: int):
@@ -58,9 +59,10 @@ def reshard_copy(srcs: list, dst: HybridPool, dreq, n: int) -> None:
             at, out = _rows(dst, dreq, c, layer, part, n)
             for src, sreq in srcs:
                 _, rows = _rows(src, sreq, c, layer, part, n)
-                for s, d, length in reshard(parts(cfg.model, c, part), (src.config.tp_size, src.config.tp_rank),
-                                            (cfg.tp_size, cfg.tp_rank)):
-                    out[:, d:d + length] = rows[-len(out):, s:s + length]   # both keep the last positions
+                for s, d, length in reshard(
+                    parts(cfg.model, c, part), (src.config.tp_size, src.config.tp_rank), (cfg.tp_size, cfg.tp_rank)
+                ):
+                    out[:, d : d + length] = rows[-len(out) :, s : s + length]  # both keep the last positions
             view = dst.layer_view(layer, part)
             view[at] = out.view(view.dtype).reshape(view[at].shape)
     aux = srcs[0][0].aux.read(srcs[0][1].aux_row)
@@ -77,13 +79,15 @@ def prefill_instance(eng, device: str, tp: int, page_size: int, tokens) -> list:
     return ranks
 
 
-@pytest.mark.parametrize("preset,tp", [(f, tp) for f in FAMILIES for tp in TP_PAIRS] +
-                         [(f, tp) for f in MAMBA2 for tp in ((1, 2), (2, 1))],
-                         ids=lambda v: f"{v[0]}->{v[1]}" if isinstance(v, tuple) else v)
+@pytest.mark.parametrize(
+    "preset,tp",
+    [(f, tp) for f in FAMILIES for tp in TP_PAIRS] + [(f, tp) for f in MAMBA2 for tp in ((1, 2), (2, 1))],
+    ids=lambda v: f"{v[0]}->{v[1]}" if isinstance(v, tuple) else v,
+)
 def test_every_decode_rank_continues_from_its_resharded_shard_token_exact(preset, tp, device):
     eng = engine(preset, device)
     n, m = tp
-    tokens = prompt(21, eng.vocab_size)                      # > the SWA window and the NSA top-k
+    tokens = prompt(21, eng.vocab_size)  # > the SWA window and the NSA top-k
     prefill = prefill_instance(eng, device, n, 4, tokens)
     outputs = []
     for rank in range(m):
@@ -102,8 +106,13 @@ def test_every_decode_rank_continues_from_its_resharded_shard_token_exact(preset
 
 
 # (family, layer, part) whose largest value in rank 1's shard moves the output when flipped
-CORRUPTIONS = [("tiny-model-gpt-oss", 1, "k"), ("tiny-model-gpt-oss", 1, "v"), ("tiny-model-gpt-oss", 0, "k"),
-               ("tiny-model-qwen3-next", 0, "conv"), ("tiny-model-nemotron-h", 0, "temporal")]
+CORRUPTIONS = [
+    ("tiny-model-gpt-oss", 1, "k"),
+    ("tiny-model-gpt-oss", 1, "v"),
+    ("tiny-model-gpt-oss", 0, "k"),
+    ("tiny-model-qwen3-next", 0, "conv"),
+    ("tiny-model-nemotron-h", 0, "temporal"),
+]
 
 
 @pytest.mark.parametrize("preset,layer,part", CORRUPTIONS)
@@ -116,13 +125,13 @@ def test_a_flipped_byte_in_one_ranks_shard_fails_that_ranks_check_only(preset, l
         dst = pool(eng, device, 4, 2, rank)
         dreq = dst.alloc_request(len(tokens), swa_window_only=True)
         reshard_copy(prefill, dst, dreq, len(tokens))
-        if rank == 1:                                        # the last kept position's row / the slot
+        if rank == 1:  # the last kept position's row / the slot
             kind = eng.spec.layer_kinds()[layer]
             c = Component.MAMBA if part in ("conv", "temporal") else Component.SWA if kind == "swa" else Component.FULL
             at, _ = _rows(dst, dreq, c, layer, part, len(tokens))
             view, last = dst.layer_view(layer, part), tuple(i[-1:] for i in at)
             row = view[last].clone()
-            row.view(-1).view(torch.uint8)[4 * int(row.abs().argmax()) + 3] ^= 0x80   # the sign of its largest
+            row.view(-1).view(torch.uint8)[4 * int(row.abs().argmax()) + 3] ^= 0x80  # the sign of its largest
             view[last] = row
         checks.append(eng.check(tokens, eng.decode(dst, dreq, tokens, max_new_tokens=6)))
     assert checks[0]["logits_match"] and checks[0]["token_match"], checks[0]
@@ -139,13 +148,13 @@ def test_decode_steps_write_the_ranks_units_of_each_new_token(preset, device):
     dreq = dst.alloc_request(len(tokens), swa_window_only=True)
     reshard_copy(prefill_instance(eng, device, 1, 4, tokens), dst, dreq, len(tokens))
     out = eng.decode(dst, dreq, tokens, max_new_tokens=4)
-    _, want = eng._prompt(tokens)                   # the colocated run: prefill's passes
+    _, want = eng._prompt(tokens)  # the colocated run: prefill's passes
     for t in out.tokens[:3]:
         _, want = eng._forward([t], want)
     got = CacheIO(dst, eng._states).read_cache(dreq, len(tokens) + 3, eng.config, whole=want)
     for layer, kind in enumerate(eng.spec.layer_kinds()):
         a, b = got.layers[layer], want.layers[layer]
-        if kind == "linear":   # (the conv state's oldest column is never kept)
+        if kind == "linear":  # (the conv state's oldest column is never kept)
             assert torch.equal(a.conv_states[0][..., 1:], b.conv_states[0][..., 1:]), layer
             assert torch.equal(a.recurrent_states[0], b.recurrent_states[0]), layer
         elif kind != "none":
@@ -153,12 +162,12 @@ def test_decode_steps_write_the_ranks_units_of_each_new_token(preset, device):
 
 
 def test_a_split_shard_needs_the_prompt_and_a_replicated_one_does_not(device):
-    eng = engine("tiny-model-gpt-oss", device)                  # K/V heads split across 2 ranks
+    eng = engine("tiny-model-gpt-oss", device)  # K/V heads split across 2 ranks
     tokens = prompt(9, eng.vocab_size)
     p, req = prefill_instance(eng, device, 2, 4, tokens)[1]
     with pytest.raises(ValueError, match="TP shard"):
         eng.generate(p, req, len(tokens), 1, max_new_tokens=2)
-    mla = engine("tiny-model-deepseek-v3", device)               # the latent whole on every rank
+    mla = engine("tiny-model-deepseek-v3", device)  # the latent whole on every rank
     tokens = prompt(9, mla.vocab_size)
     p, req = prefill_instance(mla, device, 2, 4, tokens)[1]
     first = int(p.aux.read(req.aux_row)["first_token"])
@@ -180,13 +189,16 @@ def test_each_decode_ranks_conv_bytes_are_its_real_shard(device):
         dreq = dst.alloc_request(len(tokens))
         reshard_copy(prefill, dst, dreq, len(tokens))
         slot = int(dst.index_set(dreq)[Component.MAMBA][0])
-        channels = [*range(64 * rank, 64 * rank + 64), *range(128 + 8 * rank, 136 + 8 * rank),
-                    *range(144 + 8 * rank, 152 + 8 * rank)]
+        channels = [
+            *range(64 * rank, 64 * rank + 64),
+            *range(128 + 8 * rank, 136 + 8 * rank),
+            *range(144 + 8 * rank, 152 + 8 * rank),
+        ]
         for layer in eng.spec.linear.layers:
-            conv = whole.layers[layer].conv_states[0][0]          # [160 channels, kernel]
+            conv = whole.layers[layer].conv_states[0][0]  # [160 channels, kernel]
             assert torch.equal(dst.layer_view(layer, "conv")[slot], conv[channels, 1:]), (rank, layer)
-            state = whole.layers[layer].recurrent_states[0][0]    # [4 heads, 32, 8]
-            assert torch.equal(dst.layer_view(layer, "temporal")[slot], state[2 * rank:2 * rank + 2]), (rank, layer)
+            state = whole.layers[layer].recurrent_states[0][0]  # [4 heads, 32, 8]
+            assert torch.equal(dst.layer_view(layer, "temporal")[slot], state[2 * rank : 2 * rank + 2]), (rank, layer)
 
 
 def test_the_check_compares_the_bytes_a_rank_holds_not_only_the_outputs(device):
@@ -221,15 +233,21 @@ def test_tp_is_refused_with_the_reason_where_conv_groups_cannot_be_derived():
         def __init__(self):
             super().__init__()
             self.conv1d = torch.nn.Conv1d(24, 24, 4, groups=24)
+
     odd = Unknown()
     assert "cannot derive" in conv_groups(odd, 3, 24, (4, 8, 8)).refusal
-    odd.num_heads, odd.head_dim, odd.n_groups, odd.ssm_state_size = 2, 8, 1, 2     # 16 + 2 + 2 != 24
+    odd.num_heads, odd.head_dim, odd.n_groups, odd.ssm_state_size = 2, 8, 1, 2  # 16 + 2 + 2 != 24
     refused = conv_groups(odd, 3, 24, (2, 8, 2))
     assert refused.groups is None and "hold 20 channels" in refused.refusal and "layer 3 (Unknown)" in refused.refusal
-    odd.ssm_state_size = 4                                                         # 16 + 4 + 4 = 24
+    odd.ssm_state_size = 4  # 16 + 4 + 4 = 24
     assert conv_groups(odd, 3, 24, (2, 8, 4)).groups == ((2, 8), (1, 4), (1, 4))
-    spec = ModelSpec("m", 2, full=AttentionSpec((1,), 2, 8, 8), default_page_size=4,
-                     linear=LinearStateSpec((0,), 24, 3, 2, 8, 4, tp_refusal=refused.refusal))
+    spec = ModelSpec(
+        "m",
+        2,
+        full=AttentionSpec((1,), 2, 8, 8),
+        default_page_size=4,
+        linear=LinearStateSpec((0,), 24, 3, 2, 8, 4, tp_refusal=refused.refusal),
+    )
     PoolConfig(spec, 4, max_tokens=64, max_requests=2)
     with pytest.raises(SpecError, match="TP 2 refused for its linear-state layers: layer 3"):
         PoolConfig(spec, 4, max_tokens=64, max_requests=2, tp_size=2, tp_rank=0)

@@ -82,7 +82,7 @@ def test_three_turns_reuse_exactly_what_prefill_computes(preset, device):
     eng = engine(preset, device)
     assert eng.exact_reuse and eng.passes.chunk == 8, eng.reuse_note
     results = conversation(eng, eng.reusable)
-    assert [r[0] for r in results] == [0, 16, 32], results   # whole 8-token chunks of the last prompt
+    assert [r[0] for r in results] == [0, 16, 32], results  # whole 8-token chunks of the last prompt
     for prefix, changed, check in results:
         assert not changed, (prefix, changed)
         assert check["token_match"] and check["logits_match"] and check["shard_match"], check
@@ -103,7 +103,7 @@ def test_every_position_is_reusable_with_one_token_passes(device):
     eng = TransformersEngine("tiny-model-gpt-oss", device, prefill_chunk=1)
     assert eng.exact_reuse and eng.reusable(21, 27) == 27
     results = conversation(eng, eng.reusable)
-    assert [r[0] for r in results] == [0, 24, 36], results    # whole pages of all the last request held
+    assert [r[0] for r in results] == [0, 24, 36], results  # whole pages of all the last request held
     for prefix, changed, check in results:
         assert not changed and check["token_match"] and check["logits_match"], (prefix, changed, check)
 

@@ -17,7 +17,7 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
     model = get_preset(preset)
     prefill = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=4, device=device))
     decode = HybridPool(PoolConfig(model, 4, max_tokens=512, max_requests=4, device=device))
-    np.random.default_rng(0).shuffle(prefill.pages._stack[:prefill.pages.num_free])
+    np.random.default_rng(0).shuffle(prefill.pages._stack[: prefill.pages.num_free])
     standin = StandInEngine()
     tokens = np.random.default_rng(1).integers(0, 50000, 53)
     preq = prefill.alloc_request(len(tokens))
@@ -44,6 +44,7 @@ def test_prefill_then_copy_verifies_and_corruption_is_caught(preset, device):
 
 def test_fill_and_its_digest_are_deterministic_across_pools_and_layouts():
     from kvpool import Layout, digest
+
     tokens = np.arange(100, 140)
     digests = []
     for layout in Layout:
@@ -56,13 +57,17 @@ def test_fill_and_its_digest_are_deterministic_across_pools_and_layouts():
     assert all(np.array_equal(digests[0][c], digests[1][c]) for c in digests[0])
 
 
-@given(tokens=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=40), layer=st.integers(0, 200),
-       nbytes=st.integers(1, 70))
+@given(
+    tokens=st.lists(st.integers(0, (1 << 31) - 1), min_size=1, max_size=40),
+    layer=st.integers(0, 200),
+    nbytes=st.integers(1, 70),
+)
 @settings(max_examples=100, deadline=None)
 def test_device_arithmetic_matches_the_numpy_reference(tokens, layer, nbytes):
     """The stand-in fills and checks KV with torch on the pool's device; its 64-bit wrapping
     arithmetic and logical shifts must give numpy's uint64 bytes exactly."""
     from disagg.engine.standin import _bytes_for, _bytes_for_t, _mix, _mix_t
+
     ids = np.asarray(tokens, dtype=np.int64)
     pos = np.arange(len(ids), dtype=np.int64)
     want = _bytes_for(_mix(ids.astype(np.uint64), pos, layer, 0x9E3779B1), nbytes)

@@ -26,7 +26,7 @@ class OneAtATime(StandInEngine):
         self.lock = threading.Lock()
         self.gates = {room: threading.Event() for room in rooms}
         self.arrived = {room: threading.Event() for room in rooms}
-        self.fails: dict[int, Exception] = {}   # room -> raised before its first layer
+        self.fails: dict[int, Exception] = {}  # room -> raised before its first layer
 
     def prefill(self, pool, req, token_ids, room, on_layer=None):
         self.arrived[room].set()
@@ -45,8 +45,16 @@ def _pool() -> PoolSettings:
 def pair():
     memory.register()
     engine = OneAtATime([1, 2])
-    prefill = PrefillServer(PrefillConfig(pool=_pool(), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
-                                          transfer_workers=1, stream_layers="on"), model=engine)
+    prefill = PrefillServer(
+        PrefillConfig(
+            pool=_pool(),
+            bootstrap_bind="tcp://127.0.0.1:*",
+            transports=("memory",),
+            transfer_workers=1,
+            stream_layers="on",
+        ),
+        model=engine,
+    )
     decode = DecodeServer(DecodeConfig(pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",)))
     yield prefill, decode, engine
     for gate in engine.gates.values():
@@ -60,22 +68,30 @@ def test_a_streamed_request_waiting_for_the_engine_holds_no_transfer_worker(pair
     and must be sent by the one transfer worker meanwhile. Then room 1 runs and is sent too."""
     prefill, decode, engine = pair
     tokens, out = {1: np.arange(40) % 97, 2: np.arange(50) % 89}, {}
-    run = {room: [threading.Thread(target=lambda room=room: out.__setitem__(("decode", room), decode.decode(room, tokens[room]))),
-                  threading.Thread(target=lambda room=room: out.__setitem__(("prefill", room), prefill.prefill(room, tokens[room])))]
-           for room in (1, 2)}
+    run = {
+        room: [
+            threading.Thread(
+                target=lambda room=room: out.__setitem__(("decode", room), decode.decode(room, tokens[room]))
+            ),
+            threading.Thread(
+                target=lambda room=room: out.__setitem__(("prefill", room), prefill.prefill(room, tokens[room]))
+            ),
+        ]
+        for room in (1, 2)
+    }
     for t in run[1]:
         t.start()
-    assert engine.arrived[1].wait(10)   # room 1's pages are allocated, its engine call waits at the gate
+    assert engine.arrived[1].wait(10)  # room 1's pages are allocated, its engine call waits at the gate
     eventually(lambda: len(prefill.requests.get(1).dests) == 1, 10, "decode's TransferRequest for room 1")
     engine.gates[2].set()
-    run[2][0].start()   # decode asks first, so room 2 streams too
+    run[2][0].start()  # decode asks first, so room 2 streams too
     eventually(lambda: (r := prefill.requests.get(2)) is not None and len(r.dests) == 1, 10, "room 2's request")
     run[2][1].start()
     for t in run[2]:
         t.join(30)
     assert out[("prefill", 2)]["state"] == "SUCCESS" and out[("decode", 2)]["verified"], out
     assert out[("prefill", 2)]["streamed"]
-    assert not engine.gates[1].is_set() and ("prefill", 1) not in out   # room 1 still waits for the engine
+    assert not engine.gates[1].is_set() and ("prefill", 1) not in out  # room 1 still waits for the engine
     engine.gates[1].set()
     for t in run[1]:
         t.join(30)
@@ -90,8 +106,10 @@ def test_a_streamed_request_that_fails_before_its_first_layer_frees_its_pages(pa
     fails on both sides, and its pages are free once the engine returns."""
     prefill, decode, engine = pair
     tokens, out = np.arange(40) % 97, {}
-    threads = [threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(1, tokens))),
-               threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(1, tokens)))]
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(1, tokens))),
+        threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(1, tokens))),
+    ]
     for t in threads:
         t.start()
     assert engine.arrived[1].wait(10)
@@ -107,8 +125,11 @@ def test_a_streamed_request_that_fails_before_its_first_layer_frees_its_pages(pa
 
 
 @pytest.mark.parametrize("stream", ["on", "off"])
-@pytest.mark.parametrize("error", [DisaggError("the engine is out of memory"), RuntimeError("CUDA error")],
-                         ids=["DisaggError", "RuntimeError"])
+@pytest.mark.parametrize(
+    "error",
+    [DisaggError("the engine is out of memory"), RuntimeError("CUDA error")],
+    ids=["DisaggError", "RuntimeError"],
+)
 def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_sides(pair, eventually, stream, error):
     """Whatever the engine raises before its first layer (nothing handed to the table yet):
     the request fails at once on both sides (decode is told, not left to its deadline), its
@@ -119,11 +140,13 @@ def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_
     def prefill_call():
         try:
             out["prefill"] = prefill.prefill(1, tokens, stream=stream)
-        except RuntimeError as exc:   # not ours to turn into an answer: the HTTP layer's 500
+        except RuntimeError as exc:  # not ours to turn into an answer: the HTTP layer's 500
             out["prefill"] = exc
 
-    threads = [threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(1, tokens))),
-               threading.Thread(target=prefill_call)]
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(1, tokens))),
+        threading.Thread(target=prefill_call),
+    ]
     for t in threads:
         t.start()
     eventually(lambda: (r := prefill.requests.get(1)) is not None and len(r.dests) == 1, 10, "decode's request")
@@ -131,7 +154,7 @@ def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_
     engine.gates[1].set()
     for t in threads:
         t.join(10)
-    assert not any(t.is_alive() for t in threads), out   # decode heard the failure, not its deadline
+    assert not any(t.is_alive() for t in threads), out  # decode heard the failure, not its deadline
     assert out["decode"]["state"] != "SUCCESS", out
     if isinstance(error, RuntimeError):
         assert out["prefill"] is error
@@ -140,9 +163,11 @@ def test_an_engine_that_raises_before_its_first_layer_fails_the_request_on_both_
     assert prefill.requests.get(1) is None
     for server in (prefill, decode):
         assert server.available() == HybridPool(server.pool.config).available()
-    engine.gates[2].set()   # the next request is served
-    threads = [threading.Thread(target=lambda: out.__setitem__("decode2", decode.decode(2, tokens))),
-               threading.Thread(target=lambda: out.__setitem__("prefill2", prefill.prefill(2, tokens, stream=stream)))]
+    engine.gates[2].set()  # the next request is served
+    threads = [
+        threading.Thread(target=lambda: out.__setitem__("decode2", decode.decode(2, tokens))),
+        threading.Thread(target=lambda: out.__setitem__("prefill2", prefill.prefill(2, tokens, stream=stream))),
+    ]
     for t in threads:
         t.start()
     for t in threads:

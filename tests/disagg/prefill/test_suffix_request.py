@@ -12,8 +12,19 @@ import pytest
 import torch
 import zmq
 
-from disagg.control.messages import (PROTOCOL_VERSION, Decoder, LayoutInfo, RegisterDecode, Registered, ToDecode,
-                                     TransferDone, TransferRequest, TransferStarted, encoder, indices_to_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Decoder,
+    LayoutInfo,
+    RegisterDecode,
+    Registered,
+    ToDecode,
+    TransferDone,
+    TransferRequest,
+    TransferStarted,
+    encoder,
+    indices_to_wire,
+)
 from disagg.engine.standin import StandInEngine
 from disagg.prefill.server import PrefillConfig, PrefillServer
 from disagg.worker.pool_settings import PoolSettings
@@ -30,9 +41,13 @@ N, DECODE_PAGE = 100, 16
 @pytest.fixture()
 def prefill():
     memory.register()
-    server = PrefillServer(PrefillConfig(pool=PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4,
-                                                           device="cpu"),
-                                         bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",)))
+    server = PrefillServer(
+        PrefillConfig(
+            pool=PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu"),
+            bootstrap_bind="tcp://127.0.0.1:*",
+            transports=("memory",),
+        )
+    )
     yield server
     server.close()
 
@@ -40,8 +55,11 @@ def prefill():
 @pytest.fixture()
 def decode(prefill):
     """(control socket registered with prefill, its receiver) at page size 16 (prefill: 4)."""
-    pool = HybridPool(PoolSettings(preset="tiny-hybrid", page_size=DECODE_PAGE, max_tokens=2048, max_requests=4,
-                                   device="cpu").pool_config(swa_window_only=True))
+    pool = HybridPool(
+        PoolSettings(
+            preset="tiny-hybrid", page_size=DECODE_PAGE, max_tokens=2048, max_requests=4, device="cpu"
+        ).pool_config(swa_window_only=True)
+    )
     receiver = PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig())
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -65,7 +83,7 @@ def _prefix_bytes(pool: HybridPool, kv, prefix_len: int) -> list[bytes]:
     """The bytes of every paged component's pages holding positions [0, prefix_len)."""
     out = []
     for c in paged_components(pool):
-        pages = kv.full_pages[:prefix_len // DECODE_PAGE]
+        pages = kv.full_pages[: prefix_len // DECODE_PAGE]
         items = pool.swa_allocator.translate(pages) if c is Component.SWA else pages
         items = items[items != 0]
         for b in pool.pools[c].storage.buffers:
@@ -79,7 +97,7 @@ def test_decode_holding_a_prefix_gets_only_the_rest(prefill, decode):
     tokens = np.random.default_rng(1).integers(0, 50000, N)
     kv = pool.alloc_request(N, swa_window_only=True)
     for b in (b for p in pool.pools.values() for b in p.storage.buffers):
-        b.random_(0, 256)                      # decode's prefix: whatever it holds must stay
+        b.random_(0, 256)  # decode's prefix: whatever it holds must stay
     before = _prefix_bytes(pool, kv, 80)
     sock.send(encoder.encode(TransferRequest(21, 1, N, indices_to_wire(pool.index_set(kv)), [], prefix_len=80)))
     out = {}
@@ -91,16 +109,18 @@ def test_decode_holding_a_prefix_gets_only_the_rest(prefill, decode):
     done = answers[1]
     assert isinstance(done, TransferDone) and done.ok, done
     paged = (N - 80) * sum(item_bytes(model, c, 1) for c in paged_components(pool) if c is not Component.SWA)
-    swa = (N - 92) * item_bytes(model, Component.SWA, 1)   # the window (94..99) from prefill's page holding 94
+    swa = (N - 92) * item_bytes(model, Component.SWA, 1)  # the window (94..99) from prefill's page holding 94
     state = sum(item_bytes(model, c, 1) for c in pool.pools if c.per_request)
     assert done.report.nbytes == paged + swa + state == out["bytes"]
     assert _prefix_bytes(pool, kv, 80) == before, "decode's prefix was written"
-    StandInEngine()._write_tokens(pool, kv, tokens, np.arange(80))   # the prefix as decode's cache holds it
+    StandInEngine()._write_tokens(pool, kv, tokens, np.arange(80))  # the prefix as decode's cache holds it
     StandInEngine().verify(pool, kv, tokens, 21)
 
 
-@pytest.mark.parametrize("prefix_len,why", [(8, "not a multiple of the receiver's page size 16"),
-                                            (-16, "negative"), (112, "beyond the prompt's 100 tokens")])
+@pytest.mark.parametrize(
+    "prefix_len,why",
+    [(8, "not a multiple of the receiver's page size 16"), (-16, "negative"), (112, "beyond the prompt's 100 tokens")],
+)
 def test_a_prefix_len_decode_may_not_name_is_refused_and_nothing_moves(prefill, decode, prefix_len, why):
     sock, receiver = decode
     pool = receiver.pool
@@ -108,14 +128,15 @@ def test_a_prefix_len_decode_may_not_name_is_refused_and_nothing_moves(prefill, 
     snapshot = [b.clone() for p in pool.pools.values() for b in p.storage.buffers]
     done = _ask(sock, TransferRequest(22, 1, N, indices_to_wire(pool.index_set(kv)), [], prefix_len=prefix_len))
     assert isinstance(done, TransferDone) and not done.ok and why in done.reason, done
-    assert prefill.requests.get(22) is None     # no room was opened for it
+    assert prefill.requests.get(22) is None  # no room was opened for it
     assert all(torch.equal(a, b) for a, b in zip(snapshot, (b for p in pool.pools.values() for b in p.storage.buffers)))
 
 
 def test_the_wire_carries_prefix_len_and_defaults_it_to_zero():
     msg = TransferRequest(1, 2, 64, {}, [], prefix_len=48)
     assert Decoder(TransferRequest, "t").decode(encoder.encode(msg)).prefix_len == 48
-    old = msgspec.msgpack.encode({"type": "TransferRequest", "room": 1, "decode_epoch": 2, "num_tokens": 64,
-                                  "indices": {}, "slots": []})
+    old = msgspec.msgpack.encode(
+        {"type": "TransferRequest", "room": 1, "decode_epoch": 2, "num_tokens": 64, "indices": {}, "slots": []}
+    )
     assert Decoder(TransferRequest, "t").decode(old).prefix_len == 0
-    assert PROTOCOL_VERSION >= 5   # prefix_len arrived in 5
+    assert PROTOCOL_VERSION >= 5  # prefix_len arrived in 5

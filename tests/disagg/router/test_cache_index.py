@@ -43,8 +43,16 @@ class FakeRank:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def answer(self, **fields) -> None:
-        self.body = {"type": "CacheEvents", "epoch": 7, "seq": 1, "page_size": 4, "reset": False, "added": [],
-                     "evicted": [], **fields}
+        self.body = {
+            "type": "CacheEvents",
+            "epoch": 7,
+            "seq": 1,
+            "page_size": 4,
+            "reset": False,
+            "added": [],
+            "evicted": [],
+            **fields,
+        }
 
 
 @pytest.fixture
@@ -55,11 +63,11 @@ def rank():
     r.server.server_close()
 
 
-PROMPT = np.arange(100, 141)      # 41 tokens: 10 whole pages of 4, a hit capped at 40
+PROMPT = np.arange(100, 141)  # 41 tokens: 10 whole pages of 4, a hit capped at 40
 
 
 def keys(n: int, page: int = 4) -> list[int]:
-    return chain_keys(PROMPT, page)[:n].view(np.int64).tolist()   # (as published: int64 bits)
+    return chain_keys(PROMPT, page)[:n].view(np.int64).tolist()  # (as published: int64 bits)
 
 
 def test_a_reset_then_changes_give_what_the_rank_holds(rank):
@@ -73,9 +81,9 @@ def test_a_reset_then_changes_give_what_the_rank_holds(rank):
     rank.answer(seq=6, evicted=keys(10)[8:])
     index.poll(rank.url)
     assert rank.asked[-1] == 5 and index.cached_tokens((rank.url,), PROMPT) == 32
-    assert index.cached_tokens((rank.url,), PROMPT[:33]) == 32   # capped: (33 - 1) // 4 pages
+    assert index.cached_tokens((rank.url,), PROMPT[:33]) == 32  # capped: (33 - 1) // 4 pages
     assert index.cached_tokens((rank.url,), PROMPT[:32]) == 28
-    rank.status = 404                                   # no cache (any more): nothing held
+    rank.status = 404  # no cache (any more): nothing held
     index.poll(rank.url)
     assert index.cached_tokens((rank.url,), PROMPT) == 0
 
@@ -85,12 +93,12 @@ def test_an_instance_holds_what_every_rank_holds():
     try:
         index = CacheIndex()
         ranks[0].answer(reset=True, added=keys(9))
-        ranks[1].answer(reset=True, page_size=8, added=keys(3, page=8))   # 24 tokens
+        ranks[1].answer(reset=True, page_size=8, added=keys(3, page=8))  # 24 tokens
         for r in ranks:
             index.poll(r.url)
         urls = tuple(r.url for r in ranks)
         assert index.cached_tokens(urls[:1], PROMPT) == 36 and index.cached_tokens(urls, PROMPT) == 24
-        assert index.cached_tokens(urls + ("http://127.0.0.1:1",), PROMPT) == 0   # a rank not known: 0
+        assert index.cached_tokens(urls + ("http://127.0.0.1:1",), PROMPT) == 0  # a rank not known: 0
     finally:
         for r in ranks:
             r.server.shutdown()
@@ -128,11 +136,11 @@ def test_a_hostile_answer_is_refused_whole_and_changes_nothing(rank, case, caplo
         rank.body = hostile if isinstance(hostile, bytes) else json.dumps(hostile).encode()
     with caplog.at_level(logging.WARNING, logger="disagg.router.cache_index"):
         index.poll(rank.url)
-        index.poll(rank.url)                      # the same again: asked from scratch, logged once
+        index.poll(rank.url)  # the same again: asked from scratch, logged once
     assert index.ranks() == before and index.cached_tokens((rank.url,), PROMPT) == 20
     lines = [r.getMessage() for r in caplog.records]
     assert len(lines) == 1 and f"{rank.url}/cache/events refused (nothing changed)" in lines[0], lines
-    assert rank.asked[-1] is None                 # after a refusal: everything, next time
-    rank.answer(reset=True, seq=12, added=keys(7))   # a good answer is taken again
+    assert rank.asked[-1] is None  # after a refusal: everything, next time
+    rank.answer(reset=True, seq=12, added=keys(7))  # a good answer is taken again
     index.poll(rank.url)
     assert index.cached_tokens((rank.url,), PROMPT) == 28

@@ -26,15 +26,21 @@ class Worker:
     def __init__(self, role: str, **health):
         self.bodies: list[dict] = []
         self.keys: set[int] = set()
-        self.go = threading.Event()   # decode answers once set
+        self.go = threading.Event()  # decode answers once set
         self.go.set()
         routes = {f"/{role}": self._prefill if role == "prefill" else self._decode}
         if role == "decode":
             routes["/cache/events"] = self._events
-        health = {"status": "ok", "bootstraps": ["main"], "available": {"full_tokens": 1 << 20},
-                  **({"prefix_cache": {}} if role == "decode" else {}), **health}
-        self.api = ApiServer(("127.0.0.1", 0), Service(routes, lambda: True, CollectorRegistry(),
-                                                       health=lambda: health)).start()
+        health = {
+            "status": "ok",
+            "bootstraps": ["main"],
+            "available": {"full_tokens": 1 << 20},
+            **({"prefix_cache": {}} if role == "decode" else {}),
+            **health,
+        }
+        self.api = ApiServer(
+            ("127.0.0.1", 0), Service(routes, lambda: True, CollectorRegistry(), health=lambda: health)
+        ).start()
         self.url = f"http://127.0.0.1:{self.api.port}"
 
     def _prefill(self, body: dict) -> dict:
@@ -48,8 +54,15 @@ class Worker:
         return {"state": "SUCCESS", "verified": True, "output_tokens": [1], "bytes": 0}
 
     def _events(self, body: dict) -> dict:
-        return {"type": "CacheEvents", "epoch": 1, "seq": len(self.bodies), "page_size": PAGE, "reset": True,
-                "added": sorted(self.keys), "evicted": []}
+        return {
+            "type": "CacheEvents",
+            "epoch": 1,
+            "seq": len(self.bodies),
+            "page_size": PAGE,
+            "reset": True,
+            "added": sorted(self.keys),
+            "evicted": [],
+        }
 
 
 @pytest.fixture
@@ -60,6 +73,7 @@ def stand_ins():
         pairs = [(Worker("prefill"), Worker("decode")) for _ in range(n)]
         made.extend(w for p in pairs for w in p)
         return pairs
+
     yield make
     for w in made:
         w.api.stop()
@@ -91,7 +105,7 @@ def test_a_conversation_stays_where_its_prefix_is(stand_ins, route):
         router.close()
     stayed = all(len(set(w)) == 1 for w in went)
     assert stayed == (route == "kv"), went
-    assert {p for w in went for p in w} == {0, 1}     # both pairs serve: new conversations spread
+    assert {p for w in went for p in w} == {0, 1}  # both pairs serve: new conversations spread
 
 
 def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):
@@ -104,7 +118,7 @@ def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):
         busy = threading.Thread(target=router.generate, args=({"prompt_len": 512},))
         busy.start()
         deadline = time.monotonic() + 10
-        while not d0.bodies:   # the long request is at pair 0's decode (and in flight at the router)
+        while not d0.bodies:  # the long request is at pair 0's decode (and in flight at the router)
             assert time.monotonic() < deadline, "the first request never reached pair 0"
             threading.Event().wait(0.01)
         assert [router.generate({"prompt_len": 8})["pair"] for _ in range(2)] == [1, 1]
@@ -114,8 +128,10 @@ def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):
         router.close()
 
 
-@pytest.mark.parametrize("health", [{"available": [1]}, {"available": {"full_tokens": "x"}},
-                                    {"available": {"full_tokens": -5}}, {"prefix_cache": 3}])
+@pytest.mark.parametrize(
+    "health",
+    [{"available": [1]}, {"available": {"full_tokens": "x"}}, {"available": {"full_tokens": -5}}, {"prefix_cache": 3}],
+)
 def test_a_health_that_lies_about_its_pool_or_cache_is_ignored(health):
     """/health is untrusted too: what does not parse is not known (no free-page term, no cache)."""
     workers = [Worker("prefill"), Worker("decode", **health)]
@@ -134,7 +150,7 @@ def write(path, pairs: list[Pair]) -> None:
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
         f.write("# pairs\n" + "".join(f"{p}\n" for p in pairs))
-    os.replace(tmp, path)   # as an orchestrator swaps a mounted file
+    os.replace(tmp, path)  # as an orchestrator swaps a mounted file
 
 
 def test_pairs_join_and_leave_through_the_pairs_file(stand_ins, tmp_path, caplog):
@@ -144,22 +160,22 @@ def test_pairs_join_and_leave_through_the_pairs_file(stand_ins, tmp_path, caplog
     router = Router(RouterConfig((), pairs_file=str(path), route="round-robin", probe_every_s=3600))
     try:
         assert [router.generate({"prompt_len": 8})["pair"] for _ in range(2)] == [0, 0]
-        write(path, [pair_of(p0, d0), pair_of(p1, d1)])          # a pair joins
+        write(path, [pair_of(p0, d0), pair_of(p1, d1)])  # a pair joins
         router.monitor.probe_all()
         assert {router.generate({"prompt_len": 8})["pair"] for _ in range(4)} == {0, 1}
-        write(path, [pair_of(p1, d1)])                           # pair 0 leaves
+        write(path, [pair_of(p1, d1)])  # pair 0 leaves
         router.monitor.probe_all()
         served = len(d0.bodies)
         assert [router.generate({"prompt_len": 8})["pair"] for _ in range(3)] == [1, 1, 1]
         assert len(d0.bodies) == served and [p["pair"] for p in router.ready()["pairs"]] == [1]
-        path.write_text("http://nope\n")                         # a bad edit: nothing changes
+        path.write_text("http://nope\n")  # a bad edit: nothing changes
         router.monitor.probe_all()
         assert "--pairs-file" in caplog.text and [p["pair"] for p in router.ready()["pairs"]] == [1]
-        write(path, [pair_of(p1, d1), pair_of(p0, d0)])          # back: its old number, used again
+        write(path, [pair_of(p1, d1), pair_of(p0, d0)])  # back: its old number, used again
         router.monitor.probe_all()
         assert {router.generate({"prompt_len": 8})["pair"] for _ in range(4)} == {0, 1}
         assert len(d0.bodies) > served
-        write(path, [])                                          # none: 503 with the reason
+        write(path, [])  # none: 503 with the reason
         router.monitor.probe_all()
         out = router.generate({"prompt_len": 8})
         assert out["status"] == 503 and "no pair configured" in out["reason"], out

@@ -18,16 +18,16 @@ def test_the_pair_holding_more_of_the_prompt_wins():
 
 def test_load_outweighs_reuse_by_its_weight():
     cands = [Candidate(decode_cached=512, inflight=4096), Candidate(decode_cached=0)]
-    assert choose(cands, 600, 1.0) == 1            # 88 + 600 + 4096 > 600 + 600
-    assert choose(cands, 600, 0.0) == 0            # reuse alone
-    assert choose(cands, 600, 0.1) == 0            # 88 + 600 + 409.6 < 1200
+    assert choose(cands, 600, 1.0) == 1  # 88 + 600 + 4096 > 600 + 600
+    assert choose(cands, 600, 0.0) == 0  # reuse alone
+    assert choose(cands, 600, 0.1) == 0  # 88 + 600 + 409.6 < 1200
 
 
 def test_a_decode_short_of_pages_pays_for_what_it_lacks():
-    full = Candidate(decode_cached=100, free=50)     # lacks 600 - 100 - 50 = 450
+    full = Candidate(decode_cached=100, free=50)  # lacks 600 - 100 - 50 = 450
     assert cost(full, 600, 1.0) == 500 + 600 + 450
     assert choose([full, Candidate(decode_cached=0, free=10_000)], 600, 1.0) == 1
-    assert cost(Candidate(free=None), 600, 1.0) == 1200   # not known: no penalty
+    assert cost(Candidate(free=None), 600, 1.0) == 1200  # not known: no penalty
 
 
 def test_ties_go_round_robin():
@@ -39,11 +39,19 @@ def test_ties_go_round_robin():
 
 def test_every_pairing_listed_chooses_prefill_and_decode_independently():
     prefills = [Candidate(prefill_cached=c, inflight=i) for c, i in [(0, 0), (300, 50), (100, 900)]]
-    decodes = [Candidate(decode_cached=c, inflight=i, free=f) for c, i, f in [(0, 0, None), (400, 10, 5000),
-                                                                            (500, 800, 5000)]]
+    decodes = [
+        Candidate(decode_cached=c, inflight=i, free=f) for c, i, f in [(0, 0, None), (400, 10, 5000), (500, 800, 5000)]
+    ]
     pairs = list(itertools.product(range(3), range(3)))
-    cands = [Candidate(decodes[d].decode_cached, prefills[p].prefill_cached,
-                       prefills[p].inflight + decodes[d].inflight, decodes[d].free) for p, d in pairs]
+    cands = [
+        Candidate(
+            decodes[d].decode_cached,
+            prefills[p].prefill_cached,
+            prefills[p].inflight + decodes[d].inflight,
+            decodes[d].free,
+        )
+        for p, d in pairs
+    ]
     n = 600
     best_p = min(range(3), key=lambda p: n - prefills[p].prefill_cached + prefills[p].inflight)
     best_d = min(range(3), key=lambda d: cost(decodes[d], n, 1.0) - n)

@@ -23,8 +23,10 @@ class Worker:
     def __init__(self, role: str, health: dict, ready=lambda: True):
         self.bodies: list[dict] = []
         route = {"prefill": self._prefill, "decode": self._decode}[role]
-        self.api = ApiServer(("127.0.0.1", 0), Service({f"/{role}": route}, ready, CollectorRegistry(),
-                                                       health=lambda: {"status": "ok", **health})).start()
+        self.api = ApiServer(
+            ("127.0.0.1", 0),
+            Service({f"/{role}": route}, ready, CollectorRegistry(), health=lambda: {"status": "ok", **health}),
+        ).start()
         self.url = f"http://127.0.0.1:{self.api.port}"
 
     def _prefill(self, body: dict) -> dict:
@@ -43,6 +45,7 @@ def workers():
     def make(role: str, ready=lambda: True, **health) -> Worker:
         made.append(Worker(role, health, ready))
         return made[-1]
+
     yield make
     for w in made:
         w.api.stop()
@@ -55,7 +58,7 @@ def test_a_bootstrap_name_decode_lacks_puts_the_pair_down_with_the_reason(worker
     try:
         ready = router.ready()
         assert not ready["ready"] and "decode was not given the pair's bootstrap 'main'" in ready["pairs"][0]["why"][0]
-        out = router.generate({"prompt_len": 8})   # before: 400, blamed on the client
+        out = router.generate({"prompt_len": 8})  # before: 400, blamed on the client
         assert out["status"] == 503 and "not given the pair's bootstrap 'main'" in out["reason"], out
         assert decode.bodies == [] and prefill.bodies == []
     finally:
@@ -76,7 +79,7 @@ def test_requests_go_around_a_pair_that_is_down(workers):
 
 def test_prompt_len_ids_stay_below_the_pairs_vocabulary(workers):
     prefill, decode = workers("prefill", vocab_size=512), workers("decode", vocab_size=512, bootstraps=["main"])
-    router = Router(RouterConfig((Pair(prefill.url, decode.url, "main"),)))   # --vocab-size left at 50,000
+    router = Router(RouterConfig((Pair(prefill.url, decode.url, "main"),)))  # --vocab-size left at 50,000
     try:
         assert router.generate({"prompt_len": 2000, "seed": 3})["ok"]
     finally:
@@ -98,8 +101,9 @@ def test_ready_answers_at_once_while_a_worker_hangs(workers):
     /ready took 1.01 s was reported "unreachable (timed out)" and its reason lost."""
     release = threading.Event()
     prefill = workers("prefill")
-    slow = workers("decode", ready=lambda: release.wait(30) and {"ready": False, "why": "bootstrap down"},
-                   bootstraps=["main"])
+    slow = workers(
+        "decode", ready=lambda: release.wait(30) and {"ready": False, "why": "bootstrap down"}, bootstraps=["main"]
+    )
     router = Router(RouterConfig((Pair(prefill.url, slow.url, "main"),), probe_every_s=0.2))
     api = ApiServer(("127.0.0.1", 0), Service({}, router.ready, CollectorRegistry())).start()
     try:
@@ -108,7 +112,7 @@ def test_ready_answers_at_once_while_a_worker_hangs(workers):
             urllib.request.urlopen(f"http://127.0.0.1:{api.port}/ready", timeout=10)
         except urllib.error.HTTPError as exc:
             body = json.loads(exc.read())
-        assert time.monotonic() - t0 < 0.5 and body["ready"] is False   # the hung probe is not waited for
+        assert time.monotonic() - t0 < 0.5 and body["ready"] is False  # the hung probe is not waited for
         release.set()
     finally:
         release.set()

@@ -9,8 +9,14 @@ T0 = 1_800_000_000.0
 
 
 def prefill_rank(done_at: float, end_at: float) -> dict:
-    return {"state": "SUCCESS", "bytes": 7_557_120, "prefill_done_at": done_at, "transfer_end_at": end_at,
-            "transfer_ms": (end_at - done_at) * 1e3, "after_compute_ms": (end_at - done_at) * 1e3}
+    return {
+        "state": "SUCCESS",
+        "bytes": 7_557_120,
+        "prefill_done_at": done_at,
+        "transfer_end_at": end_at,
+        "transfer_ms": (end_at - done_at) * 1e3,
+        "after_compute_ms": (end_at - done_at) * 1e3,
+    }
 
 
 def decode_rank(ready_at: float) -> dict:
@@ -33,8 +39,8 @@ def test_eight_ranks_that_finished_computing_apart_give_no_negative_control():
     dec = merge_ranks([decode_rank(T0 + 21.4095)])
     after, control = phases(pre, dec)
     assert after == (T0 + 21.4095 - (T0 + 0.27 * 7)) * 1e3
-    assert 0 < control < 5, control                       # TransferDone's trip: 2.5 ms, not -1,890 ms
-    assert after - pre.report.transfer_ms < 0             # what the router computed before: negative
+    assert 0 < control < 5, control  # TransferDone's trip: 2.5 ms, not -1,890 ms
+    assert after - pre.report.transfer_ms < 0  # what the router computed before: negative
 
 
 def test_one_rank_is_unchanged_and_several_decode_ranks_wait_for_the_last():
@@ -51,4 +57,4 @@ def test_clocks_of_two_hosts_that_disagree_still_give_no_negative_phase():
 
 def test_a_missing_clock_gives_no_phase():
     assert handoff_ms(T0, None, None) == (None, None)
-    assert handoff_ms(T0, 0.0, T0 + 1)[1] is None   # a send that reported no end: no control phase
+    assert handoff_ms(T0, 0.0, T0 + 1)[1] is None  # a send that reported no end: no control phase

@@ -31,16 +31,25 @@ def _closed_port() -> int:
 
 
 def test_ready_names_the_pairs_that_are_down_and_why():
-    workers = {flag: ApiServer(("127.0.0.1", 0), Service({}, lambda flag=flag: flag, CollectorRegistry())).start()
-               for flag in (True, False)}
+    workers = {
+        flag: ApiServer(("127.0.0.1", 0), Service({}, lambda flag=flag: flag, CollectorRegistry())).start()
+        for flag in (True, False)
+    }
     up, not_ready = (f"http://127.0.0.1:{workers[f].port}" for f in (True, False))
     dead = f"http://127.0.0.1:{_closed_port()}"
     try:
         router = Router(RouterConfig((Pair(up, dead, "main"), Pair(up, not_ready, "main"))))
-        api = ApiServer(("127.0.0.1", 0), Service({"/generate": router.generate}, router.ready, CollectorRegistry())).start()
+        api = ApiServer(
+            ("127.0.0.1", 0), Service({"/generate": router.generate}, router.ready, CollectorRegistry())
+        ).start()
         try:
             status, body, _ = _get(f"http://127.0.0.1:{api.port}/ready")
-            assert status == 503 and body["ready"] is False and body["pairs_up"] == 0 and "no prefill/decode" in body["why"]
+            assert (
+                status == 503
+                and body["ready"] is False
+                and body["pairs_up"] == 0
+                and "no prefill/decode" in body["why"]
+            )
             assert "decode: unreachable at " + dead in body["pairs"][0]["why"][0]
             assert body["pairs"][1]["why"] == ["decode: not ready (HTTP 503)"]
             router.close()
@@ -67,7 +76,7 @@ def test_refused_and_failed_requests_are_logged_at_warning(caplog):
     up = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry())).start()
     url = f"http://127.0.0.1:{up.port}"
     router = Router(RouterConfig((Pair(dead, dead, "main"),)))
-    flaky = Router(RouterConfig((Pair(url, url, "main"),)))   # up, but its routes are missing: the request fails
+    flaky = Router(RouterConfig((Pair(url, url, "main"),)))  # up, but its routes are missing: the request fails
     try:
         with caplog.at_level(logging.WARNING, logger="disagg.router.router"):
             down = router.generate({"prompt_len": 4, "max_new_tokens": 1})
@@ -88,10 +97,13 @@ def test_refused_and_failed_requests_are_logged_at_warning(caplog):
 def test_unknown_fields_are_refused_and_a_workers_refusal_is_not_nested_json():
     """Issue 36 minors: `/generate` ignored unknown fields (`max_new_token` gave 1 token
     silently); a worker's 400 reached the client as JSON inside a string."""
+
     def refuse(body):
         raise BadRequest("token id 600 is outside the model's vocabulary of 512")
-    worker = ApiServer(("127.0.0.1", 0), Service({"/prefill": refuse, "/decode": refuse}, lambda: True,
-                                                 CollectorRegistry())).start()
+
+    worker = ApiServer(
+        ("127.0.0.1", 0), Service({"/prefill": refuse, "/decode": refuse}, lambda: True, CollectorRegistry())
+    ).start()
     url = f"http://127.0.0.1:{worker.port}"
     router = Router(RouterConfig((Pair(url, url, "main"),)))
     try:

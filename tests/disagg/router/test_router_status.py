@@ -20,8 +20,14 @@ from disagg.router.router import post_json
 from harness.processes import reap, spawn
 
 OK_PREFILL = {"state": "SUCCESS", "prefill_ms": 1.0, "transfer_ms": 0.5, "first_token": 3}
-OK_DECODE = {"state": "SUCCESS", "verified": True, "output_tokens": [3], "bytes": 64, "mode": "direct",
-             "transport": "mooncake"}
+OK_DECODE = {
+    "state": "SUCCESS",
+    "verified": True,
+    "output_tokens": [3],
+    "bytes": 64,
+    "mode": "direct",
+    "transport": "mooncake",
+}
 
 
 def _closed_port() -> int:
@@ -49,8 +55,13 @@ def workers():
 
 def _router(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
-    proc = spawn([sys.executable, "-m", "disagg", "router", "--pair", f"{prefill},{decode},main"],
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = spawn(
+        [sys.executable, "-m", "disagg", "router", "--pair", f"{prefill},{decode},main"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         return proc, json.loads(proc.stdout.readline())["http"]
     except BaseException:
@@ -58,16 +69,26 @@ def _router(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
         raise
 
 
-@pytest.mark.parametrize("prefill,decode,status,says", [
-    (OK_PREFILL, None, 503, "http://127.0.0.1:"),
-    ({"state": "FAILED", "reason": "aborted by decode"},
-     {"state": "FAILED", "reason": "decode: TRANSFERRING deadline of 30 s passed"}, 504, "deadline of 30 s"),
-    ({"state": "FAILED", "reason": "aborted by decode"},
-     {"state": "FAILED", "reason": "layout mismatch: full: kv_heads x head_dim prefill 8 x 64, decode 12 x 64"},
-     502, "layout mismatch"),
-    (OK_PREFILL, {**OK_DECODE, "verified": False}, 500, ""),
-    (OK_PREFILL, OK_DECODE, 200, ""),
-])
+@pytest.mark.parametrize(
+    "prefill,decode,status,says",
+    [
+        (OK_PREFILL, None, 503, "http://127.0.0.1:"),
+        (
+            {"state": "FAILED", "reason": "aborted by decode"},
+            {"state": "FAILED", "reason": "decode: TRANSFERRING deadline of 30 s passed"},
+            504,
+            "deadline of 30 s",
+        ),
+        (
+            {"state": "FAILED", "reason": "aborted by decode"},
+            {"state": "FAILED", "reason": "layout mismatch: full: kv_heads x head_dim prefill 8 x 64, decode 12 x 64"},
+            502,
+            "layout mismatch",
+        ),
+        (OK_PREFILL, {**OK_DECODE, "verified": False}, 500, ""),
+        (OK_PREFILL, OK_DECODE, 200, ""),
+    ],
+)
 def test_a_failed_request_has_a_service_status_and_keeps_its_body(workers, prefill, decode, status, says):
     proc, router = _router(workers(prefill), workers(decode))
     try:
@@ -95,14 +116,20 @@ def test_a_failed_request_has_a_service_status_and_keeps_its_body(workers, prefi
         assert logged in err and "Traceback" not in err, err
 
 
-@pytest.mark.parametrize("prefill,decode,says", [
-    ([1, 2], OK_DECODE, "prefill gave a malformed answer: a JSON list, not an object"),
-    (OK_PREFILL, {**OK_DECODE, "bytes": "lots"}, "decode gave a malformed answer: Expected `int`, got `str` - at "
-                                                 "`$.bytes`"),
-    ({**OK_PREFILL, "first_token": "three"}, OK_DECODE, "prefill gave a malformed answer: Expected `int | null`"),
-    (OK_PREFILL, {**OK_DECODE, "output_tokens": {"0": 3}}, "decode gave a malformed answer"),
-    ({**OK_PREFILL, "transfer_ms": -1.0}, OK_DECODE, "prefill gave a malformed answer: Expected `float` >= 0.0"),
-])
+@pytest.mark.parametrize(
+    "prefill,decode,says",
+    [
+        ([1, 2], OK_DECODE, "prefill gave a malformed answer: a JSON list, not an object"),
+        (
+            OK_PREFILL,
+            {**OK_DECODE, "bytes": "lots"},
+            "decode gave a malformed answer: Expected `int`, got `str` - at `$.bytes`",
+        ),
+        ({**OK_PREFILL, "first_token": "three"}, OK_DECODE, "prefill gave a malformed answer: Expected `int | null`"),
+        (OK_PREFILL, {**OK_DECODE, "output_tokens": {"0": 3}}, "decode gave a malformed answer"),
+        ({**OK_PREFILL, "transfer_ms": -1.0}, OK_DECODE, "prefill gave a malformed answer: Expected `float` >= 0.0"),
+    ],
+)
 def test_a_malformed_worker_answer_is_a_failed_request_that_says_why(workers, prefill, decode, says):
     """A worker's answer is untrusted: one the router cannot read fails the request (502, as
     any failure a worker reports) with the reason, and the router goes on serving."""

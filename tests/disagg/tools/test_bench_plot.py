@@ -21,8 +21,9 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def workload(**extra) -> argparse.Namespace:
-    return argparse.Namespace(seed=3, prompt_len="64:2048", requests=40, concurrency=4, max_new_tokens=8,
-                              no_progress=True, plot=None, **extra)
+    return argparse.Namespace(
+        seed=3, prompt_len="64:2048", requests=40, concurrency=4, max_new_tokens=8, no_progress=True, plot=None, **extra
+    )
 
 
 def synthetic(n: int, failed_every: int = 7) -> tuple[list[dict], list[float]]:
@@ -33,15 +34,26 @@ def synthetic(n: int, failed_every: int = 7) -> tuple[list[dict], list[float]]:
             results.append({"ok": False, "reason": "decode failed: TransferError: reset"})
             continue
         timings = {phase: float(rng.uniform(0.05, 30)) for phase in PHASES}
-        results.append({"ok": True, "verified": True, "bytes": 4_000_000, "mode": "direct", "transport": "mooncake",
-                        "timings_ms": timings})
+        results.append(
+            {
+                "ok": True,
+                "verified": True,
+                "bytes": 4_000_000,
+                "mode": "direct",
+                "transport": "mooncake",
+                "timings_ms": timings,
+            }
+        )
     return results, sorted(rng.uniform(0, 2.0, n).tolist())
 
 
 def test_the_title_names_preset_page_size_concurrency_transport_and_date():
     results, _ = synthetic(10)
-    title = plot_title(workload(preset="tiny-hybrid", page_size=16, transport="auto"), [Run("", results, [], 1.0)],
-                       datetime.datetime(2025, 3, 4, 5, 6))
+    title = plot_title(
+        workload(preset="tiny-hybrid", page_size=16, transport="auto"),
+        [Run("", results, [], 1.0)],
+        datetime.datetime(2025, 3, 4, 5, 6),
+    )
     first, second = title.splitlines()
     for part in ("preset tiny-hybrid", "page size 16", "concurrency 4", "transport mooncake", "2025-03-04 05:06"):
         assert part in first
@@ -50,8 +62,9 @@ def test_the_title_names_preset_page_size_concurrency_transport_and_date():
 
 def test_a_bench_run_names_what_it_cannot_know():
     """`disagg bench` only sees the router: no preset, page size or transport unless a request told."""
-    title = plot_title(workload(), [Run("", [{"ok": False, "reason": "busy"}], [0.1], 1.0)],
-                       datetime.datetime(2025, 1, 1))
+    title = plot_title(
+        workload(), [Run("", [{"ok": False, "reason": "busy"}], [0.1], 1.0)], datetime.datetime(2025, 1, 1)
+    )
     assert "preset unknown" in title and "transport unknown" in title and "concurrency 4" in title
 
 
@@ -97,7 +110,7 @@ def test_a_run_with_plot_writes_it_and_says_where_on_stderr(tmp_path, monkeypatc
     args.requests, args.plot = 12, str(path)
     summary = run_workload("http://router", args)
     captured = capsys.readouterr()
-    assert f"plot written to {path}" in captured.err and captured.out == ""   # --json keeps stdout whole
+    assert f"plot written to {path}" in captured.err and captured.out == ""  # --json keeps stdout whole
     assert path.read_bytes()[:8] == PNG_MAGIC and summary["requests"] == 12
 
 
@@ -144,11 +157,13 @@ def test_stream_layers_both_plots_both_runs_in_one_png(tmp_path, monkeypatch, sa
     summaries = run_workloads("http://router", args)
     assert set(summaries) == {"stream_off", "stream_on"}
     panels = _latency_panels(saved[-1])
-    assert [ax.get_title() for ax in panels] == ["latency per phase (CDF): stream off",
-                                                 "latency per phase (CDF): stream on"]
+    assert [ax.get_title() for ax in panels] == [
+        "latency per phase (CDF): stream off",
+        "latency per phase (CDF): stream on",
+    ]
     assert all(len(ax.get_lines()) == len(PHASES) for ax in panels)
     colours = [[line.get_color() for line in ax.get_lines()] for ax in panels]
-    assert colours[0] == colours[1]   # a phase looks the same in both runs
+    assert colours[0] == colours[1]  # a phase looks the same in both runs
     with Image.open(path) as png:
         assert "runs: stream off, then stream on" in png.text["Title"]
 
@@ -164,9 +179,24 @@ def test_a_bench_against_a_router_started_by_hand_names_the_preset(tmp_path):
         decode = launcher.start("decode", *pool, "--bootstrap-addr", prefill["bootstrap"])
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         bench_run = subprocess.run(
-            [str(Path(sys.executable).with_name("disagg")), "bench", "--router", router["http"], "--requests", "2",
-             "--prompt-len", "16", "--no-progress", "--json", "--plot", str(png)],
-            capture_output=True, text=True, timeout=120)
+            [
+                str(Path(sys.executable).with_name("disagg")),
+                "bench",
+                "--router",
+                router["http"],
+                "--requests",
+                "2",
+                "--prompt-len",
+                "16",
+                "--no-progress",
+                "--json",
+                "--plot",
+                str(png),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert bench_run.returncode == 0, bench_run.stdout[-2000:] + bench_run.stderr[-2000:]
     with Image.open(png) as image:
         title = image.text["Title"]
@@ -177,6 +207,7 @@ def test_a_multiturn_plot_is_titled_with_its_conversations_not_the_random_prompt
     args = workload(workload="multiturn", conversations=3, turns=4, system_prompt_len=2048, user_len="128")
     runs = [Run(label, synthetic(6)[0], [], 1.0) for label in ("reuse_on", "reuse_off")]
     second = plot_title(args, runs).splitlines()[1]
-    assert second.startswith("3 conversations x 4 turns, a system prompt of 2048 tokens, user messages of 128, "
-                             "8 new tokens each, seed 3"), second
+    assert second.startswith(
+        "3 conversations x 4 turns, a system prompt of 2048 tokens, user messages of 128, 8 new tokens each, seed 3"
+    ), second
     assert "64:2048" not in second and second.endswith("runs: reuse on, then reuse off")

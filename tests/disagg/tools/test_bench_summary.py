@@ -15,22 +15,39 @@ from disagg.tools.bench import PHASE_MEANING, PHASES, mismatches, print_summary,
 def ok_result(total: float, transport: str = "mooncake", mode: str = "direct") -> dict:
     timings = {phase: total / (i + 2) for i, phase in enumerate(PHASES)}
     timings["total"] = total
-    return {"ok": True, "verified": True, "bytes": 3_000_000, "mode": mode, "transport": transport,
-            "timings_ms": timings}
+    return {
+        "ok": True,
+        "verified": True,
+        "bytes": 3_000_000,
+        "mode": mode,
+        "transport": transport,
+        "timings_ms": timings,
+    }
 
 
 def test_bench_counts_a_checked_generation_that_differs_as_a_failure():
     """The demo's and bench's exit code: a logits-only difference counts, like a token one."""
     same = {"token_match": True, "logits_match": True}
-    results = [{"ok": True, "verified": True, "bytes": 1, "timings_ms": {"total": 1.0}, "check": c}
-               for c in (same, same, {"token_match": True, "logits_match": False}, None)]
+    results = [
+        {"ok": True, "verified": True, "bytes": 1, "timings_ms": {"total": 1.0}, "check": c}
+        for c in (same, same, {"token_match": True, "logits_match": False}, None)
+    ]
     summary = summarize(results, 1.0)
-    assert summary["token_match"] == {"checked": 3, "match": 3, "logits_checked": 3, "logits_match": 2,
-                                      "shard_checked": 0, "shard_match": 0, "differ": 1}
+    assert summary["token_match"] == {
+        "checked": 3,
+        "match": 3,
+        "logits_checked": 3,
+        "logits_match": 2,
+        "shard_checked": 0,
+        "shard_match": 0,
+        "differ": 1,
+    }
     assert mismatches(summary) == 1
     assert mismatches(summarize(results[:2], 1.0)) == 0
-    token_differs = summarize([{"ok": True, "timings_ms": {}, "check": {"token_match": False, "first_mismatch": 2}}], 1.0)
-    assert mismatches(token_differs) == 1   # a stand-in check (no logits) that differs counts too
+    token_differs = summarize(
+        [{"ok": True, "timings_ms": {}, "check": {"token_match": False, "first_mismatch": 2}}], 1.0
+    )
+    assert mismatches(token_differs) == 1  # a stand-in check (no logits) that differs counts too
 
 
 def test_a_stand_in_check_is_said_to_compare_tokens_only(capsys):
@@ -49,28 +66,42 @@ def test_a_stand_in_check_is_said_to_compare_tokens_only(capsys):
 
 def test_failure_reasons_are_kept_whole_and_grouped():
     why = "decode failed: prefill layout differs: " + "x" * 300 + " (head_dim x kv_heads: prefill 64x8, decode 64x12)"
-    summary = summarize([{"ok": False, "reason": why}, {"ok": False, "reason": why}, {"status": 503, "error": "busy"}], 1.0)
+    summary = summarize(
+        [{"ok": False, "reason": why}, {"ok": False, "reason": why}, {"status": 503, "error": "busy"}], 1.0
+    )
     assert summary["failures"] == {why: 2, "busy": 1} and summary["failed"] == 3
 
 
 def test_one_cause_in_many_rooms_is_one_line_with_example_rooms(capsys):
     """Issue 36: each reason carried its room, so 40 requests refused for one cause printed
     40 lines. The room number leaves the grouping key; a few rooms stay as examples."""
-    results = [{"ok": False, "status": 503, "room": 7000 + i,
-                "reason": f"decode: prefill refused the connection (room {7000 + i}, pair 0)"} for i in range(40)]
-    results += [{"ok": False, "reason": "prefill failed: room 12: the router says decode TP size 2, decode's "
-                                        "request 1"}]
+    results = [
+        {
+            "ok": False,
+            "status": 503,
+            "room": 7000 + i,
+            "reason": f"decode: prefill refused the connection (room {7000 + i}, pair 0)",
+        }
+        for i in range(40)
+    ]
+    results += [
+        {"ok": False, "reason": "prefill failed: room 12: the router says decode TP size 2, decode's request 1"}
+    ]
     summary = summarize(results + [ok_result(4.0)], 1.0)
-    assert summary["failures"] == {"decode: prefill refused the connection (room *, pair 0)": 40,
-                                   "prefill failed: room *: the router says decode TP size 2, decode's request 1": 1}
-    assert summary["failure_rooms"] == {"decode: prefill refused the connection (room *, pair 0)": [7000, 7001, 7002],
-                                        "prefill failed: room *: the router says decode TP size 2, decode's "
-                                        "request 1": [12]}
+    assert summary["failures"] == {
+        "decode: prefill refused the connection (room *, pair 0)": 40,
+        "prefill failed: room *: the router says decode TP size 2, decode's request 1": 1,
+    }
+    assert summary["failure_rooms"] == {
+        "decode: prefill refused the connection (room *, pair 0)": [7000, 7001, 7002],
+        "prefill failed: room *: the router says decode TP size 2, decode's request 1": [12],
+    }
     print_summary(summary)
     lines = [line.strip() for line in capsys.readouterr().out.splitlines() if " x " in line]
-    assert lines == ["40 x decode: prefill refused the connection (room *, pair 0)  [rooms 7000, 7001, 7002, ...]",
-                     " 1 x prefill failed: room *: the router says decode TP size 2, decode's request 1  [rooms 12]"
-                     .strip()]
+    assert lines == [
+        "40 x decode: prefill refused the connection (room *, pair 0)  [rooms 7000, 7001, 7002, ...]",
+        " 1 x prefill failed: room *: the router says decode TP size 2, decode's request 1  [rooms 12]".strip(),
+    ]
 
 
 def test_json_keys_name_their_unit():
@@ -88,13 +119,17 @@ def test_the_table_has_one_decimal_no_dict_reprs_and_a_legend_for_every_phase(ca
     out = capsys.readouterr().out
     assert "{" not in out and "}" not in out
     assert "modes: direct 2, staged 1" in out and "transports: mooncake 2, cuda-ipc 1" in out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] and line.split()[0] in PHASES
-            and len(line.split()) == 5]
+    rows = [
+        line.split()
+        for line in out.splitlines()
+        if line.split()[:1] and line.split()[0] in PHASES and len(line.split()) == 5
+    ]
     assert [r[0] for r in rows] == list(PHASES)
     assert all(re.fullmatch(r"-?\d+\.\d", cell) for r in rows for cell in r[1:]), rows
-    for phase in PHASES:   # every phase in the table is explained, in one line of its own
-        assert sum(1 for line in out.splitlines() if line.split()[:1] == [phase]
-                   and PHASE_MEANING[phase] in line) == 1, phase
+    for phase in PHASES:  # every phase in the table is explained, in one line of its own
+        assert (
+            sum(1 for line in out.splitlines() if line.split()[:1] == [phase] and PHASE_MEANING[phase] in line) == 1
+        ), phase
     # rates: a few significant figures, never 6 decimals or exponents
     assert "0.0180 GB/s aggregate" in out and "e-0" not in out
 
@@ -108,9 +143,9 @@ def test_the_table_stays_aligned_whatever_the_phase_names(capsys):
     end = header.index("mean ms") + len("mean ms")
     rows = [line for line in lines if line.split()[:1] and line.split()[0] in PHASES and len(line.split()) == 5]
     assert len(rows) == len(PHASES) and "kv_ready_after_compute" in {r.split()[0] for r in rows}
-    for name in ("p50 ms", "p90 ms", "p99 ms"):   # each number ends under its heading
+    for name in ("p50 ms", "p90 ms", "p99 ms"):  # each number ends under its heading
         col = header.index(name) + len(name)
-        assert {row[:col].rstrip()[-1:].isdigit() and row[col:col + 1] == " " for row in rows} == {True}, name
+        assert {row[:col].rstrip()[-1:].isdigit() and row[col : col + 1] == " " for row in rows} == {True}, name
     assert {len(row) for row in rows} == {end}, (header, rows)
 
 
@@ -122,7 +157,7 @@ def test_when_every_request_failed_it_says_so_and_lists_the_reasons(capsys):
     assert "all 8 requests failed" in out
     assert "req/s" not in out and "GB/s" not in out and "p50" not in out
     lines = [line.strip() for line in out.splitlines()]
-    assert "5 x busy" in lines and f"3 x {long_reason}" in lines   # whole, most frequent first
+    assert "5 x busy" in lines and f"3 x {long_reason}" in lines  # whole, most frequent first
     assert lines.index("5 x busy") < lines.index(f"3 x {long_reason}")
 
 
@@ -138,12 +173,28 @@ def test_every_bench_flag_has_help_with_its_unit_and_no_default_of_its_own():
     p = argparse.ArgumentParser()
     bench.add_parser(p)
     flags = {a.dest: a for a in p._actions if a.option_strings and a.dest != "help"}
-    assert set(flags) >= {"router", "requests", "concurrency", "prompt_len", "max_new_tokens", "seed", "plot",
-                          "no_progress", "json"}
+    assert set(flags) >= {
+        "router",
+        "requests",
+        "concurrency",
+        "prompt_len",
+        "max_new_tokens",
+        "seed",
+        "plot",
+        "no_progress",
+        "json",
+    }
     for dest, a in flags.items():
-        assert a.help and "default" not in a.help.lower(), dest   # defaults are appended by disagg.config
-    units = {"requests": "count", "concurrency": "count", "prompt_len": "tokens", "max_new_tokens": "tokens",
-             "seed": "integer", "plot": "PNG", "router": "URL"}
+        assert a.help and "default" not in a.help.lower(), dest  # defaults are appended by disagg.config
+    units = {
+        "requests": "count",
+        "concurrency": "count",
+        "prompt_len": "tokens",
+        "max_new_tokens": "tokens",
+        "seed": "integer",
+        "plot": "PNG",
+        "router": "URL",
+    }
     for dest, unit in units.items():
         assert unit in flags[dest].help, (dest, flags[dest].help)
     args = p.parse_args(["--router", "http://r", "--seed", "7", "--prompt-len", "8:16"])
@@ -159,7 +210,7 @@ def test_an_error_mid_run_cancels_the_queued_requests_and_closes_the_bar(monkeyp
         sent.append(body["seed"])
         if len(sent) == 1:
             raise error
-        if len(sent) == 2:      # in flight when the error comes up: it must not hold the caller
+        if len(sent) == 2:  # in flight when the error comes up: it must not hold the caller
             release.wait(10)
         return {"ok": True, "bytes": 0, "timings_ms": {}}
 
@@ -176,8 +227,9 @@ def test_an_error_mid_run_cancels_the_queued_requests_and_closes_the_bar(monkeyp
 
     monkeypatch.setattr(bench, "post_json", post)
     monkeypatch.setattr(bench, "tqdm", Bar)
-    args = argparse.Namespace(seed=0, prompt_len="4", requests=50, concurrency=1, max_new_tokens=1,
-                              no_progress=True, plot=None)
+    args = argparse.Namespace(
+        seed=0, prompt_len="4", requests=50, concurrency=1, max_new_tokens=1, no_progress=True, plot=None
+    )
     try:
         with pytest.raises(type(error)):
             run_workload("http://router", args)

@@ -19,8 +19,16 @@ def test_every_run_sends_the_same_conversations_and_they_share_the_system_prompt
     assert multiturn.Shape(1, 1, 0, "3", 1, 0).system_prompt(100) == []
 
 
-@pytest.mark.parametrize("check, text", [(token_lengths, "0"), (token_lengths, "9:3"), (token_lengths, "x"),
-                                         (non_negative_int, "-1"), (non_negative_int, "1.5")])
+@pytest.mark.parametrize(
+    "check, text",
+    [
+        (token_lengths, "0"),
+        (token_lengths, "9:3"),
+        (token_lengths, "x"),
+        (non_negative_int, "-1"),
+        (non_negative_int, "1.5"),
+    ],
+)
 def test_a_bad_length_is_a_one_line_flag_error(check, text):
     with pytest.raises(argparse.ArgumentTypeError):
         check(text)
@@ -34,21 +42,38 @@ def test_streaming_both_ways_is_for_the_random_workload_only():
 
 def answer(conversation: int, turn: int, prompt: int, prefix: int, nbytes: int, ok: bool = True) -> dict:
     timings = {"total": 9.0, "prefill": 2.0, "transfer": nbytes / 1e3, "kv_ready_after_compute": 1.0}
-    return {"ok": ok, "verified": ok, "bytes": nbytes if ok else 0, "prefix_tokens": prefix,
-            "reused_bytes": prefix * 10, "timings_ms": timings if ok else {}, "conversation": conversation,
-            "turn": turn, "prompt_tokens": prompt, **({} if ok else {"reason": "decode failed: pool full"})}
+    return {
+        "ok": ok,
+        "verified": ok,
+        "bytes": nbytes if ok else 0,
+        "prefix_tokens": prefix,
+        "reused_bytes": prefix * 10,
+        "timings_ms": timings if ok else {},
+        "conversation": conversation,
+        "turn": turn,
+        "prompt_tokens": prompt,
+        **({} if ok else {"reason": "decode failed: pool full"}),
+    }
 
 
 def outcome(on_results: list[dict]) -> dict:
     off = [{**r, "prefix_tokens": 0, "reused_bytes": 0, "bytes": r["prompt_tokens"] * 10} for r in on_results]
-    runs = {label: multiturn.summarize(Run(label, rs, [], 1.0), bench.summarize(rs, 1.0))
-            for label, rs in (("reuse_on", on_results), ("reuse_off", off))}
+    runs = {
+        label: multiturn.summarize(Run(label, rs, [], 1.0), bench.summarize(rs, 1.0))
+        for label, rs in (("reuse_on", on_results), ("reuse_off", off))
+    }
     return multiturn.outcome(multiturn.Shape(2, 2, 64, "40", 4, 0), runs)
 
 
 def test_the_summary_counts_hits_over_prompt_tokens_per_turn_and_in_all():
-    out = outcome([answer(0, 1, 100, 0, 1000), answer(0, 2, 200, 100, 1000), answer(1, 1, 100, 60, 400),
-                   answer(1, 2, 200, 160, 400)])
+    out = outcome(
+        [
+            answer(0, 1, 100, 0, 1000),
+            answer(0, 2, 200, 100, 1000),
+            answer(1, 1, 100, 60, 400),
+            answer(1, 2, 200, 160, 400),
+        ]
+    )
     on, off = out["runs"]["reuse_on"], out["runs"]["reuse_off"]
     assert on["hit_rate"] == round(320 / 600, 4) and off["hit_rate"] == 0
     assert [t["hit_rate"] for t in on["per_turn"]] == [0.3, 0.65]
@@ -65,7 +90,7 @@ def test_the_table_is_aligned_and_a_failed_request_is_left_out_and_named(capsys)
     header = next(line for line in lines if line.startswith("turn "))
     rows = [line for line in lines if line.split(" ")[0] in ("1", "2", "all")]
     assert {len(r) for r in rows} == {len(header)}, "\n".join([header, *rows])
-    assert rows[1].split("|")[1].split() == ["-"] * 4          # turn 2 failed with reuse on: no figures
+    assert rows[1].split("|")[1].split() == ["-"] * 4  # turn 2 failed with reuse on: no figures
     assert "  1 x decode failed: pool full" in lines
     assert not multiturn.all_served(out)
 

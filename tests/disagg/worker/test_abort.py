@@ -8,19 +8,28 @@ import time
 import numpy as np
 import pytest
 
-from disagg.control.messages import (PROTOCOL_VERSION, Abort, Decoder, RegisterDecode, Registered, ToDecode,
-                                     TransferDone, encoder)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    Decoder,
+    RegisterDecode,
+    Registered,
+    ToDecode,
+    TransferDone,
+    encoder,
+)
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.control.deadlines import Deadlines
 from disagg.worker.pool_settings import PoolSettings
 
 pytestmark = pytest.mark.slow
-LONG = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)   # an abort must not wait for these
+LONG = Deadlines(bootstrap_s=30, waiting_s=30, transfer_s=30)  # an abort must not wait for these
 
 
 @pytest.fixture
 def pair(StuckEngine):
     from disagg.prefill.server import PrefillConfig, PrefillServer
+
     pool = PoolSettings(preset="tiny-hybrid", max_tokens=2048, max_requests=4, device="cpu")
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", deadlines=LONG), stuck)
@@ -34,6 +43,7 @@ def pair(StuckEngine):
         threads.append(t)
         t.start()
         return out
+
     yield prefill, decode, stuck, run, initial
     stuck.release.set()
     for t in threads:
@@ -50,8 +60,9 @@ def _stuck_in_prefill(pair, eventually, room: int) -> tuple[dict, dict]:
     pre = run(prefill.prefill, room, tokens)
     assert stuck.entered.wait(10)
     dec = run(decode.decode, room, tokens, 2)
-    eventually(lambda: (r := prefill.requests.get(room)) is not None and r.dests, 10,
-               "prefill holds decode's TransferRequest")
+    eventually(
+        lambda: (r := prefill.requests.get(room)) is not None and r.dests, 10, "prefill holds decode's TransferRequest"
+    )
     return pre, dec
 
 
@@ -66,7 +77,7 @@ def test_prefill_side_abort_reaches_decode_at_once(pair, eventually):
     assert prefill.abort(11, "operator") == {"room": 11, "aborted": True, "known": True}
     eventually(lambda: dec.get("state") == "FAILED", 5, "decode hears the abort")
     assert "aborted: operator" in dec["reason"] and time.monotonic() - t0 < 5
-    stuck.release.set()   # the engine returns; nothing is transferred
+    stuck.release.set()  # the engine returns; nothing is transferred
     eventually(lambda: pre.get("state") == "FAILED", 10, "prefill ends the request")
     eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")
 
@@ -77,8 +88,11 @@ def test_decode_side_abort_stops_prefill_and_frees_both(pair, eventually):
     assert decode.abort(12, "client went away")["aborted"]
     eventually(lambda: dec.get("state") == "FAILED", 5, "decode fails")
     # decode's pages are back once prefill confirmed: prefill's TransferDone answers the Abort at once
-    eventually(lambda: decode.pool.available() == initial[1] and decode.quarantined() == 0, 5,
-                "decode pages back without waiting for the quarantine cap")
+    eventually(
+        lambda: decode.pool.available() == initial[1] and decode.quarantined() == 0,
+        5,
+        "decode pages back without waiting for the quarantine cap",
+    )
     stuck.release.set()
     eventually(lambda: pre.get("state") == "FAILED", 10, "prefill ends the request")
     assert pre["reason"] == "aborted by decode: aborted: client went away"
@@ -132,33 +146,37 @@ def test_pages_stay_quarantined_while_an_aborted_transfer_is_still_writing(pair,
         inside.set()
         assert gate.wait(30)
         return real_send(*args, **kwargs)
+
     prefill.sender.send = gated_send
     from disagg.control.messages import Abort
-    aborts: list[Abort] = []   # every Abort that reaches prefill's control socket
+
+    aborts: list[Abort] = []  # every Abort that reaches prefill's control socket
     real_handle = prefill._handle
 
     def counting_handle(identity, msg):
         if isinstance(msg, Abort):
             aborts.append(msg)
         return real_handle(identity, msg)
+
     prefill._handle = counting_handle
     tokens = np.arange(400)
     pre = run(prefill.prefill, 21, tokens)
     dec = run(decode.decode, 21, tokens, 2)
     assert inside.wait(10)
     decode.abort(21, "client went away")
-    eventually(lambda: dec.get("state") == "FAILED" and pre.get("state") == "FAILED", 5,
-               "both sides ended the request")
+    eventually(lambda: dec.get("state") == "FAILED" and pre.get("state") == "FAILED", 5, "both sides ended the request")
     asks_before = len(aborts)
 
     def still_held_after_two_more_asks() -> bool:
-        assert decode.quarantined() == 1 and decode.pool.available() != initial[1], \
+        assert decode.quarantined() == 1 and decode.pool.available() != initial[1], (
             "decode released pages that a running transfer may still write"
+        )
         return len(aborts) >= asks_before + 2
+
     eventually(still_held_after_two_more_asks, 10, "decode asked prefill again, twice")
     again = decode.decode(21, tokens, 2)
     assert again["state"] == "FAILED" and "duplicate room 21" in again["reason"]
-    gate.set()   # the write ends; the send sees the abort before its next write
+    gate.set()  # the write ends; the send sees the abort before its next write
     eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back once the transfer stopped")
 
 
@@ -167,6 +185,7 @@ def _registered_socket(prefill, decode, epoch: int):
     """A DEALER registered with prefill as a decode of `epoch` with decode's own pool; yields
     (socket, ask) where ask(msg) sends and returns the decoded reply."""
     import zmq
+
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.control_endpoint)
@@ -175,9 +194,16 @@ def _registered_socket(prefill, decode, epoch: int):
         sock.send(encoder.encode(msg))
         assert sock.poll(10_000)
         return Decoder(ToDecode, "t").decode(sock.recv())
+
     try:
-        assert isinstance(ask(RegisterDecode(PROTOCOL_VERSION, epoch, decode.layout, decode.endpoint.offers(),
-                                             decode.endpoint.staging_info())), Registered)
+        assert isinstance(
+            ask(
+                RegisterDecode(
+                    PROTOCOL_VERSION, epoch, decode.layout, decode.endpoint.offers(), decode.endpoint.staging_info()
+                )
+            ),
+            Registered,
+        )
         yield sock, ask
     finally:
         sock.close()
@@ -194,10 +220,10 @@ def test_an_abort_from_a_new_connection_stops_a_transfer_not_yet_started(pair, e
         reply = ask(Abort(31, "someone else's room"))
         assert isinstance(reply, TransferDone) and not reply.ok and "not a room of yours" in reply.reason
     assert prefill.requests.get(31) is not None and not prefill.requests.get(31).phase.ended
-    with _registered_socket(prefill, decode, decode.epoch) as (sock, ask):   # the same decode, a new socket
+    with _registered_socket(prefill, decode, decode.epoch) as (sock, ask):  # the same decode, a new socket
         reply = ask(Abort(31, "asked again on a new connection"))
         assert isinstance(reply, TransferDone) and not reply.ok and reply.room == 31
-    stuck.release.set()   # the engine finishes: no transfer may start now
+    stuck.release.set()  # the engine finishes: no transfer may start now
     eventually(lambda: pre.get("state") == "FAILED" and dec.get("state") == "FAILED", 10, "both sides failed")
     assert "bytes" not in pre and "aborted by decode" in pre["reason"]
     eventually(lambda: _both_back(prefill, decode, initial), 5, "both pools back")

@@ -28,9 +28,14 @@ def post(url: str, body: dict) -> tuple[int, bytes]:
 
 
 def serve(cache: "PrefixCache | None", epoch: int = 77) -> ApiServer:
-    server = types.SimpleNamespace(cache=cache, epoch=epoch, readiness=lambda: True, health=lambda: {"status": "ok"},
-                                   abort=lambda room, reason: {},
-                                   available=lambda: {})
+    server = types.SimpleNamespace(
+        cache=cache,
+        epoch=epoch,
+        readiness=lambda: True,
+        health=lambda: {"status": "ok"},
+        abort=lambda room, reason: {},
+        available=lambda: {},
+    )
     return ApiServer(("127.0.0.1", 0), DecodeRoutes(server).service()).start()
 
 
@@ -55,12 +60,12 @@ def test_changes_since_our_epoch_and_everything_for_another(cache):
         keep(cache, np.arange(24))
         delta = decode_events(post(url, {"since": 1, "epoch": 77})[1])
         assert not delta.reset and len(delta.added) == 2 and delta.seq == 2
-        restarted = decode_events(post(url, {"since": 1, "epoch": 76})[1])   # a reader of another process
+        restarted = decode_events(post(url, {"since": 1, "epoch": 76})[1])  # a reader of another process
         assert restarted.reset and len(restarted.added) == 6
         for bad in ({"since": -1}, {"since": "1"}, {"since": 1.5}, {"since": True}):
             status, raw = post(url, bad)
             assert status == 400 and b"since must be" in raw, raw
-        assert decode_events(post(url, {"since": 2, "epoch": 77})[1]).added == []   # nothing changed meanwhile
+        assert decode_events(post(url, {"since": 2, "epoch": 77})[1]).added == []  # nothing changed meanwhile
     finally:
         api.stop()
 

@@ -23,7 +23,7 @@ def test_the_flip_lands_after_the_prefix():
     shared = buf[torch.from_numpy(hit.match.pages.astype(np.int64))].clone()
     flip_byte(pool, kv, hit.prefix_len)
     assert torch.equal(buf[torch.from_numpy(hit.match.pages.astype(np.int64))], shared)
-    assert int(buf[int(kv.full_pages[10]), 1]) != 0          # the first page that arrived took it
+    assert int(buf[int(kv.full_pages[10]), 1]) != 0  # the first page that arrived took it
     cache.release(kv, hit, None)
 
 
@@ -31,6 +31,7 @@ def test_the_unread_flip_never_lands_in_the_shared_window():
     """decode.flip's first choice, the oldest SWA position decode keeps, falls back to a page
     that arrived when that position is the cache's."""
     from disagg.worker.flip import flip_unread
+
     pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 4, max_tokens=512, max_requests=4, device="cpu"))
     cache = PrefixCache(pool)
     prompt = np.arange(120)
@@ -44,7 +45,7 @@ def test_the_unread_flip_never_lands_in_the_shared_window():
     pages = torch.from_numpy(hit.match.pages.astype(np.int64))
     assert torch.equal(full[pages], before[Component.FULL][0][pages]), what
     window = pool.config.model.swa.window
-    shared = np.arange(max(0, kv.num_tokens - window), hit.prefix_len)   # window positions the cache lent
+    shared = np.arange(max(0, kv.num_tokens - window), hit.prefix_len)  # window positions the cache lent
     assert len(shared), "the case must put the oldest kept position in the shared prefix"
     items, _ = token_items(pool, Component.SWA, kv, shared)
     swa = torch.from_numpy(np.unique(items).astype(np.int64))

@@ -34,7 +34,7 @@ def _get(api: ApiServer, path: str) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read())
 
 
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the loop dies on purpose
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop dies on purpose
 def test_a_dead_control_loop_makes_the_process_unhealthy(eventually):
     prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*"))
     api = ApiServer(("127.0.0.1", 0), Service({}, lambda: True, CollectorRegistry(), health=prefill.health)).start()
@@ -43,8 +43,9 @@ def test_a_dead_control_loop_makes_the_process_unhealthy(eventually):
         assert status == 200 and health["status"] == "ok" and health["role"] == "prefill", health
         assert health["preset"] == "tiny-full" and health["auth"] == "insecure" and health["transports"]
 
-        def broken(timeout_ms):   # what a ZMQ error inside the loop's socket does
+        def broken(timeout_ms):  # what a ZMQ error inside the loop's socket does
             raise zmq.ZMQError(zmq.EFSM)
+
         prefill.io.recv = broken
         eventually(lambda: _health(api)[0] == 503, 10, "/health answers 503")
         assert _health(api)[1]["dead_threads"] == ["loop"]
@@ -69,16 +70,18 @@ def test_a_prefill_whose_rank_was_taken_says_so_and_is_not_ready(eventually, cap
     decode was sent to the other holder. Now: an ERROR, and /ready false with the reason;
     /health stays ok (a restart cannot take the rank from a live holder) and shows the lease."""
     caplog.set_level(logging.INFO, "disagg.bootstrap")
-    gate = Gate(zmq.Context(), AuthKey(), "test")   # (in-process servers hold no key)
+    gate = Gate(zmq.Context(), AuthKey(), "test")  # (in-process servers hold no key)
     first = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", grace_s=0), gate).start()
     prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind=None, bootstrap_addr=first.endpoint))
-    api = ApiServer(("127.0.0.1", 0), Service({}, prefill.readiness, CollectorRegistry(), health=prefill.health)).start()
+    api = ApiServer(
+        ("127.0.0.1", 0), Service({}, prefill.readiness, CollectorRegistry(), health=prefill.health)
+    ).start()
     second = None
     try:
         assert _get(api, "/ready")[0] == 200
         first.stop()
         # the restarted bootstrap (as before issue 35: no grace period) is taken before the renewal comes
-        restarted: list[BootstrapServer] = []   # (ZMQ lets the port go in its own thread, soon)
+        restarted: list[BootstrapServer] = []  # (ZMQ lets the port go in its own thread, soon)
         eventually(lambda: _bind(restarted, BootstrapConfig(first.endpoint, grace_s=0), gate), 10, "the port freed")
         second = restarted[0]
         impostor = RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", prefill.epoch + 1, prefill.layout)

@@ -7,7 +7,7 @@ from prometheus_client import generate_latest
 
 from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics, inflight, pool_free
 
-POOL = {"full_tokens": 4096, "swa_tokens": 512, "mamba_slots": 7, "aux_rows": 8}   # a HybridPool's available()
+POOL = {"full_tokens": 4096, "swa_tokens": 512, "mamba_slots": 7, "aux_rows": 8}  # a HybridPool's available()
 UNITS = ("_seconds", "_bytes", "_tokens", "_slots", "_rows", "_requests", "_ranges")
 
 
@@ -30,7 +30,7 @@ def busy_worker() -> tuple[WorkerMetrics, str]:
 def test_no_created_series():
     _, text = busy_worker()
     assert "_created" not in text
-    assert "disagg_requests_total" in text and "disagg_phase_seconds_count" in text   # the page is not empty
+    assert "disagg_requests_total" in text and "disagg_phase_seconds_count" in text  # the page is not empty
 
 
 def test_every_metric_name_carries_its_unit():
@@ -54,17 +54,25 @@ def test_the_prefix_caches_figures_are_named_like_the_rest_and_give_a_hit_rate()
     cache.observe({"cached_tokens": 256, "unused_tokens": 256, "hit_tokens": 96, "evicted_tokens": 32})
     cache.observe({"cached_tokens": 192, "unused_tokens": 128, "hit_tokens": 96, "evicted_tokens": 64})
     text = scraped(m)
-    types = {name: kind for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
-             if name.startswith("disagg_prefix_cache")}
-    assert types == {"disagg_prefix_cache_hit_tokens_total": "counter",
-                     "disagg_prefix_cache_queried_tokens_total": "counter",
-                     "disagg_prefix_cache_saved_bytes_total": "counter",
-                     "disagg_prefix_cache_evicted_tokens_total": "counter", "disagg_prefix_cache_tokens": "gauge"}
-    for line in ('disagg_prefix_cache_hit_tokens_total{role="decode"} 96.0',
-                 'disagg_prefix_cache_queried_tokens_total{role="decode"} 200.0',
-                 'disagg_prefix_cache_saved_bytes_total{role="decode"} 4096.0',
-                 'disagg_prefix_cache_evicted_tokens_total{role="decode"} 64.0',
-                 'disagg_prefix_cache_tokens{role="decode"} 192.0'):
+    types = {
+        name: kind
+        for name, kind in re.findall(r"^# TYPE (\S+) (\S+)$", text, re.M)
+        if name.startswith("disagg_prefix_cache")
+    }
+    assert types == {
+        "disagg_prefix_cache_hit_tokens_total": "counter",
+        "disagg_prefix_cache_queried_tokens_total": "counter",
+        "disagg_prefix_cache_saved_bytes_total": "counter",
+        "disagg_prefix_cache_evicted_tokens_total": "counter",
+        "disagg_prefix_cache_tokens": "gauge",
+    }
+    for line in (
+        'disagg_prefix_cache_hit_tokens_total{role="decode"} 96.0',
+        'disagg_prefix_cache_queried_tokens_total{role="decode"} 200.0',
+        'disagg_prefix_cache_saved_bytes_total{role="decode"} 4096.0',
+        'disagg_prefix_cache_evicted_tokens_total{role="decode"} 64.0',
+        'disagg_prefix_cache_tokens{role="decode"} 192.0',
+    ):
         assert line in text, text
 
 
@@ -74,10 +82,13 @@ def test_pool_capacity_is_one_gauge_per_unit():
     allocators = {}
     for name, allocator in re.findall(r'^(disagg_pool_free_\w+)\{allocator="(\w+)",role="decode"\} ', text, re.M):
         allocators.setdefault(name, set()).add(allocator)
-    assert allocators == {"disagg_pool_free_tokens": {"full", "swa"}, "disagg_pool_free_slots": {"mamba"},
-                          "disagg_pool_free_rows": {"aux"}}
+    assert allocators == {
+        "disagg_pool_free_tokens": {"full", "swa"},
+        "disagg_pool_free_slots": {"mamba"},
+        "disagg_pool_free_rows": {"aux"},
+    }
     assert 'disagg_pool_free_tokens{allocator="full",role="decode"} 4096.0' in text
-    assert pool_free(text) == POOL   # what the leak checks compare, keyed as the pool names it
+    assert pool_free(text) == POOL  # what the leak checks compare, keyed as the pool names it
 
 
 def test_a_pool_figure_without_a_unit_is_refused():
@@ -94,17 +105,21 @@ def test_inflight_requests_while_one_is_served():
     assert 'disagg_inflight_requests{role="router"} 0.0' in scraped(m)
 
 
-@pytest.mark.parametrize("reason, label", [
-    ("decode failed: TRANSFERRING deadline of 30 s passed", "decode:timeout"),
-    ("prefill failed: layout mismatch: full: kv_heads", "prefill:layout"),
-    ("decode gave a malformed answer: Expected `int`", "decode:malformed"),
-    ("cancelled by the client", "cancelled"),
-    ("no prefill/decode pair is up (pair 0: decode: unreachable at http://x:1)", "unreachable"),
-    ("something nobody foresaw", "other"),
-])
+@pytest.mark.parametrize(
+    "reason, label",
+    [
+        ("decode failed: TRANSFERRING deadline of 30 s passed", "decode:timeout"),
+        ("prefill failed: layout mismatch: full: kv_heads", "prefill:layout"),
+        ("decode gave a malformed answer: Expected `int`", "decode:malformed"),
+        ("cancelled by the client", "cancelled"),
+        ("no prefill/decode pair is up (pair 0: decode: unreachable at http://x:1)", "unreachable"),
+        ("something nobody foresaw", "other"),
+    ],
+)
 def test_a_failure_is_labelled_by_side_and_kind(reason, label):
     """Issue 36: failures were labelled by their first word only ("decode"), which says nothing."""
     from disagg.api.metrics import failure_label
+
     assert failure_label(reason) == label
 
 
@@ -118,9 +133,13 @@ def test_the_http_server_counts_every_answer_and_states_its_capacity():
 
     def refuse(body):
         raise BadRequest("no")
+
     m = WorkerMetrics("router")
-    api = ApiServer(("127.0.0.1", 0), Service({"/generate": refuse}, lambda: True, m.registry, metrics=m),
-                    HttpLimits(max_inflight=7)).start()
+    api = ApiServer(
+        ("127.0.0.1", 0),
+        Service({"/generate": refuse}, lambda: True, m.registry, metrics=m),
+        HttpLimits(max_inflight=7),
+    ).start()
     url = f"http://127.0.0.1:{api.port}"
     try:
         for path, data in (("/generate", b"{}"), ("/nowhere", None), ("/health", None)):
@@ -130,7 +149,7 @@ def test_the_http_server_counts_every_answer_and_states_its_capacity():
                 pass
         text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
         head = urllib.request.urlopen(urllib.request.Request(url + "/metrics", method="HEAD"), timeout=10)
-        assert head.status == 200 and head.read() == b""   # HEAD /metrics was a 501
+        assert head.status == 200 and head.read() == b""  # HEAD /metrics was a 501
     finally:
         api.stop()
     assert 'disagg_http_answers_total{role="router",route="/generate",status="400"} 1.0' in text

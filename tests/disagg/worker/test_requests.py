@@ -34,7 +34,7 @@ class Effects:
 
     def submit(self, r, dest, progress, finished):
         self.submitted.append(r)
-        self.progress.append(progress)   # streamed: the worker waits on the engine's layers
+        self.progress.append(progress)  # streamed: the worker waits on the engine's layers
         return self.refuse
 
 
@@ -71,7 +71,7 @@ def test_prefill_abort_while_computing_tells_decode_once_and_frees_when_the_kv_a
     t.destination(2, PEER, "dst", [])
     assert t.fail(r, "aborted: operator") and not t.fail(r, "again")
     assert r.phase is P.FAILED and fx.told == [(PEER, TransferDone(2, 5, False, reason="aborted: operator"))]
-    assert not fx.freed   # the computing thread still holds the pages
+    assert not fx.freed  # the computing thread still holds the pages
     t.computed(r, "kv")
     assert fx.freed == ["kv"] and not fx.submitted
     # the room is buried: a late TransferRequest is answered at once, a late prompt fails
@@ -86,9 +86,9 @@ def test_prefill_abort_during_a_transfer_waits_for_the_worker():
     t.computed(r, "kv")
     assert t.fail(r, "aborted by decode: x")
     assert r.phase is P.STOPPING and r.phase.ended and not fx.told and not fx.freed
-    assert t.get(3) is r   # still held: a worker writes into decode's pages
-    assert not t.fail(r, "asked again")   # a re-asked Abort is not confirmed early
-    t.finished(r, True, done=TransferDone(3, 5, True))   # the send finished anyway
+    assert t.get(3) is r  # still held: a worker writes into decode's pages
+    assert not t.fail(r, "asked again")  # a re-asked Abort is not confirmed early
+    t.finished(r, True, done=TransferDone(3, 5, True))  # the send finished anyway
     assert r.phase is P.FAILED and fx.freed == ["kv"]
     assert fx.told == [(PEER, TransferDone(3, 5, False, reason="aborted by decode: x"))]
 
@@ -115,11 +115,11 @@ def test_prefill_duplicates_deadlines_and_sweeps():
     t0 = time.monotonic()
     assert t.wait(r) is P.FAILED and time.monotonic() - t0 < 2
     assert "AWAITING_DECODE deadline of 0.05 s passed (no TransferRequest from decode)" in r.reason
-    assert not fx.told   # decode never asked: its late TransferRequest meets the tombstone
+    assert not fx.told  # decode never asked: its late TransferRequest meets the tombstone
     t, fx = prefill_table(Deadlines(10, 5, 10))
     t.destination(7, PEER, "dst", [])
     t.destination(8, OTHER, "dst", [])
-    t.get(7).since -= 6   # an orphan that arrived 6 s ago, past the 5 s waiting deadline
+    t.get(7).since -= 6  # an orphan that arrived 6 s ago, past the 5 s waiting deadline
     t.sweep(lost_peers={OTHER})
     assert t.get(7) is None and t.get(8) is None
     assert {(p, m.reason) for p, m in fx.told} == {(PEER, "prefill never arrived"), (OTHER, "decode peer silent")}
@@ -135,11 +135,11 @@ def test_decode_success_only_from_the_prefill_it_asked():
     r = t.open(1)
     t.admitted(r, "kv", "dst")
     assert t.sending(r, [Sender("tcp://p:1", 9)])
-    t.started(1, "tcp://p:1", 8)          # another epoch: ignored
+    t.started(1, "tcp://p:1", 8)  # another epoch: ignored
     assert r.phase is D.WAITING_FOR_INPUT
     t.started(1, "tcp://p:1", 9)
     assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1")[0] is r and t.receiving(1, "tcp://x:1")[0] is None
-    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=7)), "tcp://x:1")   # another prefill: ignored
+    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=7)), "tcp://x:1")  # another prefill: ignored
     assert r.phase is D.TRANSFERRING
     t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=10)), "tcp://p:1")
     assert t.wait(r) is D.SUCCESS and t.report(r).sends == 1 and t.report(r).nbytes == 10
@@ -155,8 +155,8 @@ def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
     t.finish(r)
     assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:1", Abort(2, "aborted: client"))] and not fx.freed
     with pytest.raises(ProtocolError, match="duplicate room 2"):
-        t.open(2)   # the room stays taken while its pages are held
-    assert t.sweep() == [] and len(fx.told) == 2   # asked again
+        t.open(2)  # the room stays taken while its pages are held
+    assert t.sweep() == [] and len(fx.told) == 2  # asked again
     t.done(TransferDone(2, 9, False, reason="aborted"), "tcp://p:1")
     assert fx.freed == [r] and t.quarantined() == 0 and t.open(2).phase is D.BOOTSTRAPPING
 
@@ -173,9 +173,9 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     assert t.wait(r) is D.ABORTING and "WritesAbandoned" in r.reason
     t.finish(r)
     assert r.phase is D.QUARANTINED and not fx.freed and fx.told == [("tcp://p:1", Abort(2, r.reason))]
-    t.done(TransferDone(2, 9, False, reason="aborted by decode", settled=False), "tcp://p:1")   # still in flight
+    t.done(TransferDone(2, 9, False, reason="aborted by decode", settled=False), "tcp://p:1")  # still in flight
     assert r.phase is D.QUARANTINED and not fx.freed
-    t.done(TransferDone(2, 9, False, reason="aborted by decode"), "tcp://p:1")   # the abandoned writes ended
+    t.done(TransferDone(2, 9, False, reason="aborted by decode"), "tcp://p:1")  # the abandoned writes ended
     assert fx.freed == [r] and t.quarantined() == 0
     # the prefill table: a worker that gave up says so in the TransferDone decode hears
     p, pfx = prefill_table()
@@ -183,8 +183,9 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     p.destination(5, PEER, "dst", [])
     p.computed(q, "kv")
     p.finished(q, False, "WritesAbandoned: link closed", settled=False)
-    assert q.phase is P.FAILED and pfx.told == [(PEER, TransferDone(5, 5, False, reason="WritesAbandoned: link closed",
-                                                                      settled=False))]
+    assert q.phase is P.FAILED and pfx.told == [
+        (PEER, TransferDone(5, 5, False, reason="WritesAbandoned: link closed", settled=False))
+    ]
 
 
 def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
@@ -194,12 +195,12 @@ def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
     t.sending(b, [Sender("tcp://q:1", 9)])
     assert t.peer_lost("tcp://p:1", "prefill silent") == 1
     assert a.phase is D.ABORTING and b.phase is D.WAITING_FOR_INPUT
-    t.fail(c, "lookup failed")               # never sent: nothing can write into it
+    t.fail(c, "lookup failed")  # never sent: nothing can write into it
     assert c.phase is D.FAILED and not t.sending(c, [Sender("tcp://p:1", 9)])
     t.finish(c)
     t.finish(a)
     assert fx.freed == [c] and t.quarantined() == 1
-    assert t.sweep() == [a] and fx.freed == [c, a] and t.quarantined() == 0   # cap passed
+    assert t.sweep() == [a] and fx.freed == [c, a] and t.quarantined() == 0  # cap passed
 
 
 def test_decode_abort_before_arrival_and_deadlines():
@@ -214,8 +215,10 @@ def test_decode_abort_before_arrival_and_deadlines():
 
 # ---- layer-wise streaming: the table holds pages the engine still writes ------------------
 
+
 def _streaming(prompt_first=True):
     from transfer.progress import LayerProgress
+
     t, fx = prefill_table()
     r = t.prompt(1, TOKENS) if prompt_first else None
     if not prompt_first:
@@ -235,7 +238,7 @@ def test_prefill_streams_once_both_halves_met_and_says_started_only_when_compute
     assert r.phase is P.STREAMING and fx.submitted == [r] and fx.progress == [progress] and not fx.told
     t.computed(r, "kv")
     assert r.phase is P.TRANSFERRING and progress.final_layers == 4
-    assert [type(m).__name__ for _, m in fx.told] == ["TransferStarted"]   # decode's transfer deadline starts now
+    assert [type(m).__name__ for _, m in fx.told] == ["TransferStarted"]  # decode's transfer deadline starts now
     t.finished(r, True, done=TransferDone(1, 5, True))
     assert r.phase is P.DONE and fx.freed == ["kv"]
 
@@ -244,6 +247,7 @@ def test_prefill_streams_only_where_may_stream_says_so_else_starts_once_computed
     """auto over a link that would slow the compute: no worker while the engine computes (it
     would only wait), one once the KV is computed, and the request is not streamed."""
     from transfer.progress import LayerProgress
+
     t, fx = prefill_table(may_stream=lambda r: not r.stream_auto)
     r = t.prompt(1, TOKENS, stream_auto=True)
     t.destination(1, PEER, "dst", [0])
@@ -260,9 +264,9 @@ def test_prefill_streamed_failure_frees_only_after_the_engine_and_the_worker_let
     t.destination(1, PEER, "dst", [0])
     assert r.phase is P.STREAMING
     t.fail(r, "aborted by decode: gone")
-    assert r.phase is P.STOPPING and not fx.freed        # the worker may still write
+    assert r.phase is P.STOPPING and not fx.freed  # the worker may still write
     t.finished(r, False, "Cancelled: stopped")
-    assert r.phase is P.FAILED and not fx.freed           # the engine still writes the pages
+    assert r.phase is P.FAILED and not fx.freed  # the engine still writes the pages
     t.computed(r, "kv")
     assert fx.freed == ["kv"]
     assert [m.ok for _, m in fx.told if isinstance(m, TransferDone)] == [False]
@@ -285,12 +289,12 @@ def test_prefill_failure_before_decode_arrived_frees_when_the_engine_returns():
     assert fx.freed == ["kv"] and not fx.submitted
     r3 = t.prompt(3, TOKENS)
     t.fail(r3, "gone")
-    assert not t.streaming(r3, "kv3", progress)            # an ended request: the caller keeps its pages
+    assert not t.streaming(r3, "kv3", progress)  # an ended request: the caller keeps its pages
 
 
 # ---- TP instances: several destinations (prefill) and several senders (decode) ------------
 
-TWO = frozenset({0, 1})   # a prefill rank of TP 1 sends to both ranks of a decode of TP 2
+TWO = frozenset({0, 1})  # a prefill rank of TP 1 sends to both ranks of a decode of TP 2
 
 
 def test_prefill_waits_for_every_decode_rank_then_sends_each_its_share_and_ends_when_all_are_sent():
@@ -298,12 +302,12 @@ def test_prefill_waits_for_every_decode_rank_then_sends_each_its_share_and_ends_
     r = t.prompt(1, TOKENS)
     assert t.destination(1, PEER, "dst0", [0], rank=0, tp_size=2, receivers=TWO) is None
     t.computed(r, "kv")
-    assert r.phase is P.AWAITING_DECODE and not fx.submitted   # decode rank 1 has not asked yet
+    assert r.phase is P.AWAITING_DECODE and not fx.submitted  # decode rank 1 has not asked yet
     assert t.destination(1, OTHER, "dst1", [1], rank=1, tp_size=2, receivers=TWO) is None
     assert r.phase is P.TRANSFERRING and fx.submitted == [r, r] and r.writers == 2
     first = TransferDone(1, 5, True, report=TransferReport(nbytes=10))
     t.finished(r, True, done=first, dest=r.dests[1])
-    assert r.phase is P.TRANSFERRING and fx.told == [(OTHER, first)] and not fx.freed   # its KV is complete
+    assert r.phase is P.TRANSFERRING and fx.told == [(OTHER, first)] and not fx.freed  # its KV is complete
     second = TransferDone(1, 5, True, report=TransferReport(nbytes=12))
     t.finished(r, True, done=second, dest=r.dests[0])
     assert r.phase is P.DONE and fx.freed == ["kv"] and fx.told == [(OTHER, first), (PEER, second)]
@@ -317,18 +321,22 @@ def test_prefill_one_failed_destination_stops_the_others_and_tells_every_one_not
     t.destination(2, OTHER, "d1", [], rank=1, tp_size=2, receivers=TWO)
     t.computed(r, "kv")
     t.finished(r, False, "WriteFailed: boom", dest=r.dests[0])
-    assert r.phase is P.STOPPING and not fx.freed and not fx.told   # rank 1's worker still writes
-    t.finished(r, True, done=TransferDone(2, 5, True), dest=r.dests[1])   # finished, but r failed
+    assert r.phase is P.STOPPING and not fx.freed and not fx.told  # rank 1's worker still writes
+    t.finished(r, True, done=TransferDone(2, 5, True), dest=r.dests[1])  # finished, but r failed
     assert r.phase is P.FAILED and fx.freed == ["kv"]
-    assert sorted(fx.told) == sorted([(PEER, TransferDone(2, 5, False, reason="WriteFailed: boom")),
-                                      (OTHER, TransferDone(2, 5, False, reason="WriteFailed: boom"))])
+    assert sorted(fx.told) == sorted(
+        [
+            (PEER, TransferDone(2, 5, False, reason="WriteFailed: boom")),
+            (OTHER, TransferDone(2, 5, False, reason="WriteFailed: boom")),
+        ]
+    )
 
 
 def test_prefill_refuses_a_second_claim_of_a_rank_another_tp_size_and_a_rank_it_does_not_feed():
     t, fx = prefill_table()
     r = t.prompt(3, TOKENS)
     assert t.destination(3, PEER, "d0", [], rank=0, tp_size=2, receivers=TWO) is None
-    assert t.destination(3, PEER, "again", [], rank=0, tp_size=2, receivers=TWO) is None   # a repeat: ignored
+    assert t.destination(3, PEER, "again", [], rank=0, tp_size=2, receivers=TWO) is None  # a repeat: ignored
     claim = t.destination(3, OTHER, "d0'", [], rank=0, tp_size=2, receivers=TWO)
     assert not claim.ok and "decode rank 0 of room 3 is claimed by another connection" in claim.reason
     size = t.destination(3, OTHER, "d", [], rank=1, tp_size=4, receivers=frozenset({0, 1, 2, 3}))
@@ -357,15 +365,23 @@ def test_decode_succeeds_only_once_every_sender_is_done_and_sums_their_reports()
     assert t.sending(r, [a, b]) and r.slots == [0, 1]
     t.started(1, "tcp://p:2", 7)
     assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:2") == (r, b)
-    t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=10, ranges=2, transfer_ms=3.0, mode="direct")),
-           "tcp://p:1")
-    assert r.phase is D.TRANSFERRING   # rank 1's share has not landed
-    t.done(TransferDone(1, 7, True, report=TransferReport(nbytes=5, ranges=1, transfer_ms=4.0, mode="staged")),
-           "tcp://p:2")
+    t.done(
+        TransferDone(1, 9, True, report=TransferReport(nbytes=10, ranges=2, transfer_ms=3.0, mode="direct")),
+        "tcp://p:1",
+    )
+    assert r.phase is D.TRANSFERRING  # rank 1's share has not landed
+    t.done(
+        TransferDone(1, 7, True, report=TransferReport(nbytes=5, ranges=1, transfer_ms=4.0, mode="staged")), "tcp://p:2"
+    )
     assert t.wait(r) is D.SUCCESS
     report = t.report(r)
-    assert (report.nbytes, report.ranges, report.transfer_ms, report.mode, report.sends) == \
-        (15, 3, 4.0, "direct+staged", 2)
+    assert (report.nbytes, report.ranges, report.transfer_ms, report.mode, report.sends) == (
+        15,
+        3,
+        4.0,
+        "direct+staged",
+        2,
+    )
     t.finish(r)
     assert fx.freed == [r] and not fx.told
 
@@ -375,7 +391,7 @@ def test_decode_one_failed_sender_holds_the_pages_until_the_others_stopped_writi
     r = t.open(2)
     t.sending(r, [Sender("tcp://p:1", 9), Sender("tcp://p:2", 7)])
     t.done(TransferDone(2, 9, False, reason="WriteFailed: boom"), "tcp://p:1")
-    assert t.wait(r) is D.ABORTING and r.reason == "prefill: WriteFailed: boom"   # p:2 may still write
+    assert t.wait(r) is D.ABORTING and r.reason == "prefill: WriteFailed: boom"  # p:2 may still write
     t.finish(r)
     assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:2", Abort(2, r.reason))] and not fx.freed
     t.done(TransferDone(2, 7, False, reason="aborted by decode"), "tcp://p:2")
@@ -394,13 +410,14 @@ def test_prefill_rank_that_feeds_no_decode_rank_is_done_once_computed(stream):
     """MLA at prefill TP 2 -> decode TP 1: the latent is replicated and rank 0 sends it, so
     rank 1 expects no TransferRequest (the router said the decode TP size) and ends DONE."""
     from transfer.progress import LayerProgress
+
     t, fx = prefill_table()
     r = t.prompt(1, TOKENS, receivers=frozenset(), tp_size=1)
     assert r.phase is P.COMPUTING
     if stream:
         progress = LayerProgress(4)
         assert t.streaming(r, "kv", progress)
-        assert r.phase is P.COMPUTING and not fx.freed   # the engine still writes
+        assert r.phase is P.COMPUTING and not fx.freed  # the engine still writes
     t.computed(r, "kv")
     assert r.phase is P.DONE and fx.freed == ["kv"] and not fx.submitted and not fx.told and t.get(1) is None
     # a decode request that says another TP size than the router's fails the room
@@ -422,11 +439,11 @@ def test_prefill_prepares_each_destinations_send_while_computing_once_both_are_k
         elif step == "prompt":
             r = t.prompt(1, TOKENS)
         else:
-            assert not prepared   # nothing before the pages are known
+            assert not prepared  # nothing before the pages are known
             t.allocated(r, "src")
     assert prepared == [(1, 0, "src")]
-    t.destination(1, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))   # comes meanwhile
-    t.allocated(r, "src")                                                                 # a second call: no repeat
+    t.destination(1, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))  # comes meanwhile
+    t.allocated(r, "src")  # a second call: no repeat
     assert prepared == [(1, 0, "src"), (1, 1, "src")] and r.phase is P.COMPUTING
     t.computed(r, "kv")
     assert r.phase is P.TRANSFERRING and len(fx.submitted) == 2 and len(prepared) == 2
@@ -441,14 +458,15 @@ def test_prefill_prepares_nothing_for_a_request_that_ended_or_was_computed_first
     t.destination(1, PEER, "dst", [0])
     r2 = t.prompt(2, TOKENS)
     t.allocated(r2, "src")
-    t.computed(r2, "kv")          # the KV was computed before decode's destinations came
-    t.destination(2, PEER, "dst0", [0], rank=0, tp_size=2, receivers=frozenset({0, 1}))   # not sent yet
+    t.computed(r2, "kv")  # the KV was computed before decode's destinations came
+    t.destination(2, PEER, "dst0", [0], rank=0, tp_size=2, receivers=frozenset({0, 1}))  # not sent yet
     assert r2.phase is P.AWAITING_DECODE and prepared == []
     t.destination(2, OTHER, "dst1", [0], rank=1, tp_size=2, receivers=frozenset({0, 1}))
     assert prepared == [] and fx.submitted == [r2, r2]
 
 
 # ---- the prefill record's three axes: each moves forward only, along its listed moves ---------
+
 
 @pytest.mark.parametrize("axis", [P, C, Delivery])
 def test_prefill_axes_move_forward_only_and_a_move_not_listed_raises(axis):
@@ -457,8 +475,7 @@ def test_prefill_axes_move_forward_only_and_a_move_not_listed_raises(axis):
     order = list(axis)
     for now in axis:
         for to in axis:
-            if order.index(to) <= order.index(now) and not (axis is P and (now, to) == (P.ORPHANED,
-                                                                                      P.AWAITING_DECODE)):
+            if order.index(to) <= order.index(now) and not (axis is P and (now, to) == (P.ORPHANED, P.AWAITING_DECODE)):
                 with pytest.raises(IllegalTransition, match=f"{now.name} -> {to.name}"):
                     prefill_requests.step(now, to)
     # ORPHANED -> AWAITING_DECODE is the one move against the enum's order; it is still forward:
@@ -507,7 +524,7 @@ def test_prefill_a_transition_the_table_does_not_list_raises_and_changes_nothing
     t.finished(r, True, done=TransferDone(1, 5, True), dest=r.dests[1])
     assert r.phase is P.DONE and fx.freed == ["kv"]
     with pytest.raises(IllegalTransition, match="Compute RELEASED"):
-        t.computed(r, "kv")   # the pages went back once: never twice
+        t.computed(r, "kv")  # the pages went back once: never twice
     assert fx.freed == ["kv"]
     # a destination whose worker never started cannot report
     t, fx = prefill_table()

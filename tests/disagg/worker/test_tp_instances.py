@@ -9,9 +9,21 @@ import numpy as np
 import pytest
 import zmq
 
-from disagg.control.messages import (PROTOCOL_VERSION, Decoder, Heartbeat, LayoutInfo, RegisterDecode, Registered,
-                                     RegisterPrefill, Refused, ToDecode, TransferDone, TransferRequest, encoder,
-                                     indices_to_wire)
+from disagg.control.messages import (
+    PROTOCOL_VERSION,
+    Decoder,
+    Heartbeat,
+    LayoutInfo,
+    RegisterDecode,
+    Registered,
+    RegisterPrefill,
+    Refused,
+    ToDecode,
+    TransferDone,
+    TransferRequest,
+    encoder,
+    indices_to_wire,
+)
 from disagg.decode.server import DecodeConfig, DecodeServer
 from disagg.prefill.requests import Delivery
 from disagg.prefill.server import PrefillConfig, PrefillServer
@@ -24,8 +36,9 @@ from transfer.receiver import KVReceiver
 
 
 def _pool(tp_size: int = 1, tp_rank: int = 0) -> PoolSettings:
-    return PoolSettings(preset="tiny-swa", max_tokens=2048, max_requests=4, device="cpu", tp_size=tp_size,
-                        tp_rank=tp_rank)
+    return PoolSettings(
+        preset="tiny-swa", max_tokens=2048, max_requests=4, device="cpu", tp_size=tp_size, tp_rank=tp_rank
+    )
 
 
 @pytest.fixture()
@@ -37,14 +50,20 @@ def prefill():
 
 
 def test_two_decode_ranks_receive_their_heads_from_one_prefill_rank(prefill):
-    decodes = [DecodeServer(DecodeConfig(pool=_pool(2, rank), bootstrap_addr=prefill.bootstrap_endpoint,
-                                         transports=("memory",))) for rank in range(2)]
+    decodes = [
+        DecodeServer(
+            DecodeConfig(pool=_pool(2, rank), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",))
+        )
+        for rank in range(2)
+    ]
     try:
         tokens = np.arange(40) % 97
         out: dict = {}
         threads = [threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(11, tokens)))]
-        threads += [threading.Thread(target=lambda d=d, i=i: out.__setitem__(i, d.decode(11, tokens)))
-                    for i, d in enumerate(decodes)]
+        threads += [
+            threading.Thread(target=lambda d=d, i=i: out.__setitem__(i, d.decode(11, tokens)))
+            for i, d in enumerate(decodes)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -87,7 +106,9 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
         assert isinstance(odd, Refused) and "TP size 3" in odd.reason and "divis" in odd.reason, odd.reason
         # two connections both claiming decode rank 0 of 2 for one room: the second is refused
         for epoch, sock in enumerate(socks[1:], 2):
-            reply = _ask(sock, RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), None, tp_size=2, tp_rank=0))
+            reply = _ask(
+                sock, RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), None, tp_size=2, tp_rank=0)
+            )
             assert isinstance(reply, Registered), reply
         kv = receiver.pool.alloc_request(16, swa_window_only=True)
         dst = indices_to_wire(receiver.pool.index_set(kv))
@@ -99,7 +120,7 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
         assert isinstance(second, TransferDone) and not second.ok
         assert "decode rank 0 of room 5 is claimed by another connection" in second.reason
         r = prefill.requests.get(5)
-        assert set(r.dests) == {0} and r.receivers == {0, 1}   # the first claim stands, rank 1 still expected
+        assert set(r.dests) == {0} and r.receivers == {0, 1}  # the first claim stands, rank 1 still expected
     finally:
         for sock in socks:
             sock.close()
@@ -118,7 +139,7 @@ def test_a_send_is_prepared_while_the_prompt_computes_once_decode_has_asked(pref
             asks.start()
             eventually(lambda: prefill.requests.get(12) is not None, 10, "decode's TransferRequest")
             out["prefill"] = prefill.prefill(12, tokens)
-        else:   # the KV is computed before decode asks: nothing to prepare ahead
+        else:  # the KV is computed before decode asks: nothing to prepare ahead
             computes = threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(12, tokens)))
             computes.start()
             eventually(lambda: (r := prefill.requests.get(12)) is not None and r.kv is not None, 10, "computed")
@@ -152,7 +173,11 @@ def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefil
             workers.submit(release.wait, 30)
         computes = threading.Thread(target=lambda: out.__setitem__("prefill", prefill.prefill(14, tokens)))
         computes.start()
-        eventually(lambda: d.prepared is not None and d.delivery is Delivery.WRITING, 10, "the prepare and transfer jobs queued")
+        eventually(
+            lambda: d.prepared is not None and d.delivery is Delivery.WRITING,
+            10,
+            "the prepare and transfer jobs queued",
+        )
         assert prefill.requests.fail(r, "aborted while queued")
         release.set()
         computes.join(30)
@@ -174,20 +199,40 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
     slots: each sender's share is one chunk, so each gets one slot and both send staged."""
     memory.register()
     staged = TransferConfig(mode="staged")
-    full = lambda rank: PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu", tp_size=2,
-                                     tp_rank=rank)
-    ranks = [PrefillServer(PrefillConfig(pool=full(0), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
-                                         transfer=staged))]
-    ranks.append(PrefillServer(PrefillConfig(pool=full(1), bootstrap_bind=None, transports=("memory",),
-                                             transfer=staged, bootstrap_addr=ranks[0].bootstrap_endpoint)))
-    decode = DecodeServer(DecodeConfig(pool=PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4,
-                                                         device="cpu"), transfer=TransferConfig(staging_slots=2),
-                                       bootstrap_addr=ranks[0].bootstrap_endpoint, transports=("memory",)))
+    full = lambda rank: PoolSettings(
+        preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu", tp_size=2, tp_rank=rank
+    )
+    ranks = [
+        PrefillServer(
+            PrefillConfig(pool=full(0), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",), transfer=staged)
+        )
+    ]
+    ranks.append(
+        PrefillServer(
+            PrefillConfig(
+                pool=full(1),
+                bootstrap_bind=None,
+                transports=("memory",),
+                transfer=staged,
+                bootstrap_addr=ranks[0].bootstrap_endpoint,
+            )
+        )
+    )
+    decode = DecodeServer(
+        DecodeConfig(
+            pool=PoolSettings(preset="tiny-full", max_tokens=2048, max_requests=4, device="cpu"),
+            transfer=TransferConfig(staging_slots=2),
+            bootstrap_addr=ranks[0].bootstrap_endpoint,
+            transports=("memory",),
+        )
+    )
     try:
         tokens, out = np.arange(40) % 97, {}
         threads = [threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(21, tokens)))]
-        threads += [threading.Thread(target=lambda p=p, i=i: out.__setitem__(i, p.prefill(21, tokens)))
-                    for i, p in enumerate(ranks)]
+        threads += [
+            threading.Thread(target=lambda p=p, i=i: out.__setitem__(i, p.prefill(21, tokens)))
+            for i, p in enumerate(ranks)
+        ]
         for t in threads:
             t.start()
         for t in threads:
@@ -208,14 +253,18 @@ def test_a_prefill_rank_claiming_a_page_size_no_pool_can_have_is_refused():
     from disagg.decode.instances import SenderRanks
     from disagg.errors import ProtocolError
     from kvpool import PoolConfig, get_preset
+
     pool = HybridPool(PoolConfig(get_preset("tiny-swa"), 4, max_tokens=256, max_requests=2, device="cpu"))
     with PoolEndpoint(memory.MemoryTransport(), pool, TransferConfig()) as endpoint:
         ranks = SenderRanks(KVReceiver(endpoint))
         good = RegisterPrefill(PROTOCOL_VERSION, 0, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(8, "page_major", []))
         assert ranks.lanes(good) is not None and ranks.own == pool.config.shard
-        for tp_rank, page_size, message in ((0, 12, "page size 12 is not a positive power of two"),
-                                            (1, 8, "TP rank 1 of size 1")):
-            bad = RegisterPrefill(PROTOCOL_VERSION, tp_rank, 1, "tcp://127.0.0.1:9", 1,
-                                  LayoutInfo(page_size, "page_major", []))
+        for tp_rank, page_size, message in (
+            (0, 12, "page size 12 is not a positive power of two"),
+            (1, 8, "TP rank 1 of size 1"),
+        ):
+            bad = RegisterPrefill(
+                PROTOCOL_VERSION, tp_rank, 1, "tcp://127.0.0.1:9", 1, LayoutInfo(page_size, "page_major", [])
+            )
             with pytest.raises(ProtocolError, match=message):
                 ranks.lanes(bad)

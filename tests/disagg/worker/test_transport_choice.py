@@ -27,6 +27,7 @@ def pair(request):
 
 def _run(prefill, decode, room: int) -> tuple[dict, dict]:
     import threading
+
     tokens = np.arange(700)
     pre: dict = {}
     t = threading.Thread(target=lambda: pre.update(prefill.prefill(room, tokens)))
@@ -36,11 +37,15 @@ def _run(prefill, decode, room: int) -> tuple[dict, dict]:
     return pre, dec
 
 
-@pytest.mark.parametrize("pair,picked", [
-    ((("mooncake",), ("memory", "mooncake")), "mooncake"),     # decode prefers memory; prefill lacks it
-    ((("mooncake", "memory"), ("memory", "mooncake")), "memory"),   # decode's preference wins
-    ((("memory", "mooncake"), ("mooncake", "memory")), "mooncake"),
-], indirect=["pair"])
+@pytest.mark.parametrize(
+    "pair,picked",
+    [
+        ((("mooncake",), ("memory", "mooncake")), "mooncake"),  # decode prefers memory; prefill lacks it
+        ((("mooncake", "memory"), ("memory", "mooncake")), "memory"),  # decode's preference wins
+        ((("memory", "mooncake"), ("mooncake", "memory")), "mooncake"),
+    ],
+    indirect=["pair"],
+)
 def test_prefill_takes_decodes_first_choice_it_can_reach(pair, picked):
     prefill, decode = pair
     pre, dec = _run(prefill, decode, 1)
@@ -62,24 +67,36 @@ def test_a_link_is_closed_when_its_peer_registers_again_or_goes_silent(eventuall
     """What a mapping transport must get right (cuda-ipc unmaps on close): one link per
     registration, the old one closed on a new registration and when the peer goes silent."""
     import zmq
-    from disagg.control.messages import (PROTOCOL_VERSION, Decoder, LayoutInfo, RegisterDecode, Registered,
-                                         ToDecode, encoder)
+    from disagg.control.messages import (
+        PROTOCOL_VERSION,
+        Decoder,
+        LayoutInfo,
+        RegisterDecode,
+        Registered,
+        ToDecode,
+        encoder,
+    )
     from kvpool import HybridPool
     from transfer.config import TransferConfig
     from transfer.endpoint import PoolEndpoint
+
     memory.register()
-    prefill = PrefillServer(PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",),
-                                          dead_after_s=1.0))
+    prefill = PrefillServer(
+        PrefillConfig(pool=POOL, bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",), dead_after_s=1.0)
+    )
     ours = prefill.endpoint.transports[0]
     receiver = PoolEndpoint(memory.MemoryTransport(), HybridPool(POOL.pool_config()), TransferConfig())
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(prefill.control_endpoint)
     try:
-        for epoch in (1, 2):   # a decode that registers again (a new epoch) on the same connection
+        for epoch in (1, 2):  # a decode that registers again (a new epoch) on the same connection
             layout = LayoutInfo(prefill.layout.page_size, prefill.layout.layout, receiver.buffers)
-            sock.send(encoder.encode(RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(),
-                                                    receiver.staging_info())))
+            sock.send(
+                encoder.encode(
+                    RegisterDecode(PROTOCOL_VERSION, epoch, layout, receiver.offers(), receiver.staging_info())
+                )
+            )
             assert sock.poll(10_000)
             reply = Decoder(ToDecode, "t").decode(sock.recv())
             assert isinstance(reply, Registered) and reply.transport == "memory"
