@@ -3,6 +3,7 @@ layout) as layer-major buffers; KVSender and KVReceiver move blocks between two 
 direct mode (a KVSender into the other's endpoint), byte for byte into the engine's own memory, and nothing else changes. Over the
 real Mooncake engine (TCP, loopback) and the in-process memory transport."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -230,59 +231,74 @@ GPU_LAYOUTS = {
 }
 
 
+def _gpu_pool(layout, block, seed):
+    """(tensors on the GPU, an EnginePool over them) as a vLLM worker would hand them over."""
+    make, describe = GPU_LAYOUTS[layout]
+    tensors = [t.cuda() for t in make(block, seed=seed)]
+    if layout == "hybrid":  # the state view over the same CUDA storage as the attention blocks
+        raw = tensors[1].view(torch.uint8).reshape(-1)
+        tensors[0] = torch.as_strided(raw.view(torch.int8), (BLOCKS, 1, 600), (PAGE, 600, 1))
+    bufs = _pages(0, tensors) if describe is _pages else [b for i, t in enumerate(tensors) for b in describe(i, t)]
+    model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
+    return tensors, EnginePool(EnginePoolConfig(model, block, torch.device("cuda:0")), bufs)
+
+
+def _gpu_rows(layout, tensors):
+    return _blocks([t.cpu() for t in tensors], "cpu" if layout == "flashinfer" else layout)
+
+
+def _gpu_receiver(layout, block, to_parent, from_parent):
+    """The decode side in a process of its own (CUDA IPC maps another process's memory)."""
+    from transfer.transports import TransportSettings, create
+
+    [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+    tensors, pool = _gpu_pool(layout, block, seed=2)
+    with PoolEndpoint(transport, pool, CONFIG) as receiver:
+        rows = lambda: [r.numpy() for r in _gpu_rows(layout, tensors)]  # noqa: E731  (by value: no shared files)
+        to_parent.put((receiver.offers(), receiver.buffers, receiver.staging_info(), rows()))
+        from_parent.get(timeout=120)  # the sender's writes are done
+        torch.cuda.synchronize()
+        to_parent.put(rows())
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize(
     "layout,block", [("flash-attn", 16), ("flash-attn", 160), ("flashinfer", 16), ("flashinfer", 160), ("hybrid", 16)]
 )
 def test_the_connectors_cuda_layouts_move_over_cuda_ipc_on_a_gpu(layout, block):
     """What a vLLM connector hands over on a GPU (FlashAttention's K/V-first tensors,
-    FlashInfer's block-first ones, a hybrid model's shared page pool; vLLM's block sizes and a
-    hybrid one's 160), moved over cuda-ipc between two engine pools on the GPU: the blocks
-    asked for land byte for byte, every other block is untouched, and the bytes stay on the
-    device (the upstream CUDA vLLM cannot run here: this is the GPU side of issue 34)."""
+    FlashInfer's block-first ones, a hybrid model's shared page pool; blocks of 16 and a hybrid
+    model's 160), moved over cuda-ipc into engine pools of another process: the blocks asked
+    for land byte for byte and every other block is untouched (the upstream CUDA vLLM cannot
+    run here: this is the GPU side of issue 34)."""
+    import multiprocessing
+
     from transfer.transports import TransportSettings, create
 
-    make, describe = GPU_LAYOUTS[layout]
-    src_t = [t.cuda() for t in make(block, seed=1)]
-    dst_t = [t.cuda() for t in make(block, seed=2)]
-    if layout == "hybrid":  # the state view must keep its page stride over the moved storage
-        src_t, dst_t = _hybrid_on(src_t), _hybrid_on(dst_t)
-    rows = lambda ts: _blocks([t.cpu() for t in ts], "cpu" if layout == "flashinfer" else layout)  # noqa: E731
-    before, src = rows(dst_t), rows(src_t)
-    [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
-
-    def pool(tensors):
-        bufs = (
-            _pages(0, tensors)
-            if describe is _pages
-            else [b for layer, t in enumerate(tensors) for b in describe(layer, t)]
-        )
-        model = attention_model("tiny", range(LAYERS), HEADS, HEAD, torch.float32)
-        return EnginePool(EnginePoolConfig(model, block, torch.device("cuda:0")), bufs)
-
-    src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
-    with (
-        PoolEndpoint(transport, pool(src_t), CONFIG) as endpoint,
-        PoolEndpoint(transport, pool(dst_t), CONFIG) as receiver,
-    ):
-        sender = KVSender(endpoint)
-        peer = sender.connect(receiver.offers(), receiver.buffers, receiver.staging_info())
-        idx = IndexSet({Component.FULL: torch.tensor(src_blocks, dtype=torch.int32).numpy()})
-        didx = IndexSet({Component.FULL: torch.tensor(dst_blocks, dtype=torch.int32).numpy()})
-        report = sender.send(peer, idx, didx)
-        peer.link.close()
-    torch.cuda.synchronize()
+    ctx = multiprocessing.get_context("spawn")
+    to_parent, from_parent = ctx.Queue(), ctx.Queue()
+    child = ctx.Process(target=_gpu_receiver, args=(layout, block, to_parent, from_parent), daemon=True)
+    child.start()
+    try:
+        offers, buffers, staging, before = to_parent.get(timeout=120)
+        [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+        src_t, src_pool = _gpu_pool(layout, block, seed=1)
+        src_blocks, dst_blocks = [3, 4, 5, 9], [7, 1, 2, 10]
+        with PoolEndpoint(transport, src_pool, CONFIG) as endpoint:
+            sender = KVSender(endpoint)
+            peer = sender.connect(offers, buffers, staging)
+            idx = lambda b: IndexSet({Component.FULL: np.array(b, dtype=np.int32)})  # noqa: E731
+            report = sender.send(peer, idx(src_blocks), idx(dst_blocks))
+            peer.link.close()
+        from_parent.put("sent")
+        after = to_parent.get(timeout=120)
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
     assert report.mode is Mode.DIRECT and report.transport == "cuda-ipc", report
-    after = rows(dst_t)
-    others = [b for b in range(BLOCKS) if b not in dst_blocks]
+    before, after = [torch.from_numpy(r) for r in before], [torch.from_numpy(r) for r in after]
+    src, others = _gpu_rows(layout, src_t), [b for b in range(BLOCKS) if b not in dst_blocks]
     for layer in range(LAYERS):
         assert all(torch.equal(after[layer][d], src[layer][s]) for s, d in zip(src_blocks, dst_blocks)), layer
         assert torch.equal(after[layer][others], before[layer][others]), f"layer {layer}: other blocks changed"
-
-
-def _hybrid_on(tensors):
-    """_hybrid's two views rebuilt over one CUDA storage (moving each view to the GPU alone
-    would give each its own memory)."""
-    raw = tensors[1].view(torch.uint8).reshape(-1)
-    state = torch.as_strided(raw.view(torch.int8), (BLOCKS, 1, 600), (PAGE, 600, 1))
-    return [state, tensors[1]]
