@@ -1,8 +1,10 @@
 #!/usr/bin/env python3
 """Transfer benchmark: our data path next to the raw engine ceiling, in one run.
 
-(a) ceiling: the raw transport link writing one contiguous block of the same byte count
-    between the same two processes, measured right before each row (so drift hits both alike);
+(a) ceiling, measured right before each row (so drift hits both alike): on the CPU the raw
+    transport link writing one contiguous block of the same byte count between the same two
+    processes; on GPUs a copy of the same bytes, p2p between two GPUs or device-local when both
+    pools share one (each row's "ceiling" says which);
 (b) our path (KVSender -> harness peer server process) for page sizes 1, 16, 64, both layouts, with
     randomly fragmented pages on both sides, at 2k and 32k tokens (--quick: 2k only); a page
     size P:Q gives prefill pages of P tokens and decode pages of Q (the KV moves by token);
@@ -137,25 +139,7 @@ def bench_layout(
             src = pool.index_set(req)
             slots = peer.expect(1, rid, want_slots=2)
             plan = sender.plan(target, src, dst, tokens)
-            if args.device.startswith("cuda") and torch.cuda.device_count() > 1:
-                # ceiling: a p2p copy of one block of the same size between the two GPUs
-                n = plan.nbytes
-                a = torch.empty(n, dtype=torch.uint8, device="cuda:0")
-                b = torch.empty(n, dtype=torch.uint8, device="cuda:1")
-
-                def p2p():
-                    b.copy_(a, non_blocking=True)
-                    torch.cuda.synchronize("cuda:0")
-                    torch.cuda.synchronize("cuda:1")
-
-                t_ceiling = timed(p2p, max(3, args.repeats))
-                del a, b
-            else:  # ceiling: the raw link, one contiguous block of the same size, pool buffer -> pool buffer
-                s_buf = max(endpoint.buffers, key=lambda b: b.nbytes)
-                d_buf = max(target.buffers, key=lambda b: b.nbytes)
-                n = min(plan.nbytes, s_buf.nbytes, d_buf.nbytes)
-                one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
-                t_ceiling = timed(lambda: target.link.write(one), max(3, args.repeats))
+            n, t_ceiling, ceiling_kind = _ceiling(args, endpoint, target, plan.nbytes)
             reports = []
             t_ours = timed(
                 lambda: reports.append(
@@ -200,6 +184,7 @@ def bench_layout(
                     "bytes": rep.nbytes,
                     "gbps": round(gbps, 3),
                     "ceiling_gbps": round(ceiling, 3),
+                    "ceiling": ceiling_kind,
                     "ratio": round(gbps / ceiling, 3),
                     "ms": round(t_ours * 1e3, 1),
                     "plan_ms": round(rep.plan_ms, 2),
@@ -263,6 +248,33 @@ def print_row(r: dict, flush: bool = False) -> None:
     )
 
 
+def _ceiling(args, endpoint, target, nbytes: int) -> tuple[int, float, str]:
+    """(bytes, seconds, what) of the ceiling beside a row: on two GPUs a p2p copy of the same bytes
+    between them; on one GPU (both pools on it) a device-local copy of the same bytes (a
+    cuda-ipc write is a device copy there: a one-block link write measured the link's launch
+    path, not the memory); on the CPU the raw link writing one contiguous block of the same
+    size, pool buffer -> pool buffer."""
+    if args.device.startswith("cuda"):
+        two = torch.cuda.device_count() > 1
+        a = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+        b = torch.empty(nbytes, dtype=torch.uint8, device="cuda:1" if two else "cuda:0")
+
+        def copy():
+            b.copy_(a, non_blocking=True)
+            torch.cuda.synchronize("cuda:0")
+            if two:
+                torch.cuda.synchronize("cuda:1")
+
+        t = timed(copy, max(3, args.repeats))
+        del a, b
+        return nbytes, t, "p2p copy" if two else "device copy"
+    s_buf = max(endpoint.buffers, key=lambda b: b.nbytes)
+    d_buf = max(target.buffers, key=lambda b: b.nbytes)
+    n = min(nbytes, s_buf.nbytes, d_buf.nbytes)
+    one = Ranges.one(s_buf.region, 0, d_buf.region, 0, n)
+    return n, timed(lambda: target.link.write(one), max(3, args.repeats)), "raw link"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt-oss-120b")
@@ -315,8 +327,12 @@ def main() -> int:
     [transport] = create([args.transport], TransportSettings("127.0.0.1", args.device, TRANSPORTS.own_settings(args)))
     if not args.json:
         print(
-            f"preset {args.preset} on {args.device} over {args.transport}; ceiling = the raw link, one contiguous "
-            "block of the same bytes, same processes"
+            f"preset {args.preset} on {args.device} over {args.transport}; ceiling = "
+            + (
+                "a copy of the same bytes (p2p between two GPUs, device-local on one)"
+                if args.device.startswith("cuda")
+                else "the raw link, one contiguous block of the same bytes, same processes"
+            )
         )
         print(
             f"{'layout':<12} {'page':>5} {'tokens':>6} {'mode':<7} {'slices':>7} {'ranges':>8} {'GB/s':>6} "
