@@ -251,36 +251,26 @@ def test_the_docs_list_every_status():
         assert re.search(rf"\b{status}\b", contract), f"docs/contract.md does not list {status}"
 
 
+MODEL = ("--preset", "tiny-model-qwen3-next", "--engine", "model", "--device", "cpu")
+MODEL += ("--max-tokens", "1024", "--max-requests", "4")
+
+
+def _flipping_prefill(launcher) -> dict:
+    """A model-engine prefill that flips one byte of every prompt's KV it computed, sent whole
+    (streamed, a layer may leave before the flip: then decode never sees it, and the check
+    rightly passes)."""
+    flags = ("--bootstrap-bind", "tcp://127.0.0.1:*", "--inject-faults", "prefill.flip=1", "--stream-layers", "off")
+    return launcher.start("prefill", *MODEL, *flags)
+
+
 @pytest.fixture(scope="module")
 def checked(launcher):
     """A real model (tiny qwen3-next: its linear-attention state is read by every step) whose
     prefill flips one byte of every prompt's KV before it digests and sends it (a wrong
     computation, which the bytes' digest cannot tell), and whose decode compares every
     generation with a colocated run."""
-    model = [
-        "--preset",
-        "tiny-model-qwen3-next",
-        "--engine",
-        "model",
-        "--device",
-        "cpu",
-        "--max-tokens",
-        "1024",
-        "--max-requests",
-        "4",
-    ]
-    prefill = launcher.start(
-        "prefill",
-        *model,
-        "--bootstrap-bind",
-        "tcp://127.0.0.1:*",
-        "--inject-faults",
-        "prefill.flip=1",
-        "--stream-layers",
-        "off",
-    )  # (streamed, a layer
-    # may leave before the flip: then decode never sees it, and the check rightly passes)
-    decode = launcher.start("decode", *model, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
+    prefill = _flipping_prefill(launcher)
+    decode = launcher.start("decode", *MODEL, "--bootstrap-addr", prefill["bootstrap"], "--check-rate", "1")
     router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
     return {"prefill": prefill["http"], "decode": decode["http"], "router": router["http"]}
 
@@ -300,33 +290,11 @@ def tp_checked(launcher):
     """A decode instance of TP size 2 behind a prefill of TP size 1 (model engine, every
     generation checked on every rank); prefill flips the last byte of the state it computed,
     which is in decode rank 1's units (the last state heads)."""
-    model = [
-        "--preset",
-        "tiny-model-qwen3-next",
-        "--engine",
-        "model",
-        "--device",
-        "cpu",
-        "--max-tokens",
-        "1024",
-        "--max-requests",
-        "4",
-    ]
-    prefill = launcher.start(
-        "prefill",
-        *model,
-        "--bootstrap-bind",
-        "tcp://127.0.0.1:*",
-        "--inject-faults",
-        "prefill.flip=1",
-        "--stream-layers",
-        "off",
-    )  # (streamed, a layer
-    # may leave before the flip: then decode never sees it, and the check rightly passes)
+    prefill = _flipping_prefill(launcher)
     ranks = [
         launcher.start(
             "decode",
-            *model,
+            *MODEL,
             "--bootstrap-addr",
             prefill["bootstrap"],
             "--check-rate",
