@@ -19,15 +19,17 @@ components from its first page (whole pages) or position (by token) it lacks; st
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
-from transfer.buffers import Buffer, by_component
+from transfer.buffer_sets import arrays_of, components_of, pair
+from transfer.buffers import Buffer
 from transfer.errors import IndexMismatch, LayoutIncompatible
-from transfer.runs import Runs, align, check_indices, expand, group_runs, pair_buffers, segment_runs
+from transfer.runs import Runs, align, check_indices, expand, group_runs, segment_runs
 from transfer.suffix import Suffix
 from transfer.tokens import Lane, Tokens, check_pages, first_covered, span_rows
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
@@ -94,22 +96,18 @@ class ComponentPlan:
         """The same ranges factorized (runs x buffer pairs, or x lanes); indices were
         bounds-checked against every buffer when the plan was built. Built once: the mode
         choice, the range count and the link's layout all read it."""
-        ints = _ints
         if self.by_token:
             return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
-        field = (
-            (ints(self.field[0] for _ in self.src_bufs), ints(self.field[1] for _ in self.src_bufs))
-            if self.field
-            else (None, None)
-        )
+        ours, theirs = arrays_of(self.src_bufs), arrays_of(self.dst_bufs)  # (per buffer tuple: once)
+        n, field = len(self.src_bufs), self.field
         return RunSet(
             self.runs.src_start,
             self.runs.dst_start,
             self.runs.count,
-            ints(b.region for b in self.src_bufs),
-            ints(b.region for b in self.dst_bufs),
-            ints(b.item_bytes for b in self.src_bufs),
-            *field,
+            ours.region,
+            theirs.region,
+            ours.item_bytes,
+            *((np.full(n, field[0], dtype=np.int64), np.full(n, field[1], dtype=np.int64)) if field else ()),
         )
 
 
@@ -292,8 +290,8 @@ def token_plan(
 def build_plan(
     src_set: IndexSet,
     dst_set: IndexSet,
-    src_bufs: list[Buffer],
-    dst_bufs: list[Buffer],
+    src_bufs: Sequence[Buffer],
+    dst_bufs: Sequence[Buffer],
     tokens: Tokens | None = None,
     suffix: Suffix | None = None,
 ) -> TransferPlan:
@@ -301,23 +299,25 @@ def build_plan(
     With `tokens` (the pools' page sizes differ), paged components move in token rows; between
     TP shards (tokens.sliced) every component moves as the slices of its rows this pair owns.
     With `suffix`, paged components only from the receiver's prefix_len on (transfer.suffix).
-    Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index."""
+    Raises a PlanError, before anything is sent, on any mismatch or out-of-bounds index.
+    Tuples of buffers (as KVSender passes them) are grouped and paired once (transfer.buffer_sets);
+    every request's indices are checked every time."""
     if suffix is not None and tokens is not None and suffix.num_tokens != tokens.num_tokens:
         raise ValueError(f"a suffix of {suffix.num_tokens} tokens for a request of {tokens.num_tokens}")
-    src_by, dst_by = by_component(src_bufs), by_component(dst_bufs)
+    src_by, dst_by = components_of(src_bufs), components_of(dst_bufs)
     missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
     extra = [c.value for c in dst_set.components() if c not in src_set]
     if missing or extra:
         raise LayoutIncompatible(f"component sets differ: destination lacks {missing}, source lacks {extra}")
     body, last = [], []
     for c in src_set.components():
-        sb, db = src_by.get(c, []), dst_by[c]
+        sb, db = src_by.get(c, ()), dst_by[c]
         if tokens is not None and tokens.sliced and c not in tokens.src:
             continue  # TP shards: none of this component is this source rank's to send (transfer.reshard)
         if tokens is not None and (tokens.sliced or not c.per_request):
             (last if c.sent_last else body).append(token_plan(c, src_set[c], dst_set[c], sb, db, tokens, suffix=suffix))
             continue
-        pair_buffers(c, sb, db)
+        pair(c, sb, db)
         s_idx, d_idx = align(src_set[c], dst_set[c], c)
         # Indices inside every buffer's item range => every range inside its buffer (expand()
         # checks that again when it builds ranges; the link checks against the regions).
@@ -325,7 +325,7 @@ def build_plan(
         check_indices(c, "destination", d_idx, db)
         k = suffix.first_item(c, len(d_idx)) if suffix is not None else 0  # the receiver's own pages: left out
         s_idx, d_idx = s_idx[k:], d_idx[k:]
-        plan = ComponentPlan(c, s_idx, d_idx, tuple(sb), tuple(db), group_runs(s_idx, d_idx), first_item=k)
+        plan = ComponentPlan(c, s_idx, d_idx, sb, db, group_runs(s_idx, d_idx), first_item=k)
         (last if c.sent_last else body).append(plan)
     if len(last) > 1:
         raise LayoutIncompatible(f"more than one component to send last: {[p.component.value for p in last]}")

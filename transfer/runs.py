@@ -9,13 +9,15 @@ aligned, grouped into runs contiguous on both sides, checked, and expanded into 
 """
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvpool.geometry import Component
-from transfer.buffers import Buffer, component_difference
-from transfer.errors import IndexMismatch, LayoutIncompatible, OutOfBounds
+from transfer.buffer_sets import arrays_of
+from transfer.buffers import Buffer
+from transfer.errors import IndexMismatch, OutOfBounds
 from transfer.transports.ranges import Ranges
 
 log = logging.getLogger(__name__)
@@ -55,22 +57,32 @@ class Runs:
         return len(self.count)
 
 
+_COUNTS = (np.zeros(0, dtype=np.int64), np.ones(1, dtype=np.int64))  # no run; one run of one item
+for _a in _COUNTS:
+    _a.setflags(write=False)
+
+
 def group_runs(src: np.ndarray, dst: np.ndarray, src_page: int = 0, dst_page: int = 0) -> Runs:
     """Maximal runs where both src and dst advance by exactly one item. With page sizes
     (token rows of page-major lanes, transfer.tokens: contiguous only within a page) a run
-    also ends where a page of either side ends."""
+    also ends where a page of either side ends. Every send groups each component's indices:
+    a dozen whole-array numpy calls, no wrappers (np.diff, np.append cost more than the work
+    at a few hundred pages), and a one-index component (a state slot, the AUX row) none."""
     n = len(src)
-    if n == 0:
-        empty = np.zeros(0, dtype=np.int64)
-        return Runs(empty, empty, empty)
     src = np.asarray(src, dtype=np.int64)
     dst = np.asarray(dst, dtype=np.int64)
-    brk = (np.diff(src) != 1) | (np.diff(dst) != 1)
+    if n <= 1:
+        return Runs(src[:n], dst[:n], _COUNTS[n])
+    edge = np.empty(n + 1, dtype=bool)  # edge[i]: a run starts at i (edge[n]: the end)
+    edge[0] = edge[n] = True
+    inner = edge[1:n]
+    np.not_equal(src[1:] - src[:-1], 1, out=inner)
+    inner |= dst[1:] - dst[:-1] != 1
     if src_page and dst_page:
-        brk |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
-    starts = np.concatenate(([0], np.flatnonzero(brk) + 1))
-    count = np.diff(np.append(starts, n))
-    return Runs(src[starts], dst[starts], count)
+        inner |= (src[1:] % src_page == 0) | (dst[1:] % dst_page == 0)
+    at = np.flatnonzero(edge)
+    starts = at[:-1]
+    return Runs(src[starts], dst[starts], at[1:] - starts)
 
 
 def segment_runs(src: np.ndarray, dst: np.ndarray, step: int, paged: bool) -> Runs:
@@ -95,18 +107,11 @@ def segment_runs(src: np.ndarray, dst: np.ndarray, step: int, paged: bool) -> Ru
     return Runs(s[keep], d[keep], np.add.reduceat(count, keep))
 
 
-def pair_buffers(component: Component, src: list[Buffer], dst: list[Buffer]) -> None:
-    """Raises LayoutIncompatible naming the first difference (transfer.buffers' one check)."""
-    diff = component_difference(component, src, dst)
-    if diff:
-        raise LayoutIncompatible(diff)
-
-
-def check_indices(component: Component, side: str, idx: np.ndarray, bufs: list[Buffer]) -> None:
+def check_indices(component: Component, side: str, idx: np.ndarray, bufs: Sequence[Buffer]) -> None:
     """Every index names a real item of every buffer (1 <= i < num_items; 0 is the sentinel)."""
     if len(idx) == 0:
         return
-    num_items = min(b.num_items for b in bufs)
+    num_items = arrays_of(tuple(bufs)).num_items
     lo, hi = int(idx.min()), int(idx.max())
     if lo < 1 or hi >= num_items:
         raise OutOfBounds(f"{component.value}: {side} index {lo if lo < 1 else hi} outside [1, {num_items - 1}]")

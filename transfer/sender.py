@@ -133,6 +133,7 @@ class KVSender:
 
     def __init__(self, endpoint: PoolEndpoint):
         self.endpoint = endpoint
+        self._buffers = tuple(endpoint.buffers)  # a tuple: grouped and paired once (transfer.buffer_sets)
 
     @property
     def shard(self) -> Shard:
@@ -195,7 +196,7 @@ class KVSender:
             if num_tokens is None:
                 raise ValueError("a peer of another page size or TP size: the plan needs the request's num_tokens")
             tokens = Tokens(num_tokens, peer.src_lanes, peer.lanes, peer.sliced)
-        return build_plan(src, dst, self.endpoint.buffers, list(peer.buffers), tokens, suffix)
+        return build_plan(src, dst, self._buffers, peer.buffers, tokens, suffix)
 
     def layer_groups(self, plan: TransferPlan, peer: RemotePool) -> list[LayerGroup]:
         """The plan cut into layer groups sized for this peer's link (transfer.cost)."""

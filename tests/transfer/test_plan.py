@@ -128,6 +128,33 @@ def test_out_of_range_destination_index_is_refused():
         build_plan(a.index_set(ra), IndexSet(dst), bufs(a), bufs(b))
 
 
+def test_buffer_tuples_are_grouped_and_paired_once_and_every_request_is_still_checked():
+    """Issue 41: each send grouped, paired and turned into arrays the same two buffer lists
+    (72 buffers compared one by one for a layer-major pool). Tuples (what KVSender passes)
+    are worked out once: the arrays a plan's runsets carry are the same objects send after
+    send, a refused pairing is refused every time, and a request's bad index is refused
+    right after a good request planned against the same tuples."""
+    a, b = _pools(layout=Layout.LAYER_MAJOR)
+    ours, theirs = tuple(bufs(a)), tuple(bufs(b))
+    ra, rb = a.alloc_request(12), b.alloc_request(12)
+    first = build_plan(a.index_set(ra), b.index_set(rb), ours, theirs)
+    again = build_plan(a.index_set(ra), b.index_set(rb), ours, theirs)
+    for x, y in zip(first.components, again.components):
+        assert x.src_bufs is y.src_bufs and x.runset.src_region is y.runset.src_region
+        assert x.runset.item_bytes is y.runset.item_bytes and not x.runset.src_region.flags.writeable
+        assert x.runset.src_region.tolist() == [buf.region for buf in x.src_bufs]
+    dst = dict(b.index_set(rb).by_component)
+    bad = dst[Component.FULL].copy()
+    bad[-1] = b.sizes.full_pages + 1
+    dst[Component.FULL] = bad
+    with pytest.raises(OutOfBounds, match="full: destination index"):
+        build_plan(a.index_set(ra), IndexSet(dst), ours, theirs)
+    other = tuple(bufs(_pools(layout=Layout.PAGE_MAJOR)[1]))
+    for _ in range(2):
+        with pytest.raises(LayoutIncompatible, match="4 source buffers vs 1 destination buffers"):
+            build_plan(a.index_set(ra), b.index_set(rb), ours, other)
+
+
 def test_expand_checks_each_block_against_its_own_buffer():
     a, b = _pools()
     ra, rb = a.alloc_request(12), b.alloc_request(12)

@@ -134,7 +134,7 @@ def test_the_same_pages_sent_again_land_the_new_bytes_and_an_unstarted_write_hol
             assert peer.digest(rid).per_component == digest_request(pool, req)  # the AUX row included
         if transport.kind == "cuda-ipc":
             tables = target.link._tables._tables
-            assert len(tables) == 1 and all(t.users == 0 for t in tables.values())  # one layout, reused
+            assert len(tables) == 1 and all(t.users == 0 for _, t in tables.values())  # one layout, reused
 
 
 def test_a_prepared_write_refuses_a_link_closed_before_it_starts(transport, peer):

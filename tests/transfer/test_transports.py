@@ -269,7 +269,7 @@ def test_a_cuda_ipc_layout_cuts_only_ranges_longer_than_a_piece():
     through a dozen numpy calls even when none was longer (an AUX row, page runs). Pure host
     layout (no GPU): each piece is its range's bytes [k * 256 KiB, ...) by definition, and a
     group of short ranges is one copy_ranges launch over (src, dst, len) values."""
-    from transfer.transports.cuda_copy import _PIECE_BYTES, _layout, _split
+    from transfer.transports.cuda_layout import PIECE_BYTES as _PIECE_BYTES, _layout, _split
     from transfer.transports.ranges import RunSet
 
     ints = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731

@@ -4,8 +4,9 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
     host: runs + buffer table ---one pinned upload---> GPU: the kernel itself expands row r
           into (buffer r / runs, run r % runs) -> (src, dst, len); nothing else runs on the
           GPU before it (a few long ranges: expanded on the host and cut into 256 KiB pieces,
-          only those longer than that); one table for a body and its AUX row, kept per link
-          by content (TableCache: the same layout prepared again uploads nothing)
+          only those longer than that: cuda_layout.py, the host side); one table for a body
+          and its AUX row, kept per link by the runsets it was laid out from (TableCache: the
+          same pages to the same peer again lay out, check and upload nothing)
     kernel: each warp copies whole ranges, 16-byte vectors where src, dst and length allow,
             up to four loads in flight per lane (a range's tail too: a 1 KiB fragment's two
             words load together); expanding runs, a warp takes four short ones (16-byte
@@ -33,20 +34,16 @@ rows measured 10-20% faster end to end with the kernel doing everything
 """
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
 from transfer.errors import TransportError
 from transfer.transports.cuda_driver import Call, Driver
-from transfer.transports.ranges import LaneRuns, RunSet
-
-_PIECE_BYTES = 256 << 10  # longer ranges are split so warps share the work evenly
+from transfer.transports.cuda_layout import Layout, LayoutKey
 
 _KERNEL = (Path(__file__).parent / "copy_kernel.cu").read_text()
-
-
-_HOST_EXPAND = 1 << 12  # up to this many ranges are expanded on the host (numpy), more on the GPU
 
 
 class Table:
@@ -65,6 +62,8 @@ class Table:
         import torch
 
         self.nbytes, self.users, self.cached, self._lock = values.nbytes, 0, True, lock  # lock: its cache's
+        self.calls: list[Call] = []  # the launches that read it (packed once: RangeCopier.prepare)
+        self.write_bytes = 0  # bytes those launches copy
         self.host = torch.from_numpy(values).pin_memory()  # torch's pinned cache: no cudaHostAlloc per write
         self.ptr = torch.cuda.caching_allocator_alloc(values.nbytes, stream.device, stream)
         try:
@@ -105,120 +104,58 @@ class Table:
 
 
 class TableCache:
-    """One link's tables by content (every byte of the table: its addresses, runs and sizes),
-    the latest `entries` and at most `max_bytes`: a layout prepared again (the same peer, pages
-    and sizes) starts from the table already on the device. Tables are made on the link's
-    stream, so stream order protects an evicted one as it protects a used one."""
+    """One link's tables by the runsets they were laid out from (cuda_layout.layout_key: their
+    runs, buffers and lanes; the link's regions are fixed), the latest `entries` and at most
+    `max_bytes`: a layout prepared again (the same peer and pages) starts from the table
+    already on the device, its launches packed, nothing laid out or checked again. Tables are
+    made on the link's stream, so stream order protects an evicted one as it protects a used
+    one."""
 
     def __init__(self, driver: Driver, entries: int = 32, max_bytes: int = 16 << 20):
         self.driver, self.entries, self.max_bytes = driver, entries, max_bytes
-        self._tables: dict[bytes, Table] = {}  # insertion order: the oldest first
+        self._tables: dict[object, tuple[LayoutKey, Table]] = {}  # insertion order: the oldest first
         self._bytes = 0
         self._lock = threading.RLock()  # the cache's and its tables' holders (sends on several threads)
 
-    def get(self, values: np.ndarray, stream) -> Table:
-        """The table holding `values` (int64), held once for the caller (Table.drop)."""
-        key = values.tobytes()
+    def find(self, key: LayoutKey) -> Table | None:
+        """The table laid out for `key`, held once for the caller (Table.drop), or None."""
         with self._lock:
-            table = self._tables.pop(key, None)
-            if table is None:
-                table = Table(values, self.driver, stream, self._lock)
-                self._bytes += table.nbytes
-            self._tables[key] = table  # the newest now
+            hit = self._tables.get(key.digest)
+            if hit is None or not hit[0].matches(key):
+                return None
+            self._tables[key.digest] = self._tables.pop(key.digest)  # the newest now
+            hit[1].hold()
+            return hit[1]
+
+    def add(self, key: LayoutKey, layout: Layout, stream, pack: Callable[[Table], list[Call]]) -> Table:
+        """A new table of `layout` for `key`, its launches packed by `pack` before any other
+        thread can find it, held once for the caller."""
+        table = Table(layout.values, self.driver, stream, self._lock)
+        try:
+            table.calls, table.write_bytes = pack(table), layout.nbytes
+        except BaseException:
+            table.release()
+            raise
+        with self._lock:
+            if key.digest in self._tables:  # (another thread laid the same out meanwhile)
+                self._evict(key.digest)
+            self._tables[key.digest] = (key, table)
+            self._bytes += table.nbytes + (key.values.nbytes if key.values is not None else 0)
             table.hold()
             while len(self._tables) > self.entries or (self._bytes > self.max_bytes and len(self._tables) > 1):
                 self._evict(next(iter(self._tables)))
             return table
 
-    def _evict(self, key: bytes) -> None:
-        table = self._tables.pop(key)
-        self._bytes -= table.nbytes
+    def _evict(self, digest: object) -> None:
+        key, table = self._tables.pop(digest)
+        self._bytes -= table.nbytes + (key.values.nbytes if key.values is not None else 0)
         table.evict()
 
     def clear(self) -> None:
         """Out of the cache, each back once no prepared write holds it (a closed link's)."""
         with self._lock:
-            for key in list(self._tables):
-                self._evict(key)
-
-
-def _flat(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    item = rs.item_bytes[:, None]
-    src = (src_base[:, None] + rs.src_start[None, :] * item).ravel()
-    dst = (dst_base[:, None] + rs.dst_start[None, :] * item).ravel()
-    return src, dst, np.broadcast_to(rs.count[None, :] * item, (len(rs.item_bytes), len(rs.count))).ravel()
-
-
-def _split(rs: RunSet, src_base: np.ndarray, dst_base: np.ndarray) -> np.ndarray:
-    """Flat [3, n] (src, dst, len) of a run set on the host, ranges cut into pieces of at most
-    _PIECE_BYTES so the warps share long ones."""
-    src, dst, length = _flat(rs, src_base, dst_base)
-    if not len(length) or int(length.max()) <= _PIECE_BYTES:  # nothing to cut (an AUX row, fragments)
-        return np.concatenate([src, dst, length])
-    pieces = np.maximum(1, -(-length // _PIECE_BYTES))
-    which = np.repeat(np.arange(len(length)), pieces)
-    off = (np.arange(len(which)) - np.repeat(np.cumsum(pieces) - pieces, pieces)) * _PIECE_BYTES
-    return np.concatenate([src[which] + off, dst[which] + off, np.minimum(length[which] - off, _PIECE_BYTES)])
-
-
-def _layout(work) -> tuple[np.ndarray, list[tuple], int]:
-    """One group's table values (int64), its launches as (kernel, rows, pointer arguments in
-    words from the values' start, other arguments), and its bytes. A fragmented set (many
-    short ranges) crosses as runs + buffers and the kernel expands it; a set of few ranges is
-    expanded here and split so the warps share long ones: one launch per fragmented set and
-    one for all expanded ranges."""
-    total, tables, lanes, flats = 0, [], [], []  # factorized (values, n, b); host-expanded [3, k] pieces
-    for rs, src_base, dst_base in work:
-        if not len(rs):
-            continue
-        total += rs.nbytes
-        if isinstance(rs, LaneRuns):  # src_base / dst_base: each lane's buffer address
-            lanes.append(
-                (
-                    np.concatenate(
-                        [
-                            rs.src_start,
-                            rs.dst_start,
-                            rs.count,
-                            src_base,
-                            rs.src_pitch,
-                            rs.src_offset,
-                            rs.src_stride,
-                            dst_base,
-                            rs.dst_pitch,
-                            rs.dst_offset,
-                            rs.dst_stride,
-                            rs.row_bytes,
-                        ]
-                    ),
-                    len(rs.count),
-                    len(rs.row_bytes),
-                    rs.src_rows,
-                    rs.dst_rows,
-                )
-            )
-            continue
-        longest = int(rs.count.max()) * int(rs.item_bytes.max())
-        if longest <= _PIECE_BYTES and len(rs) > _HOST_EXPAND:
-            tables.append(
-                (
-                    np.concatenate([rs.src_start, rs.dst_start, rs.count, src_base, dst_base, rs.item_bytes]),
-                    len(rs.count),
-                    len(rs.item_bytes),
-                )
-            )
-        else:
-            flats.append(_split(rs, src_base, dst_base).reshape(3, -1))
-    flat = np.concatenate(flats, axis=1).ravel() if flats else np.empty(0, np.int64)
-    specs, at = [], len(flat)
-    if len(flat):
-        k = len(flat) // 3
-        specs.append(("copy_ranges", k, (0, k, 2 * k), (k,)))
-    for name, sets in (("copy_runs", tables), ("copy_lanes", lanes)):
-        for values, n, b, *rows in sets:
-            specs.append((name, n * b, (at,), (n, b, *rows)))
-            at += len(values)
-    return np.concatenate([flat, *(t[0] for t in tables + lanes)]).astype(np.int64, copy=False), specs, total
+            for digest in list(self._tables):
+                self._evict(digest)
 
 
 class RangeCopier:
@@ -229,30 +166,18 @@ class RangeCopier:
         self._module, self._functions, self._ctx = None, {}, None
         self._init = threading.Lock()  # links share the copier: one compile, one context retain
 
-    def prepare(self, groups, stream, cache: TableCache) -> tuple[list[Call], Table | None, int]:
-        """Lay out copies for `stream` (the link's torch.cuda.Stream; context() current): one
-        table for all of them (from `cache`: uploaded unless the same layout was before), their
-        launches packed, each group's after the previous group's (a body, then its AUX row);
-        returns (launches, the table, held for the caller, bytes). A group is a list of work:
-        (RunSet in items, src address per buffer, dst address per buffer), or (LaneRuns, src
-        address per lane, dst address per lane), all on the host."""
-        parts, launches, total, at = [], [], 0, 0
-        for work in groups:
-            values, specs, nbytes = _layout(work)
-            launches += [(name, rows, tuple(at + p for p in ptrs), ints) for name, rows, ptrs, ints in specs]
-            parts.append(values)
-            at, total = at + len(values), total + nbytes
-        if not at:
-            return [], None, total
-        table = cache.get(np.concatenate(parts).astype(np.int64, copy=False), stream)
-        try:
+    def prepare(self, key: LayoutKey, layout: Layout, stream, cache: TableCache) -> Table:
+        """`layout`'s table on the device for `stream` (the link's torch.cuda.Stream; context()
+        current), cached under `key` with its launches packed (Table.calls); held for the caller."""
+
+        def pack(table: Table) -> list[Call]:
             calls = [
-                self._call(name, rows, *(table.ptr + 8 * p for p in ptrs), *ints) for name, rows, ptrs, ints in launches
+                self._call(name, rows, *(table.ptr + 8 * p for p in ptrs), *ints)
+                for name, rows, ptrs, ints in layout.launches
             ]
-        except BaseException:
-            table.drop()
-            raise
-        return [c for c in calls if c is not None], table, total
+            return [c for c in calls if c is not None]
+
+        return cache.add(key, layout, stream, pack)
 
     def context(self) -> int:
         """The device's primary context: current on the calling thread around prepare()

@@ -31,10 +31,11 @@ from dataclasses import dataclass
 import msgspec
 import numpy as np
 
-from transfer.errors import OutOfBounds, PeerUnreachable, TransportError, WriteFailed
+from transfer.errors import PeerUnreachable, TransportError, WriteFailed
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
-from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
+from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 from transfer.transports.cuda_copy import RangeCopier, Table, TableCache
+from transfer.transports.cuda_layout import Regions, absolute, lay_out, layout_key, work
 from transfer.transports.cuda_driver import Call, Driver, Event
 from transfer.flag_values import positive_int
 from transfer.transports.kind import TransportKind, TransportSettings
@@ -115,9 +116,11 @@ class CudaIpcLink(Link):
             raise
         self._bases = np.array(bases, dtype=np.int64)
         self._sizes = np.array([r.nbytes for r in blob.regions], dtype=np.int64)
+        self._ours = Regions("source", local.bases, local.sizes)
+        self._theirs = Regions(f"destination {self.peer}", self._bases, self._sizes)
         self._stream = torch.cuda.Stream(transport.device)
         self._pace, self._last = Pace(COST.link_gbps), None  # the stream's clock; its last write's event
-        self._tables = TableCache(transport.driver)  # this link's kernel tables by content (its stream's)
+        self._tables = TableCache(transport.driver)  # this link's kernel tables by runsets (its stream's)
 
     def _start(self, calls: list[Call], tables: Sequence[Table], nbytes: int) -> CudaWrite:
         try:
@@ -149,74 +152,37 @@ class CudaIpcLink(Link):
             watch = Watch(self._pace, nbytes, started, self._pace.queued(nbytes, started, alone), alone)
         return CudaWrite(event, nbytes, watch, tuple(t.host for t in tables))
 
-    def _absolute(self, ranges: Ranges):
-        """Flat ranges as kernel work: checked, then absolute addresses as items of one byte."""
-        check_ranges("source", ranges.src_region, ranges.src_off, ranges.length, self._local.sizes)
-        check_ranges(f"destination {self.peer}", ranges.dst_region, ranges.dst_off, ranges.length, self._sizes)
-        zero, one = np.zeros(1, dtype=np.int64), np.ones(1, dtype=np.int64)
-        return (
-            RunSet(
-                self._local.bases[ranges.src_region] + ranges.src_off,
-                self._bases[ranges.dst_region] + ranges.dst_off,
-                ranges.length,
-                zero,
-                zero,
-                one,
-            ),
-            zero,
-            zero,
-        )
-
     def write_async(self, ranges: Ranges) -> CudaWrite:
-        return self._prepare([[self._absolute(ranges)]]).start()
+        flat = absolute(ranges, self._ours, self._theirs)  # (checked here: a staged chunk's one range)
+        return self._prepare([[flat[0]]], lambda: [[flat]], flat=True).start()
 
     def prepare_runs(self, runsets: Sequence[RunSet | LaneRuns]) -> CudaPrepared:
-        return self._prepare([self._work(runsets)])
+        return self.prepare_chain([runsets])
 
     def prepare_chain(self, groups: Sequence[Sequence[RunSet | LaneRuns]]) -> CudaPrepared:
-        """The groups as one write with one table (one upload, or none when the same layout
-        was prepared before: TableCache), each group's launches after the previous group's."""
-        return self._prepare([self._work(g) for g in groups])
+        """The groups as one write with one table (one upload, or none when the same runsets
+        were prepared before: TableCache), each group's launches after the previous group's."""
+        return self._prepare(groups, lambda: [work(g, self._ours, self._theirs) for g in groups])
 
-    def _work(self, runsets: Sequence[RunSet | LaneRuns]) -> list:
-        """Runsets as kernel work, every range checked against both sides' regions."""
-        work = []
-        for rs in runsets:
-            if not len(rs):
-                continue
-            if isinstance(rs, RunSet) and rs.fielded:
-                # one fragment per item (a layer group of page-major rows): flat, one warp each
-                work.append(self._absolute(rs.flatten()))
-                continue
-            # runs x buffers, or token rows x lanes (LaneRuns refuses negative rows itself): the
-            # kernel expands them; per buffer or lane, its furthest byte within its region
-            src_end, dst_end = rs.extents()
-            negative = (
-                isinstance(rs, RunSet)
-                and min(int(rs.src_start.min()), int(rs.dst_start.min()), int(rs.count.min())) < 0
-            )
-            for side, region, end, sizes in (
-                ("source", rs.src_region, src_end, self._local.sizes),
-                (f"destination {self.peer}", rs.dst_region, dst_end, self._sizes),
-            ):
-                bad = (region < 0) | (region >= len(sizes))
-                if negative or bad.any() or (end > sizes[np.clip(region, 0, len(sizes) - 1)]).any():
-                    raise OutOfBounds(f"cuda-ipc: {side} ranges lie outside the {len(sizes)} exposed regions")
-            work.append((rs, self._local.bases[rs.src_region], self._bases[rs.dst_region]))
-        return work
-
-    def _prepare(self, groups: list[list]) -> CudaPrepared:
+    def _prepare(self, groups, checked, flat: bool = False) -> CudaPrepared:
+        """A write of `groups` of runsets: the table laid out for them before, or `checked()`
+        (the groups as kernel work, every range checked against both sides' regions: raises
+        OutOfBounds) laid out, uploaded and cached."""
         if self._closed:
             raise PeerUnreachable("write", -1, self.peer, detail="the link is closed")
-        copier = self._t.copier
-        try:
-            with self._t.driver.current(copier.context()):
-                calls, table, total = (
-                    copier.prepare(groups, self._stream, self._tables) if any(groups) else ([], None, 0)
-                )
-        except RuntimeError as exc:  # torch's pinned or device allocation (out of memory, ...)
-            raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
-        return CudaPrepared(self, calls, (table,) if table is not None else (), total)
+        key = layout_key(groups, flat)
+        table = self._tables.find(key)
+        if table is None:
+            layout = lay_out(checked())
+            if not len(layout.values):
+                return CudaPrepared(self, [], (), layout.nbytes)
+            copier = self._t.copier
+            try:
+                with self._t.driver.current(copier.context()):
+                    table = copier.prepare(key, layout, self._stream, self._tables)
+            except RuntimeError as exc:  # torch's pinned or device allocation (out of memory, ...)
+                raise TransportError(f"cuda-ipc: laying out a write failed: {exc}") from exc
+        return CudaPrepared(self, table.calls, (table,), table.write_bytes)
 
     def chain(self, writes: Sequence[PreparedWrite]) -> PreparedWrite:
         """One launch sequence on the stream, in order, and one event (a body and its AUX
