@@ -109,8 +109,8 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(transports, layout):
 @pytest.mark.parametrize("layout", ["cpu", "cuda-style"])
 def test_a_block_size_that_is_not_a_power_of_two_moves_whole_blocks(mooncake, layout):
     """vLLM raises a hybrid model's block size to fit its state in a page (160 for the tiny
-    Qwen3-Next): engine pools pair only equal block sizes, so pages are never cut by token and
-    any size does (kvpool.spec.check_page_size, whole_blocks)."""
+    Qwen3-Next): engine pools take any block size (kvpool.spec.check_page_size, engine_blocks),
+    and two of one size move whole blocks."""
     src_blocks, dst_blocks = [3, 4, 9], [7, 1, 10]
     _, src, before, after = _move((mooncake, mooncake), layout, src_blocks, dst_blocks, block=160)
     for layer in range(LAYERS):
@@ -333,13 +333,14 @@ def _rows_layout(layout, block, heads, seed):
 class _Side:
     """One TP rank of one side: its engine tensors, their pool, the blocks of a request."""
 
-    def __init__(self, layout, block, tp, rank, blocks, seed):
+    def __init__(self, layout, block, tp, rank, blocks, seed, device="cpu"):
         self.block, self.tp, self.rank, self.blocks = block, tp, rank, blocks
         self.heads = RESHARD_HEADS // tp
         self.tensors, describe, self.cell = _rows_layout(layout, block, self.heads, seed)
+        self.tensors = [t.to(device) for t in self.tensors]
         bufs = [b for i, t in enumerate(self.tensors) for b in describe(i, t)]
         model = attention_model("tiny", range(LAYERS), RESHARD_HEADS, HEAD, torch.float32)
-        self.pool = EnginePool(EnginePoolConfig(model, block, torch.device("cpu"), tp, rank), bufs)
+        self.pool = EnginePool(EnginePoolConfig(model, block, torch.device(device), tp, rank), bufs)
 
     @property
     def first(self) -> int:
@@ -399,22 +400,17 @@ class _Chunks:
 STAGED = TransferConfig(mode=Mode.STAGED, staging_slots=2, staging_slot_bytes=16384, chunk_timeout_s=10.0)
 
 
-def _send(transport, src: _Side, dst: _Side, receiver, mode):
-    """Source rank `src` sends the request into decode rank `dst` (direct, or staged through
-    the receiver's slots and the chunk channel)."""
+def _send(transport, src: _Side, dst: _Side, remote, mode, receiver=None):
+    """Source rank `src` sends the request into decode rank `dst`, whose endpoint offers
+    `remote` = (offers, buffers, staging info): direct, or staged through the slots of its
+    `receiver` (in this process) and the chunk channel."""
     from transfer.staging import RemoteSlots
 
     idx = lambda b: IndexSet({Component.FULL: np.array(b, dtype=np.int32)})  # noqa: E731
     config = CONFIG if mode is Mode.DIRECT else STAGED
     with PoolEndpoint(transport, src.pool, config) as endpoint:
         sender = KVSender(endpoint)
-        peer = sender.connect(
-            receiver.endpoint.offers(),
-            receiver.endpoint.buffers,
-            receiver.endpoint.staging_info(),
-            page_size=dst.block,
-            tp=(dst.tp, dst.rank),
-        )
+        peer = sender.connect(*remote, page_size=dst.block, tp=(dst.tp, dst.rank))
         assert peer.lanes is not None, "moves by token"
         remote, chunks = None, None
         if mode is Mode.STAGED:
@@ -443,27 +439,40 @@ def _reshard(transport, layout, blocks, tp, dst_blocks, mode):
     from transfer.receiver import KVReceiver
     from transfer.reshard import senders
 
-    src_ids = [3, 7, 1, 10, 5, 2, 8][: -(-TOKENS // blocks[0])]
-    sources = [_Side(layout, blocks[0], tp[0], r, src_ids, seed=10 + r) for r in range(tp[0])]
+    sources = _sources(layout, blocks[0], tp[0])
     model = sources[0].pool.config.model
     for d in range(tp[1]):
         dst = _Side(layout, blocks[1], tp[1], d, dst_blocks, seed=20 + d)
-        want = [t.clone() for t in dst.tensors]
+        want = _want(dst, dst.tensors, sources, [s.tensors for s in sources])
         with PoolEndpoint(transport, dst.pool, STAGED) as endpoint:
             receiver = KVReceiver(endpoint)
             ranks = senders(model, tp[0], dst.pool.config.shard, (Component.FULL,))
             assert len(ranks) == max(1, tp[0] // tp[1])
             for r in ranks:
-                _send(transport, sources[r], dst, receiver, mode)
-        for layer in range(LAYERS):
-            for p in range(dst.first, TOKENS):
-                for kv in (0, 1):
-                    for h in range(dst.heads):  # local head h of decode rank d = global head g
-                        g = d * dst.heads + h
-                        src = sources[g // sources[0].heads]
-                        dst.at(layer, kv, p, want)[h] = src.at(layer, kv, p)[g % src.heads]
+                remote = (endpoint.offers(), endpoint.buffers, endpoint.staging_info())
+                _send(transport, sources[r], dst, remote, mode, receiver)
         for layer in range(LAYERS):
             assert torch.equal(dst.tensors[layer], want[layer]), f"decode rank {d}, layer {layer}"
+
+
+def _sources(layout, block, tp, device="cpu"):
+    """The prefill ranks of TP size `tp`, each holding the request in the same blocks."""
+    ids = [3, 7, 1, 10, 5, 2, 8][: -(-TOKENS // block)]
+    return [_Side(layout, block, tp, r, ids, seed=10 + r, device=device) for r in range(tp)]
+
+
+def _want(dst: _Side, before, sources, source_tensors):
+    """Decode rank `dst`'s tensors after the transfer: `before` with exactly the moved cells
+    (the positions its blocks hold, its heads) replaced by the source rank's holding them."""
+    want = [t.clone() for t in before]
+    for layer in range(LAYERS):
+        for p in range(dst.first, TOKENS):
+            for kv in (0, 1):
+                for h in range(dst.heads):  # local head h of decode rank d = global head g
+                    g = dst.rank * dst.heads + h
+                    r = g // sources[0].heads
+                    dst.at(layer, kv, p, want)[h] = sources[r].at(layer, kv, p, source_tensors[r])[g % sources[r].heads]
+    return want
 
 
 ROW_LAYOUTS = ["cpu", "flashinfer", "cuda-style"]
@@ -495,3 +504,64 @@ def test_engine_blocks_move_between_tp_sizes_by_head(mooncake, layout, tp, block
     decode rank gets each half of its heads from the prefill rank holding it (the CPU layout
     pairs a lane per head, the others slices of each token's row)."""
     _reshard(mooncake, layout, blocks, tp, dst_blocks, mode)
+
+
+def _gpu_rank_receiver(layout, block, tp, rank, blocks, to_parent, from_parent):
+    """A decode rank on the GPU in a process of its own (cuda-ipc maps another process's memory)."""
+    from transfer.transports import TransportSettings, create
+
+    [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+    dst = _Side(layout, block, tp, rank, blocks, seed=20 + rank, device="cuda:0")
+    with PoolEndpoint(transport, dst.pool, CONFIG) as receiver:
+        host = lambda: [t.cpu().numpy() for t in dst.tensors]  # noqa: E731  (by value: no shared files)
+        to_parent.put((receiver.offers(), receiver.buffers, receiver.staging_info(), host()))
+        from_parent.get(timeout=120)  # the senders' writes are done
+        torch.cuda.synchronize()
+        to_parent.put(host())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "layout,blocks,tp,dst_blocks",
+    [
+        ("cuda-style", (16, 32), (1, 1), [9, 4, 6, 2]),
+        ("flashinfer", (32, 16), (1, 1), [2, 9, 4]),  # a decode prefix: its last 3 blocks of 7
+        ("cuda-style", (16, 16), (1, 2), [9, 4, 6, 2, 11, 1, 5]),
+        ("flashinfer", (16, 160), (2, 1), [5]),
+    ],
+    ids=["flash-attn-16-to-32", "flashinfer-32-to-16-suffix", "flash-attn-tp1-to-2", "flashinfer-tp2-to-1-16-to-160"],
+)
+def test_the_connectors_cuda_layouts_pair_other_block_and_tp_sizes_over_cuda_ipc(layout, blocks, tp, dst_blocks):
+    """The GPU side of other block and TP sizes: FlashAttention's K/V-first and FlashInfer's
+    block-first blocks move by token over cuda-ipc into engine pools of another process (a
+    decode rank each): every position its blocks hold, its heads, byte-equal; nothing else."""
+    import multiprocessing
+
+    from transfer.reshard import senders
+    from transfer.transports import TransportSettings, create
+
+    ctx = multiprocessing.get_context("spawn")
+    [transport] = create(["cuda-ipc"], TransportSettings(device="cuda:0"))
+    sources = _sources(layout, blocks[0], tp[0], device="cuda:0")
+    model = sources[0].pool.config.model
+    for d in range(tp[1]):
+        to_parent, from_parent = ctx.Queue(), ctx.Queue()
+        args = (layout, blocks[1], tp[1], d, dst_blocks, to_parent, from_parent)
+        child = ctx.Process(target=_gpu_rank_receiver, args=args, daemon=True)
+        child.start()
+        try:
+            *remote, before = to_parent.get(timeout=120)
+            dst = _Side(layout, blocks[1], tp[1], d, dst_blocks, seed=0)  # its geometry, on the host
+            for r in senders(model, tp[0], dst.pool.config.shard, (Component.FULL,)):
+                report = _send(transport, sources[r], dst, remote, Mode.DIRECT)
+                assert report.transport == "cuda-ipc", report
+            from_parent.put("sent")
+            after = [torch.from_numpy(t) for t in to_parent.get(timeout=120)]
+        finally:
+            child.join(30)
+            if child.is_alive():
+                child.kill()
+        host = [[t.cpu() for t in s.tensors] for s in sources]
+        want = _want(dst, [torch.from_numpy(t) for t in before], sources, host)
+        for layer in range(LAYERS):
+            assert torch.equal(after[layer], want[layer]), f"decode rank {d}, layer {layer}"
