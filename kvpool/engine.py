@@ -6,7 +6,7 @@ keeps its tensors alive and decides which blocks a request holds; a transfer nam
     engine tensor (one per attention layer)           EnginePool buffers (item = one block)
     [num_blocks, heads, block_size, 2 * head]          layer L, part "kv": block b = bytes of t[b]
       (vLLM CPU, LBHNC: K and V side by side)
-    [num_blocks, 2, block_size, heads, head]           layer L, part "kv": block b = bytes of t[b]
+    [num_blocks, 2, block_size, heads, head]           layer L, part "k+v": block b = bytes of t[b]
       (block-first, K then V inside a block)
     [2, num_blocks, block_size, heads, head]           layer L, part "k": block b = bytes of t[0, b]
       (K/V-first, as CUDA flash-attention keeps it)    layer L, part "v": block b = bytes of t[1, b]
@@ -14,16 +14,18 @@ keeps its tensors alive and decides which blocks a request holds; a transfer nam
 Every buffer is a uint8 [num_blocks, block_bytes] view of the engine's memory, so the
 planner's run grouping applies (consecutive blocks: one range per run and buffer) and two
 engines of one model, block size and TP shard pair buffer by buffer
-(transfer.buffers.layout_difference). An engine's block 0 is taken as the sentinel item
-(vLLM's null block is block 0): a transfer never names it.
+(transfer.buffers.layout_difference). The part names how a block holds its token rows, so
+engines of different block sizes or TP sizes pair by token (transfer.engine_rows: a lane per
+head of "kv", K and V lanes of "k+v", one of "k" or "v"; transfer.reshard splits heads). An
+engine's block 0 is the sentinel item (vLLM's null block is block 0): a transfer never names it.
 
     views over a shared page pool (vLLM's hybrid   one buffer per distinct page region: block b
       KV cache: attention blocks and Mamba/GDN      = page b, whatever layer group holds it
-      conv+SSM states in the same pages)            (shared_pages)
+      conv+SSM states in the same pages)            (shared_pages); whole pages only: `no_rows`
 
-What this surface does not describe: tokens inside a block as rows of one stride (`token_rows`
-is False), so pools of different block sizes or TP sizes do not pair (a sender refuses them
-with LayoutIncompatible); layouts whose blocks of one layer are not back to back.
+What this surface does not describe: token rows of pages that state layers share (a pool
+built with `no_rows` pairs only its own block size and TP: a sender refuses others with
+LayoutIncompatible naming both); layouts whose blocks of one layer are not back to back.
 """
 
 from collections.abc import Sequence
@@ -67,17 +69,18 @@ class EnginePoolConfig:
     @property
     def shard(self) -> Shard:
         """This pool's side of a transfer: page size and TP (size, rank), as PoolConfig.shard."""
-        return Shard(self.page_size, self.tp_size, self.tp_rank, whole_blocks=True)
+        return Shard(self.page_size, self.tp_size, self.tp_rank, engine_blocks=True)
 
 
 class EnginePool:
     """An engine's KV tensors as disagg pool buffers (module docstring). Same memory: what a
     receiver's transport writes lands in the engine's cache."""
 
-    token_rows = False  # items are whole blocks; rows of a token are not described
+    token_rows = False  # items are an engine's blocks, their rows named by part (transfer.engine_rows)
 
-    def __init__(self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer]):
+    def __init__(self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer], *, no_rows: str = ""):
         self.config = config
+        self.no_rows = no_rows  # why its blocks pair only whole ("": rows as its parts say)
         self.page_size = config.page_size
         self.buffers = list(buffers)
         _check(config, self.buffers)
@@ -129,9 +132,16 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def block_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
     """A layer's tensor whose dim 0 is the block ([num_blocks, ...], each block's bytes back to
-    back: vLLM's CPU layout, block-first K/V layouts): one buffer, part "kv"."""
+    back: vLLM's CPU layout, block-first K/V layouts): one buffer, part block_part(t)."""
     _contiguous(layer, t)
-    return [EngineBuffer(layer, "kv", t.view(torch.uint8).view(t.shape[0], -1))]
+    return [EngineBuffer(layer, block_part(t), t.view(torch.uint8).view(t.shape[0], -1))]
+
+
+def block_part(t: torch.Tensor) -> str:
+    """How a block-first tensor's block holds its token rows: "k+v" for [blocks, 2, block_size,
+    heads, head] (K's rows, then V's: FlashInfer), else "kv" ([blocks, heads, block_size, 2 *
+    head]: a head's K and V side by side, vLLM's CPU layout)."""
+    return "k+v" if t.dim() == 5 and t.shape[1] == 2 else "kv"
 
 
 def shared_pages(tensors: Sequence[tuple[int, str, torch.Tensor]]) -> list[EngineBuffer]:

@@ -37,17 +37,16 @@ from kvpool.spec import check_page_size
 @dataclass(frozen=True)
 class Shard:
     """One side of a transfer: its pool's page size and TP (size, rank), and whether its items
-    are whole engine blocks (kvpool.engine: no token rows, any block size; kvpool.spec's page
-    rule). A pool's own is PoolConfig.shard; a peer's is built from what it claims, under our
+    are an engine's blocks (kvpool.engine: any block size; kvpool.spec's page rule). A pool's own is PoolConfig.shard; a peer's is built from what it claims, under our
     own pool's rule (SpecError if impossible)."""
 
     page_size: int
     tp_size: int = 1
     tp_rank: int = 0
-    whole_blocks: bool = False
+    engine_blocks: bool = False
 
     def __post_init__(self) -> None:
-        check_page_size(self.page_size, self.whole_blocks)
+        check_page_size(self.page_size, self.engine_blocks)
         if (
             not isinstance(self.tp_size, int)
             or not isinstance(self.tp_rank, int)

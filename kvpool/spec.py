@@ -191,16 +191,17 @@ class ModelSpec:
         return tuple(kinds)
 
 
-def check_page_size(page_size: int, whole_blocks: bool = False) -> None:
-    """The one page-size rule (pools, a peer's claimed page size, --page-size): a power of two,
-    where pages hold token rows that pools of other page sizes pair with (transfer.tokens cuts
-    pages at token boundaries of both sides). A pool of whole engine blocks (kvpool.engine:
-    vLLM's, whose block size vLLM may raise to 160 and the like to fit a hybrid model's state in
-    a page) pairs only with equal block sizes, never by token: there any positive size."""
+def check_page_size(page_size: int, engine_blocks: bool = False) -> None:
+    """The one page-size rule (pools, a peer's claimed page size, --page-size): a power of two
+    for our own pools (their page sizes are chosen, so the smaller divides the larger). A pool
+    of an engine's blocks (kvpool.engine: vLLM's, whose block size vLLM may raise to 160 and
+    the like to fit a hybrid model's state in a page) takes any positive size; its rows pair
+    by token with any other (transfer.engine_rows; runs then end where either side's block
+    ends, transfer.plan)."""
     if (
         not isinstance(page_size, int)
         or isinstance(page_size, bool)
         or page_size <= 0
-        or (not whole_blocks and page_size & (page_size - 1))
+        or (not engine_blocks and page_size & (page_size - 1))
     ):
-        raise SpecError(f"page size {page_size!r} is not a positive {'integer' if whole_blocks else 'power of two'}")
+        raise SpecError(f"page size {page_size!r} is not a positive {'integer' if engine_blocks else 'power of two'}")

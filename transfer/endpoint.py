@@ -20,7 +20,9 @@ from transfer.buffers import Buffer, buffers_of
 from transfer.config import TransferConfig
 from transfer.faults import FaultInjector
 from transfer.staging import StagingArea
-from transfer.tokens import pool_lanes
+from transfer.engine_rows import engine_lanes
+from transfer.errors import LayoutIncompatible
+from transfer.tokens import Lane, pool_lanes
 from transfer.transports.base import Exposure, Offer, Transport
 
 
@@ -40,7 +42,8 @@ class ExposedPool(Protocol):
     """What an endpoint needs of the memory it exposes (HybridPool, kvpool.engine.EnginePool)."""
 
     config: Any  # PoolConfig-like: model, page_size, tp_size, tp_rank, layout, device, components
-    token_rows: bool  # whether items hold token rows in the model's segment order (transfer.tokens)
+    token_rows: bool  # items hold token rows in the model's segment order (transfer.tokens), else
+    # an engine's blocks (transfer.engine_rows); an optional `no_rows: str` says why they are not rows
 
     def buffer_descriptors(self) -> list[BufferDescriptor]: ...
     def exposed_tensors(self) -> dict[Component, list[torch.Tensor]]: ...
@@ -58,12 +61,19 @@ class PoolEndpoint:
         )
         descs = pool.buffer_descriptors()
         self.buffers: list[Buffer] = buffers_of(descs)  # the pool as peers address it
-        # each paged component's segments as token rows, for peers of another page size (none
-        # where the pool does not describe rows: it pairs with peers of its own page size and TP only)
+        # every component's segments as token rows, for peers of another page size or TP size;
+        # none where the pool's items are not rows (`no_rows` says why): it pairs only with
+        # peers of its own page size and TP
         pc = pool.config
-        self.lanes = (
-            pool_lanes(pc.model, pc.page_size, pc.tp_size, pc.layout, self.buffers, "local") if pool.token_rows else {}
-        )
+        self.lanes: dict[Component, tuple[Lane, ...]] = {}
+        self.no_rows = getattr(pool, "no_rows", "")
+        if not self.no_rows:
+            try:
+                self.lanes = self.lanes_of(pc.page_size, pc.tp_size, self.buffers, "local")
+            except LayoutIncompatible as exc:  # an engine's pages shared with state layers, ...
+                if pool.token_rows:
+                    raise
+                self.no_rows = str(exc)
         self.staging_region = len(descs)
         regions = [(d.ptr, d.nbytes) for d in descs] + [(self.staging.ptr, self.staging.nbytes)]
         self.exposures: dict[str, Exposure] = {}
@@ -78,6 +88,18 @@ class PoolEndpoint:
         # where each layer lies in an item: (buffer, layer, offset, bytes), for layer-wise streaming
         self.placements: dict[Component, list[tuple[int, int, int, int]]] = pool.exposed_placements()
         self.faults = FaultInjector(config.faults)
+
+    def lanes_of(
+        self, page_size: int, tp_size: int, buffers: list[Buffer], side: str
+    ) -> dict[Component, tuple[Lane, ...]]:
+        """The token-row lanes of a side (ours, or a peer's claimed buffers) holding our model at
+        `page_size` and `tp_size` in buffers of our pool's kind: our own pools' segment order
+        (transfer.tokens), or an engine's blocks (transfer.engine_rows); LayoutIncompatible
+        for buffers that are not so."""
+        pc = self.pool.config
+        if self.pool.token_rows:
+            return pool_lanes(pc.model, page_size, tp_size, pc.layout, buffers, side)
+        return engine_lanes(pc.model, page_size, tp_size, buffers, side)
 
     def offers(self) -> list[Offer]:
         """How peers can reach this endpoint, in our order of preference."""

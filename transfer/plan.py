@@ -227,8 +227,9 @@ def token_plan(
     suffix: Suffix | None = None,
 ) -> ComponentPlan:
     """A component moved by lane (transfer.tokens): a paged one as the positions both sides
-    cover (from the receiver's prefix_len on, `suffix`), as token rows on each side; a state
-    slot (or the AUX row) as one row per index. Rows are grouped into runs."""
+    cover (from the receiver's prefix_len on, `suffix`: the receiver may name only the pages
+    from it on, a vLLM consumer's blocks of the tokens it lacks), as token rows on each side;
+    a state slot (or the AUX row) as one row per index. Rows are grouped into runs."""
     if c not in tokens.src or c not in tokens.dst:
         raise LayoutIncompatible(
             f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side"
@@ -253,10 +254,11 @@ def token_plan(
     n, ps, pd = tokens.num_tokens, src_lanes[0].page_size, dst_lanes[0].page_size
     first_src = first_covered(n, ps, len(src), "source", c)
     first_dst = first_covered(n, pd, len(dst), "destination", c)
-    if (first_src or first_dst) and not c.truncatable:
+    held = suffix.prefix_len if suffix is not None else 0  # the receiver's own: its pages need not be named
+    if max(first_src, first_dst) > held and not c.truncatable:
+        what = f"all {n} tokens" if not held else f"positions [{held}, {n})"
         raise IndexMismatch(
-            f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} "
-            f"must each cover all {n} tokens"
+            f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} must each cover {what}"
         )
     check_pages(c, "source", src, src_lanes)
     check_pages(c, "destination", dst, dst_lanes)
@@ -268,10 +270,12 @@ def token_plan(
     s_rows.setflags(write=False)
     d_rows.setflags(write=False)
     # first is a multiple of the smaller page size (each side's first covered position, or a
-    # prefix_len aligned to decode's pages): segment_runs' premise
+    # prefix_len aligned to decode's pages) that divides the larger: segment_runs' premise
+    # (engine blocks of 32 and 48 tokens: not so, rows grouped one by one)
+    step = min(ps, pd)
     runs = (
-        segment_runs(s_rows, d_rows, min(ps, pd), paged)
-        if first % min(ps, pd) == 0
+        segment_runs(s_rows, d_rows, step, paged)
+        if first % step == 0 and max(ps, pd) % step == 0
         else group_runs(s_rows, d_rows, *((ps, pd) if paged else ()))
     )
     return ComponentPlan(

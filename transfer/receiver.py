@@ -17,7 +17,7 @@ from kvpool.indices import IndexSet
 from transfer.endpoint import PoolEndpoint
 from transfer.errors import LayoutIncompatible, StagingError
 from transfer.staging import Piece, scatter
-from transfer.reshard import Lanes, Shard, by_token, pair_lanes
+from transfer.reshard import Lanes, Shard, by_token, side_lanes, unpaired
 from transfer.tokens import TokenRows
 
 
@@ -73,10 +73,10 @@ class KVReceiver:
         own = pc.shard
         if not by_token(sender, own):
             return None
+        if self.endpoint.no_rows:
+            raise unpaired(sender, own, self.endpoint.no_rows)
         try:
-            return pair_lanes(pc.model, sender, own, self.endpoint.lanes, self.endpoint.lanes)[
-                1
-            ]  # ours depend on our lanes only
+            return side_lanes(pc.model, sender, own, self.endpoint.lanes, 1)  # ours depend on our lanes only
         except SpecError as exc:  # its TP size does not split our model
             raise LayoutIncompatible(f"a sender of TP size {sender.tp_size}: {exc}") from None
 

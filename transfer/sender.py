@@ -50,9 +50,9 @@ from transfer.progress import LayerProgress
 from transfer.gather import Gatherer
 from transfer.staging import Chunk, RemoteSlots, chunk_plan
 from transfer.report import TransferReport
-from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard
+from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard, unpaired
 from transfer.suffix import suffix_of
-from transfer.tokens import Lane, Tokens, pool_lanes
+from transfer.tokens import Lane, Tokens
 from transfer.transports import Offer, PreparedWrite, Ranges, pick
 from transfer.transports.base import Link, PendingWrite, PendingWrites
 
@@ -165,8 +165,10 @@ class KVSender:
             raise LayoutIncompatible(diff)
         lanes = None
         if by_token(self.shard, dst):
+            if self.endpoint.no_rows:
+                raise unpaired(self.shard, dst, self.endpoint.no_rows)
             try:
-                theirs = pool_lanes(cfg.model, page_size, dst.tp_size, cfg.layout, list(buffers), "destination")
+                theirs = self.endpoint.lanes_of(page_size, dst.tp_size, list(buffers), "destination")
             except SpecError as exc:  # their TP size does not split our model
                 raise LayoutIncompatible(f"the receiver's TP size {dst.tp_size}: {exc}") from None
             lanes = pair_lanes(cfg.model, self.shard, dst, self.endpoint.lanes, theirs)

@@ -12,7 +12,8 @@ prefix_len is a multiple of the receiver's page size, so a receiver page is eith
 written whole; the sender's pages may split at prefix_len (pools of different page sizes move
 by token anyway). The receiver's index arrays still cover the whole request (FULL, NSA: every
 page; SWA: the window's pages): prefix_len alone says where writing starts, and the receiver
-refuses a staged piece below it (transfer.staging.scatter).
+refuses a staged piece below it (transfer.staging.scatter). By token they may instead start
+at prefix_len's page (a vLLM consumer names only the blocks of the tokens it lacks).
 
     whole pages (same page size and shard)   items of each index array from the page holding
                                              prefix_len on (SWA: counted from the window's first)

@@ -50,6 +50,8 @@ class Lane:
     page_size: int  # token rows per item (a state slot: one row)
     token_bytes: int  # bytes of one row that move (a TP slice: part of the segment's row)
     stride: int  # bytes from one row of a page to the next (the segment's whole row)
+    head: int = -1  # a head-outer engine block (transfer.engine_rows): the rank's head this lane
+    # is (its segment's heads are lanes of their own, paired head by head); -1: every head of the row
 
     @property
     def linear(self) -> bool:

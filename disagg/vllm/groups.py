@@ -17,6 +17,11 @@ On the wire (TransferRequest.indices) the consumer's blocks go per kind, groups 
 concatenated in group order: FULL under "full", WINDOW under "swa", STATE under "mamba".
 Both sides derive their groups from the same model and configuration (the layout check at
 registration), so the producer splits them the same way; anything else is a ProtocolError.
+
+A consumer of another block size or TP size (one FULL group: the only kind that pairs so)
+takes the request by token (transfer.engine_rows): the producer sends every block of its
+first num_tokens tokens (token_pairs), and the planner moves the positions the consumer's
+blocks cover (its last blocks of num_tokens, at its own block size).
 """
 
 import enum
@@ -92,6 +97,36 @@ def to_wire(groups: Sequence[Group], per_group: Sequence[Sequence[int]]) -> Inde
     for g, blocks in zip(groups, per_group, strict=True):
         out.setdefault(WIRE[g.kind], []).extend(blocks)
     return IndexSet({c: np.asarray(b, dtype=np.int32) for c, b in out.items()})
+
+
+def token_pairs(
+    groups: Sequence[Group],
+    held: Sequence[Sequence[int]],
+    dst: IndexSet,
+    num_tokens: int,
+    held_tokens: int,
+    *,
+    dst_block_size: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Producer, a consumer of another block or TP size: (our blocks of tokens [0, num_tokens),
+    its blocks as it sent them, the first position they hold: its prefix_len). The planner
+    checks its blocks against its pages. ProtocolError for a model of other groups or a
+    destination that cannot be ours."""
+    if [g.kind for g in groups] != [Kind.FULL]:
+        raise ProtocolError(
+            f"a model of KV cache groups {[g.kind.value for g in groups]} pairs only equal block sizes and TP"
+        )
+    if not 1 <= num_tokens <= held_tokens:
+        raise ProtocolError(f"num_tokens {num_tokens} outside [1, {held_tokens}]")
+    blocks = dst[Component.FULL] if dst.components() == (Component.FULL,) else np.zeros(0, np.int32)
+    first = (math.ceil(num_tokens / dst_block_size) - len(blocks)) * dst_block_size
+    if not len(blocks) or first < 0:
+        raise ProtocolError(
+            f"{len(blocks)} full blocks of {dst_block_size} for {num_tokens} tokens "
+            f"(indices for {sorted(c.value for c in dst.components())})"
+        )
+    src = np.asarray(held[0][: math.ceil(num_tokens / groups[0].block_size)], np.int32)
+    return src, np.asarray(blocks, np.int32), first
 
 
 def pairs(

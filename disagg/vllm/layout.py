@@ -1,10 +1,10 @@
-"""vLLM's KV tensors as a disagg pool: what register_kv_caches hands a worker, described as a
-kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item per block).
+"""vLLM's KV tensors as a disagg pool: what register_kv_caches hands a worker, described as
+a kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item per block).
 
     vLLM's tensor per attention layer                  buffers of layer L
     [num_blocks, num_kv_heads, block_size, 2 * head]   "kv"        (CPU backend, LBHNC: K and V
                                                                      of each head side by side)
-    [num_blocks, 2, block_size, num_kv_heads, head]    "kv"        (block-first K/V, FlashInfer)
+    [num_blocks, 2, block_size, num_kv_heads, head]    "k+v"       (block-first K/V, FlashInfer)
     [2, num_blocks, block_size, num_kv_heads, head]    "k", "v"    (K/V-first, flash-attention)
 
     hybrid models (HMA): attention tensors and      one "kv"/"state" buffer per distinct page
@@ -12,11 +12,13 @@ kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item pe
                                                     = page b, whichever group holds it
 
 vLLM's block 0 is its null block, as item 0 is our sentinel; whole blocks move as one range
-per (block run, buffer), and two sides of the same model, block size, TP size and layout
-pair buffer by buffer. Pools of different block sizes or TP sizes do not pair (tokens inside
-a block are not rows of one stride here). Layouts whose blocks of one layer are not back to
-back (BLHNC and other block-outermost layouts of some CUDA backends: a layer's block b is a
-strided slice of a buffer of every layer) are refused by name.
+per (block run, buffer) between two sides of the same block size and TP size. Sides of
+different block sizes or TP sizes pair by token (transfer.engine_rows: the part says where a
+block's rows lie; heads split by transfer.reshard), for models of one full-attention KV cache
+group; a model with state layers or several groups (`no_rows`) pairs only its own block size
+and TP. Layouts whose blocks of one layer are not back to back (BLHNC and other
+block-outermost layouts of some CUDA backends: a layer's block b is a strided slice of a
+buffer of every layer) are refused by name.
 """
 
 import re
@@ -24,10 +26,14 @@ from typing import Any
 
 import torch
 
-from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, kv_first, shared_pages
+from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_part, kv_first, shared_pages
 from kvpool.errors import SpecError
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+STATE_PAGES = (
+    "a page pool that attention and Mamba/GDN state layers share pairs only its own block size and TP "
+    "(start both sides with the same --block-size and TP)"
+)
 
 
 class VllmLayoutError(ValueError):
@@ -72,11 +78,14 @@ def engine_pool(
     tp_size: int = 1,
     tp_rank: int = 0,
     state_layers: frozenset[str] = frozenset(),
+    *,
+    no_rows: str = "",
 ) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
-    or a list of them, per layer); every other layer is attention. Raises VllmLayoutError
-    naming the first layer that cannot be described, or that differs from the others."""
+    or a list of them, per layer); every other layer is attention. `no_rows`: why its blocks
+    pair only whole (state layers say so themselves). Raises VllmLayoutError naming the first
+    layer that cannot be described, or that differs from the others."""
     named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if len({i for i, _, _ in named}) != len(named):
         raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")
@@ -95,11 +104,14 @@ def engine_pool(
                 raise VllmLayoutError("a K/V-first attention layout beside state layers is not described yet")
             bufs = [b for i, _, t in attention for b in kv_first(i, t)]
         else:
-            bufs = shared_pages([(i, "kv", t) for i, _, t in attention] + list(_states(named, state_layers)))
+            bufs = shared_pages([(i, block_part(t), t) for i, _, t in attention] + list(_states(named, state_layers)))
         model = attention_model(
             model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype, named[-1][0] + 1
         )
-        return EnginePool(EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank), bufs)
+        if len(attention) != len(named):
+            no_rows = STATE_PAGES
+        config = EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank)
+        return EnginePool(config, bufs, no_rows=no_rows)
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
 

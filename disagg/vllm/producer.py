@@ -43,14 +43,14 @@ from disagg.control.messages import (
 )
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
-from disagg.vllm.groups import Group, pairs
+from disagg.vllm.groups import Group, pairs, token_pairs
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
 from disagg.vllm.settings import ConnectorSettings
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import Cancelled, TransferError, WritesAbandoned
-from transfer.sender import KVSender
+from transfer.sender import KVSender, RemotePool
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,17 @@ class Held:
 @dataclass(frozen=True)
 class SendEnded:
     room: int
+
+
+@dataclass(frozen=True)
+class Source:
+    """One send: our blocks and the consumer's; by token (another block or TP size) also the
+    request's length and the first position the consumer's blocks hold."""
+
+    src: IndexSet
+    dst: IndexSet
+    num_tokens: int | None = None
+    prefix_len: int = 0
 
 
 class Producer:
@@ -198,19 +209,25 @@ class Producer:
         if h.phase is not Phase.HELD:
             return TransferDone(msg.room, self.epoch, False, reason="room is being sent to another request")
         try:
-            src, dst = self._source(h, indices_from_wire(msg.indices), msg.num_tokens)
+            send = self._source(h, indices_from_wire(msg.indices), msg.num_tokens, peer.target)
         except ProtocolError as exc:
             return TransferDone(msg.room, self.epoch, False, reason=str(exc))
         h.phase, h.owner = Phase.SENDING, identity
-        peer.workers.submit(self._send, h, peer, identity, src, dst)
+        peer.workers.submit(self._send, h, peer, identity, send)
         return TransferStarted(msg.room, self.epoch)
 
-    def _source(self, h: Held, dst: IndexSet, num_tokens: int) -> tuple[IndexSet, IndexSet]:
-        """(our blocks, theirs), pair by pair, for a destination that covers the last blocks
-        of the prompt's first `num_tokens` tokens, per group (disagg.vllm.groups);
-        ProtocolError for one that cannot be ours."""
-        src, dst = pairs(self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens)
-        return IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst})
+    def _source(self, h: Held, dst: IndexSet, num_tokens: int, target: RemotePool) -> Source:
+        """What to send for a destination that covers the last blocks of the prompt's first
+        `num_tokens` tokens, per group: pair by pair, or (a consumer of another block or TP
+        size: `target` moves by token) our blocks of those tokens, from the first position
+        its blocks hold (disagg.vllm.groups); ProtocolError for one that cannot be ours."""
+        if target.lanes is None:
+            src, dst_blocks = pairs(self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens)
+            return Source(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks}))
+        src, dst_blocks, first = token_pairs(
+            self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens, dst_block_size=target.page_size
+        )
+        return Source(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks}), num_tokens, first)
 
     def _abort(self, identity: bytes, room: int, why: str):
         h = self.held.get(room)
@@ -252,10 +269,17 @@ class Producer:
                 h.stop = True
 
     # ---- a transfer worker ---------------------------------------------------------------------
-    def _send(self, h: Held, peer: DecodePeer, identity: bytes, src: IndexSet, dst: IndexSet) -> None:
+    def _send(self, h: Held, peer: DecodePeer, identity: bytes, s: Source) -> None:
         report, reason, settled = None, "", True
         try:
-            report = self.sender.send(peer.target, src, dst, stopped=lambda: h.stop or self._stop.is_set())
+            report = self.sender.send(
+                peer.target,
+                s.src,
+                s.dst,
+                num_tokens=s.num_tokens,
+                prefix_len=s.prefix_len,
+                stopped=lambda: h.stop or self._stop.is_set(),
+            )
         except Cancelled as exc:
             reason = f"aborted: {exc}"
         except TransferError as exc:

@@ -102,7 +102,9 @@ class DisaggWorker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe vLLM's tensors, expose them, start the control plane. Raises
         VllmLayoutError / ConfigError / a transport's error with one line; nothing is left open."""
-        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp, self.kv.state_layers)
+        kinds = [g.kind.value for g in self.kv.groups]
+        several = f"a model of KV cache groups {kinds} pairs only its own block size and TP" if len(kinds) > 1 else ""
+        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp, self.kv.state_layers, no_rows=several)
         s = self.settings
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
         transports = create(resolve("auto", ts), ts)

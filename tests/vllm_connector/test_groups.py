@@ -4,7 +4,7 @@ destination pairs with what a producer holds."""
 import pytest
 
 from disagg.errors import ProtocolError
-from disagg.vllm.groups import Group, Kind, pairs, to_wire
+from disagg.vllm.groups import Group, Kind, pairs, to_wire, token_pairs
 
 FULL, WINDOW, STATE = Group(Kind.FULL, 32), Group(Kind.WINDOW, 32, 3), Group(Kind.STATE, 512, scratch_blocks=1)
 
@@ -59,3 +59,21 @@ def test_indices_of_a_kind_the_producer_lacks_are_refused():
         pairs((FULL,), ((8, 9),), to_wire((STATE, FULL), ((3,), (1, 2))), 64, 64)
     with pytest.raises(ProtocolError, match="do not split"):
         pairs((FULL, FULL), ((8, 9), (4, 5)), to_wire((FULL,), ((1, 2, 3),)), 64, 64)
+
+
+def test_a_consumer_of_another_block_size_takes_our_blocks_of_its_tokens():
+    """By token (transfer.engine_rows): our blocks of tokens [0, num_tokens), its blocks as
+    sent, and the first position they hold (its prefix); what cannot be ours is refused."""
+    held = ((3, 4, 5, 6),)
+    src, dst, first = token_pairs((FULL,), held, to_wire((FULL,), ((14,),)), 100, 100, dst_block_size=64)
+    assert (src.tolist(), dst.tolist(), first) == ([3, 4, 5, 6], [14], 64)
+    src, _, first = token_pairs((FULL,), held, to_wire((FULL,), ((9, 2, 7, 8, 1),)), 40, 100, dst_block_size=8)
+    assert (src.tolist(), first) == ([3, 4], 0)
+    for groups, dst, n, message in [
+        ((FULL,), ((1, 2, 3),), 100, "3 full blocks of 64 for 100 tokens"),  # more blocks than tokens
+        ((FULL,), ((),), 100, "0 full blocks"),
+        ((FULL,), ((1,),), 101, "num_tokens 101 outside"),
+        ((WINDOW, FULL), ((1,), (2,)), 100, "pairs only equal block sizes and TP"),
+    ]:
+        with pytest.raises(ProtocolError, match=message):
+            token_pairs(groups, held * len(groups), to_wire(groups, dst), n, 100, dst_block_size=64)

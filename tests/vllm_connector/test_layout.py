@@ -82,6 +82,6 @@ def test_a_name_without_a_layer_index_or_a_state_layer_not_named_is_refused():
 def test_a_block_size_that_is_not_a_power_of_two_is_described():
     """vLLM raises a hybrid model's block size to fit its state in a page (160 for the tiny
     Qwen3-Next): an engine pool pairs whole blocks of equal size only, so 160 is a pool's
-    block size like any other (kvpool.spec.check_page_size, whole_blocks)."""
+    block size like any other (kvpool.spec.check_page_size, engine_blocks)."""
     pool = engine_pool(_cpu_caches(block=160), 160, "tiny")
-    assert pool.config.shard.page_size == 160 and pool.config.shard.whole_blocks
+    assert pool.config.shard.page_size == 160 and pool.config.shard.engine_blocks

@@ -283,3 +283,33 @@ def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama
         finally:
             child.close()
     assert "bootstrap" in Path(child.log.name).read_text().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def blocks_32_64(tiny_llama, tmp_path_factory):
+    """A producer started with --block-size 32 and a consumer with 64 (vLLM's CPU layout)."""
+    logs, boot = tmp_path_factory.mktemp("blocks"), f"tcp://127.0.0.1:{_free_port()}"
+    producer = Child("kv_producer", tiny_llama, "cpu", 8, {"bootstrap": boot, "test_block_size": 32}, logs)
+    extra = {"load_s": LOAD_S, "dead_after_s": DEAD_S, "test_block_size": 64}
+    consumer = Child("kv_consumer", tiny_llama, "cpu", 9, extra, logs)
+    try:
+        yield producer.ready(), consumer.ready(), boot
+    finally:
+        consumer.close()
+        producer.close()
+
+
+@pytest.mark.parametrize("first,dst", [(0, [9, 2]), (64, [14])], ids=["whole-prompt", "prefix-hit"])
+def test_a_consumer_of_another_block_size_gets_every_token_it_lacks(blocks_32_64, tmp_path, first, dst):
+    """Blocks of 32 tokens into blocks of 64, token by token (transfer.engine_rows): each token
+    the consumer lacks (all 100, or 64-100 after a prefix hit of one 64-token block) lands in
+    its block at its slot, K and V of every head byte-equal; every other byte is untouched."""
+    src = [3, 4, 5, 6]
+    room = 51 + first
+    got, src_t, before, after = _transfer(blocks_32_64, tmp_path, room, src, 100, first, dst)
+    assert (got["recving"], got["errors"]) == ([f"c{room}"], [])
+    for name, t in after.items():
+        want = before[name].clone()  # [blocks, heads, block size, 2 * head]
+        for p in range(first, 100):
+            want[dst[(p - first) // 64], :, p % 64] = src_t[name][src[p // 32], :, p % 32]
+        assert torch.equal(t, want), name

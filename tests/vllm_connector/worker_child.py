@@ -2,7 +2,9 @@
 two-process worker tests (test_worker.py). Not a test module.
 
     python worker_child.py ROLE MODEL LAYOUT SEED NUM_BLOCKS EXTRA_JSON
-    (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
+    (every answer is one line "@@ " + JSON: vLLM logs to stdout too; EXTRA_JSON's "test_block_size"
+    and "test_tp" [size, rank], taken out before the connector sees it: a side started with
+    another --block-size, one rank of a TP instance whose other ranks run elsewhere)
     -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
     <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "waited"}: the first
@@ -23,12 +25,12 @@ import torch
 BLOCK_SIZE = 32
 
 
-def vllm_config(role: str, model: str, extra: dict):
+def vllm_config(role: str, model: str, extra: dict, tp: tuple[int, int] = (1, 0)):
     path = Path(os.environ["DISAGG_VLLM_TESTS"]) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
     u = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(u)
-    return u.create_vllm_config(
+    cfg = u.create_vllm_config(
         model=model,
         block_size=BLOCK_SIZE,
         kv_connector="DisaggConnector",
@@ -37,6 +39,8 @@ def vllm_config(role: str, model: str, extra: dict):
         kv_connector_extra_config=extra,
         dtype="float32",
     )
+    cfg.parallel_config.tensor_parallel_size, cfg.parallel_config.rank = tp  # its KV heads: this rank's
+    return cfg
 
 
 def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.Tensor]:
@@ -115,11 +119,14 @@ def say(answer: dict) -> None:
 
 
 def main() -> None:
+    global BLOCK_SIZE
     role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
     from disagg.vllm.connector import kv_groups
     from disagg.vllm.worker import DisaggWorker
 
-    cfg = vllm_config(role, model, json.loads(extra))
+    extra = json.loads(extra)
+    BLOCK_SIZE, tp = extra.pop("test_block_size", BLOCK_SIZE), tuple(extra.pop("test_tp", (1, 0)))
+    cfg = vllm_config(role, model, extra, tp)
     if layout in ("gdn", "swa"):
         caches, kv, raw = hybrid_caches(layout, int(seed), int(num_blocks))
         caches_out = {"pages": raw.view(int(num_blocks), PAGE)}
@@ -127,7 +134,7 @@ def main() -> None:
         caches, kv = kv_caches(cfg, layout, int(seed), int(num_blocks)), None
         caches_out = caches
     groups = kv_groups(None, BLOCK_SIZE) if kv is None else (kv.groups, kv.state_layers)
-    worker = DisaggWorker.from_vllm(cfg, json.loads(extra), *groups)
+    worker = DisaggWorker.from_vllm(cfg, extra, *groups)
     worker.register(caches)
     say({"ready": True})
     for line in sys.stdin:
