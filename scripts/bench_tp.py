@@ -21,7 +21,7 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
-                                         [--senders process|thread]
+                                         [--senders process|thread] [--scatter-workers 4]
 """
 
 import argparse
@@ -275,6 +275,12 @@ def main() -> int:
         help="each prefill rank's sender in a process of its own (as deployed; default on the CPU) or "
         "all ranks in this process, a thread per send (one GIL; default on a GPU)",
     )
+    ap.add_argument(
+        "--scatter-workers",
+        type=int,
+        default=4,
+        help="threads scattering staged chunks in each decode rank (decode's --scatter-workers)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
@@ -293,6 +299,7 @@ def main() -> int:
             env=env,
             device=args.peer_device,
             chunk_channels=1 + max(n for n, _ in pairs),
+            scatter_workers=args.scatter_workers,
         )
         for _ in range(max(m for _, m in pairs))
     ]
@@ -331,6 +338,7 @@ def main() -> int:
                     "preset": args.preset,
                     "device": args.device,
                     "transport": args.transport,
+                    "scatter_workers": args.scatter_workers,
                     "gpus": torch.cuda.device_count(),
                     "rows": rows,
                 },
