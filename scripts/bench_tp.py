@@ -3,10 +3,12 @@
 the 1 -> 1 transfer of the same bytes (same model, same tokens).
 
 Each of the N prefill ranks is a process of its own (harness.sender_server; --senders
-process, the default on the CPU), as deployments and the demo run them, its pool written by
-the stand-in engine (a rank's bytes are its heads of the whole model's row); or, with
---senders thread (the default on a GPU), all N pools live in this process, one GIL for every
-send. Each of the M decode ranks is a harness peer process (its own pool of TP size M).
+process, the default, on the CPU and on a GPU: every rank's pool on the one GPU, written
+into the decode ranks' pools over cuda-ipc as the transport does between workers), as
+deployments and the demo run them, its pool written by the stand-in engine (a rank's bytes
+are its heads of the whole model's row); or, with --senders thread, all N pools live in this
+process, one GIL for every send (on one H100 that made 8:1 5.6x of 1:1: host work per send
+times N, which no deployment has). Each of the M decode ranks is a harness peer process (its own pool of TP size M).
 Every (prefill rank, decode rank) pair that has slices to move sends concurrently, a thread
 each in its rank's process; a decode rank is done when all its senders are (by the wall
 clock the reports end at). Every decode rank then checks its KV with the stand-in's verify
@@ -21,7 +23,7 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
-                                         [--senders process|thread]
+                                         [--senders process|thread] [--scatter-workers 4]
 """
 
 import argparse
@@ -142,7 +144,7 @@ class ProcessRanks:
             for r in range(n)
         ]
         try:
-            self.procs = [p.ready() for p in procs]
+            self.procs = [p.ready(300.0) for p in procs]  # (N CUDA contexts start at once on a GPU)
         except BaseException:
             for p in procs:
                 p.close()
@@ -272,8 +274,15 @@ def main() -> int:
         "--senders",
         choices=["process", "thread"],
         default=None,
-        help="each prefill rank's sender in a process of its own (as deployed; default on the CPU) or "
-        "all ranks in this process, a thread per send (one GIL; default on a GPU)",
+        help="each prefill rank's sender in a process of its own (as deployed; the default; on a GPU every "
+        "rank's pool on the same GPU, shared with the decode ranks by CUDA IPC) or all ranks in this "
+        "process, a thread per send (one GIL: host work per send times N)",
+    )
+    ap.add_argument(
+        "--scatter-workers",
+        type=int,
+        default=4,
+        help="threads scattering staged chunks in each decode rank (decode's --scatter-workers)",
     )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -281,8 +290,14 @@ def main() -> int:
     groups = [(int(p), int(q or p)) for p, _, q in (g.partition(":") for g in args.page_sizes.split(","))]
     env = dict(os.environ)
     args.peer_device = "cuda" if args.device.startswith("cuda") else args.device
-    args.senders = args.senders or ("process" if args.device == "cpu" else "thread")
-    [transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
+    args.senders = args.senders or "process"
+    # this process's own transport only for thread senders (a sender process makes its own: on a
+    # GPU this process then holds no CUDA context of its own)
+    transport = (
+        create([args.transport], TransportSettings("127.0.0.1", device=args.device))[0]
+        if args.senders == "thread"
+        else None
+    )
     rows = []
     peers = [
         PeerProcess(
@@ -293,6 +308,7 @@ def main() -> int:
             env=env,
             device=args.peer_device,
             chunk_channels=1 + max(n for n, _ in pairs),
+            scatter_workers=args.scatter_workers,
         )
         for _ in range(max(m for _, m in pairs))
     ]
@@ -331,6 +347,7 @@ def main() -> int:
                     "preset": args.preset,
                     "device": args.device,
                     "transport": args.transport,
+                    "scatter_workers": args.scatter_workers,
                     "gpus": torch.cuda.device_count(),
                     "rows": rows,
                 },

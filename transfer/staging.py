@@ -285,9 +285,10 @@ def _write(
             continue
         lane, rows_ = items
         c = Component(pieces[i].component)
-        if (c, own.lanes[c]) not in bands:
-            bands[c, own.lanes[c]] = band_index(own.lanes[c], buffers[c])
-        band, k, n = lane_run(pieces, i, bands[c, own.lanes[c]])
+        band_of = bands.get((c, own.lanes[c]))  # (the cache is shared by scatter workers: read once)
+        if band_of is None:
+            band_of = bands[c, own.lanes[c]] = band_index(own.lanes[c], buffers[c])
+        band, k, n = lane_run(pieces, i, band_of)
         key = (c, pieces[i].first, pieces[i].count, lane.page_size)
         if key not in spans:
             spans[key] = split_rows(rows_, lane.page_size)

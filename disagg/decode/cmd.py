@@ -33,6 +33,13 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         help="staging slots lent to one sender of a request at most (one per chunk it has); every "
         "sender that moves by token gets one, the request waiting for them if need be",
     )
+    g.add_argument(
+        "--scatter-workers",
+        type=positive_int,
+        default=4,
+        help="threads that copy staged chunks from the staging slots into the pool, off the control "
+        "loop (the senders of a resharded request scatter side by side; copies release the GIL)",
+    )
     g.add_argument("--heartbeat-interval", type=seconds, default=1.0, help="seconds between heartbeats to prefill")
     g.add_argument(
         "--check-rate",
@@ -70,6 +77,7 @@ def config_from(args: argparse.Namespace) -> "DecodeConfig":
         bootstrap_addr=entries[0][1],
         bootstraps=tuple((name or endpoint, endpoint) for name, endpoint in entries),
         slots_per_transfer=args.slots_per_transfer,
+        scatter_workers=args.scatter_workers,
         heartbeat_interval_s=args.heartbeat_interval,
         quarantine_s=args.quarantine,
         check_rate=args.check_rate,

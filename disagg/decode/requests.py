@@ -94,6 +94,8 @@ class DecodeRequest:
     reason: str = ""
     kv_ready_at: float = 0.0  # wall clock when the last TransferDone(ok) arrived
     until: float = 0.0  # QUARANTINED: when the cap passes
+    scatters: int = 0  # staged chunks handed to scatter workers and not back: its pages and
+    # slots are not freed before they are (hold / let_go)
 
     @property
     def slots(self) -> list[int]:
@@ -205,12 +207,29 @@ class RequestTable:
             if r is not None and s.epoch == epoch and r.phase is Phase.WAITING_FOR_INPUT:
                 self._move(r, Phase.TRANSFERRING)
 
-    def receiving(self, room: int, endpoint: str) -> tuple[DecodeRequest, Sender] | tuple[None, None]:
+    def hold(self, room: int, endpoint: str) -> tuple[DecodeRequest, Sender] | tuple[None, None]:
         """The live request a staged chunk from `endpoint` may be scattered into (never a
-        failed one), and that sender."""
+        failed one), and that sender; the request's pages and slots are held (not freed, even
+        once it is forgotten) until let_go."""
         with self._lock:
             r, s = self._about(room, endpoint)
-            return (r, s) if r is not None and r.phase.sent else (None, None)
+            if r is None or not r.phase.sent:
+                return None, None
+            r.scatters += 1
+            return r, s
+
+    def live(self, r: DecodeRequest) -> bool:
+        """Whether r still takes its senders' chunks (a scatter worker asks before it copies:
+        a request failed or aborted while its chunk waited is never written)."""
+        with self._lock:
+            return r.phase.sent and self._rooms.get(r.room) is r
+
+    def let_go(self, r: DecodeRequest) -> None:
+        """A scatter held by hold() is over: r is freed now if it was forgotten meanwhile."""
+        with self._lock:
+            r.scatters -= 1
+            if not r.scatters and self._rooms.get(r.room) is not r:
+                self._release.free(r)
 
     def done(self, msg: TransferDone, endpoint: str) -> None:
         """A sender's last word about a room: it stopped writing."""
@@ -300,7 +319,8 @@ class RequestTable:
     def _forget(self, r: DecodeRequest) -> None:
         if self._rooms.get(r.room) is r:
             del self._rooms[r.room]
-        self._release.free(r)
+        if not r.scatters:  # else the last let_go frees it
+            self._release.free(r)
 
     def _move(self, r: DecodeRequest, to: Phase) -> None:
         r.phase, r.since = to, time.monotonic()

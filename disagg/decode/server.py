@@ -9,8 +9,8 @@ Who does what:
 - the HTTP thread of a request looks prefill up, admits, sends the TransferRequest, waits,
   verifies and decodes;
 - the loop thread owns the control sockets (one DEALER per prefill, disagg.control.io): it
-  pulls messages, scatters staged chunks, beats every prefill and drops silent ones, and
-  sweeps the quarantine;
+  pulls messages, hands staged chunks to the scatter workers and acks them once scattered
+  (decode/chunks.py), beats every prefill and drops silent ones, and sweeps the quarantine;
 - every phase change of a request goes through the RequestTable (decode/requests.py), which
   keeps a failed request's pages until prefill confirms it stopped writing.
 """
@@ -27,7 +27,6 @@ from disagg.control import digests
 from disagg.control.io import DealerIO
 from disagg.control.messages import (
     PROTOCOL_VERSION,
-    ChunkDone,
     ChunkLanded,
     Heartbeat,
     RegisterDecode,
@@ -38,6 +37,7 @@ from disagg.control.messages import (
     TransferStarted,
     indices_to_wire,
 )
+from disagg.decode.chunks import StagedChunks
 from disagg.decode.introducer import Introducer, ReadinessWatch
 from disagg.decode.peers import PrefillPeers
 from disagg.decode.release import Release
@@ -50,7 +50,6 @@ from disagg.worker.flip import flip_unread
 from kvpool import KVPoolError
 from kvpool import digest as kvdigest
 from kvpool.cache.prefix import PrefixCache, reused_bytes
-from transfer.errors import StagingError
 from transfer.receiver import KVReceiver
 from transfer.report import TransferReport
 
@@ -69,6 +68,7 @@ class DecodeConfig(WorkerSettings):
     heartbeat_interval_s: float = 1.0  # to every registered prefill
     check_rate: float = 0.0  # share of requests compared with a colocated run (engine.check)
     prefix_cache: bool = True  # keep finished requests' pages and reuse them as prefixes (kvpool.cache)
+    scatter_workers: int = 4  # threads scattering staged chunks (decode/chunks.py), off the loop thread
 
 
 class DecodeServer(Worker):
@@ -88,6 +88,7 @@ class DecodeServer(Worker):
             Release(self.pool, self.receiver, self.admission, self.cache),
             self.io.send,
         )
+        self.chunks = StagedChunks(self.requests, self.receiver, self.io.reply, self.io.wake, config.scatter_workers)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)
         self.instances = SenderRanks(self.receiver)
         self.introducer = Introducer(self.peers, self.instances, self.io, self._registration)
@@ -370,6 +371,7 @@ class DecodeServer(Worker):
                     reply = None
                 if reply is not None:
                     self.io.reply(endpoint, reply)
+            self.chunks.drain()
 
     def _peer_lost(self, endpoint: str, reason: str) -> None:
         """Fail exactly the requests with this prefill (their pages stay quarantined until the
@@ -393,24 +395,8 @@ class DecodeServer(Worker):
                     self._peer_lost(endpoint, f"prefill {endpoint} dropped us: {reason}")
             case TransferStarted(room=room, prefill_epoch=epoch):
                 self.requests.started(room, endpoint, epoch)
-            case ChunkLanded(transfer_id=room):
-                r, sender = self.requests.receiving(room, endpoint)
-                if r is None:
-                    return None  # not ours (any more): never scatter into freed pages
-                try:
-                    self.receiver.on_chunk(
-                        msg.index,
-                        msg.slot,
-                        msg.pieces,
-                        r.dst,
-                        sender.slots,
-                        r.kv.num_tokens,
-                        lanes=sender.lanes,
-                        prefix_len=r.prefix_len,
-                    )
-                    return ChunkDone(room, msg.index)
-                except StagingError as exc:
-                    self.requests.fail(r, f"bad chunk: {exc}")  # quarantined; prefill hears Abort
+            case ChunkLanded():
+                self.chunks.landed(endpoint, msg)  # scattered on a worker; ChunkDone once it is
             case TransferDone():
                 self.requests.done(msg, endpoint)
         return None
@@ -423,5 +409,6 @@ class DecodeServer(Worker):
         self.watch.stop()
         self._stop.set()
         self._loop_thread.join()
+        self.chunks.close()
         self.io.close()
         super().close()

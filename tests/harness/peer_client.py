@@ -161,10 +161,11 @@ class PeerProcess(_Driver):
         start_timeout: float = 60.0,
         transport: str = "mooncake",
         chunk_channels: int = 1,
+        scatter_workers: int = 4,
     ):
         """`chunk_channels`: chunk channels the server binds; `.channel` is the first (this
         process's senders share it), `.channels` names them all (a sender process connects
-        its own, harness.sender_client)."""
+        its own, harness.sender_client); `scatter_workers`: threads scattering its chunks."""
         cmd = [
             sys.executable,
             "-m",
@@ -191,6 +192,8 @@ class PeerProcess(_Driver):
             str(swa_ratio),
             "--chunk-channels",
             str(chunk_channels),
+            "--scatter-workers",
+            str(scatter_workers),
         ]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 import zmq
 
+from disagg.control.outbox import Outbox
 from harness.pair_channel import PairChannel
 from harness.wire import (
     Alloc,
@@ -54,6 +55,7 @@ from transfer.config import TransferConfig
 from transfer.errors import DisaggError, StagingError
 from transfer.endpoint import PoolEndpoint
 from transfer.receiver import KVReceiver
+from transfer.scatters import Scattered, ScatterPool
 from transfer.reshard import Shard
 from disagg.engine.standin import StandInEngine
 from transfer.transports import Transport, TransportSettings, create
@@ -98,6 +100,10 @@ class PeerCore:
                 TransferConfig(staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes),
             )
         )
+
+    def expecting(self, transfer_id: int) -> bool:
+        with self.lock:
+            return transfer_id in self.expect
 
     def on_chunk(self, transfer_id: int, index: int, slot: int, pieces) -> None:
         with self.lock:
@@ -205,6 +211,7 @@ class PeerServer:
         for ch in self.channels:
             ch.socket.bind(args.chunks)
         self.stopping = threading.Event()
+        self.scatter_workers = args.scatter_workers
         # Ready: tell the parent where we listen (binding "tcp://host:*" picks free ports).
         bound = [ch.socket.getsockopt_string(zmq.LAST_ENDPOINT) for ch in self.channels]
         print(
@@ -215,21 +222,50 @@ class PeerServer:
         )
 
     def serve_chunks(self) -> None:
+        """Every channel's notices, scattered on the scatter workers (as decode does,
+        disagg/decode/chunks.py): N senders' chunks side by side; each ack once its chunk and
+        every earlier one of its transfer are scattered."""
+        wakes = Outbox(zmq.Context.instance())
+        scatters = ScatterPool(self.scatter_workers, lambda: wakes.put(b""), name="peer-scatter")
         poller = zmq.Poller()
         for ch in self.channels:
             poller.register(ch.socket, zmq.POLLIN)
+        poller.register(wakes.pull, zmq.POLLIN)
         by_socket = {ch.socket: ch for ch in self.channels}
-        while not self.stopping.is_set():
-            for sock, _ in poller.poll(100):
-                self._serve(by_socket[sock])
+        try:
+            while not self.stopping.is_set():
+                for sock, _ in poller.poll(100):
+                    if sock is wakes.pull:
+                        while wakes.pull.poll(0):
+                            wakes.pull.recv()
+                    else:
+                        self._serve(by_socket[sock], scatters)
+                self._acks(scatters)
+        finally:
+            scatters.close()
+            wakes.close()
 
-    def _serve(self, channel: PairChannel) -> None:
+    def _serve(self, channel: PairChannel, scatters: ScatterPool) -> None:
         try:
             n = channel.recv_notice(0.1)
-            self.core.on_chunk(n.transfer_id, n.index, n.slot, n.pieces)
-            channel.send_done(ChunkDone(n.transfer_id, n.index))
         except StagingError as exc:  # untrusted input: refuse, keep serving
             log.warning("chunk refused: %s", exc)
+            return
+        scatters.submit(
+            (channel, n.transfer_id),
+            n.index,
+            lambda: self.core.expecting(n.transfer_id),
+            lambda: self.core.on_chunk(n.transfer_id, n.index, n.slot, n.pieces),
+            tag=channel,
+        )
+
+    @staticmethod
+    def _acks(scatters: ScatterPool) -> None:
+        for o in scatters.drain():
+            if o.state is Scattered.FAILED:
+                log.warning("chunk %d refused: %s", o.index, o.error)
+            elif o.ack_upto is not None:
+                o.tag.send_done(ChunkDone(o.stream[1], o.ack_upto))
 
     def run(self) -> None:
         chunk_thread = threading.Thread(target=self.serve_chunks, daemon=True)
@@ -333,6 +369,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
     ap.add_argument("--chunks", default="tcp://127.0.0.1:*", help="chunk channel (PAIR) to bind")
     ap.add_argument("--chunk-channels", type=int, default=1, help="chunk channels to bind: one per sender process")
+    ap.add_argument(
+        "--scatter-workers", type=int, default=4, help="threads scattering chunks (decode's --scatter-workers)"
+    )
     ap.add_argument(
         "--torch-threads",
         type=int,

@@ -138,7 +138,8 @@ def test_decode_success_only_from_the_prefill_it_asked():
     t.started(1, "tcp://p:1", 8)  # another epoch: ignored
     assert r.phase is D.WAITING_FOR_INPUT
     t.started(1, "tcp://p:1", 9)
-    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:1")[0] is r and t.receiving(1, "tcp://x:1")[0] is None
+    assert r.phase is D.TRANSFERRING and t.hold(1, "tcp://p:1")[0] is r and t.hold(1, "tcp://x:1")[0] is None
+    t.let_go(r)
     t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=7)), "tcp://x:1")  # another prefill: ignored
     assert r.phase is D.TRANSFERRING
     t.done(TransferDone(1, 9, True, report=TransferReport(nbytes=10)), "tcp://p:1")
@@ -151,7 +152,7 @@ def test_decode_failure_after_sending_is_quarantined_until_prefill_confirms():
     t, fx = decode_table()
     r = t.open(2)
     t.sending(r, [Sender("tcp://p:1", 9)])
-    assert t.fail(r, "aborted: client") and r.phase is D.ABORTING and t.receiving(2, "tcp://p:1")[0] is None
+    assert t.fail(r, "aborted: client") and r.phase is D.ABORTING and t.hold(2, "tcp://p:1")[0] is None
     t.finish(r)
     assert r.phase is D.QUARANTINED and fx.told == [("tcp://p:1", Abort(2, "aborted: client"))] and not fx.freed
     with pytest.raises(ProtocolError, match="duplicate room 2"):
@@ -364,7 +365,8 @@ def test_decode_succeeds_only_once_every_sender_is_done_and_sums_their_reports()
     t.admitted(r, "kv", "dst")
     assert t.sending(r, [a, b]) and r.slots == [0, 1]
     t.started(1, "tcp://p:2", 7)
-    assert r.phase is D.TRANSFERRING and t.receiving(1, "tcp://p:2") == (r, b)
+    assert r.phase is D.TRANSFERRING and t.hold(1, "tcp://p:2") == (r, b)
+    t.let_go(r)
     t.done(
         TransferDone(1, 9, True, report=TransferReport(nbytes=10, ranges=2, transfer_ms=3.0, mode="direct")),
         "tcp://p:1",
@@ -384,6 +386,34 @@ def test_decode_succeeds_only_once_every_sender_is_done_and_sums_their_reports()
     )
     t.finish(r)
     assert fx.freed == [r] and not fx.told
+
+
+@pytest.mark.parametrize("end", ["finish", "quarantine then settled", "quarantine cap"])
+def test_decode_a_request_held_by_a_scatter_is_freed_by_the_last_let_go_never_before(end):
+    """Issue 40 (scatter workers): a chunk's scatter holds its request from the loop's hold to
+    its let_go; a request that ends meanwhile (freed at once, or after its quarantine) is
+    freed exactly once, by the last let_go, and a worker's recheck (live) says no once it
+    failed, so a chunk still waiting is never written."""
+    t, fx = decode_table(quarantine_s=0.0 if end == "quarantine cap" else 10.0)
+    r = t.open(3)
+    t.admitted(r, "kv", "dst")
+    t.sending(r, [Sender("tcp://p:1", 9, [0, 1])])
+    assert t.hold(3, "tcp://p:1")[0] is r and t.hold(3, "tcp://p:1")[0] is r and t.live(r)
+    if end == "finish":
+        t.done(TransferDone(3, 9, True, report=TransferReport(nbytes=1)), "tcp://p:1")
+    else:
+        t.fail(r, "aborted: client")
+    assert not t.live(r) and t.hold(3, "tcp://p:1") == (None, None)
+    t.finish(r)
+    if end == "quarantine then settled":
+        t.done(TransferDone(3, 9, False, reason="aborted"), "tcp://p:1")
+    elif end == "quarantine cap":
+        t.sweep()
+    assert t.get(3) is None and not fx.freed and not t.live(r)  # forgotten, not freed: a scatter runs
+    t.let_go(r)
+    assert not fx.freed
+    t.let_go(r)
+    assert fx.freed == [r]
 
 
 def test_decode_one_failed_sender_holds_the_pages_until_the_others_stopped_writing():

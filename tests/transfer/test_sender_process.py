@@ -1,0 +1,59 @@
+"""A prefill rank per process (harness.sender_server, as bench_tp --senders process runs them):
+TP 2 prefill ranks, each in a process of its own, send their heads into one decode rank (a
+harness peer process) at once, staged and direct, equal and mixed page sizes, every byte
+verified by the stand-in. On a GPU machine the same over cuda-ipc with every process's pool on
+one GPU (the pools shared to the receiver by CUDA IPC), which is how bench_tp's GPU rows
+measure the transfer rather than one process's GIL (issue 40)."""
+
+import numpy as np
+import pytest
+
+from harness.peer_client import PeerProcess
+from harness.sender_client import SenderProcess
+from harness.wire import SendTo
+from kvpool import get_preset
+from kvpool.geometry import components
+from transfer.config import Mode
+from transfer.reshard import Shard, senders as senders_of
+
+pytestmark = pytest.mark.slow
+PRESET, ROOM, TOKENS = "tiny-swa", 11, 300
+
+
+@pytest.mark.parametrize(
+    "kind",
+    ["mooncake", pytest.param("cuda-ipc", marks=pytest.mark.gpu)],
+)
+@pytest.mark.parametrize("mode,pages", [("staged", (8, 4)), ("direct", (4, 4))])
+def test_each_prefill_rank_sends_from_a_process_of_its_own(kind, mode, pages):
+    device = "cuda" if kind == "cuda-ipc" else "cpu"
+    ids = np.random.default_rng(TOKENS).integers(0, 50000, TOKENS)  # what each sender process prefilled
+    ranks = senders_of(get_preset(PRESET), 2, Shard(pages[1], 1, 0), components(get_preset(PRESET)))
+    assert list(ranks) == [0, 1]
+    with PeerProcess(PRESET, pages[1], 4096, transport=kind, device=device, chunk_channels=3) as peer:
+        peer.configure(PRESET, pages[1], 1024, max_requests=2, staging_slots=4, device=device)
+        initial = peer.available()
+        rid, dst = peer.alloc(TOKENS)
+        procs = [
+            SenderProcess(
+                PRESET, pages[0], TOKENS, (2, r), seed=TOKENS, room=ROOM, mode=mode, device=device, transport=kind
+            )
+            for r in ranks
+        ]
+        try:
+            procs = [p.ready() for p in procs]
+            arrays = {c.value: dst[c].astype(np.int32).tobytes() for c in dst.components()}
+            for r, p in zip(ranks, procs):
+                p.link(0, peer.target(), peer.channels[1 + r])
+                slots = peer.expect(1 + r, rid, want_slots=2, sender=(pages[0], 2, r))
+                p.start_send([SendTo(0, 1 + r, arrays, slots)])
+            reports = [p.finish_send().reports[0] for p in procs]
+        finally:
+            for p in procs:
+                p.close()
+        assert {Mode(r.mode).value for r in reports} == {mode} and all(r.nbytes > 0 for r in reports), reports
+        peer.verify(rid, ids, ROOM)
+        for r in ranks:
+            peer.release(1 + r)
+        peer.free(rid)
+        assert peer.available() == initial  # every page and staging slot back
