@@ -17,7 +17,10 @@ consumer.py   the consumer's control loop: lookup + registration, TransferReques
               ending loaded or failed (load_errors), releases as Aborts
 worker.py     DisaggWorker: what the connector's worker side calls (register, step,
               finished, load_errors, close)
+stats.py      what the transfers did (bytes, seconds, failures), as plain data per interval
+metrics.py    that data as vLLM's KVConnectorStats (its log line) and Prometheus metrics
 connector.py  DisaggConnector: vLLM's KVConnectorBase_V1 + SupportsHMA
 
-Only connector.py imports vLLM; the rest is plain disagg and is tested without vLLM too.
+Only connector.py and metrics.py import vLLM; the rest is plain disagg and is tested without
+vLLM too.
 """

@@ -10,6 +10,7 @@
     finished()                     (finished_sending, finished_recving) since the last call
     load_errors()                  the blocks of the loads finished() just reported failed
     failed_loads()                 their requests, for models of several KV cache groups
+    figures()                      how the transfers finished() reported went (disagg.vllm.stats)
     close()
 
 vLLM calls these from its own thread; a loop thread of ours owns the ZMQ sockets and the
@@ -163,6 +164,10 @@ class DisaggWorker:
         """The failed loads' requests, with several KV cache groups (vLLM refuses block-level
         failures for those: its block ids are not unique across groups' layers)."""
         return self.handoff.failed_loads() if len(self.kv.groups) > 1 else set()
+
+    def figures(self) -> dict:
+        """The figures of the sends and loads finished() has reported since the last call."""
+        return self.handoff.figures()
 
     def close(self, transports=None) -> None:
         side, self.side = self.side, None

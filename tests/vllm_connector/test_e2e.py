@@ -266,6 +266,47 @@ def _openai(pair, prompt: str) -> str:
     return got.choices[0].text
 
 
+def test_the_servers_metrics_show_the_bytes_the_request_moved(pair):
+    """Decode's /metrics (DisaggConnector's figures through vLLM's stats) count one load of the
+    bytes prefill's /metrics count as sent, and (Llama, full attention) exactly the prompt's
+    blocks: layers x K and V x KV heads x head size x 4 bytes x 32 tokens each."""
+    names = {"decode": ("loads", "loaded_bytes"), "prefill": ("sends", "sent_bytes")}
+    before = {side: _metrics(pair, side, names[side]) for side in names}
+    first = _prefill(pair, PROMPTS[1])
+    status, answer = _post(
+        pair.url("decode") + "/v1/completions",
+        {"model": str(pair.model), "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
+        | {"kv_transfer_params": first["kv_transfer_params"]},
+    )
+    assert status == 200, answer
+    give_up = time.monotonic() + 30
+    while True:  # vLLM hands the figures to its loggers with a step's outputs
+        now = {side: _metrics(pair, side, names[side]) for side in names}
+        moved = {side: tuple(a - b for a, b in zip(now[side], before[side])) for side in names}
+        if (moved["decode"][0] and moved["prefill"][0]) or time.monotonic() > give_up:
+            break
+        time.sleep(0.2)
+    assert moved["decode"] == moved["prefill"] and moved["decode"][0] == 1 and moved["decode"][1] > 0, moved
+    if pair.model.name.startswith("tiny-llama"):
+        c = json.loads((pair.model / "config.json").read_text())
+        blocks = -(-answer["usage"]["prompt_tokens"] // pair.block_size)
+        per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 4 * pair.block_size
+        assert moved["decode"][1] == blocks * per_block, (moved, blocks, per_block)
+
+
+def _metrics(pair, side: str, names: tuple[str, ...]) -> tuple[float, ...]:
+    """The sums of DisaggConnector's counters `names` on one server's /metrics."""
+    with urllib.request.urlopen(pair.url(side) + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for n in names:
+            if name == f"vllm:disagg_kv_{n}_total":
+                got[n] += float(line.rsplit(" ", 1)[1])
+    return tuple(got[n] for n in names)
+
+
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
 def test_streamed_and_chat_requests_through_our_router_match_decode_computing_locally(pair):
     """Through `disagg router --backend vllm` with the openai client: a streamed completion

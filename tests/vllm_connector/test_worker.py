@@ -3,7 +3,8 @@
 CUDA-style K/V-first one, the producer running the real bootstrap, Mooncake TCP on loopback,
 CURVE auth (the deployment key of tests/conftest.py). The consumer's blocks end byte-equal to
 the producer's, every other block untouched; a prefix-cache hit moves only the suffix; a dead
-producer ends the load in load_errors within its deadline."""
+producer ends the load in load_errors within its deadline. Each side's figures for vLLM's stats
+(disagg.vllm.stats) come with its finished report: the bytes of the blocks that moved, once."""
 
 import json
 import os
@@ -171,7 +172,9 @@ def _transfer(pair, tmp_path, room, src, num_tokens, first, dst):
         ]
     )
     got = consumer.wait(LOAD_S + 5)
-    assert producer.wait(10.0)["sending"] == [f"p{room}"]  # vLLM may free its blocks now
+    sent = producer.wait(10.0)
+    assert sent["sending"] == [f"p{room}"]  # vLLM may free its blocks now
+    got["sent_figures"] = sent["figures"]
     return got, producer.dump(tmp_path / "src.pt"), before, consumer.dump(tmp_path / "after.pt")
 
 
@@ -190,6 +193,17 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(pair, request, tmp_path
     got, src_t, before, after = _transfer(pair, tmp_path, 11, [3, 4, 5, 6], 100, 0, [9, 2, 12, 13])
     assert (got["recving"], got["errors"]) == (["c11"], [])
     _check(layout, src_t, before, after, {9: 3, 2: 4, 12: 5, 13: 6})
+    moved = 4 * sum(_blocks(t, layout, 0).numel() for t in src_t.values())
+    _check_figures(got["figures"], "load", moved)
+    _check_figures(got["sent_figures"], "send", moved)
+
+
+def _check_figures(figures: dict, side: str, nbytes: int) -> None:
+    """One transfer of `nbytes` on `side` ("load" / "send"), nothing else counted."""
+    assert figures[f"{side}_bytes"] == [nbytes] and len(figures[f"{side}_seconds"]) == 1, figures
+    assert 0 < figures[f"{side}_seconds"][0] < LOAD_S
+    other = "send" if side == "load" else "load"
+    assert figures[f"{other}_bytes"] == [] and figures["load_failures"] == figures["send_failures"] == 0, figures
 
 
 def test_a_prefix_cache_hit_receives_only_the_suffix(pair, request, tmp_path):
@@ -215,6 +229,7 @@ def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path
         got = consumer.wait(LOAD_S + 5)
         assert (got["recving"], got["errors"]) == (["c22"], [7, 8])
         assert time.monotonic() - t0 <= LOAD_S + 1.0
+        assert (got["figures"]["load_failures"], got["figures"]["load_bytes"]) == (1, [])
     finally:
         consumer.close()
         producer.close()

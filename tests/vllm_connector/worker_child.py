@@ -5,8 +5,9 @@ two-process worker tests (test_worker.py). Not a test module.
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
     -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "waited"}: the first
-                                         non-empty finished() (or empty ones at the timeout)
+    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
+                                         the first non-empty finished() (or empty ones at the
+                                         timeout), the figures that came with it
     <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
     <- {"op": "close"}                -> {} and exit
 """
@@ -105,6 +106,7 @@ def wait(worker, timeout: float) -> dict:
                 "recving": sorted(recving or ()),
                 "errors": sorted(worker.load_errors()),
                 "failed": sorted(worker.failed_loads()),
+                "figures": worker.figures(),
                 "waited": time.monotonic() - t0,
             }
         time.sleep(0.005)
