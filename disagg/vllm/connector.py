@@ -2,7 +2,8 @@
 
     --kv-transfer-config '{"kv_connector": "DisaggConnector",
                            "kv_connector_module_path": "disagg.vllm.connector",
-                           "kv_role": "kv_producer",      # prefill; "kv_consumer" on decode
+                           "kv_role": "kv_producer",      # prefill; "kv_consumer" on decode;
+                                                          # "kv_both": either, per request
                            "kv_connector_extra_config": {"bootstrap": "tcp://127.0.0.1:8998"}}'
 
 vLLM builds it twice: in the scheduler (role SCHEDULER: disagg.vllm.scheduler) and in each

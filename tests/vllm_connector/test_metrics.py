@@ -38,7 +38,7 @@ def _rank_output(u, cfg, req_id: str, ends: list[Ended]):
     conn = DisaggConnector(cfg, KVConnectorRole.WORKER)
     try:
         for e in ends:
-            conn._worker.handoff.sent(req_id, e)
+            conn._worker.sending.sent(req_id, e)
         results = conn.get_transfer_results(set())
         out = u.create_model_runner_output([])
         out.kv_connector_output = KVConnectorOutput(

@@ -1,17 +1,24 @@
-"""One DisaggWorker in a process of its own, driven over stdin/stdout (JSON lines), for the
-two-process worker tests (test_worker.py). Not a test module.
+"""DisaggWorkers in a process of their own, driven over stdin/stdout (JSON lines), for the
+two-process worker tests (test_worker.py). Not a test module. One process holds several
+workers (each its own tensors, endpoint, Mooncake engine and control plane), so the tests of
+several layouts and roles share one process per side: each process imports vLLM (seconds).
 
-    python worker_child.py ROLE MODEL LAYOUT SEED NUM_BLOCKS EXTRA_JSON
+    python worker_child.py MODEL NUM_BLOCKS WORKERS_JSON
+        WORKERS_JSON: {name: {"role": "kv_producer" | "kv_consumer" | "kv_both",
+                              "layout": "cpu" | "cuda-style" | "gdn" | "swa", "seed": n,
+                              "extra": kv_connector_extra_config}}
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
-    -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
-    <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
+    -> {"ready": true} once every worker registered (a producer: its rank held at the bootstrap)
+    <- {"op": "step", "worker": name, "sends": [...], "loads": [...], "releases": [...]}   -> {}
+    <- {"op": "wait", "worker": name, "timeout": s}
+                                      -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
                                          the first non-empty finished() (or empty ones at the
                                          timeout), the figures that came with it
-    <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
+    <- {"op": "dump", "worker": name, "path": p}   -> {}: every layer's tensor (torch.save)
     <- {"op": "close"}                -> {} and exit
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -24,12 +31,18 @@ import torch
 BLOCK_SIZE = 32
 
 
-def vllm_config(role: str, model: str, extra: dict):
+@functools.cache
+def vllm_test_utils():
+    """vLLM's tests/v1/kv_connector/unit/utils.py (create_vllm_config)."""
     path = Path(os.environ["DISAGG_VLLM_TESTS"]) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
     u = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(u)
-    return u.create_vllm_config(
+    return u
+
+
+def vllm_config(role: str, model: str, extra: dict):
+    return vllm_test_utils().create_vllm_config(
         model=model,
         block_size=BLOCK_SIZE,
         kv_connector="DisaggConnector",
@@ -116,35 +129,43 @@ def say(answer: dict) -> None:
     print("@@ " + json.dumps(answer), flush=True)
 
 
-def main() -> None:
-    role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
+def start(model: str, spec: dict, num_blocks: int):
+    """One registered worker as `spec` says, and the tensors a dump saves."""
     from disagg.vllm.connector import kv_groups
     from disagg.vllm.worker import DisaggWorker
 
-    cfg = vllm_config(role, model, json.loads(extra))
-    if layout in ("gdn", "swa"):
-        caches, kv, raw = hybrid_caches(layout, int(seed), int(num_blocks))
-        caches_out = {"pages": raw.view(int(num_blocks), PAGE)}
+    cfg = vllm_config(spec["role"], model, spec["extra"])
+    if spec["layout"] in ("gdn", "swa"):
+        caches, kv, raw = hybrid_caches(spec["layout"], spec["seed"], num_blocks)
+        caches_out = {"pages": raw.view(num_blocks, PAGE)}
     else:
-        caches, kv = kv_caches(cfg, layout, int(seed), int(num_blocks)), None
+        caches, kv = kv_caches(cfg, spec["layout"], spec["seed"], num_blocks), None
         caches_out = caches
     groups = kv_groups(None, BLOCK_SIZE) if kv is None else (kv.groups, kv.state_layers)
-    worker = DisaggWorker.from_vllm(cfg, json.loads(extra), *groups)
+    worker = DisaggWorker.from_vllm(cfg, spec["extra"], *groups)
     worker.register(caches)
+    return worker, caches_out
+
+
+def main() -> None:
+    model, num_blocks, specs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    workers = {name: start(model, spec, num_blocks) for name, spec in specs.items()}
     say({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         out: dict = {}
+        if cmd["op"] == "close":
+            for worker, _ in workers.values():
+                worker.close()
+            say(out)
+            return
+        worker, caches_out = workers[cmd["worker"]]
         if cmd["op"] == "step":
             worker.step(step_meta(cmd))
         elif cmd["op"] == "wait":
             out = wait(worker, cmd["timeout"])
         elif cmd["op"] == "dump":
             torch.save(caches_out, cmd["path"])
-        elif cmd["op"] == "close":
-            worker.close()
-            say(out)
-            return
         say(out)
 
 
