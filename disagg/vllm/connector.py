@@ -2,12 +2,14 @@
 
     --kv-transfer-config '{"kv_connector": "DisaggConnector",
                            "kv_connector_module_path": "disagg.vllm.connector",
-                           "kv_role": "kv_producer",      # prefill; "kv_consumer" on decode
+                           "kv_role": "kv_producer",      # prefill; "kv_consumer" on decode;
+                                                          # "kv_both": either, per request
                            "kv_connector_extra_config": {"bootstrap": "tcp://127.0.0.1:8998"}}'
 
 vLLM builds it twice: in the scheduler (role SCHEDULER: disagg.vllm.scheduler) and in each
 worker (role WORKER: disagg.vllm.worker); the scheduler's per-step metadata is the only thing
-that passes between them. This is the one module that imports vLLM.
+that passes between them. The workers' transfer figures go to vLLM's log and /metrics
+(disagg.vllm.metrics). This module and metrics.py are the ones that import vLLM.
 """
 
 from typing import Any
@@ -23,7 +25,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
+from disagg.vllm import stats
 from disagg.vllm.groups import Group, Kind
+from disagg.vllm.metrics import DisaggPromMetrics, DisaggStats
 from disagg.vllm.scheduler import DisaggScheduler, StepMeta
 
 COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
@@ -109,6 +113,23 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.load_errors()
+
+    def get_kv_connector_stats(self) -> DisaggStats | None:
+        """The figures of the transfers get_transfer_results just reported (none: None)."""
+        if self._worker is None:
+            return None
+        data = self._worker.figures()
+        return None if stats.is_empty(data) else DisaggStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DisaggStats:
+        """A copy of `data`: vLLM's log aggregates into what this returns, and its Prometheus
+        logger reads the same step's dict after it."""
+        return DisaggStats(data=stats.merge(stats.empty(), data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> DisaggPromMetrics:
+        return DisaggPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         if self._worker is not None:

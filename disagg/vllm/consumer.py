@@ -51,6 +51,7 @@ from disagg.vllm.handoff import Handoff
 from disagg.vllm.params import RemotePrefill
 from disagg.vllm.scheduler import Load, Release, StepMeta
 from disagg.vllm.settings import ConnectorSettings
+from disagg.vllm.stats import End, Ended
 from transfer.receiver import KVReceiver
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,7 @@ class Loading:
     phase: Phase = Phase.ASKING
     endpoint: str | None = None
     release: str = ""  # why vLLM released it (the load goes on until the producer stopped)
+    started: float = 0.0  # time.monotonic() when the loop took it (its figures: asked -> landed)
 
     def blocks(self) -> tuple[int, ...]:
         return tuple(b for g in self.load.block_ids for b in g if b != NULL_BLOCK)
@@ -175,9 +177,10 @@ class Consumer:
                 self.loads[room].load.req_id,
                 load.req_id,
             )
-            self.handoff.received(load.req_id, Loading(load, 0.0).blocks())
+            self.handoff.received(load.req_id, Loading(load, 0.0).blocks(), Ended(End.FAILED))
             return
-        r = self.loads[room] = Loading(load, time.monotonic() + self.settings.load_s)
+        now = time.monotonic()
+        r = self.loads[room] = Loading(load, now + self.settings.load_s, started=now)
         dst = to_wire(self.groups, load.block_ids)
         ask = TransferRequest(room, self.epoch, load.first_token + load.num_tokens, indices_to_wire(dst), [])
         self._lookups.submit(self._introduce, load.remote, r.deadline, ask)
@@ -217,7 +220,7 @@ class Consumer:
         if r is None or r.endpoint not in (None, endpoint):
             return
         if msg.ok and r.phase is not Phase.QUARANTINED:
-            self._end(r, "")
+            self._end(r, "", msg.report.nbytes if msg.report is not None else 0)
         elif msg.settled:
             self._end(r, msg.reason or "producer gave up")
         elif r.phase is not Phase.QUARANTINED:  # writes of its may still land in the blocks: not yet
@@ -230,12 +233,16 @@ class Consumer:
             r.phase, r.endpoint = Phase.QUARANTINED, endpoint
             r.deadline = time.monotonic() + self.settings.quarantine_s
 
-    def _end(self, r: Loading, failure: str) -> None:
-        """Report the load over (failure "": loaded) and forget it."""
+    def _end(self, r: Loading, failure: str, nbytes: int = 0) -> None:
+        """Report the load over (failure "": loaded, `nbytes` written into it) and forget it."""
         del self.loads[r.load.remote.room]
         if failure and not r.release:
             log.warning("request %s (room %d): load failed: %s", r.load.req_id, r.load.remote.room, failure)
-        self.handoff.received(r.load.req_id, r.blocks() if failure else ())
+        if not failure:
+            ended = Ended(End.MOVED, time.monotonic() - r.started, nbytes)
+        else:  # one vLLM released is no failure of ours
+            ended = None if r.release else Ended(End.FAILED)
+        self.handoff.received(r.load.req_id, r.blocks() if failure else (), ended)
 
     def _sweep(self, now: float) -> None:
         for r in [r for r in self.loads.values() if now >= r.deadline]:

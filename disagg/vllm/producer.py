@@ -47,6 +47,7 @@ from disagg.vllm.groups import Group, pairs, token_pairs
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
 from disagg.vllm.settings import ConnectorSettings
+from disagg.vllm.stats import End, Ended
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import Cancelled, TransferError, WritesAbandoned
@@ -76,6 +77,7 @@ class Held:
 @dataclass(frozen=True)
 class SendEnded:
     room: int
+    ended: Ended | None  # None: stopped by an abort (nothing to count)
 
 
 @dataclass(frozen=True)
@@ -151,10 +153,10 @@ class Producer:
             case StepMeta(sends=sends):
                 for s in sends:
                     self._hold(s)
-            case SendEnded(room=room):
+            case SendEnded(room=room, ended=ended):
                 h = self.held.pop(room, None)
                 if h is not None:
-                    self.handoff.sent(h.send.req_id)
+                    self.handoff.sent(h.send.req_id, ended)
 
     def _hold(self, s: Send) -> None:
         if s.room in self.held:
@@ -258,7 +260,7 @@ class Producer:
                     self.settings.hold_s,
                 )
                 del self.held[room]
-                self.handoff.sent(h.send.req_id)
+                self.handoff.sent(h.send.req_id, Ended(End.EXPIRED))
         for room, (identity, _, deadline) in list(self.early.items()):
             if now >= deadline:
                 del self.early[room]
@@ -270,7 +272,8 @@ class Producer:
 
     # ---- a transfer worker ---------------------------------------------------------------------
     def _send(self, h: Held, peer: DecodePeer, identity: bytes, s: Source) -> None:
-        report, reason, settled = None, "", True
+        report, reason, settled, ended = None, "", True, Ended(End.FAILED)
+        t0 = time.monotonic()
         try:
             report = self.sender.send(
                 peer.target,
@@ -280,8 +283,9 @@ class Producer:
                 prefix_len=s.prefix_len,
                 stopped=lambda: h.stop or self._stop.is_set(),
             )
+            ended = Ended(End.MOVED, time.monotonic() - t0, report.nbytes)
         except Cancelled as exc:
-            reason = f"aborted: {exc}"
+            reason, ended = f"aborted: {exc}", None
         except TransferError as exc:
             reason, settled = f"{type(exc).__name__}: {exc}", not isinstance(exc, WritesAbandoned)
         except Exception as exc:  # a bug: the consumer still hears the end
@@ -291,7 +295,7 @@ class Producer:
             identity,
             TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled),
         )
-        self.handoff.post(SendEnded(h.send.room))
+        self.handoff.post(SendEnded(h.send.room, ended))
 
     def wake(self) -> None:
         """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""

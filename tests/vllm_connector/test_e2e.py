@@ -8,7 +8,9 @@ Llama (full attention), Qwen3-Next (a GDN layer: its conv and SSM state move; vL
 kernels take bfloat16 only) and Gemma3 (a sliding-window group beside a full one: a 100-token
 prompt leaves its window's first blocks behind).
 
-Servers start once per model (~75 s on 2 cores). vLLM's CPU workers pin themselves to
+Llama's two servers both run kv_role kv_both (either side per request, as its params say): the
+Llama tests go through that role, and one asks the decode server to prefill and the prefill
+server to decode. Servers start once per model (~75 s on 2 cores). vLLM's CPU workers pin themselves to
 core 0 unless told otherwise (VLLM_CPU_OMP_THREADS_BIND); two servers on one core starve the
 transfer's threads, so each gets a core of its own where the machine has two."""
 
@@ -25,6 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import vllm_server
 
 ROOT = Path(__file__).resolve().parents[2]
 VLLM_TESTS = Path(os.environ.get("DISAGG_VLLM_TESTS", Path(sys.prefix) / "vllm-sdist-tests"))
@@ -42,16 +45,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# model fixture -> (dtype, block size (None: vLLM's own choice), tokens generated). vLLM's CPU GDN
-# kernels take bfloat16 only, and vLLM raises Qwen3-Next's block size to fit the GDN state in a
-# page (160 here: not a power of two, which engine pools take). P/D hands decode the GDN state
-# rounded to bf16 after N-1 prompt tokens, which a one-pass local prefill never rounds: on a
-# random model greedy drifts apart after some tokens (7 of 12 on the 100-token prompt), so
-# Qwen3-Next compares the first 6.
+# model fixture -> (dtype, block size (None: vLLM's own choice), tokens generated, kv_roles of
+# prefill and decode). vLLM's CPU GDN kernels take bfloat16 only, and vLLM raises Qwen3-Next's
+# block size to fit the GDN state in a page (160 here: not a power of two, which engine pools
+# take). P/D hands decode the GDN state rounded to bf16 after N-1 prompt tokens, which a
+# one-pass local prefill never rounds: on a random model greedy drifts apart after some tokens
+# (7 of 12 on the 100-token prompt), so Qwen3-Next compares the first 6. Llama's servers are
+# both kv_both (as vLLM's NIXL examples run them): every Llama test goes through that role, and
+# one sends a request the other way round.
 MODELS = {
-    "tiny_qwen3_next": ("bfloat16", None, 6),
-    "tiny_gemma3": ("float32", 32, 12),
-    "tiny_llama": ("float32", 32, 12),
+    "tiny_qwen3_next": ("bfloat16", None, 6, ("kv_producer", "kv_consumer")),
+    "tiny_gemma3": ("float32", 32, 12, ("kv_producer", "kv_consumer")),
+    "tiny_llama": ("float32", 32, 12, ("kv_both", "kv_both")),
 }
 LOAD_S = 20
 
@@ -60,9 +65,11 @@ class Deployment:
     """One model's producer and consumer api_servers, vLLM's toy proxy and our router, each
     (re)started on the same port: a restarted server is the same address to the others."""
 
-    def __init__(self, model: Path, dtype: str, block_size: int, max_tokens: int, logs: Path):
+    def __init__(self, model: Path, dtype: str, block_size: int, max_tokens: int, roles: tuple, logs: Path):
         self.model, self.dtype, self.block_size, self.max_tokens, self.logs = model, dtype, block_size, max_tokens, logs
-        self.ports = {n: _free_port() for n in ("prefill", "decode", "proxy", "router", "bootstrap")}
+        self.roles = dict(zip(("prefill", "decode"), roles))
+        names = ("prefill", "decode", "proxy", "router", "prefill-bootstrap", "decode-bootstrap")
+        self.ports = {n: _free_port() for n in names}
         self.cores = sorted(os.sched_getaffinity(0))
         self.procs: dict[str, subprocess.Popen] = {}
         self.files: list = []
@@ -77,28 +84,23 @@ class Deployment:
         self.files.append(log)
         self.latest_log[name] = log.name
         out = {"stdout": log, "stderr": subprocess.STDOUT, "start_new_session": True}
-        boot = f"tcp://127.0.0.1:{self.ports['bootstrap']}"
-        if name == "prefill":
-            extra = {"bootstrap": boot, **({"inject_faults": faults} if faults else {})}
-            self.procs[name] = _server(
+        if name in ("prefill", "decode"):
+            extra = {"inject_faults": faults} if faults else {}
+            if self.roles[name] != "kv_consumer":
+                extra["bootstrap"] = f"tcp://127.0.0.1:{self.ports[name + '-bootstrap']}"
+            if self.roles[name] != "kv_producer":
+                extra["load_s"] = LOAD_S
+            cmd = vllm_server.server_command(
                 self.model,
                 self.ports[name],
-                "kv_producer",
-                extra,
-                str(self.cores[0]),
-                log,
-                (self.dtype, self.block_size),
+                vllm_server.disagg_kv_config(self.roles[name], extra),
+                dtype=self.dtype,
+                max_model_len=512,
+                block_size=self.block_size,
+                prefix_caching=False,
             )
-        elif name == "decode":
-            self.procs[name] = _server(
-                self.model,
-                self.ports[name],
-                "kv_consumer",
-                {"load_s": LOAD_S},
-                str(self.cores[-1]),
-                log,
-                (self.dtype, self.block_size),
-            )
+            core = self.cores[0] if name == "prefill" else self.cores[-1]
+            self.procs[name] = subprocess.Popen(cmd, env=vllm_server.server_env(core), **out)
         elif name == "proxy":
             self.procs[name] = subprocess.Popen(
                 [
@@ -169,50 +171,6 @@ class Deployment:
             f.close()
 
 
-def _server(model: Path, port: int, role: str, extra: dict, core: str, log, shape: tuple) -> subprocess.Popen:
-    kv = {
-        "kv_connector": "DisaggConnector",
-        "kv_connector_module_path": "disagg.vllm.connector",
-        "kv_role": role,
-        "kv_connector_extra_config": extra,
-    }
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(ROOT),
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CPU_OMP_THREADS_BIND": core,
-        "MC_LOG_LEVEL": "ERROR",
-        "GLOG_minloglevel": "2",
-    }
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm.entrypoints.openai.api_server",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--gpu-memory-utilization",
-            "0.2",
-            "--max-model-len",
-            "512",
-            *(("--block-size", str(shape[1])) if shape[1] else ()),
-            "--dtype",
-            shape[0],
-            "--no-enable-prefix-caching",
-            "--kv-transfer-config",
-            json.dumps(kv),
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
-
-
 def _up(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -264,6 +222,47 @@ def _openai(pair, prompt: str) -> str:
     client = openai.OpenAI(base_url=pair.url("router") + "/v1", api_key="unused", max_retries=0, timeout=120)
     got = client.completions.create(model=str(pair.model), prompt=prompt, max_tokens=pair.max_tokens, temperature=0)
     return got.choices[0].text
+
+
+def test_the_servers_metrics_show_the_bytes_the_request_moved(pair):
+    """Decode's /metrics (DisaggConnector's figures through vLLM's stats) count one load of the
+    bytes prefill's /metrics count as sent, and (Llama, full attention) exactly the prompt's
+    blocks: layers x K and V x KV heads x head size x 4 bytes x 32 tokens each."""
+    names = {"decode": ("loads", "loaded_bytes"), "prefill": ("sends", "sent_bytes")}
+    before = {side: _metrics(pair, side, names[side]) for side in names}
+    first = _prefill(pair, PROMPTS[1])
+    status, answer = _post(
+        pair.url("decode") + "/v1/completions",
+        {"model": str(pair.model), "prompt": PROMPTS[1], "max_tokens": 2, "temperature": 0}
+        | {"kv_transfer_params": first["kv_transfer_params"]},
+    )
+    assert status == 200, answer
+    give_up = time.monotonic() + 30
+    while True:  # vLLM hands the figures to its loggers with a step's outputs
+        now = {side: _metrics(pair, side, names[side]) for side in names}
+        moved = {side: tuple(a - b for a, b in zip(now[side], before[side])) for side in names}
+        if (moved["decode"][0] and moved["prefill"][0]) or time.monotonic() > give_up:
+            break
+        time.sleep(0.2)
+    assert moved["decode"] == moved["prefill"] and moved["decode"][0] == 1 and moved["decode"][1] > 0, moved
+    if pair.model.name.startswith("tiny-llama"):
+        c = json.loads((pair.model / "config.json").read_text())
+        blocks = -(-answer["usage"]["prompt_tokens"] // pair.block_size)
+        per_block = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 4 * pair.block_size
+        assert moved["decode"][1] == blocks * per_block, (moved, blocks, per_block)
+
+
+def _metrics(pair, side: str, names: tuple[str, ...]) -> tuple[float, ...]:
+    """The sums of DisaggConnector's counters `names` on one server's /metrics."""
+    with urllib.request.urlopen(pair.url(side) + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    got = dict.fromkeys(names, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        for n in names:
+            if name == f"vllm:disagg_kv_{n}_total":
+                got[n] += float(line.rsplit(" ", 1)[1])
+    return tuple(got[n] for n in names)
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
@@ -330,10 +329,11 @@ def test_a_dead_prefill_fails_its_request_on_decode_and_the_next_is_served_once_
     assert _openai(pair, PROMPTS[0]) == _complete(pair.url("decode"), pair, PROMPTS[0])
 
 
-def _prefill(pair, prompt: str) -> dict:
-    """The producer's answer to `prompt` (its kv_transfer_params name the KV it holds)."""
+def _prefill(pair, prompt: str, at: str = "prefill") -> dict:
+    """The producer's answer to `prompt` (its kv_transfer_params name the KV it holds), from
+    the server `at` (a kv_both decode server can be asked to prefill as well)."""
     status, first = _post(
-        pair.url("prefill") + "/v1/completions",
+        pair.url(at) + "/v1/completions",
         {
             "model": str(pair.model),
             "prompt": prompt,
@@ -361,6 +361,25 @@ def _decode_fails(pair, prompt: str, first: dict) -> None:
     )
     assert status >= 500, answer
     assert time.monotonic() - t0 < LOAD_S + 15
+
+
+@pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
+def test_kv_both_servers_swap_sides_per_request(pair):
+    """Both Llama servers are kv_both: the one that decodes the other tests' requests prefills
+    this one, and the prefill server decodes it from that KV (its /metrics count the load),
+    token-identical to the prefill server computing the prompt itself."""
+    first = _prefill(pair, PROMPTS[2], at="decode")
+    loads = _metrics(pair, "prefill", ("loads",))[0]
+    body = {"model": str(pair.model), "prompt": PROMPTS[2], "max_tokens": pair.max_tokens, "temperature": 0}
+    status, answer = _post(
+        pair.url("prefill") + "/v1/completions", body | {"kv_transfer_params": first["kv_transfer_params"]}
+    )
+    assert status == 200, answer
+    assert answer["choices"][0]["text"] == _complete(pair.url("prefill"), pair, PROMPTS[2])
+    give_up = time.monotonic() + 30
+    while _metrics(pair, "prefill", ("loads",))[0] == loads:  # the figures follow the answer
+        assert time.monotonic() < give_up, "the prefill server's /metrics count no load"
+        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)

@@ -92,6 +92,37 @@ def test_consumer_waits_for_remote_kv_then_runs(vllm_utils, tiny_llama):
     u.assert_scheduler_empty(s)
 
 
+def test_kv_both_holds_one_request_and_loads_another_as_their_params_say(vllm_utils, tiny_llama):
+    """One kv_both scheduler: a request asked with do_remote_decode is prefilled and its blocks
+    held for a consumer (a Send); one that brings a producer's params loads them (a Load);
+    a plain one is computed here and neither held nor loaded."""
+    u = vllm_utils
+    s = _scheduler(u, tiny_llama, "kv_both")
+    free0 = _free_blocks(s)
+    produced = u.create_request(num_tokens=40, do_remote_decode=True, block_size=BS)
+    consumed = _remote_request(u, 40, room=11)
+    plain = u.create_request(num_tokens=20, block_size=BS)
+    for r in (produced, consumed, plain):
+        s.add_request(r)
+    out = s.schedule()
+    assert [load.remote.room for load in _meta(out).loads] == [11] and not _meta(out).sends
+    eco = s.update_from_output(out, u.create_model_runner_output([produced, plain], use_eos=True))
+    params = {o.request_id: o.kv_transfer_params for o in eco[0].outputs}
+    assert params[plain.request_id] is None and params[produced.request_id]["do_remote_prefill"] is True
+    [send] = _meta(s.schedule()).sends
+    assert (send.req_id, len(send.block_ids[0])) == (produced.request_id, 3)
+    done = u.create_model_runner_output(
+        [], finished_sending={produced.request_id}, finished_recving={consumed.request_id}
+    )
+    s.update_from_output(s.schedule(), done)
+    out = s.schedule()
+    assert out.num_scheduled_tokens == {consumed.request_id: 1}  # loaded: only its last token is computed
+    s.update_from_output(out, u.create_model_runner_output([consumed], use_eos=True))
+    s.schedule()
+    assert _free_blocks(s) == free0
+    u.assert_scheduler_empty(s)
+
+
 def test_consumer_loads_only_beyond_its_prefix_cache_hit(vllm_utils, tiny_llama):
     u = vllm_utils
     s = _scheduler(u, tiny_llama, "kv_consumer")

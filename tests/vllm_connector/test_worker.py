@@ -3,7 +3,8 @@
 CUDA-style K/V-first one, the producer running the real bootstrap, Mooncake TCP on loopback,
 CURVE auth (the deployment key of tests/conftest.py). The consumer's blocks end byte-equal to
 the producer's, every other block untouched; a prefix-cache hit moves only the suffix; a dead
-producer ends the load in load_errors within its deadline."""
+producer ends the load in load_errors within its deadline. Each side's figures for vLLM's stats
+(disagg.vllm.stats) come with its finished report: the bytes of the blocks that moved, once."""
 
 import json
 import os
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -27,9 +29,9 @@ VLLM_TESTS = Path(os.environ.get("DISAGG_VLLM_TESTS", Path(sys.prefix) / "vllm-s
 
 
 class Child:
-    """A worker_child.py process and its JSON-line answers."""
+    """A worker_child.py process (one or several workers) and its JSON-line answers."""
 
-    def __init__(self, role: str, model: Path, layout: str, seed: int, extra: dict, logs: Path, num_blocks=16):
+    def __init__(self, name: str, model: Path, workers: dict, logs: Path, num_blocks=16):
         env = {
             **os.environ,
             "PYTHONPATH": str(ROOT),
@@ -38,18 +40,9 @@ class Child:
             "GLOG_minloglevel": "2",
             "VLLM_LOGGING_LEVEL": "WARNING",
         }
-        self.log = open(logs / f"{role}-{seed}.log", "w")
+        self.log = open(logs / f"{name}.log", "w")
         self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                str(HERE / "worker_child.py"),
-                role,
-                str(model),
-                layout,
-                str(seed),
-                str(num_blocks),
-                json.dumps(extra),
-            ],
+            [sys.executable, str(HERE / "worker_child.py"), str(model), str(num_blocks), json.dumps(workers)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,
@@ -84,16 +77,6 @@ class Child:
         self.proc.stdin.flush()
         return self._answer(answer_s)
 
-    def step(self, **meta) -> dict:
-        return self.ask({"op": "step", **meta})
-
-    def wait(self, timeout: float) -> dict:
-        return self.ask({"op": "wait", "timeout": timeout}, timeout + 10.0)
-
-    def dump(self, path: Path) -> dict[str, torch.Tensor]:
-        self.ask({"op": "dump", "path": str(path)})
-        return torch.load(path)
-
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
@@ -111,13 +94,39 @@ class Child:
         self.log.close()
 
 
-def _start(model: Path, layout: str, seeds: tuple[int, int], logs: Path) -> tuple[Child, Child, str]:
-    """A producer and a consumer, started side by side (each imports vLLM: seconds)."""
-    boot = f"tcp://127.0.0.1:{_free_port()}"
-    producer = Child("kv_producer", model, layout, seeds[0], {"bootstrap": boot}, logs)
-    consumer = Child("kv_consumer", model, layout, seeds[1], {"load_s": LOAD_S, "dead_after_s": DEAD_S}, logs)
+@dataclass(frozen=True)
+class Worker:
+    """One worker of a Child."""
+
+    child: Child
+    name: str
+
+    def step(self, **meta) -> dict:
+        return self.child.ask({"op": "step", "worker": self.name, **meta})
+
+    def wait(self, timeout: float) -> dict:
+        return self.child.ask({"op": "wait", "worker": self.name, "timeout": timeout}, timeout + 10.0)
+
+    def dump(self, path: Path) -> dict[str, torch.Tensor]:
+        self.child.ask({"op": "dump", "worker": self.name, "path": str(path)})
+        return torch.load(path)
+
+
+def _spec(role: str, layout: str, seed: int, **extra) -> dict:
+    if role != "kv_consumer":
+        extra["bootstrap"] = f"tcp://127.0.0.1:{_free_port()}"
+    if role != "kv_producer":
+        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S)
+    return {"role": role, "layout": layout, "seed": seed, "extra": extra}
+
+
+def _start(model: Path, logs: Path, producers: dict, consumers: dict) -> tuple[Child, Child]:
+    """A process of producer-side workers and one of consumer-side workers, started side by
+    side (each imports vLLM: seconds)."""
+    producer = Child("producers", model, producers, logs)
+    consumer = Child("consumers", model, consumers, logs)
     try:
-        return producer.ready(), consumer.ready(), boot
+        return producer.ready(), consumer.ready()
     except BaseException:
         consumer.close()
         producer.close()
@@ -130,13 +139,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module", params=["cpu", "cuda-style"])
-def pair(request, tiny_llama, tmp_path_factory):
-    """(producer, consumer, bootstrap) of one layout, started once per module."""
-    producer, consumer, boot = _start(tiny_llama, request.param, (1, 2), tmp_path_factory.mktemp("workers"))
-    yield producer, consumer, boot
-    consumer.close()
-    producer.close()
+LAYOUTS = {"cpu": (1, 2), "cuda-style": (1, 2), "gdn": (5, 6), "swa": (5, 6)}  # layout -> seeds
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_llama, tmp_path_factory):
+    """One producer process and one consumer process for the module, holding a worker per
+    layout (vLLM's CPU layout, the CUDA-style K/V-first one, the GDN and SWA page pools) and a
+    kv_both worker on each side ("both"). -> {name: (producer side, consumer side, specs)}."""
+    producers = {n: _spec("kv_producer", n, seeds[0]) for n, seeds in LAYOUTS.items()}
+    consumers = {n: _spec("kv_consumer", n, seeds[1]) for n, seeds in LAYOUTS.items()}
+    producers["both"], consumers["both"] = _spec("kv_both", "cpu", 8), _spec("kv_both", "cpu", 9)
+    # another block size on each side: a producer of blocks of 32, a consumer of blocks of 64
+    producers["blocks"] = _spec("kv_producer", "cpu", 10, test_block_size=32)
+    consumers["blocks"] = _spec("kv_consumer", "cpu", 11, test_block_size=64)
+    p, c = _start(tiny_llama, tmp_path_factory.mktemp("workers"), producers, consumers)
+    yield {n: (Worker(p, n), Worker(c, n), producers[n], consumers[n]) for n in producers}
+    c.close()
+    p.close()
+
+
+@pytest.fixture(params=["cpu", "cuda-style"])
+def pair(request, shared):
+    """(producer, consumer, bootstrap) of one layout."""
+    producer, consumer, spec, _ = shared[request.param]
+    return producer, consumer, spec["extra"]["bootstrap"]
 
 
 def _blocks(t: torch.Tensor, layout: str, b: int) -> torch.Tensor:
@@ -171,7 +198,9 @@ def _transfer(pair, tmp_path, room, src, num_tokens, first, dst):
         ]
     )
     got = consumer.wait(LOAD_S + 5)
-    assert producer.wait(10.0)["sending"] == [f"p{room}"]  # vLLM may free its blocks now
+    sent = producer.wait(10.0)
+    assert sent["sending"] == [f"p{room}"]  # vLLM may free its blocks now
+    got["sent_figures"] = sent["figures"]
     return got, producer.dump(tmp_path / "src.pt"), before, consumer.dump(tmp_path / "after.pt")
 
 
@@ -190,6 +219,17 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(pair, request, tmp_path
     got, src_t, before, after = _transfer(pair, tmp_path, 11, [3, 4, 5, 6], 100, 0, [9, 2, 12, 13])
     assert (got["recving"], got["errors"]) == (["c11"], [])
     _check(layout, src_t, before, after, {9: 3, 2: 4, 12: 5, 13: 6})
+    moved = 4 * sum(_blocks(t, layout, 0).numel() for t in src_t.values())
+    _check_figures(got["figures"], "load", moved)
+    _check_figures(got["sent_figures"], "send", moved)
+
+
+def _check_figures(figures: dict, side: str, nbytes: int) -> None:
+    """One transfer of `nbytes` on `side` ("load" / "send"), nothing else counted."""
+    assert figures[f"{side}_bytes"] == [nbytes] and len(figures[f"{side}_seconds"]) == 1, figures
+    assert 0 < figures[f"{side}_seconds"][0] < LOAD_S
+    other = "send" if side == "load" else "load"
+    assert figures[f"{other}_bytes"] == [] and figures["load_failures"] == figures["send_failures"] == 0, figures
 
 
 def test_a_prefix_cache_hit_receives_only_the_suffix(pair, request, tmp_path):
@@ -201,13 +241,56 @@ def test_a_prefix_cache_hit_receives_only_the_suffix(pair, request, tmp_path):
     _check(layout, src_t, before, after, {14: 10, 15: 11})
 
 
+def test_two_kv_both_workers_each_send_one_request_and_load_the_other_in_one_step(shared, tmp_path):
+    """kv_role kv_both: one step of each worker holds one prompt for the other and loads the
+    other's; both destinations end byte-equal to their sources, nothing else changes, and
+    each side's figures count one send and one load of the same bytes."""
+    a, b, spec_a, spec_b = shared["both"]
+    boots = spec_a["extra"]["bootstrap"], spec_b["extra"]["bootstrap"]
+    before = a.dump(tmp_path / "a0.pt"), b.dump(tmp_path / "b0.pt")
+    for w, room, src, other, other_room, dst in (
+        (a, 61, [1, 2], boots[1], 62, [5, 6]),
+        (b, 62, [3, 4], boots[0], 61, [7, 8]),
+    ):
+        w.step(
+            sends=[{"req_id": f"p{room}", "room": room, "num_tokens": 64, "blocks": src}],
+            loads=[
+                {"req_id": f"c{room}", "remote": _remote(other_room, other, 64), "first": 0, "count": 64, "blocks": dst}
+            ],
+        )
+    got = [_until(w, {f"p{room}"}, {f"c{room}"}) for w, room in ((a, 61), (b, 62))]
+    after = a.dump(tmp_path / "a1.pt"), b.dump(tmp_path / "b1.pt")
+    _check("cpu", after[1], before[0], after[0], {5: 3, 6: 4})
+    _check("cpu", after[0], before[1], after[1], {7: 1, 8: 2})
+    moved = 2 * sum(_blocks(t, "cpu", 0).numel() for t in after[0].values())
+    for g in got:
+        assert g["errors"] == [] and g["figures"]["send_bytes"] == g["figures"]["load_bytes"] == [moved], g
+
+
+def _until(w: Worker, sending: set[str], recving: set[str]) -> dict:
+    """What `w`'s finished() reports until it has reported `sending` and `recving` (figures
+    and errors of every report added up)."""
+    seen, out = (set(), set()), {"errors": [], "figures": {}}
+    give_up = time.monotonic() + LOAD_S + 5
+    while seen != (sending, recving):
+        assert time.monotonic() < give_up, (seen, out)
+        got = w.wait(LOAD_S)
+        seen[0].update(got["sending"]), seen[1].update(got["recving"])
+        out["errors"] += got["errors"]
+        for k, v in got["figures"].items():
+            out["figures"][k] = out["figures"].get(k, 0 if isinstance(v, int) else []) + v
+    return out
+
+
 def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path):
-    producer, consumer, boot = _start(tiny_llama, "cpu", (3, 4), tmp_path)
+    specs = _spec("kv_producer", "cpu", 3), _spec("kv_consumer", "cpu", 4)
+    p, c = _start(tiny_llama, tmp_path, {"cpu": specs[0]}, {"cpu": specs[1]})
+    producer, consumer, boot = Worker(p, "cpu"), Worker(c, "cpu"), specs[0]["extra"]["bootstrap"]
     try:
         got, *_ = _transfer((producer, consumer, boot), tmp_path, 21, [1, 2], 40, 0, [3, 4])  # registered
         assert got["recving"] == ["c21"]
         producer.step(sends=[{"req_id": "p22", "room": 22, "num_tokens": 40, "blocks": [5, 6]}])
-        producer.kill()
+        p.kill()
         t0 = time.monotonic()
         consumer.step(
             loads=[{"req_id": "c22", "remote": _remote(22, boot, 40), "first": 0, "count": 40, "blocks": [7, 8]}]
@@ -215,19 +298,18 @@ def test_a_dead_producer_fails_the_load_within_its_deadline(tiny_llama, tmp_path
         got = consumer.wait(LOAD_S + 5)
         assert (got["recving"], got["errors"]) == (["c22"], [7, 8])
         assert time.monotonic() - t0 <= LOAD_S + 1.0
+        assert (got["figures"]["load_failures"], got["figures"]["load_bytes"]) == (1, [])
     finally:
-        consumer.close()
-        producer.close()
+        c.close()
+        p.close()
 
 
-@pytest.fixture(scope="module", params=["gdn", "swa"])
-def hybrid(request, tiny_llama, tmp_path_factory):
+@pytest.fixture(params=["gdn", "swa"])
+def hybrid(request, shared):
     """(producer, consumer, bootstrap, layout) over a hybrid page pool as vLLM's CPU workers
     hand it over (worker_child.hybrid_caches)."""
-    producer, consumer, boot = _start(tiny_llama, request.param, (5, 6), tmp_path_factory.mktemp("hybrid"))
-    yield producer, consumer, boot, request.param
-    consumer.close()
-    producer.close()
+    producer, consumer, spec, _ = shared[request.param]
+    return producer, consumer, spec["extra"]["bootstrap"], request.param
 
 
 def test_hybrid_groups_move_their_pages_whole_and_nothing_else(hybrid, tmp_path):
@@ -276,8 +358,9 @@ def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        extra = {"bootstrap": f"tcp://127.0.0.1:{busy.getsockname()[1]}"}
-        child = Child("kv_producer", tiny_llama, "cpu", 7, extra, tmp_path)
+        spec = _spec("kv_producer", "cpu", 7)
+        spec["extra"]["bootstrap"] = f"tcp://127.0.0.1:{busy.getsockname()[1]}"
+        child = Child("refused", tiny_llama, {"cpu": spec}, tmp_path)
         try:
             assert child.proc.wait(timeout=START_S) != 0
         finally:
@@ -285,18 +368,11 @@ def test_a_producer_that_cannot_start_refuses_and_leaves_nothing_open(tiny_llama
     assert "bootstrap" in Path(child.log.name).read_text().splitlines()[-1]
 
 
-@pytest.fixture(scope="module")
-def blocks_32_64(tiny_llama, tmp_path_factory):
+@pytest.fixture
+def blocks_32_64(shared):
     """A producer started with --block-size 32 and a consumer with 64 (vLLM's CPU layout)."""
-    logs, boot = tmp_path_factory.mktemp("blocks"), f"tcp://127.0.0.1:{_free_port()}"
-    producer = Child("kv_producer", tiny_llama, "cpu", 8, {"bootstrap": boot, "test_block_size": 32}, logs)
-    extra = {"load_s": LOAD_S, "dead_after_s": DEAD_S, "test_block_size": 64}
-    consumer = Child("kv_consumer", tiny_llama, "cpu", 9, extra, logs)
-    try:
-        yield producer.ready(), consumer.ready(), boot
-    finally:
-        consumer.close()
-        producer.close()
+    producer, consumer, spec, _ = shared["blocks"]
+    return producer, consumer, spec["extra"]["bootstrap"]
 
 
 @pytest.mark.parametrize("first,dst", [(0, [9, 2]), (64, [14])], ids=["whole-prompt", "prefix-hit"])

@@ -1,18 +1,27 @@
-"""One DisaggWorker in a process of its own, driven over stdin/stdout (JSON lines), for the
-two-process worker tests (test_worker.py). Not a test module.
+"""DisaggWorkers in a process of their own, driven over stdin/stdout (JSON lines), for the
+two-process worker tests (test_worker.py). Not a test module. One process holds several
+workers (each its own tensors, endpoint, Mooncake engine and control plane), so the tests of
+several layouts and roles share one process per side: each process imports vLLM (seconds).
 
-    python worker_child.py ROLE MODEL LAYOUT SEED NUM_BLOCKS EXTRA_JSON
-    (every answer is one line "@@ " + JSON: vLLM logs to stdout too; EXTRA_JSON's "test_block_size"
-    and "test_tp" [size, rank], taken out before the connector sees it: a side started with
-    another --block-size, one rank of a TP instance whose other ranks run elsewhere)
-    -> {"ready": true} once registered (a producer: its rank held at the bootstrap)
-    <- {"op": "step", "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "timeout": s}   -> {"sending", "recving", "errors", "failed", "waited"}: the first
-                                         non-empty finished() (or empty ones at the timeout)
-    <- {"op": "dump", "path": p}      -> {}: every layer's tensor (torch.save)
+    python worker_child.py MODEL NUM_BLOCKS WORKERS_JSON
+        WORKERS_JSON: {name: {"role": "kv_producer" | "kv_consumer" | "kv_both",
+                              "layout": "cpu" | "cuda-style" | "gdn" | "swa", "seed": n,
+                              "extra": kv_connector_extra_config}}
+        (an extra's "test_block_size" and "test_tp" [size, rank] are taken out before the
+        connector sees them: a side started with another --block-size, one rank of a TP
+        instance whose other ranks run elsewhere; hybrid layouts keep blocks of 32)
+    (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
+    -> {"ready": true} once every worker registered (a producer: its rank held at the bootstrap)
+    <- {"op": "step", "worker": name, "sends": [...], "loads": [...], "releases": [...]}   -> {}
+    <- {"op": "wait", "worker": name, "timeout": s}
+                                      -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
+                                         the first non-empty finished() (or empty ones at the
+                                         timeout), the figures that came with it
+    <- {"op": "dump", "worker": name, "path": p}   -> {}: every layer's tensor (torch.save)
     <- {"op": "close"}                -> {} and exit
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -25,14 +34,20 @@ import torch
 BLOCK_SIZE = 32
 
 
-def vllm_config(role: str, model: str, extra: dict, tp: tuple[int, int] = (1, 0)):
+@functools.cache
+def vllm_test_utils():
+    """vLLM's tests/v1/kv_connector/unit/utils.py (create_vllm_config)."""
     path = Path(os.environ["DISAGG_VLLM_TESTS"]) / "tests" / "v1" / "kv_connector" / "unit" / "utils.py"
     spec = importlib.util.spec_from_file_location("vllm_kv_connector_test_utils", path)
     u = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(u)
-    cfg = u.create_vllm_config(
+    return u
+
+
+def vllm_config(role: str, model: str, extra: dict, block_size: int = BLOCK_SIZE, tp: tuple[int, int] = (1, 0)):
+    cfg = vllm_test_utils().create_vllm_config(
         model=model,
-        block_size=BLOCK_SIZE,
+        block_size=block_size,
         kv_connector="DisaggConnector",
         kv_connector_module_path="disagg.vllm.connector",
         kv_role=role,
@@ -48,7 +63,8 @@ def kv_caches(cfg, layout: str, seed: int, num_blocks: int) -> dict[str, torch.T
     a CUDA-style K/V-first one ([2, blocks, block size, kv heads, head size]), per layer."""
     m = cfg.model_config
     heads, head = m.get_num_kv_heads(cfg.parallel_config), m.get_head_size()
-    shape = (num_blocks, heads, BLOCK_SIZE, 2 * head) if layout == "cpu" else (2, num_blocks, BLOCK_SIZE, heads, head)
+    bs = cfg.cache_config.block_size
+    shape = (num_blocks, heads, bs, 2 * head) if layout == "cpu" else (2, num_blocks, bs, heads, head)
     g = torch.Generator().manual_seed(seed)
     return {
         f"model.layers.{i}.self_attn.attn": torch.randn(shape, generator=g)
@@ -109,6 +125,7 @@ def wait(worker, timeout: float) -> dict:
                 "recving": sorted(recving or ()),
                 "errors": sorted(worker.load_errors()),
                 "failed": sorted(worker.failed_loads()),
+                "figures": worker.figures(),
                 "waited": time.monotonic() - t0,
             }
         time.sleep(0.005)
@@ -118,38 +135,45 @@ def say(answer: dict) -> None:
     print("@@ " + json.dumps(answer), flush=True)
 
 
-def main() -> None:
-    global BLOCK_SIZE
-    role, model, layout, seed, num_blocks, extra = sys.argv[1:7]
+def start(model: str, spec: dict, num_blocks: int):
+    """One registered worker as `spec` says, and the tensors a dump saves."""
     from disagg.vllm.connector import kv_groups
     from disagg.vllm.worker import DisaggWorker
 
-    extra = json.loads(extra)
-    BLOCK_SIZE, tp = extra.pop("test_block_size", BLOCK_SIZE), tuple(extra.pop("test_tp", (1, 0)))
-    cfg = vllm_config(role, model, extra, tp)
-    if layout in ("gdn", "swa"):
-        caches, kv, raw = hybrid_caches(layout, int(seed), int(num_blocks))
-        caches_out = {"pages": raw.view(int(num_blocks), PAGE)}
+    extra = dict(spec["extra"])
+    block_size, tp = extra.pop("test_block_size", BLOCK_SIZE), tuple(extra.pop("test_tp", (1, 0)))
+    cfg = vllm_config(spec["role"], model, extra, block_size, tp)
+    if spec["layout"] in ("gdn", "swa"):
+        caches, kv, raw = hybrid_caches(spec["layout"], spec["seed"], num_blocks)
+        caches_out = {"pages": raw.view(num_blocks, PAGE)}
     else:
-        caches, kv = kv_caches(cfg, layout, int(seed), int(num_blocks)), None
+        caches, kv = kv_caches(cfg, spec["layout"], spec["seed"], num_blocks), None
         caches_out = caches
-    groups = kv_groups(None, BLOCK_SIZE) if kv is None else (kv.groups, kv.state_layers)
+    groups = kv_groups(None, block_size) if kv is None else (kv.groups, kv.state_layers)
     worker = DisaggWorker.from_vllm(cfg, extra, *groups)
     worker.register(caches)
+    return worker, caches_out
+
+
+def main() -> None:
+    model, num_blocks, specs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
+    workers = {name: start(model, spec, num_blocks) for name, spec in specs.items()}
     say({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
         out: dict = {}
+        if cmd["op"] == "close":
+            for worker, _ in workers.values():
+                worker.close()
+            say(out)
+            return
+        worker, caches_out = workers[cmd["worker"]]
         if cmd["op"] == "step":
             worker.step(step_meta(cmd))
         elif cmd["op"] == "wait":
             out = wait(worker, cmd["timeout"])
         elif cmd["op"] == "dump":
             torch.save(caches_out, cmd["path"])
-        elif cmd["op"] == "close":
-            worker.close()
-            say(out)
-            return
         say(out)
 
 
