@@ -108,8 +108,13 @@ class TransformersEngine:
         self.passes: Passes = pin_passes(self._forward, self._cache, self.vocab_size, name, chunk)
         self.exact_reuse = self.passes.exact
         self.reuse_note = self.passes.note
-        # what the other side checks at registration: the same model, not only the same geometry
-        self.identity = {"config_hash": config_hash(self.config), "weights": weights_fingerprint(self.model)}
+        # what the other side checks at registration: the same model, not only the same geometry,
+        # computing prompts in the same passes (decode caches and checks by its own)
+        self.identity = {
+            "config_hash": config_hash(self.config),
+            "weights": weights_fingerprint(self.model),
+            "prefill_chunk": self.passes.chunk,
+        }
 
     @staticmethod
     def _random(f, seed: int, impl: str):
