@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
-"""Decode's prefix cache, measured on multi-turn chat: for each preset and each user-message
-length, one `disagg demo --workload multiturn` (real processes: one prefill, two decodes with
-the prefix cache on and off, a router each) runs the same conversations through both stacks,
-and this prints per point: the hit rate with reuse on, KV bytes moved per request, transfer
-time and TTFT (p50), reuse off against on. Shorter user messages against the same shared
+"""The prefix caches, measured on multi-turn chat: for each preset and each user-message
+length, one `disagg demo --workload multiturn` (real processes: two stacks of a prefill and a
+decode, their prefix caches on in one and off in the other, a router each) runs the same
+conversations through both stacks, and this prints per point: decode's and prefill's hit
+rates with reuse on, KV bytes moved per request, transfer time, prefill compute and TTFT
+(p50), reuse off against on. Shorter user messages against the same shared
 system prompt and turns mean more of each prompt is reused.
 
     # CPU, stand-in engine, Mooncake TCP (about 2 minutes):
@@ -17,7 +18,8 @@ system prompt and turns mean more of each prompt is reused.
         --system-prompt-len 16384 --out docs/bench_multiturn_gpu_qwen3_next.json
 
 TTFT here is prefill taking the request -> decode holding its KV (the first token goes out
-then); the stand-in's prefill compute is not a model's (--simulate-layer-ms stands for one).
+then); the stand-in's prefill compute is not a model's (--simulate-layer-ms stands for one: the
+share of a prompt prefill computes after its cached prefix costs that share of it).
 Sends are not streamed layer-wise unless --stream-layers says so: a streamed send's time holds
 the compute it overlaps, not only the transfer.
 Every request is verified on decode and checked against a colocated run. Exits non-zero when
@@ -103,10 +105,12 @@ def row(out: dict) -> dict:
     return {
         "prompt_tokens_mean": on["prompt_tokens"],
         "hit_rate": on["hit_rate"],
+        "prefill_hit_rate": on["prefill_hit_rate"],
         "requests_ok": {"off": off["ok"], "on": on["ok"]},
         "bytes_per_request": {"off": off["bytes_per_request"], "on": on["bytes_per_request"]},
         "bytes_fewer_x": out["reuse_on_vs_off"]["bytes_fewer_x"],
         "transfer_ms_p50": {"off": p50(off, "transfer_ms"), "on": p50(on, "transfer_ms")},
+        "compute_ms_p50": {"off": p50(off, "compute_ms"), "on": p50(on, "compute_ms")},
         "ttft_ms_p50": {"off": p50(off, "ttft_ms"), "on": p50(on, "ttft_ms")},
         "per_turn": [
             {
@@ -115,6 +119,8 @@ def row(out: dict) -> dict:
                 "hit_rate": t["hit_rate"],
                 "bytes_per_request": {"off": u["bytes_per_request"], "on": t["bytes_per_request"]},
                 "transfer_ms_p50": {"off": p50(u, "transfer_ms"), "on": p50(t, "transfer_ms")},
+                "prefill_hit_rate": t["prefill_hit_rate"],
+                "compute_ms_p50": {"off": p50(u, "compute_ms"), "on": p50(t, "compute_ms")},
                 "ttft_ms_p50": {"off": p50(u, "ttft_ms"), "on": p50(t, "ttft_ms")},
             }
             for t, u in zip(on["per_turn"], off["per_turn"], strict=True)
@@ -125,11 +131,12 @@ def row(out: dict) -> dict:
 
 
 def say(key: str, r: dict) -> None:
-    b, x, t = r["bytes_per_request"], r["transfer_ms_p50"], r["ttft_ms_p50"]
+    b, x, t, c = r["bytes_per_request"], r["transfer_ms_p50"], r["ttft_ms_p50"], r["compute_ms_p50"]
     ms = lambda v: "-" if v is None else f"{v:.2f}"  # (None: no request of the run succeeded)
     print(
         f"{key:<34} hit {100 * r['hit_rate']:5.1f}%  MB/request {b['off'] / 1e6:8.2f} -> {b['on'] / 1e6:8.2f} "
         f"({r['bytes_fewer_x']}x fewer)  transfer p50 {ms(x['off'])} -> {ms(x['on'])} ms  "
+        f"prefill hit {100 * r['prefill_hit_rate']:5.1f}%  compute p50 {ms(c['off'])} -> {ms(c['on'])} ms  "
         f"TTFT p50 {ms(t['off'])} -> {ms(t['on'])} ms",
         flush=True,
     )
@@ -194,8 +201,9 @@ def main() -> int:
         with open(args.out, "w") as f:
             json.dump(
                 {
-                    "what": "multi-turn chat through decode's prefix cache: bytes moved per request, transfer time "
-                    "and TTFT, reuse off vs on, by hit rate (shorter user messages: more reuse)",
+                    "what": "multi-turn chat through the prefix caches (decode's, prefill's): bytes moved per "
+                    "request, transfer time, prefill compute and TTFT, reuse off vs on, by hit rate (shorter user "
+                    "messages: more reuse)",
                     "command": " ".join(["scripts/bench_multiturn.py", *sys.argv[1:]]),
                     "machine": machine(args.device),
                     "date": datetime.date.today().isoformat(),

@@ -154,9 +154,10 @@ def pool_key(key: str) -> tuple[str, str]:
 
 
 class PrefixCacheMetrics:
-    """Decode's prefix cache (kvpool.cache): what requests took from it, out of how many prompt
-    positions, and what that saved (per answered request: hit / queried is the hit rate), what
-    it holds and evicted (read off its stats at each scrape)."""
+    """A worker's prefix cache (kvpool.cache; role decode: positions not received, prefill:
+    positions not computed): what requests took from it, out of how many prompt positions,
+    and what that saved (per answered request: hit / queried is the hit rate), what it holds
+    and evicted (read off its stats at each scrape)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         r = registry
@@ -187,7 +188,7 @@ class PrefixCacheMetrics:
 
     def answered(self, out: dict, prompt_tokens: int) -> None:
         """A request of `prompt_tokens` that succeeded: its prefix_tokens and reused_bytes
-        (decode's answer)."""
+        (the worker's answer; prefill's says no bytes)."""
         self.hit.labels(self.role).inc(out.get("prefix_tokens", 0))
         self.queried.labels(self.role).inc(prompt_tokens)
         self.saved.labels(self.role).inc(out.get("reused_bytes", 0))

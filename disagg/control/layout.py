@@ -27,6 +27,7 @@ Name = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_NAME_CHARS, patt
 DType = Annotated[str, msgspec.Meta(min_length=1, max_length=32, pattern=r"^[A-Za-z0-9_]+$")]
 Count = Annotated[int, msgspec.Meta(ge=1, le=1 << 20)]  # layers, TP size
 Dim = Annotated[int, msgspec.Meta(ge=1, le=1 << 30)]  # heads, dims, windows
+Tokens = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]  # a token count that may be 0 (prefill chunk)
 Hash = Annotated[str, msgspec.Meta(min_length=1, max_length=80, pattern=r"^[a-z0-9]+:[0-9a-f]+$")]  # sha256:hex
 
 
@@ -82,6 +83,9 @@ class ModelDescription(msgspec.Struct, frozen=True):
     # checkpoints of one architecture have the same pools and different outputs
     config_hash: Hash | None = None
     weights: Hash | None = None
+    # tokens per prefill pass (a model engine's; 0: one pass): decode caches a prompt's whole
+    # chunks and checks against the colocated run in its own passes, so both must agree
+    prefill_chunk: Tokens | None = None
 
 
 def _clip_name(name: str) -> str:
@@ -185,7 +189,16 @@ def identity_differences(prefill: ModelDescription, decode: ModelDescription) ->
                 f"{what}: prefill {p or 'not described'}, decode {d or 'not described'} "
                 f"(both sides must load the same model)"
             )
+    if prefill.prefill_chunk != decode.prefill_chunk:
+        out.append(
+            f"prefill chunk (--prefill-chunk): prefill {_chunk(prefill.prefill_chunk)}, decode "
+            f"{_chunk(decode.prefill_chunk)} (both sides must compute prompts in the same passes)"
+        )
     return out
+
+
+def _chunk(tokens: int | None) -> str:
+    return "not described" if tokens is None else "0 (one pass)" if tokens == 0 else f"{tokens} tokens"
 
 
 def model_differences(prefill: ModelDescription, decode: ModelDescription) -> list[str]:

@@ -32,6 +32,14 @@ class PrefillResult:
 
 
 @dataclass(frozen=True)
+class PrefillReuse:
+    """What a prefill's prefix cache may skip with an engine on a pool (ModelEngine.prefill_reuse)."""
+
+    align: int  # a reused prefix is a multiple of this many tokens; 0: none (every prompt computed whole)
+    note: str  # why, in the engine's words (prefill's startup log)
+
+
+@dataclass(frozen=True)
 class DecodeOutput:
     tokens: list[int]  # the first token (from prefill) and the rest
     logits: list[torch.Tensor] = field(default_factory=list)  # [vocab] float32 per generated step after the first
@@ -90,9 +98,17 @@ class ModelEngine(Protocol):
         token_ids: np.ndarray,
         room: int,
         on_layer: Callable[[int], None] | None = None,
+        *,
+        cached: int = 0,
     ) -> PrefillResult:
         """Compute the prompt's KV into `req` and its AUX row; call on_layer(i) once layer i's
-        KV is in the pool (in layer order for a forward pass)."""
+        KV is in the pool (in layer order for a forward pass). `cached`: positions [0, cached)
+        of `req` hold this prompt's KV already (prefill's prefix cache lent them; a multiple
+        of prefill_reuse's align): only the rest is computed, and those are never written."""
+
+    def prefill_reuse(self, pool: HybridPool) -> PrefillReuse:
+        """Whether prefill on `pool` may resume a prompt after a cached prefix and get the bits
+        it would compute in one go (and at what alignment), or why not."""
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
         """The engine's checks of what arrived on decode (check_aux; the stand-in also every

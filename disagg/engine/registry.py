@@ -23,17 +23,29 @@ if TYPE_CHECKING:
 
 
 def _standin(
-    preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+    preset: str,
+    device: str,
+    simulate_layer_ms: float = 0.0,
+    source: ModelSource | None = None,
+    *,
+    prefill_chunk: int | None = None,
 ) -> "ModelEngine":
     if source is not None:
         raise ConfigError("--model / --model-type need the model engine (--engine model or auto), not the stand-in")
+    if prefill_chunk is not None:
+        raise ConfigError("--prefill-chunk is for the model engine; the stand-in computes no passes")
     from disagg.engine.standin import StandInEngine
 
     return StandInEngine(simulate_layer_ms)
 
 
 def _model(
-    preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+    preset: str,
+    device: str,
+    simulate_layer_ms: float = 0.0,
+    source: ModelSource | None = None,
+    *,
+    prefill_chunk: int | None = None,
 ) -> "ModelEngine":
     if simulate_layer_ms:
         raise ConfigError("--simulate-layer-ms is for the stand-in engine; the model engine computes for real")
@@ -46,7 +58,7 @@ def _model(
         raise ConfigError("--engine model needs transformers: pip install 'disagg[model]'")
     from disagg.engine.model.engine import TransformersEngine
 
-    return TransformersEngine(source or preset, device)
+    return TransformersEngine(source or preset, device, prefill_chunk=prefill_chunk)
 
 
 ENGINES: dict[str, Callable[..., "ModelEngine"]] = {"standin": _standin, "model": _model}
@@ -58,8 +70,17 @@ def resolve(name: str, preset: str, source: ModelSource | None = None) -> str:
 
 
 def create(
-    name: str, preset: str, device: str, simulate_layer_ms: float = 0.0, source: ModelSource | None = None
+    name: str,
+    preset: str,
+    device: str,
+    simulate_layer_ms: float = 0.0,
+    source: ModelSource | None = None,
+    *,
+    prefill_chunk: int | None = None,
 ) -> "ModelEngine":
     """The engine `name` (or auto) for `preset` or `source` (--model, --model-type), its model
-    on `device` (a resolved device)."""
-    return ENGINES[resolve(name, preset, source)](preset, device, simulate_layer_ms, source)
+    on `device` (a resolved device); `prefill_chunk`: the model engine's tokens per prefill
+    pass (None: the family's)."""
+    return ENGINES[resolve(name, preset, source)](
+        preset, device, simulate_layer_ms, source, prefill_chunk=prefill_chunk
+    )

@@ -22,7 +22,15 @@ import zlib
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, check_aux, compare_tokens, prompt_digest, stop_if
+from disagg.engine.base import (
+    DecodeOutput,
+    PrefillResult,
+    PrefillReuse,
+    check_aux,
+    compare_tokens,
+    prompt_digest,
+    stop_if,
+)
 from disagg.errors import VerifyError
 from kvpool import Component, HybridPool, RequestKV
 from kvpool.geometry import parts
@@ -190,21 +198,22 @@ class StandInEngine:
 
     # ---- ModelEngine ---------------------------------------------------------------------
     def prefill(
-        self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int, on_layer=None
+        self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int, on_layer=None, *, cached: int = 0
     ) -> PrefillResult:
         """Layer by layer, as a forward pass goes: every part of layer i (KV of every
-        position, its state), then `layer_ms` of simulated compute, then on_layer(i)."""
+        position from `cached` on, its state), then `layer_ms` of simulated compute (its share
+        of the positions computed: a cached prefix costs none), then on_layer(i)."""
         token_ids = np.asarray(token_ids, dtype=np.int64)
         by_layer: dict[int, list] = {}
-        for layer, write in self._writes(pool, req, token_ids, np.arange(len(token_ids))) + self._state_writes(
+        for layer, write in self._writes(pool, req, token_ids, np.arange(cached, len(token_ids))) + self._state_writes(
             pool, req, token_ids
         ):
             by_layer.setdefault(layer, []).append(write)
         for layer in range(pool.config.model.num_layers):
             for write in by_layer.get(layer, ()):
                 write()
-            if self.layer_ms:
-                time.sleep(self.layer_ms / 1e3)  # the compute a real layer would take (benchmarks, tests)
+            if self.layer_ms:  # the compute a real layer would take (benchmarks, tests)
+                time.sleep(self.layer_ms / 1e3 * (len(token_ids) - cached) / len(token_ids))
             if on_layer is not None:
                 on_layer(layer)
         result = PrefillResult(first_token(token_ids), prompt_digest(token_ids))
@@ -213,6 +222,11 @@ class StandInEngine:
 
     def reusable(self, prompt_len: int, held: int) -> int:
         return held
+
+    def prefill_reuse(self, pool: HybridPool) -> PrefillReuse:
+        return PrefillReuse(
+            1, "standin: a position's KV is a function of its token and position: prefill skips any cached prefix"
+        )
 
     def verify(self, pool: HybridPool, req: RequestKV, token_ids: np.ndarray, room: int) -> None:
         """check_aux, then every byte it holds against the bytes of this prompt, recomputed."""

@@ -64,11 +64,22 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "more of the transfer hidden behind compute below)",
     )
     g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the whole pages of computed prompts in a radix tree and compute only what follows "
+        "the longest cached prefix of a new prompt; unused cached pages are evicted (least "
+        "recently used) whenever a request needs room; where the engine cannot resume a prompt "
+        "with the same bits (the model engine: one pass, state layers, a TP shard) it is off and "
+        "the log says why",
+    )
+    g.add_argument(
         "--simulate-layer-ms",
         type=float,
         default=0.0,
         metavar="MS",
-        help="stand-in engine only: compute time to simulate per layer in prefill, so benchmarks and "
+        help="stand-in engine only: compute time to simulate per layer of a whole prompt in prefill "
+        "(a prompt resumed after a cached prefix: the share it computes), so benchmarks and "
         "tests can watch layer-wise streaming hide the transfer (0: none)",
     )
 
@@ -95,6 +106,7 @@ def config_from(args: argparse.Namespace) -> "PrefillConfig":
         transfer_workers=args.transfer_workers,
         stream_layers=args.stream_layers,
         stream_min_tokens=args.stream_min_tokens,
+        prefix_cache=args.prefix_cache,
     )
 
 

@@ -1,7 +1,7 @@
 """TransferJobs: the effects a prefill's RequestTable asks for outside itself, built with the
 collaborators they need and given to the table once (it never calls the server).
 
-    table: pages released             --free-->     pool + admission
+    table: pages released             --free-->     prefix cache (keeps what it may) or pool, + admission
     table: a decode rank hears        --tell-->     control socket (TransferStarted, TransferDone)
     table: allocated (pages known)    --prepare-->  peer shard: _prepare_send --> Destination.prepared
     table: KV computed (or streaming) --submit-->   peer shard: _transfer --> KVSender.send (takes the
@@ -29,6 +29,7 @@ from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
 from disagg.prefill.requests import Destination, Finished, PrefillRequest
 from kvpool import KVPoolError, RequestKV
+from kvpool.cache.prefix import PrefixCache
 from transfer.errors import TransferError, WritesAbandoned
 from transfer.progress import LayerProgress
 from transfer.sender import KVSender, RemotePool
@@ -40,13 +41,26 @@ DIGEST_WAIT_S = 60.0  # a send that landed waits at most this for its KV's diges
 
 
 class TransferJobs:
-    def __init__(self, epoch: int, io: RouterIO, peers: DecodePeers, sender: KVSender, admission: Admission):
+    def __init__(
+        self,
+        epoch: int,
+        io: RouterIO,
+        peers: DecodePeers,
+        sender: KVSender,
+        admission: Admission,
+        cache: PrefixCache | None = None,
+    ):
         self._epoch, self._io, self._peers, self._sender, self._admission = epoch, io, peers, sender, admission
-        self._pool, self._faults = sender.endpoint.pool, sender.endpoint.faults
+        self._pool, self._faults, self._cache = sender.endpoint.pool, sender.endpoint.faults, cache
 
     # ---- effects the table asks for (under its lock) -----------------------------------------
-    def free(self, kv: RequestKV) -> None:
-        self._pool.free_request(kv)
+    def free(self, kv: RequestKV, r: PrefillRequest) -> None:
+        """r's pages go: through the prefix cache where it took them from there (which keeps
+        the whole pages of r.kept, if any), else back to the pool."""
+        if r.hit is not None:
+            self._cache.release(kv, r.hit, r.kept)
+        else:
+            self._pool.free_request(kv)
         self._admission.released()
 
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None:

@@ -66,6 +66,7 @@ from disagg.control.messages import TransferDone, TransferStarted
 from disagg.control.tombstones import Tombstones
 from disagg.errors import ProtocolError
 from kvpool import IndexSet, RequestKV
+from kvpool.cache.prefix import Hit
 from transfer.progress import LayerProgress
 from transfer.report import TransferReport, merged
 
@@ -194,6 +195,9 @@ class PrefillRequest:
     timings: dict = field(default_factory=dict)
     digest: Future | None = None  # (kvpool.digest of its KV, ms), computed beside the sends: each
     # TransferDone(ok) waits for it and carries its destination's units
+    hit: Hit | None = None  # the cached prefix its pages start with (prefill's prefix cache; None: off)
+    kept: np.ndarray | None = None  # the ids of its leading positions the cache may keep once freed
+    # (set when the engine computed them and nothing corrupted them; None: none)
 
     @property
     def complete(self) -> bool:
@@ -225,7 +229,7 @@ class Finished(Protocol):
 class Jobs(Protocol):
     """What the table's transitions do outside it (prefill/jobs.py: TransferJobs)."""
 
-    def free(self, kv: RequestKV) -> None: ...
+    def free(self, kv: RequestKV, r: PrefillRequest) -> None: ...
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None: ...
     def may_stream(self, r: PrefillRequest) -> bool: ...
     def prepare(self, r: PrefillRequest, d: Destination) -> Future | None: ...
@@ -498,14 +502,14 @@ class RequestTable:
         compute_ended() releases them)."""
         if r.compute in (Compute.COMPUTED, Compute.BROKEN):
             kv, r.kv, r.compute = r.kv, None, step(r.compute, Compute.RELEASED)
-            self._jobs.free(kv)
+            self._jobs.free(kv, r)
 
     def _free_unseen(self, r: PrefillRequest, kv: RequestKV) -> None:
         """The HTTP thread's pages, which the table never held (r ended first)."""
         if r.compute not in (Compute.PENDING, Compute.ALLOCATED):  # the table's: freeing kv too would free twice
             raise IllegalTransition(f"Compute {r.compute.name}: the table holds room {r.room}'s pages, not its caller")
         r.compute = step(r.compute, Compute.RELEASED)
-        self._jobs.free(kv)
+        self._jobs.free(kv, r)
 
     def _forget(self, r: PrefillRequest) -> None:
         if self._rooms.get(r.room) is r:

@@ -1,7 +1,7 @@
 """A prefill worker's HTTP routes: POST /prefill and /abort, with their metrics."""
 
 from disagg.api.fields import abort_route, optional_int, require_room, require_tokens, stream_layers
-from disagg.api.metrics import WorkerMetrics
+from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics
 from disagg.api.server import Service
 from disagg.control.messages import MAX_TP_SIZE
 from disagg.prefill.server import PrefillServer
@@ -10,6 +10,7 @@ from disagg.prefill.server import PrefillServer
 class PrefillRoutes:
     def __init__(self, server: PrefillServer):
         self.server, self.metrics = server, WorkerMetrics("prefill")
+        self.cache = PrefixCacheMetrics(self.metrics.registry, "prefill") if server.cache is not None else None
 
     def service(self) -> Service:
         return Service(
@@ -18,8 +19,15 @@ class PrefillRoutes:
             self.metrics.registry,
             health=self.server.health,
             metrics=self.metrics,
-            before_scrape=lambda: self.metrics.observe_pool(self.server.available()),
+            before_scrape=self._before_scrape,
         )
+
+    def _before_scrape(self) -> None:
+        """The pool's free capacity (cached pages nobody uses count as free) and the prefix
+        cache's figures."""
+        self.metrics.observe_pool(self.server.available())
+        if self.cache is not None:
+            self.cache.observe(self.server.cache.stats())
 
     def prefill(self, body: dict) -> dict:
         room, tokens, stream = require_room(body), require_tokens(body), stream_layers(body)
@@ -27,11 +35,13 @@ class PrefillRoutes:
         return self.metrics.count(
             lambda: self.server.prefill(room, tokens, stream, decode_tp),
             lambda out: out["state"] == "SUCCESS",
-            self._observe,
+            lambda out, ok: self._observe(out, ok, len(tokens)),
         )
 
-    def _observe(self, out: dict, ok: bool) -> None:
+    def _observe(self, out: dict, ok: bool, prompt_tokens: int) -> None:
         m = self.metrics
+        if ok and self.cache is not None:  # prefix_tokens: the positions it did not compute
+            self.cache.answered(out, prompt_tokens)
         if ok and "transport" in out:  # (a TP rank holding none of decode's share sends nothing)
             m.bytes.labels("prefill", out["transport"]).inc(out["bytes"])
             m.transfers.labels("prefill", out["mode"], out["transport"]).inc()

@@ -47,7 +47,8 @@ from disagg.prefill.jobs import TransferJobs
 from disagg.prefill.requests import Phase, PrefillRequest, RequestTable
 from disagg.worker.base import Worker, WorkerSettings
 from disagg.worker.flip import flip_byte
-from kvpool import KVPoolError
+from kvpool import KVPoolError, RequestKV
+from kvpool.cache.prefix import Hit, PrefixCache
 from kvpool import digest as kvdigest
 from kvpool.errors import SpecError
 from transfer.errors import BadPrefix, TransferError
@@ -66,6 +67,7 @@ class PrefillConfig(WorkerSettings):
     transfer_workers: int = 4  # per decode peer
     stream_layers: str = "auto"  # on | off | auto: send layer groups while computing
     stream_min_tokens: int = 2048  # auto streams prompts at least this long
+    prefix_cache: bool = True  # keep computed prompts' pages and skip computing a cached prefix (kvpool.cache)
 
     def __post_init__(self) -> None:
         if self.stream_layers not in STREAM_LAYERS:
@@ -82,8 +84,11 @@ class PrefillServer(Worker):
         self.peers = DecodePeers(
             self.sender, self.layout, self.io, config.transfer_workers, config.dead_after_s, self.epoch
         )
+        self.cache = self._prefix_cache(config)
         self.requests = RequestTable(
-            self.epoch, config.deadlines, TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission)
+            self.epoch,
+            config.deadlines,
+            TransferJobs(self.epoch, self.io, self.peers, self.sender, self.admission, self.cache),
         )
         # the KV's digest is computed beside its transfer, not before it: only TransferDone needs it
         self._digests = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-digest")
@@ -111,6 +116,16 @@ class PrefillServer(Worker):
             raise
         self.ready = True
 
+    def _prefix_cache(self, config: PrefillConfig) -> PrefixCache | None:
+        """The prefix cache, where asked for and the engine can resume a prompt after a cached
+        prefix with the bits it would compute in one go (ModelEngine.prefill_reuse; the log says
+        why not where it cannot)."""
+        if not config.prefix_cache:
+            return None
+        reuse = self.model.prefill_reuse(self.pool)
+        (log.info if reuse.align else log.warning)("prefix cache %s: %s", "on" if reuse.align else "off", reuse.note)
+        return PrefixCache(self.pool, window_only=False, align=reuse.align) if reuse.align else None
+
     # ---- the request path (HTTP threads) -----------------------------------------------------
     def prefill(
         self, room: int, token_ids: np.ndarray, stream: str | None = None, decode_tp: int | None = None
@@ -128,36 +143,14 @@ class PrefillServer(Worker):
         streams = self._streams(mode, len(tokens))
         receivers = self._receivers(decode_tp) if decode_tp else None
         r = self.requests.prompt(room, tokens, stream_auto=mode == "auto", receivers=receivers, tp_size=decode_tp or 0)
-        refused, kv, first_token = None, None, None
+        refused, first_token = None, None
         try:
             if not r.phase.ended:
-                deadline = time.monotonic() + self.config.deadlines.waiting_s
-                kv = self.admission.admit(len(tokens), lambda: self.pool.alloc_request(len(tokens)), deadline)
-                self.faults.check("prefill.compute")
-                on_layer = None
-                if streams:  # the table takes the pages at the engine's first layer (RequestTable.handover)
-                    on_layer = self.requests.handover(
-                        r, kv, LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
-                    )
-                else:  # the sends are laid out while the engine computes
-                    self.requests.allocated(r, self.pool.index_set(kv))
-                first_token = self.model.prefill(self.pool, kv, tokens, room, on_layer=on_layer).first_token
-                r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
-                r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
-                if self.faults.hit("prefill.flip"):  # a wrong computation: only the colocated check catches it
-                    log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv))
-                if self.model.byte_digest:
-                    self._digest(r, kv)  # (beside the sends: their TransferDone carries it)
-                held, kv = kv, None
-                self.requests.computed(r, held)  # only now may a transfer see it whole (AUX row last)
+                first_token = self._compute(r, tokens, streams, t0)
         except (KVPoolError, DisaggError) as exc:
             if isinstance(exc, (Overloaded, ValueError)):
                 refused = exc
             self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
-        finally:
-            if kv is not None:  # raised after the pages were allocated (the engine, an injected fault):
-                # the table fails r and decides who frees them
-                self.requests.compute_ended(r, kv, "prefill: the model engine failed")
         phase = self.requests.wait(r)
         if refused is not None:
             raise refused
@@ -172,9 +165,56 @@ class PrefillServer(Worker):
             "state": "SUCCESS" if done else "FAILED",
             "reason": r.reason,
             **({"first_token": first_token} if done else {}),
+            **({"prefix_tokens": r.hit.prefix_len if r.hit else 0} if self.cache is not None else {}),
             **timings,
             **self._report(r),
         }
+
+    def _compute(self, r: PrefillRequest, tokens: np.ndarray, streams: bool, t0: float) -> int:
+        """Admit r (on its longest cached prefix, with the prefix cache), compute the rest of its
+        KV and hand it to the table; returns the first token. Raises what admission or the
+        engine raises, after handing the pages to the table (it fails r and frees them)."""
+        deadline = time.monotonic() + self.config.deadlines.waiting_s
+        kv, r.hit = self.admission.admit(len(tokens), lambda: self._alloc(tokens), deadline)
+        cached = r.hit.prefix_len if r.hit is not None else 0
+        try:
+            self.faults.check("prefill.compute")
+            on_layer = None
+            if streams:  # the table takes the pages at the engine's first layer (RequestTable.handover)
+                on_layer = self.requests.handover(
+                    r, kv, LayerProgress(self.pool.config.model.num_layers, self.pool.config.device)
+                )
+            else:  # the sends are laid out while the engine computes
+                self.requests.allocated(r, self.pool.index_set(kv))
+            first_token = self.model.prefill(
+                self.pool, kv, tokens, r.room, on_layer=on_layer, cached=cached
+            ).first_token
+            r.timings["prefill_ms"] = (time.perf_counter() - t0) * 1e3
+            r.timings["prefill_done_at"] = time.time()  # wall clock: the router measures hand-off with it
+            flipped = self.faults.hit("prefill.flip")
+            if flipped:  # a wrong computation: only the colocated check catches it (and it is not cached)
+                log.warning("room %d: injected fault at prefill.flip: %s", r.room, flip_byte(self.pool, kv, cached))
+            if self.model.byte_digest:
+                self._digest(r, kv)  # (beside the sends: their TransferDone carries it)
+            if r.hit is not None and not flipped:  # what a later prompt's prefill would compute the same
+                r.kept = tokens[: self.model.reusable(len(tokens), len(tokens))]
+            held, kv = kv, None
+            self.requests.computed(r, held)  # only now may a transfer see it whole (AUX row last)
+        except (KVPoolError, DisaggError) as exc:  # (its reason, before the finally's)
+            self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
+            raise
+        finally:
+            if kv is not None:  # raised after the pages were allocated (the engine, an injected fault):
+                # the table fails r and decides who frees them
+                self.requests.compute_ended(r, kv, "prefill: the model engine failed")
+        return first_token
+
+    def _alloc(self, tokens: np.ndarray) -> tuple[RequestKV, Hit | None]:
+        """A request's pages: on its longest cached prefix with the prefix cache (cached pages
+        nobody uses are evicted before it waits), else all its own."""
+        if self.cache is not None:
+            return self.cache.admit(tokens)
+        return self.pool.alloc_request(len(tokens)), None
 
     def _digest(self, r: PrefillRequest, kv) -> None:
         """Start the digest of the KV as the engine wrote it, which decode checks what arrived
@@ -285,7 +325,9 @@ class PrefillServer(Worker):
         )
 
     def available(self) -> dict[str, int]:
-        return self.pool.available()
+        """What a new request can take of the pool: its free capacity, and the cached pages
+        nobody uses (evicted for it)."""
+        return self.cache.available() if self.cache is not None else self.pool.available()
 
     def readiness(self) -> dict:
         """/ready: started, and the bootstrap still lists us as our rank's holder (else decode
@@ -306,7 +348,8 @@ class PrefillServer(Worker):
         restart cannot take a rank from a live holder, and decode that registered here is
         still served. It shows the lease, for a person looking."""
         hold, why = self.lease.state
-        return {**super().health(), "bootstrap_lease": hold.value + (f": {why}" if why else "")}
+        cache = {"prefix_cache": self.cache.stats()} if self.cache is not None else {}
+        return {**super().health(), "bootstrap_lease": hold.value + (f": {why}" if why else ""), **cache}
 
     def threads(self) -> dict[str, bool]:
         """For /health: whether each thread this process cannot serve without is alive."""

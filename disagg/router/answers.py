@@ -39,7 +39,8 @@ class WorkerAnswer(msgspec.Struct, frozen=True, kw_only=True):
     check_ms: float | None = None  # ms, decode
     kv_ready_at: float | None = None  # s, wall clock: decode had the whole KV
     ranks: int = 1  # the instance's ranks merged into it
-    prefix_tokens: Count | None = None  # decode: prompt positions taken from its prefix cache (None: not said)
+    # prompt positions taken from its prefix cache (decode: not received; prefill: not computed); None: not said
+    prefix_tokens: Count | None = None
     reused_bytes: Count | None = None  # decode: KV bytes it did not receive thanks to them
     report: TransferReport | None = None  # what its sends did (None: the answer carries no report)
 
@@ -116,7 +117,7 @@ def merge_ranks(outs: list[WorkerAnswer], role: str = "decode") -> WorkerAnswer:
 
 
 def _reused(outs: list[WorkerAnswer]) -> dict:
-    """What an instance's decode ranks reused of their prefix caches. Each rank keeps its own
+    """What an instance's ranks reused of their prefix caches. Each rank keeps its own
     cache and may hit differently: the bytes not received add up (like the bytes moved), and the
     instance reused the prompt positions that every rank held (the fewest), so that
     prefix_tokens / prompt_tokens is a hit rate at any TP."""
@@ -183,6 +184,9 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # and the KV bytes that did not move thanks to them, all ranks; left out where decode said nothing
     prefix_tokens: int | None = None
     reused_bytes: int | None = None
+    # prefill's prefix cache: prompt positions every prefill rank had cached and did not compute;
+    # left out where prefill said nothing (its cache off)
+    prefill_cached_tokens: int | None = None
     mode: str | None
     transport: str | None
     streamed: bool

@@ -397,6 +397,7 @@ class Router:
             nbytes=dec.report.nbytes if dec.report else 0,
             prefix_tokens=dec.prefix_tokens,
             reused_bytes=dec.reused_bytes,
+            prefill_cached_tokens=pre.prefix_tokens,
             mode=dec.report.mode if dec.report else None,
             transport=dec.report.transport if dec.report else None,
             streamed=bool(pre.report and pre.report.streamed),

@@ -28,8 +28,8 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="URL",
         help="multiturn: a second router the same workload then runs through, summarized side by side "
-        "(e.g. a stack whose decode runs --no-prefix-cache); each is labelled by what its decode "
-        "workers say of their prefix cache",
+        "(e.g. a stack whose decode and prefill run --no-prefix-cache); each is labelled by what its "
+        "decode workers say of their prefix cache, and says what its prefill workers say of theirs",
     )
     add_workload_flags(p)
     p.add_argument(
@@ -46,7 +46,8 @@ def add_workload_flags(p: argparse.ArgumentParser) -> None:
         choices=["random", "multiturn"],
         help="random: --requests prompts of --prompt-len random tokens; multiturn: --conversations "
         "of --turns, each turn resending the conversation so far (see --system-prompt-len, "
-        "--user-len), a table per turn of bytes moved, transfer time, TTFT and prefix-cache hit rate",
+        "--user-len), a table per turn of bytes moved, transfer time, prefill compute, TTFT and both "
+        "prefix caches' hit rates",
     )
     p.add_argument("--requests", type=positive_int, default=32, help="requests to send in all (a count)")
     p.add_argument("--concurrency", type=positive_int, default=4, help="requests in flight at once (a count)")
@@ -107,10 +108,13 @@ def run_multiturn(routers: list[str], args: argparse.Namespace) -> dict:
         )
     shape = multiturn.Shape.of(args)
     extra = {"stream_layers": args.stream_layers} if args.stream_layers else {}
-    runs = multiturn.send(multiturn.targets(routers), shape, args.concurrency, not args.no_progress, extra)
+    targets = multiturn.targets(routers)
+    runs = multiturn.send(targets, shape, args.concurrency, not args.no_progress, extra)
     write_plot(runs, args)
+    prefill = {t.label: t.prefill_cache for t in targets}
     return multiturn.outcome(
-        shape, {run.label: multiturn.summarize(run, summarize(run.results, run.wall)) for run in runs}
+        shape,
+        {run.label: multiturn.summarize(run, summarize(run.results, run.wall), prefill[run.label]) for run in runs},
     )
 
 

@@ -131,6 +131,20 @@ def say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)  # progress: stderr, so --json keeps stdout
 
 
+def start_prefill(launcher, args: argparse.Namespace, flags: list[str], cache: list[str], what: str) -> list[dict]:
+    """A prefill instance of `flags` and `cache` (its prefix-cache flag, or none: the default)
+    with a bootstrap of its own: its ranks."""
+    say(f"starting prefill ({what}, TP {args.prefill_tp}{''.join(', ' + c.lstrip('-') for c in cache)}) ...")
+    prefill = launcher.start_instance(
+        "prefill", args.prefill_tp, *flags, *cache, "--bootstrap-bind", "tcp://127.0.0.1:*"
+    )
+    say(
+        f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
+        f"{prefill[0]['pool']['human']} per rank"
+    )
+    return prefill
+
+
 def decode_and_router(
     launcher, args: argparse.Namespace, prefill: list[dict], flags: list[str], device: str, cache: list[str]
 ) -> str:
@@ -211,29 +225,16 @@ def run(args: argparse.Namespace) -> int:
         )
     }
     prefill_device, decode_device = devices(args.device)
+    prefill_flags = [*pool, *pages["prefill"], "--device", prefill_device]
+    if args.simulate_layer_ms:
+        prefill_flags += ["--simulate-layer-ms", str(args.simulate_layer_ms)]
     with Launcher(logs=args.worker_logs) as launcher:
-        say(f"starting prefill ({name}, engine {engine}, {prefill_device}, TP {args.prefill_tp}) ...")
-        prefill = launcher.start_instance(
-            "prefill",
-            args.prefill_tp,
-            *pool,
-            *pages["prefill"],
-            "--device",
-            prefill_device,
-            "--bootstrap-bind",
-            "tcp://127.0.0.1:*",
-            *(["--simulate-layer-ms", str(args.simulate_layer_ms)] if args.simulate_layer_ms else []),
-        )
-        say(
-            f"  prefill ready in {sum(r['started_s'] for r in prefill):.1f} s on {urls(prefill)}, pool "
-            f"{prefill[0]['pool']['human']} per rank"
-        )
-        # multiturn: the same prefill feeds two decodes, prefix cache on and off, each behind its router
+        # multiturn: two stacks, both prefix caches on and both off, each behind its router
         caches = [["--prefix-cache"], ["--no-prefix-cache"]] if args.workload == "multiturn" else [[]]
-        routers = [
-            decode_and_router(launcher, args, prefill, [*pool, *pages["decode"]], decode_device, cache)
-            for cache in caches
-        ]
+        routers = []
+        for cache in caches:
+            prefill = start_prefill(launcher, args, prefill_flags, cache, f"{name}, engine {engine}, {prefill_device}")
+            routers.append(decode_and_router(launcher, args, prefill, [*pool, *pages["decode"]], decode_device, cache))
         if args.workload == "multiturn":
             return _multiturn(routers, args, name, engine)
         say(f"{args.requests} requests, {args.concurrency} at a time, prompts of {args.prompt_len} tokens")

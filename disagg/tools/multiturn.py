@@ -9,7 +9,8 @@ Conversations run `--concurrency` at a time, the turns of one in order (a turn n
 previous answer). The same workload runs through each router given, interleaved by
 conversation (a stack with decode's prefix cache on and one with it off: side by side in one
 run, under the same conditions), and each is summarized per request, per turn and as a whole: bytes moved, transfer time, TTFT and the
-cache hit rate (prefix tokens / prompt tokens)."""
+cache hit rate (prefix tokens / prompt tokens), and prefill's: the share of prompt tokens it did
+not compute (its own prefix cache) and its compute time."""
 
 import argparse
 import statistics
@@ -89,11 +90,18 @@ class Shape:
 @dataclass(frozen=True)
 class Target:
     """A router the workload runs through, labelled by what its decode workers say of their
-    prefix cache (/health): reuse_on, reuse_off, or reuse_unknown."""
+    prefix cache (/health): reuse_on, reuse_off, or reuse_unknown; `prefill_cache` says the
+    same of its prefill workers' (on, off, unknown)."""
 
     label: str
     url: str
     vocab: int
+    prefill_cache: str = "unknown"
+
+
+def cache_state(healths: list[dict]) -> str:
+    """on where every worker's /health shows its prefix cache, off where one does not, unknown for none."""
+    return "unknown" if not healths else "on" if all("prefix_cache" in h for h in healths) else "off"
 
 
 def targets(routers: list[str]) -> list[Target]:
@@ -103,12 +111,13 @@ def targets(routers: list[str]) -> list[Target]:
     for i, url in enumerate(routers):
         workers = router_workers(url)
         decodes = [h for h in workers.values() if h.get("role") == "decode"]
-        reuse = "unknown" if not decodes else "on" if all("prefix_cache" in h for h in decodes) else "off"
+        reuse = cache_state(decodes)
+        prefill = cache_state([h for h in workers.values() if h.get("role") == "prefill"])
         vocabs = [h["vocab_size"] for h in workers.values() if type(h.get("vocab_size")) is int]
         label = f"reuse_{reuse}"
         if any(t.label == label for t in out):
             label = f"{label}_{i + 1}"
-        out.append(Target(label, url, min(vocabs, default=DEFAULT_VOCAB)))
+        out.append(Target(label, url, min(vocabs, default=DEFAULT_VOCAB), prefill))
     return out
 
 
@@ -179,6 +188,7 @@ def ttft_ms(result: dict) -> float | None:
 
 def per_request(result: dict) -> dict:
     prompt, prefix = result.get("prompt_tokens", 0), result.get("prefix_tokens") or 0
+    cached = result.get("prefill_cached_tokens") or 0
     t = result.get("timings_ms") or {}
     return {
         "conversation": result["conversation"],
@@ -187,6 +197,9 @@ def per_request(result: dict) -> dict:
         "prompt_tokens": prompt,
         "prefix_tokens": prefix,
         "hit_rate": round(prefix / prompt, 4) if prompt else 0.0,
+        "prefill_cached_tokens": cached,
+        "prefill_hit_rate": round(cached / prompt, 4) if prompt else 0.0,
+        "compute_ms": t.get("prefill"),
         "bytes": result.get("bytes", 0),
         "reused_bytes": result.get("reused_bytes") or 0,
         "transfer_ms": t.get("transfer"),
@@ -205,9 +218,11 @@ def figures(rows: list[dict]) -> dict:
         "ok": len(ok),
         "prompt_tokens": round(prompt / len(ok), 1) if ok else 0.0,
         "hit_rate": round(sum(r["prefix_tokens"] for r in ok) / prompt, 4) if prompt else 0.0,
+        "prefill_hit_rate": round(sum(r["prefill_cached_tokens"] for r in ok) / prompt, 4) if prompt else 0.0,
         "bytes_per_request": round(statistics.fmean(r["bytes"] for r in ok)) if ok else 0,
         "reused_bytes_per_request": round(statistics.fmean(r["reused_bytes"] for r in ok)) if ok else 0,
         "transfer_ms": spread([r["transfer_ms"] for r in ok]),
+        "compute_ms": spread([r["compute_ms"] for r in ok]),
         "ttft_ms": spread([r["ttft_ms"] for r in ok]),
     }
 
@@ -220,13 +235,15 @@ def spread(values: list[float | None]) -> dict:
     return {"p50": round(float(q[0]), 3), "p90": round(float(q[1]), 3), "mean": round(statistics.fmean(present), 3)}
 
 
-def summarize(run: Run, base: dict) -> dict:
+def summarize(run: Run, base: dict, prefill_cache: str = "unknown") -> dict:
     """bench's summary of the run (`base`: failures, latency per phase, ...) with the
-    multi-turn figures: over all requests, per turn, and each request's."""
+    multi-turn figures: over all requests, per turn, and each request's (`prefill_cache`: what
+    its prefill workers said of their prefix cache)."""
     rows = sorted((per_request(r) for r in run.results), key=lambda r: (r["conversation"], r["turn"]))
     turns = sorted({r["turn"] for r in rows})
     return {
         **base,
+        "prefill_cache": prefill_cache,
         **figures(rows),
         "per_turn": [{"turn": t, **figures([r for r in rows if r["turn"] == t])} for t in turns],
         "per_request": rows,
@@ -234,7 +251,8 @@ def summarize(run: Run, base: dict) -> dict:
 
 
 def compare(summaries: dict[str, dict]) -> dict:
-    """reuse off / reuse on: how many times fewer bytes, less transfer time and TTFT (p50)."""
+    """reuse off / reuse on: how many times fewer bytes, less transfer time, prefill compute
+    and TTFT (p50)."""
     on, off = summaries.get("reuse_on"), summaries.get("reuse_off")
     if on is None or off is None:
         return {}
@@ -245,6 +263,7 @@ def compare(summaries: dict[str, dict]) -> dict:
     return {
         "bytes_fewer_x": times(off["bytes_per_request"], on["bytes_per_request"]),
         "transfer_ms_p50_less_x": times(off["transfer_ms"].get("p50"), on["transfer_ms"].get("p50")),
+        "compute_ms_p50_less_x": times(off["compute_ms"].get("p50"), on["compute_ms"].get("p50")),
         "ttft_ms_p50_less_x": times(off["ttft_ms"].get("p50"), on["ttft_ms"].get("p50")),
     }
 
@@ -263,7 +282,7 @@ def all_served(out: dict) -> bool:
 
 
 # ---- the table -----------------------------------------------------------------------------------
-COLUMNS = (("hit %", 6), ("MB/req", 9), ("xfer ms", 9), ("TTFT ms", 9))  # per run: name, width
+COLUMNS = (("hit %", 6), ("MB/req", 9), ("xfer ms", 9), ("pf hit %", 8), ("comp ms", 9), ("TTFT ms", 9))  # per run
 
 
 def _cells(f: dict) -> str:
@@ -273,6 +292,8 @@ def _cells(f: dict) -> str:
         f"{100 * f['hit_rate']:.1f}",
         f"{f['bytes_per_request'] / 1e6:.3f}",
         _ms(f["transfer_ms"].get("p50")),
+        f"{100 * f['prefill_hit_rate']:.1f}",
+        _ms(f["compute_ms"].get("p50")),
         _ms(f["ttft_ms"].get("p50")),
     )
     return " ".join(f"{v:>{w}}" for v, (_, w) in zip(values, COLUMNS))
@@ -292,7 +313,11 @@ def print_table(out: dict) -> None:
         f"{w['answer_tokens']} tokens"
     )
     width = sum(c + 1 for _, c in COLUMNS) - 1
-    print(f"{'':<14}" + "".join(f" | {label.replace('_', ' '):<{width}}" for label in runs))
+    names = {
+        label: f"{label.replace('_', ' ')} (prefill cache {s.get('prefill_cache', 'unknown')})"
+        for label, s in runs.items()
+    }
+    print(f"{'':<14}" + "".join(f" | {names[label]:<{width}}" for label in runs))
     print(f"{'turn':<5}{'prompt':>9}" + " | ".join([""] + [" ".join(f"{n:>{c}}" for n, c in COLUMNS)] * len(runs)))
     first = next(iter(runs.values()))
     for i, row in enumerate(first["per_turn"]):
@@ -300,16 +325,18 @@ def print_table(out: dict) -> None:
         print(f"{row['turn']:<5}{row['prompt_tokens']:>9.0f}" + " | ".join([""] + cells))
     print(f"{'all':<5}{first['prompt_tokens']:>9.0f}" + " | ".join([""] + [_cells(s) for s in runs.values()]))
     print(
-        "(hit %: prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the send, p50, which "
-        "holds the compute it overlaps where streamed layer-wise; TTFT: prefill taking the request -> decode "
-        "holding its KV, p50)"
+        "(hit %: decode's prefix tokens / prompt tokens; MB/req: KV bytes moved per request; xfer: the send, "
+        "p50, which holds the compute it overlaps where streamed layer-wise; pf hit %: prompt tokens prefill "
+        "did not compute (its prefix cache); comp: prefill's compute, p50; TTFT: prefill taking the request "
+        "-> decode holding its KV, p50)"
     )
     if out["reuse_on_vs_off"]:
         on, off = runs["reuse_on"], runs["reuse_off"]
         print(
             f"reuse off -> on: {off['bytes_per_request'] / 1e6:.3f} -> {on['bytes_per_request'] / 1e6:.3f} MB per "
             f"request ({_x(out['reuse_on_vs_off']['bytes_fewer_x'])} fewer), transfer p50 "
-            f"{_ms(off['transfer_ms'].get('p50'))} -> {_ms(on['transfer_ms'].get('p50'))} ms, TTFT p50 "
+            f"{_ms(off['transfer_ms'].get('p50'))} -> {_ms(on['transfer_ms'].get('p50'))} ms, prefill compute "
+            f"p50 {_ms(off['compute_ms'].get('p50'))} -> {_ms(on['compute_ms'].get('p50'))} ms, TTFT p50 "
             f"{_ms(off['ttft_ms'].get('p50'))} -> {_ms(on['ttft_ms'].get('p50'))} ms"
         )
     for label, s in runs.items():

@@ -55,6 +55,7 @@ class WorkerSettings:
     engine: str = "auto"  # the model engine (disagg.engine.registry)
     simulate_layer_ms: float = 0.0  # stand-in engine: simulated compute per layer in prefill
     model_source: ModelSource | None = None  # --model / --model-type (None: the preset's own model)
+    prefill_chunk: int | None = None  # model engine: tokens per prefill pass (None: the family's)
 
 
 class Worker:
@@ -66,6 +67,7 @@ class Worker:
             settings.pool.resolved_device(),
             settings.simulate_layer_ms,
             settings.model_source,
+            prefill_chunk=settings.prefill_chunk,
         )
         try:
             pool_config = settings.pool.pool_config(self.model.spec, swa_window_only)

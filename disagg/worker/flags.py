@@ -12,6 +12,7 @@ from disagg.checks import (
     byte_size,
     cuda_device,
     device_name,
+    non_negative_int,
     port,
     positive_int,
     power_of_two,
@@ -223,6 +224,16 @@ def add_model_flags(g) -> None:
         choices=["auto", "float32", "bfloat16", "float16"],
         help="weights and KV dtype of --model / --model-type (auto: the config's; float32 for --model-type)",
     )
+    g.add_argument(
+        "--prefill-chunk",
+        type=non_negative_int,
+        default=None,
+        metavar="N",
+        help="model engine: tokens per prefill pass, at positions that are multiples of N, so a prompt's "
+        "whole chunks are the same bits in any longer prompt (the prefix caches reuse them; 0: one pass, "
+        "no reuse; default: the family's, 8 for tiny-model-*, 0 for --model / --model-type); prefill and "
+        "decode must run the same (checked at registration)",
+    )
 
 
 def model_source(args: argparse.Namespace, page_size: int | None = None):
@@ -321,6 +332,7 @@ def worker_settings(args: argparse.Namespace) -> dict:
         auth=key_of(args),
         engine=args.engine,
         model_source=model_source(args, args.page_size),
+        prefill_chunk=args.prefill_chunk,
     )
 
 

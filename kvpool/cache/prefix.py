@@ -1,4 +1,5 @@
-r"""PrefixCache: decode's own KV of finished requests, reused as the prefix of new ones.
+r"""PrefixCache: a worker's own KV of finished requests, reused as the prefix of new ones
+(decode: what it need not receive; prefill: what it need not compute).
 
     admit(tokens) ── match the longest cached prefix (whole pages, capped) ──> Hit (held)
          └── pool.alloc_request(prefix=hit pages): only the rest is allocated; short of
@@ -20,12 +21,18 @@ What decode must hold of a prefix of `p` tokens for a prompt of `n` (transfer.su
     AUX              the request's own row.
 The hit leaves prefill at least the prompt's last token to compute (p <= (n - 1) // P * P).
 
+On prefill (`window_only=False`: a request holds the SWA pages of every position, so every
+cached page has its own), the hit is also a multiple of `align` tokens: the model engine
+computes prompts in passes at multiples of its chunk, and a computation that resumes after
+the hit must start where a pass of the whole prompt starts (disagg.engine.model.reuse).
+
 What it holds is published by chained page key (kvpool.cache.blocks.chain_keys: a page's key
 covers its whole prefix, so anyone with the token ids can look a prompt up): every page kept
 or evicted is a journal entry (kvpool.cache.journal), and `published(since)` answers a reader
 with what changed since it last looked, or everything when it is new or fell behind.
 """
 
+import math
 import threading
 from dataclasses import dataclass
 
@@ -52,9 +59,15 @@ class Hit:
 
 
 class PrefixCache:
-    def __init__(self, pool: HybridPool):
+    def __init__(self, pool: HybridPool, *, window_only: bool = True, align: int = 1):
+        """window_only: requests hold SWA pages for the window only (decode), else for every
+        position (prefill); align: a hit's length is a multiple of it (tokens)."""
+        if not isinstance(align, int) or align < 1:
+            raise AllocatorError(f"align must be a positive number of tokens, got {align!r}")
         self.pool = pool
         self.page_size = pool.page_size
+        self.window_only = window_only
+        self._step = math.lcm(align, pool.page_size) // pool.page_size  # a hit is a multiple of these pages
         self.tree = RadixTree(pool.page_size)
         self._lock = threading.Lock()
         self.hit_tokens = 0  # prefix positions requests took (cumulative)
@@ -102,24 +115,26 @@ class PrefixCache:
         n, page = len(tokens), self.page_size
         match = self.tree.match(tokens, (n - 1) // page)
         usable = self._swa_usable(match, n)
+        usable -= usable % self._step
         if usable < match.num_pages:
             match = self.tree.match(tokens, usable)
         return Hit(match, match.num_pages * page)
 
     def _swa_usable(self, match: Match, n: int) -> int:
         """How many of the matched pages a prompt of n may take: up to the first one in its
-        window without an SWA page (those below the window need none)."""
+        window without an SWA page (those below the window need none; with window_only False
+        every page needs its own)."""
         swa = self.pool.swa_allocator
         if swa is None:
             return match.num_pages
-        first = window_first_page(n, self.pool.config.model.swa.window, self.page_size)
+        first = window_first_page(n, self.pool.config.model.swa.window, self.page_size) if self.window_only else 0
         backed = swa.translate(match.pages[first:]) != SENTINEL
         return match.num_pages if backed.all() else first + int(np.argmin(backed))
 
     def _alloc(self, n: int, grow_to: int | None, prefix: np.ndarray) -> RequestKV:
         while True:
             try:
-                return self.pool.alloc_request(n, swa_window_only=True, grow_to=grow_to, prefix=prefix)
+                return self.pool.alloc_request(n, swa_window_only=self.window_only, grow_to=grow_to, prefix=prefix)
             except OutOfSpace as exc:
                 if not self._evict_for(exc):
                     raise

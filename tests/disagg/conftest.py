@@ -12,10 +12,10 @@ class StuckEngine(StandInEngine):
         super().__init__()
         self.entered, self.release = threading.Event(), threading.Event()
 
-    def prefill(self, pool, req, token_ids, room, on_layer=None):
+    def prefill(self, pool, req, token_ids, room, on_layer=None, *, cached=0):
         self.entered.set()
         self.release.wait(30)
-        return super().prefill(pool, req, token_ids, room, on_layer)
+        return super().prefill(pool, req, token_ids, room, on_layer, cached=cached)
 
 
 @pytest.fixture(name="StuckEngine")

@@ -50,6 +50,8 @@ def _run(*args: str, shell: str | None = None) -> subprocess.CompletedProcess:
             "--preset: invalid choice: 'gpt-oss' (choose from 'gpt-oss-120b'",
         ),
         (["prefill", *POOL, "--http-port", "70000"], "--http-port: 70000 is not a port in [0, 65535]"),
+        (["prefill", *POOL, "--prefill-chunk", "-8"], "--prefill-chunk: -8"),
+        (["decode", *POOL[:4], "--prefill-chunk", "8"], "--prefill-chunk is for the model engine"),
         (["decode", *POOL[:4], "--dead-after", "-1"], "--dead-after: -1 must be a positive number of seconds"),
         (
             ["decode", "--preset", "tiny-swa", "--tp-size", "3", "--device", "cpu"],

@@ -95,7 +95,9 @@ def test_kill_one_prefill_rank_mid_transfer(eventually):
         )
         router2 = _router(launcher, [prefill[0], again], decode)
         assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
-        assert all(pool_free(r["http"]) == initial[r["http"]] for r in survivors)
+        assert all(pool_free(r["http"]) == initial[r["http"]] for r in survivors), [
+            (pool_free(r["http"]), initial[r["http"]]) for r in survivors
+        ]
 
 
 def test_kill_one_decode_rank_mid_transfer(eventually):
@@ -123,4 +125,6 @@ def test_kill_one_decode_rank_mid_transfer(eventually):
         again = launcher.start("decode", *decode_args, "--tp-size", "2", "--tp-rank", "1")
         router2 = _router(launcher, prefill, [decode[0], again])
         assert all(r["ok"] and r["verified"] for r in requests(router2, [100, 2000, 3000]))
-        assert all(pool_free(r["http"]) == initial[r["http"]] for r in survivors)
+        assert all(pool_free(r["http"]) == initial[r["http"]] for r in survivors), [
+            (pool_free(r["http"]), initial[r["http"]]) for r in survivors
+        ]

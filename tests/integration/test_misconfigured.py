@@ -96,3 +96,42 @@ def test_a_pair_of_different_models_is_down_before_any_request(eventually, tmp_p
     assert (
         "WARNING refused a decode's registration: layout mismatch: prefill tiny-hybrid vs decode tiny-mamba" in logged
     ), logged[-3000:]
+
+
+def test_prefill_and_decode_computing_prompts_in_other_passes_are_refused_naming_both(eventually):
+    """--prefill-chunk on both roles is part of the model's identity: decode caches a prompt's
+    whole chunks and checks against the colocated run in its own passes, so a prefill of
+    16-token passes and a decode of one pass are a pair that is down, and say both values."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISAGG_")}
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    model = ["--preset", "tiny-model-gpt-oss", "--engine", "model", *COMMON]
+    prefill = spawn(
+        [DISAGG, "prefill", *model, "--prefill-chunk", "16", "--bootstrap-bind", "tcp://127.0.0.1:0"], **pipes
+    )
+    decode = None
+    try:
+        p = _ready_line(prefill)
+        decode_url = f"http://127.0.0.1:{_free_port()}"
+        decode = spawn(
+            [DISAGG, "decode", *model, "--prefill-chunk", "0", "--bootstrap-addr", p["bootstrap"]]
+            + ["--http-port", decode_url.rsplit(":", 1)[1]],
+            **pipes,
+        )
+        eventually(
+            lambda: "layout mismatch" in _get(decode_url + "/ready")[1].get("why", ""),
+            120,
+            "decode unready with the difference",
+        )
+        status, ready = _get(decode_url + "/ready")
+        assert (
+            status == 503
+            and (
+                "prefill chunk (--prefill-chunk): prefill 16 tokens, decode 0 (one pass) "
+                "(both sides must compute prompts in the same passes)"
+            )
+            in ready["why"]
+        ), ready
+    finally:
+        for proc in (decode, prefill):
+            if proc is not None:
+                reap(proc)

@@ -4,8 +4,12 @@ its answer and a few new tokens, reuses decode's cached prefix from the second t
 (decode's /health counts the hit tokens), prefill's digest of the new prompt covers the reused
 bytes (verified), and decode's tokens and logits equal the colocated run's bit for bit
 (--check-rate 1): for gpt-oss (SWA), qwen3-next (GDN), nemotron-h (Mamba2) and deepseek-v3.2
-(MLA + NSA) at TP 1, prefill TP 2 to decode TP 1, and pages of different sizes. A family whose
-model code cannot continue a cache with chunked passes (jamba) runs without the cache."""
+(MLA + NSA) at TP 1, prefill TP 2 to decode TP 1, and pages of different sizes. Prefill's own
+prefix cache computes only what follows the last prompt's whole chunks where the engine can
+resume with the same bits (gpt-oss, deepseek-v3.2 at TP 1: the colocated check then covers a
+prefill hit and a decode hit together); with state layers or on a TP shard prefill computes
+every prompt whole and its cache is off. A family whose model code cannot continue a cache
+with chunked passes (jamba) runs without the cache."""
 
 import json
 import random
@@ -29,6 +33,7 @@ STACKS = {  # id: (preset, prefill TP, decode TP, prefill page size, decode page
     "gpt-oss TP 2->1": ("tiny-model-gpt-oss", 2, 1, 4, 4),
     "nemotron-h pages 4->16": ("tiny-model-nemotron-h", 1, 1, 4, 16),
 }
+PREFILL_RESUMES = {"gpt-oss", "deepseek-v32"}  # prefill's cache on (state layers, a TP shard: off)
 
 
 def _health(http: str) -> dict:
@@ -91,6 +96,11 @@ def test_three_turns_reuse_decodes_cache_and_equal_the_colocated_run(stack_id):
             # decode's, leaving prefill the prompt's last token
             want = min(cached // page * page, (len(prompt) - 1) // page * page)
             assert hits(s) - before == want * m and (turn == 0 or want > 0), (turn, want)
+            if stack_id in PREFILL_RESUMES:  # whole chunks of the last prompt, whole pages, aligned
+                skipped = min(cached, (len(prompt) - 1) // p_page * p_page) // CHUNK * CHUNK
+                assert r["prefill_cached_tokens"] == skipped and (turn == 0 or skipped > 0), (turn, r)
+            else:
+                assert "prefill_cached_tokens" not in r, r
             cached = len(prompt) // CHUNK * CHUNK
             prompt = prompt + r["output_tokens"] + [rng.randrange(VOCAB) for _ in range(5)]
 

@@ -3,7 +3,8 @@ processes on loopback (stand-in engine, Mooncake): one prefill feeds two decodes
 on and off, each behind its own router; the same conversations run through both. With reuse
 on a later turn moves only what decode lacks (its system prompt and the turns before are
 decode's own), with it off the whole prompt moves, and what did not move is exactly the
-difference."""
+difference. Prefill's own prefix cache (on in the shared prefill) computes only what follows
+what it computed before; the demo's stacks each have their own prefill, caches on and off."""
 
 import json
 import subprocess
@@ -108,6 +109,12 @@ def test_later_turns_move_only_what_decode_lacks_with_reuse_on_and_everything_wi
     other = next(a for a, _ in pairs if a["conversation"] == 1 and a["turn"] == 1)
     assert other["prefix_tokens"] == SYSTEM  # the shared system prompt, from conversation 0
     assert off["hit_rate"] == 0 < on["hit_rate"] and out["reuse_on_vs_off"]["bytes_fewer_x"] > 2
+    # the prefill both routers share caches: each turn after the first of a conversation skips
+    # the whole pages of the prompt before it, in either run (the other run computed them first)
+    assert on["prefill_cache"] == off["prefill_cache"] == "on"
+    for a, b in pairs:
+        assert a["turn"] == 1 or a["prefill_cached_tokens"] >= SYSTEM, a
+        assert a["compute_ms"] > 0 and b["compute_ms"] > 0
 
 
 def test_the_table_puts_reuse_on_and_off_side_by_side(routers):
@@ -133,4 +140,7 @@ def test_the_demo_runs_it_through_two_stacks_of_its_own():
     out = json.loads(done.stdout)
     assert set(out["runs"]) == {"reuse_on", "reuse_off"} and out["workload"]["preset"] == "tiny-hybrid"
     assert out["runs"]["reuse_on"]["hit_rate"] > 0 == out["runs"]["reuse_off"]["hit_rate"]
+    on, off = out["runs"]["reuse_on"], out["runs"]["reuse_off"]  # both caches on, both off
+    assert (on["prefill_cache"], off["prefill_cache"]) == ("on", "off")
+    assert on["prefill_hit_rate"] > 0 == off["prefill_hit_rate"]
     assert all(run["verified"] == 6 for run in out["runs"].values())

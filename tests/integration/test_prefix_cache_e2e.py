@@ -1,9 +1,10 @@
-"""Decode's prefix cache with real processes on loopback (stand-in engine, Mooncake between
-every pair of ranks): a second turn moves only its suffix and still verifies every byte
-(the reused prefix included), TP and page-size differences included; a small decode pool under
-many conversations keeps admitting by evicting, and every count comes back; transfers that
-fail midway leave nothing in the cache (a later turn that reused their pages would fail its
-byte check)."""
+"""Decode's and prefill's prefix caches with real processes on loopback (stand-in engine,
+Mooncake between every pair of ranks): a second turn moves only its suffix and still verifies
+every byte (the reused prefix included), TP and page-size differences included, while prefill
+computes only what follows its own cached prefix (shorter or longer than decode's: the two
+are independent); small decode and prefill pools under many conversations keep admitting by
+evicting, and every count comes back; transfers that fail midway leave nothing in decode's
+cache (a later turn that reused their pages would fail its byte check)."""
 
 import json
 import random
@@ -73,10 +74,13 @@ def stack(request):
 
 def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     router, ranks, page = stack["router"], [r["http"] for r in stack["decode"]], stack["page"]
+    prefill = stack["prefill"][0]["http"]
     rng = random.Random(1)
     first = [rng.randrange(50000) for _ in range(203)]
     one = generate(router, first)
     assert one["ok"] and one["verified"], one.get("reason")
+    assert one["prefill_cached_tokens"] == 0
+    computed_before = figure(prefill, "disagg_prefix_cache_hit_tokens_total")
     second = first + one["output_tokens"][:4] + [rng.randrange(50000) for _ in range(40)]
     saved_before = sum(figure(h, "disagg_prefix_cache_saved_bytes_total") for h in ranks)
     hits_before = sum(figure(h, "disagg_prefix_cache_hit_tokens_total") for h in ranks)
@@ -95,12 +99,16 @@ def test_a_second_turn_moves_only_its_suffix_and_verifies(stack):
     # the router's answer says what decode reused: the positions every rank held, the bytes of all
     assert (two["prefix_tokens"], two["reused_bytes"]) == (held, saved)
     assert (fresh["prefix_tokens"], fresh["reused_bytes"]) == (0, 0)
+    # prefill computed only what follows turn one's whole pages (its page is 4): the prompt's
+    # first 200 of its 203 tokens; decode held 204 (pages of 4) or 192 (pages of 16) of them
+    assert (two["prefill_cached_tokens"], fresh["prefill_cached_tokens"]) == (200, 0)
+    assert figure(prefill, "disagg_prefix_cache_hit_tokens_total") - computed_before == 200
     if len(ranks) == 1 and page == 4:  # pages alike on both sides: what moved + what was reused = all
         assert two["bytes"] + saved == fresh["bytes"]
 
 
 def test_the_cache_is_in_health_and_every_count_comes_back(stack):
-    for rank in stack["decode"]:
+    for rank in stack["decode"] + stack["prefill"]:
         cache = json.loads(_get(rank["http"] + "/health"))["prefix_cache"]
         assert cache["cached_tokens"] > 0 and cache["unused_tokens"] == cache["cached_tokens"], cache
         assert metrics.pool_free(_get(rank["http"] + "/metrics"))["full_tokens"] == 4096
@@ -123,9 +131,10 @@ def conversation(router: str, seed: int, turns: int, shared: list[int]) -> list[
 
 @pytest.mark.parametrize("faults", ["", "send.write=0.3"])
 def test_a_full_cache_keeps_admitting_and_failed_transfers_leave_nothing(faults):
-    """Decode holds 1024 tokens: far less than the conversations; with faults, a third of the
-    writes fail midway, and the next turn of that conversation would reuse the half-written
-    pages if they had been cached (its byte check would fail)."""
+    """Decode and prefill hold 1024 tokens each: far less than the conversations; with faults,
+    a third of the writes fail midway, and the next turn of that conversation would reuse the
+    half-written pages if decode had cached them (its byte check would fail). Prefill keeps
+    what it computed either way (a failed send does not change it)."""
     more = ["--inject-faults", faults, "--fault-seed", "3"] if faults else []
     with Launcher() as launcher:
         s = launch(
@@ -135,11 +144,11 @@ def test_a_full_cache_keeps_admitting_and_failed_transfers_leave_nothing(faults)
             1,
             4,
             4,
-            prefill_more=more,
+            prefill_more=[*more, "--max-tokens", "1024", "--queue-wait", "20"],
             decode_more=["--max-tokens", "1024", "--queue-wait", "20"],
         )
-        decode = s["decode"][0]["http"]
-        start = metrics.pool_free(_get(decode + "/metrics"))
+        workers = [s["decode"][0]["http"], s["prefill"][0]["http"]]
+        start = {http: metrics.pool_free(_get(http + "/metrics")) for http in workers}
         shared = [7] * 64
         with ThreadPoolExecutor(4) as pool:
             runs = list(pool.map(lambda i: conversation(s["router"], i, 5, shared), range(12)))
@@ -148,8 +157,9 @@ def test_a_full_cache_keeps_admitting_and_failed_transfers_leave_nothing(faults)
         assert all(r["verified"] for r in answers if r["ok"])
         assert all("verif" not in r.get("reason", "") for r in failed), [r["reason"] for r in failed]
         assert bool(failed) == bool(faults), [r.get("reason") for r in failed]
-        assert figure(decode, "disagg_prefix_cache_evicted_tokens_total") > 0
-        assert figure(decode, "disagg_prefix_cache_hit_tokens_total") > 0
-        cache = json.loads(_get(decode + "/health"))["prefix_cache"]
-        assert cache["unused_tokens"] == cache["cached_tokens"], cache  # no request holds any
-        assert metrics.pool_free(_get(decode + "/metrics")) == start  # nothing leaked
+        for http in workers:
+            assert figure(http, "disagg_prefix_cache_evicted_tokens_total") > 0, http
+            assert figure(http, "disagg_prefix_cache_hit_tokens_total") > 0, http
+            cache = json.loads(_get(http + "/health"))["prefix_cache"]
+            assert cache["unused_tokens"] == cache["cached_tokens"], cache  # no request holds any
+            assert metrics.pool_free(_get(http + "/metrics")) == start[http]  # nothing leaked

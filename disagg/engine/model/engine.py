@@ -36,7 +36,15 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from disagg.engine.base import DecodeOutput, PrefillResult, check_aux, compare_tokens, prompt_digest, stop_if
+from disagg.engine.base import (
+    DecodeOutput,
+    PrefillResult,
+    PrefillReuse,
+    check_aux,
+    compare_tokens,
+    prompt_digest,
+    stop_if,
+)
 from disagg.engine.model import attention
 from disagg.engine.model.cache_io import CacheIO
 from disagg.engine.model.families import family, go_offline, hf_config
@@ -100,8 +108,13 @@ class TransformersEngine:
         self.passes: Passes = pin_passes(self._forward, self._cache, self.vocab_size, name, chunk)
         self.exact_reuse = self.passes.exact
         self.reuse_note = self.passes.note
-        # what the other side checks at registration: the same model, not only the same geometry
-        self.identity = {"config_hash": config_hash(self.config), "weights": weights_fingerprint(self.model)}
+        # what the other side checks at registration: the same model, not only the same geometry,
+        # computing prompts in the same passes (decode caches and checks by its own)
+        self.identity = {
+            "config_hash": config_hash(self.config),
+            "weights": weights_fingerprint(self.model),
+            "prefill_chunk": self.passes.chunk,
+        }
 
     @staticmethod
     def _random(f, seed: int, impl: str):
@@ -148,6 +161,28 @@ class TransformersEngine:
         """ModelEngine.reusable: the positions prefill computes the same way in any longer prompt."""
         return self.passes.reusable(prompt_len, held)
 
+    def prefill_reuse(self, pool: HybridPool) -> PrefillReuse:
+        """ModelEngine.prefill_reuse: resuming after a cached prefix of whole chunks runs the
+        prompt's remaining passes on a cache read from the pool, the same bits as the passes
+        of one go; not with one pass, nor with state layers (Mamba/GDN: the state at the
+        prefix's end would be needed, and prefill keeps no snapshot of it), nor on a TP
+        shard (the pool holds this rank's heads, the passes need every head)."""
+        no = f"{self.preset}: prefill computes every prompt whole"
+        if not self.passes.exact:
+            return PrefillReuse(0, f"{no} (one forward pass: {self.passes.note})")
+        if self._states:
+            return PrefillReuse(
+                0,
+                f"{no}: its state layers (Mamba/GDN) would resume from the state at the cached "
+                "prefix's end, and prefill keeps no snapshot of it",
+            )
+        if CacheIO(pool, self._states).sharded:
+            return PrefillReuse(0, f"{no}: a TP shard's pool holds some heads, and the passes need them all")
+        return PrefillReuse(
+            self.passes.chunk,
+            f"{self.preset}: prefill resumes after a cached prefix of whole {self.passes.chunk}-token chunks",
+        )
+
     def check_pool(self, pool: HybridPool) -> None:
         """The pool must have this model's geometry (one derivation, so this guards a
         hand-built pool or a preset of the same name from elsewhere)."""
@@ -165,9 +200,15 @@ class TransformersEngine:
         token_ids: np.ndarray,
         room: int,
         on_layer: Callable[[int], None] | None = None,
+        *,
+        cached: int = 0,
     ) -> PrefillResult:
         self.check_pool(pool)
-        io, n, cache = CacheIO(pool, self._states), len(token_ids), self._cache()
+        io, n = CacheIO(pool, self._states), len(token_ids)
+        if cached and (not self.prefill_reuse(pool).align or cached % self.passes.chunk or cached >= n):
+            raise ValueError(f"{self.preset}: cannot resume a {n}-token prompt after {cached} cached positions")
+        with torch.no_grad():  # positions [0, cached) as the prompt's earlier passes left them
+            cache = io.read_cache(req, cached, self.config) if cached else self._cache()
 
         span = (0, n)  # the pass under way: the loop below rebinds it, the hook reads it
 
@@ -179,7 +220,7 @@ class TransformersEngine:
         with self._lock:  # the hooks must see this prefill's cache and no other
             self._layer_done = layer_done
             try:
-                for span in self.passes.spans(n):
+                for span in self.passes.spans(n, cached):
                     logits = self._pass(token_ids[span[0] : span[1]], cache)
             finally:
                 self._layer_done = None

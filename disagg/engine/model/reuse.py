@@ -48,10 +48,11 @@ class Passes:
     def exact(self) -> bool:
         return self.chunk > 0
 
-    def spans(self, n: int) -> list[tuple[int, int]]:
-        """The prompt's passes as [start, end) position ranges."""
+    def spans(self, n: int, cached: int = 0) -> list[tuple[int, int]]:
+        """The prompt's passes as [start, end) position ranges (from `cached` on: a multiple
+        of the chunk, the passes before it done)."""
         size = self.chunk or max(n, 1)
-        return [(start, min(start + size, n)) for start in range(0, n, size)]
+        return [(start, min(start + size, n)) for start in range(cached, n, size)]
 
     def reusable(self, prompt_len: int, held: int) -> int:
         """Of a finished request's `held` positions (a prompt of prompt_len, then generated

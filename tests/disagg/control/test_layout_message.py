@@ -325,3 +325,21 @@ def test_another_checkpoint_of_one_geometry_is_refused_naming_the_difference():
     ), why
     assert "model config: prefill sha256:" in layout_difference(info(a), info({**b, "config_hash": "sha256:bb"}))
     assert "weights: prefill sha256:" in layout_difference(info(a), info(None))
+
+
+def test_another_prefill_chunk_is_refused_naming_both():
+    """Decode caches a prompt's whole chunks and checks against the colocated run in its own
+    passes: a prefill that computes prompts in other passes is another computation."""
+    from disagg.control.layout import LayoutInfo, describe_model, layout_difference
+
+    spec = get_preset("tiny-hybrid")
+    same = {"config_hash": "sha256:" + "a" * 32, "weights": "sha256:" + "1" * 32}
+    info = lambda chunk: LayoutInfo(4, "page_major", [], describe_model(spec, 1, {**same, "prefill_chunk": chunk}))  # noqa: E731
+    assert layout_difference(info(8), info(8)) is None
+    assert layout_difference(info(16), info(8)) == (
+        "prefill tiny-hybrid vs decode tiny-hybrid: prefill chunk (--prefill-chunk): prefill 16 tokens, "
+        "decode 8 tokens (both sides must compute prompts in the same passes)"
+    )
+    assert "prefill 0 (one pass), decode 8 tokens" in layout_difference(info(0), info(8))
+    wire = msgspec.json.decode(msgspec.json.encode(info(0)), type=LayoutInfo)  # 0 is a value on the wire
+    assert wire.model.prefill_chunk == 0

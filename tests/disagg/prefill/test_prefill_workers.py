@@ -28,13 +28,13 @@ class OneAtATime(StandInEngine):
         self.arrived = {room: threading.Event() for room in rooms}
         self.fails: dict[int, Exception] = {}  # room -> raised before its first layer
 
-    def prefill(self, pool, req, token_ids, room, on_layer=None):
+    def prefill(self, pool, req, token_ids, room, on_layer=None, *, cached=0):
         self.arrived[room].set()
         assert self.gates[room].wait(60), f"room {room}: gate never opened"
         with self.lock:
             if room in self.fails:
                 raise self.fails[room]
-            return super().prefill(pool, req, token_ids, room, on_layer)
+            return super().prefill(pool, req, token_ids, room, on_layer, cached=cached)
 
 
 def _pool() -> PoolSettings:

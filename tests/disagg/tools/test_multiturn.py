@@ -40,14 +40,18 @@ def test_streaming_both_ways_is_for_the_random_workload_only():
         bench.run_multiturn(["http://router"], args)
 
 
-def answer(conversation: int, turn: int, prompt: int, prefix: int, nbytes: int, ok: bool = True) -> dict:
-    timings = {"total": 9.0, "prefill": 2.0, "transfer": nbytes / 1e3, "kv_ready_after_compute": 1.0}
+def answer(
+    conversation: int, turn: int, prompt: int, prefix: int, nbytes: int, ok: bool = True, cached: int = 0
+) -> dict:
+    compute = 2.0 * (prompt - cached) / prompt  # prefill computes what follows its cached prefix
+    timings = {"total": 9.0, "prefill": compute, "transfer": nbytes / 1e3, "kv_ready_after_compute": 1.0}
     return {
         "ok": ok,
         "verified": ok,
         "bytes": nbytes if ok else 0,
         "prefix_tokens": prefix,
         "reused_bytes": prefix * 10,
+        "prefill_cached_tokens": cached,
         "timings_ms": timings if ok else {},
         "conversation": conversation,
         "turn": turn,
@@ -57,7 +61,17 @@ def answer(conversation: int, turn: int, prompt: int, prefix: int, nbytes: int, 
 
 
 def outcome(on_results: list[dict]) -> dict:
-    off = [{**r, "prefix_tokens": 0, "reused_bytes": 0, "bytes": r["prompt_tokens"] * 10} for r in on_results]
+    off = [
+        {
+            **r,
+            "prefix_tokens": 0,
+            "reused_bytes": 0,
+            "prefill_cached_tokens": 0,
+            "bytes": r["prompt_tokens"] * 10,
+            "timings_ms": {**r["timings_ms"], "prefill": 2.0} if r["ok"] else {},
+        }
+        for r in on_results
+    ]
     runs = {
         label: multiturn.summarize(Run(label, rs, [], 1.0), bench.summarize(rs, 1.0))
         for label, rs in (("reuse_on", on_results), ("reuse_off", off))
@@ -69,17 +83,22 @@ def test_the_summary_counts_hits_over_prompt_tokens_per_turn_and_in_all():
     out = outcome(
         [
             answer(0, 1, 100, 0, 1000),
-            answer(0, 2, 200, 100, 1000),
-            answer(1, 1, 100, 60, 400),
-            answer(1, 2, 200, 160, 400),
+            answer(0, 2, 200, 100, 1000, cached=96),
+            answer(1, 1, 100, 60, 400, cached=60),
+            answer(1, 2, 200, 160, 400, cached=152),
         ]
     )
     on, off = out["runs"]["reuse_on"], out["runs"]["reuse_off"]
     assert on["hit_rate"] == round(320 / 600, 4) and off["hit_rate"] == 0
     assert [t["hit_rate"] for t in on["per_turn"]] == [0.3, 0.65]
     assert on["bytes_per_request"] == 700 and off["bytes_per_request"] == 1500
-    assert on["ttft_ms"]["p50"] == 3.0 and on["per_request"][1]["ttft_ms"] == 3.0
+    assert off["ttft_ms"]["p50"] == 3.0 and on["per_request"][1]["ttft_ms"] == 2.0 * 104 / 200 + 1.0
     assert out["reuse_on_vs_off"]["bytes_fewer_x"] == round(1500 / 700, 2)
+    # prefill's own cache: the share of prompt tokens it did not compute, and its compute time
+    assert on["prefill_hit_rate"] == round(308 / 600, 4) and off["prefill_hit_rate"] == 0
+    assert [t["prefill_hit_rate"] for t in on["per_turn"]] == [0.3, 0.62]
+    assert on["per_request"][1]["compute_ms"] == 2.0 * 104 / 200 and off["compute_ms"]["p50"] == 2.0
+    assert out["reuse_on_vs_off"]["compute_ms_p50_less_x"] == round(2.0 / on["compute_ms"]["p50"], 2)
     assert multiturn.all_served(out)
 
 
@@ -90,7 +109,7 @@ def test_the_table_is_aligned_and_a_failed_request_is_left_out_and_named(capsys)
     header = next(line for line in lines if line.startswith("turn "))
     rows = [line for line in lines if line.split(" ")[0] in ("1", "2", "all")]
     assert {len(r) for r in rows} == {len(header)}, "\n".join([header, *rows])
-    assert rows[1].split("|")[1].split() == ["-"] * 4  # turn 2 failed with reuse on: no figures
+    assert rows[1].split("|")[1].split() == ["-"] * len(multiturn.COLUMNS)  # turn 2 failed with reuse on: no figures
     assert "  1 x decode failed: pool full" in lines
     assert not multiturn.all_served(out)
 

@@ -34,7 +34,7 @@ def pair(StuckEngine):
     stuck = StuckEngine()
     prefill = PrefillServer(PrefillConfig(pool=pool, bootstrap_bind="tcp://127.0.0.1:*", deadlines=LONG), stuck)
     decode = DecodeServer(DecodeConfig(pool=pool, bootstrap_addr=prefill.bootstrap_endpoint, deadlines=LONG))
-    initial = prefill.pool.available(), decode.pool.available()
+    initial = prefill.available(), decode.pool.available()
     threads: list[threading.Thread] = []
 
     def run(fn, *args) -> dict:
@@ -67,7 +67,7 @@ def _stuck_in_prefill(pair, eventually, room: int) -> tuple[dict, dict]:
 
 
 def _both_back(prefill, decode, initial) -> bool:
-    return (prefill.pool.available(), decode.pool.available()) == initial and decode.quarantined() == 0
+    return (prefill.available(), decode.pool.available()) == initial and decode.quarantined() == 0
 
 
 def test_prefill_side_abort_reaches_decode_at_once(pair, eventually):

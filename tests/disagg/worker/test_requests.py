@@ -26,7 +26,7 @@ class Effects:
         self.freed, self.told, self.submitted, self.progress, self.refuse = [], [], [], [], refuse
         self.may_stream, self.prepare = may_stream, prepare
 
-    def free(self, kv) -> None:
+    def free(self, kv, r=None) -> None:  # (decode's Release.free(r); prefill's TransferJobs.free(kv, r))
         self.freed.append(kv)
 
     def tell(self, peer, msg) -> None:

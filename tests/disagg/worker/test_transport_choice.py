@@ -56,11 +56,11 @@ def test_prefill_takes_decodes_first_choice_it_can_reach(pair, picked):
 @pytest.mark.parametrize("pair", [(("mooncake",), ("memory",))], indirect=True)
 def test_no_common_transport_is_refused_with_both_lists(pair):
     prefill, decode = pair
-    before = prefill.pool.available(), decode.pool.available()
+    before = prefill.available(), decode.pool.available()
     dec = decode.decode(2, np.arange(50), 1)
     assert dec["state"] == "FAILED"
     assert "no common transport: peer offers ['memory'], we have ['mooncake']" in dec["reason"]
-    assert (prefill.pool.available(), decode.pool.available()) == before
+    assert (prefill.available(), decode.pool.available()) == before
 
 
 def test_a_link_is_closed_when_its_peer_registers_again_or_goes_silent(eventually):
