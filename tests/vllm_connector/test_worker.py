@@ -324,19 +324,30 @@ class Instance:
     runs the bootstrap: its other ranks start once it is up, as they register there)."""
 
     def __init__(self, role: str, model: Path, seed: int, logs: Path, tp: int, block_size: int, **extra):
+        """`extra`: kv_connector_extra_config; `stall_rank`: the rank whose sends stall mid-way."""
         self.role, self.model, self.seed, self.logs, self.tp, self.block_size = role, model, seed, logs, tp, block_size
-        self.extra = extra
+        self.stall_rank, self.extra = extra.pop("stall_rank", None), extra
+        self.readied = 0  # ranks[:readied] said they are ready
         self.ranks = [self._rank(r) for r in range(1 if role == "kv_producer" else tp)]
 
     def _rank(self, r: int) -> Child:
         extra = {**self.extra, "test_tp": [self.tp, r], "test_block_size": self.block_size}
+        if r == self.stall_rank:
+            extra["inject_faults"] = "send.stall=1"
         return Child(self.role, self.model, "cpu", self.seed + r, extra, self.logs)
 
+    def start(self) -> None:
+        """Every rank started: a producer's others once its rank 0 is ready."""
+        if len(self.ranks) < self.tp:
+            self.ranks[0].ready()
+            self.readied = 1
+            self.ranks += [self._rank(r) for r in range(len(self.ranks), self.tp)]
+
     def ready(self) -> "Instance":
-        self.ranks[0].ready()
-        self.ranks += [self._rank(r) for r in range(len(self.ranks), self.tp)]
-        for child in self.ranks[1:]:
+        self.start()
+        for child in self.ranks[self.readied :]:
             child.ready()
+        self.readied = len(self.ranks)
         return self
 
     def step(self, **meta) -> None:  # vLLM's scheduler hands every rank the same step
@@ -356,22 +367,26 @@ class Instance:
 
 @pytest.fixture(scope="module")
 def tp_instances(tiny_llama, tmp_path_factory):
-    """Producers TP 1 (block size 64) and TP 2 (32); consumers TP 1 (32) and TP 2 (64); a TP-1
-    producer (64) whose sends stall mid-transfer (send.stall), for the dead-producer test."""
+    """Producers TP 1 (block size 64) and TP 2 (32); consumers TP 1 (32) and TP 2 (64); for the
+    dead-producer tests, a TP-1 producer (64) and a TP-2 one (32) whose (rank 1's) sends stall
+    mid-transfer (send.stall)."""
     logs = tmp_path_factory.mktemp("tp")
-    boots = {name: f"tcp://127.0.0.1:{_free_port()}" for name in ("p1", "p2", "stall")}
+    boots = {name: f"tcp://127.0.0.1:{_free_port()}" for name in ("p1", "p2", "stall", "stall2")}
     consumer = {"load_s": LOAD_S, "dead_after_s": DEAD_S}
     started = {}
     try:
-        for name, args, extra in (  # p2 first: its rank 1 starts once rank 0 is ready
+        for name, args, extra in (  # TP-2 producers first: their rank 1 starts once rank 0 is ready
             ("p2", ("kv_producer", 62, 2, 32), {"bootstrap": boots["p2"]}),
+            ("stall2", ("kv_producer", 70, 2, 32), {"bootstrap": boots["stall2"], "stall_rank": 1}),
             ("p1", ("kv_producer", 60, 1, 64), {"bootstrap": boots["p1"]}),
-            ("stall", ("kv_producer", 64, 1, 64), {"bootstrap": boots["stall"], "inject_faults": "send.stall=1"}),
+            ("stall", ("kv_producer", 64, 1, 64), {"bootstrap": boots["stall"], "stall_rank": 0}),
             ("c1", ("kv_consumer", 66, 1, 32), consumer),
             ("c2", ("kv_consumer", 68, 2, 64), consumer),
         ):
             role, seed, tp, bs = args
             started[name] = Instance(role, tiny_llama, seed, logs, tp, bs, **extra)
+        for inst in started.values():
+            inst.start()
         yield {name: inst.ready() for name, inst in started.items()}, boots
     finally:
         for inst in started.values():
@@ -433,7 +448,15 @@ def test_tp_instances_move_every_head_byte_equal_and_nothing_else(
             assert torch.equal(a[name], w[name]), f"consumer rank {rank}, {name}"
 
 
-def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instances, tmp_path):
+def _stalled(child: Child, sends: int) -> None:
+    """Wait (at most LOAD_S) until `sends` of this producer rank's sends stopped mid-way."""
+    log, deadline = Path(child.log.name), time.monotonic() + LOAD_S
+    while log.read_text().count("injected fault at send.stall") < sends and time.monotonic() < deadline:
+        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    assert log.read_text().count("injected fault at send.stall") == sends
+
+
+def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instances):
     """A TP-1 producer sending to both ranks of a TP-2 consumer stops mid-transfer (its body's
     writes out) and is killed there: each consumer rank reports the load failed, its blocks in
     load_errors (vLLM recomputes them), within the load deadline; no rank hangs."""
@@ -443,12 +466,33 @@ def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instan
     t0 = time.monotonic()
     load = {"req_id": "c81", "remote": _remote(81, boots["stall"], 100), "first": 0, "count": 100, "blocks": [5, 6]}
     consumer.step(loads=[load])
-    log = Path(producer.ranks[0].log.name)
-    deadline = time.monotonic() + LOAD_S
-    while log.read_text().count("injected fault at send.stall") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
-    assert log.read_text().count("injected fault at send.stall") == 2  # both ranks' sends are mid-way
+    _stalled(producer.ranks[0], 2)  # both consumer ranks' sends are mid-way
     producer.ranks[0].kill()
     got = consumer.wait(LOAD_S + 5)
     assert [(a["recving"], a["errors"]) for a in got] == [(["c81"], [5, 6])] * 2
+    assert time.monotonic() - t0 <= LOAD_S + 1.0
+
+
+def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go(tp_instances):
+    """TP 2 -> 1: producer rank 0 sends its heads, rank 1 stops mid-transfer and is killed: the
+    consumer reports the load failed, its blocks in load_errors, within the load deadline (its
+    other share landed, but half the heads did not), and rank 0 frees the room (it served the
+    one consumer rank that needs its heads)."""
+    instances, boots = tp_instances
+    producer, consumer = instances["stall2"], instances["c1"]
+    producer.step(sends=[{"req_id": "p82", "room": 82, "num_tokens": 100, "blocks": [3, 4, 5, 6]}])
+    t0 = time.monotonic()
+    load = {
+        "req_id": "c82",
+        "remote": _remote(82, boots["stall2"], 100),
+        "first": 0,
+        "count": 100,
+        "blocks": [7, 8, 9, 10],
+    }
+    consumer.step(loads=[load])
+    _stalled(producer.ranks[1], 1)
+    assert producer.ranks[0].wait(LOAD_S)["sending"] == ["p82"]
+    producer.ranks[1].kill()
+    [got] = consumer.wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c82"], [7, 8, 9, 10])
     assert time.monotonic() - t0 <= LOAD_S + 1.0
