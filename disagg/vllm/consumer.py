@@ -1,23 +1,28 @@
 """The consumer (decode) side of a DisaggWorker: each Load of a scheduler step becomes a
-TransferRequest to the producer that holds its room, and ends in finished_recving: loaded,
-or failed with its blocks in load_errors. Never a hang: every load ends by load_s.
+TransferRequest to every producer rank that holds some of our heads of its room, and ends in
+finished_recving: loaded, or failed with its blocks in load_errors. Never a hang: every load
+ends by load_s (quarantine_s once failed while a producer rank may still write).
 
-    Load    -> a lookup thread: bootstrap lookup + registration (the layout check on both
-               sides: decode/introducer.py, as our decode server does it), then
-               TransferRequest(room, num_tokens = first_token + tokens, the Load's blocks per
-               kind of KV cache group: disagg.vllm.groups.to_wire)
-               -> Introduced (the loop learns which producer serves the room) or IntroFailed
-    TransferDone ok           -> Handoff.received(req_id)
-    TransferDone failed       -> Handoff.received(req_id, its blocks); a producer that gave
-                                 up on writes still in flight (settled=False): only once it
-                                 says they ended, or after quarantine_s (vLLM keeps the blocks)
-    load_s passed, producer silent (dead_after_s) or it dropped us -> failed likewise (an
-                                 Abort goes to a producer we know)
-    Release -> Abort(room) to its producer; a Release with a req_id ends that load as above
-               (vLLM keeps its blocks until then); one without (never loaded) looks the
-               producer up first
-The loop thread owns the control sockets and `loads`; lookup threads only look up, register
-and send (DealerIO.send is for any thread) and post what they found to the Handoff.
+    Load    -> a lookup thread: bootstrap lookup of the producer ranks holding our heads
+               (equal TP sizes: our rank; 1 -> 2: rank 0; 2 -> 1: both) and registration
+               with each (the layout check on both sides: decode/introducer.py, as our decode
+               server does it) -> Introduced (the loop sends each the TransferRequest:
+               num_tokens = first_token + tokens, the Load's blocks per kind of KV cache
+               group: disagg.vllm.groups.to_wire) or IntroFailed
+    TransferDone ok from every rank  -> Handoff.received(req_id)
+    TransferDone failed from one     -> the others still writing are told to stop (Abort);
+                                        Handoff.received(req_id, its blocks) once none may
+                                        write into them (a producer that gave up on writes
+                                        still in flight, settled=False, says when they ended),
+                                        or after quarantine_s (vLLM keeps the blocks)
+    load_s passed -> failed at once (an Abort goes to each rank that may still write);
+    a producer rank silent (dead_after_s) or that dropped us -> its share failed as above
+    Release -> Abort(room) to its producer ranks; a Release with a req_id ends that load as
+               above (vLLM keeps its blocks until then); one without (never loaded) looks the
+               producer ranks up first
+The loop thread owns the control sockets and `loads`, and sends every TransferRequest (so it
+knows a load's producer ranks before any answers); lookup threads only look up, register and
+send Aborts (DealerIO.send is for any thread), and post what they found to the Handoff.
 """
 
 import enum
@@ -25,7 +30,7 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.control.auth import Gate
 from disagg.control.io import DealerIO
@@ -63,10 +68,24 @@ LOOKUP_THREADS = 4
 
 
 class Phase(enum.Enum):
-    ASKING = "asking"  # lookup, registration, TransferRequest on their way
-    WAITING = "waiting"  # the producer has our request
-    TRANSFERRING = "transferring"  # it started writing
-    QUARANTINED = "quarantined"  # it failed with writes in flight: wait for their end
+    ASKING = "asking"  # lookup, registration on their way
+    WAITING = "waiting"  # the producer ranks have our request
+    TRANSFERRING = "transferring"  # one started writing
+    QUARANTINED = "quarantined"  # failed while a producer rank may still write: wait for its end
+
+
+class Share(enum.Enum):
+    """How one producer rank's share of a load stands."""
+
+    ASKED = "asked"
+    STARTED = "started"
+    LOADED = "loaded"
+    STOPPED = "stopped"  # failed; it writes no more
+    UNSETTLED = "unsettled"  # failed with writes that may still land
+
+    @property
+    def writing(self) -> bool:
+        return self in (Share.ASKED, Share.STARTED, Share.UNSETTLED)
 
 
 @dataclass(eq=False)
@@ -74,18 +93,25 @@ class Loading:
     load: Load
     deadline: float
     phase: Phase = Phase.ASKING
-    endpoint: str | None = None
+    shares: dict[str, Share] = field(default_factory=dict)  # producer rank's endpoint -> its share
+    failure: str = ""  # why it failed (QUARANTINED)
     release: str = ""  # why vLLM released it (the load goes on until the producer stopped)
     started: float = 0.0  # time.monotonic() when the loop took it (its figures: asked -> landed)
+    loaded_bytes: int = 0  # what the producer ranks' reports say they wrote (the figures)
 
     def blocks(self) -> tuple[int, ...]:
         return tuple(b for g in self.load.block_ids for b in g if b != NULL_BLOCK)
+
+    def writers(self) -> list[str]:
+        return [e for e, share in self.shares.items() if share.writing]
 
 
 @dataclass(frozen=True)
 class Introduced:
     room: int
-    endpoint: str
+    req_id: str  # the load it is for
+    endpoints: tuple[str, ...]  # the producer ranks holding our heads
+    ask: TransferRequest
 
 
 @dataclass(frozen=True)
@@ -156,17 +182,24 @@ class Consumer:
                     self._start(load)
                 for rel in releases:
                     self._release(rel)
-            case Introduced(room=room, endpoint=endpoint):
-                r = self.loads.get(room)
-                if r is not None and r.endpoint is None:  # (its TransferStarted may have come first)
-                    r.endpoint = endpoint
-                    r.phase = Phase.WAITING if r.phase is Phase.ASKING else r.phase
-                    if r.release:
-                        self.io.send(endpoint, Abort(room, r.release))
+            case Introduced():
+                self._introduced(item)
             case IntroFailed(room=room, reason=reason):
                 r = self.loads.get(room)
                 if r is not None and r.phase is Phase.ASKING:
                     self._end(r, f"no producer: {reason}")
+
+    def _introduced(self, intro: Introduced) -> None:
+        """Ask each producer rank for its share (an Abort follows if vLLM released it meanwhile)."""
+        r = self.loads.get(intro.room)
+        if r is None or r.phase is not Phase.ASKING or r.load.req_id != intro.req_id:
+            return  # it ended meanwhile (the producer ranks let go of the room by hold_s)
+        r.shares = dict.fromkeys(intro.endpoints, Share.ASKED)
+        r.phase = Phase.WAITING
+        for endpoint in intro.endpoints:
+            self.io.send(endpoint, intro.ask)
+            if r.release:
+                self.io.send(endpoint, Abort(intro.room, r.release))
 
     def _start(self, load: Load) -> None:
         room = load.remote.room
@@ -183,7 +216,7 @@ class Consumer:
         r = self.loads[room] = Loading(load, now + self.settings.load_s, started=now)
         dst = to_wire(self.groups, load.block_ids)
         ask = TransferRequest(room, self.epoch, load.first_token + load.num_tokens, indices_to_wire(dst), [])
-        self._lookups.submit(self._introduce, load.remote, r.deadline, ask)
+        self._lookups.submit(self._introduce, load.remote, r.deadline, ask, load.req_id)
 
     def _release(self, rel: Release) -> None:
         room = rel.remote.room
@@ -194,8 +227,8 @@ class Consumer:
                 self._lookups.submit(self._introduce, rel.remote, deadline, Abort(room, rel.reason))
             return
         r.release = rel.reason
-        if r.endpoint is not None:
-            self.io.send(r.endpoint, Abort(room, rel.reason))
+        for endpoint in r.writers():  # (none yet while ASKING: _introduced tells them)
+            self.io.send(endpoint, Abort(room, rel.reason))
 
     def _handle(self, endpoint: str, msg) -> None:
         if isinstance(msg, Exception):
@@ -210,28 +243,52 @@ class Consumer:
                     self._peer_lost(endpoint, f"producer {endpoint} dropped us: {reason}")
             case TransferStarted(room=room):
                 r = self.loads.get(room)
-                if r is not None and r.endpoint in (None, endpoint) and r.phase is not Phase.QUARANTINED:
-                    r.phase, r.endpoint = Phase.TRANSFERRING, endpoint
+                if r is not None and r.shares.get(endpoint) is Share.ASKED:
+                    r.shares[endpoint] = Share.STARTED
+                    r.phase = Phase.TRANSFERRING if r.phase is Phase.WAITING else r.phase
             case TransferDone():
                 self._done(endpoint, msg)
 
     def _done(self, endpoint: str, msg: TransferDone) -> None:
+        """A producer rank's last word on its share (only from the ranks asked, while it may write)."""
         r = self.loads.get(msg.room)
-        if r is None or r.endpoint not in (None, endpoint):
+        share = r.shares.get(endpoint) if r is not None else None
+        if share is None or not share.writing:
             return
-        if msg.ok and r.phase is not Phase.QUARANTINED:
-            self._end(r, "", msg.report.nbytes if msg.report is not None else 0)
-        elif msg.settled:
-            self._end(r, msg.reason or "producer gave up")
-        elif r.phase is not Phase.QUARANTINED:  # writes of its may still land in the blocks: not yet
+        r.shares[endpoint] = Share.LOADED if msg.ok else Share.STOPPED if msg.settled else Share.UNSETTLED
+        if msg.ok and msg.report is not None:
+            r.loaded_bytes += msg.report.nbytes
+        if not msg.ok:
+            self._fail(r, msg.reason or "producer gave up")
+        self._settle(r)
+
+    def _fail(self, r: Loading, why: str) -> None:
+        """A share failed: the load fails (the first reason stands); the other producer ranks
+        still asked or writing are told to stop, and its blocks stay vLLM's until none may
+        write into them, at most quarantine_s."""
+        if r.phase is Phase.QUARANTINED:
+            return
+        r.phase, r.failure = Phase.QUARANTINED, why
+        r.deadline = time.monotonic() + self.settings.quarantine_s
+        for endpoint, share in r.shares.items():
+            if share in (Share.ASKED, Share.STARTED):
+                self.io.send(endpoint, Abort(r.load.remote.room, f"another producer rank failed: {why}"))
+        if r.writers():
             log.warning(
-                "room %d: %s; writes may still land: holding its blocks up to %g s",
-                msg.room,
-                msg.reason,
+                "room %d: %s; producer ranks %s may still write: holding its blocks up to %g s",
+                r.load.remote.room,
+                why,
+                r.writers(),
                 self.settings.quarantine_s,
             )
-            r.phase, r.endpoint = Phase.QUARANTINED, endpoint
-            r.deadline = time.monotonic() + self.settings.quarantine_s
+
+    def _settle(self, r: Loading) -> None:
+        """End the load once its outcome stands: every share loaded, or failed with no
+        producer rank that may still write into its blocks."""
+        if r.phase is Phase.QUARANTINED and not r.writers():
+            self._end(r, r.failure)
+        elif r.shares and all(s is Share.LOADED for s in r.shares.values()):
+            self._end(r, "", r.loaded_bytes)
 
     def _end(self, r: Loading, failure: str, nbytes: int = 0) -> None:
         """Report the load over (failure "": loaded, `nbytes` written into it) and forget it."""
@@ -247,10 +304,12 @@ class Consumer:
     def _sweep(self, now: float) -> None:
         for r in [r for r in self.loads.values() if now >= r.deadline]:
             if r.phase is Phase.QUARANTINED:
-                self._end(r, f"the producer's writes did not settle within {self.settings.quarantine_s:g} s")
+                self._end(
+                    r, f"{r.failure}; the producer's writes did not settle within {self.settings.quarantine_s:g} s"
+                )
                 continue
-            if r.endpoint is not None:
-                self.io.send(r.endpoint, Abort(r.load.remote.room, "the consumer's load deadline passed"))
+            for endpoint in r.writers():
+                self.io.send(endpoint, Abort(r.load.remote.room, "the consumer's load deadline passed"))
             self._end(r, f"load deadline of {self.settings.load_s:g} s passed ({r.phase.value})")
 
     def _beat(self) -> None:
@@ -262,27 +321,36 @@ class Consumer:
             self.io.reply(endpoint, Heartbeat(self.epoch))
 
     def _peer_lost(self, endpoint: str, reason: str) -> None:
-        """Fail the loads from this producer (it is gone: nothing of its lands any more)."""
+        """Fail the loads this producer rank still had a share of (it is gone: nothing of its
+        lands any more)."""
         self.peers.lost(endpoint)
         self.io.drop(endpoint)
-        for r in [r for r in self.loads.values() if r.endpoint == endpoint]:
-            self._end(r, reason)
+        for r in [r for r in self.loads.values() if endpoint in r.writers()]:
+            r.shares[endpoint] = Share.STOPPED
+            self._fail(r, reason)
+            self._settle(r)
 
     # ---- a lookup thread ---------------------------------------------------------------------
-    def _introduce(self, remote: RemotePrefill, deadline: float, msg: TransferRequest | Abort) -> None:
-        """Find the producer rank that holds our heads of `remote.room` (registering with it
-        if new) and send it `msg`; the loop hears where (or why not)."""
+    def _introduce(
+        self, remote: RemotePrefill, deadline: float, msg: TransferRequest | Abort, req_id: str | None = None
+    ) -> None:
+        """Find the producer ranks that hold our heads of `remote.room` (registering with each
+        new one): a load's TransferRequest (`req_id`: its load) goes to the loop, which sends it
+        to each; an Abort goes from here."""
         try:
-            [peer] = self.introducer.senders(remote.bootstrap, deadline)
+            peers = self.introducer.senders(remote.bootstrap, deadline)
         except (DisaggError, ValueError) as exc:
-            if isinstance(msg, TransferRequest):
+            if req_id is not None:
                 self.handoff.post(IntroFailed(remote.room, str(exc)))
             else:
                 log.warning("room %d: could not tell its producer to let go (%s)", remote.room, exc)
             return
-        self.io.send(peer.endpoint, msg)
-        if isinstance(msg, TransferRequest):
-            self.handoff.post(Introduced(remote.room, peer.endpoint))
+        if req_id is None:
+            for peer in peers:
+                self.io.send(peer.endpoint, msg)
+            return
+        self.handoff.post(Introduced(remote.room, req_id, tuple(p.endpoint for p in peers), msg))
+        self.io.wake()  # the loop sends it now, not after its poll timeout
 
     def wake(self) -> None:
         """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""

@@ -1,15 +1,25 @@
 """The producer (prefill) side of a DisaggWorker: vLLM's finished prompts held under rooms
-until their consumer asks, then sent from vLLM's blocks.
+until their consumer ranks ask, then sent from vLLM's blocks.
 
-    Send (scheduler step)  -> held[room]: HELD until a TransferRequest, at most hold_s
+    Send (scheduler step)  -> held[room]: HELD until every consumer rank that takes some of
+                              our heads asked and was sent to, at most hold_s
     RegisterDecode         -> DecodePeers.register (version, layout check, a shared transport)
-    TransferRequest        -> the consumer's destination blocks, per KV cache group, cover the
-                              last blocks of its num_tokens (its own prefix-cache hit is the
-                              rest; a window's last blocks, a state's slot: disagg.vllm.groups):
-                              the paired source blocks go, on the peer's transfer workers
-                              -> TransferStarted; TransferDone once the writes landed (or not)
-    Abort                  -> a HELD room is let go at once; a SENDING one stops
+    TransferRequest        -> one consumer rank's destination blocks, per KV cache group,
+                              cover the last blocks of its num_tokens (its own prefix-cache
+                              hit is the rest; a window's last blocks, a state's slot:
+                              disagg.vllm.groups): the paired source blocks go, on the peer's
+                              transfer workers (of another block or TP size: by token, our
+                              heads that rank holds) -> TransferStarted; TransferDone once the
+                              writes landed (or not)
+    Abort                  -> that rank's send stops; the room takes no new rank (ABORTED)
     a room ends            -> Handoff.sent(req_id): vLLM frees its blocks (finished_sending)
+
+Which consumer ranks a room goes to (transfer.reshard.receivers, as our prefill server): the
+first rank's request names its instance's TP size; equal TP sizes, rank r only; TP 1 -> 2
+both ranks (half the heads each); 2 -> 1 rank 0 (it hears from both our ranks). A room ends
+once each of those ranks' sends ended (well or not), or when its hold deadline passes or it
+is aborted and no send runs; another connection's request for a rank already served, or one
+from an instance of another TP size, is refused and changes nothing.
 
 A TransferRequest may come before the step that holds its room reaches us (the consumer
 heard of the room through the proxy first): it waits, at most hold_s.
@@ -21,7 +31,7 @@ import enum
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.bootstrap.lease import BootstrapLease
 from disagg.bootstrap.server import BootstrapConfig, BootstrapServer
@@ -61,8 +71,28 @@ TRANSFER_WORKERS = 2  # per consumer peer
 
 
 class Phase(enum.Enum):
-    HELD = "held"
+    HELD = "held"  # consumer ranks may (still) ask for it
+    ABORTED = "aborted"  # closed by an abort: let go once no send runs
+    EXPIRED = "expired"  # closed at its hold deadline: let go once no send runs
+
+
+CLOSED = (Phase.ABORTED, Phase.EXPIRED)
+
+
+class Delivery(enum.Enum):
     SENDING = "sending"
+    STOPPING = "stopping"  # set by the loop: the send ends with Cancelled at its next write
+    ENDED = "ended"  # well or not: its TransferDone went
+
+
+@dataclass(eq=False)
+class Dest:
+    """One consumer rank a room goes to (several when the TP sizes differ)."""
+
+    identity: bytes  # its connection
+    rank: int  # its TP rank
+    phase: Delivery = Delivery.SENDING
+    ended: Ended | None = None  # how its send went, for the stats (None: not yet, or stopped by an abort)
 
 
 @dataclass(eq=False)
@@ -70,13 +100,34 @@ class Held:
     send: Send  # its block_ids: per KV cache group, what the producer keeps
     deadline: float
     phase: Phase = Phase.HELD
-    owner: bytes | None = None  # the consumer it is being sent to
-    stop: bool = False  # set by the loop: the send ends with Cancelled at its next write
+    tp_size: int = 0  # the consumer instance's TP size (0: no rank asked yet)
+    receivers: frozenset[int] = frozenset()  # its ranks that take some of our heads
+    dests: dict[int, Dest] = field(default_factory=dict)  # consumer rank -> its send
+
+    def sending(self) -> bool:
+        return any(d.phase is not Delivery.ENDED for d in self.dests.values())
+
+    def served(self) -> bool:
+        """Every consumer rank that takes some of our heads was sent to."""
+        ended = {r for r, d in self.dests.items() if d.phase is Delivery.ENDED}
+        return self.tp_size > 0 and ended >= self.receivers
+
+    def outcome(self) -> Ended | None:
+        """The room's sends as one send for the stats: failed if any failed, moved (bytes summed,
+        the slowest's seconds) once every rank was served, expired at the hold deadline, None
+        (nothing to count) when aborted."""
+        ends = [d.ended for d in self.dests.values() if d.ended is not None]
+        if any(e.how is End.FAILED for e in ends):
+            return Ended(End.FAILED)
+        if ends and self.served():
+            return Ended(End.MOVED, max(e.seconds for e in ends), sum(e.nbytes for e in ends))
+        return Ended(End.EXPIRED) if self.phase is Phase.EXPIRED else None
 
 
 @dataclass(frozen=True)
 class SendEnded:
     room: int
+    rank: int  # the consumer rank
     ended: Ended | None  # None: stopped by an abort (nothing to count)
 
 
@@ -108,7 +159,7 @@ class Producer:
         self.io = RouterIO(gate, settings.host)
         self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
         self.held: dict[int, Held] = {}
-        self.early: dict[int, tuple[bytes, TransferRequest, float]] = {}  # room -> asked before held
+        self.early: dict[int, dict[bytes, tuple[TransferRequest, float]]] = {}  # room -> asked before held
         rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
         try:
             self.bootstrap = (
@@ -153,10 +204,18 @@ class Producer:
             case StepMeta(sends=sends):
                 for s in sends:
                     self._hold(s)
-            case SendEnded(room=room, ended=ended):
-                h = self.held.pop(room, None)
-                if h is not None:
-                    self.handoff.sent(h.send.req_id, ended)
+            case SendEnded(room=room, rank=rank, ended=ended):
+                h = self.held.get(room)
+                if h is not None and rank in h.dests:
+                    h.dests[rank].phase, h.dests[rank].ended = Delivery.ENDED, ended
+                    self._maybe_let_go(room, h)
+
+    def _maybe_let_go(self, room: int, h: Held) -> None:
+        """Free the room's blocks once no send runs and it was served, aborted or is past its
+        hold deadline."""
+        if not h.sending() and (h.served() or h.phase in CLOSED):
+            del self.held[room]
+            self.handoff.sent(h.send.req_id, h.outcome())
 
     def _hold(self, s: Send) -> None:
         if s.room in self.held:
@@ -175,11 +234,10 @@ class Producer:
             self.handoff.sent(s.req_id)
             return
         self.held[s.room] = Held(s, time.monotonic() + self.settings.hold_s)
-        early = self.early.pop(s.room, None)
-        if early is not None:
-            reply = self._transfer_request(early[0], early[1])
+        for identity, (msg, _) in self.early.pop(s.room, {}).items():
+            reply = self._transfer_request(identity, msg)
             if reply is not None:
-                self.io.reply(early[0], reply)
+                self.io.reply(identity, reply)
 
     def _handle(self, identity: bytes, msg):
         """One message from a consumer -> the reply, if any."""
@@ -206,17 +264,35 @@ class Producer:
             return TransferDone(msg.room, self.epoch, False, reason="decode is not registered (or not at this epoch)")
         h = self.held.get(msg.room)
         if h is None:  # its step may not have reached us yet
-            self.early[msg.room] = (identity, msg, time.monotonic() + self.settings.hold_s)
+            self.early.setdefault(msg.room, {})[identity] = (msg, time.monotonic() + self.settings.hold_s)
             return None
-        if h.phase is not Phase.HELD:
-            return TransferDone(msg.room, self.epoch, False, reason="room is being sent to another request")
+        size, rank = peer.tp
+        claimed = h.dests.get(rank)
+        if claimed is not None and claimed.identity == identity:
+            return None  # a second TransferRequest: ignored
+        refusal = self._refusal(msg.room, h, size, rank, claimed)
+        if refusal:  # nothing changes
+            return TransferDone(msg.room, self.epoch, False, reason=refusal)
         try:
             send = self._source(h, indices_from_wire(msg.indices), msg.num_tokens, peer.target)
         except ProtocolError as exc:
             return TransferDone(msg.room, self.epoch, False, reason=str(exc))
-        h.phase, h.owner = Phase.SENDING, identity
-        peer.workers.submit(self._send, h, peer, identity, send)
+        h.tp_size, h.receivers = size, self.peers.receivers(size)
+        d = h.dests[rank] = Dest(identity, rank)
+        peer.workers.submit(self._send, h, d, peer, send)
         return TransferStarted(msg.room, self.epoch)
+
+    def _refusal(self, room: int, h: Held, size: int, rank: int, claimed: Dest | None) -> str:
+        """Why consumer rank `rank` of an instance of TP size `size` may not have this room ("": it may)."""
+        if h.phase in CLOSED:
+            return f"room {room} is no longer held (aborted, or its hold deadline passed)"
+        if claimed is not None:
+            return f"consumer rank {rank} of room {room} is claimed by another connection"
+        if h.tp_size and h.tp_size != size:
+            return f"room {room} goes to a consumer instance of TP size {h.tp_size}, not {size}"
+        if rank not in self.peers.receivers(size):
+            return f"this producer rank holds none of consumer rank {rank}'s heads (TP size {size})"
+        return ""
 
     def _source(self, h: Held, dst: IndexSet, num_tokens: int, target: RemotePool) -> Source:
         """What to send for a destination that covers the last blocks of the prompt's first
@@ -232,8 +308,11 @@ class Producer:
         return Source(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks}), num_tokens, first)
 
     def _abort(self, identity: bytes, room: int, why: str):
+        """Stop the send to this connection; the room takes no new consumer rank (vLLM aborts
+        a request on every rank) and is let go once no send runs."""
         h = self.held.get(room)
         if h is None:
+            self.early.get(room, {}).pop(identity, None)
             return TransferDone(
                 room,
                 self.epoch,
@@ -241,37 +320,45 @@ class Producer:
                 reason=f"aborted by decode: {why}",
                 settled=not self.sender.endpoint.unsettled(),
             )
-        if h.phase is Phase.SENDING:
-            if h.owner == identity:
-                h.stop = True  # the send answers with TransferDone
-            return None
-        del self.held[room]
-        self.handoff.sent(h.send.req_id)
+        h.phase = Phase.ABORTED
+        mine = [d for d in h.dests.values() if d.identity == identity and d.phase is Delivery.SENDING]
+        for d in mine:
+            d.phase = Delivery.STOPPING
+        if mine:
+            return None  # the send answers with TransferDone
+        self._maybe_let_go(room, h)
         return TransferDone(room, self.epoch, False, reason=f"aborted by decode: {why}")
 
     def _sweep(self) -> None:
         now = time.monotonic()
         for room, h in list(self.held.items()):
             if h.phase is Phase.HELD and now >= h.deadline:
+                missing = sorted(h.receivers - h.dests.keys())
                 log.warning(
-                    "room %d (request %s): no consumer asked within %g s; freeing its blocks",
+                    "room %d (request %s): %s within %g s; freeing its blocks%s",
                     room,
                     h.send.req_id,
+                    f"consumer ranks {missing} did not ask" if h.dests else "no consumer asked",
                     self.settings.hold_s,
+                    " once its sends end" if h.sending() else "",
                 )
-                del self.held[room]
-                self.handoff.sent(h.send.req_id, Ended(End.EXPIRED))
-        for room, (identity, _, deadline) in list(self.early.items()):
-            if now >= deadline:
+                h.phase = Phase.EXPIRED
+                self._maybe_let_go(room, h)
+        for room, asks in list(self.early.items()):
+            for identity, (_, deadline) in list(asks.items()):
+                if now >= deadline:
+                    del asks[identity]
+                    self.io.reply(identity, TransferDone(room, self.epoch, False, reason="no such room here"))
+            if not asks:
                 del self.early[room]
-                self.io.reply(identity, TransferDone(room, self.epoch, False, reason="no such room here"))
         gone = self.peers.drop_silent()
         for h in self.held.values():
-            if h.owner in gone:
-                h.stop = True
+            for d in h.dests.values():
+                if d.identity in gone and d.phase is Delivery.SENDING:
+                    d.phase = Delivery.STOPPING
 
     # ---- a transfer worker ---------------------------------------------------------------------
-    def _send(self, h: Held, peer: DecodePeer, identity: bytes, s: Source) -> None:
+    def _send(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> None:
         report, reason, settled, ended = None, "", True, Ended(End.FAILED)
         t0 = time.monotonic()
         try:
@@ -281,7 +368,7 @@ class Producer:
                 s.dst,
                 num_tokens=s.num_tokens,
                 prefix_len=s.prefix_len,
-                stopped=lambda: h.stop or self._stop.is_set(),
+                stopped=lambda: d.phase is Delivery.STOPPING or self._stop.is_set(),
             )
             ended = Ended(End.MOVED, time.monotonic() - t0, report.nbytes)
         except Cancelled as exc:
@@ -292,10 +379,10 @@ class Producer:
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
         self.io.send(
-            identity,
+            d.identity,
             TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled),
         )
-        self.handoff.post(SendEnded(h.send.room, ended))
+        self.handoff.post(SendEnded(h.send.room, d.rank, ended))
 
     def wake(self) -> None:
         """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""

@@ -389,3 +389,213 @@ def test_a_consumer_of_another_block_size_gets_every_token_it_lacks(blocks_32_64
         for p in range(first, 100):
             want[dst[(p - first) // 64], :, p % 64] = src_t[name][src[p // 32], :, p % 32]
         assert torch.equal(t, want), name
+
+
+# ---- TP: a producer rank serves every consumer rank holding its heads; a consumer rank pulls
+# from every producer rank holding its heads (the tiny Llama's 2 KV heads split by TP) --------
+
+
+class Rank:
+    """One TP rank: a worker_child process holding one worker."""
+
+    def __init__(self, child: Child):
+        self.child, self.worker, self.log = child, Worker(child, "rank"), child.log
+
+    def ready(self) -> "Rank":
+        self.child.ready()
+        return self
+
+    def step(self, **meta) -> dict:
+        return self.worker.step(**meta)
+
+    def wait(self, timeout: float) -> dict:
+        return self.worker.wait(timeout)
+
+    def dump(self, path: Path) -> dict[str, torch.Tensor]:
+        return self.worker.dump(path)
+
+    def kill(self) -> None:
+        self.child.kill()
+
+    def close(self) -> None:
+        self.child.close()
+
+
+class Instance:
+    """One TP instance: a worker_child per rank, started side by side (a producer's rank 0
+    runs the bootstrap: its other ranks start once it is up, as they register there)."""
+
+    def __init__(self, role: str, model: Path, seed: int, logs: Path, tp: int, block_size: int, **extra):
+        """`extra`: kv_connector_extra_config; `stall_rank`: the rank whose sends stall mid-way."""
+        self.role, self.model, self.seed, self.logs, self.tp, self.block_size = role, model, seed, logs, tp, block_size
+        self.stall_rank, self.extra = extra.pop("stall_rank", None), extra
+        self.readied = 0  # ranks[:readied] said they are ready
+        self.ranks = [self._rank(r) for r in range(1 if role == "kv_producer" else tp)]
+
+    def _rank(self, r: int) -> Rank:
+        extra = {**self.extra, "test_tp": [self.tp, r], "test_block_size": self.block_size}
+        if r == self.stall_rank:
+            extra["inject_faults"] = "send.stall=1"
+        spec = {"role": self.role, "layout": "cpu", "seed": self.seed + r, "extra": extra}
+        return Rank(Child(f"{self.role}-{self.seed + r}", self.model, {"rank": spec}, self.logs))
+
+    def start(self) -> None:
+        """Every rank started: a producer's others once its rank 0 is ready."""
+        if len(self.ranks) < self.tp:
+            self.ranks[0].ready()
+            self.readied = 1
+            self.ranks += [self._rank(r) for r in range(len(self.ranks), self.tp)]
+
+    def ready(self) -> "Instance":
+        self.start()
+        for child in self.ranks[self.readied :]:
+            child.ready()
+        self.readied = len(self.ranks)
+        return self
+
+    def step(self, **meta) -> None:  # vLLM's scheduler hands every rank the same step
+        for child in self.ranks:
+            child.step(**meta)
+
+    def wait(self, timeout: float) -> list[dict]:
+        return [child.wait(timeout) for child in self.ranks]
+
+    def dump(self, path: Path) -> list[dict[str, torch.Tensor]]:
+        return [child.dump(path.with_name(f"{path.stem}-{self.seed}-{r}.pt")) for r, child in enumerate(self.ranks)]
+
+    def close(self) -> None:
+        for child in reversed(self.ranks):
+            child.close()
+
+
+@pytest.fixture(scope="module")
+def tp_instances(tiny_llama, tmp_path_factory):
+    """Producers TP 1 (block size 64) and TP 2 (32); consumers TP 1 (32) and TP 2 (64); for the
+    dead-producer tests, a TP-1 producer (64) and a TP-2 one (32) whose (rank 1's) sends stall
+    mid-transfer (send.stall)."""
+    logs = tmp_path_factory.mktemp("tp")
+    boots = {name: f"tcp://127.0.0.1:{_free_port()}" for name in ("p1", "p2", "stall", "stall2")}
+    consumer = {"load_s": LOAD_S, "dead_after_s": DEAD_S}
+    started = {}
+    try:
+        for name, args, extra in (  # TP-2 producers first: their rank 1 starts once rank 0 is ready
+            ("p2", ("kv_producer", 62, 2, 32), {"bootstrap": boots["p2"]}),
+            ("stall2", ("kv_producer", 70, 2, 32), {"bootstrap": boots["stall2"], "stall_rank": 1}),
+            ("p1", ("kv_producer", 60, 1, 64), {"bootstrap": boots["p1"]}),
+            ("stall", ("kv_producer", 64, 1, 64), {"bootstrap": boots["stall"], "stall_rank": 0}),
+            ("c1", ("kv_consumer", 66, 1, 32), consumer),
+            ("c2", ("kv_consumer", 68, 2, 64), consumer),
+        ):
+            role, seed, tp, bs = args
+            started[name] = Instance(role, tiny_llama, seed, logs, tp, bs, **extra)
+        for inst in started.values():
+            inst.start()
+        yield {name: inst.ready() for name, inst in started.items()}, boots
+    finally:
+        for inst in started.values():
+            inst.close()
+
+
+def _tp_transfer(producer: Instance, consumer: Instance, boot: str, room: int, src, dst, tmp_path):
+    """`producer` holds `src` (every rank the same block ids) for 100 tokens; `consumer` loads
+    them all into `dst`. Returns (each consumer rank's answer, producer ranks' tensors,
+    consumer ranks' before and after)."""
+    before = consumer.dump(tmp_path / "before.pt")
+    producer.step(sends=[{"req_id": f"p{room}", "room": room, "num_tokens": 100, "blocks": src}])
+    load = {"req_id": f"c{room}", "remote": _remote(room, boot, 100), "first": 0, "count": 100, "blocks": dst}
+    consumer.step(loads=[load])
+    got = consumer.wait(LOAD_S + 5)
+    for answer in producer.wait(10.0):  # every producer rank's blocks may be freed now
+        assert answer["sending"] == [f"p{room}"]
+    return got, producer.dump(tmp_path / "src.pt"), before, consumer.dump(tmp_path / "after.pt")
+
+
+def _want_by_head(src_t, before, src, dst, bs: tuple[int, int]) -> list[dict[str, torch.Tensor]]:
+    """Each consumer rank's tensors as they must end: every token of the 100, every head
+    (numbered across ranks: the tiny Llama's 2), K and V, from the producer rank holding it;
+    every other byte as before."""
+    want = [{name: t.clone() for name, t in b.items()} for b in before]
+    p_heads, c_heads = 2 // len(src_t), 2 // len(before)  # KV heads per rank
+    for name in want[0]:
+        for g in range(2):
+            for p in range(100):
+                value = src_t[g // p_heads][name][src[p // bs[0]], g % p_heads, p % bs[0]]
+                want[g // c_heads][name][dst[p // bs[1]], g % c_heads, p % bs[1]] = value
+    return want
+
+
+@pytest.mark.parametrize(
+    "room,producer,consumer,src,dst,bs",
+    [
+        (71, "p1", "c2", [3, 4], [9, 2], (64, 64)),
+        (72, "p2", "c1", [3, 4, 5, 6], [9, 2, 12, 13], (32, 32)),
+        (73, "p2", "c2", [7, 8, 10, 11], [14, 15], (32, 64)),
+    ],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "tp2-to-tp2-blocks-32-to-64"],
+)
+def test_tp_instances_move_every_head_byte_equal_and_nothing_else(
+    tp_instances, tmp_path, room, producer, consumer, src, dst, bs
+):
+    """TP 1 -> 2: the producer serves both consumer ranks (half the heads each) and frees the
+    room once both were sent; TP 2 -> 1: the consumer pulls from both producer ranks and
+    reports the load once both landed; TP 2 -> 2 with blocks of 32 into 64: rank r from rank r,
+    by token. Every head of every token byte-equal, every other byte untouched."""
+    instances, boots = tp_instances
+    got, src_t, before, after = _tp_transfer(
+        instances[producer], instances[consumer], boots[producer], room, src, dst, tmp_path
+    )
+    assert [(a["recving"], a["errors"]) for a in got] == [([f"c{room}"], [])] * len(got)
+    want = _want_by_head(src_t, before, src, dst, bs)
+    for rank, (w, a) in enumerate(zip(want, after)):
+        for name in w:
+            assert torch.equal(a[name], w[name]), f"consumer rank {rank}, {name}"
+
+
+def _stalled(child: Child, sends: int) -> None:
+    """Wait (at most LOAD_S) until `sends` of this producer rank's sends stopped mid-way."""
+    log, deadline = Path(child.log.name), time.monotonic() + LOAD_S
+    while log.read_text().count("injected fault at send.stall") < sends and time.monotonic() < deadline:
+        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    assert log.read_text().count("injected fault at send.stall") == sends
+
+
+def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instances):
+    """A TP-1 producer sending to both ranks of a TP-2 consumer stops mid-transfer (its body's
+    writes out) and is killed there: each consumer rank reports the load failed, its blocks in
+    load_errors (vLLM recomputes them), within the load deadline; no rank hangs."""
+    instances, boots = tp_instances
+    producer, consumer = instances["stall"], instances["c2"]
+    producer.step(sends=[{"req_id": "p81", "room": 81, "num_tokens": 100, "blocks": [3, 4]}])
+    t0 = time.monotonic()
+    load = {"req_id": "c81", "remote": _remote(81, boots["stall"], 100), "first": 0, "count": 100, "blocks": [5, 6]}
+    consumer.step(loads=[load])
+    _stalled(producer.ranks[0], 2)  # both consumer ranks' sends are mid-way
+    producer.ranks[0].kill()
+    got = consumer.wait(LOAD_S + 5)
+    assert [(a["recving"], a["errors"]) for a in got] == [(["c81"], [5, 6])] * 2
+    assert time.monotonic() - t0 <= LOAD_S + 1.0
+
+
+def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go(tp_instances):
+    """TP 2 -> 1: producer rank 0 sends its heads, rank 1 stops mid-transfer and is killed: the
+    consumer reports the load failed, its blocks in load_errors, within the load deadline (its
+    other share landed, but half the heads did not), and rank 0 frees the room (it served the
+    one consumer rank that needs its heads)."""
+    instances, boots = tp_instances
+    producer, consumer = instances["stall2"], instances["c1"]
+    producer.step(sends=[{"req_id": "p82", "room": 82, "num_tokens": 100, "blocks": [3, 4, 5, 6]}])
+    t0 = time.monotonic()
+    load = {
+        "req_id": "c82",
+        "remote": _remote(82, boots["stall2"], 100),
+        "first": 0,
+        "count": 100,
+        "blocks": [7, 8, 9, 10],
+    }
+    consumer.step(loads=[load])
+    _stalled(producer.ranks[1], 1)
+    assert producer.ranks[0].wait(LOAD_S)["sending"] == ["p82"]
+    producer.ranks[1].kill()
+    [got] = consumer.wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c82"], [7, 8, 9, 10])
+    assert time.monotonic() - t0 <= LOAD_S + 1.0
