@@ -68,6 +68,7 @@ def test_changes_since_our_epoch_and_everything_for_another(cache, role):
         keep(cache, np.arange(16))
         first = decode_events(post(url, {"since": None})[1])
         assert first.reset and first.epoch == 77 and len(first.added) == 4 and first.seq == 1
+        assert first.align == (8 if role == "prefill" else 4)  # prefill resumes only at its passes
         keep(cache, np.arange(24))
         delta = decode_events(post(url, {"since": 1, "epoch": 77})[1])
         assert not delta.reset and len(delta.added) == 2 and delta.seq == 2
