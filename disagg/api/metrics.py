@@ -200,6 +200,30 @@ class PrefixCacheMetrics:
         self._evicted_seen = max(self._evicted_seen, stats["evicted_tokens"])
 
 
+class PrefillRoutingMetrics:
+    """The router's KV-aware choice of a prefill (`--route kv`): the prompt tokens its cache
+    index predicted the chosen prefill would not compute, and what that prefill then said it
+    did not compute, over the succeeded requests that have both (answer fields
+    prefill_cached_predicted and prefill_cached_tokens). Equal rates: the index is fresh; a
+    gap: requests were routed on a stale or wrong picture (a cache evicted meanwhile, a
+    worker that misreports)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.tokens = Counter(
+            "disagg_router_prefill_cached_tokens_total",
+            "prompt tokens the chosen prefill would not compute: predicted by the router's "
+            "index, reported by the prefill (succeeded requests with both)",
+            ["source"],
+            registry=registry,
+        )
+
+    def answered(self, out: dict) -> None:
+        predicted, reported = out.get("prefill_cached_predicted"), out.get("prefill_cached_tokens")
+        if predicted is not None and reported is not None:
+            self.tokens.labels("predicted").inc(predicted)
+            self.tokens.labels("reported").inc(reported)
+
+
 # ---- readers of a /metrics page (tests, scripts/soak.py) ----------------------------------------
 def pool_free(text: str) -> dict[str, float]:
     """The free-capacity gauges of an exposition text, keyed as the pool names them ("full_tokens")."""

@@ -1,12 +1,16 @@
 """CacheEvents: a worker's answer to POST /cache/events, what its prefix cache holds by chained
 page key (kvpool.cache.blocks.chain_keys), for the router's index (disagg/router/cache_index.py).
 
-    {"type": "CacheEvents", "epoch": E, "seq": S, "page_size": P, "reset": false,
+    {"type": "CacheEvents", "epoch": E, "seq": S, "page_size": P, "align": A, "reset": false,
      "added": [k, ...], "evicted": [k, ...]}        what changed after the caller's `since`
                                                     (asked with {"since": S, "epoch": E})
                                                     (k: a uint64 key's bits read as int64)
     ... "reset": true, "added": [every key held]     the whole contents (new caller, another
                                                     epoch, or behind)
+
+`align` (optional; the page when absent): a hit's length is a multiple of it, in tokens (a
+prefill of the model engine resumes only where a pass of its chunk starts), so the router
+predicts what the worker will take, not only what it holds.
 
 It comes over plain HTTP from a process the router does not authenticate (worker HTTP is
 guarded by the network only, docs/security.md), so it is decoded into a bounded, typed
@@ -37,10 +41,15 @@ class CacheEvents(msgspec.Struct, tag=True, frozen=True):
     reset: bool  # added is everything it holds
     added: Keys = []
     evicted: Keys = []
+    align: Annotated[int, msgspec.Meta(ge=1, le=1 << 20)] | None = (
+        None  # tokens a hit is a multiple of (None: the page)
+    )
 
     def __post_init__(self) -> None:
         if self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size {self.page_size} is not a power of two")
+        if self.align is not None and self.align % self.page_size:
+            raise ValueError(f"align {self.align} is not a multiple of the page size {self.page_size}")
         if self.reset and self.evicted:
             raise ValueError("a reset names what is held, so it evicts nothing")
 

@@ -1,11 +1,11 @@
 """A decode worker's HTTP routes: POST /decode and /abort, with their metrics; POST
-/cache/events (with the prefix cache): what the cache holds, by chained page key, for the
-router's index (what changed since the router's last look, or everything)."""
+/cache/events (with the prefix cache, disagg/api/cache_route.py, as prefill's): what the cache
+holds, by chained page key, for the router's index."""
 
+from disagg.api.cache_route import cache_routes
 from disagg.api.fields import abort_route, optional_int, require_room, require_tokens
 from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics
 from disagg.api.server import Service
-from disagg.control.cache_events import CacheEvents, encode_events
 from disagg.decode.server import DecodeServer
 from disagg.errors import BadRequest
 
@@ -18,11 +18,12 @@ class DecodeRoutes:
         self.cache = PrefixCacheMetrics(self.metrics.registry, "decode") if server.cache is not None else None
 
     def service(self) -> Service:
-        routes = {"/decode": self.decode, "/abort": abort_route(self.server.abort)}
-        if self.server.cache is not None:
-            routes["/cache/events"] = self.cache_events
         return Service(
-            routes,
+            {
+                "/decode": self.decode,
+                "/abort": abort_route(self.server.abort),
+                **cache_routes(self.server.cache, self.server.epoch),
+            },
             self.server.readiness,
             self.metrics.registry,
             health=self.server.health,
@@ -30,17 +31,6 @@ class DecodeRoutes:
             before_scrape=self._scrape,
             unlimited=("/abort", "/cache/events"),
         )
-
-    def cache_events(self, body: dict) -> dict:
-        """{"since": the seq of the caller's last answer, or null; "epoch": that answer's}: the
-        cache's changes since then, or all of it ("reset": true) when the caller has none or its
-        epoch is not ours (we restarted: our seq counts another journal)."""
-        since, epoch = body.get("since"), body.get("epoch")
-        if since is not None and (type(since) is not int or since < 0):
-            raise BadRequest("since must be null or a non-negative int (the seq of your last answer)")
-        if epoch != self.server.epoch:
-            since = None
-        return encode_events(CacheEvents(epoch=self.server.epoch, **self.server.cache.published(since)))
 
     def _scrape(self) -> None:
         """The pool's free capacity (cached pages nobody uses count as free: a request takes

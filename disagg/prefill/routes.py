@@ -1,5 +1,9 @@
-"""A prefill worker's HTTP routes: POST /prefill and /abort, with their metrics."""
+"""A prefill worker's HTTP routes: POST /prefill and /abort, with their metrics; POST
+/cache/events (with the prefix cache, disagg/api/cache_route.py, as decode's): what the cache
+holds, by chained page key, for the router's index (`--route kv` weighs what a prefill would
+not compute)."""
 
+from disagg.api.cache_route import cache_routes
 from disagg.api.fields import abort_route, optional_int, require_room, require_tokens, stream_layers
 from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics
 from disagg.api.server import Service
@@ -14,12 +18,17 @@ class PrefillRoutes:
 
     def service(self) -> Service:
         return Service(
-            {"/prefill": self.prefill, "/abort": abort_route(self.server.abort)},
+            {
+                "/prefill": self.prefill,
+                "/abort": abort_route(self.server.abort),
+                **cache_routes(self.server.cache, self.server.epoch),
+            },
             lambda: self.server.ready,
             self.metrics.registry,
             health=self.server.health,
             metrics=self.metrics,
             before_scrape=self._before_scrape,
+            unlimited=("/abort", "/cache/events"),
         )
 
     def _before_scrape(self) -> None:

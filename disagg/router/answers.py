@@ -187,6 +187,9 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     # prefill's prefix cache: prompt positions every prefill rank had cached and did not compute;
     # left out where prefill said nothing (its cache off)
     prefill_cached_tokens: int | None = None
+    # what the router's index predicted of it when it chose the pair (--route kv; left out where it
+    # had no copy of that prefill's cache): beside prefill_cached_tokens, how well it routes
+    prefill_cached_predicted: int | None = None
     mode: str | None
     transport: str | None
     streamed: bool

@@ -44,6 +44,7 @@ class RankCache:
         self.epoch: int | None = None
         self.seq: int | None = None  # None: ask for the whole contents next
         self.page_size: int | None = None
+        self.align: int | None = None  # a hit is a multiple of it, tokens (None: the page)
         self.keys: set[int] = set()
         self.lock = threading.Lock()  # keys vs lookups; polls of one rank are serialized by the index
 
@@ -69,7 +70,13 @@ class RankCache:
             else:
                 self.keys.difference_update(ev.evicted)
                 self.keys.update(ev.added)
-            self.epoch, self.seq, self.page_size = ev.epoch, ev.seq, ev.page_size
+            self.epoch, self.seq, self.page_size, self.align = ev.epoch, ev.seq, ev.page_size, ev.align
+
+    def usable(self, chain: np.ndarray) -> int:
+        """How many tokens of a prompt (its `chain` of keys at our page size, capped) the rank
+        would take: the leading keys it holds, cut to a multiple of its align."""
+        held = self.held_pages(chain) * self.page_size
+        return held - held % (self.align or self.page_size)
 
     def held_pages(self, chain: np.ndarray) -> int:
         """How many leading keys of `chain` (a prompt's, at our page size) we hold."""
@@ -143,9 +150,9 @@ class CacheIndex:
     def cached_tokens(
         self, urls: "tuple[str, ...]", tokens: np.ndarray, chains: "dict[int, np.ndarray] | None" = None
     ) -> int:
-        """The longest prefix of the prompt every rank of one instance holds, in tokens, capped
-        where decode caps a hit ((n - 1) // P * P: prefill computes the last token); 0 when a
-        rank has no cache or no copy yet. `chains` (page size -> the prompt's keys) is filled
+        """The longest prefix of the prompt every rank of one instance would take, in tokens:
+        what it holds, capped where a worker caps a hit ((n - 1) // P * P: prefill computes
+        the last token) and cut to the rank's align; 0 when a rank has no cache or no copy yet. `chains` (page size -> the prompt's keys) is filled
         as keys are computed: pass one dict for every instance a request is weighed on."""
         with self._lock:
             ranks = [self._ranks.get(u) for u in urls]
@@ -157,8 +164,14 @@ class CacheIndex:
             page = r.page_size
             if page not in chains:
                 chains[page] = chain_keys(tokens, page)[: (len(tokens) - 1) // page].view(np.int64)
-            held.append(r.held_pages(chains[page]) * page)
+            held.append(r.usable(chains[page]))
         return min(held)
+
+    def indexed(self, urls: "tuple[str, ...]") -> bool:
+        """Every rank of the instance has a copy in the index (its cached_tokens is a prediction,
+        not a 0 for want of one)."""
+        with self._lock:
+            return bool(urls) and all(u in self._ranks and self._ranks[u].page_size is not None for u in urls)
 
     def ranks(self) -> dict[str, int]:
         """url -> keys held (for /health and tests)."""

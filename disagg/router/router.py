@@ -224,11 +224,13 @@ class Router:
             ),
         }
 
-    def _pick(self, tokens: "np.ndarray | None") -> "tuple[int, Pair, PairState]":
+    def _pick(self, tokens: "np.ndarray | None") -> "tuple[int, Pair, PairState, int | None]":
         """The pair a request goes to, among those not known down: round robin, or (`--route
         kv`) the cheapest by scoring.py, ties in round-robin order; Unavailable (503) with every
         pair's reasons when none is up. `tokens` None: the prompt is not known yet (drawn at
-        random: nothing of it is cached)."""
+        random: nothing of it is cached). With it the prompt tokens the index predicts the
+        chosen prefill will not compute (None: no prediction: round robin, or a prefill whose
+        cache the index has no copy of)."""
         pairs = self.monitor.snapshot()
         up = [c for c in pairs if c[2].up is not False]
         if not up:
@@ -237,16 +239,18 @@ class Router:
         with self._lock:
             start, load = self._turn % len(up), dict(self._inflight)
         if self.cache is None:
-            chosen, turned = start, True
+            chosen, turned, predicted = start, True, None
         else:
             n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
             chains: dict = {}  # the prompt's keys per page size, computed once for every pair
             candidates = [self._candidate(p, tokens, load, chains) for _, p, _ in up]
             chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
+            known = tokens is not None and self.cache.indexed(up[chosen][1].prefill)
+            predicted = candidates[chosen].prefill_cached if known else None
         if turned:
             with self._lock:
                 self._turn = start + 1
-        return up[chosen]
+        return (*up[chosen], predicted)
 
     def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict, chains: dict) -> scoring.Candidate:
         """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
@@ -309,7 +313,9 @@ class Router:
             )
         given = _prompt(body, self.config.max_prompt_tokens, 1) if "token_ids" in body else None
         try:
-            pair_index, pair, state = self._pick(None if given is None else np.asarray(given, dtype=np.int64))
+            pair_index, pair, state, predicted = self._pick(
+                None if given is None else np.asarray(given, dtype=np.int64)
+            )
         except Unavailable:  # a request that is wrong is still a 400, pairs down or not
             _prompt(body, self.config.max_prompt_tokens, 1)
             raise
@@ -335,20 +341,33 @@ class Router:
             self._load(pair, len(tokens))
             try:
                 return self._run(
-                    pair_index, pair, tokens, max_new, cancel, client_gone, on_prefill=on_prefill, stream_layers=layers
+                    pair_index,
+                    pair,
+                    tokens,
+                    max_new,
+                    cancel,
+                    client_gone,
+                    on_prefill=on_prefill,
+                    stream_layers=layers,
+                    predicted=predicted,
                 )
             finally:
                 self._load(pair, -len(tokens))
-                if self.cache is not None:  # its pages are in decode's cache now: the next turn sees them
-                    for url in pair.decode:
-                        if caches(self.monitor.health(url)):
-                            self.cache.poll(url)
+                self._after(pair)
         finally:
             if request_id is not None:
                 with self._lock:
                     if self._live.get(request_id) is cancel:
                         del self._live[request_id]
             self._slots.release()
+
+    def _after(self, pair: Pair) -> None:
+        """A request ended on `pair`: its pages are in the caches of its prefill (computed) and
+        its decode (received) now, so the index reads both before the next turn is routed."""
+        if self.cache is not None:
+            for url in (*pair.prefill, *pair.decode):
+                if caches(self.monitor.health(url)):
+                    self.cache.poll(url)
 
     def _load(self, pair: Pair, tokens: int) -> None:
         """Count a request's tokens in (or, negative, out of) flight on both of its instances."""
@@ -369,6 +388,7 @@ class Router:
         *,
         on_prefill,
         stream_layers: str | None = None,
+        predicted: int | None = None,
     ) -> dict:
         room = secrets.randbits(62)
         t0 = time.perf_counter()
@@ -398,6 +418,7 @@ class Router:
             prefix_tokens=dec.prefix_tokens,
             reused_bytes=dec.reused_bytes,
             prefill_cached_tokens=pre.prefix_tokens,
+            prefill_cached_predicted=predicted,
             mode=dec.report.mode if dec.report else None,
             transport=dec.report.transport if dec.report else None,
             streamed=bool(pre.report and pre.report.streamed),

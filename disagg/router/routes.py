@@ -3,7 +3,7 @@ VllmRoutes: /v1/completions and /v1/chat/completions through vLLM pairs."""
 
 from disagg import __version__
 from disagg.api.fields import Reply
-from disagg.api.metrics import WorkerMetrics
+from disagg.api.metrics import PrefillRoutingMetrics, WorkerMetrics
 from disagg.api.server import Service, client_gone, default_error_body
 from disagg.router import openai
 from disagg.router.router import Router
@@ -20,6 +20,7 @@ def error_body(path: str, status: int, exc: "BaseException | str") -> dict:
 class RouterRoutes:
     def __init__(self, router: Router):
         self.router, self.metrics = router, WorkerMetrics("router")
+        self.prefills = PrefillRoutingMetrics(self.metrics.registry)
 
     def service(self) -> Service:
         router = self.router
@@ -60,6 +61,7 @@ class RouterRoutes:
     def _observe(self, out: dict, ok: bool) -> None:
         if ok:
             self.metrics.seconds("total", out["timings_ms"], "total")
+            self.prefills.answered(out)
 
 
 class VllmRoutes:

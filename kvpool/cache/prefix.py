@@ -175,8 +175,8 @@ class PrefixCache:
 
     # ---- what readers see ---------------------------------------------------------------------
     def published(self, since: "int | None" = None) -> dict:
-        """What changed since a reader's `since` (its last `seq`): {"seq", "page_size", "reset":
-        False, "added", "evicted"} (chained page keys); or, when it is new or fell behind the
+        """What changed since a reader's `since` (its last `seq`): {"seq", "page_size", "align",
+        "reset": False, "added", "evicted"} (chained page keys); or, when it is new or fell behind the
         journal, {"reset": True, "added": every key held}. Keys as Python ints (JSON), each
         uint64 key's bits read as int64 (what JSON decoders bound)."""
         with self._lock:
@@ -188,6 +188,7 @@ class PrefixCache:
             return {
                 "seq": self.journal.seq,
                 "page_size": self.page_size,
+                "align": self._step * self.page_size,  # a hit is a multiple of it (tokens)
                 "reset": changes is None,
                 "added": added.view(np.int64).tolist(),
                 "evicted": evicted.view(np.int64).tolist(),

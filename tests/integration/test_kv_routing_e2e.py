@@ -6,7 +6,9 @@ the prompt tokens than through a `--route round-robin` router over the same work
 own counted hit tokens); and with the pairs in a --pairs-file, a decode whose pairs are taken
 out gets no request while the others serve, and is used again once they are put back. A TP 2
 decode with pages of 16 beside a TP 1 decode with pages of 4: each conversation stays on the
-decode that holds its history, every rank of it counting the hit."""
+decode that holds its history, every rank of it counting the hit. Two prefills behind one
+decode: through `--route kv` the prefills' caches skip computing far more of the prompts than
+through round robin, and the router predicted exactly what they skipped."""
 
 import os
 import random
@@ -206,3 +208,41 @@ def test_a_tp_decode_of_other_pages_is_looked_up_rank_by_rank():
             assert all(h > 0 for turn in hits[1:] for h in turn), hits  # every rank of it took the history
             began.append(went[0])
         assert began == [0, 1, 0, 1]
+
+
+def routed(router: str, source: str) -> float:
+    """The router's disagg_router_prefill_cached_tokens_total{source}."""
+    with urllib.request.urlopen(router + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "disagg_router_prefill_cached_tokens_total" and s.labels.get("source") == source
+    )
+
+
+def test_kv_routing_sends_each_turn_to_the_prefill_that_cached_its_history():
+    """2 prefills (each caching) paired with 1 decode: the decode holds every conversation
+    whichever prefill computed it, so only prefill's cache tells the pairs apart. Prefill's hit
+    rate (its counted prompt tokens not computed, over the prompt tokens) through `--route kv`
+    is well above round robin's (which alternates a conversation's turns between the two), and
+    the router's prediction of what the chosen prefill would not compute is what it reported."""
+    common = ["--preset", "tiny-hybrid", "--device", "cpu", "--page-size", "4", "--max-requests", "8"]
+    common += ["--staging-slot-mib", "1", "--max-tokens", "8192"]
+    with Launcher() as launcher:
+        prefills = [launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*") for _ in range(2)]
+        boots = [a for i, p in enumerate(prefills) for a in ("--bootstrap-addr", f"p{i}={p['bootstrap']}")]
+        decode = launcher.start("decode", *common, *boots)
+        pairs = [a for i, p in enumerate(prefills) for a in ("--pair", f"{p['http']},{decode['http']},p{i}")]
+        routers = {r: launcher.start("router", *pairs, "--route", r)["http"] for r in ("kv", "round-robin")}
+        urls = [p["http"] for p in prefills]
+        rr = hit_rate(urls, lambda: interleaved(routers["round-robin"], seed=11))
+        kv = hit_rate(urls, lambda: interleaved(routers["kv"], seed=12))  # its own system prompt
+        predicted, reported = routed(routers["kv"], "predicted"), routed(routers["kv"], "reported")
+        rr_predicted = routed(routers["round-robin"], "predicted")
+    print(f"\nprefill hit rate (prompt tokens not computed / prompt tokens): kv {kv:.3f}, round robin {rr:.3f}")
+    # (the most a turn can hit is the history before it: about 0.6 of the prompts here)
+    assert kv > 0.55 and kv > rr + 0.15, (kv, rr)
+    assert reported > 0 and predicted == reported, (predicted, reported)
+    assert rr_predicted == 0  # round robin predicts nothing

@@ -105,6 +105,23 @@ def test_an_instance_holds_what_every_rank_holds():
             r.server.server_close()
 
 
+def test_a_prefill_that_resumes_at_its_passes_is_predicted_at_them(rank):
+    """A prefill of the model engine takes a hit only at a multiple of its pass (align 8,
+    pages of 4): the index predicts what it will take, not all it holds; and an instance is
+    `indexed` only once every rank has answered (a 0 then is a prediction, not a blank)."""
+    index = CacheIndex()
+    assert not index.indexed((rank.url,))
+    rank.answer(reset=True, added=keys(7), align=8)  # 28 tokens held
+    index.poll(rank.url)
+    assert index.indexed((rank.url,)) and not index.indexed((rank.url, "http://127.0.0.1:1"))
+    assert index.cached_tokens((rank.url,), PROMPT) == 24
+    assert index.cached_tokens((rank.url,), PROMPT[:9]) == 8  # capped at 2 pages first
+    assert index.cached_tokens((rank.url,), PROMPT[:8]) == 0  # 1 page: under one pass
+    rank.answer(seq=2, added=keys(10)[7:], align=8)
+    index.poll(rank.url)
+    assert index.cached_tokens((rank.url,), PROMPT) == 40
+
+
 HOSTILE = {
     "not JSON": b"{not json",
     "a list": [1, 2],
@@ -120,6 +137,8 @@ HOSTILE = {
     "a seq before ours": {"seq": 2, "added": [1]},
     "too many keys": {"seq": 9, "added": list(range(11))},
     "a bool seq": {"seq": True},
+    "align not a multiple of the page": {"seq": 9, "align": 6},
+    "align 0": {"seq": 9, "align": 0},
 }
 
 

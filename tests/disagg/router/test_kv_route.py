@@ -20,22 +20,24 @@ PAGE = 4
 
 
 class Worker:
-    """A worker's HTTP face: /ready, /health, its route (SUCCESS), and for decode
-    /cache/events answering every whole page of the prompts it served (a reset each time)."""
+    """A worker's HTTP face: /ready, /health, its route (SUCCESS), and where it caches (decode
+    by default) /cache/events answering every whole page of the prompts it served (a reset
+    each time); a prefill that caches answers the prompt positions it held (prefix_tokens)."""
 
-    def __init__(self, role: str, **health):
+    def __init__(self, role: str, caches: "bool | None" = None, **health):
         self.bodies: list[dict] = []
         self.keys: set[int] = set()
         self.go = threading.Event()  # decode answers once set
         self.go.set()
+        self.caches = role == "decode" if caches is None else caches
         routes = {f"/{role}": self._prefill if role == "prefill" else self._decode}
-        if role == "decode":
+        if self.caches:
             routes["/cache/events"] = self._events
         health = {
             "status": "ok",
             "bootstraps": ["main"],
             "available": {"full_tokens": 1 << 20},
-            **({"prefix_cache": {}} if role == "decode" else {}),
+            **({"prefix_cache": {}} if self.caches else {}),
             **health,
         }
         self.api = ApiServer(
@@ -45,7 +47,13 @@ class Worker:
 
     def _prefill(self, body: dict) -> dict:
         self.bodies.append(body)
-        return {"state": "SUCCESS", "first_token": 1}
+        if not self.caches:
+            return {"state": "SUCCESS", "first_token": 1}
+        tokens = np.asarray(body["token_ids"])
+        chain = chain_keys(tokens, PAGE)[: (len(tokens) - 1) // PAGE].view(np.int64).tolist()
+        held = next((i for i, k in enumerate(chain) if k not in self.keys), len(chain))
+        self.keys.update(chain_keys(tokens, PAGE).view(np.int64).tolist())
+        return {"state": "SUCCESS", "first_token": 1, "prefix_tokens": held * PAGE}
 
     def _decode(self, body: dict) -> dict:
         self.bodies.append(body)
@@ -106,6 +114,36 @@ def test_a_conversation_stays_where_its_prefix_is(stand_ins, route):
     stayed = all(len(set(w)) == 1 for w in went)
     assert stayed == (route == "kv"), went
     assert {p for w in went for p in w} == {0, 1}  # both pairs serve: new conversations spread
+
+
+@pytest.mark.parametrize("route", ["kv", "round-robin"])
+def test_a_conversation_stays_on_the_prefill_that_cached_it(route):
+    """Two prefills that cache, one decode that does not (two pairs): with --route kv each turn
+    goes back to the prefill that computed the one before (read right after that turn ended),
+    and the answer's prediction of what it will not compute is what it then reports; round
+    robin alternates and predicts nothing."""
+    prefills, decode = [Worker("prefill", caches=True) for _ in range(2)], Worker("decode", caches=False)
+    router = Router(RouterConfig(tuple(pair_of(p, decode) for p in prefills), route=route, probe_every_s=3600))
+    try:
+        rng, prompt, outs = np.random.default_rng(7), [], []
+        for _ in range(4):
+            prompt = prompt + rng.integers(0, 50000, 24).tolist()
+            outs.append(router.generate({"token_ids": prompt}))
+            assert outs[-1]["ok"], outs[-1]
+            prompt = prompt + outs[-1]["output_tokens"]
+    finally:
+        router.close()
+        for w in (*prefills, decode):
+            w.api.stop()
+    went = [o["pair"] for o in outs]
+    reported = [o["prefill_cached_tokens"] for o in outs]
+    if route == "kv":
+        assert len(set(went)) == 1, went
+        assert reported == [0, 24, 48, 72], reported  # every earlier turn's whole pages
+        assert [o["prefill_cached_predicted"] for o in outs] == reported
+    else:
+        assert went == [0, 1, 0, 1] and reported == [0, 0, 24, 48], (went, reported)
+        assert all("prefill_cached_predicted" not in o for o in outs)
 
 
 def test_a_pair_busy_with_a_long_prompt_is_passed_over(stand_ins):

@@ -16,6 +16,16 @@ def test_the_pair_holding_more_of_the_prompt_wins():
     assert choose(cands, 600, 1.0, start=2) == 1
 
 
+def test_the_prefill_holding_more_of_the_prompt_wins_against_its_load():
+    """The same decode behind two prefills: the one that would compute less wins, until what
+    is in flight on it, by the weight, costs more than what it saves."""
+    cands = [Candidate(prefill_cached=0), Candidate(prefill_cached=480, inflight=300)]
+    assert choose(cands, 600, 1.0) == 1  # 120 + 300 < 600
+    assert choose(cands, 600, 2.0) == 0  # 120 + 600 > 600
+    assert cost(cands[1], 600, 1.0) == 600 + 120 + 300
+    assert not tied(cands, 600, 1.0)
+
+
 def test_load_outweighs_reuse_by_its_weight():
     cands = [Candidate(decode_cached=512, inflight=4096), Candidate(decode_cached=0)]
     assert choose(cands, 600, 1.0) == 1  # 88 + 600 + 4096 > 600 + 600

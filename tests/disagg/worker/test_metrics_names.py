@@ -5,7 +5,7 @@ import re
 import pytest
 from prometheus_client import generate_latest
 
-from disagg.api.metrics import PrefixCacheMetrics, WorkerMetrics, inflight, pool_free
+from disagg.api.metrics import PrefillRoutingMetrics, PrefixCacheMetrics, WorkerMetrics, inflight, pool_free
 
 POOL = {"full_tokens": 4096, "swa_tokens": 512, "mamba_slots": 7, "aux_rows": 8}  # a HybridPool's available()
 UNITS = ("_seconds", "_bytes", "_tokens", "_slots", "_rows", "_requests", "_ranges")
@@ -156,3 +156,17 @@ def test_the_http_server_counts_every_answer_and_states_its_capacity():
     assert 'disagg_http_answers_total{role="router",route="other",status="404"} 1.0' in text
     assert 'disagg_http_answers_total{role="router",route="/health",status="200"} 1.0' in text
     assert 'disagg_capacity_requests{role="router"} 7.0' in text and "disagg_http_connections_requests" in text
+
+
+def test_the_routers_prefill_prediction_is_counted_beside_what_prefill_reported():
+    """--route kv: the tokens the index predicted the chosen prefill would not compute, and what
+    it reported, from answers that have both (a round-robin answer predicts nothing)."""
+    m = WorkerMetrics("router")
+    routing = PrefillRoutingMetrics(m.registry)
+    routing.answered({"prefill_cached_predicted": 96, "prefill_cached_tokens": 96})
+    routing.answered({"prefill_cached_predicted": 64, "prefill_cached_tokens": 32})
+    routing.answered({"prefill_cached_tokens": 500})  # no prediction: not counted
+    text = scraped(m)
+    assert 'disagg_router_prefill_cached_tokens_total{source="predicted"} 160.0' in text, text
+    assert 'disagg_router_prefill_cached_tokens_total{source="reported"} 128.0' in text, text
+    assert re.search(r"^# TYPE disagg_router_prefill_cached_tokens_total counter$", text, re.M)
