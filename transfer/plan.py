@@ -31,15 +31,15 @@ from transfer.buffers import Buffer
 from transfer.errors import IndexMismatch, LayoutIncompatible
 from transfer.runs import Runs, align, check_indices, expand, group_runs, segment_runs
 from transfer.suffix import Suffix
-from transfer.tokens import Lane, Tokens, check_pages, first_covered, span_rows
+from transfer.tokens import Lane, SpanRows, Tokens, check_pages, first_covered
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 
 
 @dataclass(frozen=True)
 class ComponentPlan:
     component: Component
-    src_idx: np.ndarray  # int64, aligned
-    dst_idx: np.ndarray  # int64, aligned
+    src_idx: np.ndarray | SpanRows  # int64, aligned (by token, paged: rows worked out where asked)
+    dst_idx: np.ndarray | SpanRows
     src_bufs: tuple[Buffer, ...]
     dst_bufs: tuple[Buffer, ...]
     runs: Runs
@@ -70,13 +70,18 @@ class ComponentPlan:
     def unit_bytes(self) -> tuple[int, ...]:
         """Bytes that move per item (by token: per row) of each stream."""
         if self.by_token:
-            return tuple(l.token_bytes for l in self.src_lanes)
+            return self.lanes.unit_bytes
         return tuple(self.field[1] if self.field else b.item_bytes for b in self.src_bufs)
+
+    @property
+    def lanes(self) -> "_LaneArrays":
+        """By token: the lane pairing's arrays (built once per pair of lane tuples)."""
+        return _lane_arrays(self.component, self.src_lanes, self.dst_lanes)
 
     @functools.cached_property
     def num_ranges(self) -> int:
         if self.by_token:
-            return len(self.runset)
+            return self.lanes.num_ranges(self.runs)
         items = int(self.runs.count.sum()) if self.field else len(self.runs)
         return items * self.streams
 
@@ -97,7 +102,7 @@ class ComponentPlan:
         bounds-checked against every buffer when the plan was built. Built once: the mode
         choice, the range count and the link's layout all read it."""
         if self.by_token:
-            return _lane_runset(self.runs, self.src_lanes, self.dst_lanes)
+            return _lane_runset(self.runs, self.lanes, self.src_lanes[0].page_size, self.dst_lanes[0].page_size)
         ours, theirs = arrays_of(self.src_bufs), arrays_of(self.dst_bufs)  # (per buffer tuple: once)
         n, field = len(self.src_bufs), self.field
         return RunSet(
@@ -115,11 +120,10 @@ def _ints(values) -> np.ndarray:
     return np.array(list(values), dtype=np.int64)
 
 
-def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> RunSet | LaneRuns:
+def _lane_runset(runs: Runs, a: "_LaneArrays", src_rows: int, dst_rows: int) -> RunSet | LaneRuns:
     """Runs of token rows x lanes. Whole layer-major lanes are rows back to back (a lane is a
     buffer of items of one row: a plain RunSet); others (page-major, TP slices, state slots)
     lie at offsets, pitches and strides that differ per side (LaneRuns, which the link expands)."""
-    a = _lane_arrays(src, dst)
     if a.linear:
         return RunSet(runs.src_start, runs.dst_start, runs.count, a.src_region, a.dst_region, a.row_bytes)
     return LaneRuns(
@@ -135,15 +139,16 @@ def _lane_runset(runs: Runs, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> Ru
         a.dst_pitch,
         a.src_stride,
         a.dst_stride,
-        src[0].page_size,
-        dst[0].page_size,
+        src_rows,
+        dst_rows,
     )
 
 
 @dataclass(frozen=True)
 class _LaneArrays:
-    """A lane pairing's per-lane numbers as arrays (int64 [n_lanes] each): what every send
-    to one peer shares."""
+    """A lane pairing's per-lane numbers as arrays (int64 [n_lanes] each) and what a send
+    derives from them alone: what every send to one peer shares (its per-request part, the
+    indices, is checked per send: check_pages against src_items / dst_items)."""
 
     linear: bool
     src_region: np.ndarray
@@ -155,19 +160,33 @@ class _LaneArrays:
     dst_pitch: np.ndarray
     src_stride: np.ndarray
     dst_stride: np.ndarray
+    whole: int = 0  # lanes whose rows are back to back on both sides: a run is one range there
+    src_items: int = 0  # the fewest items of a source lane's buffer (an index below it is real)
+    dst_items: int = 0
+    unit_bytes: tuple[int, ...] = ()  # bytes per row of each lane
+
+    def num_ranges(self, runs: Runs) -> int:
+        """LaneRuns' range count (one per run of a whole lane, one per row of a sliced one),
+        counted from the runs without building them."""
+        sliced = len(self.row_bytes) - self.whole
+        return len(runs) * self.whole + (int(runs.count.sum()) * sliced if sliced else 0)
 
 
 _LANE_ARRAYS: dict[tuple[int, int], tuple[tuple, tuple, _LaneArrays]] = {}
 
 
-def _lane_arrays(src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> _LaneArrays:
+def _lane_arrays(c: Component, src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> _LaneArrays:
     """The arrays of a lane pairing, built once per pair of lane tuples (a peer link's lanes
-    are the same tuples for every send: transfer.peer.RemotePool). Keyed by identity, the
-    tuples kept beside so an id is never reused while cached; a few hundred pairings at most."""
+    are the same tuples for every send: transfer.peer.RemotePool): LayoutIncompatible unless
+    lane i of `src` moves the bytes per row lane i of `dst` does. Keyed by identity, the tuples
+    kept beside so an id is never reused while cached (a pairing that does not pair up is
+    never cached); a few hundred pairings at most."""
     key = (id(src), id(dst))
     hit = _LANE_ARRAYS.get(key)
     if hit is not None and hit[0] is src and hit[1] is dst:
         return hit[2]
+    if len(src) != len(dst) or any(a.token_bytes != b.token_bytes for a, b in zip(src, dst)):
+        raise LayoutIncompatible(f"{c.value}: lanes that do not pair up")
     ints = _ints
     arrays = _LaneArrays(
         all(l.linear for l in src + dst),
@@ -180,8 +199,12 @@ def _lane_arrays(src: tuple[Lane, ...], dst: tuple[Lane, ...]) -> _LaneArrays:
         ints(l.pitch for l in dst),
         ints(l.stride for l in src),
         ints(l.stride for l in dst),
+        sum(a.stride == a.token_bytes and b.stride == b.token_bytes for a, b in zip(src, dst)),
+        min((l.num_items for l in src), default=0),
+        min((l.num_items for l in dst), default=0),
+        tuple(l.token_bytes for l in src),
     )
-    for f in dataclasses.fields(arrays)[1:]:
+    for f in dataclasses.fields(arrays)[1:10]:
         getattr(arrays, f.name).setflags(write=False)
     if len(_LANE_ARRAYS) >= 512:
         _LANE_ARRAYS.clear()
@@ -235,12 +258,11 @@ def token_plan(
             f"{c.value}: no lanes on the {'source' if c not in tokens.src else 'destination'} side"
         )
     src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
-    if any(a.token_bytes != b.token_bytes for a, b in zip(src_lanes, dst_lanes)) or len(src_lanes) != len(dst_lanes):
-        raise LayoutIncompatible(f"{c.value}: lanes that do not pair up")
+    lanes = _lane_arrays(c, src_lanes, dst_lanes)  # LayoutIncompatible unless they pair up
     if c.per_request:
         s_rows, d_rows = align(src, dst, c)
-        check_pages(c, "source", s_rows, src_lanes)
-        check_pages(c, "destination", d_rows, dst_lanes)
+        check_pages(c, "source", s_rows, lanes.src_items)
+        check_pages(c, "destination", d_rows, lanes.dst_items)
         return ComponentPlan(
             c,
             s_rows,
@@ -260,35 +282,36 @@ def token_plan(
         raise IndexMismatch(
             f"{c.value}: {len(src)} source pages of {ps} and {len(dst)} destination pages of {pd} must each cover {what}"
         )
-    check_pages(c, "source", src, src_lanes)
-    check_pages(c, "destination", dst, dst_lanes)
+    check_pages(c, "source", src, lanes.src_items)
+    check_pages(c, "destination", dst, lanes.dst_items)
     first = max(first_src, first_dst)
     if suffix is not None:
         first = suffix.first_position(first)
-    s_rows, d_rows = span_rows(src, n, ps, first), span_rows(dst, n, pd, first)
-    paged = not all(l.linear for l in src_lanes + dst_lanes)  # runs end at pages
-    s_rows.setflags(write=False)
-    d_rows.setflags(write=False)
-    # first is a multiple of the smaller page size (each side's first covered position, or a
-    # prefix_len aligned to decode's pages) that divides the larger: segment_runs' premise
-    # (engine blocks of 32 and 48 tokens: not so, rows grouped one by one)
-    step = min(ps, pd)
-    runs = (
-        segment_runs(s_rows, d_rows, step, paged)
-        if first % step == 0 and max(ps, pd) % step == 0
-        else group_runs(s_rows, d_rows, *((ps, pd) if paged else ()))
-    )
+    s_rows, d_rows = SpanRows.of(src, n, ps, first), SpanRows.of(dst, n, pd, first)
     return ComponentPlan(
         c,
         s_rows,
         d_rows,
         tuple(src_bufs),
         tuple(dst_bufs),
-        runs,
+        _row_runs(s_rows, d_rows, not lanes.linear),  # paged: runs end at pages
         src_lanes=src_lanes,
         dst_lanes=dst_lanes,
         first_position=first,
     )
+
+
+def _row_runs(s: SpanRows, d: SpanRows, paged: bool) -> Runs:
+    """The runs of two sides' rows of the same positions. The first position is a multiple
+    of the smaller page size (each side's first covered position, or a prefix_len aligned to
+    decode's pages) that divides the larger: segment_runs' premise, from the rows where each
+    segment starts, O(pages), the rows in between never built (engine blocks of 32 and 48
+    tokens: not so, rows grouped one by one)."""
+    step, first, n = min(s.page_size, d.page_size), s.first, s.num_tokens
+    if first % step or max(s.page_size, d.page_size) % step:
+        return group_runs(np.asarray(s), np.asarray(d), *((s.page_size, d.page_size) if paged else ()))
+    at = np.arange(first, n, step, dtype=np.int64)
+    return segment_runs(s.at(at), d.at(at), np.minimum(step, n - at), paged)
 
 
 def build_plan(

@@ -85,23 +85,20 @@ def group_runs(src: np.ndarray, dst: np.ndarray, src_page: int = 0, dst_page: in
     return Runs(src[starts], dst[starts], at[1:] - starts)
 
 
-def segment_runs(src: np.ndarray, dst: np.ndarray, step: int, paged: bool) -> Runs:
+def segment_runs(s: np.ndarray, d: np.ndarray, count: np.ndarray, paged: bool) -> Runs:
     """group_runs of token rows of consecutive positions from a multiple of `step` (the
-    smaller of two power-of-two page sizes), in O(rows / step): rows of `step` positions from
-    such a multiple lie in one page on each side, so every segment is one run, and a page of
-    either side starts at every segment's first row. `paged` (runs end at pages: what
-    group_runs(src, dst, ps, pd) gives): the segments; else maximal runs of them (what
-    group_runs(src, dst) gives).
+    smaller of two power-of-two page sizes), in O(rows / step), from the rows `s`, `d` where
+    each segment of `step` positions starts and each segment's rows `count` (`step`, the last
+    maybe fewer): rows of `step` positions from such a multiple lie in one page on each side,
+    so every segment is one run, and a page of either side starts at every segment's first
+    row. `paged` (runs end at pages: what group_runs(src, dst, ps, pd) gives): the segments;
+    else maximal runs of them (what group_runs(src, dst) gives).
 
         positions  first ... |<- step ->|<- step ->|<- step ->| ... n
         runs                   one        one        one          (paged)
                                one ................. one          (not paged: merged where
                                                                    both sides continue)"""
-    n = len(src)
-    starts = np.arange(0, n, step, dtype=np.int64)
-    count = np.minimum(step, n - starts)
-    s, d = np.asarray(src, dtype=np.int64)[starts], np.asarray(dst, dtype=np.int64)[starts]
-    if paged or len(starts) < 2:
+    if paged or len(s) < 2:
         return Runs(s, d, count)
     keep = np.concatenate(([0], np.flatnonzero((s[1:] != s[:-1] + count[:-1]) | (d[1:] != d[:-1] + count[:-1])) + 1))
     return Runs(s[keep], d[keep], np.add.reduceat(count, keep))

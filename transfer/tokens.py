@@ -24,6 +24,7 @@ a staged piece says (lane, first position, count) and each side finds its own by
 """
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -152,14 +153,66 @@ def span_rows(idx: np.ndarray, num_tokens: int, page_size: int, first: int) -> n
     return out[first - lo * page_size : num_tokens - lo * page_size]
 
 
-def check_pages(component: Component, side: str, idx: np.ndarray, lanes_: tuple[Lane, ...]) -> None:
-    """Every page a side's rows fall in is a real item of its buffers (0 is the sentinel)."""
+def check_pages(component: Component, side: str, idx: np.ndarray, num_items: int) -> None:
+    """Every page a side's rows fall in is a real item of its buffers (0 is the sentinel):
+    `num_items`, the fewest items of the side's lanes' buffers (the lane pairing's, worked
+    out once per peer; the indices are every request's own, checked on every send)."""
     if len(idx) == 0:
         return
-    num_items = min(l.num_items for l in lanes_)
     lo, hi = int(np.min(idx)), int(np.max(idx))
     if lo < 1 or hi >= num_items:
         raise OutOfBounds(f"{component.value}: {side} page {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
+
+
+@dataclass(frozen=True, eq=False)
+class SpanRows:
+    """span_rows(idx, num_tokens, page_size, first), worked out only where asked: a direct send
+    needs only the rows where its runs start (at(), O(pages)), a staged one slices of them
+    (gather), and only tests the whole array. `pages` are the side's pages from the one
+    holding `first` on (a copy, read-only: the caller's index array may change later)."""
+
+    pages: np.ndarray  # int64, read-only
+    num_tokens: int
+    page_size: int
+    first: int
+
+    @staticmethod
+    def of(idx: np.ndarray, num_tokens: int, page_size: int, first: int) -> "SpanRows":
+        first = min(first, num_tokens)
+        first_page = -(-num_tokens // page_size) - len(idx)
+        lo, hi = first // page_size, -(-num_tokens // page_size)
+        pages = np.array(idx[lo - first_page : hi - first_page], dtype=np.int64)
+        pages.setflags(write=False)
+        return SpanRows(pages, num_tokens, page_size, first)
+
+    def __len__(self) -> int:
+        return self.num_tokens - self.first
+
+    def at(self, positions: np.ndarray) -> np.ndarray:
+        """Rows (int64) of request positions, each in [first, num_tokens)."""
+        base = self.first // self.page_size
+        return self.pages[positions // self.page_size - base] * self.page_size + positions % self.page_size
+
+    @functools.cached_property
+    def _all(self) -> np.ndarray:
+        out = span_rows(self.pages, self.num_tokens, self.page_size, self.first)
+        out.setflags(write=False)
+        return out
+
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        return self._all if dtype is None else self._all.astype(dtype)
+
+    def __getitem__(self, key):
+        if isinstance(key, slice) and key.step in (None, 1):
+            lo, hi, _ = key.indices(len(self))
+            return self.at(np.arange(self.first + lo, self.first + max(lo, hi), dtype=np.int64))
+        return self._all[key]
+
+    def __iter__(self):
+        return iter(self._all)
+
+    def tolist(self) -> list[int]:
+        return self._all.tolist()
 
 
 @dataclass(frozen=True)

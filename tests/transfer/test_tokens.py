@@ -229,7 +229,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from transfer.runs import segment_runs  # noqa: E402
-from transfer.tokens import rows, span_rows  # noqa: E402
+from transfer.tokens import SpanRows, rows, span_rows  # noqa: E402
 
 
 @st.composite
@@ -264,6 +264,9 @@ def test_page_by_page_rows_and_runs_are_the_per_position_ones(span, paged):
     s, d = span_rows(si, n, ps, first), span_rows(di, n, pd, first)
     assert np.array_equal(s, rows(si, n, ps, positions)) and np.array_equal(d, rows(di, n, pd, positions))
     want = group_runs(s, d, *((ps, pd) if paged else ()))
-    got = segment_runs(s, d, m, paged)
+    at = np.arange(first, n, m, dtype=np.int64)
+    s_at, d_at = SpanRows.of(si, n, ps, first).at(at), SpanRows.of(di, n, pd, first).at(at)
+    assert np.array_equal(s_at, s[at - first]) and np.array_equal(d_at, d[at - first])
+    got = segment_runs(s_at, d_at, np.minimum(m, n - at), paged)
     for f in ("src_start", "dst_start", "count"):
         assert np.array_equal(getattr(got, f), getattr(want, f)), f

@@ -186,36 +186,9 @@ class LaneRuns:
     dst_rows: int
 
     def __post_init__(self) -> None:
-        lanes = {
-            len(getattr(self, f))
-            for f in (
-                "src_offset",
-                "dst_offset",
-                "row_bytes",
-                "src_region",
-                "dst_region",
-                "src_pitch",
-                "dst_pitch",
-                "src_stride",
-                "dst_stride",
-            )
-        }
-        if not len(self.src_start) == len(self.dst_start) == len(self.count) or len(lanes) != 1:
-            raise ValueError("lane runs: runs or lanes of different lengths")
-        for side, off, pitch, stride, rows in (
-            ("source", self.src_offset, self.src_pitch, self.src_stride, self.src_rows),
-            ("destination", self.dst_offset, self.dst_pitch, self.dst_stride, self.dst_rows),
-        ):
-            if (
-                rows < 1
-                or (
-                    (off < 0)
-                    | (self.row_bytes < 1)
-                    | (stride < self.row_bytes)
-                    | (off + (rows - 1) * stride + self.row_bytes > pitch)
-                ).any()
-            ):
-                raise OutOfBounds(f"a {side} lane lies outside its item")
+        if not len(self.src_start) == len(self.dst_start) == len(self.count):
+            raise ValueError("lane runs: runs of different lengths")
+        _check_lanes(self)
         n = len(self.count)
         if n and (
             min(int(self.src_start.min()), int(self.dst_start.min())) < 0
@@ -285,3 +258,54 @@ class LaneRuns:
             (int(last[0].max()) // self.src_rows + 1) * self.src_pitch,
             (int(last[1].max()) // self.dst_rows + 1) * self.dst_pitch,
         )
+
+
+_LANE_FIELDS = (
+    "src_offset",
+    "dst_offset",
+    "row_bytes",
+    "src_region",
+    "dst_region",
+    "src_pitch",
+    "dst_pitch",
+    "src_stride",
+    "dst_stride",
+)
+_CHECKED: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}  # lanes found inside their items
+
+
+def _check_lanes(runs: LaneRuns) -> None:
+    """Every lane's rows lie inside its item on both sides. Every send to one peer carries the
+    same lane arrays (transfer.plan's, read-only): a set of them found good is not checked
+    again, looked up by the arrays' identity (kept alive beside, so an id is not reused while
+    cached) and only while none of them can be written to."""
+    arrays = tuple(getattr(runs, f) for f in _LANE_FIELDS)
+    key = (*map(id, arrays), runs.src_rows, runs.dst_rows)
+    hit = _CHECKED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit, arrays)) and _frozen(arrays):
+        return
+    if len({len(a) for a in arrays}) != 1:
+        raise ValueError("lane runs: lanes of different lengths")
+    for side, off, pitch, stride, rows in (
+        ("source", runs.src_offset, runs.src_pitch, runs.src_stride, runs.src_rows),
+        ("destination", runs.dst_offset, runs.dst_pitch, runs.dst_stride, runs.dst_rows),
+    ):
+        if (
+            rows < 1
+            or (
+                (off < 0)
+                | (runs.row_bytes < 1)
+                | (stride < runs.row_bytes)
+                | (off + (rows - 1) * stride + runs.row_bytes > pitch)
+            ).any()
+        ):
+            raise OutOfBounds(f"a {side} lane lies outside its item")
+    if _frozen(arrays):
+        if len(_CHECKED) >= 512:
+            _CHECKED.clear()
+        _CHECKED[key] = arrays
+
+
+def _frozen(arrays: tuple[np.ndarray, ...]) -> bool:
+    """Arrays that own their bytes and are read-only: nothing writes them behind a view."""
+    return all(a.base is None and not a.flags.writeable for a in arrays)
