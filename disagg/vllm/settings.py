@@ -9,6 +9,9 @@ command line: every value checked, one line per mistake):
     insecure       false               DISAGG_AUTH_KEY / DISAGG_INSECURE=1): one of the two
     host           127.0.0.1         bound and advertised (control socket, Mooncake)
     mooncake_protocol  tcp           tcp or rdma
+    cma            true              CPU pools: a peer on this host is written with
+                                     process_vm_writev (transfer/transports/cma.py), others
+                                     over Mooncake; false: Mooncake for every peer
     hold_s         60                producer: a room waits this long for its consumer's request
     load_s         30                consumer: a load ends (failed) this long after it was asked
     dead_after_s   5                 a peer silent this long fails its transfers
@@ -35,6 +38,7 @@ class ConnectorSettings:
     auth: AuthKey = AuthKey()
     host: str = "127.0.0.1"
     mooncake_protocol: str = "tcp"
+    cma: bool = True
     hold_s: float = 60.0
     load_s: float = 30.0
     dead_after_s: float = 5.0
@@ -56,6 +60,8 @@ class ConnectorSettings:
             v = values.get(name, 1.0)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: {v!r} is not a positive number of seconds")
+        if not isinstance(values.get("cma", True), bool):
+            raise ConfigError(f"kv_connector_extra_config.cma: {values['cma']!r} is not true or false")
         if values.get("mooncake_protocol", "tcp") not in ("tcp", "rdma"):
             raise ConfigError(
                 f"kv_connector_extra_config.mooncake_protocol: {values['mooncake_protocol']!r} is not tcp or rdma"

@@ -6,6 +6,8 @@ workers' flags, the --transport choices, `auto` and create(). Adding a transport
                             cuda-ipc (pools on CUDA; peers on the same host), then mooncake
     --transport mooncake    just that one (--mooncake-protocol tcp|rdma picks Mooncake's own)
     --transport cuda-ipc    just that one (pools on CUDA, both processes on one host)
+    --transport cma         just that one (CPU pools, both processes on one host:
+                            process_vm_writev); never part of auto
 
 Per peer, the receiver offers its transports in its order of preference; the sender takes
 the first offer one of its own transports can reach (pick) and says which in its reply.
@@ -16,6 +18,7 @@ from collections.abc import Iterator, Sequence
 
 from transfer.errors import TransportError
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
+from transfer.transports.cma import CMA
 from transfer.transports.cuda_ipc import CUDA_IPC
 from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.mooncake import MOONCAKE
@@ -83,6 +86,7 @@ class Registry:
 TRANSPORTS = Registry()
 TRANSPORTS.add(CUDA_IPC)  # (preference order: the first a process suits is offered first)
 TRANSPORTS.add(MOONCAKE)
+TRANSPORTS.add(CMA)  # (not in auto: disagg.vllm names it for CPU pools, transfer/transports/cma.py)
 
 
 def resolve(choice: str, settings: TransportSettings | None = None) -> tuple[str, ...]:

@@ -4,9 +4,7 @@ same host: boot id plus hostname). Only plain cudaMalloc memory can be exported:
 expandable segments (VMM) is refused by name."""
 
 import os
-import socket
 from collections.abc import Sequence
-from functools import lru_cache
 
 import msgspec
 import numpy as np
@@ -14,19 +12,9 @@ import numpy as np
 from transfer.errors import TransportError
 from transfer.transports.base import Exposure, Offer
 from transfer.transports.cuda_driver import Driver
+from transfer.transports.host import host_identity
 
 KIND = "cuda-ipc"
-
-
-@lru_cache(maxsize=1)
-def host_identity() -> str:
-    """Same value in every process (and container) on one kernel: boot id plus hostname."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{boot}/{socket.gethostname()}"
 
 
 def reach_problem(offer: Offer, host: str) -> str | None:
