@@ -59,6 +59,9 @@ MODELS = {
     "qwen3-next": (tiny_models.build_tiny_qwen3_next, "bfloat16", 256, (1, 3), ()),
 }
 CONNECTORS = ("nixl", "disagg")
+# NIXL's UCX transports (--ucx-tls): TCP over loopback by default; "cma,tcp,self" adds UCX's own
+# same-host cross-memory copy, the counterpart of our cma transport
+UCX = {"tls": "tcp,self"}
 
 
 def free_port() -> int:
@@ -111,7 +114,7 @@ def start_server(model: Path, spec: tuple, connector: str, role: str, core: int,
         kvcache_gib=2,
         VLLM_NIXL_SIDE_CHANNEL_PORT=str(side_port),
         VLLM_NIXL_SIDE_CHANNEL_HOST="127.0.0.1",
-        UCX_TLS="tcp,self",
+        UCX_TLS=UCX["tls"],
         UCX_NET_DEVICES="lo",
     )
     max_len = json.loads((model / "config.json").read_text())["max_position_embeddings"]
@@ -310,10 +313,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="llama,wide-llama", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--connectors", default=",".join(CONNECTORS))
+    ap.add_argument("--ucx-tls", default=UCX["tls"], help="UCX_TLS for NIXL's servers (e.g. cma,tcp,self)")
     ap.add_argument("--repeat", type=int, default=5, help="P/D requests per prompt length")
     ap.add_argument("--json", type=Path, help="write the rows, the command and the machine here")
     ap.add_argument("--logs", type=Path, help="server logs and checkpoints here (default: a temporary folder)")
     args = ap.parse_args()
+    UCX["tls"] = args.ucx_tls
     models, connectors = args.models.split(","), args.connectors.split(",")
     bad = sorted(set(models) - set(MODELS)) + sorted(set(connectors) - set(CONNECTORS))
     if bad or args.repeat < 1:
