@@ -176,7 +176,7 @@ class Producer:
         self._thread.start()
         self.lease = BootstrapLease(gate, settings.bootstrap, rank)
         try:
-            self.lease.acquire()
+            self.lease.acquire(reach_s=settings.start_s)
         except DisaggError:
             self.close()
             raise

@@ -20,3 +20,12 @@ def test_injected_faults_reach_the_transfer_config_and_bad_ones_are_refused_in_o
         with pytest.raises(ConfigError, match=f"^kv_connector_extra_config.inject_faults: .*{why}") as exc:
             ConnectorSettings.from_extra({"inject_faults": bad})
         assert "\n" not in str(exc.value)
+
+
+def test_deadlines_are_positive_seconds_and_a_bad_one_is_refused_in_one_line():
+    assert ConnectorSettings.from_extra({"start_s": 5}).start_s == 5 and ConnectorSettings().start_s == 60.0
+    for name in ("start_s", "hold_s", "load_s"):
+        for bad in (0, -1, True, "5"):
+            with pytest.raises(ConfigError, match=f"^kv_connector_extra_config.{name}: .* is not a positive") as exc:
+                ConnectorSettings.from_extra({name: bad})
+            assert "\n" not in str(exc.value)
