@@ -615,6 +615,28 @@ def test_a_producer_rank_whose_bootstrap_never_answers_fails_naming_it(tiny_llam
     assert max(float(s) for s in re.findall(r"no answer yet after ([0-9.]+) s", text)) < 3.0
 
 
+def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(tp_instances):
+    """TP 1 -> 2: consumer rank 0 loaded its half of a room; another registered consumer (one
+    that never asked for it) aborts the room: the producer ignores it and says so, and
+    consumer rank 1 still gets its half; the producer frees the room once both were sent."""
+    instances, boots = tp_instances
+    producer, consumer, other = instances["p1"], instances["c2"], instances["c1"]
+    producer.step(sends=[{"req_id": "p83", "room": 83, "num_tokens": 100, "blocks": [3, 4]}])
+    load = {"req_id": "c83", "remote": _remote(83, boots["p1"], 100), "first": 0, "count": 100, "blocks": [5, 6]}
+    consumer.ranks[0].step(loads=[load])
+    got = consumer.ranks[0].wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c83"], [])
+    other.step(releases=[{"remote": _remote(83, boots["p1"], 100), "reason": "not mine to abort"}])
+    log, deadline = Path(producer.ranks[0].log.name), time.monotonic() + 10.0
+    while "tried to abort room 83" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    consumer.ranks[1].step(loads=[load])
+    got = consumer.ranks[1].wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c83"], [])
+    assert producer.wait(10.0)[0]["sending"] == ["p83"]
+    assert "tried to abort room 83 of another consumer: ignored" in log.read_text()
+
+
 def _stalled(child: Child, sends: int) -> None:
     """Wait (at most LOAD_S) until `sends` of this producer rank's sends stopped mid-way."""
     log, deadline = Path(child.log.name), time.monotonic() + LOAD_S
