@@ -22,7 +22,15 @@ import logging
 import threading
 import time
 
-from disagg.bootstrap.server import LEASE_S, LIVE_HOLDER, RECLAIMING, RENEW_S, BootstrapClient, Refusal
+from disagg.bootstrap.server import (
+    LEASE_S,
+    LIVE_HOLDER,
+    RECLAIMING,
+    RENEW_S,
+    BootstrapClient,
+    NoAnswer,
+    Refusal,
+)
 from disagg.control.auth import Gate
 from disagg.control.messages import RegisterPrefill
 from disagg.errors import ConfigError, ProtocolError
@@ -30,6 +38,8 @@ from disagg.errors import ConfigError, ProtocolError
 log = logging.getLogger(__name__)
 
 LOST_REPEAT_S = 30.0  # a lost rank is logged again this often while it stays lost
+FIRST_TRY_S = 0.5  # acquire with reach_s: the first try's wait for an answer (then doubled)
+ANSWER_S = 5.0  # ... up to this (the client's usual timeout)
 
 
 class Hold(enum.Enum):
@@ -45,29 +55,58 @@ class BootstrapLease:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._renew, name="bootstrap-lease", daemon=True)
 
-    def acquire(self, wait_s: float = LEASE_S + RENEW_S) -> None:
+    def acquire(self, wait_s: float = LEASE_S + RENEW_S, *, reach_s: float = 0.0) -> None:
         """Register; raise ConfigError if a live instance holds the rank after wait_s (counted
         from the end of a restarted bootstrap's grace period), and ProtocolError if the
-        bootstrap refuses for any other reason or does not answer."""
+        bootstrap refuses for any other reason or does not answer. `reach_s` > 0: a bootstrap
+        that does not answer is asked again (each try waiting longer, up to the client's
+        timeout) until reach_s after the start: the ranks of a TP instance start at once, and
+        rank 0's bootstrap may come up later than its other ranks ask."""
         client = BootstrapClient(self.endpoint, self.gate)
-        start = time.monotonic()
+        start = since = time.monotonic()  # wait_s counts from the last try the bootstrap left unanswered
         give_up = start + wait_s
+        if reach_s > 0:
+            client.timeout_s = min(FIRST_TRY_S, reach_s)
         try:
             while True:
                 try:
                     client.register(self.info)
                     break
+                except NoAnswer as exc:
+                    self._unanswered(client, exc, start, reach_s)
+                    since = time.monotonic()
+                    give_up = since + wait_s
                 except ProtocolError as exc:
                     if LIVE_HOLDER not in str(exc) and RECLAIMING not in str(exc):
                         raise
                     if RECLAIMING in str(exc):  # (bounded: a grace period is about wait_s)
-                        give_up = min(max(give_up, time.monotonic() + wait_s), start + 3 * wait_s)
+                        give_up = min(max(give_up, time.monotonic() + wait_s), since + 3 * wait_s)
                     if time.monotonic() >= give_up:
                         raise ConfigError(f"{exc} (still so after {wait_s:g} s)") from None
                     self._stop.wait(self.renew_s / 4)
         finally:
             client.close()
         self._thread.start()
+
+    def _unanswered(self, client: BootstrapClient, exc: NoAnswer, start: float, reach_s: float) -> None:
+        """After a try the bootstrap did not answer: the next one waits twice as long (at most
+        the client's usual timeout and what is left of reach_s); ProtocolError once reach_s passed."""
+        waited, left = time.monotonic() - start, start + reach_s - time.monotonic()
+        if left <= 0:
+            if reach_s <= 0:
+                raise exc
+            raise ProtocolError(
+                f"bootstrap {self.endpoint} did not answer rank {self.info.tp_rank} within {reach_s:g} s "
+                f"of its start (is the instance's rank 0 running it there, with this deployment's auth key?)"
+            ) from None
+        log.warning(
+            "bootstrap %s: no answer yet after %.1f s; rank %d asks again (up to %g s)",
+            self.endpoint,
+            waited,
+            self.info.tp_rank,
+            reach_s,
+        )
+        client.timeout_s = min(2 * client.timeout_s, ANSWER_S, left)
 
     def _renew(self) -> None:
         client = BootstrapClient(self.endpoint, self.gate, timeout_s=max(self.renew_s, 1.0))

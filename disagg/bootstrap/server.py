@@ -240,6 +240,10 @@ class Refusal(ProtocolError):
     """The bootstrap answered, and said no (as opposed to not answering)."""
 
 
+class NoAnswer(ProtocolError):
+    """The bootstrap did not answer in time (not up yet, gone, or of another auth key)."""
+
+
 class BootstrapClient:
     """REQ client with a timeout; a lost reply resets the socket (REQ cannot resend)."""
 
@@ -264,7 +268,7 @@ class BootstrapClient:
         if not self._sock.poll(int(self.timeout_s * 1000)):
             self._sock.close()
             self._sock = self._connect()
-            raise ProtocolError(
+            raise NoAnswer(
                 f"bootstrap {self.endpoint} did not answer within {self.timeout_s:.3g} s (is it "
                 f"running, and does it hold this deployment's auth key?)"
             )

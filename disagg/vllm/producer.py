@@ -11,7 +11,9 @@ until their consumer ranks ask, then sent from vLLM's blocks.
                               transfer workers (of another block or TP size: by token, our
                               heads that rank holds) -> TransferStarted; TransferDone once the
                               writes landed (or not)
-    Abort                  -> that rank's send stops; the room takes no new rank (ABORTED)
+    Abort                  -> that rank's send stops; the room takes no new rank (ABORTED);
+                              from a connection not among the room's consumer ranks (once
+                              one asked): refused, nothing changes
     a room ends            -> Handoff.sent(req_id): vLLM frees its blocks (finished_sending)
 
 Which consumer ranks a room goes to (transfer.reshard.receivers, as our prefill server): the
@@ -176,7 +178,7 @@ class Producer:
         self._thread.start()
         self.lease = BootstrapLease(gate, settings.bootstrap, rank)
         try:
-            self.lease.acquire()
+            self.lease.acquire(reach_s=settings.start_s)
         except DisaggError:
             self.close()
             raise
@@ -309,7 +311,10 @@ class Producer:
 
     def _abort(self, identity: bytes, room: int, why: str):
         """Stop the send to this connection; the room takes no new consumer rank (vLLM aborts
-        a request on every rank) and is let go once no send runs."""
+        a request on every rank) and is let go once no send runs. Only the room's consumer
+        ranks may (a connection that asked for it, or one of the same consumer process after it
+        re-registered; any registered consumer while none asked: decode may abort a request
+        before its load): another's abort changes nothing, as on our prefill server."""
         h = self.held.get(room)
         if h is None:
             self.early.get(room, {}).pop(identity, None)
@@ -320,6 +325,9 @@ class Producer:
                 reason=f"aborted by decode: {why}",
                 settled=not self.sender.endpoint.unsettled(),
             )
+        if not self.peers.same_decode(identity, {d.identity for d in h.dests.values()}):
+            log.warning("consumer %r tried to abort room %d of another consumer: ignored", identity, room)
+            return TransferDone(room, self.epoch, False, reason="not a room of yours: nothing done")
         h.phase = Phase.ABORTED
         mine = [d for d in h.dests.values() if d.identity == identity and d.phase is Delivery.SENDING]
         for d in mine:

@@ -13,6 +13,8 @@ command line: every value checked, one line per mistake):
                                      process_vm_writev (transfer/transports/cma.py), others
                                      over Mooncake; false: Mooncake for every peer
     hold_s         60                producer: a room waits this long for its consumer's request
+    start_s        60                producer: a rank asks the bootstrap this long at start (its
+                                     TP ranks start at once; rank 0 runs it), then fails naming it
     load_s         30                consumer: a load ends (failed) this long after it was asked
     dead_after_s   5                 a peer silent this long fails its transfers
     quarantine_s   60                consumer: a load whose producer gave up on writes in flight
@@ -40,6 +42,7 @@ class ConnectorSettings:
     mooncake_protocol: str = "tcp"
     cma: bool = True
     hold_s: float = 60.0
+    start_s: float = 60.0
     load_s: float = 30.0
     dead_after_s: float = 5.0
     quarantine_s: float = 60.0
@@ -56,7 +59,7 @@ class ConnectorSettings:
             bool(extra.get("insecure")) or os.environ.get("DISAGG_INSECURE") == "1",
         )
         values = {k: v for k, v in extra.items() if k not in ("auth_key", "insecure")}
-        for name in ("hold_s", "load_s", "dead_after_s", "quarantine_s"):
+        for name in ("hold_s", "start_s", "load_s", "dead_after_s", "quarantine_s"):
             v = values.get(name, 1.0)
             if not isinstance(v, (int, float)) or isinstance(v, bool) or not v > 0:
                 raise ConfigError(f"kv_connector_extra_config.{name}: {v!r} is not a positive number of seconds")

@@ -38,3 +38,12 @@ def test_cpu_pools_offer_cma_before_mooncake_unless_told_not_to():
     assert transport_names(TransportSettings(device="cuda:0"), True) == ("cuda-ipc", "mooncake")
     with pytest.raises(ConfigError, match="^kv_connector_extra_config.cma: 'yes' is not true or false$"):
         ConnectorSettings.from_extra({"cma": "yes"})
+
+
+def test_deadlines_are_positive_seconds_and_a_bad_one_is_refused_in_one_line():
+    assert ConnectorSettings.from_extra({"start_s": 5}).start_s == 5 and ConnectorSettings().start_s == 60.0
+    for name in ("start_s", "hold_s", "load_s"):
+        for bad in (0, -1, True, "5"):
+            with pytest.raises(ConfigError, match=f"^kv_connector_extra_config.{name}: .* is not a positive") as exc:
+                ConnectorSettings.from_extra({name: bad})
+            assert "\n" not in str(exc.value)

@@ -9,6 +9,7 @@ producer ends the load in load_errors within its deadline. Each side's figures f
 import json
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -423,14 +424,19 @@ class Rank:
 
 class Instance:
     """One TP instance: a worker_child per rank, started side by side (a producer's rank 0
-    runs the bootstrap: its other ranks start once it is up, as they register there)."""
+    runs the bootstrap: its other ranks start once it is up, as they register there; or, with
+    `rank_0_last`, the other way round, as a vLLM TP producer's ranks may come up)."""
 
     def __init__(self, role: str, model: Path, seed: int, logs: Path, tp: int, block_size: int, **extra):
-        """`extra`: kv_connector_extra_config; `stall_rank`: the rank whose sends stall mid-way."""
+        """`extra`: kv_connector_extra_config; `stall_rank`: the rank whose sends stall mid-way;
+        `rank_0_last`: a producer's rank 0 starts once its other ranks asked its bootstrap in
+        vain for longer than the bootstrap client's 5 s."""
         self.role, self.model, self.seed, self.logs, self.tp, self.block_size = role, model, seed, logs, tp, block_size
-        self.stall_rank, self.extra = extra.pop("stall_rank", None), extra
+        self.stall_rank, self.rank_0_last = extra.pop("stall_rank", None), extra.pop("rank_0_last", False)
+        self.extra = extra
         self.readied = 0  # ranks[:readied] said they are ready
-        self.ranks = [self._rank(r) for r in range(1 if role == "kv_producer" else tp)]
+        first = range(1, tp) if self.rank_0_last else range(1 if role == "kv_producer" else tp)
+        self.ranks = [self._rank(r) for r in first]
 
     def _rank(self, r: int) -> Rank:
         extra = {**self.extra, "test_tp": [self.tp, r], "test_block_size": self.block_size}
@@ -440,8 +446,13 @@ class Instance:
         return Rank(Child(f"{self.role}-{self.seed + r}", self.model, {"rank": spec}, self.logs))
 
     def start(self) -> None:
-        """Every rank started: a producer's others once its rank 0 is ready."""
-        if len(self.ranks) < self.tp:
+        """Every rank started: a producer's others once its rank 0 is ready (`rank_0_last`: its
+        rank 0 once the others waited for its bootstrap past the client's 5 s)."""
+        if self.rank_0_last and len(self.ranks) < self.tp:
+            for rank in self.ranks:
+                _unanswered_past(rank.child, 5.0)
+            self.ranks.insert(0, self._rank(0))
+        elif len(self.ranks) < self.tp:
             self.ranks[0].ready()
             self.readied = 1
             self.ranks += [self._rank(r) for r in range(len(self.ranks), self.tp)]
@@ -549,6 +560,81 @@ def test_tp_instances_move_every_head_byte_equal_and_nothing_else(
     for rank, (w, a) in enumerate(zip(want, after)):
         for name in w:
             assert torch.equal(a[name], w[name]), f"consumer rank {rank}, {name}"
+
+
+def _unanswered_past(child: Child, seconds: float) -> None:
+    """Wait (at most START_S) until this producer rank says its bootstrap has not answered for
+    longer than `seconds` (it keeps asking); fail at once if it exited."""
+    log, deadline = Path(child.log.name), time.monotonic() + START_S
+    while time.monotonic() < deadline and child.proc.poll() is None:
+        waited = [float(s) for s in re.findall(r"no answer yet after ([0-9.]+) s", log.read_text())]
+        if waited and max(waited) > seconds:
+            return
+        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    raise AssertionError(f"the rank did not wait past {seconds:g} s; its log:\n{log.read_text()[-3000:]}")
+
+
+def test_a_producer_rank_started_before_its_rank_0_waits_for_the_bootstrap(tp_instances, tiny_llama, tmp_path):
+    """A vLLM TP producer starts its ranks at once, so rank 1 may ask rank 0's bootstrap before
+    it is up. Rank 1 started first keeps asking (each try waiting longer) past the bootstrap
+    client's 5 s; rank 0 started then: both become ready, and a TP 2 -> 1 transfer moves every
+    head byte-equal."""
+    instances, _ = tp_instances
+    boot = f"tcp://127.0.0.1:{_free_port()}"
+    producer = Instance("kv_producer", tiny_llama, 76, tmp_path, 2, 32, bootstrap=boot, rank_0_last=True)
+    try:
+        producer.ready()
+        src, dst = [3, 4, 5, 6], [9, 2, 12, 13]
+        got, src_t, before, after = _tp_transfer(producer, instances["c1"], boot, 75, src, dst, tmp_path)
+        assert [(a["recving"], a["errors"]) for a in got] == [(["c75"], [])]
+        [want] = _want_by_head(src_t, before, src, dst, (32, 32))
+        for name, t in want.items():
+            assert torch.equal(after[0][name], t), name
+    finally:
+        producer.close()
+
+
+def test_a_producer_rank_whose_bootstrap_never_answers_fails_naming_it(tiny_llama, tmp_path):
+    """Rank 1 of a TP-2 producer with no rank 0: it asks the bootstrap until start_s, then its
+    start fails in one line naming the bootstrap's address, and the process exits (nothing it
+    opened keeps it waiting)."""
+    boot = f"tcp://127.0.0.1:{_free_port()}"
+    extra = {"bootstrap": boot, "start_s": 3, "test_tp": [2, 1], "test_block_size": 32}
+    child = Child(
+        "lone-rank-1",
+        tiny_llama,
+        {"rank": {"role": "kv_producer", "layout": "cpu", "seed": 78, "extra": extra}},
+        tmp_path,
+    )
+    try:
+        assert child.proc.wait(timeout=START_S) != 0
+    finally:
+        child.close()
+    text = Path(child.log.name).read_text()
+    assert f"bootstrap {boot} did not answer rank 1 within 3 s" in text.splitlines()[-1], text[-3000:]
+    assert max(float(s) for s in re.findall(r"no answer yet after ([0-9.]+) s", text)) < 3.0
+
+
+def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(tp_instances):
+    """TP 1 -> 2: consumer rank 0 loaded its half of a room; another registered consumer (one
+    that never asked for it) aborts the room: the producer ignores it and says so, and
+    consumer rank 1 still gets its half; the producer frees the room once both were sent."""
+    instances, boots = tp_instances
+    producer, consumer, other = instances["p1"], instances["c2"], instances["c1"]
+    producer.step(sends=[{"req_id": "p83", "room": 83, "num_tokens": 100, "blocks": [3, 4]}])
+    load = {"req_id": "c83", "remote": _remote(83, boots["p1"], 100), "first": 0, "count": 100, "blocks": [5, 6]}
+    consumer.ranks[0].step(loads=[load])
+    got = consumer.ranks[0].wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c83"], [])
+    other.step(releases=[{"remote": _remote(83, boots["p1"], 100), "reason": "not mine to abort"}])
+    log, deadline = Path(producer.ranks[0].log.name), time.monotonic() + 10.0
+    while "tried to abort room 83" not in log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    consumer.ranks[1].step(loads=[load])
+    got = consumer.ranks[1].wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"]) == (["c83"], [])
+    assert producer.wait(10.0)[0]["sending"] == ["p83"]
+    assert "tried to abort room 83 of another consumer: ignored" in log.read_text()
 
 
 def _stalled(child: Child, sends: int) -> None:
