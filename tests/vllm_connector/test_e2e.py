@@ -224,7 +224,7 @@ def _openai(pair, prompt: str) -> str:
     return got.choices[0].text
 
 
-def test_the_servers_metrics_show_the_bytes_the_request_moved(pair):
+def test_the_servers_metrics_show_the_bytes_the_request_moved(pair, eventually):
     """Decode's /metrics (DisaggConnector's figures through vLLM's stats) count one load of the
     bytes prefill's /metrics count as sent, and (Llama, full attention) exactly the prompt's
     blocks: layers x K and V x KV heads x head size x 4 bytes x 32 tokens each."""
@@ -237,13 +237,14 @@ def test_the_servers_metrics_show_the_bytes_the_request_moved(pair):
         | {"kv_transfer_params": first["kv_transfer_params"]},
     )
     assert status == 200, answer
-    give_up = time.monotonic() + 30
-    while True:  # vLLM hands the figures to its loggers with a step's outputs
+
+    def since() -> dict:
         now = {side: _metrics(pair, side, names[side]) for side in names}
-        moved = {side: tuple(a - b for a, b in zip(now[side], before[side])) for side in names}
-        if (moved["decode"][0] and moved["prefill"][0]) or time.monotonic() > give_up:
-            break
-        time.sleep(0.2)
+        return {side: tuple(a - b for a, b in zip(now[side], before[side])) for side in names}
+
+    # vLLM hands the figures to its loggers with a step's outputs
+    eventually(lambda: all(m[0] for m in since().values()), 30, "both servers' /metrics count the transfer", 0.2)
+    moved = since()
     assert moved["decode"] == moved["prefill"] and moved["decode"][0] == 1 and moved["decode"][1] > 0, moved
     if pair.model.name.startswith("tiny-llama"):
         c = json.loads((pair.model / "config.json").read_text())
@@ -364,7 +365,7 @@ def _decode_fails(pair, prompt: str, first: dict) -> None:
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
-def test_kv_both_servers_swap_sides_per_request(pair):
+def test_kv_both_servers_swap_sides_per_request(pair, eventually):
     """Both Llama servers are kv_both: the one that decodes the other tests' requests prefills
     this one, and the prefill server decodes it from that KV (its /metrics count the load),
     token-identical to the prefill server computing the prompt itself."""
@@ -376,10 +377,8 @@ def test_kv_both_servers_swap_sides_per_request(pair):
     )
     assert status == 200, answer
     assert answer["choices"][0]["text"] == _complete(pair.url("prefill"), pair, PROMPTS[2])
-    give_up = time.monotonic() + 30
-    while _metrics(pair, "prefill", ("loads",))[0] == loads:  # the figures follow the answer
-        assert time.monotonic() < give_up, "the prefill server's /metrics count no load"
-        time.sleep(0.2)
+    counted = lambda: _metrics(pair, "prefill", ("loads",))[0] != loads  # noqa: E731 (the figures follow the answer)
+    eventually(counted, 30, "the prefill server's /metrics count the load", 0.2)
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)

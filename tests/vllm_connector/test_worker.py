@@ -615,7 +615,7 @@ def test_a_producer_rank_whose_bootstrap_never_answers_fails_naming_it(tiny_llam
     assert max(float(s) for s in re.findall(r"no answer yet after ([0-9.]+) s", text)) < 3.0
 
 
-def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(tp_instances):
+def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(tp_instances, eventually):
     """TP 1 -> 2: consumer rank 0 loaded its half of a room; another registered consumer (one
     that never asked for it) aborts the room: the producer ignores it and says so, and
     consumer rank 1 still gets its half; the producer frees the room once both were sent."""
@@ -627,9 +627,8 @@ def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(
     got = consumer.ranks[0].wait(LOAD_S + 5)
     assert (got["recving"], got["errors"]) == (["c83"], [])
     other.step(releases=[{"remote": _remote(83, boots["p1"], 100), "reason": "not mine to abort"}])
-    log, deadline = Path(producer.ranks[0].log.name), time.monotonic() + 10.0
-    while "tried to abort room 83" not in log.read_text() and time.monotonic() < deadline:
-        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
+    log = Path(producer.ranks[0].log.name)
+    eventually(lambda: "tried to abort room 83" in log.read_text(), 10.0, "the producer logs the abort it ignored")
     consumer.ranks[1].step(loads=[load])
     got = consumer.ranks[1].wait(LOAD_S + 5)
     assert (got["recving"], got["errors"]) == (["c83"], [])
@@ -637,15 +636,15 @@ def test_an_abort_from_a_consumer_that_never_asked_for_the_room_changes_nothing(
     assert "tried to abort room 83 of another consumer: ignored" in log.read_text()
 
 
-def _stalled(child: Child, sends: int) -> None:
+def _stalled(eventually, child: Child, sends: int) -> None:
     """Wait (at most LOAD_S) until `sends` of this producer rank's sends stopped mid-way."""
-    log, deadline = Path(child.log.name), time.monotonic() + LOAD_S
-    while log.read_text().count("injected fault at send.stall") < sends and time.monotonic() < deadline:
-        time.sleep(0.05)  # (polling a log file for a condition, with a deadline)
-    assert log.read_text().count("injected fault at send.stall") == sends
+    log = Path(child.log.name)
+    stalls = lambda: log.read_text().count("injected fault at send.stall")  # noqa: E731
+    eventually(lambda: stalls() >= sends, LOAD_S, f"{sends} sends stalled mid-way")
+    assert stalls() == sends
 
 
-def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instances):
+def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instances, eventually):
     """A TP-1 producer sending to both ranks of a TP-2 consumer stops mid-transfer (its body's
     writes out) and is killed there: each consumer rank reports the load failed, its blocks in
     load_errors (vLLM recomputes them), within the load deadline; no rank hangs."""
@@ -655,14 +654,14 @@ def test_a_producer_dying_mid_transfer_fails_every_consumer_ranks_load(tp_instan
     t0 = time.monotonic()
     load = {"req_id": "c81", "remote": _remote(81, boots["stall"], 100), "first": 0, "count": 100, "blocks": [5, 6]}
     consumer.step(loads=[load])
-    _stalled(producer.ranks[0], 2)  # both consumer ranks' sends are mid-way
+    _stalled(eventually, producer.ranks[0], 2)  # both consumer ranks' sends are mid-way
     producer.ranks[0].kill()
     got = consumer.wait(LOAD_S + 5)
     assert [(a["recving"], a["errors"]) for a in got] == [(["c81"], [5, 6])] * 2
     assert time.monotonic() - t0 <= LOAD_S + 1.0
 
 
-def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go(tp_instances):
+def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go(tp_instances, eventually):
     """TP 2 -> 1: producer rank 0 sends its heads, rank 1 stops mid-transfer and is killed: the
     consumer reports the load failed, its blocks in load_errors, within the load deadline (its
     other share landed, but half the heads did not), and rank 0 frees the room (it served the
@@ -679,7 +678,7 @@ def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go
         "blocks": [7, 8, 9, 10],
     }
     consumer.step(loads=[load])
-    _stalled(producer.ranks[1], 1)
+    _stalled(eventually, producer.ranks[1], 1)
     assert producer.ranks[0].wait(LOAD_S)["sending"] == ["p82"]
     producer.ranks[1].kill()
     [got] = consumer.wait(LOAD_S + 5)
