@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds, on this (CPU) machine, what a GPU run on a lent device machine needs that its image
 # lacks: .whl/ (cp312 wheels: pyzmq, msgspec, aiohttp and its deps, prometheus-client, tqdm,
-# hypothesis, pytest-timeout) and .mc/ (a slim Mooncake cuda13 build: engine.so and the libraries
+# hypothesis, pytest-timeout; and the transformers + tokenizers of the `model` extra: the image's
+# transformers is another minor, which the model engine refuses) and .mc/ (a slim Mooncake cuda13 build: engine.so and the libraries
 # it loads, 9 MB of the 50 MB wheel; Debian's libibverbs/librdmacm and their deps). Both folders
 # are git-ignored through .git/info/exclude; name them in the device tool's `carry`, then on the
 # device: `source scripts/device/setup.sh` and run (scripts/device/checks.sh does the usual).
@@ -13,7 +14,7 @@ PIP=(python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3
      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
 mkdir -p .whl .mc/debs
 for p in pyzmq msgspec aiohttp multidict yarl propcache frozenlist aiosignal aiohappyeyeballs attrs \
-         prometheus-client tqdm hypothesis sortedcontainers pytest-timeout; do
+         prometheus-client tqdm hypothesis sortedcontainers pytest-timeout transformers tokenizers; do
     v=$(.venv/bin/python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$p")
     ls .whl | grep -qi "^${p//-/_}-$v-" || "${PIP[@]}" -d .whl "$p==$v"
 done

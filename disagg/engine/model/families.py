@@ -313,9 +313,37 @@ def family(preset: str) -> Family:
 
 
 def go_offline() -> None:
-    """Before transformers is imported: no network, quiet logs."""
+    """Before transformers is imported: no network, quiet logs; and the transformers installed is
+    the minor the engine is tested with (check_transformers)."""
     for name, value in OFFLINE_ENV.items():
         os.environ.setdefault(name, value)
+    check_transformers()
+
+
+# the transformers minor the model engine is tested with (pyproject's `model` extra pins it):
+# the engine reads and rebuilds transformers' cache objects, and their model code changes how it
+# keeps a cache between minors (5.17's deepseek-v3.2 indexer cache and nemotron-h state on CUDA
+# failed what 5.23 passes)
+TESTED_TRANSFORMERS = (5, 23)
+
+
+def check_transformers(found: "str | None" = None) -> None:
+    """ConfigError naming both versions where the installed transformers is another minor."""
+    if found is None:
+        from importlib.metadata import PackageNotFoundError, version
+
+        try:
+            found = version("transformers")
+        except PackageNotFoundError:
+            raise ConfigError("the model engine needs transformers: pip install 'disagg[model]'") from None
+    parts = found.split(".")
+    if tuple(int(p) if p.isdigit() else -1 for p in parts[:2]) != TESTED_TRANSFORMERS:
+        want = ".".join(map(str, TESTED_TRANSFORMERS))
+        raise ConfigError(
+            f"the model engine is tested with transformers {want}.x and this environment has {found} "
+            f"(model code keeps its cache differently between minors): pip install 'transformers=={want}.*' "
+            "or 'disagg[model]'"
+        )
 
 
 def hf_config(f: Family):

@@ -272,3 +272,21 @@ def test_a_model_type_from_its_config_alone_runs_exact(model_type, config, devic
     dreq = transfer(eng, prefill, decode, tokens)
     check = eng.check(tokens, eng.decode(decode, dreq, tokens, max_new_tokens=5))
     assert check["token_match"] and check["logits_match"] and check["shard_match"], check
+
+
+@pytest.mark.parametrize("found", ["5.17.0", "5.24.1", "6.0.0.dev0", "5.x"])
+def test_another_transformers_minor_is_refused_naming_both(found):
+    from disagg.engine.model.families import TESTED_TRANSFORMERS, check_transformers
+
+    want = ".".join(map(str, TESTED_TRANSFORMERS))
+    with pytest.raises(ConfigError, match=rf"tested with transformers {want}\.x and this environment has {found}"):
+        check_transformers(found)
+    check_transformers(f"{want}.0")
+    check_transformers(f"{want}.7rc1")
+
+
+def test_the_installed_transformers_is_the_tested_minor():
+    """The suite runs what pyproject's `model` extra pins: the engine starts (this would raise)."""
+    from disagg.engine.model.families import check_transformers
+
+    check_transformers()
