@@ -231,10 +231,20 @@ class Connections:
     def __init__(self, limits: HttpLimits, factory: Callable[[], asyncio.Protocol], loop: asyncio.AbstractEventLoop):
         self.limits, self.factory, self.loop = limits, factory, loop
         self._open: dict[asyncio.BaseTransport, Connection] = {}
+        self._live: set[Connection] = set()  # every connection not lost yet: open, refused, evicted
         self._lock = threading.Lock()
 
     def protocol(self) -> Connection:
-        return Connection(self.factory(), self)
+        conn = Connection(self.factory(), self)
+        self._live.add(conn)
+        return conn
+
+    def close_all(self) -> None:
+        """Close every connection still open, lingering ones included (the server is stopping:
+        a linger timer would never fire once its loop stops)."""
+        for conn in list(self._live):
+            if conn.transport is not None and not conn.lost:
+                conn.transport.close()
 
     @property
     def count(self) -> int:
@@ -266,6 +276,7 @@ class Connections:
             return self._open.get(transport)
 
     def forget(self, conn: Connection) -> None:
+        self._live.discard(conn)
         with self._lock:
             if self._open.get(conn.transport) is conn:
                 del self._open[conn.transport]

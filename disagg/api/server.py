@@ -129,6 +129,15 @@ def listen(host: str, port: int) -> socket.socket:
         ) from None
 
 
+class _Gone(web.StreamResponse):
+    """The answer to a request whose connection this layer already answered and ended (evicted
+    at the bound while aiohttp parsed it): nothing may be written there (aiohttp drops an answer
+    whose preparation meets a ConnectionError, quietly)."""
+
+    async def prepare(self, request):
+        raise ConnectionResetError("the connection was already answered and ended by this server")
+
+
 class ApiServer:
     """Serves `service` on `listener` (a socket from listen(), or (host, port) to bind now)
     from start() to stop(), on a thread of its own."""
@@ -180,12 +189,15 @@ class ApiServer:
     async def _stop(self) -> None:
         self._server.close()
         await self._runner.cleanup()
+        self.connections.close_all()  # what aiohttp does not hold: lingering and refused connections
+        for _ in range(2):  # a transport's close completes on the loop's next turns: let it run
+            await asyncio.sleep(0)
 
     # --- one request
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         conn = self.connections.of(request.transport)
-        if conn is None:  # closed (evicted, or the client left) before its request was read
-            return self._error(request.path, 503, "Overloaded: the connection was closed to make room for another")
+        if conn is None:  # closed (evicted and answered 408, or the client left) before it was routed
+            return _Gone()
         try:
             response = await self._route(request, conn)
         finally:
