@@ -255,8 +255,8 @@ class Router:
 
     def _candidate(self, pair: Pair, tokens: "np.ndarray | None", chains: dict) -> scoring.Candidate:
         """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
-        prompt, the load of its two instances (the load book: each one's report, or our
-        requests there where more), its decode's free tokens (/health)."""
+        prompt, the load of its two instances (the load book: our requests there, and what
+        their /health reports hold of other routers'), its decode's free tokens (/health)."""
         free = [_free_tokens(self.monitor.health(u)) for u in pair.decode]
         known = [f for f in free if f is not None]
         cached = lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0
