@@ -6,6 +6,7 @@ per-request state slots, aux rows), with the allocator as a label. The `_created
 prometheus_client adds to every counter and histogram are not exported: they double the
 output and nothing here reads them (a Prometheus server tracks resets itself)."""
 
+import threading
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -222,6 +223,31 @@ class PrefillRoutingMetrics:
         if predicted is not None and reported is not None:
             self.tokens.labels("predicted").inc(predicted)
             self.tokens.labels("reported").inc(reported)
+
+
+class WorkerLoadMetrics:
+    """What the router believes of each worker rank's load (disagg/router/load.py: its own
+    requests there, and what the rank's last report held of other routers'), the figure
+    `--route kv` weighs: one series per rank the router knows, gone once no pair names the rank."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.tokens = Gauge(
+            "disagg_router_worker_load_tokens",
+            "prompt tokens queued and running on a worker rank, as the router believes it",
+            ["worker"],
+            registry=registry,
+        )
+        self._shown: set[str] = set()
+        self._lock = threading.Lock()  # (scrapes may come at once)
+
+    def observe(self, ranks: dict[str, int]) -> None:
+        """Before a scrape: every rank's load (LoadBook.ranks)."""
+        with self._lock:
+            for url in self._shown - ranks.keys():
+                self.tokens.remove(url)
+            for url, tokens in ranks.items():
+                self.tokens.labels(url).set(tokens)
+            self._shown = set(ranks)
 
 
 # ---- readers of a /metrics page (tests, scripts/soak.py) ----------------------------------------

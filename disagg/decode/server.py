@@ -129,17 +129,24 @@ class DecodeServer(Worker):
 
         kv, hit = self.admission.admit(num_tokens, alloc, deadline, grow_to)
         self.requests.admitted(r, kv, self.pool.index_set(kv), hit=hit)
+        self.load.admitted(r)
 
     def decode(self, room: int, token_ids: np.ndarray, max_new_tokens: int = 1, bootstrap: str | None = None) -> dict:
         """Receive the prompt's KV from prefill, verify it, decode. Returns the outcome with
         timings; raises Overloaded (pool full past queue_wait_s) or TooLarge after cleanup."""
         tokens = self.check_tokens(token_ids)  # BadRequest before anything changes
         bootstrap_endpoint = self.bootstrap_endpoint(bootstrap)
-        timings: dict = {}
         try:
             r = self.requests.open(room)
         except ProtocolError as exc:  # refused; the request with this room goes on
             return {"room": room, "state": "FAILED", "verified": False, "reason": f"ProtocolError: {exc}"}
+        with self.load.held(r, len(tokens)):  # (/health's load: queued, running once admitted)
+            return self._serve(r, tokens, max_new_tokens, bootstrap_endpoint)
+
+    def _serve(self, r: DecodeRequest, tokens: np.ndarray, max_new_tokens: int, bootstrap_endpoint: str) -> dict:
+        """decode() of a request whose room is open: its answer; the room is finished (freed,
+        or quarantined while prefill may write) when this returns or raises."""
+        room, timings = r.room, {}
         try:
             if r.phase.ended:  # aborted before it got here
                 return {"room": room, "state": "FAILED", "verified": False, "reason": r.reason}

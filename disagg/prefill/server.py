@@ -144,14 +144,15 @@ class PrefillServer(Worker):
         receivers = self._receivers(decode_tp) if decode_tp else None
         r = self.requests.prompt(room, tokens, stream_auto=mode == "auto", receivers=receivers, tp_size=decode_tp or 0)
         refused, first_token = None, None
-        try:
-            if not r.phase.ended:
-                first_token = self._compute(r, tokens, streams, t0)
-        except (KVPoolError, DisaggError) as exc:
-            if isinstance(exc, (Overloaded, ValueError)):
-                refused = exc
-            self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
-        phase = self.requests.wait(r)
+        with self.load.held(r, len(tokens)):  # (/health's load: queued, running once admitted)
+            try:
+                if not r.phase.ended:
+                    first_token = self._compute(r, tokens, streams, t0)
+            except (KVPoolError, DisaggError) as exc:
+                if isinstance(exc, (Overloaded, ValueError)):
+                    refused = exc
+                self.requests.fail(r, f"prefill: {type(exc).__name__}: {exc}")
+            phase = self.requests.wait(r)
         if refused is not None:
             raise refused
         done = phase is Phase.DONE
@@ -176,6 +177,7 @@ class PrefillServer(Worker):
         engine raises, after handing the pages to the table (it fails r and frees them)."""
         deadline = time.monotonic() + self.config.deadlines.waiting_s
         kv, r.hit = self.admission.admit(len(tokens), lambda: self._alloc(tokens), deadline)
+        self.load.admitted(r)
         cached = r.hit.prefix_len if r.hit is not None else 0
         try:
             self.faults.check("prefill.compute")

@@ -19,7 +19,9 @@ each round), so a pair added at run time is probed before a request goes to it, 
 out is forgotten. With a cache index (`--route kv`), every rank that is up and has a prefix
 cache (its /health has a `prefix_cache` section) is also asked what its cache changed
 (disagg/router/cache_index.py) in the same round; a rank no pair names any more, or that keeps
-no cache (any more), leaves the index.
+no cache (any more), leaves the index. Each rank's /health also says its load (requests and
+prompt tokens queued and running), which the round hands to the load book
+(disagg/router/load.py); a rank no pair names any more leaves it.
 """
 
 import http.client
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from disagg.router.cache_index import CacheIndex
+from disagg.router.load import LoadBook
 from disagg.router.pairs import Pair
 from disagg.router.roster import Roster
 
@@ -137,9 +140,11 @@ class PairMonitor:
         timeout_s: float = 2.0,
         probe_fn=probe,
         cache: CacheIndex | None = None,
+        load: LoadBook | None = None,
     ):
         self.roster = pairs if isinstance(pairs, Roster) else Roster(pairs)
         self.every_s, self.timeout_s, self.probe_fn, self.cache = every_s, timeout_s, probe_fn, cache
+        self.load = load
         self._states: dict[int, PairState] = {}
         self._health: dict[str, dict] = {}  # url -> its last /health
         self._lock = threading.Lock()
@@ -175,12 +180,18 @@ class PairMonitor:
         self.roster.reload()
         current = self.roster.current()
         urls = list(dict.fromkeys(url for _, p in current for url in (*p.prefill, *p.decode)))
+        if self.load is not None:
+            self.load.asking(urls)
         probes = dict(zip(urls, self._pool.map(lambda url: self.probe_fn(url, self.timeout_s), urls)))
         states = {i: judge(p, [probes[u] for u in p.prefill], [probes[u] for u in p.decode]) for i, p in current}
         with self._lock:
             before, self._states = self._states, states
             gone = set(self._health) - set(urls)
             self._health = {u: probes[u].health for u in urls}
+        if self.load is not None:
+            self.load.forget(gone)
+            for u in urls:
+                self.load.report(u, probes[u].health)
         if self.cache is not None:
             up = [u for u in urls if probes[u].why is None]
             self.cache.forget([*gone, *(u for u in up if not caches(probes[u].health))])

@@ -30,6 +30,7 @@ from disagg.errors import BadRequest, Cancelled, Overloaded, Unavailable
 from disagg.router import scoring
 from disagg.router.answers import RouterAnswer, Timings, WorkerAnswer, failed, merge_ranks, read_answer
 from disagg.router.cache_index import CacheIndex
+from disagg.router.load import LoadBook
 from disagg.router.monitor import PairMonitor, PairState, caches
 from disagg.router.pairs import Pair, side_name
 from disagg.router.phases import handoff_ms
@@ -188,9 +189,9 @@ class Router:
         self._calls = ThreadPoolExecutor(ranks * config.max_inflight, thread_name_prefix="router")  # never queues
         self._aborts = ThreadPoolExecutor(8, thread_name_prefix="router-abort")
         self._live: dict[str, threading.Event] = {}  # request_id -> cancel
-        self._inflight: dict[tuple[str, ...], int] = {}  # an instance's ranks -> tokens of our requests on it
+        self.load = LoadBook()  # every rank's load: its reports and our requests there
         self.cache = CacheIndex() if config.route == "kv" else None
-        self.monitor = PairMonitor(self.roster, config.probe_every_s, cache=self.cache)
+        self.monitor = PairMonitor(self.roster, config.probe_every_s, cache=self.cache, load=self.load)
         self.monitor.probe_all()  # a first look before serving: requests never go to a pair known down
         self.monitor.start()
 
@@ -237,13 +238,13 @@ class Router:
             reasons = "; ".join(f"pair {i}: {', '.join(st.why)}" for i, _, st in pairs) or "no pair configured"
             raise Unavailable(f"no prefill/decode pair is up ({reasons})")
         with self._lock:
-            start, load = self._turn % len(up), dict(self._inflight)
+            start = self._turn % len(up)
         if self.cache is None:
             chosen, turned, predicted = start, True, None
         else:
             n, weight = len(tokens) if tokens is not None else 0, self.config.kv_load_weight
             chains: dict = {}  # the prompt's keys per page size, computed once for every pair
-            candidates = [self._candidate(p, tokens, load, chains) for _, p, _ in up]
+            candidates = [self._candidate(p, tokens, chains) for _, p, _ in up]
             chosen, turned = scoring.choose(candidates, n, weight, start), scoring.tied(candidates, n, weight)
             known = tokens is not None and self.cache.indexed(up[chosen][1].prefill)
             predicted = candidates[chosen].prefill_cached if known else None
@@ -252,16 +253,17 @@ class Router:
                 self._turn = start + 1
         return (*up[chosen], predicted)
 
-    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", load: dict, chains: dict) -> scoring.Candidate:
+    def _candidate(self, pair: Pair, tokens: "np.ndarray | None", chains: dict) -> scoring.Candidate:
         """What scoring.py weighs of one pair: its decode's (and prefill's) cached prefix of the
-        prompt, our tokens in flight on its two instances, its decode's free tokens (/health)."""
+        prompt, the load of its two instances (the load book: our requests there, and what
+        their /health reports hold of other routers'), its decode's free tokens (/health)."""
         free = [_free_tokens(self.monitor.health(u)) for u in pair.decode]
         known = [f for f in free if f is not None]
         cached = lambda urls: self.cache.cached_tokens(urls, tokens, chains) if tokens is not None else 0
         return scoring.Candidate(
             decode_cached=cached(pair.decode),
             prefill_cached=cached(pair.prefill),
-            inflight=load.get(pair.prefill, 0) + load.get(pair.decode, 0),
+            inflight=self.load.tokens(pair.prefill) + self.load.tokens(pair.decode),
             free=min(known) if len(known) == len(free) else None,
         )
 
@@ -370,12 +372,9 @@ class Router:
                     self.cache.poll(url)
 
     def _load(self, pair: Pair, tokens: int) -> None:
-        """Count a request's tokens in (or, negative, out of) flight on both of its instances."""
-        with self._lock:
-            for side in (pair.prefill, pair.decode):
-                self._inflight[side] = self._inflight.get(side, 0) + tokens
-                if not self._inflight[side]:
-                    del self._inflight[side]
+        """Count a request's tokens in (or, negative, out of) flight on every rank of both of
+        its instances."""
+        self.load.sent((*pair.prefill, *pair.decode), tokens)
 
     def _run(
         self,

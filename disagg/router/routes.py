@@ -3,7 +3,7 @@ VllmRoutes: /v1/completions and /v1/chat/completions through vLLM pairs."""
 
 from disagg import __version__
 from disagg.api.fields import Reply
-from disagg.api.metrics import PrefillRoutingMetrics, WorkerMetrics
+from disagg.api.metrics import PrefillRoutingMetrics, WorkerLoadMetrics, WorkerMetrics
 from disagg.api.server import Service, client_gone, default_error_body
 from disagg.router import openai
 from disagg.router.router import Router
@@ -21,6 +21,7 @@ class RouterRoutes:
     def __init__(self, router: Router):
         self.router, self.metrics = router, WorkerMetrics("router")
         self.prefills = PrefillRoutingMetrics(self.metrics.registry)
+        self.loads = WorkerLoadMetrics(self.metrics.registry)
 
     def service(self) -> Service:
         router = self.router
@@ -36,6 +37,7 @@ class RouterRoutes:
             gets={"/v1/models": lambda: openai.models(self.router.config.model_name)},
             error_body=error_body,
             metrics=self.metrics,
+            before_scrape=lambda: self.loads.observe(router.load.ranks()),
         )
 
     def health(self) -> dict:

@@ -5,14 +5,18 @@ A pair's cost, in prompt tokens:
 
     cost = (n - decode_cached) + (n - prefill_cached)        the work this request adds there:
                                                                KV to move, prompt to compute
-         + weight * (inflight + short)                        its load: tokens of the router's
-                                                               requests in flight on its two
-                                                               instances, and what its decode
-                                                               lacks of free pages for this one
+         + weight * (inflight + short)                        its load: prompt tokens queued and
+                                                               running on its two instances, and
+                                                               what its decode lacks of free
+                                                               pages for this one
 
 `decode_cached` is the longest prefix of the prompt every decode rank holds (a rank's cache
 is its own under TP; the slowest rank bounds the transfer), `prefill_cached` the same of a
-prefill that caches (0 where none does). Both instances of a pair count their load whole,
+prefill that caches (0 where none does). `inflight` is the prefill instance's load plus the
+decode instance's, each as the router believes it (disagg/router/load.py): this router's own
+requests there now (a burst it sent since the last report is not missed, one that ended
+counts no more) plus what the instance's last /health report held beyond them (other
+routers' requests, up to a probe round old: what another router keeps busy is seen). Both instances of a pair count their load whole,
 so when every prefill is paired with every decode (--pair P,D for each), the cheapest pair is
 the cheapest prefill with the cheapest decode: the two are chosen independently. The weight
 (`--kv-load-weight`) trades reuse for balance: 0 routes by reuse alone; a large one by load
@@ -30,7 +34,7 @@ class Candidate:
 
     decode_cached: int = 0  # prompt tokens its decode holds (every rank), 0..n
     prefill_cached: int = 0  # prompt tokens its prefill holds (0: none cached)
-    inflight: int = 0  # tokens of requests in flight on its prefill and decode
+    inflight: int = 0  # prompt tokens queued and running on its prefill and decode (their load)
     free: "int | None" = None  # tokens its decode can take now (None: not known)
 
 

@@ -10,6 +10,7 @@ ZMQ context and the stop flag.
       .epoch      new on every start: a restarted worker is a new peer
       .gate       who may talk to its ZMQ sockets (control/auth.py)
       .requests   the role's RequestTable (set by the subclass): abort() goes through it
+      .load       the requests it holds, queued and running (its /health's `load`, for the routers)
 """
 
 import logging
@@ -25,10 +26,12 @@ from disagg import __version__
 from disagg.control.admission import Admission
 from disagg.control.auth import AuthKey, Gate
 from disagg.control.layout import LayoutInfo, describe_model
+from disagg.control.load import encode_load
 from disagg.control.deadlines import Deadlines
 from disagg.engine import registry
 from disagg.engine.base import ModelEngine
 from disagg.engine.model.source import ModelSource
+from disagg.worker.load import LoadMeter
 from disagg.worker.pool_settings import PoolSettings, memory
 from disagg.errors import BadRequest, ConfigError
 from kvpool import HybridPool
@@ -86,6 +89,7 @@ class Worker:
             create(settings.transports, settings.transport_settings), self.pool, settings.transfer
         )
         self.faults = self.endpoint.faults
+        self.load = LoadMeter()
         self.epoch = time.time_ns()
         self.layout = LayoutInfo(
             self.pool.page_size,
@@ -135,7 +139,8 @@ class Worker:
             "transports": [t.kind for t in self.endpoint.transports],
             "auth": "curve" if self.gate.key.secure else "insecure",
             "available": self.available(),
-        }  # (the router's KV-aware choice weighs it)
+            "load": encode_load(self.load.now()),
+        }  # (the router's KV-aware choice weighs both)
 
     def abort(self, room: int, reason: str) -> dict:
         """Abort a room (router, client or operator): it fails now and the peer hears it; its

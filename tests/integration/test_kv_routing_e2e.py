@@ -8,7 +8,9 @@ out gets no request while the others serve, and is used again once they are put 
 decode with pages of 16 beside a TP 1 decode with pages of 4: each conversation stays on the
 decode that holds its history, every rank of it counting the hit. Two prefills behind one
 decode: through `--route kv` the prefills' caches skip computing far more of the prompts than
-through round robin, and the router predicted exactly what they skipped."""
+through round robin, and the router predicted exactly what they skipped. Two routers in front
+of the same 2 prefills and 2 decodes: while requests through one keep a prefill and a decode
+busy, the other, which sent nothing there, learns it from their /health and goes elsewhere."""
 
 import os
 import random
@@ -246,3 +248,54 @@ def test_kv_routing_sends_each_turn_to_the_prefill_that_cached_its_history():
     assert kv > 0.55 and kv > rr + 0.15, (kv, rr)
     assert reported > 0 and predicted == reported, (predicted, reported)
     assert rr_predicted == 0  # round robin predicts nothing
+
+
+def believed(router: str) -> dict[str, float]:
+    """The router's disagg_router_worker_load_tokens: what it believes of each worker's load."""
+    with urllib.request.urlopen(router + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {
+        s.labels["worker"]: s.value
+        for f in text_string_to_metric_families(text)
+        if f.name == "disagg_router_worker_load_tokens"
+        for s in f.samples
+    }
+
+
+def test_a_router_passes_over_the_pair_another_router_keeps_busy():
+    """Router A serves only (p0, d0); router B every pairing of 2 prefills and 2 decodes. Two
+    requests through A are held busy (p0's stand-in computes each prompt for seconds:
+    --simulate-layer-ms), queued or running on p0 and running on d0. B, which sent nothing
+    there, reads that from their /health and sends a new prompt to p1 and d1 (without the
+    workers' reports every pair looks idle to B, and the turn gives pair 0: p0 and d0)."""
+    common = ["--preset", "tiny-hybrid", "--device", "cpu", "--page-size", "4", "--max-requests", "8"]
+    common += ["--staging-slot-mib", "1", "--max-tokens", "8192"]
+    with Launcher() as launcher:
+        slow = launcher.start(
+            "prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*", "--simulate-layer-ms", "2500"
+        )
+        prefills = [slow, launcher.start("prefill", *common, "--bootstrap-bind", "tcp://127.0.0.1:*")]
+        boots = [a for i, p in enumerate(prefills) for a in ("--bootstrap-addr", f"p{i}={p['bootstrap']}")]
+        decodes = [launcher.start("decode", *common, *boots) for _ in range(2)]
+        p0, d0 = slow["http"], decodes[0]["http"]
+        router_a = launcher.start("router", "--pair", f"{p0},{d0},p0")["http"]
+        every = [(i, j) for i in range(2) for j in range(2)]
+        pairs = [a for i, j in every for a in ("--pair", f"{prefills[i]['http']},{decodes[j]['http']},p{i}")]
+        router_b = launcher.start("router", *pairs)["http"]
+        rng = random.Random(21)
+        prompts = [[rng.randrange(50000) for _ in range(200)] for _ in range(3)]  # nothing cached anywhere
+        with ThreadPoolExecutor(2) as pool:
+            held = [
+                pool.submit(post_json, router_a + "/generate", {"token_ids": p, "max_new_tokens": 4}, 120)
+                for p in prompts[:2]
+            ]
+            wait_for(
+                lambda: (seen := believed(router_b)).get(p0, 0) >= 400 and seen.get(d0, 0) >= 400,
+                30,
+                "router B believes p0 and d0 hold router A's two requests",
+            )
+            out = post_json(router_b + "/generate", {"token_ids": prompts[2], "max_new_tokens": 4}, 60)
+            assert out["ok"] and out["verified"], out.get("reason")
+            assert every[out["pair"]] == (1, 1), (out["pair"], believed(router_b))
+            assert all(f.result()["ok"] for f in held), [f.result().get("reason") for f in held]
+        wait_for(lambda: believed(router_b).get(p0) == 0 == believed(router_b).get(d0), 30, "B sees them idle again")

@@ -1,7 +1,7 @@
 """The KV-aware choice is a pure function (disagg/router/scoring.py): the pair holding more of
-the prompt wins, load weighed by --kv-load-weight can outweigh it, a decode short of free pages
-pays for what it lacks, ties go round robin, and a cost that separates into prefill and decode
-picks the two independently over every pairing."""
+the prompt wins, load weighed by --kv-load-weight can outweigh it (and decides at equal reuse),
+a decode short of free pages pays for what it lacks, ties go round robin, and a cost that
+separates into prefill and decode picks the two independently over every pairing."""
 
 import itertools
 
@@ -31,6 +31,18 @@ def test_load_outweighs_reuse_by_its_weight():
     assert choose(cands, 600, 1.0) == 1  # 88 + 600 + 4096 > 600 + 600
     assert choose(cands, 600, 0.0) == 0  # reuse alone
     assert choose(cands, 600, 0.1) == 0  # 88 + 600 + 409.6 < 1200
+
+
+def test_a_busier_pair_loses_at_equal_reuse():
+    """Two pairs holding as much of the prompt: the one with fewer tokens queued and running
+    (as the workers report them, or the router's own where more: disagg/router/load.py) wins,
+    at any weight above 0, whatever the turn."""
+    quiet, busier = Candidate(256, 128, inflight=300), Candidate(256, 128, inflight=301)
+    for weight in (0.01, 1.0, 50.0):
+        assert choose([busier, quiet], 600, weight) == 1
+        assert choose([quiet, busier], 600, weight, start=1) == 0
+        assert not tied([quiet, busier], 600, weight)
+    assert tied([quiet, busier], 600, 0.0)  # reuse alone: the turn decides
 
 
 def test_a_decode_short_of_pages_pays_for_what_it_lacks():
