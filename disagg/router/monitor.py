@@ -64,11 +64,18 @@ def caches(health: dict) -> bool:
     return isinstance(health.get("prefix_cache"), dict)
 
 
+MAX_ANSWER_BYTES = 1 << 20  # a worker's /ready or /health answer: far more than any real one
+
+
 def fetch(url: str, timeout_s: float) -> tuple[int, dict]:
-    """GET url -> (status, JSON object); status 0 with {"error": ...} when unreachable."""
+    """GET url -> (status, JSON object); status 0 with {"error": ...} when unreachable or when
+    the answer is over MAX_ANSWER_BYTES (untrusted: the router never reads more than that)."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as resp:
-            return resp.status, _object(resp.read())
+            raw = resp.read(MAX_ANSWER_BYTES + 1)
+            if len(raw) > MAX_ANSWER_BYTES:
+                return 0, {"error": f"answer over {MAX_ANSWER_BYTES} bytes"}
+            return resp.status, _object(raw)
     except urllib.error.HTTPError as exc:
         try:
             return exc.code, _object(exc.read(1 << 16))
@@ -90,7 +97,9 @@ def probe(url: str, timeout_s: float) -> Probe:
     status, ready = fetch(url + "/ready", timeout_s)
     if status == 0:
         return Probe(f"unreachable at {url} ({ready.get('error', 'no answer')})", {})
-    _, health = fetch(url + "/health", timeout_s)
+    health_status, health = fetch(url + "/health", timeout_s)
+    if health_status == 0:  # unreachable now, or an answer over the bound: nothing known of it
+        health = {}
     if status == 200 and ready.get("ready") is True:
         return Probe(None, health)
     why = ready.get("why")

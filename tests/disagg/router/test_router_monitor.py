@@ -118,3 +118,16 @@ def test_ready_answers_at_once_while_a_worker_hangs(workers):
         release.set()
         api.stop()
         router.close()
+
+
+def test_a_worker_answer_over_the_bound_is_not_read_and_counts_as_none(workers):
+    """A worker's /health is untrusted: one far larger than any real answer is cut at
+    MAX_ANSWER_BYTES (the router never holds more) and counts as no answer."""
+    from disagg.router.monitor import MAX_ANSWER_BYTES, fetch, probe
+
+    big = workers("decode", padding="x" * (MAX_ANSWER_BYTES + 10))
+    status, body = fetch(big.url + "/health", 10)
+    assert status == 0 and body == {"error": f"answer over {MAX_ANSWER_BYTES} bytes"}, (status, body)
+    assert probe(big.url, 10).health == {}
+    small = workers("decode", padding="x" * 1000)
+    assert fetch(small.url + "/health", 10)[1]["padding"] == "x" * 1000
