@@ -5,7 +5,7 @@ no warp shuffles, no barrier), and no two threads write the same byte of a corre
 running the threads one after another gives the bytes the GPU gives: a table and the
 kernel's reading of it are proven here, byte for byte, before a GPU sees them.
 
-    shim: uint4, make_uint4, threadIdx / blockIdx / blockDim / gridDim, __ffsll
+    shim: uint4, make_uint4, threadIdx / blockIdx / blockDim / gridDim, __ffsll, qualifiers
     emulate(kernel, grid, block, args): for each block, for each thread: kernel(args)
 """
 
@@ -29,6 +29,8 @@ static Dim threadIdx, blockIdx, blockDim, gridDim;
 #define __forceinline__ inline
 #define __global__
 #define __restrict__ __restrict
+#define __launch_bounds__(n)
+#define __noinline__
 #define __ffsll __builtin_ffsll
 #include "copy_kernel.cu"
 
