@@ -46,7 +46,8 @@ def side(preset: str, page: int, tp: int, tokens: int):
 
 
 def layout_for(preset: str, n: int, m: int, page: int, tokens: int):
-    """The table of prefill rank 0 of n into decode rank 0 of m, and the destination pool."""
+    """The table of prefill rank 0 of n into decode rank 0 of m, and both pools (the source
+    kept alive with the table: freed, its memory went to the clones, and reads saw them)."""
     a, b = side(preset, page, n, tokens), side(preset, page, m, tokens)
     tok = None
     if n != m:
@@ -54,7 +55,7 @@ def layout_for(preset: str, n: int, m: int, page: int, tokens: int):
         tok = Tokens(tokens, mine, theirs, True)
     plan = build_plan(a[4], b[4], a[1], b[1], tok)
     groups = [[c.runset for c in plan.body]] + ([[plan.aux.runset]] if plan.aux is not None else [])
-    return lay_out([work(g, a[2], b[2]) for g in groups]), b[0]
+    return lay_out([work(g, a[2], b[2]) for g in groups]), b[0], a[0]
 
 
 def compile_kernels(spec: str):
@@ -95,7 +96,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def row(args, n: int, m: int, modules) -> str:
-    layout, dst = layout_for(args.preset, n, m, args.page, args.tokens)
+    layout, dst, _src = layout_for(args.preset, n, m, args.page, args.tokens)
     table = torch.from_numpy(layout.values).cuda()
     bufs = [b for p in dst.pools.values() for b in p.storage.buffers]
     start = [b.clone() for b in bufs]

@@ -155,9 +155,12 @@ __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, 
 // for its descriptor, then for its words, a round trip each per 2 KiB. So a warp takes
 // LANE_BATCH of them, `warps` apart: their descriptors load together and, when all are small
 // (16-byte aligned, at most LANE_WORDS words per lane), every word of all of them loads before
-// any store (8 KiB in flight per warp); others go one by one (copy_one, copy_rows).
+// any store (4 KiB in flight per warp); others go one by one (copy_one, copy_rows).
+// One H100, device-local, one gpt-oss-120b sender's table at 32k page 16, 32 x 512 threads
+// (scripts/device/bench_lanes.py): 8:1 0.305 -> 0.246 ms, 1:8 0.311 -> 0.247, 2:1 0.870 -> 0.783,
+// 4:1 0.496 -> 0.476; a batch of 3 or 4 spills registers (8:1 0.298, 0.425 ms).
 #ifndef LANE_BATCH  // (scripts/device/bench_lanes.py compiles others to compare)
-#define LANE_BATCH 4
+#define LANE_BATCH 2
 #endif
 #define LANE_WORDS 4
 
