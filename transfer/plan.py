@@ -310,8 +310,10 @@ def _row_runs(s: SpanRows, d: SpanRows, paged: bool) -> Runs:
     step, first, n = min(s.page_size, d.page_size), s.first, s.num_tokens
     if first % step or max(s.page_size, d.page_size) % step:
         return group_runs(np.asarray(s), np.asarray(d), *((s.page_size, d.page_size) if paged else ()))
-    at = np.arange(first, n, step, dtype=np.int64)
-    return segment_runs(s.at(at), d.at(at), np.minimum(step, n - at), paged)
+    count = np.full(max(0, -(-(n - first) // step)), step, dtype=np.int64)
+    if len(count):  # the last segment ends with the request
+        count[-1] = n - first - step * (len(count) - 1)
+    return segment_runs(s.starts(step), d.starts(step), count, paged)
 
 
 def build_plan(

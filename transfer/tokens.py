@@ -159,7 +159,8 @@ def check_pages(component: Component, side: str, idx: np.ndarray, num_items: int
     out once per peer; the indices are every request's own, checked on every send)."""
     if len(idx) == 0:
         return
-    lo, hi = int(np.min(idx)), int(np.max(idx))
+    idx = np.asarray(idx)  # (the ndarray's own min / max: numpy's wrappers cost more than 2k pages)
+    lo, hi = int(idx.min()), int(idx.max())
     if lo < 1 or hi >= num_items:
         raise OutOfBounds(f"{component.value}: {side} page {lo if lo < 1 else hi} outside [1, {num_items - 1}]")
 
@@ -198,6 +199,14 @@ class SpanRows:
         out = span_rows(self.pages, self.num_tokens, self.page_size, self.first)
         out.setflags(write=False)
         return out
+
+    def starts(self, step: int) -> np.ndarray:
+        """Rows of positions first, first + step, ... (below num_tokens): at() of them, and where
+        `step` is this side's page size and `first` starts a page, its pages' first rows (no
+        division: the planner asks it per component and side on every by-token send)."""
+        if step == self.page_size and self.first % step == 0:
+            return self.pages * step
+        return self.at(np.arange(self.first, self.num_tokens, step, dtype=np.int64))
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         return self._all if dtype is None else self._all.astype(dtype)

@@ -229,6 +229,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from transfer.runs import segment_runs  # noqa: E402
+from transfer.plan import _row_runs  # noqa: E402
 from transfer.tokens import SpanRows, rows, span_rows  # noqa: E402
 
 
@@ -268,5 +269,9 @@ def test_page_by_page_rows_and_runs_are_the_per_position_ones(span, paged):
     s_at, d_at = SpanRows.of(si, n, ps, first).at(at), SpanRows.of(di, n, pd, first).at(at)
     assert np.array_equal(s_at, s[at - first]) and np.array_equal(d_at, d[at - first])
     got = segment_runs(s_at, d_at, np.minimum(m, n - at), paged)
+    sides = SpanRows.of(si, n, ps, first), SpanRows.of(di, n, pd, first)
+    assert np.array_equal(sides[0].starts(m), s_at) and np.array_equal(sides[1].starts(m), d_at)
+    planned = _row_runs(*sides, paged)  # (from starts(): a side's pages' first rows where it can)
     for f in ("src_start", "dst_start", "count"):
         assert np.array_equal(getattr(got, f), getattr(want, f)), f
+        assert np.array_equal(getattr(planned, f), getattr(want, f)), f

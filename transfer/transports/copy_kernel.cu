@@ -108,6 +108,15 @@ extern "C" __global__ void copy_runs(const long long* __restrict__ t, long long 
     }
 }
 
+__device__ __forceinline__ int log2_of(long long d) {  // log2(d) for a power of two, else -1
+    return (d > 0 && (d & (d - 1)) == 0) ? __ffsll(d) - 1 : -1;
+}
+
+__device__ __forceinline__ long long quot(long long x, long long d, int shift) {  // x / d, x >= 0
+    if (shift >= 0) return x >> shift;
+    return ((x | d) >> 31) ? x / d : (long long)((unsigned)x / (unsigned)d);  // 32-bit where it fits
+}
+
 __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, long long ds, long long row,
                                           long long k, long long lane) {
     // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows,
@@ -115,6 +124,7 @@ __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, 
     // one load at a time waited a round trip per word)
     if ((((unsigned long long)s | (unsigned long long)d | ss | ds | row) & 15) == 0) {
         const long long w = row >> 4, total = k * w;
+        const int sh = log2_of(w);
         for (long long x = lane; x < total; x += 128) {
             uint4 v[4];
             long long to[4];
@@ -122,7 +132,7 @@ __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, 
             for (int u = 0; u < 4; u++) {
                 const long long y = x + 32 * u;
                 if (y < total) {   // (no division for a slot past the end: a one-word row pays none)
-                    const long long j = y / w, q = y - j * w;
+                    const long long j = quot(y, w, sh), q = y - j * w;
                     v[u] = *(const uint4*)(s + j * ss + (q << 4));
                     to[u] = j * ds + (q << 4);
                 }
@@ -140,17 +150,102 @@ __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, 
     }
 }
 
-extern "C" __global__ void copy_lanes(const long long* __restrict__ t, long long n, long long b,
-                                      long long srows, long long drows) {
+// One (run, lane) of a TP slice is small: gpt-oss at 8:1 is 16 rows of 128 B, a 1 KiB stride
+// apart on one side, 2 KiB: four 16-byte words per lane. A warp taking one at a time waited
+// for its descriptor, then for its words, a round trip each per 2 KiB. So a warp takes
+// LANE_BATCH of them, `warps` apart: their descriptors load together and, when all are small
+// (16-byte aligned, at most LANE_WORDS words per lane), every word of all of them loads before
+// any store (4 KiB in flight per warp); others go one by one (copy_one, copy_rows).
+// One H100, device-local, one gpt-oss-120b sender's table at 32k page 16, 32 x 512 threads
+// (scripts/device/bench_lanes.py): 8:1 0.305 -> 0.246 ms, 1:8 0.311 -> 0.247, 2:1 0.870 -> 0.783,
+// 4:1 0.496 -> 0.476; a batch of 3 or 4 spills registers (8:1 0.298, 0.425 ms).
+#ifndef LANE_BATCH  // (scripts/device/bench_lanes.py compiles others to compare)
+#define LANE_BATCH 2
+#endif
+#define LANE_WORDS 4
+
+struct LaneItem {
+    const char* s;
+    char* d;
+    long long ss, ds, row, k;   // strides, bytes per row, rows (k = 0: no item)
+};
+
+__device__ __forceinline__ LaneItem lane_item(const long long* t, const long long* L, long long q, long long n,
+                                              long long b, long long srows, long long drows, int ssh, int dsh) {
+    // row q = bi * n + i: run i of lane bi (L: per lane address, pitch, offset, stride (src,
+    // dst), row bytes)
+    const long long bi = quot(q, n, -1), i = q - bi * n, s = t[i], d = t[n + i];
+    const long long sp = quot(s, srows, ssh), dp = quot(d, drows, dsh);
+    LaneItem it;
+    it.k = t[2 * n + i];
+    it.ss = L[3 * b + bi];
+    it.ds = L[7 * b + bi];
+    it.row = L[8 * b + bi];
+    it.s = (const char*)(L[bi] + sp * L[b + bi] + L[2 * b + bi] + (s - sp * srows) * it.ss);
+    it.d = (char*)(L[4 * b + bi] + dp * L[5 * b + bi] + L[6 * b + bi] + (d - dp * drows) * it.ds);
+    return it;
+}
+
+__device__ __forceinline__ bool small_item(const LaneItem& it) {  // (strides fit an int too)
+    return ((((unsigned long long)it.s | (unsigned long long)it.d | it.ss | it.ds | it.row) & 15) == 0) &&
+           it.k * (it.row >> 4) <= 32 * LANE_WORDS && ((it.ss | it.ds) >> 31) == 0;
+}
+
+extern "C" __global__ void __launch_bounds__(512) copy_lanes(const long long* __restrict__ t, long long n,
+                                                             long long b, long long srows, long long drows) {
     const long long lane = threadIdx.x & 31;
     const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
-    const long long* L = t + 3 * n;   // per lane: address, pitch, offset, stride (src, dst), row bytes
-    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < n * b; r += warps) {
-        const long long bi = r / n, i = r - bi * n, s = t[i], d = t[n + i], k = t[2 * n + i];
-        const long long ss = L[3 * b + bi], ds = L[7 * b + bi], row = L[8 * b + bi];
-        const char* src = (const char*)(L[bi] + s / srows * L[b + bi] + L[2 * b + bi] + s % srows * ss);
-        char* dst = (char*)(L[4 * b + bi] + d / drows * L[5 * b + bi] + L[6 * b + bi] + d % drows * ds);
-        if (ss == row && ds == row) copy_one(src, dst, k * row, lane);
-        else copy_rows(src, dst, ss, ds, row, k, lane);
+    const long long* L = t + 3 * n;
+    const long long total = n * b;
+    const int ssh = log2_of(srows), dsh = log2_of(drows);
+    for (long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5; r < total; r += LANE_BATCH * warps) {
+        const char* s[LANE_BATCH];   // the batch's items, compact: what the small path needs
+        char* d[LANE_BATCH];
+        int ss[LANE_BATCH], ds[LANE_BATCH], w[LANE_BATCH], words[LANE_BATCH];
+        bool all_small = true;
+#pragma unroll
+        for (int k = 0; k < LANE_BATCH; k++) {
+            const long long q = r + k * warps;
+            s[k] = 0, d[k] = 0, ss[k] = ds[k] = 0, w[k] = 1, words[k] = 0;
+            if (q < total) {
+                const LaneItem it = lane_item(t, L, q, n, b, srows, drows, ssh, dsh);
+                all_small = all_small && small_item(it);
+                s[k] = it.s, d[k] = it.d, ss[k] = (int)it.ss, ds[k] = (int)it.ds;
+                w[k] = (int)(it.row >> 4), words[k] = (int)(it.k * (it.row >> 4));
+            }
+        }
+        if (all_small) {
+            uint4 v[LANE_BATCH][LANE_WORDS];
+#pragma unroll
+            for (int k = 0; k < LANE_BATCH; k++) {
+                const int sh = log2_of(w[k]);
+#pragma unroll
+                for (int u = 0; u < LANE_WORDS; u++) {
+                    const int y = (int)lane + 32 * u;
+                    if (y < words[k]) {
+                        const int j = sh >= 0 ? y >> sh : y / w[k], x = y - j * w[k];
+                        v[k][u] = *(const uint4*)(s[k] + (long long)j * ss[k] + (x << 4));
+                    }
+                }
+            }
+#pragma unroll
+            for (int k = 0; k < LANE_BATCH; k++) {
+                const int sh = log2_of(w[k]);
+#pragma unroll
+                for (int u = 0; u < LANE_WORDS; u++) {
+                    const int y = (int)lane + 32 * u;
+                    if (y < words[k]) {
+                        const int j = sh >= 0 ? y >> sh : y / w[k], x = y - j * w[k];
+                        *(uint4*)(d[k] + (long long)j * ds[k] + (x << 4)) = v[k][u];
+                    }
+                }
+            }
+            continue;
+        }
+        for (int k = 0; k < LANE_BATCH && r + k * warps < total; k++) {   // one by one
+            const LaneItem it = lane_item(t, L, r + k * warps, n, b, srows, drows, ssh, dsh);
+            if (it.ss == it.row && it.ds == it.row) copy_one(it.s, it.d, it.k * it.row, lane);
+            else copy_rows(it.s, it.d, it.ss, it.ds, it.row, it.k, lane);
+        }
     }
 }

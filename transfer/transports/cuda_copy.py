@@ -19,8 +19,9 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
         | src_start[n] | dst_start[n] | count[n] | per lane [b]: src addr, pitch, offset, stride,
           dst addr, pitch, offset, stride, row bytes |
         row r = bi * n + i:    src = addr[bi] + s // rows * pitch[bi] + offset[bi] + s % rows * stride[bi]
-                               (a TP slice of each row: the warp copies its rows' 16-byte words,
-                               four loads in flight per lane)
+                               (a TP slice of each row: a warp takes two (run, lane) rows at
+                               once and, where each is at most 2 KiB, loads all their 16-byte
+                               words before any store; larger ones one by one)
 
 Why a CuPy RawKernel (CUDA C, compiled once by NVRTC): a copy of millions of 2 KiB fragments
 needs warp-per-range scheduling and 16-byte vector moves; torch's index_copy_ reached 0.77 of
