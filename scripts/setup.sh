@@ -27,8 +27,9 @@ VENV=${VENV:-.venv}
 log() { printf '[setup] %s\n' "$*" >&2; }
 
 # --- Debian packages: libibverbs/librdmacm are loaded by the Mooncake wheel even for TCP;
-# iproute2 runs the two-node tests.
-DEBS=(libibverbs1 librdmacm1 iproute2)
+# iproute2 runs the two-node tests; g++ compiles the cuda-ipc copy kernel's source for the CPU
+# (tests/transfer/kernel_cpu.py: the kernel's own code checked byte for byte without a GPU).
+DEBS=(libibverbs1 librdmacm1 iproute2 g++)
 missing=()
 for p in "${DEBS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")
