@@ -20,9 +20,12 @@ head of "kv", K and V lanes of "k+v", one of "k" or "v"; transfer.reshard splits
 engine's block 0 is the sentinel item (vLLM's null block is block 0): a transfer never names it.
 
     views over a shared page pool (vLLM's hybrid   one buffer per distinct page region: block b
-      KV cache: attention blocks and Mamba/GDN      = page b, whatever layer group holds it
-      conv+SSM states in the same pages)            (shared_pages); whole pages only: `no_rows`
+      KV cache: full and sliding-window blocks,     = page b, whatever layer group holds it
+      Mamba/GDN conv+SSM states in the same pages)  (shared_pages)
 
+A page region of full and sliding-window layers holds either group's blocks with the same
+rows, so its lanes serve both components (FULL and SWA: attention_model names the window
+layers): each group's blocks pair by token within the group, under that component's rules.
 What this surface does not describe: token rows of pages that state layers share (a pool
 built with `no_rows` pairs only its own block size and TP: a sender refuses others with
 LayoutIncompatible naming both); layouts whose blocks of one layer are not back to back.
@@ -212,11 +215,26 @@ def _contiguous(layer: int, t: torch.Tensor) -> None:
 
 
 def attention_model(
-    name: str, layers: Sequence[int], kv_heads: int, head_dim: int, dtype: torch.dtype, num_layers: int | None = None
+    name: str,
+    layers: Sequence[int],
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_layers: int | None = None,
+    *,
+    window_layers: Sequence[int] = (),
+    window: int = 0,
 ) -> ModelSpec:
-    """The ModelSpec of an engine's full-attention layers (what a LayoutInfo describes to the
-    peer, and a refusal names); `kv_heads` is the whole model's (before the TP split)."""
-    layers = tuple(sorted(layers))
+    """The ModelSpec of an engine's attention layers (what a LayoutInfo describes to the peer,
+    and a refusal names): `window_layers` of `layers` are sliding-window ones (`window` tokens:
+    the engine's longest), the rest full attention; `kv_heads` is the whole model's (before the
+    TP split)."""
+    layers, windowed = tuple(sorted(layers)), tuple(sorted(set(window_layers)))
+    full = tuple(i for i in layers if i not in windowed)
+
+    def spec(group, w=None):
+        return AttentionSpec(group, kv_heads, head_dim, head_dim, dtype_name(dtype), w) if group else None
+
     return ModelSpec(
-        name, num_layers or layers[-1] + 1, full=AttentionSpec(layers, kv_heads, head_dim, head_dim, dtype_name(dtype))
+        name, num_layers or layers[-1] + 1, full=spec(full), swa=spec(windowed, window) if windowed else None
     )

@@ -13,9 +13,12 @@ unchanged. A buffer's part says how a block holds its rows (kvpool.engine names 
 
 A head-outer lane ("kv") holds one head, so a TP reshard pairs such lanes head by head
 (transfer.reshard); a token-outer lane's row holds every head of the rank, so a TP slice is
-part of its row, as for our own pools. What has no rows here: a page pool that attention and
-Mamba/GDN state layers share (its items are pages of either, padded to the state's size), any
-other part.
+part of its row, as for our own pools. A model of full and sliding-window layers (vLLM's KV
+cache groups over one page pool: a block is one group's at a time) has the same lanes under
+FULL and SWA, so the planner pairs a window group's blocks by SWA's rule (the positions both
+sides hold) and a full group's by FULL's. What has no rows here: a page pool that attention
+and Mamba/GDN state layers share (its items are pages of either, padded to the state's size),
+any other part.
 The lanes of a peer are derived from its claimed buffers and checked against the model at its
 block size and TP size before any offset is taken from them.
 """
@@ -37,11 +40,10 @@ def engine_lanes(
     model: ModelSpec, page_size: int, tp_size: int, bufs: list[Buffer], side: str
 ) -> dict[Component, tuple[Lane, ...]]:
     """The lanes of a side whose engine pool holds `model`'s attention blocks of `page_size`
-    tokens at TP size `tp_size` in `bufs` (the module docstring); LayoutIncompatible naming
-    the first buffer that is not such a block."""
-    attn = model.full
-    if attn is None or not hasattr(attn, "kv_heads"):
-        raise LayoutIncompatible(f"{model.name}: only attention (K/V) blocks are described as token rows")
+    tokens at TP size `tp_size` in `bufs` (the module docstring), under each attention
+    component the model has (FULL, SWA: the same lanes, a page region holding blocks of
+    either group); LayoutIncompatible naming the first buffer that is not such a block."""
+    attn = _attention(model)
     try:
         heads = held(Part(attn.kv_heads, 1), tp_size, 0, f"{model.name}: kv_heads")[1]
     except SpecError as exc:
@@ -62,7 +64,20 @@ def engine_lanes(
                 f"tokens x {heads} heads x {head * width} B is {block} B"
             )
         out += _lanes(i, b, page_size, heads, head)
-    return {Component.FULL: tuple(out)} if out else {}
+    lanes = tuple(out)
+    return {c: lanes for c, g in ((Component.FULL, model.full), (Component.SWA, model.swa)) if g and lanes}
+
+
+def _attention(model: ModelSpec):
+    """The geometry every attention layer of an engine shares (full and sliding-window layers
+    alike: their blocks share pages); LayoutIncompatible if there is none or they differ."""
+    groups = [g for g in (model.full, model.swa) if g is not None]
+    if not groups or not all(hasattr(g, "kv_heads") for g in groups):
+        raise LayoutIncompatible(f"{model.name}: only attention (K/V) blocks are described as token rows")
+    shapes = {(g.kv_heads, g.k_dim, g.v_dim, g.dtype) for g in groups}
+    if len(shapes) > 1:
+        raise LayoutIncompatible(f"{model.name}: full and sliding-window layers of different shapes {sorted(shapes)}")
+    return groups[0]
 
 
 def _lanes(i: int, b: Buffer, page_size: int, heads: int, head: int) -> list[Lane]:

@@ -26,7 +26,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWind
 from vllm.v1.request import RequestStatus
 
 from disagg.vllm import stats
-from disagg.vllm.groups import Group, Kind
+from disagg.vllm.groups import Group, Kind, KVGroups
 from disagg.vllm.metrics import DisaggPromMetrics, DisaggStats
 from disagg.vllm.scheduler import DisaggScheduler, StepMeta
 
@@ -47,15 +47,15 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
         self._scheduler: DisaggScheduler | None = None
         self._worker = None
-        groups, state_layers = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        kv = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = DisaggScheduler(
-                groups, cfg.is_kv_producer, cfg.is_kv_consumer, self._extra.get("bootstrap")
+                kv.groups, cfg.is_kv_producer, cfg.is_kv_consumer, self._extra.get("bootstrap")
             )
         else:
             from disagg.vllm.worker import DisaggWorker  # the transfer layer: worker processes only
 
-            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, groups, state_layers)
+            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, kv)
 
     # ---- scheduler side -----------------------------------------------------------------------
     def on_new_request(self, request) -> None:
@@ -136,16 +136,19 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
 
 
-def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], frozenset[str]]:
-    """vLLM's KV cache groups as ours, and the names of the state (Mamba/GDN) layers; one full
-    group of `block_size` without a config. Raises ValueError naming a group we cannot move."""
+def kv_groups(kv_cache_config, block_size: int) -> KVGroups:
+    """vLLM's KV cache groups as ours, the names of the state (Mamba/GDN) layers and of the
+    sliding-window ones (and the longest window); one full group of `block_size` without a
+    config. Raises ValueError naming a group we cannot move."""
     if kv_cache_config is None:
-        return (Group(Kind.FULL, block_size),), frozenset()
-    groups, state = [], set()
+        return KVGroups((Group(Kind.FULL, block_size),))
+    groups, state, windowed, window = [], set(), set(), 0
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             groups.append(Group(Kind.WINDOW, spec.block_size, -(-spec.sliding_window // spec.block_size) + 1))
+            windowed.update(g.layer_names)
+            window = max(window, spec.sliding_window)
         elif isinstance(spec, MambaSpec):
             groups.append(Group(Kind.STATE, spec.block_size, scratch_blocks=spec.num_speculative_blocks))
             state.update(g.layer_names)
@@ -156,4 +159,4 @@ def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], froz
                 f"DisaggConnector: KV cache group {g.layer_names[:3]} of {type(spec).__name__} is "
                 "not supported (full attention, sliding window and Mamba/GDN state are)"
             )
-    return tuple(groups), frozenset(state)
+    return KVGroups(tuple(groups), frozenset(state), frozenset(windowed), window)

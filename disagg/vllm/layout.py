@@ -14,9 +14,10 @@ a kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item 
 vLLM's block 0 is its null block, as item 0 is our sentinel; whole blocks move as one range
 per (block run, buffer) between two sides of the same block size and TP size. Sides of
 different block sizes or TP sizes pair by token (transfer.engine_rows: the part says where a
-block's rows lie; heads split by transfer.reshard), for models of one full-attention KV cache
-group; a model with state layers or several groups (`no_rows`) pairs only its own block size
-and TP. Layouts whose blocks of one layer are not back to back (BLHNC and other
+block's rows lie; heads split by transfer.reshard), every KV cache group within itself (full
+attention and sliding window: the model names its window layers, disagg.vllm.groups); a model
+with state layers (`no_rows`: STATE_PAGES) pairs only its own block size and TP, refused at
+registration naming both. Layouts whose blocks of one layer are not back to back (BLHNC and other
 block-outermost layouts of some CUDA backends: a layer's block b is a strided slice of a
 buffer of every layer) are refused by name.
 """
@@ -79,13 +80,14 @@ def engine_pool(
     tp_rank: int = 0,
     state_layers: frozenset[str] = frozenset(),
     *,
-    no_rows: str = "",
+    window_layers: frozenset[str] = frozenset(),
+    window: int = 0,
 ) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
-    or a list of them, per layer); every other layer is attention. `no_rows`: why its blocks
-    pair only whole (state layers say so themselves). Raises VllmLayoutError naming the first
-    layer that cannot be described, or that differs from the others."""
+    or a list of them, per layer); `window_layers`: the sliding-window ones (`window`: the
+    longest window); every other layer is full attention. Raises VllmLayoutError naming the
+    first layer that cannot be described, or that differs from the others."""
     named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if len({i for i, _, _ in named}) != len(named):
         raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")
@@ -106,12 +108,17 @@ def engine_pool(
         else:
             bufs = shared_pages([(i, block_part(t), t) for i, _, t in attention] + list(_states(named, state_layers)))
         model = attention_model(
-            model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype, named[-1][0] + 1
+            model_name,
+            [i for i, _, _ in attention],
+            heads * tp_size,
+            head,
+            dtype,
+            named[-1][0] + 1,
+            window_layers=[i for i, n, _ in attention if n in window_layers],
+            window=window,
         )
-        if len(attention) != len(named):
-            no_rows = STATE_PAGES
         config = EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank)
-        return EnginePool(config, bufs, no_rows=no_rows)
+        return EnginePool(config, bufs, no_rows=STATE_PAGES if len(attention) != len(named) else "")
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
 
