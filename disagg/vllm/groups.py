@@ -23,8 +23,9 @@ group by group (token_sends: each group's blocks pair within the group, one plan
 FULL, every position from the consumer's prefix (the first its blocks hold) to num_tokens;
 WINDOW, the positions both sides' non-null window blocks cover (the planner's SWA rule: what
 the producer still holds of the request's window, and the consumer asked for); every group's
-layers move at once, as their blocks share the page regions. STATE groups pair only whole
-(equal block and TP sizes) for now.
+layers move at once, as their blocks share the page regions. STATE, the slot's state as one
+row (MAMBA: a consumer of another TP size gets the slices of it its heads and channels take,
+transfer.reshard; equal TP sizes pair only equal block sizes for a model with state).
 """
 
 import enum
@@ -37,6 +38,7 @@ import numpy as np
 from disagg.errors import ProtocolError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
+from kvpool.spec import LinearStateSpec
 
 NULL_BLOCK = 0  # vLLM's null block: a placeholder in a block table, never transferred
 
@@ -96,13 +98,17 @@ class Group:
 
 @dataclass(frozen=True)
 class KVGroups:
-    """vLLM's KV cache groups, which layers hold a state, which a sliding window (of at most
-    `window` tokens): what register_kv_caches needs to describe the tensors it gets."""
+    """vLLM's KV cache groups, which layers hold a state (`state`: its geometry in kvpool's
+    terms, disagg.vllm.states; None with `state_refusal` saying why it is not described), which
+    a sliding window (of at most `window` tokens): what register_kv_caches needs to describe
+    the tensors it gets."""
 
     groups: tuple[Group, ...]
     state_layers: frozenset[str] = frozenset()
     window_layers: frozenset[str] = frozenset()
     window: int = 0
+    state: LinearStateSpec | None = None
+    state_refusal: str = ""
 
 
 @dataclass(frozen=True)
@@ -155,17 +161,19 @@ def token_sends(
 ) -> list[TokenSend]:
     """Producer, a consumer of another block or TP size: per group it asked blocks of, our
     blocks of tokens [0, num_tokens) and its blocks (a window's: both without their leading
-    null blocks), and for a FULL group the first position its blocks hold (its prefix_len).
-    The planner checks the blocks against each side's pages. ProtocolError for a destination
-    that cannot be ours, or a state group (pairs only whole)."""
+    null blocks; a state's slot at exactly the tokens we hold), and for a FULL group the first
+    position its blocks hold (its prefix_len). The planner checks the blocks against each
+    side's pages. ProtocolError for a destination that cannot be ours."""
     if not 1 <= num_tokens <= held_tokens:
         raise ProtocolError(f"num_tokens {num_tokens} outside [1, {held_tokens}]")
     out = []
     for g, mine, theirs in zip(groups, held, split(groups, dst), strict=True):
         if not len(theirs):
             continue
-        if g.kind is Kind.STATE:
-            raise ProtocolError("a state group pairs only equal block sizes and TP")
+        if g.kind is Kind.STATE:  # its slot, one row (TP slices of it: transfer.reshard)
+            slot = np.asarray(g.source(mine, len(theirs), num_tokens, held_tokens), np.int32)
+            out.append(TokenSend(Component.MAMBA, slot, theirs))
+            continue
         pages = math.ceil(num_tokens / g.block_size)
         if len(mine) < pages:
             raise ProtocolError(f"{num_tokens} tokens of {g.block_size} per block, held: {len(mine)} blocks")

@@ -135,6 +135,8 @@ class DisaggWorker:
             kv.state_layers,
             window_layers=kv.window_layers,
             window=kv.window,
+            state=kv.state,
+            state_refusal=kv.state_refusal,
         )
         s = self.settings
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))

@@ -79,7 +79,6 @@ def test_a_consumer_of_another_block_size_takes_our_blocks_of_its_tokens():
         ((FULL,), ((1, 2, 3),), 100, "3 full blocks of 64 for 100 tokens"),  # more blocks than tokens
         ((FULL,), ((),), 100, "no block to move"),
         ((FULL,), ((1,),), 101, "num_tokens 101 outside"),
-        ((STATE, FULL), ((1,), (2,)), 100, "a state group pairs only equal block sizes and TP"),
         ((WINDOW, FULL), ((1, 0, 2), (3, 4)), 100, "a null block inside a window"),
         ((FULL, FULL), ((1, 2), (3,)), 100, "3 full indices do not split into 2 groups"),
     ]:
@@ -99,3 +98,16 @@ def test_each_group_pairs_by_token_within_itself_a_window_without_its_null_block
         (Component.SWA, [10, 11], [14, 15], 0),
     ]
     assert _sends(groups, held, ((), (13,), ()), 100) == [(Component.FULL, [6, 7, 8, 9], [13], 64)]
+
+
+def test_a_state_group_sends_its_slot_as_one_row_at_exactly_the_tokens_held():
+    """Qwen3-Next-style groups at another TP size: the state's slot as a MAMBA row (its TP
+    slices: transfer.reshard), the full group's blocks by token; a state asked at another
+    length than the producer holds is refused."""
+    held = ((5,), (6, 7, 8, 9))
+    assert _sends((STATE, FULL), held, ((9,), (13,)), 100) == [
+        (Component.MAMBA, [5], [9], 0),
+        (Component.FULL, [6, 7, 8, 9], [13], 64),
+    ]
+    with pytest.raises(ProtocolError, match="a state group pairs one slot at exactly 100 tokens"):
+        _sends((STATE, FULL), held, ((9,), (13,)), 99)

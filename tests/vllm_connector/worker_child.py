@@ -101,8 +101,9 @@ def hybrid_caches(layout: str, seed: int, num_blocks: int):
 
 def layer_specs(cfg) -> dict:
     """Each KV cache layer's spec as the model's layers declare it on this rank (vLLM's
-    get_kv_cache_spec, without building the model): Gemma3's sliding-window and full
-    attention layers, by the checkpoint's layer_types."""
+    get_kv_cache_spec, without building the model), by the checkpoint's layer_types: Gemma3's
+    sliding-window and full attention layers, Qwen3-Next's gated-delta-net ones (their state's
+    shapes and dtypes from vLLM's own calculators) and full attention."""
     from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
     m = cfg.model_config
@@ -120,9 +121,38 @@ def layer_specs(cfg) -> dict:
             out[name] = SlidingWindowSpec(sliding_window=hf.sliding_window, **kw)
         elif kind == "full_attention":
             out[name] = FullAttentionSpec(**kw)
+        elif kind == "linear_attention":
+            out[f"model.layers.{i}.linear_attn"] = gdn_spec(cfg)
         else:
             raise ValueError(f"layer {i}: {kind} has no spec here")
     return out
+
+
+def gdn_spec(cfg):
+    """A gated-delta-net layer's MambaSpec as vLLM's GDN layer declares it on this rank."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    hf, cc = cfg.model_config.hf_text_config, cfg.cache_config
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        cfg.parallel_config.tensor_parallel_size,
+        hf.linear_num_key_heads,
+        hf.linear_num_value_heads,
+        hf.linear_key_head_dim,
+        hf.linear_value_head_dim,
+        hf.linear_conv_kernel_dim,
+    )
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        cfg.model_config.dtype, cc.mamba_cache_dtype, cc.mamba_ssm_cache_dtype
+    )
+    return MambaSpec(
+        shapes=tuple(shapes),
+        dtypes=dtypes,
+        block_size=cc.block_size,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=cc.mamba_cache_mode,
+    )
 
 
 def vllm_caches(cfg, seed: int, num_blocks: int):
@@ -143,7 +173,7 @@ def vllm_caches(cfg, seed: int, num_blocks: int):
     caches = allocate_kv_cache(kc, torch.device("cpu"), layout)
     raw = _raw(next(iter(caches.values())))
     raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
-    return caches, kv_groups(kc, cfg.cache_config.block_size)
+    return caches, kv_groups(kc, cfg.cache_config.block_size, cfg)
 
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
@@ -199,7 +229,7 @@ def start(model: str, spec: dict, num_blocks: int):
     cfg = vllm_config(spec["role"], model, extra, block_size, tp)
     if spec["layout"] == "vllm":
         caches, kv = vllm_caches(cfg, spec["seed"], num_blocks)
-        caches_out = caches
+        caches_out = {n: t.view(torch.uint8) for n, t in caches.items()}  # one storage, one dtype: saved once
     elif spec["layout"] in ("gdn", "swa"):
         caches, kv, raw = hybrid_caches(spec["layout"], spec["seed"], num_blocks)
         caches_out = {"pages": raw.view(num_blocks, PAGE)}
