@@ -243,7 +243,7 @@ class NSASpec(ComponentSpec):
 
 class MambaSpec(ComponentSpec):
     """Linear-attention (Mamba2 / GDN) layers: conv and temporal state, one slot per request;
-    heads and conv channel groups split by TP."""
+    heads and conv channel groups split by TP (a transposed conv state: in each column)."""
 
     component = Component.MAMBA
     items = Items.REQUEST_SLOTS
@@ -254,7 +254,10 @@ class MambaSpec(ComponentSpec):
     def parts(self, model: ModelSpec, part: str) -> tuple[Part, ...]:
         lin: LinearStateSpec = self._group(model)
         if part == "conv":
-            return tuple(Part(u, ch * lin.conv_width * itemsize(lin.conv_dtype)) for u, ch in lin.conv_layout)
+            size = itemsize(lin.conv_dtype)
+            if lin.conv_transposed:  # [width, channels]: each column's channel groups, column by column
+                return tuple(Part(u, ch * size) for u, ch in lin.conv_layout) * lin.conv_width
+            return tuple(Part(u, ch * lin.conv_width * size) for u, ch in lin.conv_layout)
         return (Part(lin.temporal_heads, lin.temporal_d1 * lin.temporal_d2 * itemsize(lin.temporal_dtype)),)
 
     def segments(self, model: ModelSpec, page_size: int, tp_size: int) -> list[Segment]:
@@ -267,7 +270,12 @@ class MambaSpec(ComponentSpec):
             seg
             for l in lin.layers
             for seg in (
-                Segment(l, "conv", (conv_dim, lin.conv_width), lin.conv_dtype),
+                Segment(
+                    l,
+                    "conv",
+                    (lin.conv_width, conv_dim) if lin.conv_transposed else (conv_dim, lin.conv_width),
+                    lin.conv_dtype,
+                ),
                 Segment(l, "temporal", (heads, lin.temporal_d1, lin.temporal_d2), lin.temporal_dtype),
             )
         ]

@@ -20,12 +20,20 @@ head of "kv", K and V lanes of "k+v", one of "k" or "v"; transfer.reshard splits
 engine's block 0 is the sentinel item (vLLM's null block is block 0): a transfer never names it.
 
     views over a shared page pool (vLLM's hybrid   one buffer per distinct page region: block b
-      KV cache: attention blocks and Mamba/GDN      = page b, whatever layer group holds it
-      conv+SSM states in the same pages)            (shared_pages); whole pages only: `no_rows`
+      KV cache: full and sliding-window blocks,     = page b, whatever layer group holds it
+      Mamba/GDN conv+SSM states in the same pages)  (shared_pages)
 
-What this surface does not describe: token rows of pages that state layers share (a pool
-built with `no_rows` pairs only its own block size and TP: a sender refuses others with
-LayoutIncompatible naming both); layouts whose blocks of one layer are not back to back.
+A page region of full and sliding-window layers holds either group's blocks with the same
+rows, so its lanes serve both components (FULL and SWA: attention_model names the window
+layers): each group's blocks pair by token within the group, under that component's rules.
+Where a Mamba/GDN state shares the pages and its geometry is described (attention_model's
+`linear`: disagg.vllm.states), a region's page also holds a state slot's conv and temporal
+rows (MAMBA, one row per page), which TP ranks of other sizes split as our own pools' states
+(kvpool.shards); such a pool pairs another block size only at another TP size too
+(`whole_states` says why: the state has no buffer of its own to move whole by).
+What this surface does not describe: a state whose geometry is not known (a pool built with
+`no_rows` pairs only its own block size and TP: a sender refuses others with
+LayoutIncompatible naming both and why); layouts whose blocks of one layer are not back to back.
 """
 
 from collections.abc import Sequence
@@ -37,7 +45,7 @@ from kvpool.errors import SpecError
 from kvpool.geometry import Component
 from kvpool.layout import Layout
 from kvpool.shards import Shard
-from kvpool.spec import AttentionSpec, ModelSpec
+from kvpool.spec import AttentionSpec, LinearStateSpec, ModelSpec
 from kvpool.storage import BufferDescriptor
 
 COMPONENTS = (Component.FULL,)
@@ -78,9 +86,14 @@ class EnginePool:
 
     token_rows = False  # items are an engine's blocks, their rows named by part (transfer.engine_rows)
 
-    def __init__(self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer], *, no_rows: str = ""):
+    def __init__(
+        self, config: EnginePoolConfig, buffers: Sequence[EngineBuffer], *, no_rows: str = "", whole_states: str = ""
+    ):
         self.config = config
         self.no_rows = no_rows  # why its blocks pair only whole ("": rows as its parts say)
+        # why a peer of our TP size must have our block size too ("": any): a state that has no
+        # buffer of its own moves whole pages, or TP slices of its row
+        self.whole_states = whole_states
         self.page_size = config.page_size
         self.buffers = list(buffers)
         _check(config, self.buffers)
@@ -151,9 +164,11 @@ def shared_pages(tensors: Sequence[tuple[int, str, torch.Tensor]]) -> list[Engin
     blocks and Mamba/GDN conv+SSM states; a block id belongs to one group at a time). One
     buffer per distinct region, labelled by its first (layer, part), an item per whole page
     (a state's padding moves with it). Raises SpecError for a block that spills over its page
-    or pages that overlap another region's (block-outermost layouts such as BLHNC)."""
+    or pages that overlap another region's (block-outermost layouts such as BLHNC). A region
+    that holds attention blocks is labelled by its first attention layer (its part says where
+    the blocks' rows lie: transfer.engine_rows), one of states only by its first state layer."""
     regions: dict[tuple[int, int, int], tuple[int, str, torch.Tensor]] = {}
-    for layer, part, t in sorted(tensors, key=lambda x: (x[0], x[1])):
+    for layer, part, t in sorted(tensors, key=lambda x: (x[1] == "state", x[0], x[1])):  # attention labels first
         key = _region(layer, t)
         if key not in regions:
             regions[key] = (layer, part, t)
@@ -212,11 +227,31 @@ def _contiguous(layer: int, t: torch.Tensor) -> None:
 
 
 def attention_model(
-    name: str, layers: Sequence[int], kv_heads: int, head_dim: int, dtype: torch.dtype, num_layers: int | None = None
+    name: str,
+    layers: Sequence[int],
+    kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    num_layers: int | None = None,
+    *,
+    window_layers: Sequence[int] = (),
+    window: int = 0,
+    linear: LinearStateSpec | None = None,
 ) -> ModelSpec:
-    """The ModelSpec of an engine's full-attention layers (what a LayoutInfo describes to the
-    peer, and a refusal names); `kv_heads` is the whole model's (before the TP split)."""
-    layers = tuple(sorted(layers))
+    """The ModelSpec of an engine's attention layers (what a LayoutInfo describes to the peer,
+    and a refusal names): `window_layers` of `layers` are sliding-window ones (`window` tokens:
+    the engine's longest), the rest full attention; `linear`: its state layers' geometry (a
+    Mamba/GDN state in the same pages); `kv_heads` is the whole model's (before the TP split)."""
+    layers, windowed = tuple(sorted(layers)), tuple(sorted(set(window_layers)))
+    full = tuple(i for i in layers if i not in windowed)
+
+    def spec(group, w=None):
+        return AttentionSpec(group, kv_heads, head_dim, head_dim, dtype_name(dtype), w) if group else None
+
     return ModelSpec(
-        name, num_layers or layers[-1] + 1, full=AttentionSpec(layers, kv_heads, head_dim, head_dim, dtype_name(dtype))
+        name,
+        num_layers or layers[-1] + 1,
+        full=spec(full),
+        swa=spec(windowed, window) if windowed else None,
+        linear=linear,
     )

@@ -96,7 +96,10 @@ class LinearStateSpec:
     channel order, e.g. Mamba2 [x | B | C] = ((heads, head_dim), (groups, d_state), (groups,
     d_state)); a GDN's [q | k | v] likewise). None: conv_dim units of one channel each.
     `tp_refusal`: why TP may not split this state at all (its channel groups are not known:
-    a blind split would hand every rank the wrong channels); empty where it may."""
+    a blind split would hand every rank the wrong channels); empty where it may.
+    `conv_transposed`: the conv state is [conv_width, conv_dim] per slot (vLLM's default "SD"
+    conv state layout: each of the width's columns holds every channel group's share), not
+    [conv_dim, conv_width]."""
 
     layers: tuple[int, ...]
     conv_dim: int
@@ -108,6 +111,7 @@ class LinearStateSpec:
     temporal_dtype: str = "float32"
     conv_groups: tuple[tuple[int, int], ...] | None = None
     tp_refusal: str = ""
+    conv_transposed: bool = False
 
     def __post_init__(self) -> None:
         _check_layers("linear state", self.layers)

@@ -67,6 +67,8 @@ class PoolEndpoint:
         pc = pool.config
         self.lanes: dict[Component, tuple[Lane, ...]] = {}
         self.no_rows = getattr(pool, "no_rows", "")
+        # why a peer of our TP size must have our page size too (an engine's state in shared pages)
+        self.whole_states = getattr(pool, "whole_states", "")
         if not self.no_rows:
             try:
                 self.lanes = self.lanes_of(pc.page_size, pc.tp_size, self.buffers, "local")

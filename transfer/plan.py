@@ -334,13 +334,16 @@ def build_plan(
     if suffix is not None and tokens is not None and suffix.num_tokens != tokens.num_tokens:
         raise ValueError(f"a suffix of {suffix.num_tokens} tokens for a request of {tokens.num_tokens}")
     src_by, dst_by = components_of(src_bufs), components_of(dst_bufs)
-    missing = [c.value for c in src_set.components() if c not in dst_set or c not in dst_by]
+    # by lane, a component is where its lanes are (an engine's page region holds blocks of its
+    # full and sliding-window groups alike: transfer.engine_rows), else where its buffers are
+    held_by = tokens.dst if tokens is not None else dst_by
+    missing = [c.value for c in src_set.components() if c not in dst_set or (c not in dst_by and c not in held_by)]
     extra = [c.value for c in dst_set.components() if c not in src_set]
     if missing or extra:
         raise LayoutIncompatible(f"component sets differ: destination lacks {missing}, source lacks {extra}")
     body, last = [], []
     for c in src_set.components():
-        sb, db = src_by.get(c, ()), dst_by[c]
+        sb, db = src_by.get(c, ()), dst_by.get(c, ())
         if tokens is not None and tokens.sliced and c not in tokens.src:
             continue  # TP shards: none of this component is this source rank's to send (transfer.reshard)
         if tokens is not None and (tokens.sliced or not c.per_request):

@@ -73,8 +73,9 @@ class KVReceiver:
         own = pc.shard
         if not by_token(sender, own):
             return None
-        if self.endpoint.no_rows:
-            raise unpaired(sender, own, self.endpoint.no_rows)
+        why = self.endpoint.no_rows or (self.endpoint.whole_states if sender.tp_size == own.tp_size else "")
+        if why:
+            raise unpaired(sender, own, why)
         try:
             return side_lanes(pc.model, sender, own, self.endpoint.lanes, 1)  # ours depend on our lanes only
         except SpecError as exc:  # its TP size does not split our model

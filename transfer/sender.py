@@ -165,8 +165,8 @@ class KVSender:
             raise LayoutIncompatible(diff)
         lanes = None
         if by_token(self.shard, dst):
-            if self.endpoint.no_rows:
-                raise unpaired(self.shard, dst, self.endpoint.no_rows)
+            if self.endpoint.no_rows or (same_tp and self.endpoint.whole_states):
+                raise unpaired(self.shard, dst, self.endpoint.no_rows or self.endpoint.whole_states)
             try:
                 theirs = self.endpoint.lanes_of(page_size, dst.tp_size, list(buffers), "destination")
             except SpecError as exc:  # their TP size does not split our model

@@ -66,6 +66,7 @@ class LinearDescription(msgspec.Struct, frozen=True):
     # (units, channels per unit) of the conv channels (kvpool.spec.LinearStateSpec.conv_layout):
     # TP splits each group on its own, so two sides must agree on them to reshard
     conv_groups: Annotated[list[tuple[Dim, Dim]], msgspec.Meta(max_length=16)] | None = None
+    conv_transposed: bool = False  # [conv_width, conv_dim] per slot (vLLM's "SD"), not [conv_dim, conv_width]
 
 
 class ModelDescription(msgspec.Struct, frozen=True):
@@ -126,6 +127,7 @@ def describe_model(model: ModelSpec, tp_size: int = 1, identity: dict | None = N
             lin.conv_dtype,
             lin.temporal_dtype,
             [tuple(g) for g in lin.conv_layout],
+            conv_transposed=lin.conv_transposed,
         ),
         **(identity or {}),
     )
@@ -173,6 +175,7 @@ def _properties(d) -> list[tuple[str, object]]:
         ("conv dtype", d.conv_dtype),
         ("temporal dtype", d.temporal_dtype),
         ("conv groups (units x channels)", " + ".join(f"{u} x {c}" for u, c in d.conv_groups or ()) or "not described"),
+        ("conv state", "width x channels" if d.conv_transposed else "channels x width"),
     ]
 
 

@@ -22,13 +22,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
 from vllm.v1.request import RequestStatus
 
 from disagg.vllm import stats
-from disagg.vllm.groups import Group, Kind
+from disagg.vllm.groups import Group, Kind, KVGroups
+from disagg.vllm.layout import layer_index
 from disagg.vllm.metrics import DisaggPromMetrics, DisaggStats
 from disagg.vllm.scheduler import DisaggScheduler, StepMeta
+from disagg.vllm.states import GDNHeads, gdn_state
+from kvpool.spec import LinearStateSpec
 
 COMPLETED = (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
 
@@ -47,15 +52,15 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
         self._extra: dict[str, Any] = dict(cfg.kv_connector_extra_config or {})
         self._scheduler: DisaggScheduler | None = None
         self._worker = None
-        groups, state_layers = kv_groups(kv_cache_config, vllm_config.cache_config.block_size)
+        kv = kv_groups(kv_cache_config, vllm_config.cache_config.block_size, vllm_config)
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = DisaggScheduler(
-                groups, cfg.is_kv_producer, cfg.is_kv_consumer, self._extra.get("bootstrap")
+                kv.groups, cfg.is_kv_producer, cfg.is_kv_consumer, self._extra.get("bootstrap")
             )
         else:
             from disagg.vllm.worker import DisaggWorker  # the transfer layer: worker processes only
 
-            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, groups, state_layers)
+            self._worker = DisaggWorker.from_vllm(vllm_config, self._extra, kv)
 
     # ---- scheduler side -----------------------------------------------------------------------
     def on_new_request(self, request) -> None:
@@ -136,19 +141,23 @@ class DisaggConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.close()
 
 
-def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], frozenset[str]]:
-    """vLLM's KV cache groups as ours, and the names of the state (Mamba/GDN) layers; one full
-    group of `block_size` without a config. Raises ValueError naming a group we cannot move."""
+def kv_groups(kv_cache_config, block_size: int, vllm_config=None) -> KVGroups:
+    """vLLM's KV cache groups as ours, the names of the state (Mamba/GDN) layers (and their
+    geometry, read off vllm_config's checkpoint, where described: disagg.vllm.states) and of
+    the sliding-window ones (and the longest window); one full group of `block_size` without a
+    config. Raises ValueError naming a group we cannot move."""
     if kv_cache_config is None:
-        return (Group(Kind.FULL, block_size),), frozenset()
-    groups, state = [], set()
+        return KVGroups((Group(Kind.FULL, block_size),))
+    groups, windowed, window, states = [], set(), 0, {}
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
         if isinstance(spec, SlidingWindowSpec):
             groups.append(Group(Kind.WINDOW, spec.block_size, -(-spec.sliding_window // spec.block_size) + 1))
+            windowed.update(g.layer_names)
+            window = max(window, spec.sliding_window)
         elif isinstance(spec, MambaSpec):
             groups.append(Group(Kind.STATE, spec.block_size, scratch_blocks=spec.num_speculative_blocks))
-            state.update(g.layer_names)
+            states.update(dict.fromkeys(g.layer_names, spec))
         elif isinstance(spec, FullAttentionSpec) and getattr(spec, "sliding_window", None) is None:
             groups.append(Group(Kind.FULL, spec.block_size))
         else:
@@ -156,4 +165,30 @@ def kv_groups(kv_cache_config, block_size: int) -> tuple[tuple[Group, ...], froz
                 f"DisaggConnector: KV cache group {g.layer_names[:3]} of {type(spec).__name__} is "
                 "not supported (full attention, sliding window and Mamba/GDN state are)"
             )
-    return tuple(groups), frozenset(state)
+    state, refusal = _state(states, vllm_config) if states else (None, "")
+    return KVGroups(tuple(groups), frozenset(states), frozenset(windowed), window, state, refusal)
+
+
+def _state(specs: dict, vllm_config) -> tuple[LinearStateSpec | None, str]:
+    """The state layers' geometry in kvpool's terms (disagg.vllm.states), or None and why not,
+    naming a layer."""
+    name, spec = next(iter(specs.items()))
+    hf = vllm_config.model_config.hf_text_config if vllm_config is not None else None
+    if spec.mamba_type is not MambaAttentionBackendEnum.GDN_ATTN or not hasattr(hf, "linear_num_key_heads"):
+        return None, f"state layer {name!r}: a {spec.mamba_type.name} state is not described as TP slices"
+    if len({(s.shapes, s.dtypes) for s in specs.values()}) > 1:
+        return None, f"state layer {name!r}: the state layers' shapes differ"
+    heads = GDNHeads(
+        hf.linear_num_key_heads, hf.linear_num_value_heads, hf.linear_key_head_dim, hf.linear_value_head_dim
+    )
+    try:
+        return gdn_state(
+            tuple(sorted(layer_index(n) for n in specs)),
+            spec.shapes,
+            tuple(str(d).removeprefix("torch.") for d in spec.dtypes),
+            heads,
+            vllm_config.parallel_config.tensor_parallel_size,
+            dim_first=is_conv_state_dim_first(),
+        ), ""
+    except ValueError as exc:
+        return None, f"state layer {name!r}: {exc}"

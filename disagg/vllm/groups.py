@@ -18,10 +18,14 @@ concatenated in group order: FULL under "full", WINDOW under "swa", STATE under 
 Both sides derive their groups from the same model and configuration (the layout check at
 registration), so the producer splits them the same way; anything else is a ProtocolError.
 
-A consumer of another block size or TP size (one FULL group: the only kind that pairs so)
-takes the request by token (transfer.engine_rows): the producer sends every block of its
-first num_tokens tokens (token_pairs), and the planner moves the positions the consumer's
-blocks cover (its last blocks of num_tokens, at its own block size).
+A consumer of another block size or TP size takes the request by token (transfer.engine_rows),
+group by group (token_sends: each group's blocks pair within the group, one planned send each):
+FULL, every position from the consumer's prefix (the first its blocks hold) to num_tokens;
+WINDOW, the positions both sides' non-null window blocks cover (the planner's SWA rule: what
+the producer still holds of the request's window, and the consumer asked for); every group's
+layers move at once, as their blocks share the page regions. STATE, the slot's state as one
+row (MAMBA: a consumer of another TP size gets the slices of it its heads and channels take,
+transfer.reshard; equal TP sizes pair only equal block sizes for a model with state).
 """
 
 import enum
@@ -34,6 +38,7 @@ import numpy as np
 from disagg.errors import ProtocolError
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
+from kvpool.spec import LinearStateSpec
 
 NULL_BLOCK = 0  # vLLM's null block: a placeholder in a block table, never transferred
 
@@ -91,6 +96,32 @@ class Group:
         return tuple(held[hi - n : hi])
 
 
+@dataclass(frozen=True)
+class KVGroups:
+    """vLLM's KV cache groups, which layers hold a state (`state`: its geometry in kvpool's
+    terms, disagg.vllm.states; None with `state_refusal` saying why it is not described), which
+    a sliding window (of at most `window` tokens): what register_kv_caches needs to describe
+    the tensors it gets."""
+
+    groups: tuple[Group, ...]
+    state_layers: frozenset[str] = frozenset()
+    window_layers: frozenset[str] = frozenset()
+    window: int = 0
+    state: LinearStateSpec | None = None
+    state_refusal: str = ""
+
+
+@dataclass(frozen=True)
+class TokenSend:
+    """One group's share of a by-token send: its blocks on either side, under the component
+    whose rules the planner applies (FULL or SWA), and the first position the consumer lacks."""
+
+    component: Component
+    src: np.ndarray
+    dst: np.ndarray
+    prefix_len: int = 0
+
+
 def to_wire(groups: Sequence[Group], per_group: Sequence[Sequence[int]]) -> IndexSet:
     """The consumer's destination blocks, per kind (module docstring)."""
     out: dict[Component, list[int]] = {}
@@ -99,7 +130,27 @@ def to_wire(groups: Sequence[Group], per_group: Sequence[Sequence[int]]) -> Inde
     return IndexSet({c: np.asarray(b, dtype=np.int32) for c, b in out.items()})
 
 
-def token_pairs(
+def split(groups: Sequence[Group], dst: IndexSet) -> list[np.ndarray]:
+    """An untrusted destination's blocks per group (groups of one kind take equal shares of
+    their kind's indices, in group order); ProtocolError for one that does not split so."""
+    kinds = {WIRE[g.kind]: [i for i, x in enumerate(groups) if x.kind is g.kind] for g in groups}
+    if set(dst.components()) - set(kinds):
+        raise ProtocolError(
+            f"indices for {sorted(c.value for c in dst.components())}, this producer has groups "
+            f"{sorted(c.value for c in kinds)}"
+        )
+    out: list[np.ndarray] = [np.zeros(0, np.int32)] * len(groups)
+    for component, members in kinds.items():
+        arr = np.asarray(dst[component] if component in dst.components() else np.zeros(0), np.int32)
+        if len(arr) % len(members):
+            raise ProtocolError(f"{len(arr)} {component.value} indices do not split into {len(members)} groups")
+        n = len(arr) // len(members)
+        for k, i in enumerate(members):
+            out[i] = arr[k * n : (k + 1) * n]
+    return out
+
+
+def token_sends(
     groups: Sequence[Group],
     held: Sequence[Sequence[int]],
     dst: IndexSet,
@@ -107,26 +158,48 @@ def token_pairs(
     held_tokens: int,
     *,
     dst_block_size: int,
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Producer, a consumer of another block or TP size: (our blocks of tokens [0, num_tokens),
-    its blocks as it sent them, the first position they hold: its prefix_len). The planner
-    checks its blocks against its pages. ProtocolError for a model of other groups or a
-    destination that cannot be ours."""
-    if [g.kind for g in groups] != [Kind.FULL]:
-        raise ProtocolError(
-            f"a model of KV cache groups {[g.kind.value for g in groups]} pairs only equal block sizes and TP"
-        )
+) -> list[TokenSend]:
+    """Producer, a consumer of another block or TP size: per group it asked blocks of, our
+    blocks of tokens [0, num_tokens) and its blocks (a window's: both without their leading
+    null blocks; a state's slot at exactly the tokens we hold), and for a FULL group the first
+    position its blocks hold (its prefix_len). The planner checks the blocks against each
+    side's pages. ProtocolError for a destination that cannot be ours."""
     if not 1 <= num_tokens <= held_tokens:
         raise ProtocolError(f"num_tokens {num_tokens} outside [1, {held_tokens}]")
-    blocks = dst[Component.FULL] if dst.components() == (Component.FULL,) else np.zeros(0, np.int32)
-    first = (math.ceil(num_tokens / dst_block_size) - len(blocks)) * dst_block_size
-    if not len(blocks) or first < 0:
-        raise ProtocolError(
-            f"{len(blocks)} full blocks of {dst_block_size} for {num_tokens} tokens "
-            f"(indices for {sorted(c.value for c in dst.components())})"
-        )
-    src = np.asarray(held[0][: math.ceil(num_tokens / groups[0].block_size)], np.int32)
-    return src, np.asarray(blocks, np.int32), first
+    out = []
+    for g, mine, theirs in zip(groups, held, split(groups, dst), strict=True):
+        if not len(theirs):
+            continue
+        if g.kind is Kind.STATE:  # its slot, one row (TP slices of it: transfer.reshard)
+            slot = np.asarray(g.source(mine, len(theirs), num_tokens, held_tokens), np.int32)
+            out.append(TokenSend(Component.MAMBA, slot, theirs))
+            continue
+        pages = math.ceil(num_tokens / g.block_size)
+        if len(mine) < pages:
+            raise ProtocolError(f"{num_tokens} tokens of {g.block_size} per block, held: {len(mine)} blocks")
+        src = np.asarray(mine[:pages], np.int32)
+        if g.kind is Kind.WINDOW:
+            src, theirs = _window(src), _window(theirs)
+            if len(src) and len(theirs):
+                out.append(TokenSend(Component.SWA, src, theirs))
+            continue
+        first = (math.ceil(num_tokens / dst_block_size) - len(theirs)) * dst_block_size
+        if first < 0:
+            raise ProtocolError(f"{len(theirs)} full blocks of {dst_block_size} for {num_tokens} tokens")
+        out.append(TokenSend(Component.FULL, src, theirs, first))
+    if not out:
+        raise ProtocolError(f"no block to move (indices for {sorted(c.value for c in dst.components())})")
+    return out
+
+
+def _window(blocks: np.ndarray) -> np.ndarray:
+    """A window group's blocks without the leading null ones (blocks that left the window);
+    ProtocolError for a null block after a real one."""
+    real = np.flatnonzero(blocks != NULL_BLOCK)
+    rest = blocks[real[0] :] if len(real) else blocks[:0]
+    if (rest == NULL_BLOCK).any():
+        raise ProtocolError(f"a null block inside a window's blocks {rest.tolist()}")
+    return rest
 
 
 def pairs(
@@ -137,23 +210,11 @@ def pairs(
     does not split into our groups."""
     if not 1 <= num_tokens <= held_tokens:
         raise ProtocolError(f"num_tokens {num_tokens} outside [1, {held_tokens}]")
-    kinds = {WIRE[g.kind]: [i for i, x in enumerate(groups) if x.kind is g.kind] for g in groups}
-    if set(dst.components()) - set(kinds):
-        raise ProtocolError(
-            f"indices for {sorted(c.value for c in dst.components())}, this producer has groups "
-            f"{sorted(c.value for c in kinds)}"
-        )
     src_all, dst_all = [], []
-    for component, members in kinds.items():
-        arr = dst[component] if component in dst.components() else np.zeros(0, np.int32)
-        if len(arr) % len(members):
-            raise ProtocolError(f"{len(arr)} {component.value} indices do not split into {len(members)} groups")
-        n = len(arr) // len(members)
-        for k, i in enumerate(members):
-            if n == 0:
-                continue
-            src_all.extend(groups[i].source(held[i], n, num_tokens, held_tokens))
-            dst_all.extend(arr[k * n : (k + 1) * n].tolist())
+    for g, mine, theirs in zip(groups, held, split(groups, dst), strict=True):
+        if len(theirs):
+            src_all.extend(g.source(mine, len(theirs), num_tokens, held_tokens))
+            dst_all.extend(theirs.tolist())
     src, dst_arr = np.asarray(src_all, np.int32), np.asarray(dst_all, np.int32)
     keep = (src != NULL_BLOCK) & (dst_arr != NULL_BLOCK)
     if not keep.any():

@@ -14,9 +14,14 @@ a kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item 
 vLLM's block 0 is its null block, as item 0 is our sentinel; whole blocks move as one range
 per (block run, buffer) between two sides of the same block size and TP size. Sides of
 different block sizes or TP sizes pair by token (transfer.engine_rows: the part says where a
-block's rows lie; heads split by transfer.reshard), for models of one full-attention KV cache
-group; a model with state layers or several groups (`no_rows`) pairs only its own block size
-and TP. Layouts whose blocks of one layer are not back to back (BLHNC and other
+block's rows lie; heads split by transfer.reshard), every KV cache group within itself (full
+attention and sliding window: the model names its window layers, disagg.vllm.groups). A model
+with state layers whose state is described (a gated-delta-net's: disagg.vllm.states) pairs
+other TP sizes too: the state slot's conv and SSM slices move as TP slices of its row, beside
+the attention blocks by token; at equal TP sizes only equal block sizes (STATE_SLICES). A
+state not described (Mamba1/2, ...) pairs only its own block size and TP (`no_rows`:
+STATE_PAGES and why, naming the layer), refused at registration naming both sides.
+Layouts whose blocks of one layer are not back to back (BLHNC and other
 block-outermost layouts of some CUDA backends: a layer's block b is a strided slice of a
 buffer of every layer) are refused by name.
 """
@@ -28,11 +33,16 @@ import torch
 
 from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_part, kv_first, shared_pages
 from kvpool.errors import SpecError
+from kvpool.spec import LinearStateSpec
 
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 STATE_PAGES = (
     "a page pool that attention and Mamba/GDN state layers share pairs only its own block size and TP "
     "(start both sides with the same --block-size and TP)"
+)
+STATE_SLICES = (
+    "a state in pages that attention blocks share moves whole or as TP slices: equal TP sizes pair only "
+    "equal block sizes (start both sides with the same --block-size)"
 )
 
 
@@ -79,13 +89,17 @@ def engine_pool(
     tp_rank: int = 0,
     state_layers: frozenset[str] = frozenset(),
     *,
-    no_rows: str = "",
+    window_layers: frozenset[str] = frozenset(),
+    window: int = 0,
+    state: LinearStateSpec | None = None,
+    state_refusal: str = "",
 ) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
-    or a list of them, per layer); every other layer is attention. `no_rows`: why its blocks
-    pair only whole (state layers say so themselves). Raises VllmLayoutError naming the first
-    layer that cannot be described, or that differs from the others."""
+    or a list of them, per layer; `state`: their geometry, disagg.vllm.states, or None and
+    `state_refusal` saying why); `window_layers`: the sliding-window ones (`window`: the
+    longest window); every other layer is full attention. Raises VllmLayoutError naming the
+    first layer that cannot be described, or that differs from the others."""
     named = sorted(((layer_index(n), n, t) for n, t in kv_caches.items()), key=lambda x: x[0])
     if len({i for i, _, _ in named}) != len(named):
         raise VllmLayoutError(f"two KV cache tensors for one layer: {sorted(kv_caches)}")
@@ -106,12 +120,22 @@ def engine_pool(
         else:
             bufs = shared_pages([(i, block_part(t), t) for i, _, t in attention] + list(_states(named, state_layers)))
         model = attention_model(
-            model_name, [i for i, _, _ in attention], heads * tp_size, head, dtype, named[-1][0] + 1
+            model_name,
+            [i for i, _, _ in attention],
+            heads * tp_size,
+            head,
+            dtype,
+            named[-1][0] + 1,
+            window_layers=[i for i, n, _ in attention if n in window_layers],
+            window=window,
+            linear=state if len(attention) != len(named) else None,
         )
-        if len(attention) != len(named):
-            no_rows = STATE_PAGES
         config = EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank)
-        return EnginePool(config, bufs, no_rows=no_rows)
+        if len(attention) == len(named):
+            return EnginePool(config, bufs)
+        if model.linear is None:
+            return EnginePool(config, bufs, no_rows=f"{STATE_PAGES}: {state_refusal or 'its state is not described'}")
+        return EnginePool(config, bufs, whole_states=STATE_SLICES)
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
 

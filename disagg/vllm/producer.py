@@ -8,8 +8,9 @@ until their consumer ranks ask, then sent from vLLM's blocks.
                               cover the last blocks of its num_tokens (its own prefix-cache
                               hit is the rest; a window's last blocks, a state's slot:
                               disagg.vllm.groups): the paired source blocks go, on the peer's
-                              transfer workers (of another block or TP size: by token, our
-                              heads that rank holds) -> TransferStarted; TransferDone once the
+                              transfer workers (of another block or TP size: by token, group
+                              by group, our heads that rank holds) -> TransferStarted;
+                              TransferDone (the groups' reports merged) once the
                               writes landed (or not)
     Abort                  -> that rank's send stops; the room takes no new rank (ABORTED);
                               from a connection not among the room's consumer ranks (once
@@ -55,7 +56,7 @@ from disagg.control.messages import (
 )
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
-from disagg.vllm.groups import Group, pairs, token_pairs
+from disagg.vllm.groups import Group, pairs, token_sends
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
 from disagg.vllm.settings import ConnectorSettings
@@ -63,6 +64,7 @@ from disagg.vllm.stats import End, Ended
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.errors import Cancelled, TransferError, WritesAbandoned
+from transfer.report import merged
 from transfer.sender import KVSender, RemotePool
 
 log = logging.getLogger(__name__)
@@ -134,14 +136,22 @@ class SendEnded:
 
 
 @dataclass(frozen=True)
-class Source:
-    """One send: our blocks and the consumer's; by token (another block or TP size) also the
-    request's length and the first position the consumer's blocks hold."""
+class Piece:
+    """Our blocks and the consumer's, and the first position its blocks lack (by token)."""
 
     src: IndexSet
     dst: IndexSet
-    num_tokens: int | None = None
     prefix_len: int = 0
+
+
+@dataclass(frozen=True)
+class Source:
+    """One send to one consumer rank: one piece of every group's block pairs, or (by token:
+    another block or TP size) a piece per group, one planned send each, and the request's
+    length."""
+
+    pieces: tuple[Piece, ...]
+    num_tokens: int | None = None
 
 
 class Producer:
@@ -303,11 +313,14 @@ class Producer:
         its blocks hold (disagg.vllm.groups); ProtocolError for one that cannot be ours."""
         if target.lanes is None:
             src, dst_blocks = pairs(self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens)
-            return Source(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks}))
-        src, dst_blocks, first = token_pairs(
+            return Source((Piece(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks})),))
+        sends = token_sends(
             self.groups, h.send.block_ids, dst, num_tokens, h.send.num_tokens, dst_block_size=target.page_size
         )
-        return Source(IndexSet({Component.FULL: src}), IndexSet({Component.FULL: dst_blocks}), num_tokens, first)
+        return Source(
+            tuple(Piece(IndexSet({t.component: t.src}), IndexSet({t.component: t.dst}), t.prefix_len) for t in sends),
+            num_tokens,
+        )
 
     def _abort(self, identity: bytes, room: int, why: str):
         """Stop the send to this connection; the room takes no new consumer rank (vLLM aborts
@@ -370,13 +383,16 @@ class Producer:
         report, reason, settled, ended = None, "", True, Ended(End.FAILED)
         t0 = time.monotonic()
         try:
-            report = self.sender.send(
-                peer.target,
-                s.src,
-                s.dst,
-                num_tokens=s.num_tokens,
-                prefix_len=s.prefix_len,
-                stopped=lambda: d.phase is Delivery.STOPPING or self._stop.is_set(),
+            report = merged(
+                self.sender.send(
+                    peer.target,
+                    piece.src,
+                    piece.dst,
+                    num_tokens=s.num_tokens,
+                    prefix_len=piece.prefix_len,
+                    stopped=lambda: d.phase is Delivery.STOPPING or self._stop.is_set(),
+                )
+                for piece in s.pieces
             )
             ended = Ended(End.MOVED, time.monotonic() - t0, report.nbytes)
         except Cancelled as exc:

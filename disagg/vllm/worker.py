@@ -27,7 +27,6 @@ import enum
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 import zmq
@@ -37,7 +36,7 @@ from disagg.control.layout import LayoutInfo, describe_model
 from disagg.errors import ConfigError
 from disagg.vllm import stats
 from disagg.vllm.consumer import Consumer
-from disagg.vllm.groups import Group, Kind
+from disagg.vllm.groups import Group, Kind, KVGroups
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.layout import engine_pool
 from disagg.vllm.producer import Producer
@@ -51,14 +50,6 @@ from transfer.transports import TransportSettings, create, resolve
 from transfer.transports.mooncake import MooncakeSettings
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class KVGroups:
-    """vLLM's KV cache groups (disagg.vllm.groups) and which layers hold a state."""
-
-    groups: tuple[Group, ...]
-    state_layers: frozenset[str] = frozenset()
 
 
 # straight into vLLM's cache (whole blocks, or by token for another block or TP size): no staging
@@ -118,26 +109,35 @@ class DisaggWorker:
         self.endpoint = self.gate = self._ctx = None
 
     @staticmethod
-    def from_vllm(vllm_config, extra: dict, groups: tuple[Group, ...], state_layers: frozenset[str]) -> "DisaggWorker":
-        kv = vllm_config.kv_transfer_config
+    def from_vllm(vllm_config, extra: dict, kv: KVGroups) -> "DisaggWorker":
+        role = vllm_config.kv_transfer_config.kv_role
         par = vllm_config.parallel_config
         tp_size = par.tensor_parallel_size
         name = os.path.basename(str(vllm_config.model_config.model).rstrip("/")) or "model"
         return DisaggWorker(
             ConnectorSettings.from_extra(extra),
-            Role(kv.kv_role),
+            Role(role),
             vllm_config.cache_config.block_size,
             name,
             (tp_size, getattr(par, "rank", 0) % tp_size),
-            KVGroups(groups, state_layers),
+            kv,
         )
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Describe vLLM's tensors, expose them, start the control plane. Raises
         VllmLayoutError / ConfigError / a transport's error with one line; nothing is left open."""
-        kinds = [g.kind.value for g in self.kv.groups]
-        several = f"a model of KV cache groups {kinds} pairs only its own block size and TP" if len(kinds) > 1 else ""
-        pool = engine_pool(kv_caches, self.block_size, self.model_name, *self.tp, self.kv.state_layers, no_rows=several)
+        kv = self.kv
+        pool = engine_pool(
+            kv_caches,
+            self.block_size,
+            self.model_name,
+            *self.tp,
+            kv.state_layers,
+            window_layers=kv.window_layers,
+            window=kv.window,
+            state=kv.state,
+            state_refusal=kv.state_refusal,
+        )
         s = self.settings
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))
         transports = create(transport_names(ts, s.cma), ts)

@@ -6,7 +6,7 @@ import pytest
 
 from kvpool import get_preset
 from kvpool.errors import SpecError
-from kvpool.geometry import components, parts, segments
+from kvpool.geometry import Component, components, parts, segments
 from kvpool.shards import Part, global_spans, held, reshard, row_bytes
 
 CONV = (Part(4, 6), Part(2, 4), Part(2, 4))  # Mamba2-like [x: 4 heads | B: 2 groups | C: 2 groups]
@@ -70,3 +70,25 @@ def test_segments_are_as_long_as_their_parts_say(preset, tp):
     for c in components(model):
         for seg in segments(model, c, 1, tp):
             assert seg.nbytes == row_bytes(parts(model, c, seg.part), tp), (c, seg)
+
+
+def test_a_transposed_conv_state_splits_every_column_by_its_channel_groups():
+    """vLLM keeps a gated-delta-net's conv state [width, q | k | v channels] ("SD"): a rank's
+    share is its q, k and v channels of each of the width's columns, not one byte range."""
+    from dataclasses import replace
+
+    model = get_preset("qwen3-next-80b-a3b")
+    lin = replace(model.linear, conv_transposed=True)
+    model = replace(model, linear=lin)
+    conv = parts(model, Component.MAMBA, "conv")
+    assert conv == ((Part(16, 256), Part(16, 256), Part(32, 256)) * 3)  # 128 channels x bf16 a head, 3 columns
+    [seg] = [s for s in segments(model, Component.MAMBA, 1, 2)[:2] if s.part == "conv"]
+    assert seg.shape == (3, 4096) and seg.nbytes == row_bytes(conv, 2)
+    # TP 1 -> 2, rank 1: per column its q heads 8-15, k heads 8-15, v heads 16-31
+    col = 64 * 256  # one column of the whole row, bytes
+    assert reshard(conv, (1, 0), (2, 1))[:3] == [
+        (8 * 256, 0, 8 * 256),
+        (24 * 256, 2048, 8 * 256),
+        (48 * 256, 4096, 16 * 256),
+    ]
+    assert reshard(conv, (1, 0), (2, 1))[3][0] == col + 8 * 256

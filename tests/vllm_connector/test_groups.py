@@ -4,7 +4,8 @@ destination pairs with what a producer holds."""
 import pytest
 
 from disagg.errors import ProtocolError
-from disagg.vllm.groups import Group, Kind, pairs, to_wire, token_pairs
+from kvpool.geometry import Component
+from disagg.vllm.groups import Group, Kind, pairs, to_wire, token_sends
 
 FULL, WINDOW, STATE = Group(Kind.FULL, 32), Group(Kind.WINDOW, 32, 3), Group(Kind.STATE, 512, scratch_blocks=1)
 
@@ -61,19 +62,52 @@ def test_indices_of_a_kind_the_producer_lacks_are_refused():
         pairs((FULL, FULL), ((8, 9), (4, 5)), to_wire((FULL,), ((1, 2, 3),)), 64, 64)
 
 
+def _sends(groups, held, dst, n, bs=64):
+    return [
+        (t.component, t.src.tolist(), t.dst.tolist(), t.prefix_len)
+        for t in token_sends(groups, held, to_wire(groups, dst), n, 100, dst_block_size=bs)
+    ]
+
+
 def test_a_consumer_of_another_block_size_takes_our_blocks_of_its_tokens():
     """By token (transfer.engine_rows): our blocks of tokens [0, num_tokens), its blocks as
     sent, and the first position they hold (its prefix); what cannot be ours is refused."""
     held = ((3, 4, 5, 6),)
-    src, dst, first = token_pairs((FULL,), held, to_wire((FULL,), ((14,),)), 100, 100, dst_block_size=64)
-    assert (src.tolist(), dst.tolist(), first) == ([3, 4, 5, 6], [14], 64)
-    src, _, first = token_pairs((FULL,), held, to_wire((FULL,), ((9, 2, 7, 8, 1),)), 40, 100, dst_block_size=8)
-    assert (src.tolist(), first) == ([3, 4], 0)
+    assert _sends((FULL,), held, ((14,),), 100) == [(Component.FULL, [3, 4, 5, 6], [14], 64)]
+    assert _sends((FULL,), held, ((9, 2, 7, 8, 1),), 40, bs=8) == [(Component.FULL, [3, 4], [9, 2, 7, 8, 1], 0)]
     for groups, dst, n, message in [
         ((FULL,), ((1, 2, 3),), 100, "3 full blocks of 64 for 100 tokens"),  # more blocks than tokens
-        ((FULL,), ((),), 100, "0 full blocks"),
+        ((FULL,), ((),), 100, "no block to move"),
         ((FULL,), ((1,),), 101, "num_tokens 101 outside"),
-        ((WINDOW, FULL), ((1,), (2,)), 100, "pairs only equal block sizes and TP"),
+        ((WINDOW, FULL), ((1, 0, 2), (3, 4)), 100, "a null block inside a window"),
+        ((FULL, FULL), ((1, 2), (3,)), 100, "3 full indices do not split into 2 groups"),
     ]:
         with pytest.raises(ProtocolError, match=message):
-            token_pairs(groups, held * len(groups), to_wire(groups, dst), n, 100, dst_block_size=64)
+            token_sends(groups, held * len(groups), to_wire(groups, dst), n, 100, dst_block_size=64)
+
+
+def test_each_group_pairs_by_token_within_itself_a_window_without_its_null_blocks():
+    """Gemma3-style groups (window, full, window) at another block size: a send per group, the
+    full group's from the consumer's prefix, each window's from the blocks both sides hold (our
+    block that left the window, its placeholder, dropped); a window asked for nothing: none."""
+    held = ((0, 3, 4, 5), (6, 7, 8, 9), (0, 0, 10, 11))
+    groups = (WINDOW, FULL, WINDOW)
+    assert _sends(groups, held, ((0, 12), (13,), (14, 15)), 100) == [
+        (Component.SWA, [3, 4, 5], [12], 0),
+        (Component.FULL, [6, 7, 8, 9], [13], 64),
+        (Component.SWA, [10, 11], [14, 15], 0),
+    ]
+    assert _sends(groups, held, ((), (13,), ()), 100) == [(Component.FULL, [6, 7, 8, 9], [13], 64)]
+
+
+def test_a_state_group_sends_its_slot_as_one_row_at_exactly_the_tokens_held():
+    """Qwen3-Next-style groups at another TP size: the state's slot as a MAMBA row (its TP
+    slices: transfer.reshard), the full group's blocks by token; a state asked at another
+    length than the producer holds is refused."""
+    held = ((5,), (6, 7, 8, 9))
+    assert _sends((STATE, FULL), held, ((9,), (13,)), 100) == [
+        (Component.MAMBA, [5], [9], 0),
+        (Component.FULL, [6, 7, 8, 9], [13], 64),
+    ]
+    with pytest.raises(ProtocolError, match="a state group pairs one slot at exactly 100 tokens"):
+        _sends((STATE, FULL), held, ((9,), (13,)), 99)

@@ -7,6 +7,7 @@ import torch
 
 from disagg.vllm.layout import VllmLayoutError, engine_pool
 from kvpool.geometry import Component
+from kvpool.spec import LinearStateSpec
 from transfer.buffers import buffers_of, layout_difference
 
 
@@ -67,9 +68,16 @@ def test_a_hybrid_page_pool_is_one_buffer_of_whole_pages():
         "model.layers.0.linear_attn": torch.as_strided(raw.view(torch.int8), (8, 1, 1, 3000), (page, 3000, 3000, 1)),
         "model.layers.1.self_attn.attn": raw.view(torch.float32).view(8, 2, 16, 128),
     }
-    pool = engine_pool(caches, 16, "tiny", state_layers=frozenset({"model.layers.0.linear_attn"}))
-    assert [(b.layer, b.part, tuple(b.blocks.shape)) for b in pool.buffers] == [(0, "state", (8, page))]
+    why = "state layer 'model.layers.0.linear_attn': a MAMBA2 state is not described as TP slices"
+    pool = engine_pool(caches, 16, "tiny", state_layers=frozenset({"model.layers.0.linear_attn"}), state_refusal=why)
+    assert [(b.layer, b.part, tuple(b.blocks.shape)) for b in pool.buffers] == [
+        (1, "kv", (8, page))
+    ]  # attention's rows
     assert pool.config.model.full.layers == (1,) and pool.config.model.num_layers == 2
+    assert pool.no_rows.endswith(why) and pool.config.model.linear is None  # whole pages only, the layer named
+    state = LinearStateSpec((0,), 24, 3, 1, 8, 8, "float32", "float32", conv_groups=((1, 8), (1, 8), (1, 8)))
+    pool = engine_pool(caches, 16, "tiny", state_layers=frozenset({"model.layers.0.linear_attn"}), state=state)
+    assert (pool.no_rows, pool.config.model.linear) == ("", state) and "equal block sizes" in pool.whole_states
 
 
 def test_a_name_without_a_layer_index_or_a_state_layer_not_named_is_refused():

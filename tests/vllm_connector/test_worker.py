@@ -121,11 +121,11 @@ def _spec(role: str, layout: str, seed: int, **extra) -> dict:
     return {"role": role, "layout": layout, "seed": seed, "extra": extra}
 
 
-def _start(model: Path, logs: Path, producers: dict, consumers: dict) -> tuple[Child, Child]:
+def _start(model: Path, logs: Path, producers: dict, consumers: dict, num_blocks=16) -> tuple[Child, Child]:
     """A process of producer-side workers and one of consumer-side workers, started side by
     side (each imports vLLM: seconds)."""
-    producer = Child("producers", model, producers, logs)
-    consumer = Child("consumers", model, consumers, logs)
+    producer = Child("producers", model, producers, logs, num_blocks)
+    consumer = Child("consumers", model, consumers, logs, num_blocks)
     try:
         return producer.ready(), consumer.ready()
     except BaseException:
@@ -684,3 +684,210 @@ def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go
     [got] = consumer.wait(LOAD_S + 5)
     assert (got["recving"], got["errors"]) == (["c82"], [7, 8, 9, 10])
     assert time.monotonic() - t0 <= LOAD_S + 1.0
+
+
+# ---- Gemma3 (a sliding-window and a full-attention KV cache group) on vLLM's own allocation:
+# other TP and block sizes pair by token within each group --------------------------------------
+
+GEMMA_GROUPS = {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1}  # layer -> its group
+GEMMA_HEADS = 2  # the tiny Gemma3's KV heads (tiny_models.build_tiny_gemma3)
+
+
+def _vllm_spec(role: str, seed: int, tp: tuple[int, int], bs: int, **extra) -> dict:
+    extra.update(test_tp=list(tp), test_block_size=bs)
+    if role != "kv_producer":
+        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S)
+    return {"role": role, "layout": "vllm", "seed": seed, "extra": extra}
+
+
+@pytest.fixture(scope="module")
+def gemma3(tiny_gemma3, tmp_path_factory):
+    """Producers TP 1 and TP 2 (blocks of 32); consumers TP 1 (32), TP 1 (64) and TP 2 (32): one
+    process per side, a worker per rank (a TP-2 producer's rank 0 starts first: it runs the
+    bootstrap), each over the KV cache vLLM's own grouping and allocation make of the tiny
+    Gemma3 at its block size and TP (worker_child.vllm_caches).
+    -> ({instance: [its ranks' workers]}, {producer instance: bootstrap})."""
+    boots = {"p1": f"tcp://127.0.0.1:{_free_port()}", "p2": f"tcp://127.0.0.1:{_free_port()}"}
+    producers = {
+        "p1": _vllm_spec("kv_producer", 90, (1, 0), 32, bootstrap=boots["p1"]),
+        "p2-0": _vllm_spec("kv_producer", 91, (2, 0), 32, bootstrap=boots["p2"]),
+        "p2-1": _vllm_spec("kv_producer", 92, (2, 1), 32, bootstrap=boots["p2"]),
+    }
+    consumers = {
+        "c1": _vllm_spec("kv_consumer", 93, (1, 0), 32),
+        "c64": _vllm_spec("kv_consumer", 94, (1, 0), 64),
+        "c2-0": _vllm_spec("kv_consumer", 95, (2, 0), 32),
+        "c2-1": _vllm_spec("kv_consumer", 96, (2, 1), 32),
+    }
+    p, c = _start(tiny_gemma3, tmp_path_factory.mktemp("gemma3"), producers, consumers, num_blocks=48)
+    try:
+        instances = {}
+        for child, specs in ((p, producers), (c, consumers)):
+            for w in specs:
+                instances.setdefault(w.split("-")[0], []).append(Worker(child, w))
+        yield instances, boots
+    finally:
+        c.close()
+        p.close()
+
+
+def _groups_transfer(started, tmp_path, room: int, producer: str, consumer: str, src, dst, num_tokens=100):
+    """Every rank of `producer` holds `src` (per group) for `num_tokens`; every rank of
+    `consumer` loads all of them into `dst`, and each reports it loaded. -> (producer ranks'
+    tensors, consumer ranks' before and after)."""
+    instances, boots = started
+    ps, cs = instances[producer], instances[consumer]
+    before = [w.dump(tmp_path / f"before-{w.name}.pt") for w in cs]
+    for w in ps:
+        w.step(sends=[{"req_id": f"p{room}", "room": room, "num_tokens": num_tokens, "blocks": src}])
+    load = {"req_id": f"c{room}", "remote": _remote(room, boots[producer], num_tokens), "first": 0, "count": num_tokens}
+    for w in cs:
+        w.step(loads=[{**load, "blocks": dst}])
+    got = [w.wait(LOAD_S + 5) for w in cs]
+    assert [(a["recving"], a["errors"], a["failed"]) for a in got] == [([f"c{room}"], [], [])] * len(cs)
+    for w in ps:  # every producer rank's blocks may be freed now
+        assert w.wait(10.0)["sending"] == [f"p{room}"]
+    src_t = [w.dump(tmp_path / f"src-{w.name}.pt") for w in ps]
+    return src_t, before, [w.dump(tmp_path / f"after-{w.name}.pt") for w in cs]
+
+
+def _want_by_group(src_t, before, src, dst, bs: tuple[int, int], first: list[int], layers=None, n=100):
+    """Each consumer rank's tensors as they must end: in each attention group's `layers`
+    (layer -> group), every position from first[group] to n, every head (numbered across
+    ranks), K and V, from the producer rank holding it, at that group's blocks on either side
+    (a group's block list covers the prompt's last blocks); every other byte as before (the
+    layers' views share one storage, as vLLM's do: a block is one group's at a time)."""
+    want = [{name: t.view(torch.uint8) for name, t in rank.items()} for rank in before]  # bytes: NaNs compare
+    p_heads, c_heads = GEMMA_HEADS // len(src_t), GEMMA_HEADS // len(before)
+    for name, g in (layers or GEMMA_GROUPS).items():
+        dst_first = -(-n // bs[1]) - len(dst[g])  # the first block the consumer's list covers
+        for p in range(first[g], n):
+            s, d = src[g][p // bs[0]], dst[g][p // bs[1] - dst_first]
+            for h in range(GEMMA_HEADS):
+                value = src_t[h // p_heads][name][s, h % p_heads, p % bs[0]].view(torch.uint8)
+                want[h // c_heads][name][d, h % c_heads, p % bs[1]] = value
+    return want
+
+
+@pytest.mark.parametrize(
+    "room,producer,consumer,dst,bs",
+    [
+        (101, "p1", "c2", [[10, 11, 12], [1, 2, 13, 14]], (32, 32)),
+        (102, "p2", "c1", [[10, 11, 12], [1, 2, 13, 14]], (32, 32)),
+        (103, "p1", "c64", [[10, 11], [1, 2]], (32, 64)),
+    ],
+    ids=["tp1-to-tp2", "tp2-to-tp1", "blocks-32-to-64"],
+)
+def test_gemma3_groups_pair_by_token_across_tp_and_block_sizes(gemma3, tmp_path, room, producer, consumer, dst, bs):
+    """A sliding-window group (window 64) and a full-attention group, on vLLM's own CPU
+    allocation (the two layers' views share one storage): the producer holds 100 tokens, its
+    window group's first block already null (left the window). The full group's 100 tokens and
+    the window group's tokens the producer still holds (32-100) land in the consumer's blocks
+    of that group, every head from the rank holding it, byte-equal; every other byte of the
+    consumer's cache (its other blocks, the window block's positions 0-31 at block size 64) is
+    untouched."""
+    src = [[0, 3, 4, 5], [6, 7, 8, 9]]  # per group: window, full (vLLM's group order)
+    src_t, before, after = _groups_transfer(gemma3, tmp_path, room, producer, consumer, src, dst)
+    want = _want_by_group(src_t, before, src, dst, bs, first=[32, 0])
+    for rank, (w, a) in enumerate(zip(want, after)):
+        for name in GEMMA_GROUPS:
+            for b in range(a[name].shape[0]):
+                assert torch.equal(a[name][b].view(torch.uint8), w[name][b]), f"consumer rank {rank}, {name}, block {b}"
+
+
+# ---- Qwen3-Next (a gated-delta-net layer's state and a full-attention layer in one page pool)
+# on vLLM's own allocation: TP resharding of the state's slices -------------------------------
+
+QWEN_ATTENTION, QWEN_STATE = "model.layers.1.self_attn.attn", "model.layers.0.linear_attn"
+QWEN_BLOCK = 160  # vLLM raises the tiny Qwen3-Next's block size to fit its state in a page
+GDN = {"k_heads": 2, "v_heads": 2, "dim": 128, "width": 3}  # the tiny Qwen3-Next's (tiny_models)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next(tiny_qwen3_next, tmp_path_factory):
+    """Producers TP 1 and TP 2, consumers TP 1 and TP 2, blocks of 160 (as vLLM picks for the
+    tiny Qwen3-Next), and a TP-1 consumer of blocks of 320: one process per side, a worker per rank, over vLLM's own grouping and
+    allocation of its KV cache (worker_child.vllm_caches). -> ({instance: [workers]}, {producer: bootstrap})."""
+    boots = {"p1": f"tcp://127.0.0.1:{_free_port()}", "p2": f"tcp://127.0.0.1:{_free_port()}"}
+    producers = {
+        "p1": _vllm_spec("kv_producer", 110, (1, 0), QWEN_BLOCK, bootstrap=boots["p1"]),
+        "p2-0": _vllm_spec("kv_producer", 111, (2, 0), QWEN_BLOCK, bootstrap=boots["p2"]),
+        "p2-1": _vllm_spec("kv_producer", 112, (2, 1), QWEN_BLOCK, bootstrap=boots["p2"]),
+    }
+    consumers = {
+        "c1": _vllm_spec("kv_consumer", 113, (1, 0), QWEN_BLOCK),
+        "c320": _vllm_spec("kv_consumer", 116, (1, 0), 2 * QWEN_BLOCK),
+        "c2-0": _vllm_spec("kv_consumer", 114, (2, 0), QWEN_BLOCK),
+        "c2-1": _vllm_spec("kv_consumer", 115, (2, 1), QWEN_BLOCK),
+    }
+    p, c = _start(tiny_qwen3_next, tmp_path_factory.mktemp("qwen3-next"), producers, consumers, num_blocks=24)
+    try:
+        instances = {}
+        for child, specs in ((p, producers), (c, consumers)):
+            for w in specs:
+                instances.setdefault(w.split("-")[0], []).append(Worker(child, w))
+        yield instances, boots
+    finally:
+        c.close()
+        p.close()
+
+
+def _gdn(t: torch.Tensor, slot: int, tp: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """A rank's state in page `slot` as vLLM's GDN layer keeps it (int32 views: bit-exact):
+    the conv state [width, q | k | v channels] split into its q, k and v sections, and the SSM
+    state [value heads, dim, dim]."""
+    kh, vh, d, w = GDN["k_heads"] // tp, GDN["v_heads"] // tp, GDN["dim"], GDN["width"]
+    raw = t[slot, 0, 0].view(torch.uint8)
+    conv = raw[: w * (2 * kh + vh) * d * 4].view(torch.int32).view(w, -1)
+    ssm = raw[conv.numel() * 4 : conv.numel() * 4 + vh * d * d * 4].view(torch.int32).view(vh, d, d)
+    return [conv[:, : kh * d], conv[:, kh * d : 2 * kh * d], conv[:, 2 * kh * d :]], ssm
+
+
+def _want_state(src_t, want, src_slot: int, dst_slot: int) -> None:
+    """Each consumer rank's state slot as it must end (in place in `want`): every q, k and v
+    channel of each conv column and every value head of the SSM state, from the producer rank
+    holding it, at this rank's place; the page's padding as before."""
+    states = [_gdn(t[QWEN_STATE], src_slot, len(src_t)) for t in src_t]
+    whole = [torch.cat([s[0][i] for s in states], dim=1) for i in range(3)], torch.cat([s[1] for s in states])
+    for rank, w in enumerate(want):
+        sections, ssm = _gdn(w[QWEN_STATE], dst_slot, len(want))
+        for mine, glob in zip(sections, whole[0]):
+            n = mine.shape[1]
+            mine.copy_(glob[:, rank * n : (rank + 1) * n])
+        ssm.copy_(whole[1][rank * ssm.shape[0] : (rank + 1) * ssm.shape[0]])
+
+
+@pytest.mark.parametrize(
+    "room,producer,consumer", [(121, "p1", "c2"), (122, "p2", "c1")], ids=["tp1-to-tp2", "tp2-to-tp1"]
+)
+def test_qwen3_next_state_and_attention_reshard_across_tp(qwen3_next, tmp_path, room, producer, consumer):
+    """A gated-delta-net state slot and a full-attention group in one page pool (vLLM's own
+    allocation: the state padded to the page): TP 1 -> 2 and 2 -> 1 at equal block sizes. Each
+    consumer rank's slot gets its share of the state (a rank's slice of a page is not one byte
+    range: each conv column's q, k and v channels, the SSM state's value heads) and its heads of
+    the 300 tokens' K and V, byte-equal; every other byte (the slot page's padding, other
+    pages) untouched."""
+    src, dst = [[5], [3, 4]], [[9], [2, 10]]  # per group: state slot, full (vLLM's group order)
+    src_t, before, after = _groups_transfer(qwen3_next, tmp_path, room, producer, consumer, src, dst, 300)
+    want = _want_by_group(src_t, before, src, dst, (QWEN_BLOCK,) * 2, [0, 0], {QWEN_ATTENTION: 1}, n=300)
+    _want_state(src_t, want, 5, 9)
+    for rank, (w, a) in enumerate(zip(want, after)):
+        for b in range(a[QWEN_ATTENTION].shape[0]):
+            assert torch.equal(a[QWEN_ATTENTION][b].view(torch.uint8), w[QWEN_ATTENTION][b]), (
+                f"consumer rank {rank}, page {b}"
+            )
+
+
+def test_a_qwen3_next_consumer_of_another_block_size_at_equal_tp_is_refused_naming_why(qwen3_next):
+    """Equal TP sizes, blocks of 160 into 320: the state has no buffer of its own (it moves as
+    whole pages or TP slices), so the producer refuses the registration naming both sides and
+    why, and the load fails by request at once (not by its deadline)."""
+    instances, boots = qwen3_next
+    producer, consumer = instances["p1"][0], instances["c320"][0]
+    producer.step(sends=[{"req_id": "p123", "room": 123, "num_tokens": 300, "blocks": [[5], [3, 4]]}])
+    load = {"req_id": "c123", "remote": _remote(123, boots["p1"], 300), "first": 0, "count": 300}
+    consumer.step(loads=[{**load, "blocks": [[9], [2]]}])
+    got = consumer.wait(LOAD_S + 5)
+    assert (got["recving"], got["errors"], got["failed"]) == (["c123"], [], ["c123"]) and got["waited"] < LOAD_S
+    log = Path(consumer.child.log.name).read_text()
+    assert "block size 160, TP 1 (sender) vs 320, TP 1 (receiver)" in log and "equal block sizes" in log, log[-3000:]

@@ -5,11 +5,12 @@ several layouts and roles share one process per side: each process imports vLLM 
 
     python worker_child.py MODEL NUM_BLOCKS WORKERS_JSON
         WORKERS_JSON: {name: {"role": "kv_producer" | "kv_consumer" | "kv_both",
-                              "layout": "cpu" | "cuda-style" | "gdn" | "swa", "seed": n,
+                              "layout": "cpu" | "cuda-style" | "gdn" | "swa" | "vllm", "seed": n,
                               "extra": kv_connector_extra_config}}
         (an extra's "test_block_size" and "test_tp" [size, rank] are taken out before the
         connector sees them: a side started with another --block-size, one rank of a TP
-        instance whose other ranks run elsewhere; hybrid layouts keep blocks of 32)
+        instance whose other ranks run elsewhere; hybrid layouts keep blocks of 32; "vllm": the
+        tensors vLLM's own grouping and allocation make of the model at that block size and TP)
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
     -> {"ready": true} once every worker registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "worker": name, "sends": [...], "loads": [...], "releases": [...]}   -> {}
@@ -17,7 +18,8 @@ several layouts and roles share one process per side: each process imports vLLM 
                                       -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
                                          the first non-empty finished() (or empty ones at the
                                          timeout), the figures that came with it
-    <- {"op": "dump", "worker": name, "path": p}   -> {}: every layer's tensor (torch.save)
+    <- {"op": "dump", "worker": name, "path": p}   -> {}: every layer's tensor (torch.save; views
+                                                        of one storage stay so when loaded)
     <- {"op": "close"}                -> {} and exit
 """
 
@@ -82,8 +84,7 @@ def hybrid_caches(layout: str, seed: int, num_blocks: int):
     "gdn" (Qwen3-Next): layer 0's state, an int8 [blocks, 1, 1, state bytes] view whose block
     stride is the page; layer 1's attention blocks [blocks, 2, 32, 128]. "swa" (Gemma3):
     layer 0 sliding window (64 tokens), layer 1 full attention, both attention views."""
-    from disagg.vllm.groups import Group, Kind
-    from disagg.vllm.worker import KVGroups
+    from disagg.vllm.groups import Group, Kind, KVGroups
 
     g = torch.Generator().manual_seed(seed)
     raw = torch.randint(0, 256, (num_blocks * PAGE,), dtype=torch.uint8, generator=g)
@@ -96,6 +97,89 @@ def hybrid_caches(layout: str, seed: int, num_blocks: int):
         return {"model.layers.0.linear_attn": state, "model.layers.1.self_attn.attn": attention}, kv, raw
     kv = KVGroups((Group(Kind.WINDOW, BLOCK_SIZE, 3), Group(Kind.FULL, BLOCK_SIZE)), frozenset())
     return {f"model.layers.{i}.self_attn.attn": attention for i in range(2)}, kv, raw
+
+
+def layer_specs(cfg) -> dict:
+    """Each KV cache layer's spec as the model's layers declare it on this rank (vLLM's
+    get_kv_cache_spec, without building the model), by the checkpoint's layer_types: Gemma3's
+    sliding-window and full attention layers, Qwen3-Next's gated-delta-net ones (their state's
+    shapes and dtypes from vLLM's own calculators) and full attention."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
+
+    m = cfg.model_config
+    hf = m.hf_text_config
+    kw = dict(
+        block_size=cfg.cache_config.block_size,
+        num_kv_heads=m.get_num_kv_heads(cfg.parallel_config),
+        head_size=m.get_head_size(),
+        dtype=m.dtype,
+    )
+    out = {}
+    for i, kind in enumerate(hf.layer_types):
+        name = f"model.layers.{i}.self_attn.attn"
+        if kind == "sliding_attention":
+            out[name] = SlidingWindowSpec(sliding_window=hf.sliding_window, **kw)
+        elif kind == "full_attention":
+            out[name] = FullAttentionSpec(**kw)
+        elif kind == "linear_attention":
+            out[f"model.layers.{i}.linear_attn"] = gdn_spec(cfg)
+        else:
+            raise ValueError(f"layer {i}: {kind} has no spec here")
+    return out
+
+
+def gdn_spec(cfg):
+    """A gated-delta-net layer's MambaSpec as vLLM's GDN layer declares it on this rank."""
+    from vllm.model_executor.layers.mamba.mamba_utils import MambaStateDtypeCalculator, MambaStateShapeCalculator
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    hf, cc = cfg.model_config.hf_text_config, cfg.cache_config
+    shapes = MambaStateShapeCalculator.gated_delta_net_state_shape(
+        cfg.parallel_config.tensor_parallel_size,
+        hf.linear_num_key_heads,
+        hf.linear_num_value_heads,
+        hf.linear_key_head_dim,
+        hf.linear_value_head_dim,
+        hf.linear_conv_kernel_dim,
+    )
+    dtypes = MambaStateDtypeCalculator.gated_delta_net_state_dtype(
+        cfg.model_config.dtype, cc.mamba_cache_dtype, cc.mamba_ssm_cache_dtype
+    )
+    return MambaSpec(
+        shapes=tuple(shapes),
+        dtypes=dtypes,
+        block_size=cc.block_size,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=cc.mamba_cache_mode,
+    )
+
+
+def vllm_caches(cfg, seed: int, num_blocks: int):
+    """(tensors, KVGroups) as a vLLM CPU worker hands them to register_kv_caches: vLLM's own
+    KV cache groups and tensors (get_kv_cache_configs) and its allocation (allocate_kv_cache,
+    in the CPU attention backend's layout), filled with random bytes; our KVGroups read off
+    that config as the connector reads it (disagg.vllm.connector.kv_groups)."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.core.kv_cache_utils import get_kv_cache_configs
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from disagg.vllm.connector import kv_groups
+
+    cfg.cache_config.num_gpu_blocks_override = num_blocks
+    specs = layer_specs(cfg)
+    [kc] = get_kv_cache_configs(cfg, [specs], [1 << 40])
+    layout = CPUAttentionBackend.supported_kv_cache_layouts()[0]
+    caches = allocate_kv_cache(kc, torch.device("cpu"), layout)
+    raw = _raw(next(iter(caches.values())))
+    raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    return caches, kv_groups(kc, cfg.cache_config.block_size, cfg)
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """The whole storage under a view, as flat bytes."""
+    storage = t.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
 
 
 def step_meta(cmd: dict):
@@ -143,14 +227,16 @@ def start(model: str, spec: dict, num_blocks: int):
     extra = dict(spec["extra"])
     block_size, tp = extra.pop("test_block_size", BLOCK_SIZE), tuple(extra.pop("test_tp", (1, 0)))
     cfg = vllm_config(spec["role"], model, extra, block_size, tp)
-    if spec["layout"] in ("gdn", "swa"):
+    if spec["layout"] == "vllm":
+        caches, kv = vllm_caches(cfg, spec["seed"], num_blocks)
+        caches_out = {n: t.view(torch.uint8) for n, t in caches.items()}  # one storage, one dtype: saved once
+    elif spec["layout"] in ("gdn", "swa"):
         caches, kv, raw = hybrid_caches(spec["layout"], spec["seed"], num_blocks)
         caches_out = {"pages": raw.view(num_blocks, PAGE)}
     else:
         caches, kv = kv_caches(cfg, spec["layout"], spec["seed"], num_blocks), None
         caches_out = caches
-    groups = kv_groups(None, block_size) if kv is None else (kv.groups, kv.state_layers)
-    worker = DisaggWorker.from_vllm(cfg, extra, *groups)
+    worker = DisaggWorker.from_vllm(cfg, extra, kv_groups(None, block_size) if kv is None else kv)
     worker.register(caches)
     return worker, caches_out
 
