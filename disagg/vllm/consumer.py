@@ -51,6 +51,7 @@ from disagg.decode.instances import SenderRanks
 from disagg.decode.introducer import Introducer
 from disagg.decode.peers import PrefillPeers
 from disagg.errors import DisaggError
+from disagg.vllm import hops
 from disagg.vllm.groups import NULL_BLOCK, Group, to_wire
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.params import RemotePrefill
@@ -196,6 +197,7 @@ class Consumer:
             return  # it ended meanwhile (the producer ranks let go of the room by hold_s)
         r.shares = dict.fromkeys(intro.endpoints, Share.ASKED)
         r.phase = Phase.WAITING
+        hops.mark(intro.room, "c.asked")
         for endpoint in intro.endpoints:
             self.io.send(endpoint, intro.ask)
             if r.release:
@@ -212,6 +214,7 @@ class Consumer:
             )
             self.handoff.received(load.req_id, Loading(load, 0.0).blocks(), Ended(End.FAILED))
             return
+        hops.mark(room, "c.taken")
         now = time.monotonic()
         r = self.loads[room] = Loading(load, now + self.settings.load_s, started=now)
         dst = to_wire(self.groups, load.block_ids)
@@ -251,6 +254,7 @@ class Consumer:
 
     def _done(self, endpoint: str, msg: TransferDone) -> None:
         """A producer rank's last word on its share (only from the ranks asked, while it may write)."""
+        hops.mark(msg.room, "c.done")
         r = self.loads.get(msg.room)
         share = r.shares.get(endpoint) if r is not None else None
         if share is None or not share.writing:
@@ -337,6 +341,7 @@ class Consumer:
         """Find the producer ranks that hold our heads of `remote.room` (registering with each
         new one): a load's TransferRequest (`req_id`: its load) goes to the loop, which sends it
         to each; an Abort goes from here."""
+        hops.mark(remote.room, "c.lookup")
         try:
             peers = self.introducer.senders(remote.bootstrap, deadline)
         except (DisaggError, ValueError) as exc:
@@ -349,6 +354,7 @@ class Consumer:
             for peer in peers:
                 self.io.send(peer.endpoint, msg)
             return
+        hops.mark(remote.room, "c.introduced")
         self.handoff.post(Introduced(remote.room, req_id, tuple(p.endpoint for p in peers), msg))
         self.io.wake()  # the loop sends it now, not after its poll timeout
 

@@ -55,6 +55,7 @@ from disagg.control.messages import (
 )
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
+from disagg.vllm import hops
 from disagg.vllm.groups import Group, pairs, token_pairs
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
@@ -261,6 +262,7 @@ class Producer:
         return Refused("register first") if not known else None
 
     def _transfer_request(self, identity: bytes, msg: TransferRequest):
+        hops.mark(msg.room, "p.asked")
         peer = self.peers.get(identity)
         if peer is None or msg.decode_epoch != peer.epoch:
             return TransferDone(msg.room, self.epoch, False, reason="decode is not registered (or not at this epoch)")
@@ -367,6 +369,7 @@ class Producer:
 
     # ---- a transfer worker ---------------------------------------------------------------------
     def _send(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> None:
+        hops.mark(h.send.room, "p.sending")
         report, reason, settled, ended = None, "", True, Ended(End.FAILED)
         t0 = time.monotonic()
         try:
@@ -379,6 +382,7 @@ class Producer:
                 stopped=lambda: d.phase is Delivery.STOPPING or self._stop.is_set(),
             )
             ended = Ended(End.MOVED, time.monotonic() - t0, report.nbytes)
+            hops.mark(h.send.room, "p.written")
         except Cancelled as exc:
             reason, ended = f"aborted: {exc}", None
         except TransferError as exc:
@@ -390,6 +394,7 @@ class Producer:
             d.identity,
             TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled),
         )
+        hops.mark(h.send.room, "p.told")
         self.handoff.post(SendEnded(h.send.room, d.rank, ended))
 
     def wake(self) -> None:
