@@ -67,7 +67,7 @@ def _one(producer: Worker, consumer: Worker, boot: str, room: int, n: int, poll:
 def _hops(*children: Child) -> dict[int, dict[str, int]]:
     rooms: dict[int, dict[str, int]] = defaultdict(dict)
     for child in children:
-        for t, room, hop in child.ask({"op": "hops"})["hops"]:
+        for t, room, hop, _ in child.ask({"op": "hops"})["hops"]:
             rooms[room].setdefault(hop, t)
     return rooms
 

@@ -3,12 +3,14 @@ TransferRequest to every producer rank that holds some of our heads of its room,
 finished_recving: loaded, or failed with its blocks in load_errors. Never a hang: every load
 ends by load_s (quarantine_s once failed while a producer rank may still write).
 
-    Load    -> a lookup thread: bootstrap lookup of the producer ranks holding our heads
-               (equal TP sizes: our rank; 1 -> 2: rank 0; 2 -> 1: both) and registration
-               with each (the layout check on both sides: decode/introducer.py, as our decode
-               server does it) -> Introduced (the loop sends each the TransferRequest:
-               num_tokens = first_token + tokens, the Load's blocks per kind of KV cache
-               group: disagg.vllm.groups.to_wire) or IntroFailed
+    Load    -> the producer ranks holding our heads (equal TP sizes: our rank; 1 -> 2:
+               rank 0; 2 -> 1: both), each looked up at the bootstrap and registered with
+               (the layout check on both sides: decode/introducer.py, as our decode server
+               does it): the loop sends each the TransferRequest at once (num_tokens =
+               first_token + tokens, the Load's blocks per kind of KV cache group:
+               disagg.vllm.groups.to_wire) when every one was looked up and registered
+               with before (Introducer.known: a request's common case), else a lookup
+               thread does what is missing -> Introduced (then the loop sends) or IntroFailed
     TransferDone ok from every rank  -> Handoff.received(req_id)
     TransferDone failed from one     -> the others still writing are told to stop (Abort);
                                         Handoff.received(req_id, its blocks) once none may
@@ -22,7 +24,10 @@ ends by load_s (quarantine_s once failed while a producer rank may still write).
                producer ranks up first
 The loop thread owns the control sockets and `loads`, and sends every TransferRequest (so it
 knows a load's producer ranks before any answers); lookup threads only look up, register and
-send Aborts (DealerIO.send is for any thread), and post what they found to the Handoff.
+send Aborts (DealerIO.send is for any thread), and post what they found to the Handoff. A
+small load's way is the loop's alone (no lookup thread, no outbox between it and its socket):
+every hand-over between threads waits for the GIL, which vLLM's own thread holds through its
+step's Python work (disagg.vllm.hops, scripts/bench_worker_arrival.py).
 """
 
 import enum
@@ -199,7 +204,7 @@ class Consumer:
         r.phase = Phase.WAITING
         hops.mark(intro.room, "c.asked")
         for endpoint in intro.endpoints:
-            self.io.send(endpoint, intro.ask)
+            self.io.reply(endpoint, intro.ask)  # (the loop's own socket: registered, so it is open)
             if r.release:
                 self.io.send(endpoint, Abort(intro.room, r.release))
 
@@ -219,7 +224,11 @@ class Consumer:
         r = self.loads[room] = Loading(load, now + self.settings.load_s, started=now)
         dst = to_wire(self.groups, load.block_ids)
         ask = TransferRequest(room, self.epoch, load.first_token + load.num_tokens, indices_to_wire(dst), [])
-        self._lookups.submit(self._introduce, load.remote, r.deadline, ask, load.req_id)
+        peers = self.introducer.known(load.remote.bootstrap)
+        if peers is None:  # a lookup or a registration to wait for
+            self._lookups.submit(self._introduce, load.remote, r.deadline, ask, load.req_id)
+            return
+        self._introduced(Introduced(room, load.req_id, tuple(p.endpoint for p in peers), ask))
 
     def _release(self, rel: Release) -> None:
         room = rel.remote.room

@@ -19,7 +19,7 @@ several layouts and roles share one process per side: each process imports vLLM 
                                          timeout), the figures that came with it; finished()
                                          is asked every `poll` s (0: spinning between the
                                          calls, as vLLM's worker waits for its next step)
-    <- {"op": "hops"}                 -> {"hops": [[ns, room, hop], ...]}: disagg.vllm.hops'
+    <- {"op": "hops"}                 -> {"hops": [[ns, room, hop, thread], ...]}: disagg.vllm.hops'
                                          marks since the last ask (DISAGG_HOPS=1 in the
                                          environment), with "c.step" just before a step's
                                          load went to the worker and "c.finished" once
