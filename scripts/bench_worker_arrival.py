@@ -3,7 +3,9 @@
 in two processes (tests/vllm_connector/worker_child.py: vLLM's config and CPU layout of the
 tiny Llama, the real bootstrap, CURVE, cma or Mooncake TCP), each pinned to a core of its own
 as bench_vllm pins its servers. Per request the producer holds N blocks and the consumer loads
-them; finished() is asked every --poll s, as vLLM asks at every engine step. Runs in the vLLM
+them; finished() is asked as vLLM's worker asks it, once a step: spinning between the calls
+(--poll 0) and holding the GIL for --step-ms of each (a step's own Python work); --hogs puts
+busy processes beside each side (a server's other processes on its core). Runs in the vLLM
 venv; no api_server is started.
 
     request_ms   the consumer's step (its load handed to the worker) -> finished() reports it
@@ -14,13 +16,14 @@ venv; no api_server is started.
                  transfer thread took it) -> p.written (the writes landed) -> p.told (its
                  TransferDone queued) -> c.done (the consumer's loop got it) -> c.finished
 
-    .venv-vllm/bin/python scripts/bench_worker_arrival.py --blocks 4,16,30 --repeat 40
+    .venv-vllm/bin/python scripts/bench_worker_arrival.py --blocks 4,16,30 --repeat 40 [--step-ms 1 --hogs 1]
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 from collections import defaultdict
@@ -52,6 +55,18 @@ def _start(model: Path, logs: Path, num_blocks: int, cma: bool) -> tuple[Worker,
     return Worker(p, "w"), Worker(c, "w"), boot
 
 
+def _hogs(n: int) -> list[subprocess.Popen]:
+    """`n` busy processes on each core the two sides run on: the load a vLLM server's other
+    processes (its API server, engine core, spinning threads) put beside its worker."""
+    cores = sorted(os.sched_getaffinity(0))
+    hogs = []
+    for core in (cores[0], cores[-1]) if n else ():
+        for _ in range(n):
+            hogs.append(subprocess.Popen([sys.executable, "-c", "while True: pass"]))
+            os.sched_setaffinity(hogs[-1].pid, {core})
+    return hogs
+
+
 def _one(producer: Worker, consumer: Worker, boot: str, room: int, n: int, poll: float, step_s: float = 0.0) -> None:
     src, dst = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1))
     tokens = n * 32
@@ -67,7 +82,7 @@ def _one(producer: Worker, consumer: Worker, boot: str, room: int, n: int, poll:
 def _hops(*children: Child) -> dict[int, dict[str, int]]:
     rooms: dict[int, dict[str, int]] = defaultdict(dict)
     for child in children:
-        for t, room, hop, _ in child.ask({"op": "hops"})["hops"]:
+        for t, room, hop, *_ in child.ask({"op": "hops"})["hops"]:
             rooms[room].setdefault(hop, t)
     return rooms
 
@@ -87,12 +102,31 @@ def summary(rooms: dict[int, dict[str, int]]) -> dict:
     }
 
 
+def _measure(producer: Worker, consumer: Worker, boot: str, sizes: list[int], args) -> dict:
+    """args.repeat requests of each size, the sizes taking turns (a load on the machine hits
+    each alike), with args.hogs busy processes beside each side -> summary() per size."""
+    _one(producer, consumer, boot, 1, 1, args.poll)  # registration, first use of each path
+    _hops(producer.child, consumer.child)
+    size_of, hogs = {}, _hogs(args.hogs)
+    try:
+        for i in range(args.repeat * len(sizes)):
+            size_of[100 + i] = sizes[i % len(sizes)]
+            _one(producer, consumer, boot, 100 + i, size_of[100 + i], args.poll, args.step_ms / 1e3)
+    finally:
+        for hog in hogs:
+            hog.kill()
+            hog.wait()
+    marks = _hops(producer.child, consumer.child)
+    return {n: summary({r: m for r, m in marks.items() if size_of.get(r) == n}) for n in sizes}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", default="4,16,30")
     ap.add_argument("--repeat", type=int, default=40)
-    ap.add_argument("--poll", type=float, default=0.0005, help="s between finished() calls")
+    ap.add_argument("--poll", type=float, default=0.0, help="s between finished() calls (0: spin, yielding)")
     ap.add_argument("--step-ms", type=float, default=0.0, help="Python work (GIL held) between finished() calls")
+    ap.add_argument("--hogs", type=int, default=0, help="busy processes on each of the two cores while measuring")
     ap.add_argument("--no-cma", action="store_true", help="Mooncake TCP instead of cma")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args()
@@ -104,18 +138,11 @@ def main() -> None:
         model = tiny_models.build_tiny_llama(tmp / "model")
         producer, consumer, boot = _start(model, tmp, 2 * max(sizes) + 2, not args.no_cma)
         try:
-            _one(producer, consumer, boot, 1, 1, args.poll)  # registration, first use of each path
-            _hops(producer.child, consumer.child)
-            size_of = {}  # room -> its blocks (the sizes take turns, so a load on the machine hits each alike)
-            for i in range(args.repeat * len(sizes)):
-                size_of[100 + i] = sizes[i % len(sizes)]
-                _one(producer, consumer, boot, 100 + i, size_of[100 + i], args.poll, args.step_ms / 1e3)
-            marks = _hops(producer.child, consumer.child)
-            out = {n: summary({r: m for r, m in marks.items() if size_of.get(r) == n}) for n in sizes}
-            print(json.dumps(out, indent=1))
+            out = _measure(producer, consumer, boot, sizes, args)
         finally:
             consumer.child.close()
             producer.child.close()
+    print(json.dumps(out, indent=1))
     if args.json:
         args.json.write_text(json.dumps(out, indent=1) + "\n")
 
