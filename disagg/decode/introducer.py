@@ -50,6 +50,26 @@ class Introducer:
             peers.append(peer)
         return [self.peers.wait_registered(peer, deadline) for peer in peers]
 
+    def known(self, bootstrap: str) -> list[PrefillPeer] | None:
+        """What senders() answers when every rank it needs was looked up and registered with
+        before (the same layout check), without waiting: a request's common case, taken where
+        it arrives. None when any rank is not (then senders(), on a thread that may wait)."""
+        first = self.peers.known(bootstrap)
+        if first is None:
+            return None
+        try:
+            ranks = self.instances.sender_ranks(first)
+        except ProtocolError:
+            return None  # senders() says why
+        peers = []
+        for rank in ranks:
+            info = first if rank == 0 else self.peers.known(bootstrap, rank)
+            peer = self.peers.ready(info) if info is not None and info.tp_size == first.tp_size else None
+            if peer is None:
+                return None
+            peers.append(peer)
+        return peers
+
 
 class ReadinessWatch:
     """/ready from state kept up to date on a thread of its own: never waits on the network

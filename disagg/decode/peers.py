@@ -34,6 +34,7 @@ class PrefillPeers:
         self._lock = threading.Lock()
         self._peers: dict[str, PrefillPeer] = {}  # control endpoint -> peer
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
+        self._checked: set[tuple[str, int]] = set()  # lookups whose layout matched ours
         self._liveness = Liveness(dead_after_s)  # registered peers only
         self._abandoned: set[str] = set()  # registration failed: close the socket
 
@@ -55,10 +56,30 @@ class PrefillPeers:
                 )
             with self._lock:
                 self._lookups[(bootstrap, tp_rank)] = info
-        diff = layout_difference(prefill=info.layout, decode=self.layout) if check_layout else None
+        if not check_layout:
+            return info
+        diff = layout_difference(prefill=info.layout, decode=self.layout)
         if diff:
             raise ProtocolError(f"prefill layout differs: {diff}")
+        with self._lock:
+            if self._lookups.get((bootstrap, tp_rank)) is info:
+                self._checked.add((bootstrap, tp_rank))
         return info
+
+    def known(self, bootstrap: str, tp_rank: int = 0) -> RegisterPrefill | None:
+        """Prefill rank `tp_rank` as the bootstrap named it before, its layout checked against
+        ours (None: not looked up and checked, or forgotten since); never waits."""
+        with self._lock:
+            key = (bootstrap, tp_rank)
+            return self._lookups.get(key) if key in self._checked else None
+
+    def ready(self, info: RegisterPrefill) -> PrefillPeer | None:
+        """The peer `info` names if it accepted our registration at its epoch and is not lost
+        (None: register, or wait for its answer, through join and wait_registered); never waits."""
+        with self._lock:
+            peer = self._peers.get(info.control_endpoint)
+            ok = peer is not None and peer.info.epoch == info.epoch and self._liveness.known(info.control_endpoint)
+            return peer if ok and peer.registered.is_set() and not peer.refused else None
 
     def join(self, info: RegisterPrefill) -> tuple[PrefillPeer, bool]:
         """The peer a lookup named and whether it is new (then the caller registers)."""
@@ -146,3 +167,4 @@ class PrefillPeers:
         self._liveness.forget(endpoint)
         for key in [k for k, info in self._lookups.items() if info.control_endpoint == endpoint]:
             del self._lookups[key]
+            self._checked.discard(key)

@@ -3,12 +3,14 @@ TransferRequest to every producer rank that holds some of our heads of its room,
 finished_recving: loaded, or failed with its blocks in load_errors. Never a hang: every load
 ends by load_s (quarantine_s once failed while a producer rank may still write).
 
-    Load    -> a lookup thread: bootstrap lookup of the producer ranks holding our heads
-               (equal TP sizes: our rank; 1 -> 2: rank 0; 2 -> 1: both) and registration
-               with each (the layout check on both sides: decode/introducer.py, as our decode
-               server does it) -> Introduced (the loop sends each the TransferRequest:
-               num_tokens = first_token + tokens, the Load's blocks per kind of KV cache
-               group: disagg.vllm.groups.to_wire) or IntroFailed
+    Load    -> the producer ranks holding our heads (equal TP sizes: our rank; 1 -> 2:
+               rank 0; 2 -> 1: both), each looked up at the bootstrap and registered with
+               (the layout check on both sides: decode/introducer.py, as our decode server
+               does it): the loop sends each the TransferRequest at once (num_tokens =
+               first_token + tokens, the Load's blocks per kind of KV cache group:
+               disagg.vllm.groups.to_wire) when every one was looked up and registered
+               with before (Introducer.known: a request's common case), else a lookup
+               thread does what is missing -> Introduced (then the loop sends) or IntroFailed
     TransferDone ok from every rank  -> Handoff.received(req_id)
     TransferDone failed from one     -> the others still writing are told to stop (Abort);
                                         Handoff.received(req_id, its blocks) once none may
@@ -22,7 +24,10 @@ ends by load_s (quarantine_s once failed while a producer rank may still write).
                producer ranks up first
 The loop thread owns the control sockets and `loads`, and sends every TransferRequest (so it
 knows a load's producer ranks before any answers); lookup threads only look up, register and
-send Aborts (DealerIO.send is for any thread), and post what they found to the Handoff.
+send Aborts (DealerIO.send is for any thread), and post what they found to the Handoff. A
+small load's way is the loop's alone (no lookup thread, no outbox between it and its socket):
+every hand-over between threads waits for the GIL, which vLLM's own thread holds through its
+step's Python work (disagg.vllm.hops, scripts/bench_worker_arrival.py).
 """
 
 import enum
@@ -51,6 +56,7 @@ from disagg.decode.instances import SenderRanks
 from disagg.decode.introducer import Introducer
 from disagg.decode.peers import PrefillPeers
 from disagg.errors import DisaggError
+from disagg.vllm import hops
 from disagg.vllm.groups import NULL_BLOCK, Group, to_wire
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.params import RemotePrefill
@@ -196,8 +202,9 @@ class Consumer:
             return  # it ended meanwhile (the producer ranks let go of the room by hold_s)
         r.shares = dict.fromkeys(intro.endpoints, Share.ASKED)
         r.phase = Phase.WAITING
+        hops.mark(intro.room, "c.asked")
         for endpoint in intro.endpoints:
-            self.io.send(endpoint, intro.ask)
+            self.io.reply(endpoint, intro.ask)  # (the loop's own socket: registered, so it is open)
             if r.release:
                 self.io.send(endpoint, Abort(intro.room, r.release))
 
@@ -212,11 +219,16 @@ class Consumer:
             )
             self.handoff.received(load.req_id, Loading(load, 0.0).blocks(), Ended(End.FAILED))
             return
+        hops.mark(room, "c.taken")
         now = time.monotonic()
         r = self.loads[room] = Loading(load, now + self.settings.load_s, started=now)
         dst = to_wire(self.groups, load.block_ids)
         ask = TransferRequest(room, self.epoch, load.first_token + load.num_tokens, indices_to_wire(dst), [])
-        self._lookups.submit(self._introduce, load.remote, r.deadline, ask, load.req_id)
+        peers = self.introducer.known(load.remote.bootstrap)
+        if peers is None:  # a lookup or a registration to wait for
+            self._lookups.submit(self._introduce, load.remote, r.deadline, ask, load.req_id)
+            return
+        self._introduced(Introduced(room, load.req_id, tuple(p.endpoint for p in peers), ask))
 
     def _release(self, rel: Release) -> None:
         room = rel.remote.room
@@ -251,6 +263,7 @@ class Consumer:
 
     def _done(self, endpoint: str, msg: TransferDone) -> None:
         """A producer rank's last word on its share (only from the ranks asked, while it may write)."""
+        hops.mark(msg.room, "c.done")
         r = self.loads.get(msg.room)
         share = r.shares.get(endpoint) if r is not None else None
         if share is None or not share.writing:
@@ -337,6 +350,7 @@ class Consumer:
         """Find the producer ranks that hold our heads of `remote.room` (registering with each
         new one): a load's TransferRequest (`req_id`: its load) goes to the loop, which sends it
         to each; an Abort goes from here."""
+        hops.mark(remote.room, "c.lookup")
         try:
             peers = self.introducer.senders(remote.bootstrap, deadline)
         except (DisaggError, ValueError) as exc:
@@ -349,6 +363,7 @@ class Consumer:
             for peer in peers:
                 self.io.send(peer.endpoint, msg)
             return
+        hops.mark(remote.room, "c.introduced")
         self.handoff.post(Introduced(remote.room, req_id, tuple(p.endpoint for p in peers), msg))
         self.io.wake()  # the loop sends it now, not after its poll timeout
 

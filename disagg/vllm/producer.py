@@ -27,7 +27,13 @@ from an instance of another TP size, is refused and changes nothing.
 A TransferRequest may come before the step that holds its room reaches us (the consumer
 heard of the room through the proxy first): it waits, at most hold_s.
 The loop thread owns the control socket and `held`; transfer workers send and post
-SendEnded back through the Handoff.
+SendEnded back through the Handoff. A small send over a synchronous link (cma: a memory copy
+by the calling thread, at most INLINE_BYTES, about a millisecond) is written by the loop
+itself, its TransferDone the reply: every hand-over between threads waits for the GIL, which
+vLLM's own thread holds through its step's Python work, and two of them (to a transfer
+worker, back through the outbox) cost a small request more than its write
+(disagg.vllm.hops, scripts/bench_worker_arrival.py). A send that may stall on purpose
+(the send.stall fault) always goes to a worker.
 """
 
 import enum
@@ -56,6 +62,7 @@ from disagg.control.messages import (
 )
 from disagg.errors import DisaggError, ProtocolError
 from disagg.prefill.peers import DecodePeer, DecodePeers
+from disagg.vllm import hops
 from disagg.vllm.groups import Group, pairs, token_sends
 from disagg.vllm.handoff import Handoff
 from disagg.vllm.scheduler import Send, StepMeta
@@ -72,6 +79,7 @@ log = logging.getLogger(__name__)
 POLL_MS = 5  # the loop's longest sleep: a step's Send waits at most this long
 SWEEP_S = 0.5
 TRANSFER_WORKERS = 2  # per consumer peer
+INLINE_BYTES = 4 << 20  # a send over a synchronous link up to this size is written by the loop
 
 
 class Phase(enum.Enum):
@@ -171,6 +179,9 @@ class Producer:
         self.io = RouterIO(gate, settings.host)
         self.peers = DecodePeers(sender, layout, self.io, TRANSFER_WORKERS, settings.dead_after_s, epoch)
         self.held: dict[int, Held] = {}
+        # what one block of each group's pages moves at most (its every buffer), for INLINE_BYTES
+        self.block_bytes = sum(b.item_bytes for b in sender.endpoint.buffers)
+        self.stalls = bool(sender.endpoint.faults.plan.rates.get("send.stall"))
         self.early: dict[int, dict[bytes, tuple[TransferRequest, float]]] = {}  # room -> asked before held
         rank = RegisterPrefill(PROTOCOL_VERSION, tp[1], tp[0], self.io.endpoint, epoch, layout)
         try:
@@ -217,10 +228,13 @@ class Producer:
                 for s in sends:
                     self._hold(s)
             case SendEnded(room=room, rank=rank, ended=ended):
-                h = self.held.get(room)
-                if h is not None and rank in h.dests:
-                    h.dests[rank].phase, h.dests[rank].ended = Delivery.ENDED, ended
-                    self._maybe_let_go(room, h)
+                self._send_ended(room, rank, ended)
+
+    def _send_ended(self, room: int, rank: int, ended: Ended | None) -> None:
+        h = self.held.get(room)
+        if h is not None and rank in h.dests:
+            h.dests[rank].phase, h.dests[rank].ended = Delivery.ENDED, ended
+            self._maybe_let_go(room, h)
 
     def _maybe_let_go(self, room: int, h: Held) -> None:
         """Free the room's blocks once no send runs and it was served, aborted or is past its
@@ -271,6 +285,7 @@ class Producer:
         return Refused("register first") if not known else None
 
     def _transfer_request(self, identity: bytes, msg: TransferRequest):
+        hops.mark(msg.room, "p.asked")
         peer = self.peers.get(identity)
         if peer is None or msg.decode_epoch != peer.epoch:
             return TransferDone(msg.room, self.epoch, False, reason="decode is not registered (or not at this epoch)")
@@ -291,8 +306,18 @@ class Producer:
             return TransferDone(msg.room, self.epoch, False, reason=str(exc))
         h.tp_size, h.receivers = size, self.peers.receivers(size)
         d = h.dests[rank] = Dest(identity, rank)
+        if self._inline(peer, send):
+            done, ended = self._write(h, d, peer, send)
+            self._send_ended(msg.room, rank, ended)
+            hops.mark(msg.room, "p.told")
+            return done
         peer.workers.submit(self._send, h, d, peer, send)
         return TransferStarted(msg.room, self.epoch)
+
+    def _inline(self, peer: DecodePeer, s: Source) -> bool:
+        """Whether the loop writes this send itself (the module's docstring says when)."""
+        blocks = sum(len(p.src[c]) for p in s.pieces for c in p.src.components())
+        return peer.target.link.synchronous and blocks * self.block_bytes <= INLINE_BYTES and not self.stalls
 
     def _refusal(self, room: int, h: Held, size: int, rank: int, claimed: Dest | None) -> str:
         """Why consumer rank `rank` of an instance of TP size `size` may not have this room ("": it may)."""
@@ -380,6 +405,15 @@ class Producer:
 
     # ---- a transfer worker ---------------------------------------------------------------------
     def _send(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> None:
+        done, ended = self._write(h, d, peer, s)
+        self.io.send(d.identity, done)
+        hops.mark(h.send.room, "p.told")
+        self.handoff.post(SendEnded(h.send.room, d.rank, ended))
+
+    def _write(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> tuple[TransferDone, Ended | None]:
+        """One consumer rank's send, start to end (a transfer worker's, or the loop's for a
+        small one): its TransferDone, and how it went for the stats (None: stopped by an abort)."""
+        hops.mark(h.send.room, "p.sending")
         report, reason, settled, ended = None, "", True, Ended(End.FAILED)
         t0 = time.monotonic()
         try:
@@ -395,6 +429,7 @@ class Producer:
                 for piece in s.pieces
             )
             ended = Ended(End.MOVED, time.monotonic() - t0, report.nbytes)
+            hops.mark(h.send.room, "p.written")
         except Cancelled as exc:
             reason, ended = f"aborted: {exc}", None
         except TransferError as exc:
@@ -402,11 +437,8 @@ class Producer:
         except Exception as exc:  # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
-        self.io.send(
-            d.identity,
-            TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled),
-        )
-        self.handoff.post(SendEnded(h.send.room, d.rank, ended))
+        done = TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled)
+        return done, ended
 
     def wake(self) -> None:
         """From vLLM's thread, after posting a step to the Handoff: the loop takes it now."""

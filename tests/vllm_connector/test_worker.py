@@ -32,9 +32,10 @@ VLLM_TESTS = Path(os.environ.get("DISAGG_VLLM_TESTS", Path(sys.prefix) / "vllm-s
 class Child:
     """A worker_child.py process (one or several workers) and its JSON-line answers."""
 
-    def __init__(self, name: str, model: Path, workers: dict, logs: Path, num_blocks=16):
+    def __init__(self, name: str, model: Path, workers: dict, logs: Path, num_blocks=16, env: dict | None = None):
         env = {
             **os.environ,
+            **(env or {}),
             "PYTHONPATH": str(ROOT),
             "DISAGG_VLLM_TESTS": str(VLLM_TESTS),
             "MC_LOG_LEVEL": "ERROR",
@@ -121,11 +122,13 @@ def _spec(role: str, layout: str, seed: int, **extra) -> dict:
     return {"role": role, "layout": layout, "seed": seed, "extra": extra}
 
 
-def _start(model: Path, logs: Path, producers: dict, consumers: dict, num_blocks=16) -> tuple[Child, Child]:
+def _start(
+    model: Path, logs: Path, producers: dict, consumers: dict, num_blocks=16, env: dict | None = None
+) -> tuple[Child, Child]:
     """A process of producer-side workers and one of consumer-side workers, started side by
-    side (each imports vLLM: seconds)."""
-    producer = Child("producers", model, producers, logs, num_blocks)
-    consumer = Child("consumers", model, consumers, logs, num_blocks)
+    side (each imports vLLM: seconds); `env`: more of their environment."""
+    producer = Child("producers", model, producers, logs, num_blocks, env=env)
+    consumer = Child("consumers", model, consumers, logs, num_blocks, env=env)
     try:
         return producer.ready(), consumer.ready()
     except BaseException:
@@ -147,14 +150,18 @@ LAYOUTS = {"cpu": (1, 2), "cuda-style": (1, 2), "gdn": (5, 6), "swa": (5, 6)}  #
 def shared(tiny_llama, tmp_path_factory):
     """One producer process and one consumer process for the module, holding a worker per
     layout (vLLM's CPU layout, the CUDA-style K/V-first one, the GDN and SWA page pools) and a
-    kv_both worker on each side ("both"). -> {name: (producer side, consumer side, specs)}."""
+    kv_both worker on each side ("both"). -> {name: (producer side, consumer side, specs)}.
+    The CUDA-style pair moves over Mooncake TCP (cma off), every other over cma; both
+    processes record their hops (disagg.vllm.hops)."""
     producers = {n: _spec("kv_producer", n, seeds[0]) for n, seeds in LAYOUTS.items()}
     consumers = {n: _spec("kv_consumer", n, seeds[1]) for n, seeds in LAYOUTS.items()}
+    for side in (producers, consumers):
+        side["cuda-style"]["extra"]["cma"] = False
     producers["both"], consumers["both"] = _spec("kv_both", "cpu", 8), _spec("kv_both", "cpu", 9)
     # another block size on each side: a producer of blocks of 32, a consumer of blocks of 64
     producers["blocks"] = _spec("kv_producer", "cpu", 10, test_block_size=32)
     consumers["blocks"] = _spec("kv_consumer", "cpu", 11, test_block_size=64)
-    p, c = _start(tiny_llama, tmp_path_factory.mktemp("workers"), producers, consumers)
+    p, c = _start(tiny_llama, tmp_path_factory.mktemp("workers"), producers, consumers, env={"DISAGG_HOPS": "1"})
     yield {n: (Worker(p, n), Worker(c, n), producers[n], consumers[n]) for n in producers}
     c.close()
     p.close()
@@ -223,6 +230,31 @@ def test_blocks_land_byte_equal_and_nothing_else_changes(pair, request, tmp_path
     moved = 4 * sum(_blocks(t, layout, 0).numel() for t in src_t.values())
     _check_figures(got["figures"], "load", moved)
     _check_figures(got["sent_figures"], "send", moved)
+
+
+def test_a_small_load_goes_the_loops_way_on_both_sides(pair, request, tmp_path):
+    """A load from a producer rank looked up and registered with before is asked from the
+    consumer's loop (no lookup thread); over cma (a synchronous copy) the producer's loop
+    writes the small send itself and answers it (no transfer worker, no outbox); over
+    Mooncake a transfer worker does. Each hand-over between threads waits for the GIL that
+    vLLM's thread holds through its step (scripts/bench_worker_arrival.py)."""
+    layout = request.node.callspec.params["pair"]
+    producer, consumer, _ = pair
+    _transfer(pair, tmp_path, 13, [1, 2], 64, 0, [3, 4])  # registered (if no test was before)
+    for side in (producer, consumer):
+        side.child.ask({"op": "hops"})
+    got, *_ = _transfer(pair, tmp_path, 14, [5, 6], 64, 0, [7, 8])
+    assert (got["recving"], got["errors"]) == (["c14"], [])
+    marks = {
+        hop: thread for side in (producer, consumer) for _, _, hop, thread in side.child.ask({"op": "hops"})["hops"]
+    }
+    assert "c.lookup" not in marks, marks
+    assert {marks[h] for h in ("c.taken", "c.asked", "c.done")} == {"disagg-consumer"}, marks
+    sending = {marks[h] for h in ("p.sending", "p.written", "p.told")}
+    if layout == "cpu":
+        assert sending == {"disagg-producer"} and marks["p.asked"] == "disagg-producer", marks
+    else:
+        assert len(sending) == 1 and sending.pop().startswith("kv-transfer-"), marks
 
 
 def _check_figures(figures: dict, side: str, nbytes: int) -> None:

@@ -14,10 +14,17 @@ several layouts and roles share one process per side: each process imports vLLM 
     (every answer is one line "@@ " + JSON: vLLM logs to stdout too)
     -> {"ready": true} once every worker registered (a producer: its rank held at the bootstrap)
     <- {"op": "step", "worker": name, "sends": [...], "loads": [...], "releases": [...]}   -> {}
-    <- {"op": "wait", "worker": name, "timeout": s}
+    <- {"op": "wait", "worker": name, "timeout": s, "poll": s (0.005)}
                                       -> {"sending", "recving", "errors", "failed", "figures", "waited"}:
                                          the first non-empty finished() (or empty ones at the
-                                         timeout), the figures that came with it
+                                         timeout), the figures that came with it; finished()
+                                         is asked every `poll` s (0: spinning between the
+                                         calls, as vLLM's worker waits for its next step)
+    <- {"op": "hops"}                 -> {"hops": [[ns, room, hop, thread], ...]}: disagg.vllm.hops'
+                                         marks since the last ask (DISAGG_HOPS=1 in the
+                                         environment), with "c.step" just before a step's
+                                         load went to the worker and "c.finished" once
+                                         finished() reported it
     <- {"op": "dump", "worker": name, "path": p}   -> {}: every layer's tensor (torch.save; views
                                                         of one storage stay so when loaded)
     <- {"op": "close"}                -> {} and exit
@@ -199,10 +206,23 @@ def step_meta(cmd: dict):
     )
 
 
-def wait(worker, timeout: float) -> dict:
+def busy(seconds: float) -> None:
+    """Python work holding the GIL for `seconds`, as a vLLM step's own work does."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def wait(worker, timeout: float, poll: float = 0.005, rooms: dict | None = None, step_s: float = 0.0) -> dict:
+    """`rooms`: req_id -> room of the loads stepped (their "c.finished" hop is marked here);
+    `step_s`: Python work between two finished() calls."""
+    from disagg.vllm import hops
+
     t0 = time.monotonic()
     while True:
         sending, recving = worker.finished()
+        for req_id in recving or ():
+            hops.mark((rooms or {}).get(req_id, -1), "c.finished")
         if sending or recving or time.monotonic() - t0 >= timeout:
             return {
                 "sending": sorted(sending or ()),
@@ -212,7 +232,11 @@ def wait(worker, timeout: float) -> dict:
                 "figures": worker.figures(),
                 "waited": time.monotonic() - t0,
             }
-        time.sleep(0.005)
+        busy(step_s)
+        if poll:
+            time.sleep(poll)
+        else:  # as a vLLM worker's main thread waits for its next step: spinning, yielding the core
+            os.sched_yield()
 
 
 def say(answer: dict) -> None:
@@ -242,8 +266,11 @@ def start(model: str, spec: dict, num_blocks: int):
 
 
 def main() -> None:
+    from disagg.vllm import hops
+
     model, num_blocks, specs = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3])
     workers = {name: start(model, spec, num_blocks) for name, spec in specs.items()}
+    rooms: dict[str, int] = {}  # a load's req_id -> its room (for the hops)
     say({"ready": True})
     for line in sys.stdin:
         cmd = json.loads(line)
@@ -253,11 +280,17 @@ def main() -> None:
                 worker.close()
             say(out)
             return
+        if cmd["op"] == "hops":
+            say({"hops": hops.take()})
+            continue
         worker, caches_out = workers[cmd["worker"]]
         if cmd["op"] == "step":
+            for load in cmd.get("loads", ()):
+                rooms[load["req_id"]] = load["remote"]["room"]
+                hops.mark(load["remote"]["room"], "c.step")
             worker.step(step_meta(cmd))
         elif cmd["op"] == "wait":
-            out = wait(worker, cmd["timeout"])
+            out = wait(worker, cmd["timeout"], cmd.get("poll", 0.005), rooms, cmd.get("step_s", 0.0))
         elif cmd["op"] == "dump":
             torch.save(caches_out, cmd["path"])
         say(out)

@@ -192,6 +192,9 @@ class Link(ABC):
     peer: str  # a printable name of the peer
     cost: LinkCost
     ordered = False  # True: writes land in the order they were submitted (one stream)
+    # True: a write has landed when write_async returns, copied by the calling thread (into a
+    # process of this host): it never waits on a network or a peer's answer
+    synchronous = False
     # Writes from a CUDA pool run beside the model engine's kernels without slowing them much
     # (a copy kernel on few SMs, a NIC reading GPU memory); False: they would cost the compute
     # more than streaming hides, so `auto` does not stream over this link.

@@ -201,6 +201,7 @@ class CmaLink(Link):
     kind = KIND
     cost = COST
     ordered = True  # synchronous: a later write starts after an earlier one landed
+    synchronous = True
 
     def __init__(self, transport: "CmaTransport", local: CmaExposure, owner: _Owner):
         self._t, self._local, self._owner = transport, local, owner
