@@ -32,14 +32,15 @@ from transfer.endpoint import PoolEndpoint
 from transfer.errors import DisaggError
 from transfer.sender import KVSender, RemotePool
 from transfer.staging import RemoteSlots
-from transfer.transports import TransportSettings, create
+from transfer.transports import TRANSPORTS, TransportSettings, create
 
 
 class SenderCore:
     """The rank's pool with its one request, its sender, and its links by key."""
 
     def __init__(self, args: argparse.Namespace):
-        [self.transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
+        own = TRANSPORTS.own_settings(args)  # (--cuda-ipc-blocks, ...)
+        [self.transport] = create([args.transport], TransportSettings("127.0.0.1", args.device, own))
         model = get_preset(args.preset)
         self.pool = HybridPool(
             PoolConfig(
@@ -139,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake")
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
+    TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks, ...)
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a prefill worker's default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
