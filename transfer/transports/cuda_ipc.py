@@ -235,7 +235,7 @@ class CudaIpcLink(Link):
 class CudaIpcTransport(Transport):
     kind = KIND
 
-    def __init__(self, device: int | None = None, blocks: int = 32, threads: int = 512):
+    def __init__(self, device: int | None = None, blocks: int = 64, threads: int = 512):
         import torch
 
         if not torch.cuda.is_available():
@@ -273,7 +273,7 @@ class CudaIpcTransport(Transport):
 
 @dataclass(frozen=True)
 class CudaIpcSettings:
-    blocks: int = 32  # thread blocks (SMs' worth) the copy kernel takes
+    blocks: int = 64  # the most thread blocks (SMs' worth) the copy kernel takes (RangeCopier.grid)
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -285,7 +285,8 @@ def _add_flags(g) -> None:
         "--cuda-ipc-blocks",
         type=positive_int,
         default=CudaIpcSettings.blocks,
-        help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside compute",
+        help="the most thread blocks (of 512 threads, one per MiB of a write) the cuda-ipc copy kernel takes: "
+        "at most half an H100's SMs by default, so it runs beside compute",
     )
 
 
