@@ -25,7 +25,7 @@ from kvpool.indices import IndexSet
 from transfer.config import Mode
 from transfer.cost import choose_mode
 from transfer.errors import Cancelled, TransferError
-from transfer.plan import TransferPlan, relane
+from transfer.plan import TransferPlan, frozen, relane
 from transfer.report import TransferReport
 from transfer.sender import KVSender, RemotePool
 from transfer.staging import RemoteSlots
@@ -96,7 +96,8 @@ class FanOut:
                     tokens = Tokens(num_tokens, s.peer.src_lanes, s.peer.lanes, s.peer.sliced)
                     p.plan = relane(base.plan, base.send.dst, s.dst, s.peer.buffers, tokens)
                 p.plan = p.plan or self.sender.plan(s.peer, src, s.dst, num_tokens)
-                base = base or p
+                if base is None:
+                    p.plan, base = frozen(p.plan), p  # (its runs shared by the relaned: checked once)
             except TransferError as exc:
                 p.result = exc
 

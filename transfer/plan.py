@@ -404,6 +404,22 @@ def relane(
     return TransferPlan(tuple(out[: len(plan.body)]), out[-1] if plan.aux is not None else None)
 
 
+def frozen(plan: TransferPlan) -> TransferPlan:
+    """`plan` with its runs as read-only arrays of their own: the runsets of every receiver
+    relaned from it share them, and LaneRuns checks shared frozen runs once (ranges.py)."""
+
+    def freeze(a: np.ndarray) -> np.ndarray:
+        a = np.array(a, dtype=np.int64)  # (a copy: nothing else can write it)
+        a.setflags(write=False)
+        return a
+
+    def one(cp: ComponentPlan) -> ComponentPlan:
+        runs = Runs(freeze(cp.runs.src_start), freeze(cp.runs.dst_start), freeze(cp.runs.count))
+        return dataclasses.replace(cp, runs=runs)
+
+    return TransferPlan(tuple(one(c) for c in plan.body), one(plan.aux) if plan.aux is not None else None)
+
+
 def _same(a: np.ndarray, b: np.ndarray) -> bool:
     return a is b or (a.shape == b.shape and bool((a == b).all()))
 
