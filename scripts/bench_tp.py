@@ -140,6 +140,7 @@ class ProcessRanks:
                 staging_slots=cfg.staging_slots,
                 device=args.device,
                 transport=args.transport,
+                flags=("--cuda-ipc-blocks", str(args.cuda_ipc_blocks)),
             )
             for r in range(n)
         ]
@@ -285,6 +286,7 @@ def main() -> int:
         help="threads scattering staged chunks in each decode rank (decode's --scatter-workers)",
     )
     ap.add_argument("--json", action="store_true")
+    TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks: the senders' copy kernel)
     args = ap.parse_args()
     pairs = [tuple(int(x) for x in p.split(":")) for p in args.tp.split(",")]
     groups = [(int(p), int(q or p)) for p, _, q in (g.partition(":") for g in args.page_sizes.split(","))]
@@ -294,7 +296,7 @@ def main() -> int:
     # this process's own transport only for thread senders (a sender process makes its own: on a
     # GPU this process then holds no CUDA context of its own)
     transport = (
-        create([args.transport], TransportSettings("127.0.0.1", device=args.device))[0]
+        create([args.transport], TransportSettings("127.0.0.1", args.device, TRANSPORTS.own_settings(args)))[0]
         if args.senders == "thread"
         else None
     )
@@ -348,6 +350,7 @@ def main() -> int:
                     "device": args.device,
                     "transport": args.transport,
                     "scatter_workers": args.scatter_workers,
+                    "cuda_ipc_blocks": args.cuda_ipc_blocks,
                     "gpus": torch.cuda.device_count(),
                     "rows": rows,
                 },

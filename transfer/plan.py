@@ -362,3 +362,85 @@ def build_plan(
     if len(last) > 1:
         raise LayoutIncompatible(f"more than one component to send last: {[p.component.value for p in last]}")
     return TransferPlan(tuple(body), last[0] if last else None)
+
+
+def relane(
+    plan: TransferPlan, like: IndexSet, dst_set: IndexSet, dst_bufs: Sequence[Buffer], tokens: Tokens
+) -> TransferPlan | None:
+    """`plan` (by token, into a receiver's indices `like`) for another receiver whose indices
+    `dst_set` are the same, with that receiver's lanes and buffers `tokens.dst` / `dst_bufs`:
+    the runs are the same (they depend only on both sides' pages and page sizes), so only
+    the lanes change. A fan-out (one prefill rank into the decode ranks of a larger TP, whose
+    pools allocate alike) plans once, not once per rank. None where the receivers differ in
+    anything the runs depend on (indices, page size, components, lane shape): plan it on its
+    own. Its indices are still checked against its own buffers (check_pages). Both receivers
+    must hold the same prefix (transfer.suffix: the caller's to see; its first position is
+    the plan's)."""
+    if like.components() != dst_set.components() or not all(_same(like[c], dst_set[c]) for c in like.components()):
+        return None
+    moved = {c.component for c in plan.components}  # (build_plan's: a sliced pair's own components)
+    if not all(c.by_token for c in plan.components) or moved != {
+        c for c in like.components() if c in tokens.src or not tokens.sliced
+    }:
+        return None
+    by_c, out = components_of(dst_bufs), []
+    for cp in plan.components:
+        c = cp.component
+        if c not in tokens.src or c not in tokens.dst or c not in by_c:
+            return None
+        src_lanes, dst_lanes = tokens.src[c], tokens.dst[c]
+        lanes = _lane_arrays(c, src_lanes, dst_lanes)  # LayoutIncompatible unless they pair up
+        if (
+            lanes.linear != cp.lanes.linear
+            or getattr(cp.src_idx, "num_tokens", tokens.num_tokens) != tokens.num_tokens
+            or src_lanes[0].page_size != cp.src_lanes[0].page_size
+            or dst_lanes[0].page_size != cp.dst_lanes[0].page_size
+        ):
+            return None
+        for side, idx, items, checked in (
+            ("source", cp.src_idx, lanes.src_items, cp.lanes.src_items),
+            ("destination", cp.dst_idx, lanes.dst_items, cp.lanes.dst_items),
+        ):
+            if items < checked:  # (the same indices passed for at least as many items already)
+                check_pages(c, side, idx.pages if isinstance(idx, SpanRows) else idx, items)
+        out.append(_with_lanes(cp, by_c[c], src_lanes, dst_lanes))
+    return TransferPlan(tuple(out[: len(plan.body)]), out[-1] if plan.aux is not None else None)
+
+
+def frozen(plan: TransferPlan) -> TransferPlan:
+    """`plan` with its runs as read-only arrays of their own: the runsets of every receiver
+    relaned from it share them, and LaneRuns checks shared frozen runs once (ranges.py)."""
+
+    def freeze(a: np.ndarray) -> np.ndarray:
+        a = np.array(a, dtype=np.int64)  # (a copy: nothing else can write it)
+        a.setflags(write=False)
+        return a
+
+    def one(cp: ComponentPlan) -> ComponentPlan:
+        runs = Runs(freeze(cp.runs.src_start), freeze(cp.runs.dst_start), freeze(cp.runs.count))
+        return dataclasses.replace(cp, runs=runs)
+
+    return TransferPlan(tuple(one(c) for c in plan.body), one(plan.aux) if plan.aux is not None else None)
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a is b or (a.shape == b.shape and bool((a == b).all()))
+
+
+def _with_lanes(cp: ComponentPlan, dst_bufs: tuple[Buffer, ...], src_lanes, dst_lanes) -> ComponentPlan:
+    """cp with another receiver's buffers and lanes (the rest shared; dataclasses.replace
+    took a third of relane's time)."""
+    return ComponentPlan(
+        cp.component,
+        cp.src_idx,
+        cp.dst_idx,
+        cp.src_bufs,
+        dst_bufs,
+        cp.runs,
+        field=cp.field,
+        buffer_ids=cp.buffer_ids,
+        src_lanes=src_lanes,
+        dst_lanes=dst_lanes,
+        first_position=cp.first_position,
+        first_item=cp.first_item,
+    )

@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
 """The copy kernels alone on one GPU, device-local: one sender's table for a real plan (a TP
 rank's head slices into another TP size's pool, or 1:1 pages), laid out as the cuda-ipc link
-lays it out, launched as RangeCopier launches it (32 x 512 threads), timed with CUDA events;
+lays it out, launched as RangeCopier launches it (--blocks x 512 threads, each count of the list), timed with CUDA events;
 per kernel source, so a changed copy_lanes is measured beside the one it replaces on the same
 tables, and its bytes compared with that one's (every destination byte equal).
 
     python3 scripts/device/bench_lanes.py [--tokens 32768] [--page 16] [--pairs 1:1,8:1,2:1,1:8]
-        [--kernel NAME=PATH[:DEFINE=V]]...   (default: this tree's copy_kernel.cu)
+        [--kernel NAME=PATH[:DEFINE=V]]...   (default: this tree's copy_kernel.cu) [--blocks 32,64,132]
 
 Each row: the pair, the sender's bytes, the kernels' launches, then per kernel source the
 median ms of --repeats launches and GB/s, and a device-local copy of the same byte count.
@@ -67,9 +67,9 @@ def compile_kernels(spec: str):
     return name or "tree", module
 
 
-def launcher(module, layout, table: torch.Tensor):
+def launcher(module, layout, table: torch.Tensor, blocks: int = 32):
     fns = [
-        (module.get_function(name), min(32, -(-rows * 32 // 512)), [table.data_ptr() + 8 * p for p in ptrs], ints)
+        (module.get_function(name), min(blocks, -(-rows * 32 // 512)), [table.data_ptr() + 8 * p for p in ptrs], ints)
         for name, rows, ptrs, ints in layout.launches
         if rows
     ]
@@ -101,17 +101,19 @@ def row(args, n: int, m: int, modules) -> str:
     bufs = [b for p in dst.pools.values() for b in p.storage.buffers]
     start = [b.clone() for b in bufs]
     cells, first = [], None
-    for name, module in modules:
+    for (name, module), blocks in ((m, b) for m in modules for b in args.blocks):
         for b, s in zip(bufs, start):
             b.copy_(s)
-        go = launcher(module, layout, table)
+        go = launcher(module, layout, table, blocks)
         go()
         torch.cuda.synchronize()
         got = [b.clone() for b in bufs]
         same = first is None or all(torch.equal(x, y) for x, y in zip(got, first))
         first = first or got
         ms = timed(go, args.repeats)
-        cells.append(f"{name} {ms:.3f} ms {layout.nbytes / ms / 1e6:6.0f} GB/s{'' if same else ' BYTES DIFFER'}")
+        cells.append(
+            f"{name} x{blocks} {ms:.3f} ms {layout.nbytes / ms / 1e6:6.0f} GB/s{'' if same else ' BYTES DIFFER'}"
+        )
     x = torch.empty(layout.nbytes, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     copy_ms = timed(lambda: y.copy_(x), args.repeats)
@@ -131,7 +133,9 @@ def main() -> int:
     ap.add_argument("--pairs", default="1:1,8:1,2:1,1:8")
     ap.add_argument("--kernel", action="append", default=[], help="NAME=PATH[:DEFINE=V...]; repeatable")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--blocks", default="32", help="thread blocks (of 512 threads) per launch: a list, each timed")
     args = ap.parse_args()
+    args.blocks = [int(b) for b in args.blocks.split(",")]
     modules = [compile_kernels(k) for k in args.kernel or [""]]
     print(torch.cuda.get_device_name(), flush=True)
     for pair in args.pairs.split(","):

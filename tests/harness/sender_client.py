@@ -34,6 +34,7 @@ class SenderProcess:
         device: str = "cpu",
         transport: str = "mooncake",
         env: dict | None = None,
+        flags: tuple[str, ...] = (),
     ):
         cmd = [
             sys.executable,
@@ -63,6 +64,7 @@ class SenderProcess:
             device,
             "--transport",
             transport,
+            *flags,  # transports' own (--cuda-ipc-blocks N, ...)
         ]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))

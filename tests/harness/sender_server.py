@@ -30,16 +30,18 @@ from kvpool.indices import IndexSet
 from transfer.config import Mode, TransferConfig
 from transfer.endpoint import PoolEndpoint
 from transfer.errors import DisaggError
+from transfer.fanout import FanOut, FanOutSend
 from transfer.sender import KVSender, RemotePool
 from transfer.staging import RemoteSlots
-from transfer.transports import TransportSettings, create
+from transfer.transports import TRANSPORTS, TransportSettings, create
 
 
 class SenderCore:
     """The rank's pool with its one request, its sender, and its links by key."""
 
     def __init__(self, args: argparse.Namespace):
-        [self.transport] = create([args.transport], TransportSettings("127.0.0.1", device=args.device))
+        own = TRANSPORTS.own_settings(args)  # (--cuda-ipc-blocks, ...)
+        [self.transport] = create([args.transport], TransportSettings("127.0.0.1", args.device, own))
         model = get_preset(args.preset)
         self.pool = HybridPool(
             PoolConfig(
@@ -71,14 +73,33 @@ class SenderCore:
         self.links[cmd.key] = (peer, channel)
 
     def send(self, cmd: Send) -> Sent:
-        """Every SendTo at once, a thread each; the first failure is raised once all ended."""
+        """Every SendTo at once: as one fan-out where the links allow (transfer.fanout: one
+        plan, one write), else a thread each; the first failure is raised once all ended."""
+        fan = [
+            FanOutSend(self.links[s.key][0], self._dst(s), RemoteSlots(s.transfer_id, s.slots, self.links[s.key][1]))
+            for s in cmd.sends
+            if s.key in self.links
+        ]
+        if len(fan) == len(cmd.sends) and FanOut.fits(fan):
+            results = FanOut(self.sender).send(self.pool.index_set(self.req), fan, num_tokens=self.num_tokens)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+            return Sent(results)
+        return self._threads(cmd)
+
+    @staticmethod
+    def _dst(s: SendTo) -> IndexSet:
+        return IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in s.arrays.items()})
+
+    def _threads(self, cmd: Send) -> Sent:
         reports: list = [None] * len(cmd.sends)
         errors: list[BaseException] = []
 
         def one(i: int, s: SendTo) -> None:
             try:
                 peer, channel = self.links[s.key]
-                dst = IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in s.arrays.items()})
+                dst = self._dst(s)
                 reports[i] = self.sender.send(
                     peer,
                     self.pool.index_set(self.req),
@@ -139,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake")
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")
+    TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks, ...)
     ap.add_argument("--torch-threads", type=int, default=1, help="torch intra-op threads (a prefill worker's default)")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)

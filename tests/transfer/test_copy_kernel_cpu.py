@@ -36,7 +36,14 @@ class _Side:
     def __init__(self, preset: str, page: int, layout: Layout, tp: tuple[int, int], seed: int):
         self.pool = HybridPool(
             PoolConfig(
-                get_preset(preset), page, max_tokens=640, max_requests=2, layout=layout, tp_size=tp[0], tp_rank=tp[1]
+                get_preset(preset),
+                page,
+                max_tokens=640,
+                max_requests=2,
+                layout=layout,
+                tp_size=tp[0],
+                tp_rank=tp[1],
+                device="cpu",  # (the kernel runs on the CPU: "auto" put them on a GPU there)
             )
         )
         rng = np.random.default_rng(seed)

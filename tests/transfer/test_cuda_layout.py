@@ -190,3 +190,20 @@ def test_the_key_tells_runsets_apart_and_equal_ones_alike():
     kb, ks = layout_key([[big]]), layout_key([[swapped]])
     assert kb.values is not None and kb.digest != ks.digest and kb.matches(layout_key([[big]]))
     assert not LayoutKey(kb.digest, kb.values).matches(LayoutKey(kb.digest, ks.values))
+
+
+def test_a_launch_takes_a_block_per_mib_between_the_floor_and_the_cap():
+    """The copy is bound by memory latency (its speed is the warps in flight): a big write
+    takes more blocks than a small one, never more than the cap (it shares the GPU with the
+    model's kernels) nor more than its rows can use."""
+    from transfer.transports.cuda_copy import BLOCK_BYTES, MIN_BLOCKS, RangeCopier
+
+    copier = RangeCopier(None, 0, blocks=64)
+    many = 1 << 20  # rows enough for any grid
+    assert copier.grid(many, 1 << 10) == MIN_BLOCKS  # a small write: the floor
+    assert copier.grid(many, 48 * BLOCK_BYTES) == 48  # a block per MiB
+    assert copier.grid(many, 48 * BLOCK_BYTES + 1) == 49
+    assert copier.grid(many, 150 << 20) == 64  # an 8:1 sender's 151 MB: the cap
+    assert copier.grid(1, 150 << 20) == 1  # an AUX row: one warp's work
+    assert copier.grid(100, 150 << 20) == 7  # 100 warps of 16 a block
+    assert RangeCopier(None, 0, blocks=8).grid(many, 150 << 20) == 8  # a cap below the floor

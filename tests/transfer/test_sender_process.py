@@ -57,3 +57,42 @@ def test_each_prefill_rank_sends_from_a_process_of_its_own(kind, mode, pages):
             peer.release(1 + r)
         peer.free(rid)
         assert peer.available() == initial  # every page and staging slot back
+
+
+@pytest.mark.parametrize("kind", ["mooncake", pytest.param("cuda-ipc", marks=pytest.mark.gpu)])
+def test_one_prefill_rank_fans_out_into_every_decode_rank_at_once(kind):
+    """TP 1 -> 2 from one sender process: on cuda-ipc as one fan-out (transfer.fanout: planned
+    once, one launch, so every receiver's write starts at the same instant), over Mooncake a
+    thread per receiver; either way every decode rank's heads byte-exact."""
+    device, m, pages = ("cuda" if kind == "cuda-ipc" else "cpu"), 2, 4
+    ids = np.random.default_rng(TOKENS).integers(0, 50000, TOKENS)
+    peers = [PeerProcess(PRESET, pages, 4096, transport=kind, device=device, chunk_channels=2) for _ in range(m)]
+    proc = None
+    try:
+        targets = []
+        for s, peer in enumerate(peers):  # (fresh pools configured alike: they allocate the same pages)
+            peer.configure(PRESET, pages, 1024, max_requests=2, staging_slots=4, device=device, tp=(m, s))
+            rid, dst = peer.alloc(TOKENS)
+            targets.append((rid, {c.value: dst[c].astype(np.int32).tobytes() for c in dst.components()}))
+        proc = SenderProcess(
+            PRESET, pages, TOKENS, (1, 0), seed=TOKENS, room=ROOM, mode="direct", device=device, transport=kind
+        )
+        proc.ready()
+        sends = []
+        for s, (peer, (rid, arrays)) in enumerate(zip(peers, targets)):
+            proc.link(s, peer.target(), peer.channels[1])
+            sends.append(SendTo(s, 1, arrays, peer.expect(1, rid, want_slots=2, sender=(pages, 1, 0))))
+        proc.start_send(sends)
+        reports = proc.finish_send().reports
+        assert len(reports) == m and all(Mode(r.mode) is Mode.DIRECT and r.nbytes > 0 for r in reports), reports
+        if kind == "cuda-ipc":
+            assert len({r.first_write_at for r in reports}) == 1, "one launch for every receiver"
+        for peer, (rid, _) in zip(peers, targets):
+            peer.verify(rid, ids, ROOM)
+            peer.release(1)
+            peer.free(rid)
+    finally:
+        if proc is not None:
+            proc.close()
+        for peer in peers:
+            peer.close()

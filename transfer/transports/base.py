@@ -235,6 +235,12 @@ class Link(ABC):
     def write_runs(self, runsets: Sequence[RunSet | LaneRuns], timeout: float | None = None) -> None:
         self.write_runs_async(runsets).wait(timeout)
 
+    def fan(self):
+        """What writes to several peers of this transport at once as one (a fan-out:
+        prepare([(link, groups)]) -> start() -> a PendingWrite per link), or None: each
+        link writes on its own (cuda-ipc has one: transports/cuda_fan.py)."""
+        return None
+
     @abstractmethod
     def probe(self) -> None:
         """Raise PeerUnreachable unless the peer's side of the transport answers."""

@@ -11,7 +11,8 @@ byte ranges (local -> a peer's mapped memory), fed with O(runs + buffers) bytes 
             up to four loads in flight per lane (a range's tail too: a 1 KiB fragment's two
             words load together); expanding runs, a warp takes four short ones (16-byte
             aligned, <= 1.5 KiB) at once, all their loads before any store (copy_kernel.cu
-            draws it); few blocks (default 32 x 512 threads) so it can run beside compute
+            draws it); blocks of 512 threads, a block per MiB of the write, 32 to 64 (the
+            cap, --cuda-ipc-blocks: at most half an H100's SMs, so it runs beside compute)
 
     factorized table, int64:  | src_start[n] | dst_start[n] | count[n] | src_base[b] | dst_base[b] | item[b] |
     row r = bi * n + i:        src = src_base[bi] + src_start[i] * item[bi], len = count[i] * item[bi]
@@ -45,6 +46,8 @@ from transfer.transports.cuda_driver import Call, Driver
 from transfer.transports.cuda_layout import Layout, LayoutKey
 
 _KERNEL = (Path(__file__).parent / "copy_kernel.cu").read_text()
+BLOCK_BYTES = 1 << 20  # a write gets a thread block per MiB it moves (RangeCopier.grid) ...
+MIN_BLOCKS = 32  # ... and at least this many (where it has the rows: an AUX row takes one)
 
 
 class Table:
@@ -162,7 +165,7 @@ class TableCache:
 class RangeCopier:
     """The kernel and its launches for one device, through the driver (cuda_driver.py)."""
 
-    def __init__(self, driver: Driver, device: int, blocks: int = 32, threads: int = 512):
+    def __init__(self, driver: Driver, device: int, blocks: int = 64, threads: int = 512):
         self.driver, self.device, self.blocks, self.threads = driver, device, blocks, threads
         self._module, self._functions, self._ctx = None, {}, None
         self._init = threading.Lock()  # links share the copier: one compile, one context retain
@@ -173,7 +176,7 @@ class RangeCopier:
 
         def pack(table: Table) -> list[Call]:
             calls = [
-                self._call(name, rows, *(table.ptr + 8 * p for p in ptrs), *ints)
+                self._call(name, rows, layout.nbytes, *(table.ptr + 8 * p for p in ptrs), *ints)
                 for name, rows, ptrs, ints in layout.launches
             ]
             return [c for c in calls if c is not None]
@@ -210,12 +213,21 @@ class RangeCopier:
             self._functions[name] = int(ptr)
         return self._functions[name]
 
-    def _call(self, name: str, rows: int, *args: int) -> Call | None:
+    def grid(self, rows: int, nbytes: int) -> int:
+        """Thread blocks for a launch of `rows` warp items in a write of `nbytes`: a block per
+        BLOCK_BYTES, at least MIN_BLOCKS, at most `blocks` (the cap) and the warps the rows
+        can use. Why scaled: the copy is bound by memory latency, so its speed is the warps in
+        flight; a big write on 32 blocks ran at 600 GB/s, on 64 at 920, on 132 (every SM of an
+        H100) at 970 (scripts/device/bench_lanes.py, a gpt-oss-120b 8:1 sender's table at 32k).
+        Why capped: the kernel shares the GPU with the model's (a streamed send runs beside
+        the compute, and eight sender processes time-slice one GPU), so it takes at most
+        `blocks` SMs, half an H100's by default: 95% of the whole GPU's speed for the copy."""
+        want = max(MIN_BLOCKS, -(-nbytes // BLOCK_BYTES))
+        return max(1, min(self.blocks, want, -(-rows * 32 // self.threads)))
+
+    def _call(self, name: str, rows: int, nbytes: int, *args: int) -> Call | None:
         if rows == 0:
             return None
         return self.driver.call(
-            self._function(name),
-            min(self.blocks, -(-rows * 32 // self.threads)),
-            self.threads,
-            tuple(int(a) for a in args),
+            self._function(name), self.grid(rows, nbytes), self.threads, tuple(int(a) for a in args)
         )

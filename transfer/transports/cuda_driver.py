@@ -53,6 +53,7 @@ class Driver:
         self._ev_query = self._fn("cuEventQuery", _vp)
         self._ev_sync = self._fn("cuEventSynchronize", _vp)
         self._ev_destroy = self._fn("cuEventDestroy_v2", _vp)
+        self._stream_wait = self._fn("cuStreamWaitEvent", _vp, _vp, _u32)
 
     def _fn(self, name: str, *argtypes):
         f = getattr(self.lib, name)
@@ -135,6 +136,10 @@ class Driver:
 
     def synchronize_stream(self, stream: int) -> None:
         self._check("cuStreamSynchronize", self._stream_sync(stream))
+
+    def stream_wait(self, stream: int, event: "Event") -> None:
+        """Work queued on `stream` from now on starts once `event` has (another stream's write)."""
+        self._check("cuStreamWaitEvent", self._stream_wait(stream, event._handle, 0))
 
     def event(self) -> "Event":
         return Event(self)

@@ -22,6 +22,7 @@ The CUDA driver is reached through ctypes (cuda_driver.py); CuPy compiles the ke
 """
 
 import argparse
+import itertools
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from transfer.errors import PeerUnreachable, TransportError, WriteFailed
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet
 from transfer.transports.cuda_copy import RangeCopier, Table, TableCache
+from transfer.transports.cuda_fan import FanWriter
 from transfer.transports.cuda_layout import Regions, absolute, lay_out, layout_key, work
 from transfer.transports.cuda_driver import Call, Driver, Event
 from transfer.flag_values import positive_int
@@ -43,6 +45,7 @@ from transfer.transports.cuda_offer import KIND, CudaIpcExposure, Blob, blob_dec
 from transfer.transports.pace import Pace, Watch
 
 COST = LinkCost(per_range_us=0.0, link_gbps=300.0)  # fragments run at full speed: always direct
+_SERIALS = itertools.count(1)  # links' serials: a fan-out's table names the links it was laid out for
 
 
 class CudaWrite(PendingWrite):
@@ -101,6 +104,7 @@ class CudaIpcLink(Link):
         import torch
 
         self._t, self._local, self._pid = transport, local, blob.pid
+        self.serial = next(_SERIALS)
         self.peer = f"pid {blob.pid} on this host"
         self._mapped: dict[bytes, int] = {}
         self._lock, self._closed = threading.Lock(), False  # the lock: launches vs close
@@ -199,6 +203,11 @@ class CudaIpcLink(Link):
             sum(w.nbytes for w in writes),
         )
 
+    def fan(self) -> FanWriter:
+        """Its transport's fan-outs (cuda_fan.py): this link's write beside other links' of the
+        same transport as one launch."""
+        return self._t.fan()
+
     def probe(self) -> None:
         """A mapping says nothing about its owner (writes after it exited still "succeed"):
         ask whether the owning process exists (where PIDs are shared, as they must be here)."""
@@ -235,7 +244,7 @@ class CudaIpcLink(Link):
 class CudaIpcTransport(Transport):
     kind = KIND
 
-    def __init__(self, device: int | None = None, blocks: int = 32, threads: int = 512):
+    def __init__(self, device: int | None = None, blocks: int = 64, threads: int = 512):
         import torch
 
         if not torch.cuda.is_available():
@@ -244,7 +253,15 @@ class CudaIpcTransport(Transport):
         self.host = host_identity()
         self.driver = Driver()
         self.copier = RangeCopier(self.driver, self.device, blocks, threads)
+        self._fan: FanWriter | None = None
+        self._fan_lock = threading.Lock()
         torch.cuda.init()
+
+    def fan(self) -> FanWriter:
+        with self._fan_lock:
+            if self._fan is None:
+                self._fan = FanWriter(self, COST.link_gbps, CudaWrite)
+            return self._fan
 
     def reach_problem(self, offer: Offer) -> str | None:
         return reach_problem(offer, self.host)
@@ -273,7 +290,7 @@ class CudaIpcTransport(Transport):
 
 @dataclass(frozen=True)
 class CudaIpcSettings:
-    blocks: int = 32  # thread blocks (SMs' worth) the copy kernel takes
+    blocks: int = 64  # the most thread blocks (SMs' worth) the copy kernel takes (RangeCopier.grid)
 
     def __post_init__(self) -> None:
         if self.blocks < 1:
@@ -285,7 +302,8 @@ def _add_flags(g) -> None:
         "--cuda-ipc-blocks",
         type=positive_int,
         default=CudaIpcSettings.blocks,
-        help="thread blocks (of 512 threads) the cuda-ipc copy kernel takes: few, so it runs beside compute",
+        help="the most thread blocks (of 512 threads, one per MiB of a write) the cuda-ipc copy kernel takes: "
+        "at most half an H100's SMs by default, so it runs beside compute",
     )
 
 

@@ -189,14 +189,7 @@ class LaneRuns:
         if not len(self.src_start) == len(self.dst_start) == len(self.count):
             raise ValueError("lane runs: runs of different lengths")
         _check_lanes(self)
-        n = len(self.count)
-        if n and (
-            min(int(self.src_start.min()), int(self.dst_start.min())) < 0
-            or int(self.count.min()) < 1
-            or (self.src_start % self.src_rows + self.count > self.src_rows).any()
-            or (self.dst_start % self.dst_rows + self.count > self.dst_rows).any()
-        ):
-            raise OutOfBounds("a run of rows leaves its page")
+        _check_runs(self)
 
     @property
     def whole(self) -> np.ndarray:
@@ -304,6 +297,31 @@ def _check_lanes(runs: LaneRuns) -> None:
         if len(_CHECKED) >= 512:
             _CHECKED.clear()
         _CHECKED[key] = arrays
+
+
+_RUNS_CHECKED: dict[tuple[int, ...], tuple[np.ndarray, ...]] = {}  # runs found inside their pages
+
+
+def _check_runs(runs: LaneRuns) -> None:
+    """No run leaves its page on either side. A fan-out's receivers share one plan's runs
+    (transfer.plan.relane, frozen): found good once, not checked again per receiver (as
+    _check_lanes, by identity and only while they cannot be written to)."""
+    arrays = (runs.src_start, runs.dst_start, runs.count)
+    key = (*map(id, arrays), runs.src_rows, runs.dst_rows)
+    hit = _RUNS_CHECKED.get(key)
+    if hit is not None and all(a is b for a, b in zip(hit, arrays)) and _frozen(arrays):
+        return
+    if len(runs.count) and (
+        min(int(runs.src_start.min()), int(runs.dst_start.min())) < 0
+        or int(runs.count.min()) < 1
+        or (runs.src_start % runs.src_rows + runs.count > runs.src_rows).any()
+        or (runs.dst_start % runs.dst_rows + runs.count > runs.dst_rows).any()
+    ):
+        raise OutOfBounds("a run of rows leaves its page")
+    if _frozen(arrays):
+        if len(_RUNS_CHECKED) >= 512:
+            _RUNS_CHECKED.clear()
+        _RUNS_CHECKED[key] = arrays
 
 
 def _frozen(arrays: tuple[np.ndarray, ...]) -> bool:
