@@ -16,7 +16,7 @@ both sides are leased per transfer (transfer.leases) and always returned.
 """
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import msgspec
@@ -29,8 +29,8 @@ from transfer.errors import IndexMismatch, StagingError
 from transfer.leases import SlotLease
 from transfer.plan import ComponentPlan
 from transfer.suffix import Suffix
-from transfer.bands import band_copy, band_index, lane_run, split_rows
-from transfer.tokens import TokenRows, first_covered, rows
+from transfer.bands import Band, Rows, band_copy, band_index, lane_run, split_rows
+from transfer.tokens import Lane, TokenRows, first_covered, rows
 
 
 class Piece(msgspec.Struct, frozen=True, array_like=True):
@@ -160,31 +160,6 @@ def field_view(buf: torch.Tensor, p: "Piece") -> torch.Tensor:
     return buf[:, p.field_off : p.field_off + p.field_len] if p.field_len else buf
 
 
-def _token_piece(index: int, p: Piece, c: Component, dst: IndexSet, own: TokenRows):
-    """A by-token piece checked against the receiver's own lanes and index set: (lane, rows).
-    `first` is a token position (paged) or an index into the state slots (one row each)."""
-    lanes_ = own.lanes.get(c, ())
-    if not 0 <= p.buffer < len(lanes_):
-        raise StagingError(f"chunk {index}: no {p.component} lane {p.buffer} here")
-    lane, idx = lanes_[p.buffer], dst[c]
-    if c.per_request:
-        first, end = 0, len(idx)
-    else:
-        try:
-            first, end = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c), own.num_tokens
-        except IndexMismatch as exc:
-            raise StagingError(f"chunk {index}: {exc}") from None
-        first = max(first, own.prefix_len)  # below it: the receiver's own prefix, never written
-    if p.count < 1 or p.first < first or p.first + p.count > end:
-        raise StagingError(
-            f"chunk {index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
-            f"positions [{first}, {end}) a transfer writes here"
-        )
-    if c.per_request:
-        return lane, np.asarray(idx[p.first : p.first + p.count], dtype=np.int64)
-    return lane, rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
-
-
 def _first_item(c: Component, idx: np.ndarray, own: TokenRows | None) -> int:
     """The first of a receiver's indices of c a whole-item piece may write: its own prefix's
     pages are never written (transfer.suffix); page size from its own lanes of c."""
@@ -212,28 +187,150 @@ def scatter(
     pieces are valid."""
     if not 0 <= slot < area.num_slots:
         raise StagingError(f"chunk {index}: slot {slot} outside [0, {area.num_slots})")
-    plan = []
-    for p in pieces:
+    check = _Check(index, dst, buffers, area, own, {} if bands is None else bands)
+    copies: list[_RunCopy | _ItemCopy] = []
+    i = 0
+    while i < len(pieces):
+        p = pieces[i]
         try:
             c = Component(p.component)
         except ValueError:
             raise StagingError(f"chunk {index}: unknown component {p.component!r}") from None
-        if p.by_token:
-            if own is None:
-                raise StagingError(
-                    f"chunk {index}: a by-token {p.component} piece, and this pool's page size is the sender's"
-                )
-            if c not in dst:
-                raise StagingError(f"chunk {index}: no {p.component} pages here")
-            lane, rows_ = _token_piece(index, p, c, dst, own)
-            end = p.offset + p.count * lane.token_bytes
-            if p.offset < 0 or end > area.slot_bytes or p.offset % PIECE_ALIGN:
-                raise StagingError(
-                    f"chunk {index}: bytes [{p.offset}, {end}) outside the slot or not {PIECE_ALIGN}-byte aligned"
-                )
-            plan.append((buffers[c][lane.buffer], (lane, rows_), p.offset, end))
-            continue
-        if c not in dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
+        copies.append(check.run(pieces, i, c) if p.by_token else check.item(p, c))
+        i += copies[-1].pieces
+    data = area.slot(slot)
+    for copy in copies:
+        copy.write(data)
+    for device in {copy.device for copy in copies} | {area.buffer.device}:
+        sync(device)
+
+
+@dataclass(frozen=True)
+class _RunCopy:
+    """A run of by-token pieces, checked: lanes [k, k + pieces) of one band of our lanes, the
+    same rows each, back to back in slot bytes [start, end): one copy per span."""
+
+    band: Band
+    k: int
+    pieces: int
+    rows: np.ndarray
+    spans: Rows | None
+    start: int
+    end: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.band.buf.device
+
+    def write(self, data: torch.Tensor) -> None:
+        band_copy(
+            self.band,
+            slice(self.k, self.k + self.pieces),
+            self.rows,
+            self.spans,
+            data[self.start : self.end],
+            into_pool=True,
+        )
+
+
+@dataclass(frozen=True)
+class _ItemCopy:
+    """A whole-item piece, checked: the items (or a field of each) of one buffer, one index_copy_."""
+
+    buf: torch.Tensor
+    items: np.ndarray
+    start: int
+    end: int
+    pieces = 1
+
+    @property
+    def device(self) -> torch.device:
+        return self.buf.device
+
+    def write(self, data: torch.Tensor) -> None:
+        width = self.buf.shape[1]
+        at = torch.from_numpy(self.items.astype(np.int64)).to(self.buf.device)
+        src = data[self.start : self.end].view(len(self.items), width).to(self.buf.device)
+        word_rows(self.buf, width).index_copy_(0, at, word_rows(src, width))
+
+
+@dataclass
+class _Check:
+    """One chunk notice's pieces checked against the receiver's own index set, buffers, lanes
+    and slot. A run of by-token pieces one band moves in one go (transfer.bands.lane_run: the
+    same positions, the band's next lanes, back to back in the slot) is checked as one: its
+    first piece's lane and positions, the run's bytes; every lane of a band is one of ours
+    (band_index covers exactly own.lanes[c]). Rows of the same positions are worked out once
+    per chunk (TP 8 -> 1: 72 pieces a chunk in two runs, where each piece cost its own)."""
+
+    index: int
+    dst: IndexSet
+    buffers: dict[Component, list[torch.Tensor]]
+    area: StagingArea
+    own: TokenRows | None
+    bands: dict  # the caller's, kept across chunks and shared by scatter workers
+    rows_of: dict = field(default_factory=dict)  # (component, first, count, page size) -> rows, spans
+
+    def run(self, pieces: list[Piece], i: int, c: Component) -> _RunCopy:
+        p, own = pieces[i], self.own
+        if own is None:
+            raise StagingError(
+                f"chunk {self.index}: a by-token {p.component} piece, and this pool's page size is the sender's"
+            )
+        if c not in self.dst:
+            raise StagingError(f"chunk {self.index}: no {p.component} pages here")
+        lane, rows_, spans = self._token_rows(p, c)
+        band_of = self._band_of(c, own.lanes[c])
+        band, k, n = lane_run(pieces, i, band_of)
+        end = p.offset + n * p.count * lane.token_bytes
+        if p.offset < 0 or end > self.area.slot_bytes or p.offset % PIECE_ALIGN:
+            raise StagingError(
+                f"chunk {self.index}: bytes [{p.offset}, {end}) outside the slot or not {PIECE_ALIGN}-byte aligned"
+            )
+        return _RunCopy(band, k, n, rows_, spans, p.offset, end)
+
+    def _band_of(self, c: Component, lanes: tuple[Lane, ...]) -> dict:
+        """Our lanes' bands (band_index), cached by the lanes' identity: hashing and comparing
+        36 lanes per lookup cost more than the run's checks (the entry holds the lanes, so
+        their id stays theirs while cached)."""
+        entry = self.bands.get((c, id(lanes)))  # (read once: another worker may fill it)
+        if entry is None or entry[0] is not lanes:
+            entry = self.bands[c, id(lanes)] = lanes, band_index(lanes, self.buffers[c])
+        return entry[1]
+
+    def _token_rows(self, p: Piece, c: Component) -> tuple[Lane, np.ndarray, Rows | None]:
+        """A by-token piece's lane and positions checked: (lane, rows, rows split in spans).
+        `first` is a token position (paged) or an index into the state slots (one row each)."""
+        own, lanes_ = self.own, self.own.lanes.get(c, ())
+        if not 0 <= p.buffer < len(lanes_):
+            raise StagingError(f"chunk {self.index}: no {p.component} lane {p.buffer} here")
+        lane, idx = lanes_[p.buffer], self.dst[c]
+        key = (c, p.first, p.count, lane.page_size)
+        if key in self.rows_of:
+            return lane, *self.rows_of[key]
+        if c.per_request:
+            first, end = 0, len(idx)
+        else:
+            try:
+                first = first_covered(own.num_tokens, lane.page_size, len(idx), "destination", c)
+            except IndexMismatch as exc:
+                raise StagingError(f"chunk {self.index}: {exc}") from None
+            first, end = max(first, own.prefix_len), own.num_tokens  # below: our own prefix, never written
+        if p.count < 1 or p.first < first or p.first + p.count > end:
+            raise StagingError(
+                f"chunk {self.index}: positions [{p.first}, {p.first + p.count}) outside the {p.component} "
+                f"positions [{first}, {end}) a transfer writes here"
+            )
+        if c.per_request:
+            rows_ = np.asarray(idx[p.first : p.first + p.count], dtype=np.int64)
+        else:
+            rows_ = rows(idx, own.num_tokens, lane.page_size, np.arange(p.first, p.first + p.count, dtype=np.int64))
+        self.rows_of[key] = rows_, split_rows(rows_, lane.page_size)
+        return lane, *self.rows_of[key]
+
+    def item(self, p: Piece, c: Component) -> _ItemCopy:
+        buffers, index = self.buffers, self.index
+        if c not in self.dst or c not in buffers or not 0 <= p.buffer < len(buffers[c]):
             raise StagingError(f"chunk {index}: no {p.component} buffer {p.buffer} here")
         whole = buffers[c][p.buffer].shape[1]
         if p.field_len and not (0 <= p.field_off and 0 < p.field_len and p.field_off + p.field_len <= whole):
@@ -242,7 +339,7 @@ def scatter(
                 f"{whole}-byte {p.component} item"
             )
         buf = field_view(buffers[c][p.buffer], p)
-        idx, lo = dst[c], _first_item(c, dst[c], own)
+        idx, lo = self.dst[c], _first_item(c, self.dst[c], self.own)
         if p.count < 1 or p.first < 0 or p.first + p.count > len(idx):
             raise StagingError(
                 f"chunk {index}: items [{p.first}, {p.first + p.count}) outside "
@@ -254,43 +351,6 @@ def scatter(
                 f"of the prefix held here (its indices [0, {lo}))"
             )
         end = p.offset + p.count * buf.shape[1]
-        if p.offset < 0 or end > area.slot_bytes:
+        if p.offset < 0 or end > self.area.slot_bytes:
             raise StagingError(f"chunk {index}: bytes [{p.offset}, {end}) outside the slot")
-        plan.append((buf, idx[p.first : p.first + p.count], p.offset, end))
-    _write(plan, pieces, area.slot(slot), buffers, own, {} if bands is None else bands)
-    for device in {buf.device for buf, _, _, _ in plan} | {area.buffer.device}:
-        sync(device)
-
-
-def _write(
-    plan: list,
-    pieces: list[Piece],
-    data: torch.Tensor,
-    buffers: dict[Component, list[torch.Tensor]],
-    own: TokenRows | None,
-    bands: dict,
-) -> None:
-    """Copy each validated piece (plan[i] is pieces[i]'s) from the slot into the pool: a run of
-    by-token pieces over one band of our lanes in one copy per span (transfer.bands), a
-    whole-item piece with one index_copy_."""
-    spans: dict[tuple, object] = {}  # a component's rows of the same positions: split once
-    i = 0
-    while i < len(plan):
-        buf, items, start, end = plan[i]
-        if not isinstance(items, tuple):
-            at = torch.from_numpy(items.astype(np.int64)).to(buf.device)
-            src = data[start:end].view(len(items), buf.shape[1]).to(buf.device)
-            word_rows(buf, buf.shape[1]).index_copy_(0, at, word_rows(src, buf.shape[1]))
-            i += 1
-            continue
-        lane, rows_ = items
-        c = Component(pieces[i].component)
-        band_of = bands.get((c, own.lanes[c]))  # (the cache is shared by scatter workers: read once)
-        if band_of is None:
-            band_of = bands[c, own.lanes[c]] = band_index(own.lanes[c], buffers[c])
-        band, k, n = lane_run(pieces, i, band_of)
-        key = (c, pieces[i].first, pieces[i].count, lane.page_size)
-        if key not in spans:
-            spans[key] = split_rows(rows_, lane.page_size)
-        band_copy(band, slice(k, k + n), rows_, spans[key], data[start : start + n * (end - start)], into_pool=True)
-        i += n
+        return _ItemCopy(buf, idx[p.first : p.first + p.count], p.offset, end)

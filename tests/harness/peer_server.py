@@ -80,6 +80,7 @@ class PeerCore:
         self.requests: dict[int, object] = {}
         self.expect: dict[int, tuple[IndexSet, list[int], int]] = {}
         self.next_req = 1
+        self.lanes_of: dict[Shard, object] = {}  # per sender shard, as decode keeps them (instances.py)
         self.pool = HybridPool(
             PoolConfig(
                 get_preset(c.preset),
@@ -100,6 +101,13 @@ class PeerCore:
                 TransferConfig(staging_slots=c.staging_slots, staging_slot_bytes=c.staging_slot_bytes),
             )
         )
+
+    def _lanes(self, shard: Shard):
+        """Our lanes a sender of `shard` names, worked out once per shard: the scatter's cache
+        of their bands is keyed by these very lanes (transfer.staging)."""
+        if shard not in self.lanes_of:
+            self.lanes_of[shard] = self.receiver.lanes_from(shard)
+        return self.lanes_of[shard]
 
     def expecting(self, transfer_id: int) -> bool:
         with self.lock:
@@ -136,7 +144,7 @@ class PeerCore:
                         rng.shuffle(alloc._stack[: alloc.num_free])
                 return Ok()
             case Expect(transfer_id=t, req=rid, want_slots=k, sender=sender, prefix_len=prefix_len):
-                lanes = None if sender is None else self.receiver.lanes_from(Shard(*sender))
+                lanes = None if sender is None else self._lanes(Shard(*sender))
                 slots = self.receiver.reserve_slots(k) if k else []
                 with self.lock:
                     self.expect[t] = (
