@@ -571,9 +571,9 @@ def _want_by_head(src_t, before, src, dst, bs: tuple[int, int]) -> list[dict[str
 
 def _cell(t: torch.Tensor, kv: int, block: int, slot: int) -> torch.Tensor:
     """K (kv 0) or V of one slot of a block of vLLM's CPU tensor [blocks, heads, block size,
-    2 * head], every head: [heads, head] (a view). Its kernels keep a head's K dim-major (one
-    element of every token back to back), then V a row a token (test_layout checks this
-    against the kernel)."""
+    2 * head] in its element's dtype (a byte view would transpose bytes), every head: [heads,
+    head] (a view). Its kernels keep a head's K dim-major (one element of every token back to
+    back), then V a row a token (test_layout checks this against the kernel)."""
     heads, size, head = t.shape[1], t.shape[2], t.shape[3] // 2
     halves = t[block].view(heads, 2, size * head)
     return (
@@ -737,6 +737,9 @@ def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go
 
 GEMMA_GROUPS = {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1}  # layer -> its group
 GEMMA_HEADS = 2  # the tiny Gemma3's KV heads (tiny_models.build_tiny_gemma3)
+# vLLM's element (worker_child.vllm_config's float32) as bits: a dump's tensors are bytes (one
+# storage), and the CPU kernels' K is dim-major by element, not by byte (_cell)
+VLLM_ELEMENT = torch.int32
 
 
 def _vllm_spec(role: str, seed: int, tp: tuple[int, int], bs: int, **extra) -> dict:
@@ -806,12 +809,13 @@ def _want_by_group(src_t, before, src, dst, bs: tuple[int, int], first: list[int
     p_heads, c_heads = GEMMA_HEADS // len(src_t), GEMMA_HEADS // len(before)
     for name, g in (layers or GEMMA_GROUPS).items():  # `before` changed in place: views of one storage
         dst_first = -(-n // bs[1]) - len(dst[g])  # the first block the consumer's list covers
+        src_e, dst_e = [t[name].view(VLLM_ELEMENT) for t in src_t], [t[name].view(VLLM_ELEMENT) for t in before]
         for p in range(first[g], n):
             s, d = src[g][p // bs[0]], dst[g][p // bs[1] - dst_first]
             for h in range(GEMMA_HEADS):
                 for kv in (0, 1):  # a copy moves the bits as they are (NaNs too)
-                    value = _cell(src_t[h // p_heads][name], kv, s, p % bs[0])[h % p_heads]
-                    _cell(before[h // c_heads][name], kv, d, p % bs[1])[h % c_heads] = value
+                    value = _cell(src_e[h // p_heads], kv, s, p % bs[0])[h % p_heads]
+                    _cell(dst_e[h // c_heads], kv, d, p % bs[1])[h % c_heads] = value
     return [{name: t.view(torch.uint8) for name, t in rank.items()} for rank in before]  # bytes: NaNs compare
 
 
