@@ -5,7 +5,7 @@ keeps its tensors alive and decides which blocks a request holds; a transfer nam
 
     engine tensor (one per attention layer)           EnginePool buffers (item = one block)
     [num_blocks, heads, block_size, 2 * head]          layer L, part "kv": block b = bytes of t[b]
-      (vLLM CPU, LBHNC: K and V side by side)
+      (vLLM CPU: per head K dim-major, then V)
     [num_blocks, 2, block_size, heads, head]           layer L, part "k+v": block b = bytes of t[b]
       (block-first, K then V inside a block)
     [2, num_blocks, block_size, heads, head]           layer L, part "k": block b = bytes of t[0, b]
@@ -15,9 +15,10 @@ Every buffer is a uint8 [num_blocks, block_bytes] view of the engine's memory, s
 planner's run grouping applies (consecutive blocks: one range per run and buffer) and two
 engines of one model, block size and TP shard pair buffer by buffer
 (transfer.buffers.layout_difference). The part names how a block holds its token rows, so
-engines of different block sizes or TP sizes pair by token (transfer.engine_rows: a lane per
-head of "kv", K and V lanes of "k+v", one of "k" or "v"; transfer.reshard splits heads). An
-engine's block 0 is the sentinel item (vLLM's null block is block 0): a transfer never names it.
+engines of different block sizes or TP sizes pair by token (transfer.engine_rows: per head of
+"kv" a lane per K element and one for V, K and V lanes of "k+v", one of "k" or "v";
+transfer.reshard splits heads). An engine's block 0 is the sentinel item (vLLM's null block
+is block 0): a transfer never names it.
 
     views over a shared page pool (vLLM's hybrid   one buffer per distinct page region: block b
       KV cache: full and sliding-window blocks,     = page b, whatever layer group holds it
@@ -153,7 +154,8 @@ def block_first(layer: int, t: torch.Tensor) -> list[EngineBuffer]:
 def block_part(t: torch.Tensor) -> str:
     """How a block-first tensor's block holds its token rows: "k+v" for [blocks, 2, block_size,
     heads, head] (K's rows, then V's: FlashInfer), else "kv" ([blocks, heads, block_size, 2 *
-    head]: a head's K and V side by side, vLLM's CPU layout)."""
+    head]: vLLM's CPU layout, whose kernels keep a head's K dim-major, then its V a row a
+    token: transfer.engine_rows)."""
     return "k+v" if t.dim() == 5 and t.shape[1] == 2 else "kv"
 
 

@@ -4,16 +4,20 @@ path (runs of rows, staged pieces, direct LaneRuns) and transfer.reshard's head 
 unchanged. A buffer's part says how a block holds its rows (kvpool.engine names it):
 
     part   one block of the buffer (P tokens, H heads of this rank, D bytes a head)   lanes
-    "kv"   [H, P, K|V]   vLLM CPU (LBHNC): head h's rows back to back,    one per head h: offset
-                         K and V of a head side by side                    h*P*2D, row 2D, head h
+    "kv"   [H, K^T|V]    vLLM CPU: per head h (its 2*P*D bytes), K      per head h, each of
+                         dim-major [D/e, P] (element i of every          K's D/e elements i:
+                         token back to back), then V [P, D] a row a      offset h*2PD + i*P*e,
+                         token: what its kernels (ISA vec, vec16)        row e; then V: offset
+                         write, whatever the tensor's shape says         h*2PD + P*D, row D
     "k+v"  [2, P, H, D]  FlashInfer NHD: K's P rows, then V's              "k": offset 0, row H*D
                                                                            "v": offset P*H*D
     "k"    [P, H, D]     K/V-first (flash-attention), one buffer for K     one: offset 0, row H*D
     "v"    [P, H, D]     ... and one for V                                 (rows back to back)
 
-A head-outer lane ("kv") holds one head, so a TP reshard pairs such lanes head by head
-(transfer.reshard); a token-outer lane's row holds every head of the rank, so a TP slice is
-part of its row, as for our own pools. A model of full and sliding-window layers (vLLM's KV
+(e: the dtype's bytes.) A head-outer lane ("kv") holds part of one head, so a TP reshard
+pairs such lanes head by head (transfer.reshard), each head's in the same order on both
+sides; a token-outer lane's row holds every head of the rank, so a TP slice is part of its
+row, as for our own pools. A model of full and sliding-window layers (vLLM's KV
 cache groups over one page pool: a block is one group's at a time) has the same lanes under
 FULL and SWA, so the planner pairs a window group's blocks by SWA's rule (the positions both
 sides hold) and a full group's by FULL's. A page pool that Mamba/GDN state layers share with
@@ -79,7 +83,7 @@ def engine_lanes(
                 f"{what}: {b.item_bytes} B/item, a block of {page_size} tokens x {heads} heads x {head * width} B "
                 f"is {block} B"
             )
-        rows += _lanes(i, b, page_size, heads, head)
+        rows += _lanes(i, b, page_size, heads, head, itemsize(attn.dtype))
     out = {c: tuple(rows) for c, g in ((Component.FULL, model.full), (Component.SWA, model.swa)) if g and rows}
     return out | ({Component.MAMBA: tuple(states)} if states else {})
 
@@ -113,12 +117,16 @@ def _attention(model: ModelSpec):
     return groups[0]
 
 
-def _lanes(i: int, b: Buffer, page_size: int, heads: int, head: int) -> list[Lane]:
+def _lanes(i: int, b: Buffer, page_size: int, heads: int, head: int, size: int) -> list[Lane]:
     def lane(part, offset, row, h=-1):
         return Lane(i, b.region, b.num_items, b.layer, part, offset, b.item_bytes, page_size, row, row, h)
 
-    if b.part == HEAD_OUTER:
-        return [lane(HEAD_OUTER, h * page_size * 2 * head, 2 * head, h) for h in range(heads)]
+    if b.part == HEAD_OUTER:  # head h: K's element d of every token (P of `size` B), ..., then V's P rows
+        return [
+            lane(HEAD_OUTER, h * page_size * 2 * head + offset, row, h)
+            for h in range(heads)
+            for offset, row in [(d * page_size * size, size) for d in range(head // size)] + [(page_size * head, head)]
+        ]
     row = heads * head
     if b.part == KV_BLOCK:
         return [lane("k", 0, row), lane("v", page_size * row, row)]

@@ -102,7 +102,7 @@ def side_lanes(model: ModelSpec, src: Shard, dst: Shard, lanes: Lanes, side: int
     """One side's half of pair_lanes (side 0: the source's, 1: the destination's), from its
     own lanes only: a receiver names the lanes of a sender's pieces without knowing its lanes.
     Same TP sizes: every paged segment whole. Else the slices of every segment this pair
-    owns; a head-outer engine segment (a lane per head) by whole heads."""
+    owns; a head-outer engine segment (lanes per head) by whole heads."""
     check_pair(src, dst)
     if src.tp_size == dst.tp_size:  # only the page size differs: whole segments, paged ones
         return {c: l for c, l in lanes.items() if not c.per_request}
@@ -114,19 +114,19 @@ def side_lanes(model: ModelSpec, src: Shard, dst: Shard, lanes: Lanes, side: int
             per_head = stream[0].head >= 0
             if (part, per_head) not in slices:
                 units = parts(model, c, part)
-                if per_head:  # offsets and sizes in heads: head i of a rank's row is its lane i
+                if per_head:  # offsets and sizes in heads: the lanes of a rank's head i
                     units = tuple(Part(p.units, 1) for p in units)
                 slices[part, per_head] = reshard(units, src.tp, dst.tp)
             for sl in slices[part, per_head]:
                 off, n = sl[side], sl[2]
-                cut += stream[off : off + n] if per_head else [stream[0].slice(off, n)]
+                cut += [x for x in stream if off <= x.head < off + n] if per_head else [stream[0].slice(off, n)]
         if cut:
             out[c] = tuple(cut)
     return out
 
 
 def _streams(lanes: tuple[Lane, ...]) -> dict[tuple[int, str], list[Lane]]:
-    """A component's lanes per segment (layer, part), in order (a head-outer one: a lane per head)."""
+    """A component's lanes per segment (layer, part), in order (a head-outer one: lanes per head)."""
     out: dict[tuple[int, str], list[Lane]] = {}
     for lane in lanes:
         out.setdefault((lane.layer, lane.part), []).append(lane)

@@ -2,8 +2,8 @@
 a kvpool.engine.EnginePool (layer-major buffers over vLLM's own memory, an item per block).
 
     vLLM's tensor per attention layer                  buffers of layer L
-    [num_blocks, num_kv_heads, block_size, 2 * head]   "kv"        (CPU backend, LBHNC: K and V
-                                                                     of each head side by side)
+    [num_blocks, num_kv_heads, block_size, 2 * head]   "kv"        (CPU backend: its kernels keep
+                                                                     a head's K dim-major, then V)
     [num_blocks, 2, block_size, num_kv_heads, head]    "k+v"       (block-first K/V, FlashInfer)
     [2, num_blocks, block_size, num_kv_heads, head]    "k", "v"    (K/V-first, flash-attention)
 

@@ -122,7 +122,7 @@ def test_a_block_size_that_is_not_a_power_of_two_moves_whole_blocks(mooncake, la
 def test_a_prefill_of_any_block_size_registers_and_a_bad_one_is_refused():
     """Decode's SenderRanks builds a prefill rank's claimed shard under its own pool's rule: an
     engine pool of 160 takes a prefill of 160 (whole blocks, no lanes) and one of 12 (by token:
-    its lanes, a lane per head of the CPU layout), and refuses 0 with the reason; a pool of our
+    its lanes: per head of the CPU layout, one per element of K and one for V), and refuses 0 with the reason; a pool of our
     own token rows still refuses 12 (tests/disagg/worker/test_tp_instances)."""
     from disagg.control.layout import LayoutInfo
     from disagg.control.messages import PROTOCOL_VERSION, RegisterPrefill
@@ -138,7 +138,7 @@ def test_a_prefill_of_any_block_size_registers_and_a_bad_one_is_refused():
         assert ranks.lanes(claim(160)) is None and ranks.sender_ranks(claim(160)) == (0,)
         lanes = ranks.lanes(claim(12))[Component.FULL]
         assert [(lane.layer, lane.head, lane.page_size) for lane in lanes] == [
-            (layer, h, 160) for layer in range(LAYERS) for h in range(HEADS)
+            (layer, h, 160) for layer in range(LAYERS) for h in range(HEADS) for _ in range(HEAD + 1)
         ]
         with pytest.raises(ProtocolError, match="page size 0 is not a positive integer"):
             ranks.lanes(claim(0))
@@ -322,12 +322,22 @@ def _rows_layout(layout, block, heads, seed):
     g = torch.Generator().manual_seed(seed)
     if layout == "cpu":  # [blocks, heads, block_size, 2 * head]
         make = lambda: torch.randn(BLOCKS, heads, block, 2 * HEAD, generator=g)  # noqa: E731
-        return [make() for _ in range(LAYERS)], block_first, lambda t, kv, b, s: t[b, :, s, kv * HEAD : (kv + 1) * HEAD]
+        return [make() for _ in range(LAYERS)], block_first, _cpu_cell
     if layout == "flashinfer":  # [blocks, 2, block_size, heads, head]
         make = lambda: torch.randn(BLOCKS, 2, block, heads, HEAD, generator=g)  # noqa: E731
         return [make() for _ in range(LAYERS)], block_first, lambda t, kv, b, s: t[b, kv, s]
     make = lambda: torch.randn(2, BLOCKS, block, heads, HEAD, generator=g)  # noqa: E731  (K/V-first)
     return [make() for _ in range(LAYERS)], kv_first, lambda t, kv, b, s: t[kv, b, s]
+
+
+def _cpu_cell(t, kv, b, s):
+    """K (kv 0) or V of slot s of block b, every head: [heads, head] (a view). vLLM's CPU kernels
+    keep a head's K dim-major ([head, block_size]: one element of every token back to back),
+    then its V a row a token, whatever the tensor's shape [blocks, heads, block_size, 2 * head]
+    says (tests/vllm_connector/test_layout.py checks this against the kernel itself)."""
+    heads, block = t.shape[1], t.shape[2]
+    halves = t[b].view(heads, 2, block * HEAD)
+    return halves[:, 0].view(heads, HEAD, block)[:, :, s] if kv == 0 else halves[:, 1].view(heads, block, HEAD)[:, s]
 
 
 class _Side:

@@ -78,8 +78,12 @@ class Deployment:
     def url(self, name: str) -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
-    def start(self, name: str, faults: str = "") -> None:
-        """(Re)start one part; `faults`: the producer's inject_faults (transfer.faults)."""
+    def start(
+        self, name: str, faults: str = "", *, block_size: int | None = None, prefix_caching: bool = False
+    ) -> None:
+        """(Re)start one part; `faults`: the producer's inject_faults (transfer.faults); a
+        server's `block_size` (None: the model's) and prefix caching (off: nothing of a transfer
+        is reused) for this start only."""
         log = (self.logs / f"{name}-{len(self.files)}.log").open("w")
         self.files.append(log)
         self.latest_log[name] = log.name
@@ -96,8 +100,8 @@ class Deployment:
                 vllm_server.disagg_kv_config(self.roles[name], extra),
                 dtype=self.dtype,
                 max_model_len=512,
-                block_size=self.block_size,
-                prefix_caching=False,
+                block_size=block_size or self.block_size,
+                prefix_caching=prefix_caching,
             )
             core = self.cores[0] if name == "prefill" else self.cores[-1]
             self.procs[name] = subprocess.Popen(cmd, env=vllm_server.server_env(core), **out)
@@ -382,7 +386,31 @@ def test_kv_both_servers_swap_sides_per_request(pair, eventually):
 
 
 @pytest.mark.parametrize("pair", ["tiny_llama"], indirect=True)
-def test_a_restarted_decode_is_picked_up(pair):
+def test_a_decode_of_another_block_size_loads_by_token_and_a_restarted_decode_is_picked_up(pair, eventually):
+    """Decode restarted with --block-size 64 (and prefix caching) beside prefill's 32: the
+    prompts' KV moves by token into decode's bigger blocks, token-identical to the prefill
+    server computing them itself (a colocated server); decode's /metrics count exactly the
+    prompt's bytes. A prompt whose first 64 tokens decode computed itself moves only the rest.
+    Restarted as before (the module's pair), decode is picked up again. One restart beyond the
+    one a restarted decode costs anyway: ~75 s."""
+    pair.kill("decode")
+    pair.start("decode", block_size=64, prefix_caching=True)
+    pair.wait_ready()
+    c = json.loads((pair.model / "config.json").read_text())
+    per_token = c["num_hidden_layers"] * 2 * c["num_key_value_heads"] * c["head_dim"] * 4  # float32 K and V
+    for prompt in PROMPTS[:2]:
+        before = _metrics(pair, "decode", ("loads", "loaded_bytes"))
+        assert _complete(pair.url("proxy"), pair, prompt) == _complete(pair.url("prefill"), pair, prompt), prompt
+        eventually(lambda: _metrics(pair, "decode", ("loads",))[0] > before[0], 30, "decode counts the load", 0.2)
+        moved = _metrics(pair, "decode", ("loaded_bytes",))[0] - before[1]
+        assert moved == len(prompt.split()) * per_token, (prompt, moved)  # a word a token
+    words = [f"w{(i * 53 + 7) % 500 + 3}" for i in range(110)]
+    _complete(pair.url("decode"), pair, " ".join(words[:70]))  # decode caches its first 64-token block
+    before = _metrics(pair, "decode", ("loads", "loaded_bytes"))
+    prompt = " ".join(words)
+    assert _openai(pair, prompt) == _complete(pair.url("prefill"), pair, prompt)
+    eventually(lambda: _metrics(pair, "decode", ("loads",))[0] > before[0], 30, "decode counts the load", 0.2)
+    assert _metrics(pair, "decode", ("loaded_bytes",))[0] - before[1] == (len(words) - 64) * per_token
     pair.kill("decode")
     pair.start("decode")
     pair.wait_ready()

@@ -93,3 +93,49 @@ def test_a_block_size_that_is_not_a_power_of_two_is_described():
     block size like any other (kvpool.spec.check_page_size, engine_blocks)."""
     pool = engine_pool(_cpu_caches(block=160), 160, "tiny")
     assert pool.config.shard.page_size == 160 and pool.config.shard.engine_blocks
+
+
+def _written_by_vllm(block: int, dtype: torch.dtype, key: torch.Tensor, value: torch.Tensor) -> dict:
+    """One layer's CPU cache (blocks of `block`) after vLLM's own kernel wrote `key`/`value`
+    (one row a token) from block 1 on, with the ISA vLLM picks for the block size and dtype."""
+    import vllm._custom_ops as ops
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    tokens, heads, head = key.shape
+    caches = _cpu_caches(
+        num_blocks=-(-tokens // block) + 2, heads=heads, block=block, head=head, dtype=dtype, layers=(0,)
+    )
+    t = caches["model.layers.0.self_attn.attn"].zero_()
+    k_cache, v_cache = t.view(t.shape[0], heads, 2 * block, head).chunk(2, dim=2)
+    isa = _get_attn_isa(dtype, block, head)
+    ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(block, block + tokens), isa)
+    return caches
+
+
+@pytest.mark.parametrize("src,dst,dtype", [(32, 64, torch.float32), (64, 32, torch.float32), (16, 32, torch.bfloat16)])
+def test_copying_token_rows_lane_by_lane_gives_what_vllms_kernel_writes_at_the_other_block_size(src, dst, dtype):
+    """vLLM's CPU attention kernel lays a block out its own way (per head: K dim-major, then V a
+    row a token; ISAs "vec" and "vec16" alike). Each token's rows copied lane by lane
+    (transfer.engine_rows: what sides of different block sizes pair) from a cache of `src`
+    blocks into one of `dst` blocks give exactly what the kernel writes into that one itself."""
+    from transfer.engine_rows import engine_lanes
+
+    tokens = 2 * max(src, dst) + 5  # a last block part full
+    bits = torch.arange(tokens * 2 * 64, dtype=torch.int32).view(tokens, 2, 64)
+    key, value = (bits + 0x3C00).to(dtype), (-bits - 1).to(dtype)  # every value distinct in either dtype
+    a, want = _written_by_vllm(src, dtype, key, value), _written_by_vllm(dst, dtype, key, value)
+    b = {n: torch.zeros_like(t) for n, t in want.items()}
+    sides = [
+        (c, n, engine_lanes(engine_pool(c, n, "tiny").config.model, n, 1, _bufs(c, n), "test"))
+        for c, n in ((a, src), (b, dst))
+    ]
+    (ca, na, la), (cb, nb, lb) = sides
+    rows = torch.arange(tokens).numpy()
+    ra, rb = next(iter(ca.values())).view(torch.uint8).view(-1), next(iter(cb.values())).view(torch.uint8).view(-1)
+    assert len(la[Component.FULL]) == len(lb[Component.FULL])
+    for x, y in zip(la[Component.FULL], lb[Component.FULL]):
+        assert x.token_bytes == y.token_bytes
+        for o, p in zip(x.at(rows + na).tolist(), y.at(rows + nb).tolist()):
+            rb[p : p + y.token_bytes] = ra[o : o + x.token_bytes]
+    differ = (next(iter(b.values())) != next(iter(want.values()))).sum().item()
+    assert differ == 0, f"{differ} of {tokens * 2 * 2 * 64} K/V elements are not where vLLM's kernel puts them"

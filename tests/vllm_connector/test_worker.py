@@ -420,7 +420,8 @@ def test_a_consumer_of_another_block_size_gets_every_token_it_lacks(blocks_32_64
     for name, t in after.items():
         want = before[name].clone()  # [blocks, heads, block size, 2 * head]
         for p in range(first, 100):
-            want[dst[(p - first) // 64], :, p % 64] = src_t[name][src[p // 32], :, p % 32]
+            for kv in (0, 1):
+                _cell(want, kv, dst[(p - first) // 64], p % 64)[:] = _cell(src_t[name], kv, src[p // 32], p % 32)
         assert torch.equal(t, want), name
 
 
@@ -562,9 +563,22 @@ def _want_by_head(src_t, before, src, dst, bs: tuple[int, int]) -> list[dict[str
     for name in want[0]:
         for g in range(2):
             for p in range(100):
-                value = src_t[g // p_heads][name][src[p // bs[0]], g % p_heads, p % bs[0]]
-                want[g // c_heads][name][dst[p // bs[1]], g % c_heads, p % bs[1]] = value
+                for kv in (0, 1):
+                    value = _cell(src_t[g // p_heads][name], kv, src[p // bs[0]], p % bs[0])[g % p_heads]
+                    _cell(want[g // c_heads][name], kv, dst[p // bs[1]], p % bs[1])[g % c_heads] = value
     return want
+
+
+def _cell(t: torch.Tensor, kv: int, block: int, slot: int) -> torch.Tensor:
+    """K (kv 0) or V of one slot of a block of vLLM's CPU tensor [blocks, heads, block size,
+    2 * head] in its element's dtype (a byte view would transpose bytes), every head: [heads,
+    head] (a view). Its kernels keep a head's K dim-major (one element of every token back to
+    back), then V a row a token (test_layout checks this against the kernel)."""
+    heads, size, head = t.shape[1], t.shape[2], t.shape[3] // 2
+    halves = t[block].view(heads, 2, size * head)
+    return (
+        halves[:, 0].view(heads, head, size)[:, :, slot] if kv == 0 else halves[:, 1].view(heads, size, head)[:, slot]
+    )
 
 
 @pytest.mark.parametrize(
@@ -723,6 +737,9 @@ def test_a_producer_rank_dying_mid_transfer_fails_the_load_its_peer_rank_lets_go
 
 GEMMA_GROUPS = {"model.layers.0.self_attn.attn": 0, "model.layers.1.self_attn.attn": 1}  # layer -> its group
 GEMMA_HEADS = 2  # the tiny Gemma3's KV heads (tiny_models.build_tiny_gemma3)
+# vLLM's element (worker_child.vllm_config's float32) as bits: a dump's tensors are bytes (one
+# storage), and the CPU kernels' K is dim-major by element, not by byte (_cell)
+VLLM_ELEMENT = torch.int32
 
 
 def _vllm_spec(role: str, seed: int, tp: tuple[int, int], bs: int, **extra) -> dict:
@@ -789,16 +806,17 @@ def _want_by_group(src_t, before, src, dst, bs: tuple[int, int], first: list[int
     ranks), K and V, from the producer rank holding it, at that group's blocks on either side
     (a group's block list covers the prompt's last blocks); every other byte as before (the
     layers' views share one storage, as vLLM's do: a block is one group's at a time)."""
-    want = [{name: t.view(torch.uint8) for name, t in rank.items()} for rank in before]  # bytes: NaNs compare
     p_heads, c_heads = GEMMA_HEADS // len(src_t), GEMMA_HEADS // len(before)
-    for name, g in (layers or GEMMA_GROUPS).items():
+    for name, g in (layers or GEMMA_GROUPS).items():  # `before` changed in place: views of one storage
         dst_first = -(-n // bs[1]) - len(dst[g])  # the first block the consumer's list covers
+        src_e, dst_e = [t[name].view(VLLM_ELEMENT) for t in src_t], [t[name].view(VLLM_ELEMENT) for t in before]
         for p in range(first[g], n):
             s, d = src[g][p // bs[0]], dst[g][p // bs[1] - dst_first]
             for h in range(GEMMA_HEADS):
-                value = src_t[h // p_heads][name][s, h % p_heads, p % bs[0]].view(torch.uint8)
-                want[h // c_heads][name][d, h % c_heads, p % bs[1]] = value
-    return want
+                for kv in (0, 1):  # a copy moves the bits as they are (NaNs too)
+                    value = _cell(src_e[h // p_heads], kv, s, p % bs[0])[h % p_heads]
+                    _cell(dst_e[h // c_heads], kv, d, p % bs[1])[h % c_heads] = value
+    return [{name: t.view(torch.uint8) for name, t in rank.items()} for rank in before]  # bytes: NaNs compare
 
 
 @pytest.mark.parametrize(
