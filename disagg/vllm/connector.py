@@ -147,7 +147,7 @@ def kv_groups(kv_cache_config, block_size: int, vllm_config=None) -> KVGroups:
     the sliding-window ones (and the longest window); one full group of `block_size` without a
     config. Raises ValueError naming a group we cannot move."""
     if kv_cache_config is None:
-        return KVGroups((Group(Kind.FULL, block_size),))
+        return KVGroups((Group(Kind.FULL, block_size),), cpu_kernel=cpu_kernel(vllm_config))
     groups, windowed, window, states = [], set(), 0, {}
     for g in kv_cache_config.kv_cache_groups:
         spec = g.kv_cache_spec
@@ -166,7 +166,25 @@ def kv_groups(kv_cache_config, block_size: int, vllm_config=None) -> KVGroups:
                 "not supported (full attention, sliding window and Mamba/GDN state are)"
             )
     state, refusal = _state(states, vllm_config) if states else (None, "")
-    return KVGroups(tuple(groups), frozenset(states), frozenset(windowed), window, state, refusal)
+    kernel = cpu_kernel(vllm_config)
+    return KVGroups(tuple(groups), frozenset(states), frozenset(windowed), window, state, refusal, kernel)
+
+
+def cpu_kernel(vllm_config) -> str:
+    """The ISA of vLLM's CPU attention kernel for this model ("vec", "vec16", "amx", "neon",
+    ...): each lays out a block's rows its own way (disagg.vllm.layout.CPU_KERNELS are the
+    ones described); "" off CPU or without a config, "unknown" where vLLM does not say."""
+    from vllm.platforms import current_platform
+
+    if vllm_config is None or not current_platform.is_cpu():
+        return ""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+        model, cache = vllm_config.model_config, vllm_config.cache_config
+        return str(_get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype))
+    except Exception:  # another vLLM: its CPU kernels are not known here
+        return "unknown"
 
 
 def _state(specs: dict, vllm_config) -> tuple[LinearStateSpec | None, str]:

@@ -100,8 +100,9 @@ class Group:
 class KVGroups:
     """vLLM's KV cache groups, which layers hold a state (`state`: its geometry in kvpool's
     terms, disagg.vllm.states; None with `state_refusal` saying why it is not described), which
-    a sliding window (of at most `window` tokens): what register_kv_caches needs to describe
-    the tensors it gets."""
+    a sliding window (of at most `window` tokens), and which kernel writes the blocks on CPU
+    (`cpu_kernel`: vLLM's CPU attention ISA, "" elsewhere): what register_kv_caches needs to
+    describe the tensors it gets."""
 
     groups: tuple[Group, ...]
     state_layers: frozenset[str] = frozenset()
@@ -109,6 +110,7 @@ class KVGroups:
     window: int = 0
     state: LinearStateSpec | None = None
     state_refusal: str = ""
+    cpu_kernel: str = ""
 
 
 @dataclass(frozen=True)

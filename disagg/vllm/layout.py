@@ -35,6 +35,11 @@ from kvpool.engine import EnginePool, EnginePoolConfig, attention_model, block_p
 from kvpool.errors import SpecError
 from kvpool.spec import LinearStateSpec
 
+# vLLM's CPU attention ISAs whose in-block layout transfer.engine_rows describes (a head's K
+# dim-major, then its V a row a token), checked against the kernel (tests/vllm_connector/
+# test_layout.py); others ("amx", "neon", "vsx", "vxe", "rvv") pair whole blocks only, with
+# their own kind
+CPU_KERNELS = ("vec", "vec16")
 _LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 STATE_PAGES = (
     "a page pool that attention and Mamba/GDN state layers share pairs only its own block size and TP "
@@ -93,6 +98,7 @@ def engine_pool(
     window: int = 0,
     state: LinearStateSpec | None = None,
     state_refusal: str = "",
+    cpu_kernel: str = "",
 ) -> EnginePool:
     """vLLM's tensors (register_kv_caches) as one EnginePool, buffers in layer order (so both
     sides number their regions alike). `state_layers`: the Mamba/GDN layers (a state tensor,
@@ -118,7 +124,8 @@ def engine_pool(
                 raise VllmLayoutError("a K/V-first attention layout beside state layers is not described yet")
             bufs = [b for i, _, t in attention for b in kv_first(i, t)]
         else:
-            bufs = shared_pages([(i, block_part(t), t) for i, _, t in attention] + list(_states(named, state_layers)))
+            part = lambda t: _kernel_part(block_part(t), cpu_kernel)  # noqa: E731
+            bufs = shared_pages([(i, part(t), t) for i, _, t in attention] + list(_states(named, state_layers)))
         model = attention_model(
             model_name,
             [i for i, _, _ in attention],
@@ -131,6 +138,8 @@ def engine_pool(
             linear=state if len(attention) != len(named) else None,
         )
         config = EnginePoolConfig(model, block_size, attention[0][2].device, tp_size, tp_rank)
+        if any(b.part.startswith("kv@") for b in bufs):  # a CPU kernel's blocks whose rows are not described
+            return EnginePool(config, bufs, no_rows=_kernel_refusal(cpu_kernel))
         if len(attention) == len(named):
             return EnginePool(config, bufs)
         if model.linear is None:
@@ -138,6 +147,21 @@ def engine_pool(
         return EnginePool(config, bufs, whole_states=STATE_SLICES)
     except SpecError as exc:
         raise VllmLayoutError(str(exc)) from None
+
+
+def _kernel_part(part: str, cpu_kernel: str) -> str:
+    """A CPU block's part, named with its kernel where that kernel's in-block layout is not the
+    one transfer.engine_rows describes: two sides pair whole blocks only when their kernels
+    match (layout_difference names the parts)."""
+    return f"{part}@{cpu_kernel}" if part == "kv" and cpu_kernel and cpu_kernel not in CPU_KERNELS else part
+
+
+def _kernel_refusal(cpu_kernel: str) -> str:
+    return (
+        f"vLLM's CPU attention kernel {cpu_kernel!r} keeps a block's rows in a layout not described here "
+        f"(by-token pairing is checked against {', '.join(CPU_KERNELS)}): start both sides with the same "
+        "--block-size and TP on the same kind of CPU"
+    )
 
 
 def _states(named, state_layers):

@@ -137,6 +137,7 @@ class DisaggWorker:
             window=kv.window,
             state=kv.state,
             state_refusal=kv.state_refusal,
+            cpu_kernel=kv.cpu_kernel,
         )
         s = self.settings
         ts = TransportSettings(s.host, str(pool.config.device), (MooncakeSettings(s.mooncake_protocol),))

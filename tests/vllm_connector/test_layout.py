@@ -139,3 +139,32 @@ def test_copying_token_rows_lane_by_lane_gives_what_vllms_kernel_writes_at_the_o
             rb[p : p + y.token_bytes] = ra[o : o + x.token_bytes]
     differ = (next(iter(b.values())) != next(iter(want.values()))).sum().item()
     assert differ == 0, f"{differ} of {tokens * 2 * 2 * 64} K/V elements are not where vLLM's kernel puts them"
+
+
+def test_a_cpu_kernel_not_described_pairs_whole_blocks_with_its_own_kind_only():
+    """vLLM's CPU kernels lay a block out per ISA; by-token rows are described for vec and
+    vec16 only. Another kernel's blocks carry its name in their part, so two sides pair whole
+    blocks only when their kernels match, and a pool refuses by-token pairing saying why."""
+    amx = engine_pool(_cpu_caches(), 16, "tiny", cpu_kernel="amx")
+    vec = engine_pool(_cpu_caches(), 16, "tiny", cpu_kernel="vec")
+    assert {b.part for b in buffers_of(amx.buffer_descriptors())} == {"kv@amx"}
+    assert "'amx'" in amx.no_rows and "vec, vec16" in amx.no_rows and "same --block-size and TP" in amx.no_rows
+    assert vec.no_rows == "" and {b.part for b in buffers_of(vec.buffer_descriptors())} == {"kv"}
+    other = buffers_of(engine_pool(_cpu_caches(), 16, "tiny", cpu_kernel="neon").buffer_descriptors())
+    assert layout_difference(buffers_of(amx.buffer_descriptors()), buffers_of(vec.buffer_descriptors()))
+    assert layout_difference(buffers_of(amx.buffer_descriptors()), other)
+    again = engine_pool(_cpu_caches(num_blocks=12), 16, "tiny", cpu_kernel="amx")
+    assert layout_difference(buffers_of(amx.buffer_descriptors()), buffers_of(again.buffer_descriptors())) is None
+
+
+def test_the_connector_names_the_cpu_kernel_vllm_picks(vllm_utils, tiny_llama):
+    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
+
+    from disagg.vllm.connector import cpu_kernel, kv_groups
+
+    for block, dtype in ((32, "float32"), (16, "float32"), (32, "bfloat16")):
+        cfg = vllm_utils.create_vllm_config(model=str(tiny_llama), block_size=block, dtype=dtype)
+        model = cfg.model_config
+        want = _get_attn_isa(model.dtype, block, model.get_head_size(), cfg.cache_config.cache_dtype)
+        assert cpu_kernel(cfg) == want and kv_groups(None, block, cfg).cpu_kernel == want
+    assert cpu_kernel(None) == "" and kv_groups(None, 16).cpu_kernel == ""
