@@ -31,20 +31,9 @@ from transfer.transports.base import PendingWrite
 from transfer.transports.cuda_copy import Table, TableCache
 from transfer.transports.cuda_layout import LayoutKey, lay_out, layout_key, work
 from transfer.transports.pace import Pace, Watch
-from transfer.transports.ranges import LaneRuns
+from transfer.transports.ranges import LANE_FIELDS, LaneRuns
 
 _RUN_FIELDS = ("src_start", "dst_start", "count")
-_LANE_FIELDS = (
-    "src_offset",
-    "dst_offset",
-    "row_bytes",
-    "src_region",
-    "dst_region",
-    "src_pitch",
-    "dst_pitch",
-    "src_stride",
-    "dst_stride",
-)
 
 
 def merge(parts: Sequence[tuple[object, Sequence]]) -> list[list[tuple[LaneRuns, list]]]:
@@ -72,7 +61,7 @@ def _joined(sets: list) -> object:
     if len(sets) == 1:
         return sets[0]
     first = sets[0]
-    lanes = {f: np.concatenate([getattr(rs, f) for rs in sets]) for f in _LANE_FIELDS}
+    lanes = {f: np.concatenate([getattr(rs, f) for rs in sets]) for f in LANE_FIELDS}
     return LaneRuns(
         first.src_start, first.dst_start, first.count, **lanes, src_rows=first.src_rows, dst_rows=first.dst_rows
     )

@@ -22,26 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from transfer.errors import OutOfBounds
-from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
+from transfer.transports.ranges import LANE_FIELDS, LaneRuns, Ranges, RunSet, check_ranges
 
 PIECE_BYTES = 256 << 10  # longer ranges are split so warps share the work evenly
 HOST_EXPAND = 1 << 12  # up to this many ranges are expanded on the host (numpy), more on the GPU
 _SMALL_KEY = 1 << 13  # key vectors up to this many values are keyed by their bytes; longer ones
 # by a weighted sum, checked value by value on a hit (hashing 0.8 MB of bytes took ~0.2 ms)
-_LANE_FIELDS = (
-    "src_start",
-    "dst_start",
-    "count",
-    "src_offset",
-    "dst_offset",
-    "row_bytes",
-    "src_region",
-    "dst_region",
-    "src_pitch",
-    "dst_pitch",
-    "src_stride",
-    "dst_stride",
-)
+_LANE_FIELDS = ("src_start", "dst_start", "count", *LANE_FIELDS)
 _RUN_FIELDS = ("src_start", "dst_start", "count", "src_region", "dst_region", "item_bytes")
 _weights = np.zeros(0, dtype=np.int64)
 

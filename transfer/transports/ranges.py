@@ -253,7 +253,8 @@ class LaneRuns:
         )
 
 
-_LANE_FIELDS = (
+# a LaneRuns' per-lane arrays (what a lane is, apart from its runs)
+LANE_FIELDS = (
     "src_offset",
     "dst_offset",
     "row_bytes",
@@ -272,7 +273,7 @@ def _check_lanes(runs: LaneRuns) -> None:
     same lane arrays (transfer.plan's, read-only): a set of them found good is not checked
     again, looked up by the arrays' identity (kept alive beside, so an id is not reused while
     cached) and only while none of them can be written to."""
-    arrays = tuple(getattr(runs, f) for f in _LANE_FIELDS)
+    arrays = tuple(getattr(runs, f) for f in LANE_FIELDS)
     key = (*map(id, arrays), runs.src_rows, runs.dst_rows)
     hit = _CHECKED.get(key)
     if hit is not None and all(a is b for a, b in zip(hit, arrays)) and _frozen(arrays):
