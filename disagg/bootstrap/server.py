@@ -7,12 +7,13 @@ A registration is a lease: prefill takes its rank at start (RegisterPrefill), th
 (RenewPrefill) every RENEW_S, and it is live for lease_s after the last renewal; a lookup
 answers only a live rank (a lapsed entry is kept for its epoch, never handed out). A live
 rank is never taken over: a second instance of it is refused and told who holds it
-(LIVE_HOLDER). A newer epoch (a restarted prefill) replaces an entry whose lease ran out; an
+(LIVE_HOLDER). The rank of a prefill the bootstrap runs inside is held from the start and never
+lapses: it lives as long as the bootstrap answers (both are one process; a renewal thread of that
+process starved by load must not make decode refuse it). A newer epoch (a restarted prefill) replaces an entry whose lease ran out; an
 older epoch is always refused, so a stale process cannot take a rank back.
 A restarted bootstrap knows no rank, while the live ranks' leases still run: for grace_s
 (a lease and a renewal interval) after its start only renewals take ranks, so each live
-rank re-claims its own before a newcomer could (RECLAIMING). The rank of a prefill the
-bootstrap runs inside is held from the start.
+rank re-claims its own before a newcomer could (RECLAIMING).
 Epochs are start times (ns): one more than EPOCH_SLACK_S ahead of the bootstrap's clock is
 refused (a later epoch out-ranks every honest restart, so it could hold a rank until the
 clock caught up). No frame ends the loop: a message of more than one frame is refused, and
@@ -80,6 +81,7 @@ class BootstrapServer:
         self.ranks: dict[int, RegisterPrefill] = {}
         self._renewed: dict[int, float] = {}  # rank -> monotonic time of its last registration
         self._started = time.monotonic()
+        self._own = own.tp_rank if own is not None else None  # held while we serve: never lapses
         if own is not None:
             self.ranks[own.tp_rank], self._renewed[own.tp_rank] = own, self._started
         self._stop = threading.Event()
@@ -125,7 +127,7 @@ class BootstrapServer:
         if old == msg:  # the holder renews its lease
             self._renewed[rank] = now
             return Registered(epoch)
-        age = now - self._renewed.get(rank, float("-inf"))
+        age = self._age(rank, now)
         if old is not None and age < self.config.lease_s:
             log.warning(
                 "refused %s prefill for rank %d (%s): rank %d is held by %s",
@@ -161,6 +163,13 @@ class BootstrapServer:
         )
         return Registered(epoch)
 
+    def _age(self, rank: int, now: float) -> float:
+        """Seconds since `rank` was last renewed (inf: never; 0: the rank of the prefill we run
+        inside, live as long as we answer)."""
+        if rank == self._own and rank in self.ranks:
+            return 0.0
+        return now - self._renewed.get(rank, float("-inf"))
+
     def _live(self, rank: int) -> RegisterPrefill:
         """The holder of `rank` if its lease runs; else ProtocolError. An expired entry is kept
         (its epoch still orders restarts) but never handed out: decode would register with a
@@ -168,7 +177,7 @@ class BootstrapServer:
         info = self.ranks.get(rank)
         if info is None:
             raise ProtocolError(f"no prefill rank {rank} registered")
-        age = time.monotonic() - self._renewed[rank]
+        age = self._age(rank, time.monotonic())
         if age >= self.config.lease_s:
             raise ProtocolError(
                 f"prefill rank {rank} ({info.control_endpoint}) stopped renewing its lease "
@@ -180,7 +189,7 @@ class BootstrapServer:
         """Why `msg` cannot be a rank of the instance the live ranks form (the ranks behind one
         bootstrap are one instance: one TP size, one model, one pool layout), or None."""
         for rank, live in self.ranks.items():
-            if rank == msg.tp_rank or now - self._renewed.get(rank, float("-inf")) >= self.config.lease_s:
+            if rank == msg.tp_rank or self._age(rank, now) >= self.config.lease_s:
                 continue
             a, b = live.layout, msg.layout
             words = [f"tp_size {live.tp_size} vs {msg.tp_size}"] if live.tp_size != msg.tp_size else []

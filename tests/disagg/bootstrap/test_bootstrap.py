@@ -86,6 +86,25 @@ def test_a_lookup_never_names_a_rank_whose_lease_lapsed(keyed, eventually):
         server.stop()
 
 
+def test_the_rank_of_the_prefill_a_bootstrap_runs_inside_never_lapses(keyed, eventually):
+    """CI: a TP-2 prefill in one loaded process went unrenewed 3.5 s and decode was refused its
+    rank 0, whose bootstrap answered all along. The rank a bootstrap was started with lives as
+    long as that bootstrap answers; another rank's lease still lapses beside it, and the own
+    rank is never taken over."""
+    server = BootstrapServer(BootstrapConfig("tcp://127.0.0.1:*", lease_s=0.3, grace_s=0), keyed, own=_info(0))
+    server.start()
+    client = BootstrapClient(server.endpoint, keyed)
+    try:
+        client.register(_info(1))
+        eventually(lambda: not _looks_up(client, 1), 10, "rank 1's lease lapses")
+        assert client.lookup(PROTOCOL_VERSION, 0) == _info(0)  # never renewed, still live
+        with pytest.raises(ProtocolError, match="held by a live prefill at tcp://127.0.0.1:7000"):
+            client.register(_info(0, epoch=2))
+    finally:
+        client.close()
+        server.stop()
+
+
 def test_a_restarted_bootstrap_keeps_ranks_for_their_live_holders(keyed, eventually):
     """Issue 35, item 6: right after a bootstrap restart, before the live prefill renewed, a
     key holder took rank 0 on its first try. For grace_s after its start only renewals take
@@ -107,9 +126,9 @@ def test_a_restarted_bootstrap_keeps_ranks_for_their_live_holders(keyed, eventua
         server.stop()
 
 
-def _looks_up(client) -> bool:
+def _looks_up(client, rank: int = 0) -> bool:
     try:
-        client.lookup(PROTOCOL_VERSION, 0)
+        client.lookup(PROTOCOL_VERSION, rank)
         return True
     except ProtocolError:
         return False
