@@ -784,7 +784,7 @@ def _groups_transfer(started, tmp_path, room: int, producer: str, consumer: str,
     """Every rank of `producer` holds `src` (per group) for `num_tokens`; every rank of
     `consumer` loads all of them into `dst`, and each reports it loaded. -> (producer ranks'
     tensors, consumer ranks' before and after)."""
-    instances, boots = started
+    instances, boots = started[:2]
     ps, cs = instances[producer], instances[consumer]
     before = [w.dump(tmp_path / f"before-{w.name}.pt") for w in cs]
     for w in ps:
@@ -853,11 +853,14 @@ QWEN_BLOCK = 160  # vLLM raises the tiny Qwen3-Next's block size to fit its stat
 GDN = {"k_heads": 2, "v_heads": 2, "dim": 128, "width": 3}  # the tiny Qwen3-Next's (tiny_models)
 
 
-@pytest.fixture(scope="module")
-def qwen3_next(tiny_qwen3_next, tmp_path_factory):
+@pytest.fixture(scope="module", params=["SD", "DS"])
+def qwen3_next(request, tiny_qwen3_next, tmp_path_factory):
     """Producers TP 1 and TP 2, consumers TP 1 and TP 2, blocks of 160 (as vLLM picks for the
-    tiny Qwen3-Next), and a TP-1 consumer of blocks of 320: one process per side, a worker per rank, over vLLM's own grouping and
-    allocation of its KV cache (worker_child.vllm_caches). -> ({instance: [workers]}, {producer: bootstrap})."""
+    tiny Qwen3-Next), and a TP-1 consumer of blocks of 320: one process per side, a worker per
+    rank, over vLLM's own grouping and allocation of its KV cache (worker_child.vllm_caches), in
+    either conv state layout vLLM keeps (VLLM_SSM_CONV_STATE_LAYOUT: SD unless NIXL is configured,
+    then DS; vLLM's CPU platform sets it in the process that configures it, so it is pinned here,
+    never inherited). -> ({instance: [workers]}, {producer: bootstrap}, conv layout)."""
     boots = {"p1": f"tcp://127.0.0.1:{_free_port()}", "p2": f"tcp://127.0.0.1:{_free_port()}"}
     producers = {
         "p1": _vllm_spec("kv_producer", 110, (1, 0), QWEN_BLOCK, bootstrap=boots["p1"]),
@@ -870,37 +873,40 @@ def qwen3_next(tiny_qwen3_next, tmp_path_factory):
         "c2-0": _vllm_spec("kv_consumer", 114, (2, 0), QWEN_BLOCK),
         "c2-1": _vllm_spec("kv_consumer", 115, (2, 1), QWEN_BLOCK),
     }
-    p, c = _start(tiny_qwen3_next, tmp_path_factory.mktemp("qwen3-next"), producers, consumers, num_blocks=24)
+    layout, logs = request.param, tmp_path_factory.mktemp("qwen3-next")
+    env = {"VLLM_SSM_CONV_STATE_LAYOUT": layout}
+    p, c = _start(tiny_qwen3_next, logs, producers, consumers, num_blocks=24, env=env)
     try:
         instances = {}
         for child, specs in ((p, producers), (c, consumers)):
             for w in specs:
                 instances.setdefault(w.split("-")[0], []).append(Worker(child, w))
-        yield instances, boots
+        yield instances, boots, layout
     finally:
         c.close()
         p.close()
 
 
-def _gdn(t: torch.Tensor, slot: int, tp: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+def _gdn(t: torch.Tensor, slot: int, tp: int, layout: str) -> tuple[list[torch.Tensor], torch.Tensor]:
     """A rank's state in page `slot` as vLLM's GDN layer keeps it (int32 views: bit-exact):
-    the conv state [width, q | k | v channels] split into its q, k and v sections, and the SSM
-    state [value heads, dim, dim]."""
+    the conv state (SD: [width, q | k | v channels]; DS: [channels, width], seen here
+    transposed) split into its q, k and v sections, and the SSM state [value heads, dim, dim]."""
     kh, vh, d, w = GDN["k_heads"] // tp, GDN["v_heads"] // tp, GDN["dim"], GDN["width"]
     raw = t[slot, 0, 0].view(torch.uint8)
-    conv = raw[: w * (2 * kh + vh) * d * 4].view(torch.int32).view(w, -1)
+    flat = raw[: w * (2 * kh + vh) * d * 4].view(torch.int32)
+    conv = flat.view(w, -1) if layout == "SD" else flat.view(-1, w).t()
     ssm = raw[conv.numel() * 4 : conv.numel() * 4 + vh * d * d * 4].view(torch.int32).view(vh, d, d)
     return [conv[:, : kh * d], conv[:, kh * d : 2 * kh * d], conv[:, 2 * kh * d :]], ssm
 
 
-def _want_state(src_t, want, src_slot: int, dst_slot: int) -> None:
+def _want_state(src_t, want, src_slot: int, dst_slot: int, layout: str) -> None:
     """Each consumer rank's state slot as it must end (in place in `want`): every q, k and v
     channel of each conv column and every value head of the SSM state, from the producer rank
     holding it, at this rank's place; the page's padding as before."""
-    states = [_gdn(t[QWEN_STATE], src_slot, len(src_t)) for t in src_t]
+    states = [_gdn(t[QWEN_STATE], src_slot, len(src_t), layout) for t in src_t]
     whole = [torch.cat([s[0][i] for s in states], dim=1) for i in range(3)], torch.cat([s[1] for s in states])
     for rank, w in enumerate(want):
-        sections, ssm = _gdn(w[QWEN_STATE], dst_slot, len(want))
+        sections, ssm = _gdn(w[QWEN_STATE], dst_slot, len(want), layout)
         for mine, glob in zip(sections, whole[0]):
             n = mine.shape[1]
             mine.copy_(glob[:, rank * n : (rank + 1) * n])
@@ -920,7 +926,7 @@ def test_qwen3_next_state_and_attention_reshard_across_tp(qwen3_next, tmp_path, 
     src, dst = [[5], [3, 4]], [[9], [2, 10]]  # per group: state slot, full (vLLM's group order)
     src_t, before, after = _groups_transfer(qwen3_next, tmp_path, room, producer, consumer, src, dst, 300)
     want = _want_by_group(src_t, before, src, dst, (QWEN_BLOCK,) * 2, [0, 0], {QWEN_ATTENTION: 1}, n=300)
-    _want_state(src_t, want, 5, 9)
+    _want_state(src_t, want, 5, 9, qwen3_next[2])
     for rank, (w, a) in enumerate(zip(want, after)):
         for b in range(a[QWEN_ATTENTION].shape[0]):
             assert torch.equal(a[QWEN_ATTENTION][b].view(torch.uint8), w[QWEN_ATTENTION][b]), (
@@ -932,7 +938,7 @@ def test_a_qwen3_next_consumer_of_another_block_size_at_equal_tp_is_refused_nami
     """Equal TP sizes, blocks of 160 into 320: the state has no buffer of its own (it moves as
     whole pages or TP slices), so the producer refuses the registration naming both sides and
     why, and the load fails by request at once (not by its deadline)."""
-    instances, boots = qwen3_next
+    instances, boots, _ = qwen3_next
     producer, consumer = instances["p1"][0], instances["c320"][0]
     producer.step(sends=[{"req_id": "p123", "room": 123, "num_tokens": 300, "blocks": [[5], [3, 4]]}])
     load = {"req_id": "c123", "remote": _remote(123, boots["p1"], 300), "first": 0, "count": 300}
