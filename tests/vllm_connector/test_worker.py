@@ -922,7 +922,7 @@ def test_qwen3_next_state_and_attention_reshard_across_tp(qwen3_next, tmp_path, 
     consumer rank's slot gets its share of the state (a rank's slice of a page is not one byte
     range: each conv column's q, k and v channels, the SSM state's value heads) and its heads of
     the 300 tokens' K and V, byte-equal; every other byte (the slot page's padding, other
-    pages) untouched."""
+    pages) untouched; in either conv state layout (the fixture's)."""
     src, dst = [[5], [3, 4]], [[9], [2, 10]]  # per group: state slot, full (vLLM's group order)
     src_t, before, after = _groups_transfer(qwen3_next, tmp_path, room, producer, consumer, src, dst, 300)
     want = _want_by_group(src_t, before, src, dst, (QWEN_BLOCK,) * 2, [0, 0], {QWEN_ATTENTION: 1}, n=300)
