@@ -244,7 +244,9 @@ def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
     and TP size when it connects),
     else one line naming both sides' models and what differs in words, e.g.
     "prefill gpt-oss-120b vs decode gpt-oss-20b: layers: prefill 36, decode 24; ...". The
-    buffers are compared with prefill as the source and decode as the destination."""
+    buffers are compared with prefill as the source and decode as the destination. Where
+    both describe them, the sliding window and a conv state's layout must match too (no
+    buffer shows either)."""
     described = prefill.model is not None and decode.model is not None
     same_pages = prefill.page_size == decode.page_size
     same_tp = not described or prefill.model.tp_size == decode.model.tp_size
@@ -253,10 +255,16 @@ def layout_difference(prefill: LayoutInfo, decode: LayoutInfo) -> str | None:
         i.model.swa.window if i.model is not None and i.model.swa is not None else None for i in (prefill, decode)
     ]
     same_window = None in windows or windows[0] == windows[1]
+    # a conv state's layout ([width, channels] or [channels, width]): no buffer shows it either,
+    # and whole state pages of one would land as the other's
+    convs = [
+        i.model.linear.conv_transposed if i.model is not None and i.model.linear else None for i in (prefill, decode)
+    ]
+    same_conv = None in convs or convs[0] == convs[1]
     same_model = (
         (same_pages and same_tp) or (described and not model_differences(prefill.model, decode.model))
     ) and not (described and identity_differences(prefill.model, decode.model))
-    if prefill.layout == decode.layout and buffers is None and same_window and same_model:
+    if prefill.layout == decode.layout and buffers is None and same_window and same_conv and same_model:
         return None
     words = []
     if not same_pages and not described:

@@ -105,6 +105,21 @@ def test_a_sliding_window_difference_is_refused_though_the_buffers_pair_up():
     assert L.layout_difference(prefill=p, decode=info(wider, described=False)) is None  # cannot tell
 
 
+def test_a_conv_state_layout_difference_is_refused_though_the_buffers_pair_up():
+    """vLLM keeps a GDN conv state [width, channels] ("SD") or [channels, width] ("DS", where
+    NixlConnector is configured, or VLLM_SSM_CONV_STATE_LAYOUT says so): same bytes per slot, so
+    equal TP and page sizes would move whole state pages of one layout into the other's. The
+    description refuses it, naming both."""
+    base = get_preset("qwen3-next-80b-a3b")
+    sd = dataclasses.replace(base, linear=dataclasses.replace(base.linear, conv_transposed=True))
+    p, d = info(base), info(sd)
+    assert p.buffers == d.buffers
+    why = _one_line(L.layout_difference(prefill=p, decode=d))
+    assert "linear state conv state: prefill channels x width, decode width x channels" in why
+    assert L.layout_difference(prefill=info(sd), decode=info(sd)) is None
+    assert L.layout_difference(prefill=p, decode=info(sd, described=False)) is None  # cannot tell
+
+
 def test_dtype():
     base = get_preset("tiny-full")
     fp8 = dataclasses.replace(base, full=dataclasses.replace(base.full, dtype="float8_e4m3fn"))
