@@ -529,7 +529,23 @@ class StagedWrite:
                 if stopped():
                     raise Cancelled("send stopped while waiting for an ack: the request was aborted") from None
                 if time.monotonic() >= give_up:
-                    raise AckTimeout(f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s") from None
+                    raise AckTimeout(
+                        f"transfer {transfer_id}: no ack for chunk {index} within {timeout} s ({self._heard(index)})"
+                    ) from None
+
+    def _heard(self, index: int) -> str:
+        """What the receiver said before it went quiet, for the AckTimeout: no ack at all (a
+        lost notice, a stopped receiver loop, a first chunk refused) reads differently from
+        acks that stopped at chunk k (chunk k + 1 refused or its scatter stuck). The channel
+        keeps no history to ask, so a wait of 0 s per chunk below `index` asks (failure path only)."""
+        channel, transfer_id = self.remote.channel, self.remote.transfer_id
+        for k in range(index - 1, -1, -1):
+            try:
+                channel.wait_done(transfer_id, k, 0.0)
+            except AckTimeout:
+                continue
+            return f"{self.told} chunks told, acks heard up to chunk {k}"
+        return f"{self.told} chunks told, no ack heard"
 
 
 @dataclass(frozen=True)
