@@ -41,10 +41,23 @@ def _pool(tp_size: int = 1, tp_rank: int = 0) -> PoolSettings:
     )
 
 
+# Prefill and decode share this process: a stall of the whole process (seconds, in the full
+# suite) stops both sides' heartbeats at once, and the first to wake would call the other silent.
+# No test here is about liveness (tests/faults is), so peers are judged dead only after this.
+DEAD_AFTER_S = 60.0
+
+
 @pytest.fixture()
 def prefill():
     memory.register()
-    server = PrefillServer(PrefillConfig(pool=_pool(), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",)))
+    server = PrefillServer(
+        PrefillConfig(
+            pool=_pool(),
+            bootstrap_bind="tcp://127.0.0.1:*",
+            transports=("memory",),
+            dead_after_s=DEAD_AFTER_S,
+        )
+    )
     yield server
     server.close()
 
@@ -52,7 +65,12 @@ def prefill():
 def test_two_decode_ranks_receive_their_heads_from_one_prefill_rank(prefill):
     decodes = [
         DecodeServer(
-            DecodeConfig(pool=_pool(2, rank), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",))
+            DecodeConfig(
+                pool=_pool(2, rank),
+                bootstrap_addr=prefill.bootstrap_endpoint,
+                transports=("memory",),
+                dead_after_s=DEAD_AFTER_S,
+            )
         )
         for rank in range(2)
     ]
@@ -131,7 +149,11 @@ def test_a_decode_rank_that_lies_or_claims_a_taken_rank_is_refused_and_changes_n
 def test_a_send_is_prepared_while_the_prompt_computes_once_decode_has_asked(prefill, decode_first, eventually):
     """Decode's TransferRequest here before the pages are allocated: the send is laid out on a
     transfer worker while the engine computes (the prefill answer says so); after compute: not."""
-    decode = DecodeServer(DecodeConfig(pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",)))
+    decode = DecodeServer(
+        DecodeConfig(
+            pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",), dead_after_s=DEAD_AFTER_S
+        )
+    )
     try:
         tokens, out = np.arange(40) % 97, {}
         asks = threading.Thread(target=lambda: out.__setitem__("decode", decode.decode(12, tokens)))
@@ -158,7 +180,11 @@ def test_a_request_aborted_while_its_jobs_wait_for_a_worker_plans_nothing(prefil
     """Decode asked first, so the send is to be prepared while the prompt computes; every
     transfer worker of that decode is busy until the request was aborted: neither its prepare
     job nor its transfer job plans anything, both sides fail it, every page is free again."""
-    decode = DecodeServer(DecodeConfig(pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",)))
+    decode = DecodeServer(
+        DecodeConfig(
+            pool=_pool(), bootstrap_addr=prefill.bootstrap_endpoint, transports=("memory",), dead_after_s=DEAD_AFTER_S
+        )
+    )
     release, planned, real = threading.Event(), [], prefill.sender.prepare
     prefill.sender.prepare = lambda *a, **k: (planned.append(a), real(*a, **k))[1]
     try:
@@ -204,7 +230,13 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
     )
     ranks = [
         PrefillServer(
-            PrefillConfig(pool=full(0), bootstrap_bind="tcp://127.0.0.1:*", transports=("memory",), transfer=staged)
+            PrefillConfig(
+                pool=full(0),
+                bootstrap_bind="tcp://127.0.0.1:*",
+                transports=("memory",),
+                dead_after_s=DEAD_AFTER_S,
+                transfer=staged,
+            )
         )
     ]
     ranks.append(
@@ -213,6 +245,7 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
                 pool=full(1),
                 bootstrap_bind=None,
                 transports=("memory",),
+                dead_after_s=DEAD_AFTER_S,
                 transfer=staged,
                 bootstrap_addr=ranks[0].bootstrap_endpoint,
             )
@@ -224,6 +257,7 @@ def test_every_sender_of_a_resharded_request_gets_staging_slots_of_its_own():
             transfer=TransferConfig(staging_slots=2),
             bootstrap_addr=ranks[0].bootstrap_endpoint,
             transports=("memory",),
+            dead_after_s=DEAD_AFTER_S,
         )
     )
     try:
