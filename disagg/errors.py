@@ -14,6 +14,7 @@ must not import disagg); the control plane's branch lives here.
      |    +-- InjectedFault                  a failure injected on purpose (transfer.faults)
      +-- Cancelled                           the request was aborted (client, router or peer)
      +-- ProtocolError                       a control-plane message refused, or a peer silent
+     |    +-- Unanswered                     a registration got no answer in time: look up again
      +-- Overloaded                          admission refused: queue or pool full (HTTP 503)
      +-- Unavailable                         no pair can serve: each is down, with why (HTTP 503)
      +-- BadRequest                          invalid API input (HTTP 400)
@@ -35,6 +36,7 @@ __all__ = [
     "RequestFailed",
     "TooLarge",
     "TransferError",
+    "Unanswered",
     "Unavailable",
     "VerifyError",
 ]
@@ -42,6 +44,11 @@ __all__ = [
 
 class ProtocolError(DisaggError):
     pass
+
+
+class Unanswered(ProtocolError):
+    """A prefill did not answer our registration in time: it may have died, and the bootstrap
+    may name its successor by now (decode looks the rank up again while its deadline lasts)."""
 
 
 class Overloaded(DisaggError):

@@ -8,6 +8,10 @@ wrong model is unready with the difference as its reason before any request is s
     request thread / watch --senders()--> PrefillPeers.lookup (bootstrap, cached)
                                       --> RegisterDecode to each new rank (loop thread sends)
                                       --> PrefillPeers.wait_registered (answer or refusal)
+                                      <-- Unanswered: again from the lookup, while the
+                                          deadline lasts (a rank that died after the
+                                          lookup named it; the bootstrap may name its
+                                          successor now)
 """
 
 import logging
@@ -19,7 +23,7 @@ from disagg.control.io import DealerIO
 from disagg.control.messages import RegisterDecode
 from disagg.decode.instances import SenderRanks
 from disagg.decode.peers import PrefillPeer, PrefillPeers
-from disagg.errors import DisaggError, ProtocolError
+from disagg.errors import DisaggError, ProtocolError, Unanswered
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +38,17 @@ class Introducer:
         """The registered prefill ranks behind `bootstrap` that hold some of our heads (one if
         the instances' TP sizes are equal: our rank). `check_layout=False` registers even
         with a prefill whose layout the lookup shows to differ: prefill refuses it in the
-        same words and logs the refusal, so both sides' operators see it."""
+        same words and logs the refusal, so both sides' operators see it. A registration
+        unanswered in time (PrefillPeers.wait_registered) starts over from the lookup."""
+        while True:
+            try:
+                return self._introduce(bootstrap, deadline, check_layout)
+            except Unanswered as exc:
+                if time.monotonic() >= deadline:
+                    raise
+                log.info("%s; looking prefill up again at %s", exc, bootstrap)
+
+    def _introduce(self, bootstrap: str, deadline: float, check_layout: bool) -> list[PrefillPeer]:
         first = self.peers.lookup(bootstrap, deadline, 0, check_layout)
         peers = []
         for rank in self.instances.sender_ranks(first):

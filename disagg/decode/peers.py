@@ -1,25 +1,45 @@
 """The prefill peers of one decode: bootstrap lookups (cached until the peer is lost or its
 registration fails), one registration per prefill epoch, and liveness. Request threads look
 peers up and wait for their registration; the loop thread records answers and heartbeats and
-drops silent peers (under one lock)."""
+drops silent peers (under one lock).
+
+A registration's life (one PrefillPeer per prefill epoch; every request that needs that
+epoch waits on the same one):
+
+    SENT --Registered--> ACCEPTED
+      |  --Refused-----> REFUSED       (final: its reason goes to every waiter)
+      +--no answer by answer_by (dead_after_s after it was sent)--> UNANSWERED
+                                       (every waiter wakes: each looks the rank up again,
+                                        since the bootstrap may name the prefill's successor)
+"""
 
 import threading
 import time
 from dataclasses import dataclass, field
+from enum import Enum, auto
 
 from disagg.bootstrap.server import BootstrapClient
 from disagg.control.auth import Gate
 from disagg.control.liveness import Liveness
 from disagg.control.layout import LayoutInfo, layout_difference
 from disagg.control.messages import PROTOCOL_VERSION, RegisterPrefill
-from disagg.errors import ProtocolError
+from disagg.errors import ProtocolError, Unanswered
+
+
+class Registration(Enum):
+    SENT = auto()  # RegisterDecode sent, no answer yet
+    ACCEPTED = auto()
+    REFUSED = auto()  # prefill said no (`why`)
+    UNANSWERED = auto()  # no answer by `answer_by`: given up on
 
 
 @dataclass(eq=False)
 class PrefillPeer:
     info: RegisterPrefill
-    registered: threading.Event = field(default_factory=threading.Event)  # answered (either way)
-    refused: str = ""
+    answer_by: float  # monotonic: a registration unanswered by then is given up
+    phase: Registration = Registration.SENT
+    why: str = ""  # REFUSED: prefill's reason
+    settled: threading.Event = field(default_factory=threading.Event)  # left SENT
     epoch: int = 0
     transport: str = ""  # the transport prefill picked for us
 
@@ -31,6 +51,7 @@ class PrefillPeer:
 class PrefillPeers:
     def __init__(self, gate: Gate, layout: LayoutInfo, dead_after_s: float):
         self._gate, self.layout = gate, layout
+        self._answer_s = dead_after_s  # a prefill silent this long after our registration is lost
         self._lock = threading.Lock()
         self._peers: dict[str, PrefillPeer] = {}  # control endpoint -> peer
         self._lookups: dict[tuple[str, int], RegisterPrefill] = {}
@@ -79,7 +100,7 @@ class PrefillPeers:
         with self._lock:
             peer = self._peers.get(info.control_endpoint)
             ok = peer is not None and peer.info.epoch == info.epoch and self._liveness.known(info.control_endpoint)
-            return peer if ok and peer.registered.is_set() and not peer.refused else None
+            return peer if ok and peer.phase is Registration.ACCEPTED else None
 
     def join(self, info: RegisterPrefill) -> tuple[PrefillPeer, bool]:
         """The peer a lookup named and whether it is new (then the caller registers)."""
@@ -87,23 +108,40 @@ class PrefillPeers:
             peer = self._peers.get(info.control_endpoint)
             fresh = peer is None or peer.info.epoch != info.epoch
             if fresh:
-                peer = self._peers[info.control_endpoint] = PrefillPeer(info)
+                peer = PrefillPeer(info, time.monotonic() + self._answer_s)
+                self._peers[info.control_endpoint] = peer
             return peer, fresh
 
     def wait_registered(self, peer: PrefillPeer, deadline: float) -> PrefillPeer:
-        """The peer once it accepted our registration. Unanswered in time or refused, it is
-        forgotten with its lookups (the next request looks the rank up and registers again:
-        the bootstrap may name another prefill by then) and its socket is left to the loop
-        thread to close (`abandoned`)."""
-        if not peer.registered.wait(max(0.0, deadline - time.monotonic())):
-            self._abandon(peer)
-            raise ProtocolError(
-                f"prefill {peer.endpoint} did not answer the registration in time (the next request looks it up again)"
+        """The peer once it accepted our registration. Refused, or unanswered by its
+        `answer_by`, it is forgotten with its lookups (the next look asks the bootstrap again:
+        it may name another prefill by then), its socket left to the loop thread to close
+        (`abandoned`), and every request waiting on it wakes: Unanswered (look it up again)
+        or ProtocolError (refused, or our own deadline came first)."""
+        if not peer.settled.wait(max(0.0, min(deadline, peer.answer_by) - time.monotonic())):
+            if time.monotonic() < peer.answer_by:  # our deadline, not the registration's
+                raise ProtocolError(f"prefill {peer.endpoint} did not answer the registration within the deadline")
+            self._settle(peer, Registration.UNANSWERED)
+        if peer.phase is Registration.UNANSWERED:
+            raise Unanswered(
+                f"prefill {peer.endpoint} did not answer the registration in {self._answer_s:g} s "
+                "(the next look asks the bootstrap again)"
             )
-        if peer.refused:
+        if peer.phase is Registration.REFUSED:
             self._abandon(peer)
-            raise ProtocolError(f"prefill refused registration: {peer.refused}")
+            raise ProtocolError(f"prefill refused registration: {peer.why}")
         return peer
+
+    def _settle(self, peer: PrefillPeer, phase: Registration, why: str = "") -> bool:
+        """Move a SENT registration to `phase` and wake its waiters (False: it had left SENT)."""
+        with self._lock:
+            if peer.phase is not Registration.SENT:
+                return False
+            peer.phase, peer.why = phase, why
+        if phase is Registration.UNANSWERED:
+            self._abandon(peer)
+        peer.settled.set()
+        return True
 
     def _abandon(self, peer: PrefillPeer) -> None:
         with self._lock:
@@ -116,11 +154,11 @@ class PrefillPeers:
     def registered(self, endpoint: str, epoch: int, transport: str) -> None:
         with self._lock:
             peer = self._peers.get(endpoint)
-            if peer is None:
+            if peer is None or peer.phase is not Registration.SENT:
                 return
             peer.epoch, peer.transport = epoch, transport
             self._liveness.heard(endpoint)
-        peer.registered.set()
+        self._settle(peer, Registration.ACCEPTED)
 
     def refused(self, endpoint: str, reason: str) -> bool:
         """A Refused from `endpoint`: the answer to our registration (False), or, once
@@ -129,10 +167,9 @@ class PrefillPeers:
             peer = self._peers.get(endpoint)
             if peer is None:
                 return False
-            if peer.registered.is_set():
+            if peer.phase is Registration.ACCEPTED:
                 return True
-            peer.refused = reason
-        peer.registered.set()
+        self._settle(peer, Registration.REFUSED, reason)
         return False
 
     def heard(self, endpoint: str) -> None:
