@@ -12,7 +12,9 @@ another (issue 40: the N -> 1 rows' bottleneck); here chunks of different sender
 chunks one sender has in flight, are copied side by side. A sender's acks are cumulative
 (transfer.leases.AckLedger: an ack of chunk i says every earlier one is scattered and its
 slot free), so an outcome is acknowledged only once every earlier chunk of its stream that
-was submitted is scattered too; a chunk that failed or was skipped ends its stream's acks.
+was submitted is scattered too; a chunk that failed or was skipped ends its stream's acks
+from that chunk on (those below it are still acknowledged as they finish: the sender's
+AckTimeout then says how far its chunks got; decode acks only a live request anyway).
 
 The pool knows nothing of requests: `live` and `copy` are the owner's (decode: the request
 table's recheck, the receiver's scatter). The owner keeps a request's pages and slots held
@@ -48,22 +50,21 @@ class _Stream:
 
     waiting: list[int] = field(default_factory=list)  # submitted, not drained (a multiset)
     held: list[int] = field(default_factory=list)  # scattered, an earlier chunk still waiting
-    ended: bool = False  # a chunk failed or was skipped: no more acks
+    stop: float = float("inf")  # the lowest chunk that failed or was skipped: none from it on is acked
 
     def settle(self, index: int, state: Scattered) -> int | None:
-        """Chunk `index` came back in `state`: the chunk to acknowledge now, if any."""
+        """Chunk `index` came back in `state`: the chunk to acknowledge now, if any. Chunks
+        below a failed one are still acknowledged as they finish (an ack of i says only that
+        every chunk up to i is scattered), so the sender can tell how far its chunks got."""
         self.waiting.remove(index)
-        if state is not Scattered.SCATTERED:
-            self.ended, self.held = True, []
-        if self.ended:
-            return None
-        self.held.append(index)
-        low = min(self.waiting, default=None)
-        ready = [i for i in self.held if low is None or i < low]
-        if not ready:
-            return None
-        self.held = [i for i in self.held if i not in ready]
-        return max(ready)
+        if state is Scattered.SCATTERED:
+            self.held.append(index)
+        else:
+            self.stop = min(self.stop, index)
+        low = min(self.waiting, default=self.stop)
+        ready = [i for i in self.held if i < min(low, self.stop)]
+        self.held = [i for i in self.held if i not in ready and i < self.stop]
+        return max(ready) if ready else None
 
 
 class ScatterPool:

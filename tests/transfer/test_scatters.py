@@ -1,6 +1,7 @@
 """ScatterPool on its own (real worker threads): outcomes come back to the draining thread,
 a stream's acks only ever cover chunks that are all scattered (a sender's acks are
-cumulative: transfer.leases.AckLedger), a failed or skipped chunk ends its stream's acks, and
+cumulative: transfer.leases.AckLedger), a failed or skipped chunk ends its stream's acks from
+that chunk on (the chunks below it are still acknowledged as they finish), and
 the owner's wake is called for every outcome."""
 
 import threading
@@ -73,6 +74,27 @@ def test_streams_are_acknowledged_independently_and_a_failure_ends_only_its_own(
     [failed] = [o for o in loop.outcomes if o.state is Scattered.FAILED]
     assert failed.index == 0 and failed.tag == "room a" and isinstance(failed.error, StagingError)
     assert failed.ack_upto is None and loop.pool.busy() == 0  # chunk 1 of "a" is never acknowledged
+    loop.pool.close()
+
+
+def test_chunks_below_a_failed_one_are_still_acknowledged_when_they_finish_after_it():
+    """Chunk 1 is refused while chunk 0 still copies: chunk 0's ack still comes (an ack of 0
+    says only that 0 is scattered, which it is), chunk 2's never does. The full suite once saw
+    the sender's AckTimeout read "no ack heard" here, hiding that the acks stopped at chunk 1."""
+    loop = Loop()
+    go, copy = gated()
+
+    def refused():
+        raise StagingError("chunk 1: items [64, 128) outside 100 full destination indices")
+
+    loop.pool.submit("a", 0, lambda: True, copy)
+    loop.pool.submit("a", 1, lambda: True, refused)
+    loop.pool.submit("a", 2, lambda: True, lambda: None)
+    got = loop.until(2)
+    assert ("a", 1, Scattered.FAILED, None) in got and ("a", 2, Scattered.SCATTERED, None) in got
+    go.set()
+    assert loop.until(3)[-1] == ("a", 0, Scattered.SCATTERED, 0)
+    assert loop.pool.busy() == 0
     loop.pool.close()
 
 
