@@ -1,0 +1,372 @@
+r"""Gathered sends: the sender gathers, the link writes straight into the receiver's pages.
+
+Where one sender covers the whole of a receiver's row (TP 1 -> 8, 1 -> 2, 2 -> 8, ...; also
+equal TP at another page size), a staged piece's destination is whole rows of the receiver's
+pages: contiguous there. So the sender gathers a chunk into a local staging slot laid out as
+an IMAGE of the receiver's pages, and writes each run of consecutive destination pages with
+one range: no receiver slot, no scatter, no chunk notice or ack (two copies, not three).
+
+    receiver page (page-major, a TP 8 rank):  | L0.k: P rows | L0.v: P rows | L1.k ... |  pitch
+    local slot, one chunk:                    | page image 0 | page image 1 | ...        (per region)
+        image of a page = the region's lanes' bytes [lo, lo + width) of one page, lane j's
+        row r at (offset_j - lo) + r * token_bytes: the receiver's own layout
+    ranges:  a run of consecutive whole pages -> one range (width == pitch), else one per page;
+             a page the request covers only partly (its first or last) -> one range per lane,
+             its rows only: no byte outside the request's rows is written
+
+Rows are gathered in units of u = min(page sizes) rows (one page of the smaller side: a unit
+is contiguous on both sides), all units of a band of lanes in one numpy fancy-indexed copy.
+Plan-only: every destination offset comes from the validated plan's rows (check_pages) and
+its receiver lanes (inside their items, checked here); the link checks each range again.
+"""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvpool.geometry import Component
+from transfer.layers import LayerGroup
+from transfer.plan import ComponentPlan
+from transfer.tokens import Lane
+from transfer.transports.ranges import Ranges
+
+ALIGN = 16  # region images in a slot start at multiples of this
+
+
+@dataclass(frozen=True)
+class _Band:
+    """Lanes [lo, lo + n) of a component: one source buffer at one step, one receiver region
+    at one step (what one strided view moves on each side)."""
+
+    lo: int
+    n: int
+    src: np.ndarray  # [lanes, items, units per item, u] rows (void) over the source pool
+    region: int  # index into the component's regions
+    img_off: int  # lane lo's row 0 in the region's page image
+    img_step: int  # bytes from one lane to the next in the image
+    token_bytes: int
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A receiver region's share of a component: its lanes' bytes [lo, lo + width) of an item."""
+
+    region: int  # the receiver's region id
+    pitch: int  # bytes of one receiver item
+    lo: int
+    width: int
+    lanes: np.ndarray  # the component's lane indices in this region
+    offsets: np.ndarray  # their receiver offsets (bytes into an item)
+    token_bytes: np.ndarray
+    span_off: np.ndarray  # runs of bytes the lanes cover: offsets from lo
+    span_len: np.ndarray
+
+
+@dataclass(frozen=True)
+class _Copy:
+    """One band's units of one chunk: image (page k, unit q) <- source (item i, unit s)."""
+
+    band: _Band
+    base: int  # the band's region image in the slot
+    pages: int  # pages in the chunk
+    width: int
+    per_page: int  # units per receiver page
+    u: int
+    k: np.ndarray
+    q: np.ndarray
+    i: np.ndarray
+    s: np.ndarray
+    partial: tuple[tuple[int, int, int, int, int], ...]  # (k, q, i, s, rows) of a short last unit
+
+    def run(self, slot: np.ndarray) -> None:
+        b = self.band
+        img = np.lib.stride_tricks.as_strided(
+            slot[self.base + b.img_off :],
+            (b.n, self.pages, self.per_page, self.u, b.token_bytes),
+            (b.img_step, self.width, self.u * b.token_bytes, b.token_bytes, 1),
+        ).view(np.dtype((np.void, b.token_bytes)))[..., 0]
+        if len(self.k):
+            img[:, self.k, self.q] = b.src[:, self.i, self.s]
+        for k, q, i, s, rows in self.partial:
+            img[:, k, q, :rows] = b.src[:, i, s, :rows]
+
+
+@dataclass(frozen=True)
+class GatheredChunk:
+    layers_needed: int  # streamed: model layers [0, n) must be final before it is gathered
+    nbytes: int  # slot bytes it fills
+    copies: tuple[_Copy, ...]
+    ranges: Ranges  # source offsets from the slot's start (src_region: set at the write)
+
+    def gather(self, slot: torch.Tensor) -> None:
+        """Its page images into `slot` (a host tensor): one copy per band."""
+        data = slot.numpy()
+        for c in self.copies:
+            c.run(data)
+
+
+@dataclass(frozen=True)
+class GatherPlan:
+    """A send's gathered chunks, per layer group (in order), and how many ranges they write."""
+
+    chunks: tuple[tuple[GatheredChunk, ...], ...]  # per group
+    num_ranges: int
+
+    @property
+    def num_chunks(self) -> int:
+        return sum(len(g) for g in self.chunks)
+
+
+def gather_plan(
+    groups: Sequence[LayerGroup], slot_bytes: int, tensors: dict[Component, list[torch.Tensor]], streamed: bool
+) -> GatherPlan | None:
+    """The by-token components of `groups` as gathered chunks of <= slot_bytes, or None where
+    a send cannot go so (no by-token component; one whose receiver lanes are not whole rows
+    tiling their items' bytes; pages not aligned; a receiver page wider than a slot; a pool
+    not in host memory). Whole-item components are not gathered (they go direct)."""
+    out, ranges, any_token = [], 0, False
+    for g in groups:
+        chunks: list[GatheredChunk] = []
+        for cp in g.body:
+            if not cp.by_token:
+                continue
+            any_token = True
+            got = _component(cp, slot_bytes, tensors[cp.component], g.layers.stop if streamed else 0)
+            if got is None:
+                return None
+            chunks += got
+        ranges += sum(len(c.ranges) for c in chunks)
+        out.append(tuple(chunks))
+    return GatherPlan(tuple(out), ranges) if any_token else None
+
+
+def _regions(dst: tuple[Lane, ...]) -> list[_Region] | None:
+    """The receiver's regions of a component's lanes: each lane's rows whole (back to back
+    in a page, or one row per item), no two lanes overlapping, all inside the item; else None.
+    A region's image spans its lanes' bytes [lo, lo + width) of an item; its `spans` are the
+    runs of bytes the lanes cover (alignment padding between lanes is never written)."""
+    by: dict[int, list[int]] = {}
+    for j, lane in enumerate(dst):
+        if (lane.stride != lane.token_bytes and lane.page_size != 1) or lane.offset < 0:
+            return None
+        by.setdefault(lane.region, []).append(j)
+    out = []
+    for region, js in by.items():
+        js.sort(key=lambda j: dst[j].offset)
+        starts = np.array([dst[j].offset for j in js], dtype=np.int64)
+        ends = starts + np.array([dst[j].page_size * dst[j].token_bytes for j in js], dtype=np.int64)
+        pitch = dst[js[0]].pitch
+        if (starts[1:] < ends[:-1]).any() or ends[-1] > pitch or any(dst[j].pitch != pitch for j in js):
+            return None
+        cut = np.flatnonzero(starts[1:] != ends[:-1]) + 1
+        span_lo = starts[np.concatenate(([0], cut))]
+        span_hi = ends[np.concatenate((cut - 1, [len(js) - 1]))]
+        tb = np.array([dst[j].token_bytes for j in js], dtype=np.int64)
+        lo = int(starts[0])
+        out.append(
+            _Region(region, pitch, lo, int(ends[-1]) - lo, np.array(js), starts, tb, span_lo - lo, span_hi - span_lo)
+        )
+    return out
+
+
+def _bands(cp: ComponentPlan, regions: list[_Region], tensors: list[torch.Tensor], u: int) -> list[_Band] | None:
+    """The component's lanes cut into bands (a fixed step on both sides, one source buffer,
+    one receiver region), with their source views."""
+    where = {int(j): (ri, int(r.offsets[k]) - r.lo) for ri, r in enumerate(regions) for k, j in enumerate(r.lanes)}
+    src, cuts = cp.src_lanes, []
+    for j in range(len(src)):
+        if cuts and _extends(cuts[-1], j, src, where):
+            cuts[-1][1] += 1
+        else:
+            cuts.append([j, 1])
+    out = []
+    for lo, n in cuts:
+        first, buf = src[lo], tensors[src[lo].buffer]
+        if buf.device.type != "cpu" or first.page_size % u:
+            return None
+        s_step = src[lo + 1].offset - first.offset if n > 1 else 0
+        ri, img_off = where[lo]
+        i_step = where[lo + 1][1] - img_off if n > 1 else 0
+        flat = buf.numpy().reshape(-1)
+        view = np.lib.stride_tricks.as_strided(
+            flat[first.offset :],
+            (n, buf.shape[0], first.page_size // u, u, first.token_bytes),
+            (s_step, first.pitch, u * first.stride, first.stride, 1),
+        ).view(np.dtype((np.void, first.token_bytes)))[..., 0]
+        out.append(_Band(lo, n, view, ri, img_off, i_step, first.token_bytes))
+    return out
+
+
+def _extends(cut: list[int], j: int, src: tuple[Lane, ...], where: dict) -> bool:
+    """Whether lane j continues the band cut [lo, lo + n) on both sides."""
+    lo, n = cut
+    a, b = src[lo], src[j]
+    if (a.buffer, a.pitch, a.stride, a.token_bytes, a.page_size) != (
+        b.buffer,
+        b.pitch,
+        b.stride,
+        b.token_bytes,
+        b.page_size,
+    ):
+        return False
+    if where[lo][0] != where[j][0]:
+        return False
+    s_step = (src[lo + 1].offset - a.offset) if n > 1 else b.offset - a.offset
+    i_step = (where[lo + 1][1] - where[lo][1]) if n > 1 else where[j][1] - where[lo][1]
+    return s_step > 0 and i_step > 0 and b.offset == a.offset + n * s_step and where[j][1] == where[lo][1] + n * i_step
+
+
+@dataclass(frozen=True)
+class _Units:
+    """A component's rows in units of u rows: per unit its source (item, unit in the item) and
+    receiver (page, unit in the page) and rows; per receiver page group (units of one page)
+    its page, first row, rows."""
+
+    rows: np.ndarray
+    src_item: np.ndarray
+    src_sub: np.ndarray
+    dst_sub: np.ndarray
+    group: np.ndarray  # each unit's page group
+    g_start: np.ndarray  # first unit of each group
+    g_page: np.ndarray
+    g_row: np.ndarray
+    g_rows: np.ndarray
+
+
+def _units(cp: ComponentPlan, u: int, ps: int, pd: int) -> _Units | None:
+    """The plan's rows in units (None: a unit's rows not consecutive, or one crossing a page)."""
+    s, d = np.asarray(cp.src_idx, dtype=np.int64), np.asarray(cp.dst_idx, dtype=np.int64)
+    n = len(d)
+    starts = np.arange(0, n, u, dtype=np.int64)
+    rows = np.minimum(u, n - starts)
+    us, ud = s[starts], d[starts]
+    step = np.arange(n, dtype=np.int64) - np.repeat(starts, rows)
+    if (us % u).any() or (ud % u).any() or (s != np.repeat(us, rows) + step).any():
+        return None
+    if (d != np.repeat(ud, rows) + step).any():
+        return None
+    page = ud // pd
+    g_start = np.concatenate(([0], np.flatnonzero(np.diff(page)) + 1)).astype(np.int64)
+    group = np.cumsum(np.concatenate(([0], (np.diff(page) != 0).astype(np.int64))))
+    dst_sub = (ud % pd) // u
+    if (dst_sub != dst_sub[g_start][group] + (np.arange(len(starts)) - g_start[group])).any():
+        return None  # a page's units are not consecutive rows of it (a page named twice)
+    g_rows = np.add.reduceat(rows, g_start)
+    return _Units(rows, us // ps, (us % ps) // u, dst_sub, group, g_start, page[g_start], ud[g_start] % pd, g_rows)
+
+
+def _component(
+    cp: ComponentPlan, slot_bytes: int, tensors: list[torch.Tensor], layers_needed: int
+) -> list[GatheredChunk] | None:
+    """One by-token component's chunks, or None where it cannot be gathered."""
+    ps, pd = cp.src_lanes[0].page_size, cp.dst_lanes[0].page_size
+    u = min(ps, pd)
+    if max(ps, pd) % u or any(l.page_size != pd for l in cp.dst_lanes):
+        return None
+    regions = _regions(cp.dst_lanes)
+    if regions is None:
+        return None
+    bands = _bands(cp, regions, tensors, u)
+    if bands is None or len(cp.dst_idx) == 0:
+        return None if bands is None else []
+    units = _units(cp, u, ps, pd)
+    if units is None:
+        return None
+    per_page = sum(r.width for r in regions)
+    m = (slot_bytes - ALIGN * len(regions)) // per_page
+    if m < 1:
+        return None
+    shape = _Shape(regions, bands, units, u, pd)
+    groups = len(units.g_start)
+    return [_chunk(shape, g0, min(groups, g0 + m), layers_needed) for g0 in range(0, groups, m)]
+
+
+@dataclass(frozen=True)
+class _Shape:
+    """A gatherable component: its receiver regions, bands of lanes, rows in units of u rows,
+    and the receiver's page size."""
+
+    regions: list[_Region]
+    bands: list[_Band]
+    units: _Units
+    u: int
+    pd: int
+
+
+def _chunk(shape: _Shape, g0: int, g1: int, layers_needed: int) -> GatheredChunk:
+    """Page groups [g0, g1) of a component as one chunk: its copies and ranges."""
+    regions, bands, units, u, pd = shape.regions, shape.bands, shape.units, shape.u, shape.pd
+    pages = g1 - g0
+    bases, at = [], 0
+    for r in regions:
+        bases.append(at)
+        at = -(-(at + pages * r.width) // ALIGN) * ALIGN
+    a = int(units.g_start[g0])
+    b = int(units.g_start[g1]) if g1 < len(units.g_start) else len(units.rows)
+    k = units.group[a:b] - g0
+    full = units.rows[a:b] == u
+    copies = []
+    for band in bands:
+        short = tuple(
+            (
+                int(k[t]),
+                int(units.dst_sub[a + t]),
+                int(units.src_item[a + t]),
+                int(units.src_sub[a + t]),
+                int(units.rows[a + t]),
+            )
+            for t in np.flatnonzero(~full)
+        )
+        copies.append(
+            _Copy(
+                band,
+                bases[band.region],
+                pages,
+                regions[band.region].width,
+                pd // u,
+                u,
+                k[full],
+                units.dst_sub[a:b][full],
+                units.src_item[a:b][full],
+                units.src_sub[a:b][full],
+                short,
+            )
+        )
+    g = slice(g0, g1)
+    ranges = Ranges.concat(
+        [
+            _region_ranges(r, base, units.g_page[g], units.g_row[g], units.g_rows[g], pd)
+            for r, base in zip(regions, bases)
+        ]
+    )
+    return GatheredChunk(layers_needed, at, tuple(copies), ranges)
+
+
+def _region_ranges(r: _Region, base: int, page: np.ndarray, row: np.ndarray, rows: np.ndarray, pd: int) -> Ranges:
+    """A chunk's ranges into one receiver region: runs of consecutive whole pages (one range
+    each where the image is the whole item, else one per page); partial pages lane by lane."""
+    k = np.arange(len(page), dtype=np.int64)
+    whole = rows == pd
+    kw, pw = k[whole], page[whole]
+    if len(r.span_len) == 1 and r.width == r.pitch and len(kw):  # the whole item: runs of pages
+        cut = np.flatnonzero((np.diff(pw) != 1) | (np.diff(kw) != 1)) + 1
+        first = np.concatenate(([0], cut))
+        count = np.diff(np.concatenate((first, [len(kw)])))
+        src, dst, length = base + kw[first] * r.width, pw[first] * r.pitch + r.lo, count * r.width
+    else:  # a range per page and span
+        src = (base + kw[:, None] * r.width + r.span_off[None, :]).ravel()
+        dst = (pw[:, None] * r.pitch + r.lo + r.span_off[None, :]).ravel()
+        length = np.broadcast_to(r.span_len[None, :], (len(kw), len(r.span_len))).ravel()
+    kp, pp, rp, np_ = k[~whole], page[~whole], row[~whole], rows[~whole]
+    lane_src = (
+        base + kp[:, None] * r.width + (r.offsets - r.lo)[None, :] + rp[:, None] * r.token_bytes[None, :]
+    ).ravel()
+    lane_dst = (pp[:, None] * r.pitch + r.offsets[None, :] + rp[:, None] * r.token_bytes[None, :]).ravel()
+    lane_len = (np_[:, None] * r.token_bytes[None, :]).ravel()
+    src, dst, length = (
+        np.concatenate(x).astype(np.int64) for x in ((src, lane_src), (dst, lane_dst), (length, lane_len))
+    )
+    zero = np.zeros(len(src), dtype=np.int64)
+    return Ranges(zero, src, np.full(len(src), r.region, dtype=np.int64), dst, length)
