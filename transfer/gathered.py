@@ -99,10 +99,13 @@ class GatheredChunk:
     nbytes: int  # slot bytes it fills
     copies: tuple[_Copy, ...]
     ranges: Ranges  # source offsets from the slot's start (src_region: set at the write)
+    zero: tuple[tuple[int, int], ...] = ()  # (offset, bytes) of page images written whole, partly gathered
 
     def gather(self, slot: torch.Tensor) -> None:
         """Its page images into `slot` (a host tensor): one copy per band."""
         data = slot.numpy()
+        for off, n in self.zero:
+            data[off : off + n] = 0
         for c in self.copies:
             c.run(data)
 
@@ -335,22 +338,27 @@ def _chunk(shape: _Shape, g0: int, g1: int, layers_needed: int) -> GatheredChunk
             )
         )
     g = slice(g0, g1)
-    ranges = Ranges.concat(
-        [
-            _region_ranges(r, base, units.g_page[g], units.g_row[g], units.g_rows[g], pd)
-            for r, base in zip(regions, bases)
-        ]
-    )
-    return GatheredChunk(layers_needed, at, tuple(copies), ranges)
+    parts = [
+        _region_ranges(r, base, units.g_page[g], units.g_row[g], units.g_rows[g], pd) for r, base in zip(regions, bases)
+    ]
+    zero = tuple(z for _, zs in parts for z in zs)
+    return GatheredChunk(layers_needed, at, tuple(copies), Ranges.concat([p for p, _ in parts]), zero)
 
 
-def _region_ranges(r: _Region, base: int, page: np.ndarray, row: np.ndarray, rows: np.ndarray, pd: int) -> Ranges:
-    """A chunk's ranges into one receiver region: runs of consecutive whole pages (one range
-    each where the image is the whole item, else one per page); partial pages lane by lane."""
+def _region_ranges(
+    r: _Region, base: int, page: np.ndarray, row: np.ndarray, rows: np.ndarray, pd: int
+) -> tuple[Ranges, list[tuple[int, int]]]:
+    """A chunk's ranges into one receiver region, and the page images to zero before the
+    gather. Where the image is the whole item: runs of consecutive pages, one range each, a
+    page the request covers only partly written whole, its other rows zero (rows of no
+    position the receiver holds: past the request's end, or below what both sides cover in
+    a window's first page). Else one range per page and span, partial pages lane by lane."""
     k = np.arange(len(page), dtype=np.int64)
-    whole = rows == pd
+    filled = len(r.span_len) == 1 and r.width == r.pitch
+    whole = (rows == pd) | filled
+    zero = [(int(base + kk * r.width), r.width) for kk in k[rows != pd]] if filled else []
     kw, pw = k[whole], page[whole]
-    if len(r.span_len) == 1 and r.width == r.pitch and len(kw):  # the whole item: runs of pages
+    if filled and len(kw):  # runs of pages
         cut = np.flatnonzero((np.diff(pw) != 1) | (np.diff(kw) != 1)) + 1
         first = np.concatenate(([0], cut))
         count = np.diff(np.concatenate((first, [len(kw)])))
@@ -368,5 +376,5 @@ def _region_ranges(r: _Region, base: int, page: np.ndarray, row: np.ndarray, row
     src, dst, length = (
         np.concatenate(x).astype(np.int64) for x in ((src, lane_src), (dst, lane_dst), (length, lane_len))
     )
-    zero = np.zeros(len(src), dtype=np.int64)
-    return Ranges(zero, src, np.full(len(src), r.region, dtype=np.int64), dst, length)
+    regions = np.zeros(len(src), dtype=np.int64)
+    return Ranges(regions, src, np.full(len(src), r.region, dtype=np.int64), dst, length), zero
