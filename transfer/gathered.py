@@ -92,7 +92,7 @@ class _Moves:
             img[:, k, q, :rows] = src[:, i, s, :rows]
 
 
-def _moves(units: "_Units", a: int, b: int, k: np.ndarray, per_src: int, per_dst: int, u: int) -> _Moves:
+def _moves(units: "_Units", a: int, b: int, k: np.ndarray, *, per_src: int, per_dst: int, u: int) -> _Moves:
     """Units [a, b) of a component (k: their pages in the chunk) as runs or one fancy copy."""
     i, s, q, rows = units.src_item[a:b], units.src_sub[a:b], units.dst_sub[a:b], units.rows[a:b]
     full = rows == u
@@ -165,20 +165,25 @@ class GatherPlan:
 
 
 def gather_plan(
-    groups: Sequence[LayerGroup], slot_bytes: int, tensors: dict[Component, list[torch.Tensor]], streamed: bool
+    groups: Sequence[LayerGroup],
+    slot_bytes: int,
+    tensors: dict[Component, list[torch.Tensor]],
+    streamed: bool,
+    cache: dict | None = None,
 ) -> GatherPlan | None:
     """The by-token components of `groups` as gathered chunks of <= slot_bytes, or None where
     a send cannot go so (no by-token component; one whose receiver lanes are not whole rows
     tiling their items' bytes; pages not aligned; a receiver page wider than a slot; a pool
-    not in host memory). Whole-item components are not gathered (they go direct)."""
-    out, ranges, any_token = [], 0, False
+    not in host memory). Whole-item components are not gathered (they go direct). `cache`:
+    the caller's, kept across sends from one pool (lane pairings' layouts)."""
+    out, ranges, any_token, cache = [], 0, False, {} if cache is None else cache
     for g in groups:
         chunks: list[GatheredChunk] = []
         for cp in g.body:
             if not cp.by_token:
                 continue
             any_token = True
-            got = _component(cp, slot_bytes, tensors[cp.component], g.layers.stop if streamed else 0)
+            got = _component(cp, slot_bytes, tensors[cp.component], g.layers.stop if streamed else 0, cache)
             if got is None:
                 return None
             chunks += got
@@ -216,11 +221,29 @@ def _regions(dst: tuple[Lane, ...]) -> list[_Region] | None:
     return out
 
 
-def _bands(cp: ComponentPlan, regions: list[_Region], tensors: list[torch.Tensor], u: int) -> list[_Band] | None:
+def _layout(src: tuple[Lane, ...], dst: tuple[Lane, ...], tensors: list[torch.Tensor], u: int, cache: dict):
+    """(regions, bands) of a lane pairing (None: not gatherable), worked out once per pairing
+    in the caller's `cache` (a sender's: its pool's tensors): a peer's lanes are the same
+    tuples for every send (keyed by identity, the lanes kept beside so an id is not reused
+    while cached; a few hundred pairings at most)."""
+    key = (id(src), id(dst), u)
+    hit = cache.get(key)
+    if hit is not None and hit[0] is src and hit[1] is dst:
+        return hit[2]
+    regions = _regions(dst)
+    bands = _bands(src, regions, tensors, u) if regions is not None else None
+    layout = (regions, bands) if bands is not None else None
+    if len(cache) >= 256:
+        cache.clear()
+    cache[key] = (src, dst, layout)
+    return layout
+
+
+def _bands(src: tuple[Lane, ...], regions: list[_Region], tensors: list[torch.Tensor], u: int) -> list[_Band] | None:
     """The component's lanes cut into bands (a fixed step on both sides, one source buffer,
     one receiver region), with their source views."""
     where = {int(j): (ri, int(r.offsets[k]) - r.lo) for ri, r in enumerate(regions) for k, j in enumerate(r.lanes)}
-    src, cuts = cp.src_lanes, []
+    cuts = []
     for j in range(len(src)):
         if cuts and _extends(cuts[-1], j, src, where):
             cuts[-1][1] += 1
@@ -303,19 +326,17 @@ def _units(cp: ComponentPlan, u: int, ps: int, pd: int) -> _Units | None:
 
 
 def _component(
-    cp: ComponentPlan, slot_bytes: int, tensors: list[torch.Tensor], layers_needed: int
+    cp: ComponentPlan, slot_bytes: int, tensors: list[torch.Tensor], layers_needed: int, cache: dict
 ) -> list[GatheredChunk] | None:
     """One by-token component's chunks, or None where it cannot be gathered."""
     ps, pd = cp.src_lanes[0].page_size, cp.dst_lanes[0].page_size
     u = min(ps, pd)
     if max(ps, pd) % u or any(l.page_size != pd for l in cp.dst_lanes):
         return None
-    regions = _regions(cp.dst_lanes)
-    if regions is None:
-        return None
-    bands = _bands(cp, regions, tensors, u)
-    if bands is None or len(cp.dst_idx) == 0:
-        return None if bands is None else []
+    layout = _layout(cp.src_lanes, cp.dst_lanes, tensors, u, cache)
+    if layout is None or len(cp.dst_idx) == 0:
+        return None if layout is None else []
+    regions, bands = layout
     units = _units(cp, u, ps, pd)
     if units is None:
         return None
@@ -352,7 +373,7 @@ def _chunk(shape: _Shape, g0: int, g1: int, layers_needed: int) -> GatheredChunk
     b = int(units.g_start[g1]) if g1 < len(units.g_start) else len(units.rows)
     k = units.group[a:b] - g0
     per_src = bands[0].src.shape[2] if bands else 1
-    moves = _moves(units, a, b, k, per_src, pd // u, u)
+    moves = _moves(units, a, b, k, per_src=per_src, per_dst=pd // u, u=u)
     copies = [_Copy(band, bases[band.region], pages, regions[band.region].width, pd // u, u, moves) for band in bands]
     g = slice(g0, g1)
     parts = [

@@ -137,6 +137,7 @@ class KVSender:
     def __init__(self, endpoint: PoolEndpoint):
         self.endpoint = endpoint
         self._buffers = tuple(endpoint.buffers)  # a tuple: grouped and paired once (transfer.buffer_sets)
+        self._gather_layouts: dict = {}  # gathered sends' lane pairings, worked out once (transfer.gathered)
 
     @property
     def shard(self) -> Shard:
@@ -268,7 +269,9 @@ class KVSender:
         cfg = self.endpoint.config
         if cfg.mode not in (Mode.AUTO, Mode.GATHERED) or self.endpoint.staging.buffer.device.type != "cpu":
             return None
-        return gather_plan(groups, self.endpoint.staging.slot_bytes, self.endpoint.tensors, streamed)
+        return gather_plan(
+            groups, self.endpoint.staging.slot_bytes, self.endpoint.tensors, streamed, self._gather_layouts
+        )
 
     @staticmethod
     def _prepare_writes(
