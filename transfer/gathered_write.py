@@ -29,20 +29,16 @@ class GatheredWrite:
 
     def __init__(self, endpoint, link: Link, run):
         self.endpoint, self.link, self.run = endpoint, link, run
-        self.free: list[int] = []
+        self.slots: list[int] = []  # local slots held (taken at the first chunk)
+        self.free: list[int] = []  # of them, not in flight
+        self.want = 0
         self.flying: deque[tuple[int, PendingWrite]] = deque()  # (local slot, its chunk's write), in order
 
     def send(self, plan: GatherPlan, directs: Sequence[PreparedWrite | None], layers: Sequence[int]) -> int:
         """Every group's whole-item write and gathered chunks, in group order (group g once
-        layers [0, layers[g]) are final), all landed; the number of chunks."""
-        staging, config = self.endpoint.staging, self.endpoint.config
-        slots: list[int] = []
-        if plan.num_chunks:
-            want = min(self.SLOTS, config.staging_slots, plan.num_chunks)
-            slots = staging.lease.acquire(want, timeout=config.chunk_timeout_s)
-            if not slots:
-                raise StagingError("no local staging slot freed up in time")
-        self.free = list(slots)
+        layers [0, layers[g]) are final), all landed; the number of chunks. Local slots are
+        taken at the first chunk (a streamed send waits for its layers holding none)."""
+        self.want = min(self.SLOTS, self.endpoint.config.staging_slots, plan.num_chunks)
         try:
             for chunks, direct, needed in zip(plan.chunks, directs, layers):
                 self.run.blocked(lambda n=needed: self.run.layers(n, self._retire))
@@ -56,12 +52,21 @@ class GatheredWrite:
             self._drain()  # no write reads a local slot once it is released
             raise
         finally:
-            staging.lease.release(slots)
+            self.endpoint.staging.lease.release(self.slots)
         return plan.num_chunks
+
+    def _take_slots(self) -> None:
+        config = self.endpoint.config
+        self.slots = self.endpoint.staging.lease.acquire(self.want, timeout=config.chunk_timeout_s)
+        if not self.slots:
+            raise StagingError("no local staging slot freed up in time")
+        self.free = list(self.slots)
 
     def _write(self, chunk: GatheredChunk) -> None:
         """Gather `chunk` into a free local slot and start its write."""
         staging = self.endpoint.staging
+        if not self.slots:
+            self._take_slots()
         self._retire()
         if not self.free:  # every local slot is in flight: the oldest must land first
             self.run.blocked(self._oldest)
