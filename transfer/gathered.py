@@ -10,12 +10,14 @@ one range: no receiver slot, no scatter, no chunk notice or ack (two copies, not
     local slot, one chunk:                    | page image 0 | page image 1 | ...        (per region)
         image of a page = the region's lanes' bytes [lo, lo + width) of one page, lane j's
         row r at (offset_j - lo) + r * token_bytes: the receiver's own layout
-    ranges:  a run of consecutive whole pages -> one range (width == pitch), else one per page;
-             a page the request covers only partly (its first or last) -> one range per lane,
-             its rows only: no byte outside the request's rows is written
+    ranges:  a run of consecutive pages -> one range where the image is the whole item (a
+             page the request covers only partly, its last or a window's first, goes whole
+             too, its other rows zero: rows of no position the receiver holds); else one
+             range per page and run of covered bytes, partial pages lane by lane
 
 Rows are gathered in units of u = min(page sizes) rows (one page of the smaller side: a unit
-is contiguous on both sides), all units of a band of lanes in one numpy fancy-indexed copy.
+is contiguous on both sides); units consecutive on both sides go as one slice copy per run
+and band of lanes, short runs of units under FANCY_BELOW_ROWS rows in one fancy-indexed copy.
 Plan-only: every destination offset comes from the validated plan's rows (check_pages) and
 its receiver lanes (inside their items, checked here); the link checks each range again.
 """
