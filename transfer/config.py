@@ -10,6 +10,7 @@ class Mode(str, Enum):
     AUTO = "auto"  # pick per request with the cost model (transfer.cost)
     DIRECT = "direct"  # one transport range per (run of pages, buffer)
     STAGED = "staged"  # gather -> one large write per chunk -> scatter on the receiver
+    GATHERED = "gathered"  # gather into an image of the receiver's pages -> a range per run of them
 
 
 @dataclass(frozen=True)

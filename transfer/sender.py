@@ -48,6 +48,8 @@ from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
 from transfer.gather import Gatherer
+from transfer.gathered import GatherPlan, gather_plan
+from transfer.gathered_write import GatheredWrite
 from transfer.staging import Chunk, RemoteSlots, chunk_plan
 from transfer.report import TransferReport
 from transfer.reshard import Shard, by_token, check_pair, pair_lanes, peer_shard, unpaired
@@ -98,6 +100,7 @@ class PreparedSend:
     num_tokens: int | None
     used: bool = False
     prefix_len: int = 0  # the receiver's own prefix, left out (transfer.suffix)
+    gather: GatherPlan | None = None  # gathered: the by-token components' chunks (writes: the rest's)
 
     def fits(
         self,
@@ -134,6 +137,7 @@ class KVSender:
     def __init__(self, endpoint: PoolEndpoint):
         self.endpoint = endpoint
         self._buffers = tuple(endpoint.buffers)  # a tuple: grouped and paired once (transfer.buffer_sets)
+        self._gather_layouts: dict = {}  # gathered sends' lane pairings, worked out once (transfer.gathered)
 
     @property
     def shard(self) -> Shard:
@@ -226,28 +230,20 @@ class KVSender:
         groups = tuple(self.layer_groups(plan, peer) if streamed else [LayerGroup(range(0), plan.body)])
         body = tuple(c for g in groups for c in g.body)  # what actually moves (fields when streamed)
         plan_ms = (time.perf_counter() - t0) * 1e3
+        gather = self._gather_plan(groups, streamed)
+        whole = [c for c in body if not c.by_token] if gather is not None else []
         mode = choose_mode(
-            TransferPlan(body, plan.aux), peer.link.cost, self.endpoint.config, self._slot_bytes(peer), can_stage
+            TransferPlan(body, plan.aux),
+            peer.link.cost,
+            self.endpoint.config,
+            self._slot_bytes(peer),
+            can_stage,
+            gather.num_ranges + sum(c.num_ranges for c in whole) if gather is not None else None,
         )
-        aux_runs = [plan.aux.runset] if plan.aux is not None else None
-        if (
-            mode is Mode.DIRECT
-            and peer.link.ordered
-            and not streamed
-            and aux_runs
-            and len(groups) == 1
-            and groups[0].body
-        ):
-            # the AUX row behind the body, one hand-off (cuda-ipc: one table, one upload)
-            writes, aux = (peer.link.prepare_chain([[c.runset for c in groups[0].body], aux_runs]),), None
-        else:
-            writes = (
-                tuple(peer.link.prepare_runs([c.runset for c in g.body]) if g.body else None for g in groups)
-                if mode is Mode.DIRECT
-                else ()
-            )
-            aux = peer.link.prepare_runs(aux_runs) if aux_runs else None
+        writes, aux = self._prepare_writes(peer, plan, groups, mode, streamed)
         ranges = sum(c.num_ranges for c in body) + (len(plan.aux.runset) if plan.aux is not None else 0)
+        if mode is Mode.GATHERED:
+            ranges += gather.num_ranges - sum(c.num_ranges for c in body if c.by_token)
         return PreparedSend(
             peer,
             src,
@@ -264,7 +260,42 @@ class KVSender:
             can_stage,
             num_tokens,
             prefix_len=prefix_len,
+            gather=gather if mode is Mode.GATHERED else None,
         )
+
+    def _gather_plan(self, groups: Sequence[LayerGroup], streamed: bool) -> GatherPlan | None:
+        """The send's gathered chunks (transfer.gathered) where it may go gathered: AUTO or
+        GATHERED configured, pool and staging area in host memory; None otherwise."""
+        cfg = self.endpoint.config
+        if cfg.mode not in (Mode.AUTO, Mode.GATHERED) or self.endpoint.staging.buffer.device.type != "cpu":
+            return None
+        return gather_plan(
+            groups, self.endpoint.staging.slot_bytes, self.endpoint.tensors, streamed, self._gather_layouts
+        )
+
+    @staticmethod
+    def _prepare_writes(
+        peer: RemotePool, plan: TransferPlan, groups: Sequence[LayerGroup], mode: Mode, streamed: bool
+    ) -> tuple[tuple[PreparedWrite | None, ...], PreparedWrite | None]:
+        """The direct writes (gathered: of the whole-item components) per layer group, and the
+        AUX row's (None: chained behind the body, on an ordered link when not streamed)."""
+        aux_runs = [plan.aux.runset] if plan.aux is not None else None
+        if (
+            mode is Mode.DIRECT
+            and peer.link.ordered
+            and not streamed
+            and aux_runs
+            and len(groups) == 1
+            and groups[0].body
+        ):
+            # the AUX row behind the body, one hand-off (cuda-ipc: one table, one upload)
+            return (peer.link.prepare_chain([[c.runset for c in groups[0].body], aux_runs]),), None
+        writes: tuple[PreparedWrite | None, ...] = ()
+        if mode in (Mode.DIRECT, Mode.GATHERED):
+            keep = (lambda c: True) if mode is Mode.DIRECT else (lambda c: not c.by_token)
+            runs = [[c.runset for c in g.body if keep(c)] for g in groups]
+            writes = tuple(peer.link.prepare_runs(r) if r else None for r in runs)
+        return writes, peer.link.prepare_runs(aux_runs) if aux_runs else None
 
     @staticmethod
     def can_stage(peer: RemotePool, remote: RemoteSlots | None) -> bool:
@@ -317,6 +348,9 @@ class KVSender:
         try:
             if p.mode is Mode.DIRECT:
                 self._write_direct(peer, p, run)
+            elif p.mode is Mode.GATHERED:
+                layers = [g.layers.stop if streamed else 0 for g in p.groups]
+                chunks = GatheredWrite(self.endpoint, peer.link, run).send(p.gather, p.writes, layers)
             else:
                 chunks = self._write_staged(peer, p, remote, run)
             self._write_aux(p, run)
@@ -324,12 +358,13 @@ class KVSender:
             run.writes.drain()  # a failure is reported only once no write of ours is in flight
             raise
         direct = p.mode is Mode.DIRECT
+        staged_ranges = chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0)
         return TransferReport(
             mode=p.mode,
             transport=peer.link.kind,
             nbytes=p.plan.nbytes,
             chunks=chunks,
-            ranges=p.ranges if direct else chunks + (len(p.plan.aux.runset) if p.plan.aux is not None else 0),
+            ranges=staged_ranges if p.mode is Mode.STAGED else p.ranges,
             groups=sum(1 for g in p.groups if g.body),
             streamed=streamed,
             prepared_ahead=ahead,

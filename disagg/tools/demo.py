@@ -80,7 +80,7 @@ def add_parser(p: argparse.ArgumentParser) -> None:
         "--transfer-mode",
         default="auto",
         choices=[m.value for m in Mode],
-        help="direct, staged, or auto (chosen per request)",
+        help="direct, staged, gathered, or auto (chosen per request)",
     )
     g.add_argument(
         "--device",

@@ -155,7 +155,9 @@ def _transfer_flags(g) -> None:
         default="auto",
         choices=[m.value for m in Mode],
         help="direct = one write per contiguous run; staged = gather into staging slots, one write per "
-        "slot, scatter on decode (for many small runs); auto: chosen per request by a cost model",
+        "slot, scatter on decode (for many small runs); gathered = gather into an image of decode's pages, "
+        "one write per run of them (where one prefill rank covers decode's whole rows, host pools); auto: "
+        "chosen per request by a cost model",
     )
     g.add_argument(
         "--staging-slots",
