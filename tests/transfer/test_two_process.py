@@ -253,7 +253,9 @@ def test_staged_failure_releases_every_slot(transport, peer):
     ) as endpoint:
         sender = KVSender(endpoint)
         target = peer.connect(sender)
-        with pytest.raises(StagingError, match=r"no ack for chunk 0 within 1.0 s \(2 chunks told, no ack heard\)"):
+        # chunks 0 and 1 go into the two slots; chunk 1's notice goes once its write landed,
+        # which under load may be after the wait for chunk 0's ack began: 1 or 2 told
+        with pytest.raises(StagingError, match=r"no ack for chunk 0 within 1.0 s \([12] chunks told, no ack heard\)"):
             sender.send(target, pool.index_set(req), dst, RemoteSlots(5, slots, peer.channel))
         assert endpoint.staging.lease.available() == endpoint.config.staging_slots
     assert peer.available().staging_free == 4
