@@ -15,10 +15,10 @@ No receiver slot, no chunk notice, no ack: the send ends like a direct one. Two 
 from collections import deque
 from collections.abc import Sequence
 
-from transfer.errors import StagingError, TransferError, WritesAbandoned
+from transfer.errors import StagingError
 from transfer.gathered import GatheredChunk, GatherPlan
 from transfer.transports import PreparedWrite, Ranges
-from transfer.transports.base import Link, PendingWrite
+from transfer.transports.base import Link, PendingWrite, PendingWrites
 
 
 class GatheredWrite:
@@ -104,14 +104,8 @@ class GatheredWrite:
     def _drain(self) -> None:
         """After a failure: wait until no chunk write of ours is in flight, whatever became of
         them; WritesAbandoned (what was given up on may still land) is what the caller hears."""
-        abandoned = None
+        flying = PendingWrites()
         for _, w in self.flying:
-            try:
-                w.wait()
-            except WritesAbandoned as exc:
-                abandoned = abandoned or exc
-            except TransferError:
-                pass
+            flying.add(w)
         self.flying.clear()
-        if abandoned is not None:
-            raise abandoned
+        flying.drain()

@@ -42,7 +42,7 @@ from transfer.config import Mode
 from transfer.cost import choose_mode, layer_bounds, streams_well
 from kvpool.geometry import Component
 from transfer.endpoint import PoolEndpoint, StagingInfo
-from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError, TransferError, WritesAbandoned
+from transfer.errors import AckTimeout, Cancelled, LayoutIncompatible, StagingError
 from transfer.faults import FaultInjector
 from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
@@ -538,17 +538,11 @@ class StagedWrite:
     def _drain(self) -> None:
         """After a failure: wait until no write of ours is in flight, whatever became of them;
         WritesAbandoned (what was given up on may still land) is what the caller must hear."""
-        abandoned = None
+        flying = PendingWrites()
         for w in self.flying:
-            try:
-                w.pending.wait()
-            except WritesAbandoned as exc:
-                abandoned = abandoned or exc
-            except TransferError:
-                pass
+            flying.add(w.pending)
         self.flying.clear()
-        if abandoned is not None:
-            raise abandoned
+        flying.drain()
 
     def _await_ack(self, index: int) -> None:
         """The chunk channel's ack of chunk `index`, waited for in short slices: an aborted
