@@ -239,7 +239,20 @@ def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> d
         "per_decode_rank_gbps": [round(g, 2) for g in rank_gbps],
         "verified": True,
         "sender_ms_median": _phases([reports[p] for p in pairs]),
+        "timeline_ms": _timeline(t0, pairs, reports),
     }
+
+
+def _timeline(t0: float, pairs, reports) -> list[list]:
+    """Per sender of the median repeat, ms after the row's start: [rank, decode rank, began,
+    first write (None: none), ended]: the spread of `began` is the start skew, the gaps between ends what
+    the senders' writes queued behind (on one GPU, other processes' kernels)."""
+    out = []
+    for r, s in sorted(pairs, key=lambda p: reports[p].end_at):
+        rep = reports[r, s]
+        began = rep.end_at - rep.transfer_ms / 1e3
+        out.append([r, s, *(round((x - t0) * 1e3, 2) if x else None for x in (began, rep.first_write_at, rep.end_at))])
+    return out
 
 
 def _phases(reports) -> dict:
