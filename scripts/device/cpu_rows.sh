@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# On the device host's 16 cores (no GPU used): issue 40's CPU rows, Mooncake TCP, side by side.
+#   bash scripts/device/cpu_rows.sh [ROUNDS]   (after scripts/device/carry.sh here; writes $OUT)
+# bench_tp (a process per prefill rank, every row beside its 1:1), then the demo rows, each round
+# running 1:1 first so every N:M has a 1:1 of its own round to be divided by.
+source scripts/device/setup.sh >/dev/null 2>&1 || { echo SETUP FAILED; exit 3; }
+export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; T0=$(date +%s)
+nproc; uptime
+timeout 240 python3 scripts/bench_tp.py --tp 1:1,2:1,4:1,8:1,1:8,8:2 --tokens 1500 --page-sizes 16,64:16,16:64 \
+  --repeats 3 --senders process --scatter-workers 4 --json > "$OUT/bench_tp_cpu.json" 2> "$OUT/bench_tp_cpu.err"
+echo "bench_tp cpu rc=$? at $(( $(date +%s) - T0 )) s"
+rows="1:1:16:16 2:1:16:16 4:1:16:16 8:1:16:16 1:8:16:16 8:2:16:16 8:1:64:16 1:8:16:64"
+for round in $(seq 1 "${1:-2}"); do
+  for row in $rows; do
+    IFS=: read -r n m p q <<< "$row"
+    timeout 60 python3 -m disagg demo --preset gpt-oss-120b --prefill-tp "$n" --decode-tp "$m" \
+      --prefill-page-size "$p" --decode-page-size "$q" --requests 4 --concurrency 1 --prompt-len 1500 \
+      --max-tokens 8192 --json --no-progress > "$OUT/demo_r${round}_${n}-${m}_${p}-${q}.json" 2>/dev/null
+    echo "demo round $round $row rc=$? at $(( $(date +%s) - T0 )) s"
+  done
+done
+python3 - "$OUT" <<'PY' | tee "$OUT/demo_summary.txt"
+import glob, json, statistics, sys
+by = {}
+for f in sorted(glob.glob(sys.argv[1] + "/demo_r*.json")):
+    try:
+        d = json.load(open(f))
+    except ValueError:
+        print(f, "no JSON"); continue
+    rnd, row = f.split("/")[-1][6:-5].split("_", 1)
+    lat = d["latency_ms"]
+    by.setdefault(row, []).append((int(rnd), lat["transfer"]["p50"], lat["kv_ready_after_compute"]["p50"], d["verified"], d["failed"]))
+base = {r: t for r, t, *_ in by.get("1-1_16-16", [])}
+for row, xs in by.items():
+    print(row, [(r, t, round(t / base[r], 2) if r in base else None, k, v, f) for r, t, k, v, f in xs])
+PY
