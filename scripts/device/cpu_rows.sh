@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# On the device host's 16 cores (no GPU used): issue 40's CPU rows, Mooncake TCP, side by side.
+# On the device host's 16 cores (no GPU used; a demo invocation there takes ~45 s, its processes
+# slow to import torch: budget the call's 600 s): issue 40's CPU rows, Mooncake TCP, side by side.
 #   bash scripts/device/cpu_rows.sh [ROUNDS]   (after scripts/device/carry.sh here; writes $OUT)
 # bench_tp (a process per prefill rank, every row beside its 1:1), then the demo rows, each round
 # running 1:1 first so every N:M has a 1:1 of its own round to be divided by.
@@ -16,19 +17,20 @@ for round in $(seq 1 "${1:-2}"); do
     IFS=: read -r n m p q <<< "$row"
     timeout 60 python3 -m disagg demo --preset gpt-oss-120b --prefill-tp "$n" --decode-tp "$m" \
       --prefill-page-size "$p" --decode-page-size "$q" --requests 4 --concurrency 1 --prompt-len 1500 \
-      --max-tokens 8192 --json --no-progress > "$OUT/demo_r${round}_${n}-${m}_${p}-${q}.json" 2>/dev/null
-    echo "demo round $round $row rc=$? at $(( $(date +%s) - T0 )) s"
+      --max-tokens 8192 --json --no-progress 2>/dev/null | tr -d '\n' > /tmp/demo.json
+    echo "demo round $round $row rc=${PIPESTATUS[0]} at $(( $(date +%s) - T0 )) s"
+    echo "$round $n-${m}_$p-$q $(cat /tmp/demo.json)" >> "$OUT/demo_rows.txt"  # (one file: $OUT returns 8)
   done
 done
 python3 - "$OUT" <<'PY' | tee "$OUT/demo_summary.txt"
-import glob, json, statistics, sys
+import json, sys
 by = {}
-for f in sorted(glob.glob(sys.argv[1] + "/demo_r*.json")):
+for line in open(sys.argv[1] + "/demo_rows.txt"):
+    rnd, row, *text = line.split(" ", 2)
     try:
-        d = json.load(open(f))
-    except ValueError:
-        print(f, "no JSON"); continue
-    rnd, row = f.split("/")[-1][6:-5].split("_", 1)
+        d = json.loads(text[0])
+    except (IndexError, ValueError):
+        print(rnd, row, "no JSON"); continue
     lat = d["latency_ms"]
     by.setdefault(row, []).append((int(rnd), lat["transfer"]["p50"], lat["kv_ready_after_compute"]["p50"], d["verified"], d["failed"]))
 base = {r: t for r, t, *_ in by.get("1-1_16-16", [])}
