@@ -143,6 +143,7 @@ class FanOut:
                     cpu=cpu,
                     first_write=first_write,
                     t0=t0,
+                    fanout=len(live),
                 )
         return True
 
@@ -159,7 +160,7 @@ def _groups(plan: TransferPlan) -> list[list]:
     return [body, [plan.aux.runset]] if plan.aux is not None else [body]
 
 
-def _report(p: _Planned, *, plan_ms, prepare_ms, submit, wait, cpu, first_write, t0) -> TransferReport:
+def _report(p: _Planned, *, plan_ms, prepare_ms, submit, wait, cpu, first_write, t0, fanout) -> TransferReport:
     peer, plan = p.send.peer, p.plan
     return TransferReport(
         mode=Mode.DIRECT,
@@ -175,4 +176,5 @@ def _report(p: _Planned, *, plan_ms, prepare_ms, submit, wait, cpu, first_write,
         cpu_ms=cpu,
         first_write_at=first_write,
         end_at=time.time(),
+        fanout=fanout,
     )
