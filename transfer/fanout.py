@@ -15,6 +15,11 @@ Per receiver semantics are those of KVSender.send: a receiver whose request was 
 the fan-out cannot go as one (a receiver aborted or failing, a link closed, a peer's range
 outside its regions, a send that would go staged), each remaining receiver is sent on its own,
 one after the other, through KVSender.send, as without a fan-out, and gets that send's result.
+A report of the fan-out's one write names its receivers (TransferReport.fanout).
+
+Its callers: the prefill worker, for a computed request's decode ranks where their links fit
+(disagg/prefill/jobs.py: one job instead of one per destination on each peer's shard), and
+the test harness's sender processes (bench_tp's 1:8 row).
 """
 
 import time
