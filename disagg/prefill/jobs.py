@@ -3,7 +3,9 @@ collaborators they need and given to the table once (it never calls the server).
 
     table: pages released             --free-->     prefix cache (keeps what it may) or pool, + admission
     table: a decode rank hears        --tell-->     control socket (TransferStarted, TransferDone)
-    table: allocated (pages known)    --prepare-->  peer shard: _prepare_send --> Destination.prepared
+    table: allocated (pages known)    --prepare_all-->  peer shard: _prepare_send --> Destination.prepared
+        (one fan-out: once every destination is here, one job on the first's shard: _prepare_fan,
+         its future on every destination)
     table: KV computed (or streaming) --submit_all-->
         one job per destination, each on its peer's shard: _transfer --> KVSender.send (takes
             the prepared send if it fits) --> finished(..., d)
@@ -27,11 +29,12 @@ ranks otherwise run at once, each on its peer's shard; the fan-out puts them on 
 which is its point: on one GPU each send alone was ~1 ms of host time under one GIL, eight of
 them in turn, where one launch is one. Anything else (one destination, streamed, Mooncake,
 links that do not fan, a configured staged mode, a receiver's prefix) goes per destination.
-Its sends are not prepared while the KV computes (prepare() decides from the same facts:
-several receivers expected over a link that fans); a send prepared all the same (the decision
-changed meanwhile: a peer registered again) is dropped: cancelled if its job has not started,
-else left to end and be collected, never waited for. So the fan-out job waits for no other
-job, and runs on the first destination's shard without any way to deadlock.
+Its sends are laid out while the KV computes as one (prepare_all: once every destination is
+here, one job on the first destination's shard: FanOut.prepare plans every receiver and
+uploads the one write's table), so that once the KV is computed the fan-out only starts its
+write, as a prepared send does. Sends laid out one by one before the fan-out was expected (a
+destination came before the others' links were known) are dropped, never waited for; the
+fan-out job's own prepare was queued before it on its shard, so it waits for no other job.
 """
 
 import logging
@@ -51,7 +54,7 @@ from kvpool import KVPoolError, RequestKV
 from kvpool.cache.prefix import PrefixCache
 from transfer.config import Mode
 from transfer.errors import TransferError, WritesAbandoned
-from transfer.fanout import FanOut, FanOutSend
+from transfer.fanout import FanOut, FanOutSend, PreparedFan
 from transfer.progress import LayerProgress
 from transfer.report import TransferReport
 from transfer.sender import KVSender, RemotePool
@@ -95,17 +98,33 @@ class TransferJobs:
         peers = [self._peers.get(d.peer) for d in r.dests.values()]
         return not r.stream_auto or all(p is None or self._sender.streams_well(p.target) for p in peers)
 
-    def prepare(self, r: PrefillRequest, d: Destination) -> Future | None:
-        """d's send laid out on its peer's shard while r's KV is computed (None: no peer, or
-        shut down: the transfer worker would not run either; or r will go as one fan-out,
-        which plans all of its receivers at once when it sends)."""
+    def prepare_all(self, r: PrefillRequest, dests: list[Destination]) -> list[Future | None]:
+        """The sends of `dests` (r's destinations not laid out yet) laid out while r's KV is
+        computed: a job each on its peer's shard, or, where r will go as one fan-out, one job
+        for all of r's destinations once every one is here, on the first one's shard (the same
+        future for each). None for one not prepared: no peer, shut down (the transfer worker
+        would not run either), or a fan-out still waiting for its other destinations."""
+        if self._may_fan(r, dests):
+            if not r.complete or len(dests) != len(r.dests):  # (all of them, none laid out alone)
+                return [None] * len(dests)
+            sends = self._fan_sends(r, dests)
+            job = self._prepare_on(dests[0], self._prepare_fan, r, sends) if sends is not None else None
+            if job is not None:
+                return [job] * len(dests)
+        return [self._prepare_one(r, d) for d in dests]
+
+    def _prepare_one(self, r: PrefillRequest, d: Destination) -> Future | None:
         peer = self._peers.get(d.peer)
-        if peer is None or self._may_fan(r, d, peer):
+        if peer is None:
             return None
         stage = self._sender.can_stage(peer.target, self._remote(r, d, peer))
+        return self._prepare_on(d, self._prepare_send, r, peer.target, d, stage)
+
+    def _prepare_on(self, d: Destination, job, *args) -> Future | None:
+        peer = self._peers.get(d.peer)
         try:
-            return peer.workers.submit(self._prepare_send, r, peer.target, d, stage)
-        except RuntimeError:
+            return peer.workers.submit(job, *args) if peer is not None else None
+        except RuntimeError:  # shut down
             return None
 
     def submit_all(
@@ -150,12 +169,18 @@ class TransferJobs:
         sends = [FanOutSend(p.target, d.dst, self._remote(r, d, p), stopped) for d, p in zip(dests, peers)]
         return sends if FanOut.fits(sends) else None
 
-    def _may_fan(self, r: PrefillRequest, d: Destination, peer: DecodePeer) -> bool:
-        """Whether d's send is expected to go in a fan-out (so laying it out alone is wasted),
-        from what is known before every destination is: several receivers expected, d holds
-        no prefix, and its link fans. Wrong either way costs only the prepare-ahead."""
+    def _may_fan(self, r: PrefillRequest, dests: list[Destination]) -> bool:
+        """Whether r is expected to go as one fan-out (so laying out its sends one by one is
+        wasted), from what is known before every destination is: several receivers
+        expected, none of `dests` holding a prefix, and each one's link fans."""
         many = r.receivers is not None and len(r.receivers) > 1
-        return many and not d.prefix_len and self._direct_may_go() and peer.target.link.fan() is not None
+        peers = [self._peers.get(d.peer) for d in dests]
+        return (
+            many
+            and self._direct_may_go()
+            and not any(d.prefix_len for d in dests)
+            and all(p is not None and p.target.link.fan() is not None for p in peers)
+        )
 
     def _direct_may_go(self) -> bool:
         """A fan-out writes direct only: configured staged (or gathered), each send goes alone
@@ -178,6 +203,13 @@ class TransferJobs:
         return RemoteSlots(r.room, d.slots, peer.relay)
 
     # ---- a transfer worker -------------------------------------------------------------------
+    def _prepare_fan(self, r: PrefillRequest, sends: list[FanOutSend]) -> PreparedFan | None:
+        """r's fan-out laid out (every receiver planned, the one write's table uploaded);
+        nothing if r ended while the job queued."""
+        if r.phase.ended:
+            return None
+        return FanOut(self._sender).prepare(r.src, sends, len(r.tokens))
+
     def _prepare_send(self, r: PrefillRequest, target: RemotePool, d: Destination, stage: bool):
         """d's send laid out; nothing if r ended while the job queued."""
         if r.phase.ended:
@@ -222,12 +254,12 @@ class TransferJobs:
         job's would."""
         results: list = [None] * len(dests)  # (None: an error not ours, which propagates)
         try:
-            for d in dests:
-                drop_prepared(d)
+            prepared = take_fan(dests)
             if r.phase.sending:  # (aborted while queued: FanOut cancels every receiver before planning)
                 for d in dests:
                     self._io.send(d.peer, TransferStarted(r.room, self._epoch))
-            results = FanOut(self._sender).send(self._pool.index_set(r.kv), sends, num_tokens=r.kv.num_tokens)
+            src, n = self._pool.index_set(r.kv), r.kv.num_tokens
+            results = FanOut(self._sender).send(src, sends, num_tokens=n, prepared=prepared)
         except (DisaggError, KVPoolError) as exc:
             results = [exc] * len(dests)
         finally:
@@ -277,11 +309,23 @@ def take_prepared(d: Destination):
         return None
 
 
-def drop_prepared(d: Destination) -> None:
-    """d's send prepared while the KV computed, which a fan-out does not use (it plans every
-    receiver at once): its job cancelled if it has not started, else left to end and be
-    collected (unstarted prepared writes give their tables back when dropped). Never waited
-    for: it may queue behind another peer's jobs, on that peer's shard."""
-    job, d.prepared = d.prepared, None
-    if job is not None:
-        job.cancel()
+def take_fan(dests: list[Destination]) -> PreparedFan | None:
+    """The fan-out laid out for `dests` while the KV computed (TransferJobs.prepare_all: one
+    job, shared by every destination), or None: none, or its job failed (the fan-out plans
+    again). The job was queued on the first destination's shard before the caller's, which
+    runs there: waiting for it cannot deadlock. Sends laid out one by one instead (before the
+    fan-out was expected) are dropped: cancelled if not started, never waited for (one may
+    queue behind another peer's jobs, on that peer's shard)."""
+    jobs = [d.prepared for d in dests]
+    for d in dests:
+        d.prepared = None
+    if jobs[0] is None or any(j is not jobs[0] for j in jobs):
+        for j in jobs:
+            if j is not None:
+                j.cancel()
+        return None
+    try:
+        got = jobs[0].result()
+    except Exception:  # noqa: BLE001
+        return None
+    return got if isinstance(got, PreparedFan) else None

@@ -172,7 +172,7 @@ class Destination:
     dst: IndexSet  # its destination indices
     slots: list[int]  # its staging slots lent to this transfer
     delivery: Delivery = Delivery.WAITING
-    prepared: Future | None = None  # its send laid out while the KV computes (TransferJobs.prepare);
+    prepared: Future | None = None  # its send laid out while the KV computes (TransferJobs.prepare_all);
     # its transfer worker takes it
     report: TransferReport | None = None  # what its send did (None: it has not finished)
     prefix_len: int = 0  # it holds the prompt's positions [0, prefix_len) already: the rest goes
@@ -235,7 +235,7 @@ class Jobs(Protocol):
     def free(self, kv: RequestKV, r: PrefillRequest) -> None: ...
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None: ...
     def may_stream(self, r: PrefillRequest) -> bool: ...
-    def prepare(self, r: PrefillRequest, d: Destination) -> Future | None: ...
+    def prepare_all(self, r: PrefillRequest, dests: list[Destination]) -> list[Future | None]: ...
     def submit_all(
         self, r: PrefillRequest, dests: list[Destination], progress: LayerProgress | None, finished: Finished
     ) -> tuple[int, str | None]: ...
@@ -353,9 +353,10 @@ class RequestTable:
     def _maybe_prepare(self, r: PrefillRequest) -> None:
         if r.compute is not Compute.ALLOCATED or r.phase not in (Phase.AWAITING_DECODE, Phase.COMPUTING):
             return
-        for d in r.dests.values():
-            if d.prepared is None:
-                d.prepared = self._jobs.prepare(r, d)
+        waiting = [d for d in r.dests.values() if d.prepared is None]
+        if waiting:  # (a job each, or one for all: the jobs' choice)
+            for d, job in zip(waiting, self._jobs.prepare_all(r, waiting)):
+                d.prepared = job
 
     def handover(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> Callable[[int], None]:
         """A streamed request's on_layer hook (called on the engine's thread): each layer goes

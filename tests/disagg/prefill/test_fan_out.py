@@ -149,7 +149,12 @@ def test_a_receiver_whose_plan_fails_gets_its_own_error_while_the_other_is_sent(
     StandInEngine().verify(receivers[0].pool, kvs[0], ids, ROOM)
 
 
-@pytest.mark.parametrize("when", ["queued", "planned"])
+@pytest.mark.parametrize(
+    "rig, when",
+    [(True, "queued"), (True, "planned"), (False, "queued")],  # (links that do not fan: no fan-out to abort at)
+    indirect=["rig"],
+    ids=["links fan-queued", "links fan-planned", "links do not fan-queued"],
+)
 def test_an_aborted_request_cancels_every_receiver_and_writes_nothing(rig, when):
     """Aborted while its job queued (nothing planned, no TransferStarted), or once the fan-out
     was planned and laid out (before its write starts): every receiver Cancelled, as its own
@@ -168,30 +173,49 @@ def test_an_aborted_request_cancels_every_receiver_and_writes_nothing(rig, when)
         r.phase = Phase.STOPPING
     gate.set()
     calls = finished.wait(2)
-    if when == "planned" and fan is None:  # (links that do not fan: nothing to abort at)
-        return
     assert all(not ok and "Cancelled" in reason and settled for ok, reason, _, settled, _ in calls), calls
     assert fan is None or fan.started == []
     assert (io.sent == []) is (when == "queued")
     assert [_snapshot(rx) for rx in receivers] == before
 
 
-def test_a_fan_out_prepares_nothing_ahead_and_drops_a_prepared_send_it_does_not_use(rig):
-    """A request expected to fan out is not laid out per destination while it computes; a
-    send prepared all the same (a job still queued, one done) is dropped: the queued one
-    cancelled, never waited for (the fan-out would hang here if it were)."""
+def test_a_fan_out_is_laid_out_once_while_computing_and_its_write_only_starts(rig):
+    """A request expected to fan out is laid out as one while it computes, once every
+    destination is here (one job, the same future on each); the fan-out job takes it and only
+    starts the write (its reports say prepared ahead). Links that do not fan: a job each, as
+    ever."""
     jobs, r, io, fan, receivers, kvs, ids = rig
-    if fan is None:  # per destination, as ever: each send prepared on its shard
-        job = jobs.prepare(r, r.dests[0])
-        assert isinstance(job, Future) and job.result(30) is not None
+    d0, d1 = r.dests[0], r.dests[1]
+    del r.dests[1]  # (decode rank 1 not here yet)
+    assert jobs.prepare_all(r, [d0]) == [None] if fan else jobs.prepare_all(r, [d0])[0] is not None
+    r.dests[1] = d1
+    got = jobs.prepare_all(r, [d0, d1])
+    if fan is None:
+        assert got[0] is not got[1] and all(j.result(30) is not None for j in got)
         return
-    assert jobs.prepare(r, r.dests[0]) is None and jobs.prepare(r, r.dests[1]) is None
+    assert got[0] is got[1] and got[0].result(30) is not None and fan.started == []  # laid out, not written
+    d0.prepared = d1.prepared = got[0]
+    finished = Reported()
+    assert jobs.submit_all(r, [d0, d1], None, finished) == (2, None)
+    calls = finished.wait(2)
+    assert all(ok and done.report.prepared_ahead and done.report.fanout == 2 for ok, _, done, _, _ in calls), calls
+    assert fan.started == [2] and d0.prepared is None and d1.prepared is None
+    _verified(receivers, kvs, ids)
+
+
+@pytest.mark.parametrize("rig", [True], indirect=True, ids=["links fan"])
+def test_sends_laid_out_one_by_one_are_dropped_by_a_fan_out_never_waited_for(rig):
+    """Sends laid out per destination before the fan-out was expected (a job still queued, one
+    done) are dropped: the queued one cancelled, never waited for (the fan-out would hang here
+    if it were); the fan-out plans when it sends."""
+    jobs, r, io, fan, receivers, kvs, ids = rig
     queued, done = Future(), Future()  # (a job no worker will ever run, and one that ran)
     done.set_result(None)
     r.dests[0].prepared, r.dests[1].prepared = queued, done
     finished = Reported()
     assert jobs.submit_all(r, list(r.dests.values()), None, finished) == (2, None)
-    assert all(c[0] for c in finished.wait(2))
+    calls = finished.wait(2)
+    assert all(ok and not done.report.prepared_ahead for ok, _, done, _, _ in calls), calls
     assert queued.cancelled() and all(d.prepared is None for d in r.dests.values())
     assert fan.started == [2]
 

@@ -32,6 +32,10 @@ class Effects:
     def tell(self, peer, msg) -> None:
         self.told.append((peer, msg))
 
+    def prepare_all(self, r, dests):
+        """A job each (TransferJobs' one job for a fan-out is its own tests')."""
+        return [self.prepare(r, d) for d in dests]
+
     def submit_all(self, r, dests, progress, finished):
         """A job per destination (TransferJobs' choice of a fan-out is its own tests')."""
         if self.refuse:
