@@ -50,6 +50,8 @@ class TransferReport(msgspec.Struct, frozen=True, kw_only=True):
     end_at: Ms = msgspec.field(default=0.0, name="transfer_end_at")  # s, wall clock (time.time) the
     # send ended, 0: unknown; the latest (where the router's hand-off phase starts: router/phases.py)
     sends: Count = 1  # sends merged into this report; sum
+    fanout: Count = 0  # receivers this send was written with as one fan-out (transfer.fanout: one
+    # plan, one launch; itself included), 0: it went on its own; max
 
     def merge(self, other: "TransferReport") -> "TransferReport":
         """Both reports as one: of sends that ran at the same time (see the field comments)."""
@@ -73,6 +75,7 @@ class TransferReport(msgspec.Struct, frozen=True, kw_only=True):
             first_write_at=min(firsts, default=0.0),
             end_at=max(self.end_at, other.end_at),
             sends=self.sends + other.sends,
+            fanout=max(self.fanout, other.fanout),
         )
 
     def to_dict(self) -> dict:

@@ -121,12 +121,13 @@ class PreparedSend:
             and self.can_stage == can_stage
             and self.num_tokens == num_tokens
             and self.prefix_len == prefix_len
-            and _same(self.src, src)
-            and _same(self.dst, dst)
+            and same_indices(self.src, src)
+            and same_indices(self.dst, dst)
         )
 
 
-def _same(a: IndexSet, b: IndexSet) -> bool:
+def same_indices(a: IndexSet, b: IndexSet) -> bool:
+    """Whether two index sets name the same indices of the same components."""
     return a is b or (a.components() == b.components() and all(np.array_equal(a[c], b[c]) for c in a.components()))
 
 

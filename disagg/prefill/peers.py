@@ -2,7 +2,8 @@
 have), one link and one transfer-worker shard per peer, and dropping silent peers.
 
 A shard is `transfer_workers` threads per decode peer, so a slow or dead peer stalls only its
-own transfers. Peers are added and dropped by the loop thread; transfer submission reads them
+own transfers (a fan-out into several peers runs on its first destination's shard:
+prefill/jobs.py). Peers are added and dropped by the loop thread; transfer submission reads them
 from any thread (a dict read).
 """
 

@@ -27,7 +27,8 @@ move its table does not list raises IllegalTransition: a bug, never a request's 
 
 Its pages belong to exactly one holder at a time: the HTTP thread computing its KV (PENDING,
 ALLOCATED), or this table (STREAMING, COMPUTED, BROKEN), which lends them to the transfer
-workers (one per destination) and frees them once none writes and the engine let go.
+workers (a job per destination, or one fan-out job for all) and frees them once none writes
+and the engine let go.
 
 Why a streamed request is handed over at the engine's first layer and not before the engine
 is called: an engine runs one forward pass at a time (a real one batches behind one loop),
@@ -47,8 +48,10 @@ counted from entering it: AWAITING_DECODE bootstrap_s; ORPHANED, COMPUTING and S
 waiting_s; TRANSFERRING transfer_s.
 
 The table's effects outside it (free pages, tell decode, prepare and start sends) are its
-TransferJobs' (prefill/jobs.py), given once at construction; a transfer worker reports its
-end to `finished`, which the table hands it with the job.
+TransferJobs' (prefill/jobs.py), given once at construction; a transfer worker reports the end
+of each destination's send to `finished`, which the table hands it with the job. Whether the
+destinations go a job each or as one fan-out (one job, one write into every decode rank) is
+the jobs' choice: every destination moves WAITING -> WRITING -> STOPPED -> TOLD either way.
 """
 
 import threading
@@ -169,7 +172,7 @@ class Destination:
     dst: IndexSet  # its destination indices
     slots: list[int]  # its staging slots lent to this transfer
     delivery: Delivery = Delivery.WAITING
-    prepared: Future | None = None  # its send laid out while the KV computes (TransferJobs.prepare);
+    prepared: Future | None = None  # its send laid out while the KV computes (TransferJobs.prepare_all);
     # its transfer worker takes it
     report: TransferReport | None = None  # what its send did (None: it has not finished)
     prefix_len: int = 0  # it holds the prompt's positions [0, prefix_len) already: the rest goes
@@ -232,10 +235,10 @@ class Jobs(Protocol):
     def free(self, kv: RequestKV, r: PrefillRequest) -> None: ...
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None: ...
     def may_stream(self, r: PrefillRequest) -> bool: ...
-    def prepare(self, r: PrefillRequest, d: Destination) -> Future | None: ...
-    def submit(
-        self, r: PrefillRequest, d: Destination, progress: LayerProgress | None, finished: Finished
-    ) -> str | None: ...
+    def prepare_all(self, r: PrefillRequest, dests: list[Destination]) -> list[Future | None]: ...
+    def submit_all(
+        self, r: PrefillRequest, dests: list[Destination], progress: LayerProgress | None, finished: Finished
+    ) -> tuple[int, str | None]: ...
 
 
 class RequestTable:
@@ -350,9 +353,10 @@ class RequestTable:
     def _maybe_prepare(self, r: PrefillRequest) -> None:
         if r.compute is not Compute.ALLOCATED or r.phase not in (Phase.AWAITING_DECODE, Phase.COMPUTING):
             return
-        for d in r.dests.values():
-            if d.prepared is None:
-                d.prepared = self._jobs.prepare(r, d)
+        waiting = [d for d in r.dests.values() if d.prepared is None]
+        if waiting:  # (a job each, or one for all: the jobs' choice)
+            for d, job in zip(waiting, self._jobs.prepare_all(r, waiting)):
+                d.prepared = job
 
     def handover(self, r: PrefillRequest, kv: RequestKV, progress: LayerProgress) -> Callable[[int], None]:
         """A streamed request's on_layer hook (called on the engine's thread): each layer goes
@@ -426,12 +430,12 @@ class RequestTable:
                 self._done(r)
             return
         self._move(r, Phase.STREAMING if streams else Phase.TRANSFERRING)
-        for d in r.dests.values():
-            refused = self._jobs.submit(r, d, r.progress if streams else None, self.finished)
-            if refused:
-                self._fail(r, f"transfer workers unavailable: {refused}")  # the others stop
-                return
+        dests = list(r.dests.values())  # (a job per destination, or one for all: the jobs' choice)
+        started, refused = self._jobs.submit_all(r, dests, r.progress if streams else None, self.finished)
+        for d in dests[:started]:  # (their workers report under this lock: after these moves)
             d.delivery = step(d.delivery, Delivery.WRITING)
+        if refused:
+            self._fail(r, f"transfer workers unavailable: {refused}")  # the started ones stop
 
     # ---- ends (a transfer worker, or any thread failing r) ------------------------------------
     def finished(

@@ -195,6 +195,9 @@ class RouterAnswer(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     streamed: bool
     layer_groups: int | None
     prepared_ahead: bool  # the send was planned and laid out while the prompt was computed
+    # the most decode ranks one prefill rank wrote as one fan-out (transfer.fanout: one plan, one
+    # write into all of them); left out where every send went on its own
+    fanout: int = 0
     # streamed: how long before the engine's last layer the first KV write went out
     first_write_before_compute_end_ms: float | None = None
     reason: str

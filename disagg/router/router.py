@@ -423,6 +423,7 @@ class Router:
             streamed=bool(pre.report and pre.report.streamed),
             layer_groups=pre.report.groups if pre.report else None,
             prepared_ahead=bool(pre.report and pre.report.prepared_ahead),
+            fanout=pre.report.fanout if pre.report else 0,
             first_write_before_compute_end_ms=_first_write_lead(pre) if ok else None,
             reason="" if ok else (why if cancelled else dec.reason or pre.reason or "unknown"),
             timings_ms=_timings(pre, dec, ok, (time.perf_counter() - t0) * 1e3),

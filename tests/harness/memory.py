@@ -5,6 +5,10 @@ transport where a test is about moving bytes between processes.
 
 The offer's blob is only a key into the table, never an address: like a transport that maps
 the peer's memory elsewhere, the link resolves (region, offset) itself. Host memory only.
+
+With `fan` (MemorySettings, --memory-fan) its links fan out (Link.fan) through one MemoryFan,
+a stand-in for cuda-ipc's (transfer/transports/cuda_fan.py) that proves the interface a
+fan-out's caller sees and counts the fan-outs it started; it writes each peer in turn.
 """
 
 import ctypes
@@ -83,6 +87,9 @@ class MemoryLink(Link):
             ctypes.memmove(d, s, n)
         return _Done(ranges.nbytes)
 
+    def fan(self) -> "MemoryFan | None":
+        return self._transport.fanout
+
     def probe(self) -> None:
         self._peer()
 
@@ -92,13 +99,37 @@ class MemoryLink(Link):
             self._transport.closed += 1
 
 
+class MemoryFan:
+    """Writes into several peers of the memory transport as one fan-out (the Link.fan
+    interface): prepare([(link, groups)]) -> start() -> a PendingWrite per peer, in order.
+    `started`: the fan-outs started, their peers' counts."""
+
+    def __init__(self) -> None:
+        self.started: list[int] = []
+
+    def prepare(self, parts) -> "_FanPrepared":
+        if any(link.closed for link, _ in parts):
+            raise PeerUnreachable("write", -1, "a fan-out's peer", detail="a link is closed")
+        return _FanPrepared(self, [link.prepare_chain(groups) for link, groups in parts])
+
+
+class _FanPrepared:
+    def __init__(self, fan: MemoryFan, writes: list) -> None:
+        self._fan, self._writes = fan, writes
+
+    def start(self) -> list[PendingWrite]:
+        self._fan.started.append(len(self._writes))
+        return [w.start() for w in self._writes]
+
+
 class MemoryTransport(Transport):
     kind = KIND
     host = "this-process"
 
-    def __init__(self, fail_writes: bool = False):
+    def __init__(self, fail_writes: bool = False, fan: bool = False):
         self.fail_writes = fail_writes
         self.opened = self.closed = 0  # links, for bookkeeping tests
+        self.fanout = MemoryFan() if fan else None  # its links' fan-out (None: each writes alone)
 
     def expose(self, regions) -> MemoryExposure:
         return MemoryExposure(regions)
@@ -115,20 +146,27 @@ class MemoryTransport(Transport):
 @dataclass(frozen=True)
 class MemorySettings:
     fail_writes: bool = False  # every write fails (a unit-level fault)
+    fan: bool = False  # its links fan out (MemoryFan: a stand-in for cuda-ipc's)
 
 
 def _add_flags(g) -> None:
     g.add_argument(
         "--memory-fail-writes", action="store_true", help="the memory transport fails every write (tests only)"
     )
+    g.add_argument("--memory-fan", action="store_true", help="the memory transport's links fan out (tests only)")
 
 
 def _create(common: TransportSettings, own: MemorySettings) -> MemoryTransport:
-    return MemoryTransport(own.fail_writes)
+    return MemoryTransport(own.fail_writes, own.fan)
 
 
 MEMORY = TransportKind(
-    KIND, _create, MemorySettings, _add_flags, lambda args: MemorySettings(args.memory_fail_writes), auto=False
+    KIND,
+    _create,
+    MemorySettings,
+    _add_flags,
+    lambda args: MemorySettings(args.memory_fail_writes, args.memory_fan),
+    auto=False,
 )  # never part of --transport auto: it works within one process only
 
 

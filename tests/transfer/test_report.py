@@ -116,3 +116,10 @@ def test_it_travels_under_the_answers_keys_and_refuses_what_it_cannot_be():
     for bad in ({"bytes": -1}, {"bytes": "many"}, {"transfer_ms": -0.5}, {"streamed": "yes"}, {"layer_groups": 1.5}):
         with pytest.raises(msgspec.ValidationError):
             msgspec.convert(bad, TransferReport)
+
+
+def test_a_fan_out_is_named_by_its_largest():
+    """`fanout`: receivers one write covered (transfer.fanout); merged: the largest, 0 where none."""
+    fanned = TransferReport(nbytes=5, fanout=8)
+    assert A.merge(fanned).fanout == 8 and A.merge(B).fanout == 0
+    assert TransferReport.merge(fanned, TransferReport(fanout=2)).fanout == 8

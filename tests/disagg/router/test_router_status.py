@@ -142,3 +142,17 @@ def test_a_malformed_worker_answer_is_a_failed_request_that_says_why(workers, pr
         proc.terminate()
         _, err = proc.communicate(timeout=30)
     assert "request failed: room" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("fanout", [2, None])
+def test_the_answer_names_a_fan_out_prefill_made_and_leaves_it_out_otherwise(workers, fanout):
+    """`fanout`: the decode ranks one prefill rank wrote as one (transfer.fanout), from
+    prefill's report; absent where every send went on its own."""
+    prefill = {**OK_PREFILL, "fanout": fanout} if fanout else OK_PREFILL
+    proc, router = _router(workers(prefill), workers(OK_DECODE))
+    try:
+        out = post_json(router + "/generate", {"prompt_len": 8}, 30)
+        assert out["ok"] and out.get("fanout") == fanout, out
+    finally:
+        proc.terminate()
+        proc.communicate(timeout=30)

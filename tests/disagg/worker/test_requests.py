@@ -32,10 +32,18 @@ class Effects:
     def tell(self, peer, msg) -> None:
         self.told.append((peer, msg))
 
-    def submit(self, r, dest, progress, finished):
-        self.submitted.append(r)
-        self.progress.append(progress)  # streamed: the worker waits on the engine's layers
-        return self.refuse
+    def prepare_all(self, r, dests):
+        """A job each (TransferJobs' one job for a fan-out is its own tests')."""
+        return [self.prepare(r, d) for d in dests]
+
+    def submit_all(self, r, dests, progress, finished):
+        """A job per destination (TransferJobs' choice of a fan-out is its own tests')."""
+        if self.refuse:
+            return 0, self.refuse
+        for _ in dests:
+            self.submitted.append(r)
+            self.progress.append(progress)  # streamed: the worker waits on the engine's layers
+        return len(dests), None
 
 
 def prefill_table(deadlines=LONG, refuse=None, **jobs):
