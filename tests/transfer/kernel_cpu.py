@@ -54,10 +54,24 @@ extern "C" int emulate(int kernel, long long grid, long long block, const long l
 _KERNELS = {"copy_ranges": 0, "copy_runs": 1, "copy_lanes": 2}
 
 
-class CpuKernel:
-    """The compiled kernels (build() once per test session, into `where`)."""
+# The kernel as built by default, and the copy_lanes variants under measurement (copy_kernel.cu
+# names them; scripts/device/bench_lanes.py compiles the same defines on the GPU): every one
+# must write the same bytes.
+VARIANTS = {
+    "default": (),
+    "prefetch": ("LANE_PREFETCH=1",),
+    "chunks": ("LANE_CHUNKS=1",),
+    "prefetch+chunks": ("LANE_PREFETCH=1", "LANE_CHUNKS=1"),
+    "prefetch batch 1": ("LANE_PREFETCH=1", "LANE_BATCH=1"),
+    "prefetch+chunks batch 3": ("LANE_PREFETCH=1", "LANE_CHUNKS=1", "LANE_BATCH=3"),
+}
 
-    def __init__(self, where: Path):
+
+class CpuKernel:
+    """The compiled kernels (built once per test session and variant, into `where`), with
+    `defines` (NAME=V) as the GPU build would get them."""
+
+    def __init__(self, where: Path, defines: tuple[str, ...] = ()):
         compiler = shutil.which("g++") or shutil.which("c++")
         if compiler is None:
             raise RuntimeError("a C++ compiler (g++) is needed to run copy_kernel.cu on the CPU")
@@ -65,7 +79,7 @@ class CpuKernel:
         lib = where / "copy_kernel_cpu.so"
         subprocess.run(
             [compiler, "-O1", "-shared", "-fPIC", "-fno-strict-aliasing", "-Wno-unknown-pragmas",
-             f"-I{KERNEL.parent}", str(where / "shim.cpp"), "-o", str(lib)],
+             *(f"-D{d}" for d in defines), f"-I{KERNEL.parent}", str(where / "shim.cpp"), "-o", str(lib)],
             check=True, capture_output=True, text=True,
         )  # fmt: skip
         self._lib = ctypes.CDLL(str(lib))

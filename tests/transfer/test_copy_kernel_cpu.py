@@ -16,14 +16,14 @@ from transfer.plan import build_plan
 from transfer.reshard import Shard, pair_lanes
 from transfer.tokens import Tokens, pool_lanes
 from transfer.transports.cuda_layout import Regions, lay_out, work
-from transfer.transports.ranges import LaneRuns, Ranges
+from transfer.transports.ranges import LANE_FIELDS, LaneRuns, Ranges
 
-from kernel_cpu import CpuKernel
+from kernel_cpu import VARIANTS, CpuKernel
 
 
-@pytest.fixture(scope="module")
-def kernel(tmp_path_factory) -> CpuKernel:
-    return CpuKernel(tmp_path_factory.mktemp("copy_kernel"))
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def kernel(request, tmp_path_factory) -> CpuKernel:
+    return CpuKernel(tmp_path_factory.mktemp("copy_kernel"), VARIANTS[request.param])
 
 
 def _bytes(ptr: int, nbytes: int) -> np.ndarray:
@@ -116,3 +116,80 @@ def test_the_kernel_writes_exactly_the_plans_bytes(kernel, preset, layout, pages
         for got, want in zip(dst.views, expected):
             assert np.array_equal(got, want)
         assert all(np.array_equal(a, b) for a, b in zip(src.views, source))
+
+
+# Lanes of every path copy_lanes has, between pages of 16 rows (source) and 12 rows
+# (destination: a quotient by division, not a shift): (row bytes, source stride and offset,
+# destination stride and offset)
+_LANES = (
+    (128, 128, 0, 1024, 384),  # a head of 8: small items (up to 12 rows x 8 words)
+    (512, 512, 0, 1024, 512),  # 2:1's half rows: past the small path (chunks / copy_rows)
+    (40, 40, 0, 48, 8),  # rows not 16-byte multiples: byte by byte
+    (48, 64, 16, 48, 0),  # three words a row: y / 3, not a shift
+    (1024, 1024, 0, 1024, 0),  # whole rows on both sides (chunks / copy_one)
+)
+
+
+def _edge_runs(n: int, seed: int) -> LaneRuns:
+    """n runs of 1-12 rows from random source pages into destination rows one after another
+    (no two runs write the same byte), none crossing a page on either side."""
+    rng = np.random.default_rng(seed)
+    src, dst, count, at = [], [], [], 0
+    for _ in range(n):
+        c = int(rng.integers(1, 13))
+        if at % 12 + c > 12:
+            at += 12 - at % 12
+        o = int(rng.integers(0, 17 - c))
+        src.append(int(rng.integers(0, 4)) * 16 + o)
+        dst.append(at)
+        count.append(c)
+        at += c
+    lanes = np.array(_LANES, dtype=np.int64).T
+    row, s_stride, s_off, d_stride, d_off = lanes
+    b = len(_LANES)
+    return LaneRuns(
+        *(np.array(v, dtype=np.int64) for v in (src, dst, count)),
+        src_offset=s_off, dst_offset=d_off, row_bytes=row,
+        src_region=np.arange(b, dtype=np.int64), dst_region=np.arange(b, dtype=np.int64),
+        src_pitch=16 * s_stride, dst_pitch=12 * d_stride, src_stride=s_stride, dst_stride=d_stride,
+        src_rows=16, dst_rows=12,
+    )  # fmt: skip
+
+
+def _regions(name: str, views: list[np.ndarray]) -> Regions:
+    return Regions(name, np.array([v.ctypes.data for v in views], dtype=np.int64), np.array([v.size for v in views]))
+
+
+def _want(runs: LaneRuns, gone: int, src: list[np.ndarray], dst: list[np.ndarray]) -> list[np.ndarray]:
+    """The destination after every run but `gone`, copied range by range in numpy."""
+    keep = np.arange(len(runs.count)) != gone
+    lanes = {f: getattr(runs, f) for f in LANE_FIELDS}
+    starts = (runs.src_start[keep], runs.dst_start[keep], runs.count[keep])
+    flat = LaneRuns(*starts, **lanes, src_rows=runs.src_rows, dst_rows=runs.dst_rows).flatten()
+    out = [v.copy() for v in dst]
+    for sr, so, dr, do, m in zip(
+        *(a.tolist() for a in (flat.src_region, flat.src_off, flat.dst_region, flat.dst_off, flat.length))
+    ):
+        out[dr][do : do + m] = src[sr][so : so + m]
+    return out
+
+
+@pytest.mark.parametrize("warps, threads", [(1, 32), (2, 32), (3, 32), (7, 32), (16, 512)])
+def test_copy_lanes_edges(kernel, warps, threads):
+    """Batches that cross the table's end (37 runs x 5 lanes over 1-16 warps: the last batch,
+    and the one loaded ahead of it, partly past the end), a run of no rows (its count zeroed
+    in the table: the kernel copies nothing for it), items of every path (small, past small,
+    unaligned bytes, rows of three words, whole rows): every destination byte as the runs say."""
+    runs, gone = _edge_runs(37, 3), 17
+    rng = np.random.default_rng(4)
+    pages = (4, int(runs.dst_start[-1]) // 12 + 1)
+    src = [rng.integers(0, 256, size=int(p), dtype=np.uint8) for p in runs.src_pitch * pages[0]]
+    dst = [rng.integers(0, 256, size=int(p), dtype=np.uint8) for p in runs.dst_pitch * pages[1]]
+    want = _want(runs, gone, src, dst)
+    laid = lay_out([work([runs], _regions("src", src), _regions("dst", dst))])
+    ((name, rows, (at,), (n, *_)),) = laid.launches
+    assert name == "copy_lanes" and rows == 37 * len(_LANES)
+    laid.values[at + 2 * n + gone] = 0
+    kernel.run(laid, blocks=warps, threads=threads)
+    for got, w in zip(dst, want):
+        assert np.array_equal(got, w)

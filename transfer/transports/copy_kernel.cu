@@ -117,6 +117,15 @@ __device__ __forceinline__ long long quot(long long x, long long d, int shift) {
     return ((x | d) >> 31) ? x / d : (long long)((unsigned)x / (unsigned)d);  // 32-bit where it fits
 }
 
+__device__ __forceinline__ void copy_row_bytes(const char* s, char* d, long long ss, long long ds, long long row,
+                                               long long k, long long lane) {   // any alignment
+    const long long total = k * row;
+    for (long long x = lane; x < total; x += 32) {
+        const long long j = x / row, q = x - j * row;
+        d[j * ds + q] = s[j * ss + q];
+    }
+}
+
 __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, long long ds, long long row,
                                           long long k, long long lane) {
     // k rows of `row` bytes, `ss` / `ds` apart: the warp's lanes take 16-byte words of all rows,
@@ -142,11 +151,7 @@ __device__ __forceinline__ void copy_rows(const char* s, char* d, long long ss, 
                 if (x + 32 * u < total) *(uint4*)(d + to[u]) = v[u];
         }
     } else {
-        const long long total = k * row;
-        for (long long x = lane; x < total; x += 32) {
-            const long long j = x / row, q = x - j * row;
-            d[j * ds + q] = s[j * ss + q];
-        }
+        copy_row_bytes(s, d, ss, ds, row, k, lane);
     }
 }
 
@@ -191,6 +196,177 @@ __device__ __forceinline__ bool small_item(const LaneItem& it) {  // (strides fi
            it.k * (it.row >> 4) <= 32 * LANE_WORDS && ((it.ss | it.ds) >> 31) == 0;
 }
 
+// Variants under measurement (issue 40; scripts/device/bench_lanes.py compiles each with
+// --kernel NAME=PATH:DEFINE=V beside this default, which they leave as it was):
+//   LANE_PREFETCH=1  software-pipelined: a batch's words load, then the NEXT batch's descriptors
+//                    load and are worked out while those words are in flight, then the stores.
+//                    Today each batch waits two dependent round trips (descriptors, then words);
+//                    this waits the longer of the two. The next batch is held compact (what the
+//                    small path needs: 8 registers an item); its raw t[] / L[] values live only
+//                    between their loads and the arithmetic. A batch that is not all small
+//                    copies first and loads the next one after (copy_rows needs the registers).
+//   LANE_CHUNKS=1    an item too big for the small path (2:1, 4:1: 16 rows of 512 B or 256 B,
+//                    8 KiB / 4 KiB) that is 16-byte aligned, strides < 2 GiB, is copied in chunks
+//                    of LANE_BATCH x LANE_WORDS words per lane through the same registers: 4 KiB
+//                    in flight per warp, against copy_rows' four words per lane (2 KiB). The copy
+//                    is bound by bytes in flight (the launch takes at most `blocks` SMs, 16 warps
+//                    each, 64 KiB an SM at 4 KiB a warp), and registers bound those: the default
+//                    uses 123 of the 128 a thread has at 512 threads. Unaligned items go byte by
+//                    byte, as copy_rows takes them (its aligned path beside the chunks spilled).
+// Both combine. ptxas (CUDA 13.0, sm_90, -O3) registers / spilled bytes: default 123 / 0,
+// PREFETCH 126 / 0, CHUNKS 124 / 0, both 128 / 0; PREFETCH at LANE_BATCH 1 108 / 0, at 3 128 / 80
+// (the default at 3: 126 / 32). Orders tried for PREFETCH: the next batch's descriptors before
+// this batch's loads spilled 8 bytes, the raw t[] values held across the copy 64-96.
+// The word-to-lane map is not what limits: word y = lane + 32 u of an item is word y % w of row
+// y / w (w words a row), so a 128 B row (gpt-oss, one head) is 8 consecutive lanes and one
+// warp-wide load or store moves 4 whole rows, every 32 B sector of every 128 B line full;
+// source rows are contiguous 512 B.
+#ifndef LANE_PREFETCH
+#define LANE_PREFETCH 0
+#endif
+#ifndef LANE_CHUNKS
+#define LANE_CHUNKS 0
+#endif
+
+#if LANE_PREFETCH || LANE_CHUNKS
+struct LaneTable {   // a launch's arguments and what every warp works out from them
+    const long long* t;
+    const long long* L;
+    long long n, b, srows, drows, total, warps;
+    int ssh, dsh;
+};
+
+struct LaneBatch {   // a batch's items, compact: what the small path needs
+    const char* s[LANE_BATCH];
+    char* d[LANE_BATCH];
+    int ss[LANE_BATCH], ds[LANE_BATCH], w[LANE_BATCH], words[LANE_BATCH];
+    bool small;   // every item present is small (an absent one has no words)
+};
+
+__device__ __forceinline__ LaneItem table_item(const LaneTable& T, long long q) {
+    return lane_item(T.t, T.L, q, T.n, T.b, T.srows, T.drows, T.ssh, T.dsh);
+}
+
+__device__ __forceinline__ void lane_batch(LaneBatch& c, const LaneTable& T, long long r) {
+    // items r, r + warps, ...: their descriptors load together (past the end: none)
+    c.small = true;
+#pragma unroll
+    for (int k = 0; k < LANE_BATCH; k++) {
+        const long long q = r + k * T.warps;
+        c.s[k] = 0, c.d[k] = 0, c.ss[k] = c.ds[k] = 0, c.w[k] = 1, c.words[k] = 0;
+        if (q < T.total) {
+            const LaneItem it = table_item(T, q);
+            c.small = c.small && small_item(it);
+            c.s[k] = it.s, c.d[k] = it.d, c.ss[k] = (int)it.ss, c.ds[k] = (int)it.ds;
+            c.w[k] = (int)(it.row >> 4), c.words[k] = (int)(it.k * (it.row >> 4));
+        }
+    }
+}
+
+template <int NW>   // words y0 + lane + 32 u (u < NW) of rows w words long, ss bytes apart
+__device__ __forceinline__ void load_span(uint4 (&v)[NW], const char* s, int ss, int w, int words, int y0, int lane) {
+    const int sh = log2_of(w);
+#pragma unroll
+    for (int u = 0; u < NW; u++) {
+        const int y = y0 + lane + 32 * u;
+        if (y < words) {
+            const int j = sh >= 0 ? y >> sh : y / w, x = y - j * w;
+            v[u] = *(const uint4*)(s + (long long)j * ss + (x << 4));
+        }
+    }
+}
+
+template <int NW>
+__device__ __forceinline__ void store_span(const uint4 (&v)[NW], char* d, int ds, int w, int words, int y0, int lane) {
+    const int sh = log2_of(w);
+#pragma unroll
+    for (int u = 0; u < NW; u++) {
+        const int y = y0 + lane + 32 * u;
+        if (y < words) {
+            const int j = sh >= 0 ? y >> sh : y / w, x = y - j * w;
+            *(uint4*)(d + (long long)j * ds + (x << 4)) = v[u];
+        }
+    }
+}
+
+__device__ __forceinline__ bool chunked_item(const LaneItem& it) {
+    // aligned, and every word number (past the last word too: y0 + 255) an int
+    return ((((unsigned long long)it.s | (unsigned long long)it.d | it.ss | it.ds | it.row) & 15) == 0) &&
+           ((it.ss | it.ds | it.row | it.k) >> 31) == 0 && it.k * (it.row >> 4) < (1LL << 30);
+}
+
+__device__ __forceinline__ void copy_chunks(const LaneItem& it, int lane) {
+    uint4 v[LANE_BATCH * LANE_WORDS];
+    const int w = (int)(it.row >> 4), words = (int)(it.k * w);
+#pragma unroll 1
+    for (int y0 = 0; y0 < words; y0 += 32 * LANE_BATCH * LANE_WORDS) {
+        load_span(v, it.s, (int)it.ss, w, words, y0, lane);
+        store_span(v, it.d, (int)it.ds, w, words, y0, lane);
+    }
+}
+
+__device__ __forceinline__ void copy_items(const LaneTable& T, long long r, long long lane) {
+    for (int k = 0; k < LANE_BATCH && r + k * T.warps < T.total; k++) {   // one by one
+        const LaneItem it = table_item(T, r + k * T.warps);
+#if LANE_CHUNKS   // (copy_rows' four words in flight, beside the chunks, spilled registers)
+        if (chunked_item(it)) copy_chunks(it, (int)lane);
+        else copy_row_bytes(it.s, it.d, it.ss, it.ds, it.row, it.k, lane);
+#else
+        if (it.ss == it.row && it.ds == it.row) copy_one(it.s, it.d, it.k * it.row, lane);
+        else copy_rows(it.s, it.d, it.ss, it.ds, it.row, it.k, lane);
+#endif
+    }
+}
+
+__device__ __forceinline__ void copy_small(const LaneBatch& c, const LaneTable& T, long long q, LaneBatch* next,
+                                           int lane) {
+    // every word of the batch loads before any store; `next` (when given) is batch q, its
+    // descriptors loaded and worked out while these words are in flight
+    uint4 v[LANE_BATCH][LANE_WORDS];
+#pragma unroll
+    for (int k = 0; k < LANE_BATCH; k++) load_span(v[k], c.s[k], c.ss[k], c.w[k], c.words[k], 0, lane);
+    if (next) lane_batch(*next, T, q);
+#pragma unroll
+    for (int k = 0; k < LANE_BATCH; k++) store_span(v[k], c.d[k], c.ds[k], c.w[k], c.words[k], 0, lane);
+}
+
+__device__ __forceinline__ void lanes_pipelined(const LaneTable& T, long long r, int lane) {
+    if (r >= T.total) return;
+    LaneBatch c;
+    lane_batch(c, T, r);
+    for (;;) {
+        const long long q = r + LANE_BATCH * T.warps;
+        LaneBatch next;   // (this batch's stores read c after the next batch's descriptors load)
+        if (c.small) {
+            copy_small(c, T, q, &next, lane);
+        } else {   // (copied first: the next batch's registers are free during copy_rows)
+            copy_items(T, r, lane);
+            lane_batch(next, T, q);
+        }
+        if (q >= T.total) return;
+        r = q;
+        c = next;
+    }
+}
+
+__device__ __forceinline__ void lanes_plain(const LaneTable& T, long long r, int lane) {
+    for (; r < T.total; r += LANE_BATCH * T.warps) {
+        LaneBatch c;
+        lane_batch(c, T, r);
+        if (c.small) copy_small(c, T, r, 0, lane);
+        else copy_items(T, r, lane);
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(512) copy_lanes(const long long* __restrict__ t, long long n,
+                                                             long long b, long long srows, long long drows) {
+    const long long warps = ((long long)gridDim.x * blockDim.x) >> 5;
+    const LaneTable T = {t, t + 3 * n, n, b, srows, drows, n * b, warps, log2_of(srows), log2_of(drows)};
+    const long long r = ((long long)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+    if (LANE_PREFETCH) lanes_pipelined(T, r, threadIdx.x & 31);
+    else lanes_plain(T, r, threadIdx.x & 31);
+}
+#else
 extern "C" __global__ void __launch_bounds__(512) copy_lanes(const long long* __restrict__ t, long long n,
                                                              long long b, long long srows, long long drows) {
     const long long lane = threadIdx.x & 31;
@@ -249,3 +425,4 @@ extern "C" __global__ void __launch_bounds__(512) copy_lanes(const long long* __
         }
     }
 }
+#endif
