@@ -64,6 +64,11 @@ def compile_kernels(spec: str):
     name, _, rest = spec.partition("=")
     path, *defines = rest.split(":") if rest else [str(ROOT / "transfer/transports/copy_kernel.cu")]
     module = cupy.RawModule(code=Path(path).read_text(), options=tuple(f"-D{d}" for d in defines))
+    try:  # (registers, and local memory: > 0 means it spilled)
+        a = module.get_function("copy_lanes").attributes
+        print(f"{name or 'tree'}: copy_lanes {a['num_regs']} registers, {a['local_size_bytes']} B local", flush=True)
+    except Exception as exc:  # noqa: BLE001 (a CuPy without the attributes: the timings still stand)
+        print(f"{name or 'tree'}: no attributes ({exc})", flush=True)
     return name or "tree", module
 
 
