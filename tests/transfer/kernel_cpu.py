@@ -58,12 +58,12 @@ _KERNELS = {"copy_ranges": 0, "copy_runs": 1, "copy_lanes": 2}
 # names them; scripts/device/bench_lanes.py compiles the same defines on the GPU): every one
 # must write the same bytes.
 VARIANTS = {
-    "default": (),
-    "prefetch": ("LANE_PREFETCH=1",),
-    "chunks": ("LANE_CHUNKS=1",),
-    "prefetch+chunks": ("LANE_PREFETCH=1", "LANE_CHUNKS=1"),
-    "prefetch batch 1": ("LANE_PREFETCH=1", "LANE_BATCH=1"),
-    "prefetch+chunks batch 3": ("LANE_PREFETCH=1", "LANE_CHUNKS=1", "LANE_BATCH=3"),
+    "default": (),  # (LANE_PREFETCH and LANE_CHUNKS on)
+    "old loop": ("LANE_PREFETCH=0", "LANE_CHUNKS=0"),
+    "prefetch": ("LANE_CHUNKS=0",),
+    "chunks": ("LANE_PREFETCH=0",),
+    "prefetch batch 1": ("LANE_CHUNKS=0", "LANE_BATCH=1"),
+    "prefetch+chunks batch 3": ("LANE_BATCH=3",),
 }
 
 

@@ -196,8 +196,13 @@ __device__ __forceinline__ bool small_item(const LaneItem& it) {  // (strides fi
            it.k * (it.row >> 4) <= 32 * LANE_WORDS && ((it.ss | it.ds) >> 31) == 0;
 }
 
-// Variants under measurement (issue 40; scripts/device/bench_lanes.py compiles each with
-// --kernel NAME=PATH:DEFINE=V beside this default, which they leave as it was):
+// Two variants, both on by default since measured (issue 40; scripts/device/bench_lanes.py
+// compiles others with --kernel NAME=PATH:DEFINE=V beside the default; the older loop is
+// LANE_PREFETCH=0 LANE_CHUNKS=0). One H100, device-local, one gpt-oss-120b sender's table at 32k
+// tokens, page 16, 64 x 512 threads, median of 20 (docs/bench_tp_gpu.json "session_9_lanes"):
+// old -> both: 8:1 0.160 -> 0.151 ms, 8:2 0.168 -> 0.154, 1:8 0.169 -> 0.160, 4:1 0.303 -> 0.272,
+// 2:1 0.601 -> 0.494 (a device copy of the same bytes: 0.116, 0.114, 0.116, 0.214, 0.421 ms);
+// bytes equal to the old loop's on every pair; on the device 128 registers, 0 B local (no spill):
 //   LANE_PREFETCH=1  software-pipelined: a batch's words load, then the NEXT batch's descriptors
 //                    load and are worked out while those words are in flight, then the stores.
 //                    Today each batch waits two dependent round trips (descriptors, then words);
@@ -222,10 +227,10 @@ __device__ __forceinline__ bool small_item(const LaneItem& it) {  // (strides fi
 // warp-wide load or store moves 4 whole rows, every 32 B sector of every 128 B line full;
 // source rows are contiguous 512 B.
 #ifndef LANE_PREFETCH
-#define LANE_PREFETCH 0
+#define LANE_PREFETCH 1
 #endif
 #ifndef LANE_CHUNKS
-#define LANE_CHUNKS 0
+#define LANE_CHUNKS 1
 #endif
 
 #if LANE_PREFETCH || LANE_CHUNKS
