@@ -132,7 +132,7 @@ class DecodePeers:
                 msg.layout.page_size,
                 self.layout.page_size,
             )
-        return Registered(self.epoch, transport=target.link.kind)
+        return Registered(self.epoch, transport=target.link.kind, may_stage=self.sender.may_stage(target))
 
     def receivers(self, tp_size: int) -> frozenset[int]:
         """The ranks of a decode instance of `tp_size` that we send some of a request's KV to
