@@ -22,7 +22,7 @@ Plan-only: every destination offset comes from the validated plan's rows (check_
 its receiver lanes (inside their items, checked here); the link checks each range again.
 """
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -327,24 +327,48 @@ def _units(cp: ComponentPlan, u: int, ps: int, pd: int) -> _Units | None:
     return _Units(rows, us // ps, (us % ps) // u, dst_sub, group, g_start, page[g_start], ud[g_start] % pd, g_rows)
 
 
+def gatherable(
+    pairings: Iterable[tuple[tuple[Lane, ...], tuple[Lane, ...], list[torch.Tensor]]],
+    slot_bytes: int,
+    cache: dict | None = None,
+) -> bool:
+    """Whether every lane pairing (source lanes, receiver lanes, the source tensors) of a
+    peer's by-token components can go gathered: what gather_plan checks of a send that does
+    not depend on its rows (lanes whole rows, page sizes, a receiver page fits a slot, the
+    pool in host memory). A send of such a peer can still fail the rest (gather_plan: rows
+    not in whole units)."""
+    cache = {} if cache is None else cache
+    return all(_pairing(src, dst, tensors, slot_bytes, cache) is not None for src, dst, tensors in pairings)
+
+
+def _pairing(
+    src: tuple[Lane, ...], dst: tuple[Lane, ...], tensors: list[torch.Tensor], slot_bytes: int, cache: dict
+) -> tuple[list[_Region], list[_Band], int, int] | None:
+    """(regions, bands, unit rows u, receiver pages per chunk) of a gatherable lane pairing;
+    None where it is not."""
+    ps, pd = src[0].page_size, dst[0].page_size
+    u = min(ps, pd)
+    if max(ps, pd) % u or any(l.page_size != pd for l in dst):
+        return None
+    layout = _layout(src, dst, tensors, u, cache)
+    if layout is None:
+        return None
+    regions, bands = layout
+    m = (slot_bytes - ALIGN * len(regions)) // sum(r.width for r in regions)
+    return (regions, bands, u, m) if m >= 1 else None
+
+
 def _component(
     cp: ComponentPlan, slot_bytes: int, tensors: list[torch.Tensor], layers_needed: int, cache: dict
 ) -> list[GatheredChunk] | None:
     """One by-token component's chunks, or None where it cannot be gathered."""
-    ps, pd = cp.src_lanes[0].page_size, cp.dst_lanes[0].page_size
-    u = min(ps, pd)
-    if max(ps, pd) % u or any(l.page_size != pd for l in cp.dst_lanes):
-        return None
-    layout = _layout(cp.src_lanes, cp.dst_lanes, tensors, u, cache)
-    if layout is None or len(cp.dst_idx) == 0:
-        return None if layout is None else []
-    regions, bands = layout
-    units = _units(cp, u, ps, pd)
+    pairing = _pairing(cp.src_lanes, cp.dst_lanes, tensors, slot_bytes, cache)
+    if pairing is None or len(cp.dst_idx) == 0:
+        return None if pairing is None else []
+    regions, bands, u, m = pairing
+    pd = cp.dst_lanes[0].page_size
+    units = _units(cp, u, cp.src_lanes[0].page_size, pd)
     if units is None:
-        return None
-    per_page = sum(r.width for r in regions)
-    m = (slot_bytes - ALIGN * len(regions)) // per_page
-    if m < 1:
         return None
     shape = _Shape(regions, bands, units, u, pd)
     groups = len(units.g_start)

@@ -7,7 +7,8 @@ token (another TP size or page size) and gets no slot must go direct, one transp
 per row slice (TP 8 -> 1, gpt-oss-120b: 59,040 ranges of 128 B per sender, 17-20 s over
 Mooncake TCP where staged takes 0.1 s), so every sender gets a slot or the request waits for
 them; a sender gets no more slots than it has chunks (one 16 MiB slot holds a 1,500-token
-sender's share at TP 8 -> 1).
+sender's share at TP 8 -> 1), and none where it wants none (it said it never stages: it
+gathers, TP 1 -> 8; the caller passes its want as 0).
 """
 
 import math
@@ -38,7 +39,10 @@ class KVReceiver:
         (waiting up to `timeout` seconds for that many to be free: slots come back as other
         requests' senders finish). Wants the area cannot hold at all are cut to one slot per
         sender; when the wait runs out, what is free now is shared, one slot per sender first.
-        A sender lent [] goes direct."""
+        A sender lent [] goes direct (or gathered); one that wants 0 gets [] and no slot is
+        taken for it (none at all, and no wait, when every sender wants 0)."""
+        if not any(wants):
+            return [[] for _ in wants]
         lease, total = self.endpoint.staging.lease, self.endpoint.staging.num_slots
         if sum(wants) > total:
             wants = [min(w, 1) for w in wants]

@@ -48,7 +48,7 @@ from transfer.layers import LayerGroup, split_layers
 from transfer.plan import ComponentPlan, TransferPlan, build_plan
 from transfer.progress import LayerProgress
 from transfer.gather import Gatherer
-from transfer.gathered import GatherPlan, gather_plan
+from transfer.gathered import GatherPlan, gather_plan, gatherable
 from transfer.gathered_write import GatheredWrite
 from transfer.staging import Chunk, RemoteSlots, chunk_plan
 from transfer.report import TransferReport
@@ -264,15 +264,42 @@ class KVSender:
             gather=gather if mode is Mode.GATHERED else None,
         )
 
-    def _gather_plan(self, groups: Sequence[LayerGroup], streamed: bool) -> GatherPlan | None:
-        """The send's gathered chunks (transfer.gathered) where it may go gathered: AUTO or
-        GATHERED configured, pool and staging area in host memory; None otherwise."""
+    def _gathers(self) -> bool:
+        """Whether sends may go gathered at all: AUTO or GATHERED configured, the staging area
+        (and so the pool) in host memory."""
         cfg = self.endpoint.config
-        if cfg.mode not in (Mode.AUTO, Mode.GATHERED) or self.endpoint.staging.buffer.device.type != "cpu":
+        return cfg.mode in (Mode.AUTO, Mode.GATHERED) and self.endpoint.staging.buffer.device.type == "cpu"
+
+    def _gather_plan(self, groups: Sequence[LayerGroup], streamed: bool) -> GatherPlan | None:
+        """The send's gathered chunks (transfer.gathered) where it may go gathered (_gathers);
+        None otherwise."""
+        if not self._gathers():
             return None
         return gather_plan(
             groups, self.endpoint.staging.slot_bytes, self.endpoint.tensors, streamed, self._gather_layouts
         )
+
+    def may_stage(self, peer: RemotePool) -> bool:
+        """Whether a send to `peer` may ever want its staging slots; False lets it lend us none.
+
+        False where our mode never stages (DIRECT), or where every send to it is weighed
+        gathered against direct only (choose_mode): AUTO or GATHERED, host pools, and every
+        by-token component's lane pairing gatherable (transfer.gathered.gatherable; its layouts
+        cached for the sends). True otherwise (STAGED; whole pages, which stage where cheaper).
+        A send to a peer that lent no slot still goes right if its own gather_plan fails
+        (rows not in whole units): can_stage is False without slots, and choose_mode then
+        picks DIRECT, never STAGED, so the promise only costs that rare send a direct write."""
+        mode = self.endpoint.config.mode
+        if mode is Mode.DIRECT:
+            return False
+        if mode is Mode.STAGED or peer.lanes is None or not self._gathers():
+            return True
+        pairings = [
+            (ours, peer.lanes[c], self.endpoint.tensors[c])
+            for c, ours in peer.src_lanes.items()
+            if not c.sent_last  # the AUX row goes after the body, always direct
+        ]
+        return not pairings or not gatherable(pairings, self.endpoint.staging.slot_bytes, self._gather_layouts)
 
     @staticmethod
     def _prepare_writes(

@@ -123,6 +123,11 @@ class Heartbeat(msgspec.Struct, tag=True, frozen=True):
 class Registered(msgspec.Struct, tag=True, frozen=True):
     epoch: int
     transport: str = ""  # to RegisterDecode: the transport prefill picked
+    # to RegisterDecode: False when this prefill rank never sends that decode rank staged (its
+    # mode, or a pairing it always gathers: KVSender.may_stage), so decode lends it no staging
+    # slot and never waits for one. Default True: what an older prefill that does not send it
+    # meant (an older decode ignores the field).
+    may_stage: bool = True
 
 
 class ChunkLanded(msgspec.Struct, tag=True, frozen=True):

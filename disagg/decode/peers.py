@@ -42,6 +42,7 @@ class PrefillPeer:
     settled: threading.Event = field(default_factory=threading.Event)  # left SENT
     epoch: int = 0
     transport: str = ""  # the transport prefill picked for us
+    may_stage: bool = True  # False: it said it never sends us staged (lend it no slots)
 
     @property
     def endpoint(self) -> str:
@@ -151,12 +152,12 @@ class PrefillPeers:
             self._abandoned.add(peer.endpoint)
 
     # ---- the loop thread ---------------------------------------------------------------------
-    def registered(self, endpoint: str, epoch: int, transport: str) -> None:
+    def registered(self, endpoint: str, epoch: int, transport: str, may_stage: bool = True) -> None:
         with self._lock:
             peer = self._peers.get(endpoint)
             if peer is None or peer.phase is not Registration.SENT:
                 return
-            peer.epoch, peer.transport = epoch, transport
+            peer.epoch, peer.transport, peer.may_stage = epoch, transport, may_stage
             self._liveness.heard(endpoint)
         self._settle(peer, Registration.ACCEPTED)
 

@@ -194,7 +194,7 @@ class DecodeServer(Worker):
         timings["bootstrap_ms"] = (time.perf_counter() - t0) * 1e3
         self._admit(r, tokens, max_new_tokens, deadline)
         lanes = [self.instances.lanes(p.info) for p in peers]  # (may refuse: before any slot is leased)
-        slots = self._lend(lanes, len(tokens), r.prefix_len, deadline)
+        slots = self._lend(peers, lanes, len(tokens), r.prefix_len, deadline)
         t1 = time.perf_counter()
         senders = [Sender(p.endpoint, p.epoch, s, lanes=l) for p, s, l in zip(peers, slots, lanes)]
         if self.requests.sending(r, senders):  # an abort may have come meanwhile
@@ -296,14 +296,19 @@ class DecodeServer(Worker):
         reused = reused_bytes(self.pool, r.kv.num_tokens, r.prefix_len) if r.prefix_len else 0
         return {**report.to_dict(), "senders": len(r.senders), "prefix_tokens": r.prefix_len, "reused_bytes": reused}
 
-    def _lend(self, lanes: list, num_tokens: int, prefix_len: int, deadline: float) -> list[list[int]]:
+    def _lend(self, peers: list, lanes: list, num_tokens: int, prefix_len: int, deadline: float) -> list[list[int]]:
         """Every sender's staging slots, all at once (KVReceiver.lend), for what moves (the
         suffix after prefix_len). Senders that move by token would go direct without one (a
         range per row slice): for them the request waits for slots, like for pool space,
-        until the bootstrap deadline."""
+        until the bootstrap deadline. A sender that said it never stages (Registered.may_stage:
+        its mode, or it gathers, TP 1 -> 8) wants none, so slots it would hand back unused
+        never cap how many requests run, nor make one wait."""
         most = self.config.slots_per_transfer
-        wants = [self.receiver.slots_wanted(l, num_tokens, most, prefix_len) for l in lanes]
-        by_token = any(l is not None for l in lanes)
+        wants = [
+            self.receiver.slots_wanted(l, num_tokens, most, prefix_len) if p.may_stage else 0
+            for p, l in zip(peers, lanes)
+        ]
+        by_token = any(l is not None and w for l, w in zip(lanes, wants))
         return self.receiver.lend(wants, max(0.0, deadline - time.monotonic()) if by_token else 0.0)
 
     def quarantined(self) -> int:
@@ -395,8 +400,8 @@ class DecodeServer(Worker):
             return None
         self.peers.heard(endpoint)
         match msg:
-            case Registered(epoch=epoch, transport=transport):
-                self.peers.registered(endpoint, epoch, transport)
+            case Registered(epoch=epoch, transport=transport, may_stage=may_stage):
+                self.peers.registered(endpoint, epoch, transport, may_stage)
             case Refused(reason=reason):
                 if self.peers.refused(endpoint, reason):  # it dropped us after we registered
                     self._peer_lost(endpoint, f"prefill {endpoint} dropped us: {reason}")

@@ -132,7 +132,16 @@ class DecodePeers:
                 msg.layout.page_size,
                 self.layout.page_size,
             )
-        return Registered(self.epoch, transport=target.link.kind)
+        return Registered(self.epoch, transport=target.link.kind, may_stage=self._may_stage(target))
+
+    def _may_stage(self, target) -> bool:
+        """KVSender.may_stage, or True (decode lends as ever) should working it out fail: the
+        registration is answered either way, never left to decode's deadline."""
+        try:
+            return self.sender.may_stage(target)
+        except Exception:  # noqa: BLE001 (a bug in the pairing check must not cost the registration)
+            log.exception("decode %s: whether we may stage into it (lending it slots as ever)", target.link.peer)
+            return True
 
     def receivers(self, tp_size: int) -> frozenset[int]:
         """The ranks of a decode instance of `tp_size` that we send some of a request's KV to

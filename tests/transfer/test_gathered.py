@@ -166,6 +166,45 @@ def test_a_stopped_gathered_send_ends_cancelled_with_no_write_in_flight(mooncake
     peer.free(rid)
 
 
+@pytest.mark.parametrize(
+    "preset,src,dst,slot_bytes,modes",
+    [
+        # covers the receiver's whole rows: gathered or direct, never staged, unless configured
+        ("tiny-swa", (4, 1), (4, 2), 1 << 18, {Mode.AUTO: False, Mode.GATHERED: False, Mode.STAGED: True}),
+        ("tiny-hybrid", (16, 1), (4, 2), 1 << 18, {Mode.AUTO: False, Mode.DIRECT: False}),
+        ("tiny-mla-nsa", (4, 1), (16, 1), 1 << 18, {Mode.AUTO: False}),  # equal TP, pages 4:16
+        ("gpt-oss-20b", (16, 1), (16, 8), 1 << 15, {Mode.AUTO: True}),  # a decode page fills no slot of ours
+        ("tiny-swa", (4, 2), (4, 1), 1 << 18, {Mode.AUTO: True, Mode.DIRECT: False}),  # half of each row
+        ("tiny-swa", (4, 1), (4, 1), 1 << 18, {Mode.AUTO: True}),  # whole pages: staged where cheaper
+    ],
+)
+def test_a_sender_says_whether_it_may_ever_stage_into_a_receiver(mooncake, peer, preset, src, dst, slot_bytes, modes):
+    """What prefill answers decode's registration with (Registered.may_stage): False only where
+    no send to it can go staged (its mode, or every by-token lane pairing gatherable), so
+    decode lends it no slot."""
+    tokens = np.random.default_rng(5).integers(0, 50000, 40)
+    (pool, _), *_ = _prefill_ranks(preset, src[1], src[0], Layout.PAGE_MAJOR, tokens, 5, "cpu")
+    peer.configure(preset, dst[0], 1024, tp=(dst[1], 0))
+    for mode, want in modes.items():
+        with PoolEndpoint(mooncake, pool, TransferConfig(mode=mode, staging_slot_bytes=slot_bytes)) as endpoint:
+            sender = KVSender(endpoint)
+            assert sender.may_stage(peer.connect(sender)) is want, mode
+
+
+def test_a_send_lent_no_slot_never_goes_staged():
+    """A sender that told decode it never stages gets no slot, so a send whose own gather
+    plan fails goes direct (can_stage False), whatever the mode."""
+    from transfer.plan import TransferPlan
+
+    class Body:
+        nbytes, num_ranges = 100 << 20, 60_000
+
+    plan, tcp = TransferPlan((Body(),), None), LinkCost(per_range_us=28.0, link_gbps=2.2)
+    for mode in Mode:
+        assert choose_mode(plan, tcp, TransferConfig(mode=mode), 16 << 20, False, None) is Mode.DIRECT, mode
+        assert choose_mode(plan, tcp, TransferConfig(mode=mode), 16 << 20, False, 200) is not Mode.STAGED, mode
+
+
 def test_the_mode_choice():
     """Gathered where the send can go so (AUTO: weighed against direct; no receiver slot
     needed), staged and direct where configured."""

@@ -51,6 +51,7 @@ SAMPLES = [
     P.Heartbeat(42),
     P.Registered(42),
     P.Registered(42, "mooncake"),
+    P.Registered(42, "mooncake", may_stage=False),
     P.Refused("layout differs"),
     P.ChunkLanded(123, 0, 1, [Piece("full", 0, 0, 3, 0)]),
     P.ChunkDone(123, 0),
