@@ -57,7 +57,7 @@ from transfer.errors import TransferError, WritesAbandoned
 from transfer.fanout import FanOut, FanOutSend, PreparedFan
 from transfer.progress import LayerProgress
 from transfer.report import TransferReport
-from transfer.sender import KVSender, RemotePool
+from transfer.sender import KVSender, PreparedSend, RemotePool
 from transfer.staging import RemoteSlots
 
 log = logging.getLogger(__name__)
@@ -299,14 +299,17 @@ def take_prepared(d: Destination):
     asked for, or the job failed: the send plans again and raises what planning raises). The
     job was queued on the peer's FIFO worker shard before the caller's, so a worker has taken
     it by now: waiting for it cannot deadlock, and it is not cancelled (a job taken but not
-    yet marked running could still be)."""
+    yet marked running could still be).
+    A fan-out's job (prepare_all laid r out as one, but its destinations went one by one: a
+    peer gone meanwhile) is no send of d's: None, and the send plans its own."""
     job, d.prepared = d.prepared, None
     if job is None:
         return None
     try:
-        return job.result()
+        got = job.result()
     except Exception:  # noqa: BLE001
         return None
+    return got if isinstance(got, PreparedSend) else None
 
 
 def take_fan(dests: list[Destination]) -> PreparedFan | None:

@@ -25,6 +25,7 @@ from disagg.worker.pool_settings import PoolSettings
 from harness import memory
 from kvpool import HybridPool
 from transfer.config import TransferConfig
+from transfer.progress import LayerProgress
 from transfer.endpoint import PoolEndpoint
 from transfer.sender import KVSender
 from transfer.transports import TransportSettings
@@ -200,6 +201,28 @@ def test_a_fan_out_is_laid_out_once_while_computing_and_its_write_only_starts(ri
     calls = finished.wait(2)
     assert all(ok and done.report.prepared_ahead and done.report.fanout == 2 for ok, _, done, _, _ in calls), calls
     assert fan.started == [2] and d0.prepared is None and d1.prepared is None
+    _verified(receivers, kvs, ids)
+
+
+@pytest.mark.parametrize("rig", [True], indirect=True, ids=["links fan"])
+def test_destinations_sent_one_by_one_after_a_fan_out_was_laid_out_plan_their_own(rig):
+    """A request laid out as one fan-out whose destinations then go one job each (here
+    streamed, as after a peer went meanwhile): each send finds a fan-out's job where its own
+    prepared send would be, ignores it and plans its own (it was once handed to
+    KVSender.send, which could not use it)."""
+    jobs, r, io, fan, receivers, kvs, ids = rig
+    dests = list(r.dests.values())
+    job = jobs.prepare_all(r, dests)[0]
+    assert job.result(30) is not None
+    for d in dests:
+        d.prepared = job
+    progress = LayerProgress(jobs._pool.config.model.num_layers, "cpu")
+    progress.complete()
+    finished = Reported()
+    assert jobs.submit_all(r, dests, progress, finished) == (2, None)
+    calls = finished.wait(2)
+    assert all(ok and done.report.fanout == 0 for ok, _, done, _, _ in calls), calls
+    assert fan.started == []
     _verified(receivers, kvs, ids)
 
 
