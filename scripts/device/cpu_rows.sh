@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the device host's 16 cores (no GPU used; a demo invocation there takes ~45 s, its processes
-# slow to import torch: budget the call's 600 s): issue 40's CPU rows, Mooncake TCP, side by side.
+# slow to import torch: budget the call's 600 s; bench_tp alone did not start its processes within
+# 240 s there: run it in a call of its own, or the demo rows alone): issue 40's CPU rows, Mooncake TCP, side by side.
 #   bash scripts/device/cpu_rows.sh [ROUNDS]   (after scripts/device/carry.sh here; writes $OUT)
 # bench_tp (a process per prefill rank, every row beside its 1:1), then the demo rows, each round
 # running 1:1 first so every N:M has a 1:1 of its own round to be divided by.
@@ -8,7 +9,7 @@ source scripts/device/setup.sh >/dev/null 2>&1 || { echo SETUP FAILED; exit 3; }
 export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; T0=$(date +%s)
 nproc; uptime
-timeout 240 python3 scripts/bench_tp.py --tp 1:1,2:1,4:1,8:1,1:8,8:2 --tokens 1500 --page-sizes 16,64:16,16:64 \
+timeout 420 python3 scripts/bench_tp.py --tp 1:1,2:1,4:1,8:1,1:8,8:2 --tokens 1500 --page-sizes 16,64:16,16:64 \
   --repeats 3 --senders process --scatter-workers 4 --json > "$OUT/bench_tp_cpu.json" 2> "$OUT/bench_tp_cpu.err"
 echo "bench_tp cpu rc=$? at $(( $(date +%s) - T0 )) s"
 rows="1:1:16:16 2:1:16:16 4:1:16:16 8:1:16:16 1:8:16:16 8:2:16:16 8:1:64:16 1:8:16:64"
