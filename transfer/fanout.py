@@ -121,6 +121,8 @@ class FanOut:
         this fan-out prepared ahead (prepare() with the same source, receivers and length, not
         used before); anything else is planned here."""
         t0, cpu0 = time.perf_counter(), time.thread_time()
+        if all(s.stopped is not None and s.stopped() for s in sends):  # aborted while queued: not even planned
+            return [Cancelled("send stopped: the request was aborted") for _ in sends]
         ahead = prepared is not None and prepared.fits(src, sends, num_tokens)
         p = prepared if ahead else self.prepare(src, sends, num_tokens)
         p.used = True

@@ -165,9 +165,13 @@ def test_an_aborted_request_cancels_every_receiver_and_writes_nothing(rig, when)
     gate = threading.Event()
     for d in r.dests.values():  # every shard is busy: the jobs queue behind these
         jobs._peers.get(d.peer).workers.submit(gate.wait, 30)
-    if when == "planned" and fan is not None:
+    laid_out = []
+    if fan is not None:
         real = fan.prepare
-        fan.prepare = lambda parts: (setattr(r, "phase", Phase.STOPPING), real(parts))[1]
+        if when == "planned":
+            fan.prepare = lambda parts: (setattr(r, "phase", Phase.STOPPING), real(parts))[1]
+        else:  # (aborted while queued: not even planned, as a send alone)
+            fan.prepare = lambda parts: (laid_out.append(len(parts)), real(parts))[1]
     finished = Reported()
     assert jobs.submit_all(r, list(r.dests.values()), None, finished) == (2, None)
     if when == "queued":
@@ -176,6 +180,7 @@ def test_an_aborted_request_cancels_every_receiver_and_writes_nothing(rig, when)
     calls = finished.wait(2)
     assert all(not ok and "Cancelled" in reason and settled for ok, reason, _, settled, _ in calls), calls
     assert fan is None or fan.started == []
+    assert laid_out == []
     assert (io.sent == []) is (when == "queued")
     assert [_snapshot(rx) for rx in receivers] == before
 
