@@ -6,15 +6,14 @@ holds (the stand-in recomputes them), and every pool comes back. The same path o
 over a stand-in fan, is tests/disagg/prefill/test_fan_out.py's."""
 
 import os
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from disagg.api import metrics
 from disagg.router.router import post_json
 from disagg.tools.demo import urls
 from disagg.tools.launcher import Launcher
+from test_e2e import pool_free
 
 pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
@@ -34,11 +33,6 @@ COMMON = [
     "--staging-slot-mib",
     "1",
 ]
-
-
-def pool_free(http: str) -> dict:
-    with urllib.request.urlopen(http + "/metrics", timeout=10) as resp:
-        return metrics.pool_free(resp.read().decode())
 
 
 @pytest.mark.parametrize("decode_tp", [2])
