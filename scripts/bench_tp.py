@@ -314,19 +314,18 @@ def main() -> int:
         else None
     )
     rows = []
-    peers = [
-        PeerProcess(
-            args.preset,
-            groups[0][1],
-            4096,
-            transport=args.transport,
-            env=env,
-            device=args.peer_device,
-            chunk_channels=1 + max(n for n, _ in pairs),
-            scatter_workers=args.scatter_workers,
-        )
-        for _ in range(max(m for _, m in pairs))
-    ]
+    peers = PeerProcess.start_many(  # at once: a host slow to start Python + torch pays one start, not M
+        max(m for _, m in pairs),
+        start_timeout=300.0,
+        preset=args.preset,
+        page_size=groups[0][1],
+        tokens=4096,
+        transport=args.transport,
+        env=env,
+        device=args.peer_device,
+        chunk_channels=1 + max(n for n, _ in pairs),
+        scatter_workers=args.scatter_workers,
+    )
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
             equal_pages_ms = None

@@ -162,10 +162,12 @@ class PeerProcess(_Driver):
         transport: str = "mooncake",
         chunk_channels: int = 1,
         scatter_workers: int = 4,
+        wait: bool = True,
     ):
         """`chunk_channels`: chunk channels the server binds; `.channel` is the first (this
         process's senders share it), `.channels` names them all (a sender process connects
-        its own, harness.sender_client); `scatter_workers`: threads scattering its chunks."""
+        its own, harness.sender_client); `scatter_workers`: threads scattering its chunks;
+        `wait`: wait here for the server to start (else `ready()` does; see start_many)."""
         cmd = [
             sys.executable,
             "-m",
@@ -198,6 +200,24 @@ class PeerProcess(_Driver):
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))
         self.proc = spawn(cmd, stdout=subprocess.PIPE, text=True, env=env)
+        self.sock = None
+        if wait:
+            self.ready(start_timeout)
+
+    @classmethod
+    def start_many(cls, count: int, start_timeout: float = 60.0, **kw) -> list["PeerProcess"]:
+        """`count` peer servers started at once (each started process imports torch and builds its
+        pool beside the others), then each waited for: the start costs one process's, not count's."""
+        peers = [cls(**kw, wait=False) for _ in range(count)]
+        try:
+            return [p.ready(start_timeout) for p in peers]
+        except BaseException:
+            for p in peers:
+                p.close()
+            raise
+
+    def ready(self, start_timeout: float = 60.0) -> "PeerProcess":
+        """Wait for the server's endpoints line, then connect its command and chunk sockets."""
         try:
             ready, _, _ = select.select([self.proc.stdout], [], [], start_timeout)
             line = self.proc.stdout.readline() if ready else ""
@@ -215,6 +235,7 @@ class PeerProcess(_Driver):
         self.channels: list[str] = endpoints["channels"]
         self._enc = msgspec.msgpack.Encoder()
         self._dec = msgspec.msgpack.Decoder(Reply)
+        return self
 
     def call(self, cmd, timeout: float = 60.0) -> Reply:
         self.sock.send(self._enc.encode(cmd))
@@ -223,6 +244,9 @@ class PeerProcess(_Driver):
         return self._dec.decode(self.sock.recv())
 
     def close(self) -> None:
+        if self.sock is None:  # never started (or its start failed: ready() reaped it)
+            reap(self.proc, signal.SIGKILL, 0)
+            return
         if self.proc.poll() is None:
             try:
                 self.call(Stop(), timeout=10)
