@@ -20,6 +20,8 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
                      40 bar: <= 1.5); x_equal_pages: / the 1 -> 1 row of equal page sizes
     ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same group
     sender_ms_median where the senders' time went (plan, prepare, submit, wait; the report's fields)
+    host_cpu_ms      CPU time of one repeat over every process of the row (senders, decode ranks,
+                     this one; clock ticks of /proc): near ms x cores, the host's cores were the bound
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
@@ -203,16 +205,38 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
         slots = {
             (r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r)) for r, s in pairs
         }
-        samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats + 1)]  # the first: a warm-up
+        ranks.send_all(pairs, targets, slots)  # a warm-up
+        pids = [os.getpid(), *(p.proc.pid for p in peers[:m]), *(p.proc.pid for p in getattr(ranks, "procs", []))]
+        cpu0 = _cpu_s(pids)
+        samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats)]
+        cpu = (_cpu_s(pids) - cpu0) / args.repeats if cpu0 is not None else None
         for s in range(m):
             peers[s].verify(targets[s][0], ids, ROOM)
         for r, s in pairs:
             peers[s].release(1 + r)
-        return _row(args, n, m, layout, tokens, pairs, samples[1:])
+        row = _row(args, n, m, layout, tokens, pairs, samples)
+        row["host_cpu_ms"] = round(cpu * 1e3, 1) if cpu is not None else None
+        return row
     finally:
         for s, (rid, _) in enumerate(targets):
             peers[s].free(rid)
         ranks.close()
+
+
+def _cpu_s(pids: list[int]) -> float | None:
+    """CPU seconds (user + system, every thread) the processes `pids` have used so far (None
+    where /proc does not say): a row's host_cpu_ms is what one repeat cost the whole host,
+    senders, decode ranks and this process together; beside its ms it says whether the host's
+    cores were the bound (host_cpu_ms / ms near the core count)."""
+    tick, total = os.sysconf("SC_CLK_TCK"), 0
+    try:
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    except (OSError, ValueError, IndexError):
+        return None
+    return total / tick
 
 
 def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> dict:
@@ -348,7 +372,7 @@ def main() -> int:
                             f"ranges {row['ranges_per_request']:>7} {row['bytes'] / 1e6:7.1f} MB "
                             f"{row['ms']:>8.1f} ms x1:1 {row['x_1to1']} (equal pages {row['x_equal_pages']}) "
                             f"aggregate {row['aggregate_gbps']:>5.2f} GB/s per decode rank "
-                            f"{row['per_decode_rank_gbps']}",
+                            f"{row['per_decode_rank_gbps']} host cpu {row['host_cpu_ms']} ms",
                             flush=True,
                         )
     finally:
@@ -364,6 +388,7 @@ def main() -> int:
                     "scatter_workers": args.scatter_workers,
                     "cuda_ipc_blocks": args.cuda_ipc_blocks,
                     "gpus": torch.cuda.device_count(),
+                    "host_cores": len(os.sched_getaffinity(0)),
                     "rows": rows,
                 },
                 indent=2,
