@@ -118,6 +118,9 @@ class ThreadRanks:
             raise errors[0]
         return t0, reports
 
+    def pids(self) -> list[int]:
+        return []  # (the senders are threads of this process)
+
     def close(self) -> None:
         for endpoint in self.endpoints:
             endpoint.close()
@@ -171,6 +174,9 @@ class ProcessRanks:
                 reports[r, s] = rep
         return t0, reports
 
+    def pids(self) -> list[int]:
+        return [p.proc.pid for p in self.procs]
+
     def close(self) -> None:
         for p in self.procs:
             p.close()
@@ -206,7 +212,7 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
             (r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r)) for r, s in pairs
         }
         ranks.send_all(pairs, targets, slots)  # a warm-up
-        pids = [os.getpid(), *(p.proc.pid for p in peers[:m]), *(p.proc.pid for p in getattr(ranks, "procs", []))]
+        pids = [os.getpid(), *(p.proc.pid for p in peers[:m]), *ranks.pids()]
         cpu0 = _cpu_s(pids)
         samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats)]
         cpu = (_cpu_s(pids) - cpu0) / args.repeats if cpu0 is not None else None

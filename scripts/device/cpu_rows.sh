@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # On the device host's 16 cores (no GPU used; a demo invocation there takes ~45 s, its processes
-# slow to import torch: budget the call's 600 s; bench_tp's decode ranks once started one after
-# another, ~40 s each there, and ran past its 240 s; they start at once now, PeerProcess.start_many;
-# still run it in a call of its own, or the demo rows alone): issue 40's CPU rows, Mooncake TCP, side by side.
+# slow to import torch: budget the call's 600 s; bench_tp once started its decode ranks one after
+# another and ran past its 240 s there; they start at once now, PeerProcess.start_many, and all its
+# rows took 297 s: still run it in a call of its own, or the demo rows alone): issue 40's CPU rows,
+# Mooncake TCP, side by side.
 # bench_tp's host_cpu_ms beside each row's ms says whether the host's cores were the bound.
 #   bash scripts/device/cpu_rows.sh [ROUNDS]   (after scripts/device/carry.sh here; writes $OUT)
 # bench_tp (a process per prefill rank, every row beside its 1:1), then the demo rows, each round
