@@ -97,9 +97,10 @@ def test_a_block_size_that_is_not_a_power_of_two_is_described():
 
 def _written_by_vllm(block: int, dtype: torch.dtype, key: torch.Tensor, value: torch.Tensor) -> dict:
     """One layer's CPU cache (blocks of `block`) after vLLM's own kernel wrote `key`/`value`
-    (one row a token) from block 1 on, with the ISA vLLM picks for the block size and dtype."""
+    (one row a token) from block 1 on, with the ISA vLLM picks for the block size on a CPU
+    without AMX: "vec" for blocks of a multiple of 32 tokens, else "vec16". (On an AMX CPU vLLM
+    picks "amx" for bf16 in blocks of 32k; that kernel's blocks pair whole only: the test below.)"""
     import vllm._custom_ops as ops
-    from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     tokens, heads, head = key.shape
     caches = _cpu_caches(
@@ -107,7 +108,7 @@ def _written_by_vllm(block: int, dtype: torch.dtype, key: torch.Tensor, value: t
     )
     t = caches["model.layers.0.self_attn.attn"].zero_()
     k_cache, v_cache = t.view(t.shape[0], heads, 2 * block, head).chunk(2, dim=2)
-    isa = _get_attn_isa(dtype, block, head)
+    isa = "vec" if block % 32 == 0 else "vec16"
     ops.cpu_attn_reshape_and_cache(key, value, k_cache, v_cache, torch.arange(block, block + tokens), isa)
     return caches
 
