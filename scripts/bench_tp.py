@@ -26,6 +26,7 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
                                          [--senders process|thread] [--scatter-workers 4]
+                                         [--staging-chunk-kib 2048]
 """
 
 import argparse
@@ -145,7 +146,12 @@ class ProcessRanks:
                 staging_slots=cfg.staging_slots,
                 device=args.device,
                 transport=args.transport,
-                flags=("--cuda-ipc-blocks", str(args.cuda_ipc_blocks)),
+                flags=(
+                    "--cuda-ipc-blocks",
+                    str(args.cuda_ipc_blocks),
+                    "--staging-chunk-kib",
+                    str(args.staging_chunk_kib),
+                ),
             )
             for r in range(n)
         ]
@@ -189,7 +195,9 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
     model = get_preset(args.preset)
     capacity = int(tokens * 2.5)  # room for every SWA page of the prompt at swa_ratio 0.5
     ids = np.random.default_rng(tokens).integers(0, 50000, tokens)
-    cfg = TransferConfig(mode=Mode(args.mode), staging_slots=STAGING_SLOTS)  # a worker's default
+    cfg = TransferConfig(  # a worker's defaults
+        mode=Mode(args.mode), staging_slots=STAGING_SLOTS, staging_chunk_bytes=args.staging_chunk_kib << 10
+    )
     targets, pairs = [], []
     for s, peer in enumerate(peers[:m]):
         peer.configure(
@@ -328,6 +336,12 @@ def main() -> int:
         default=4,
         help="threads scattering staged chunks in each decode rank (decode's --scatter-workers)",
     )
+    ap.add_argument(
+        "--staging-chunk-kib",
+        type=int,
+        default=0,
+        help="the senders' staged chunk size, KiB (prefill's --staging-chunk-kib; 0: a whole slot)",
+    )
     ap.add_argument("--json", action="store_true")
     TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks: the senders' copy kernel)
     args = ap.parse_args()
@@ -392,6 +406,7 @@ def main() -> int:
                     "device": args.device,
                     "transport": args.transport,
                     "scatter_workers": args.scatter_workers,
+                    "staging_chunk_kib": args.staging_chunk_kib,
                     "cuda_ipc_blocks": args.cuda_ipc_blocks,
                     "gpus": torch.cuda.device_count(),
                     "host_cores": len(os.sched_getaffinity(0)),

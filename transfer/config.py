@@ -22,6 +22,9 @@ class TransferConfig:
     # staging regions: slots x slot_bytes on each side, registered once and reused
     staging_slots: int = 4
     staging_slot_bytes: int = 16 << 20
+    # staged: the bytes of one chunk (<= a slot; 0: a whole slot). A chunk is gathered, written and
+    # scattered in turn, so smaller chunks overlap the three; each costs a notice, an ack and a write
+    staging_chunk_bytes: int = 0
     staging_device: str | None = None  # None: the pool's device; "cpu" stages a GPU pool via host memory
     chunk_timeout_s: float = 30.0  # staged: longest wait for a receiver slot
     stream_group_ms: float = 2.0  # streamed: a layer group keeps the link busy at least this long
@@ -32,6 +35,8 @@ class TransferConfig:
         for name in ("staging_slots", "staging_slot_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if self.staging_chunk_bytes < 0:
+            raise ValueError("staging_chunk_bytes must be >= 0 (0: a whole slot)")
         for name in ("copy_gbps", "per_chunk_us", "chunk_timeout_s", "stream_group_ms"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

@@ -237,7 +237,7 @@ class KVSender:
             TransferPlan(body, plan.aux),
             peer.link.cost,
             self.endpoint.config,
-            self._slot_bytes(peer),
+            self._chunk_bytes(peer, body),
             can_stage,
             gather.num_ranges + sum(c.num_ranges for c in whole) if gather is not None else None,
         )
@@ -335,6 +335,14 @@ class KVSender:
         own = self.endpoint.staging.slot_bytes
         return min(own, peer.staging.slot_bytes if peer.staging else own)
 
+    def _chunk_bytes(self, peer: RemotePool, body: Sequence[ComponentPlan]) -> int:
+        """A staged chunk's bound: the configured chunk size (0: a whole slot), never below the
+        largest item that moves (an item is never split) nor above either side's slot."""
+        slot, want = self._slot_bytes(peer), self.endpoint.config.staging_chunk_bytes
+        if not want:
+            return slot
+        return min(slot, max([want, *(u for cp in body for u in cp.unit_bytes)]))
+
     def send(
         self,
         peer: RemotePool,
@@ -423,7 +431,7 @@ class KVSender:
         chunks = [
             dataclasses.replace(c, layers_needed=g.layers.stop if streamed else 0)
             for g in p.groups
-            for c in chunk_plan(g.body, self._slot_bytes(peer))
+            for c in chunk_plan(g.body, self._chunk_bytes(peer, g.body))
         ]
         staged = StagedWrite(self.endpoint, peer, remote, run)
         return staged.send(p.plan.body, chunks, share=0.5 if streamed else 1.0)

@@ -168,6 +168,13 @@ def _transfer_flags(g) -> None:
         "(TP 1 -> 8: eight sends at once)",
     )
     g.add_argument("--staging-slot-mib", type=positive_int, default=16, help="size of one staging slot, MiB")
+    g.add_argument(
+        "--staging-chunk-kib",
+        type=non_negative_int,
+        default=0,
+        help="prefill: bytes of one staged chunk, KiB (0: a whole slot); smaller chunks overlap gathering, "
+        "writing and decode's scatter, each costs a notice, an ack and a write",
+    )
 
 
 def _deadline_flags(g) -> None:
@@ -303,6 +310,7 @@ def transfer_config(args: argparse.Namespace) -> TransferConfig:
         mode=Mode(args.transfer_mode),
         staging_slots=args.staging_slots,
         staging_slot_bytes=args.staging_slot_mib << 20,
+        staging_chunk_bytes=args.staging_chunk_kib << 10,
         faults=FaultPlan.parse(args.inject_faults, args.fault_seed),
     )
 

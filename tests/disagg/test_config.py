@@ -209,3 +209,14 @@ def test_the_prefix_cache_switch_comes_from_every_source_and_is_checked(tmp_path
     assert _effective("decode", "--config", str(path), "--prefix-cache")["prefix-cache"] is True
     bad = _run("decode", "--print-config", DISAGG_PREFIX_CACHE="maybe")
     assert bad.returncode != 0 and "DISAGG_PREFIX_CACHE=maybe: want true or false" in bad.stderr
+
+
+def test_the_staged_chunk_size_reaches_the_transfer_config_and_is_checked():
+    from disagg.worker import flags
+
+    parser = build_parser()
+    assert flags.transfer_config(parser.parse_args(["prefill", "--insecure"])).staging_chunk_bytes == 0  # a slot's
+    args = parser.parse_args(["prefill", "--staging-chunk-kib", "2048", "--insecure"])
+    assert flags.transfer_config(args).staging_chunk_bytes == 2 << 20
+    bad = _run("prefill", "--staging-chunk-kib", "-1", "--print-config")
+    assert bad.returncode != 0 and "-1 must be at least 0" in bad.stderr and "Traceback" not in bad.stderr

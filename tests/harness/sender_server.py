@@ -59,7 +59,9 @@ class SenderCore:
         ids = np.random.default_rng(args.seed).integers(0, 50000, args.num_tokens)
         StandInEngine().prefill(self.pool, self.req, ids, args.room)
         self.num_tokens = args.num_tokens
-        config = TransferConfig(mode=Mode(args.mode), staging_slots=args.staging_slots)
+        config = TransferConfig(
+            mode=Mode(args.mode), staging_slots=args.staging_slots, staging_chunk_bytes=args.staging_chunk_kib << 10
+        )
         self.endpoint = PoolEndpoint(self.transport, self.pool, config)
         self.sender = KVSender(self.endpoint)
         self.links: dict[int, tuple[RemotePool, PairChannel]] = {}
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--room", type=int, default=11, help="the stand-in engine's room")
     ap.add_argument("--mode", default="auto", choices=[m.value for m in Mode])
     ap.add_argument("--staging-slots", type=int, default=4)
+    ap.add_argument("--staging-chunk-kib", type=int, default=0, help="a staged chunk's size (0: a whole slot)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--transport", default="mooncake")
     ap.add_argument("--command", default="tcp://127.0.0.1:*", help="command socket (REP) to bind")

@@ -33,10 +33,11 @@ from transfer.transports import Ranges, TransportSettings, create
 from transfer.staging import RemoteSlots
 
 
-def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False):
+def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False, chunk_bytes=0):
     """One request, checked byte for byte (by_token: per token position, for pools of
     different page sizes) and for bytes written outside it."""
-    with PoolEndpoint(transport, pool, TransferConfig(mode=mode, staging_slot_bytes=1 << 20)) as endpoint:
+    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, staging_chunk_bytes=chunk_bytes)
+    with PoolEndpoint(transport, pool, config) as endpoint:
         sender = KVSender(endpoint)
         target = peer.connect(sender)
         req = pool.alloc_request(tokens)
@@ -78,6 +79,25 @@ def test_byte_exact_across_page_sizes(transport, peer, preset, pages, layout, mo
     pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
     report = _send(transport, peer, pool, 301, mode, by_token=True)
     assert report.mode is mode
+    assert peer.available().staging_free == 4
+
+
+@pytest.mark.parametrize("pages", [(4, 4), (4, 16)])
+def test_a_chunk_size_below_the_slot_sends_that_many_more_chunks(transport, peer, pages):
+    """staging_chunk_bytes (prefill's --staging-chunk-kib) cuts a staged send into chunks of
+    at most that size, through the same two receiver slots, byte for byte; one below the
+    largest item moves whole items (none split) and one above the slot moves a slot's."""
+    by_token = pages[0] != pages[1]
+    pool = source_pool(peer, "tiny-hybrid", pages[0], Layout.PAGE_MAJOR, peer_page=pages[1])
+    whole = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token)
+    nbytes = whole.nbytes
+    assert whole.chunks == -(-nbytes // (1 << 20))  # (the 1 MiB slots of _send)
+    cut = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=nbytes // 6)
+    assert cut.nbytes == nbytes and 6 <= cut.chunks <= 9 and cut.ranges == cut.chunks + 1
+    tiny = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=1)
+    assert tiny.nbytes == nbytes and tiny.chunks > cut.chunks  # an item (a page's row or one token's) each
+    big = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=64 << 20)
+    assert big.chunks == whole.chunks
     assert peer.available().staging_free == 4
 
 
