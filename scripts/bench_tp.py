@@ -21,7 +21,8 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
     ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same group
     sender_ms_median where the senders' time went (plan, prepare, submit, wait; the report's fields)
     host_cpu_ms      CPU time of one repeat over every process of the row (senders, decode ranks,
-                     this one; clock ticks of /proc): near ms x cores, the host's cores were the bound
+                     this one; clock ticks of /proc): near ms x cores, the host's cores were the bound;
+                     host_cpu_ms_by_role: the same split (senders, decode, bench)
 
     .venv/bin/python scripts/bench_tp.py [--tp 1:1,2:1,4:1,8:1,1:8,8:2] [--tokens 4096]
                                          [--page-sizes 16,64:16] [--device cuda] [--json]
@@ -220,16 +221,18 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
             (r, s): peers[s].expect(1 + r, targets[s][0], want_slots=2, sender=(args.page_size, n, r)) for r, s in pairs
         }
         ranks.send_all(pairs, targets, slots)  # a warm-up
-        pids = [os.getpid(), *(p.proc.pid for p in peers[:m]), *ranks.pids()]
-        cpu0 = _cpu_s(pids)
+        roles = {"senders": ranks.pids(), "decode": [p.proc.pid for p in peers[:m]], "bench": [os.getpid()]}
+        cpu0 = {k: _cpu_s(v) for k, v in roles.items()}
         samples = [ranks.send_all(pairs, targets, slots) for _ in range(args.repeats)]
-        cpu = (_cpu_s(pids) - cpu0) / args.repeats if cpu0 is not None else None
+        cpu = {k: (_cpu_s(v) - cpu0[k]) / args.repeats if cpu0[k] is not None else None for k, v in roles.items()}
         for s in range(m):
             peers[s].verify(targets[s][0], ids, ROOM)
         for r, s in pairs:
             peers[s].release(1 + r)
         row = _row(args, n, m, layout, tokens, pairs, samples)
-        row["host_cpu_ms"] = round(cpu * 1e3, 1) if cpu is not None else None
+        known = None not in cpu.values()
+        row["host_cpu_ms"] = round(sum(cpu.values()) * 1e3, 1) if known else None
+        row["host_cpu_ms_by_role"] = {k: round(v * 1e3, 1) for k, v in cpu.items()} if known else None
         return row
     finally:
         for s, (rid, _) in enumerate(targets):

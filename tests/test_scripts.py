@@ -125,3 +125,7 @@ def test_bench_tp_runs_each_prefill_rank_where_asked_and_verifies_every_row(send
     # what a repeat cost the host, every process of the row together (/proc's clock ticks: a row
     # this small may read 0)
     assert all(r["host_cpu_ms"] is not None and r["host_cpu_ms"] >= 0 for r in rows)
+    for r in rows:  # split by role; thread senders are this process's own
+        split = r["host_cpu_ms_by_role"]
+        assert set(split) == {"senders", "decode", "bench"} and abs(sum(split.values()) - r["host_cpu_ms"]) < 0.5
+        assert senders == "process" or split["senders"] == 0
