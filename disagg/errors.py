@@ -3,7 +3,8 @@ must not import disagg); the control plane's branch lives here.
 
     DisaggError                              (transfer.errors)
      +-- TransferError                       moving bytes failed or would be unsafe
-     |    +-- TransportError                 no common transport, or a malformed offer
+     |    +-- TransportError                 no common transport, a malformed offer, or settings
+     |    |                                  a transport cannot start with
      |    +-- EngineError                    a transport call returned non-zero
      |    |    +-- EngineInitError, RegistrationError, WriteFailed, PeerUnreachable
      |    |                                          +-- WritesAbandoned (link closed mid-write)

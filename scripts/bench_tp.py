@@ -152,6 +152,8 @@ class ProcessRanks:
                     str(args.cuda_ipc_blocks),
                     "--staging-chunk-kib",
                     str(args.staging_chunk_kib),
+                    "--mooncake-engines",
+                    str(args.mooncake_engines),
                 ),
             )
             for r in range(n)
@@ -190,6 +192,12 @@ class ProcessRanks:
 
 
 ROOM = 11
+
+
+def _mps_daemon() -> bool:
+    """Whether an MPS control daemon runs here (its pipe: CUDA's default place, or the
+    variable that moves it): without one the GPU time-slices the ranks' processes (README)."""
+    return Path(os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps"), "control").exists()
 
 
 def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int) -> dict:
@@ -372,6 +380,7 @@ def main() -> int:
         device=args.peer_device,
         chunk_channels=1 + max(n for n, _ in pairs),
         scatter_workers=args.scatter_workers,
+        flags=("--mooncake-engines", str(args.mooncake_engines)),
     )
     try:
         for layout in (Layout(x) for x in args.layouts.split(",")):
@@ -410,8 +419,10 @@ def main() -> int:
                     "transport": args.transport,
                     "scatter_workers": args.scatter_workers,
                     "staging_chunk_kib": args.staging_chunk_kib,
+                    "mooncake_engines": args.mooncake_engines,
                     "cuda_ipc_blocks": args.cuda_ipc_blocks,
                     "gpus": torch.cuda.device_count(),
+                    "mps_daemon": _mps_daemon(),
                     "host_cores": len(os.sched_getaffinity(0)),
                     "rows": rows,
                 },

@@ -3,7 +3,8 @@ disagg/errors.py, which adds the control plane's branch).
 
     DisaggError
      +-- TransferError                  moving bytes failed or would be unsafe
-     |    +-- TransportError            no common transport, or a malformed offer
+     |    +-- TransportError            no common transport, a malformed offer, or settings
+     |    |                             a transport cannot start with
      |    +-- EngineError               a transport call returned non-zero (code, peer, nbytes)
      |    |    +-- EngineInitError      initialize() failed
      |    |    +-- RegistrationError    (un)registering memory failed

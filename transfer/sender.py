@@ -178,8 +178,9 @@ class KVSender:
                 raise LayoutIncompatible(f"the receiver's TP size {dst.tp_size}: {exc}") from None
             lanes = pair_lanes(cfg.model, self.shard, dst, self.endpoint.lanes, theirs)
         offer, transport = pick(offers, self.endpoint.transports)
+        lane = cfg.tp_rank + dst.tp_rank  # a receiver's N senders, a sender's M receivers: N, M lanes
         return RemotePool(
-            transport.connect(offer, self.endpoint.exposures[transport.kind]),
+            transport.connect(offer, self.endpoint.exposures[transport.kind], lane),
             tuple(buffers),
             staging,
             lanes[1] if lanes else None,

@@ -129,14 +129,16 @@ class MemoryTransport(Transport):
     def __init__(self, fail_writes: bool = False, fan: bool = False):
         self.fail_writes = fail_writes
         self.opened = self.closed = 0  # links, for bookkeeping tests
+        self.lanes: list[int] = []  # the lane each connect was asked for, in order
         self.fanout = MemoryFan() if fan else None  # its links' fan-out (None: each writes alone)
 
     def expose(self, regions) -> MemoryExposure:
         return MemoryExposure(regions)
 
-    def connect(self, offer: Offer, local: Exposure) -> MemoryLink:
+    def connect(self, offer: Offer, local: Exposure, lane: int = 0) -> MemoryLink:
         if offer.kind != KIND or len(offer.blob) != 8 or not isinstance(local, MemoryExposure):
             raise TransportError("malformed memory offer")
+        self.lanes.append(lane)
         return MemoryLink(self, local, int.from_bytes(offer.blob, "little"))
 
 

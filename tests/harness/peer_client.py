@@ -163,11 +163,13 @@ class PeerProcess(_Driver):
         chunk_channels: int = 1,
         scatter_workers: int = 4,
         wait: bool = True,
+        flags: tuple[str, ...] = (),
     ):
         """`chunk_channels`: chunk channels the server binds; `.channel` is the first (this
         process's senders share it), `.channels` names them all (a sender process connects
         its own, harness.sender_client); `scatter_workers`: threads scattering its chunks;
-        `wait`: wait here for the server to start (else `ready()` does; see start_many)."""
+        `wait`: wait here for the server to start (else `ready()` does; see start_many);
+        `flags`: the transports' own flags (--mooncake-engines, ...)."""
         cmd = [
             sys.executable,
             "-m",
@@ -196,6 +198,7 @@ class PeerProcess(_Driver):
             str(chunk_channels),
             "--scatter-workers",
             str(scatter_workers),
+            *flags,
         ]
         env = dict(env if env is not None else os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [*HARNESS_PATH, env.get("PYTHONPATH")]))

@@ -58,7 +58,7 @@ from transfer.receiver import KVReceiver
 from transfer.scatters import Scattered, ScatterPool
 from transfer.reshard import Shard
 from disagg.engine.standin import StandInEngine
-from transfer.transports import Transport, TransportSettings, create
+from transfer.transports import TRANSPORTS, Transport, TransportSettings, create
 
 log = logging.getLogger("harness.peer_server")
 
@@ -197,7 +197,8 @@ class PeerCore:
 
 class PeerServer:
     def __init__(self, args: argparse.Namespace):
-        [transport] = create([args.transport], TransportSettings(args.host, device=args.device))
+        own = TRANSPORTS.own_settings(args)  # (--mooncake-engines, ...)
+        [transport] = create([args.transport], TransportSettings(args.host, args.device, own))
         self.core = PeerCore(
             transport,
             Configure(
@@ -386,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="torch intra-op threads (1: gather/scatter copies leave the transport's threads a core)",
     )
+    TRANSPORTS.add_flags(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     PeerServer(args).run()

@@ -15,6 +15,7 @@ import pytest
 from disagg.cli import build_parser
 from disagg.prefill import cmd as prefill_cmd
 from disagg.tools.launcher import Launcher
+from transfer.transports.mooncake import ENGINES_TCP
 
 pytestmark = pytest.mark.slow
 
@@ -61,12 +62,21 @@ def test_the_listeners_of_every_process_are_on_the_chosen_host():
         ranked = launcher.start(
             "prefill", *COMMON, "--host", "127.0.0.1", "--bootstrap-bind", "none", "--bootstrap-addr", boot["bootstrap"]
         )
-        decode = launcher.start("decode", *COMMON, "--host", "127.0.0.1", "--bootstrap-addr", prefill["bootstrap"])
+        decode = launcher.start(
+            "decode",
+            *COMMON,
+            "--host",
+            "127.0.0.1",
+            "--bootstrap-addr",
+            prefill["bootstrap"],
+            "--mooncake-engines",
+            "1",
+        )
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
-        ours = {
+        ours = {  # Mooncake's wildcard listeners: a handshake and a data port per engine
             "bootstrap": (boot, 0),
-            "prefill": (prefill, 2),
-            "prefill with an external bootstrap": (ranked, 2),
+            "prefill": (prefill, 2 * ENGINES_TCP),
+            "prefill with an external bootstrap": (ranked, 2 * ENGINES_TCP),
             "decode": (decode, 2),
             "router": (router, 0),
         }

@@ -266,9 +266,11 @@ class Transport(ABC):
         return self.reach_problem(offer) is None
 
     @abstractmethod
-    def connect(self, offer: Offer, local: Exposure) -> Link:
+    def connect(self, offer: Offer, local: Exposure, lane: int = 0) -> Link:
         """A link from `local` to the regions `offer` describes; raises TransferError if the
-        offer is malformed or the peer cannot be reached."""
+        offer is malformed or the peer cannot be reached. `lane`: which of its threads (and
+        the peer's) a transport with several carries this link on (Mooncake TCP's engines);
+        the others have one and ignore it."""
 
     def unsettled(self) -> int:
         """Writes given up on (their link closed) that may still land: nonzero, and no page

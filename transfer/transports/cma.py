@@ -295,7 +295,7 @@ class CmaTransport(Transport):
         finally:
             owner.close()
 
-    def connect(self, offer: Offer, local: Exposure) -> CmaLink:
+    def connect(self, offer: Offer, local: Exposure, lane: int = 0) -> CmaLink:
         if not isinstance(local, CmaExposure):
             raise TransportError(f"{KIND} cannot write from a {type(local).__name__}")
         owner = self._owner(offer)

@@ -272,7 +272,7 @@ class CudaIpcTransport(Transport):
         torch.cuda.set_device(self.device)
         return CudaIpcExposure(self.driver, regions)
 
-    def connect(self, offer: Offer, local: Exposure) -> CudaIpcLink:
+    def connect(self, offer: Offer, local: Exposure, lane: int = 0) -> CudaIpcLink:
         problem = self.reach_problem(offer)
         if problem or not isinstance(local, CudaIpcExposure):
             raise TransportError(problem or f"{KIND} cannot write from a {type(local).__name__}")
