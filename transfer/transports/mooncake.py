@@ -352,8 +352,7 @@ class MooncakeTransport(Transport):
         engines: int = 0,
     ):
         """`engines`: receive lanes (the module docstring); 0: ENGINES_TCP on tcp, 1 on rdma."""
-        engines = engines or (ENGINES_TCP if protocol == "tcp" else 1)
-        _check(protocol, engines)
+        engines = engine_count(protocol, engines)
         if max_inflight_per_peer < 1:
             raise ValueError("max_inflight_per_peer must be >= 1")
         for key, value in _ENV_DEFAULTS.items():
@@ -461,9 +460,12 @@ def _is_session(s: str) -> bool:
     return bool(host) and port.isdigit() and 0 < int(port) < 65536
 
 
-def _check(protocol: str, engines: int) -> None:
+def engine_count(protocol: str, engines: int) -> int:
+    """The engines a transport of `protocol` runs when asked for `engines` (0: its default),
+    checked: ValueError for a count out of range, TransportError for several on rdma."""
     if protocol not in PROTOCOLS:
         raise ValueError(f"mooncake protocol must be tcp or rdma, got {protocol!r}")
+    engines = engines or (ENGINES_TCP if protocol == "tcp" else 1)
     if not 0 < engines <= MAX_LANES:
         raise ValueError(f"mooncake engines must be 1..{MAX_LANES} (0: the protocol's default), got {engines}")
     if protocol == "rdma" and engines > 1:
@@ -471,6 +473,7 @@ def _check(protocol: str, engines: int) -> None:
             f"--mooncake-engines {engines} with --mooncake-protocol rdma: several engines are for tcp "
             "(RDMA moves bytes in the NIC, not on an engine's thread); give 1 or 0"
         )
+    return engines
 
 
 # ---- as the registry sees it (transfer/transports/kind.py) ----
@@ -483,7 +486,7 @@ class MooncakeSettings:
     engines: int = 0  # receive lanes (the module docstring); 0: ENGINES_TCP on tcp, 1 on rdma
 
     def __post_init__(self) -> None:
-        _check(self.protocol, self.engines or (ENGINES_TCP if self.protocol == "tcp" else 1))
+        engine_count(self.protocol, self.engines)
 
 
 def _add_flags(g) -> None:
