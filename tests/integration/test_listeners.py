@@ -70,14 +70,14 @@ def test_the_listeners_of_every_process_are_on_the_chosen_host():
             "--bootstrap-addr",
             prefill["bootstrap"],
             "--mooncake-engines",
-            "1",
+            "2",
         )
         router = launcher.start("router", "--pair", f"{prefill['http']},{decode['http']},{prefill['bootstrap']}")
         ours = {  # Mooncake's wildcard listeners: a handshake and a data port per engine
             "bootstrap": (boot, 0),
             "prefill": (prefill, 2 * ENGINES_TCP),
             "prefill with an external bootstrap": (ranked, 2 * ENGINES_TCP),
-            "decode": (decode, 2),
+            "decode": (decode, 4),
             "router": (router, 0),
         }
         for name, (ready, mooncake) in ours.items():

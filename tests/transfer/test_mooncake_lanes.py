@@ -97,11 +97,11 @@ def test_the_engine_count_is_a_flag_checked_where_it_is_parsed():
     assert MooncakeSettings("rdma").engines == 0  # the default: one engine there
 
 
-def test_the_default_is_several_engines_on_tcp():
+def test_the_default_count_and_an_asked_for_count_of_engines_start():
     [t] = create(["mooncake"], TransportSettings("127.0.0.1"))
     assert len(t.engines) == ENGINES_TCP == len(set(t.sessions))
-    [one] = create(["mooncake"], TransportSettings("127.0.0.1", own=(MooncakeSettings(engines=1),)))
-    assert len(one.engines) == 1
+    [four] = create(["mooncake"], TransportSettings("127.0.0.1", own=(MooncakeSettings(engines=4),)))
+    assert len(four.engines) == 4 == len(set(four.sessions))
 
 
 def test_a_sender_connects_on_the_lane_of_its_rank_plus_the_receivers():
