@@ -66,6 +66,7 @@ from transfer.errors import (
     WriteFailed,
     WritesAbandoned,
 )
+from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
@@ -514,10 +515,7 @@ def _add_flags(g) -> None:
 
 
 def _engines(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        n = -1
+    n = number(text, int, "an integer")
     if not 0 <= n <= MAX_LANES:
         raise argparse.ArgumentTypeError(f"expected 0..{MAX_LANES} (0: the protocol's default), got {text!r}")
     return n
