@@ -51,6 +51,31 @@ def test_every_lane_lands_its_bytes_through_the_engines_it_names(pair):
     ours.close(), theirs.close()
 
 
+def test_a_session_met_under_another_incarnation_is_written_from_a_spare_engine():
+    """An offer at a session that one of our engines wrote to under another incarnation (a
+    restarted peer on a dead one's ports: tests/transfer/test_restarted_peers.py meets it for
+    real): that engine's cache of the session is stale, so the link leaves from a spare
+    engine that holds every region registered and is offered to no one; the first
+    incarnation keeps its engine."""
+    receiver, sender = MooncakeTransport(engines=1), MooncakeTransport(engines=1)
+    dst, theirs = _exposed(receiver, 1 << 16, 0)
+    src, ours = _exposed(sender, 1 << 16, 0)
+    src[:] = np.arange(src.size) % 251
+    first = theirs.offer()
+    blob = msgspec.msgpack.decode(first.blob, type=_Blob)
+    assert blob.incarnation == receiver.incarnation != 0
+    other = msgspec.structs.replace(blob, incarnation=blob.incarnation ^ 2)
+    again = Offer(first.kind, first.host, msgspec.msgpack.encode(other))
+    assert sender.connect(first, ours).engine == 0
+    link = sender.connect(again, ours)
+    assert (link.engine, link.peer, len(sender.engines)) == (1, receiver.session_id, 2)
+    link.write_async(Ranges.one(0, 0, 0, 0, 1 << 16)).wait(timeout=10)
+    assert np.array_equal(dst, src)
+    assert [sender.connect(o, ours).engine for o in (first, again)] == [0, 1]
+    assert msgspec.msgpack.decode(ours.offer().blob, type=_Blob).sessions == sender.sessions == [sender.session_id]
+    ours.close(), theirs.close()  # (unregistered from the spare too)
+
+
 def test_an_offer_of_one_session_takes_every_lane(pair):
     """An older peer (one engine) offers no lanes: every lane lands in its one engine."""
     receiver, sender = pair

@@ -14,8 +14,8 @@ import torch
 from kvpool import Component, HybridPool, IndexSet, Layout, PoolConfig, get_preset
 from transfer.config import Mode, TransferConfig
 from harness.peer_client import PeerProcess
-from harness.peer_server import digest_request, digest_tokens
-from harness.source import DEVICE, source_pool
+from harness.peer_server import digest_request
+from harness.source import DEVICE, send_checked, source_pool
 from transfer.errors import (
     Cancelled,
     InjectedFault,
@@ -33,35 +33,12 @@ from transfer.transports import Ranges, TransportSettings, create
 from transfer.staging import RemoteSlots
 
 
-def _send(transport, peer, pool, tokens, mode, transfer_id=1, by_token=False, chunk_bytes=0):
-    """One request, checked byte for byte (by_token: per token position, for pools of
-    different page sizes) and for bytes written outside it."""
-    config = TransferConfig(mode=mode, staging_slot_bytes=1 << 20, staging_chunk_bytes=chunk_bytes)
-    with PoolEndpoint(transport, pool, config) as endpoint:
-        sender = KVSender(endpoint)
-        target = peer.connect(sender)
-        req = pool.alloc_request(tokens)
-        rid, dst = peer.alloc(tokens)
-        before = peer.digest(rid, outside=True).outside
-        slots = peer.expect(transfer_id, rid, want_slots=2)
-        report = sender.send(
-            target, pool.index_set(req), dst, RemoteSlots(transfer_id, slots, peer.channel), num_tokens=req.num_tokens
-        )
-        got = peer.digest(rid, outside=True, by_token=by_token)
-        peer.release(transfer_id)
-        assert got.per_component == (digest_tokens if by_token else digest_request)(pool, req), "bytes differ"
-        assert got.outside == before, "bytes outside the request changed"
-        peer.free(rid)
-        pool.free_request(req)
-        return report
-
-
 @pytest.mark.parametrize("layout", list(Layout))
 @pytest.mark.parametrize("preset", ["tiny-hybrid", "tiny-mla-nsa", "tiny-mamba", "tiny-full"])
 @pytest.mark.parametrize("mode", [Mode.DIRECT, Mode.STAGED])
 def test_byte_exact_fragmented(transport, peer, preset, layout, mode):
     pool = source_pool(peer, preset, 4, layout)
-    report = _send(transport, peer, pool, 301, mode)
+    report = send_checked(transport, peer, pool, 301, mode)
     assert report.mode is mode and report.transport == transport.kind
     if mode is Mode.STAGED:
         assert report.chunks >= 1 and report.ranges == report.chunks + 1  # chunks + the AUX row
@@ -77,7 +54,7 @@ def test_byte_exact_across_page_sizes(transport, peer, preset, pages, layout, mo
     """Pools of different page sizes: every token position the receiver holds (SWA: the
     window) arrives byte for byte, state and AUX as items, nothing outside the request."""
     pool = source_pool(peer, preset, pages[0], layout, peer_page=pages[1])
-    report = _send(transport, peer, pool, 301, mode, by_token=True)
+    report = send_checked(transport, peer, pool, 301, mode, by_token=True)
     assert report.mode is mode
     assert peer.available().staging_free == 4
 
@@ -89,36 +66,36 @@ def test_a_chunk_size_below_the_slot_sends_that_many_more_chunks(transport, peer
     largest item moves whole items (none split) and one above the slot moves a slot's."""
     by_token = pages[0] != pages[1]
     pool = source_pool(peer, "tiny-hybrid", pages[0], Layout.PAGE_MAJOR, peer_page=pages[1])
-    whole = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token)
+    whole = send_checked(transport, peer, pool, 301, Mode.STAGED, by_token=by_token)
     nbytes = whole.nbytes
     assert whole.chunks == -(-nbytes // (1 << 20))  # (the 1 MiB slots of _send)
-    cut = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=nbytes // 6)
+    cut = send_checked(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=nbytes // 6)
     assert cut.nbytes == nbytes and 6 <= cut.chunks <= 9 and cut.ranges == cut.chunks + 1
-    tiny = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=1)
+    tiny = send_checked(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=1)
     assert tiny.nbytes == nbytes and tiny.chunks > cut.chunks  # an item (a page's row or one token's) each
-    big = _send(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=64 << 20)
+    big = send_checked(transport, peer, pool, 301, Mode.STAGED, by_token=by_token, chunk_bytes=64 << 20)
     assert big.chunks == whole.chunks
     assert peer.available().staging_free == 4
 
 
 def test_contiguous_pages_collapse_into_few_ranges(transport, peer):
     pool = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR, fragment=False)
-    report = _send(transport, peer, pool, 400, Mode.DIRECT)
+    report = send_checked(transport, peer, pool, 400, Mode.DIRECT)
     assert report.ranges == 2  # one run of 100 pages + the AUX row
 
 
 def test_auto_mode_uses_the_cost_model(mooncake):
     with PeerProcess("tiny-full", 4, 4096) as peer:
         pool = source_pool(peer, "tiny-full", 1, Layout.LAYER_MAJOR)
-        assert _send(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.STAGED
+        assert send_checked(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.STAGED
         pool = source_pool(peer, "tiny-full", 64, Layout.PAGE_MAJOR, tokens=8192, fragment=False)
-        assert _send(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.DIRECT  # one run: one range
+        assert send_checked(mooncake, peer, pool, 1500, Mode.AUTO).mode is Mode.DIRECT  # one run: one range
 
 
 def test_more_ranges_than_the_engine_queue_holds(transport, peer):
     """5000 single-page ranges in one write: Mooncake alone rejects beyond ~2048 in flight."""
     pool = source_pool(peer, "tiny-full", 1, Layout.PAGE_MAJOR, tokens=12000)
-    report = _send(transport, peer, pool, 5000, Mode.DIRECT)
+    report = send_checked(transport, peer, pool, 5000, Mode.DIRECT)
     assert report.ranges > 4500
 
 
@@ -194,7 +171,7 @@ def test_engine_errors_become_typed_exceptions(mooncake):
             assert err.value.code < 0 and err.value.peer == blob.session and err.value.nbytes == 4096
             assert blob.session in str(err.value)
             target.link.probe()  # the peer and the session are still healthy afterwards
-            _send(mooncake, peer, pool, 64, Mode.DIRECT)
+            send_checked(mooncake, peer, pool, 64, Mode.DIRECT)
             src = pool.buffer_descriptors()[0]
             with pytest.raises(RegistrationError, match="another length"):
                 mooncake.expose([(src.ptr, src.nbytes - 64)])
@@ -280,7 +257,7 @@ def test_staged_failure_releases_every_slot(transport, peer):
         assert endpoint.staging.lease.available() == endpoint.config.staging_slots
     assert peer.available().staging_free == 4
     # and the peer keeps serving
-    assert _send(transport, peer, pool, 100, Mode.STAGED).mode is Mode.STAGED
+    assert send_checked(transport, peer, pool, 100, Mode.STAGED).mode is Mode.STAGED
 
 
 def test_an_ack_timeout_says_how_far_the_acks_came(transport, peer):
@@ -374,7 +351,7 @@ def test_an_injected_write_fault_fails_the_send_with_a_typed_error(transport, pe
             sender.send(target, pool.index_set(req), dst)
         assert endpoint.faults.fired == {"send.write": 1}
     peer.free(rid)
-    assert _send(transport, peer, pool, 64, Mode.DIRECT).mode is Mode.DIRECT
+    assert send_checked(transport, peer, pool, 64, Mode.DIRECT).mode is Mode.DIRECT
 
 
 def test_an_aborted_staged_send_stops_waiting_for_acks(transport, peer):

@@ -12,6 +12,19 @@
   lands in the peer's engine L mod theirs. The sender picks the lane (transfer.sender: its TP
   rank plus the receiver's), so the N senders of one receiver land on N different engines
   and one sender's M receivers leave from M of its own. RDMA moves bytes in the NIC: one engine.
+- Restarted peers: an engine keeps what it learnt of a peer session ("host:port") for its
+  life: the segment (the peer's data port and regions) and pooled data connections, keyed by
+  (host, data port), that it reuses without checking. A peer that died and whose ports a new
+  process took (same host, after TIME_WAIT; a restarted decode on a fixed host, or any two
+  of the suite's hundreds of loopback peers) met stale state: writes read EOF where the
+  ack should be (reproduced with four ports to pick from). Two remedies, one per cache:
+  - every offer carries its transport's incarnation (random at start); an engine that wrote
+    to another incarnation at a session never writes there again: the link leaves from one
+    of ours that did not, or from a spare engine started for it (offered to no one);
+  - a range that fails is submitted once more: Mooncake drops a connection that failed, so
+    the second try opens a fresh one (as HTTP clients retry an idempotent request on a
+    reused keep-alive connection that the server had closed). A dead peer fails twice
+    at once (its connects are refused); a frozen one leaves ranges pending, never failed.
 - Queue limits: a per-peer budget keeps <= max_inflight_per_peer ranges in flight across all
   threads (Mooncake rejects writes with -1 once about 2048 are queued for one peer).
 - Every non-zero return code becomes a typed exception (transfer.errors) naming the peer,
@@ -47,6 +60,7 @@ import argparse
 import contextlib
 import logging
 import os
+import secrets
 import tempfile
 import threading
 import time
@@ -69,6 +83,7 @@ from transfer.errors import (
 from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
+from transfer.transports.listeners import hurry, listening_fd
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
 
@@ -85,18 +100,17 @@ _ENV_DEFAULTS = {
 }
 
 
-# Engines of a TCP transport unless told (module docstring: receive lanes). One, until each
-# engine's ports are its own for sure: Mooncake finds a free data port, closes it and binds it
-# again later, so engines starting at once in other processes may race for it; with four per
-# process the full suite saw a write's connection closed by the wrong listener (issue 40's note).
-ENGINES_TCP = 1
-MAX_LANES = 64  # sessions an offer may name (an offer is untrusted)
+# Engines of a TCP transport unless told (module docstring: receive lanes). Four: eight
+# senders into one decode rank then share its four threads (41.5 ms -> 28.9 ms for 64 MiB).
+ENGINES_TCP = 4
+MAX_LANES = 64  # sessions an offer may name (an offer is untrusted); engines of a transport, spares too
 
 
 class _Blob(msgspec.Struct, frozen=True, array_like=True):
     session: str  # Mooncake session "host:port" of engine 0 (lane 0; all an older peer reads)
     regions: list[tuple[int, int]]  # (base address, nbytes) per exposed region
     lanes: list[str] = []  # the sessions of engines 1.. (an older peer offers none)
+    incarnation: int = 0  # the offering transport's, random at its start (0: an older peer, unknown)
 
     @property
     def sessions(self) -> list[str]:
@@ -130,7 +144,9 @@ class PeerBudget:
 
 class MooncakeWrite(PendingWrite):
     """Ranges submitted one engine batch each as the peer's budget allows, retired in order.
-    On the first failure it stops submitting, drains what is in flight, then raises."""
+    A range that fails is submitted once more (a pooled connection its far end had closed:
+    the module docstring, "Restarted peers"); a second failure, or any other, stops
+    submitting, drains what is in flight, then raises."""
 
     POLL_INTERVAL_S = 100e-6  # the first sleep, and the sleep after a poll that retired a range
     POLL_MAX_S = 1e-3  # the longest: doubled up to it while polls retire nothing
@@ -140,8 +156,10 @@ class MooncakeWrite(PendingWrite):
         self._src, self._dst, self._len = src.tolist(), dst.tolist(), length.tolist()
         self.nbytes = int(length.sum()) if len(length) else 0
         self._next = 0  # next range to submit
+        self._again: list[int] = []  # ranges that failed once, to submit again (before _next)
+        self._retried: set[int] = set()  # ranges submitted again (a second failure ends the write)
         self._retired = 0  # ranges retired so far (wait's backoff starts over when it grows)
-        self._inflight: deque[int] = deque()  # batch ids, in submission order
+        self._inflight: deque[tuple[int, int]] = deque()  # (batch id, range), in submission order
         self._failure: tuple[int, str] | None = None
         self._lock = threading.Lock()  # the owner's polls and the reaper's
         self._abandoned = False
@@ -150,7 +168,11 @@ class MooncakeWrite(PendingWrite):
     @property
     def ended(self) -> bool:
         """Nothing of this write is in the engine any more (landed, failed or never submitted)."""
-        return not self._inflight and (self._abandoned or self._failure is not None or self._next >= len(self._src))
+        return not self._inflight and (self._abandoned or self._failure is not None or not self._unsubmitted)
+
+    @property
+    def _unsubmitted(self) -> int:
+        return len(self._src) - self._next + len(self._again)
 
     def abandon(self) -> None:
         """The peer is gone: submit nothing more; waiters get WritesAbandoned at once."""
@@ -165,28 +187,40 @@ class MooncakeWrite(PendingWrite):
     def _pump_locked(self) -> None:
         te = self._te
         while self._inflight:  # retire finished ranges in submission order
-            code = te.transfer_check_status(self._inflight[0])
+            batch, i = self._inflight[0]
+            code = te.transfer_check_status(batch)
             if code == 0:
                 break
             self._inflight.popleft()
             self._retired += 1
             self._budget.release(1)
-            if code != 1 and self._failure is None:
-                self._failure = (code, "timed out" if code == -2 else "failed")
-        if self._abandoned or self._failure is not None or self._next >= len(self._src):
+            if code == 1 or self._failure is not None:
+                continue
+            if code == -1 and i not in self._retried:  # once more, on a fresh connection
+                self._retried.add(i)
+                self._again.append(i)
+                log.debug("mooncake: a range to %s failed; submitted once more", self.peer)
+            else:
+                self._failure = (
+                    code,
+                    "timed out" if code == -2 else "failed" if i not in self._retried else "failed twice",
+                )
+        if self._abandoned or self._failure is not None or not self._unsubmitted:
             return
-        granted = self._budget.try_acquire(len(self._src) - self._next)
+        granted = self._budget.try_acquire(self._unsubmitted)
         used = 0
         while used < granted:
-            i = self._next
+            if self._again:
+                i = self._again.pop()
+            else:
+                i, self._next = self._next, self._next + 1
             batch = te.transfer_submit_write(self.peer, self._src[i], self._dst[i], self._len[i])
-            self._next += 1
             used += 1
             if batch <= 0:  # refused at submission (dead session, unknown peer)
                 self._failure = (int(batch), "was refused")
                 self._budget.release(1)
                 break
-            self._inflight.append(batch)
+            self._inflight.append((batch, i))
         self._budget.release(granted - used)
 
     def poll(self) -> bool:
@@ -199,7 +233,7 @@ class MooncakeWrite(PendingWrite):
                 detail="the link was closed (peer lost or re-registered); the write was abandoned",
             )
         self.pump()
-        if self._inflight or (self._failure is None and self._next < len(self._src)):
+        if self._inflight or (self._failure is None and self._unsubmitted):
             return False
         if self._failure is not None:
             code, what = self._failure
@@ -242,7 +276,8 @@ class MooncakeExposure(Exposure):
 
     def offer(self) -> Offer:
         first, *more = self._transport.sessions
-        blob = _Blob(first, [(int(p), int(n)) for p, n in zip(self.bases, self.sizes)], more)
+        regions = [(int(p), int(n)) for p, n in zip(self.bases, self.sizes)]
+        blob = _Blob(first, regions, more, self._transport.incarnation)
         return Offer(KIND, self._transport.host, msgspec.msgpack.encode(blob))
 
     def close(self) -> None:
@@ -255,12 +290,11 @@ class MooncakeLink(Link):
     kind = KIND
     ordered = False  # ranges of one write land in any order; a later write must wait
 
-    def __init__(self, transport: "MooncakeTransport", local: MooncakeExposure, blob: _Blob, lane: int = 0):
+    def __init__(self, transport: "MooncakeTransport", local: MooncakeExposure, blob: _Blob, engine: int, peer: str):
+        """`engine`: ours it leaves from; `peer`: the session of the peer's engine it lands in."""
         self._transport, self._local = transport, local
-        sessions, engines = blob.sessions, transport.engines
-        self.engine = lane % len(engines)  # ours it leaves from
-        self.peer = sessions[lane % len(sessions)]  # the peer's engine it lands in (its session)
-        self._te = engines[self.engine]
+        self.engine, self.peer = engine, peer
+        self._te = transport.engines[engine]
         self._bases = np.array([p for p, _ in blob.regions], dtype=np.int64)
         self._sizes = np.array([n for _, n in blob.regions], dtype=np.int64)
         self.cost = transport.cost
@@ -364,9 +398,15 @@ class MooncakeTransport(Transport):
             os.environ.setdefault(key, value)
         if progress_timeout_s is not None:  # a frozen peer fails a write in seconds, not 30 s
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
-        self.host, self.protocol = host, protocol
-        self.engines = [self._start(host, protocol, device_names) for _ in range(engines)]
+        self.host, self.protocol, self._device_names = host, protocol, device_names
+        self.incarnation = secrets.randbits(63) | 1  # in every offer: a restart at our sessions is another
+        self.engines = [self._start(host, protocol, device_names) for _ in range(engines)]  # then spares
+        self.offered = engines  # engines[:offered] are offered (one session each), the rest spares
         self.sessions = [f"{host}:{te.get_rpc_port()}" for te in self.engines]
+        self._listeners = {
+            te.get_rpc_port(): listening_fd(te.get_rpc_port()) for te in self.engines
+        }  # (hurried at close)
+        self._met: list[dict[str, int]] = [{} for _ in self.engines]  # per engine: session -> incarnation
         self.session_id = self.sessions[0]
         log.info(
             "mooncake: %d engine(s), handshake ports %s, and as many TCP data ports, listen on every address "
@@ -410,7 +450,44 @@ class MooncakeTransport(Transport):
             raise TransportError(f"malformed mooncake offer (session {bad or blob.session!r})")
         if len(blob.sessions) > MAX_LANES:
             raise TransportError(f"malformed mooncake offer ({len(blob.sessions)} sessions, at most {MAX_LANES})")
-        return MooncakeLink(self, local, blob, lane)
+        peer = blob.sessions[lane % len(blob.sessions)]
+        return MooncakeLink(self, local, blob, self._engine_to(peer, blob.incarnation, lane % self.offered), peer)
+
+    def _engine_to(self, peer: str, incarnation: int, preferred: int) -> int:
+        """The engine a link to `peer` (a session of that incarnation) leaves from: `preferred`
+        unless it wrote to another incarnation at that session (module docstring: restarted
+        peers), then any engine that did not, else a spare started for it."""
+        with self._lock:
+            for e in (preferred, *range(len(self.engines))):
+                met = self._met[e].setdefault(peer, incarnation)
+                if met == incarnation or not (met and incarnation):  # (0: an older peer, unknown)
+                    self._met[e][peer] = incarnation
+                    return e
+            if len(self.engines) >= MAX_LANES:
+                raise TransportError(
+                    f"mooncake: {peer} restarted more often than this process has engines for "
+                    f"({MAX_LANES}); restart this process"
+                )
+            self.engines.append(self._spare())
+            port = self.engines[-1].get_rpc_port()
+            self._listeners[port] = listening_fd(port)
+            self._met.append({peer: incarnation})
+            log.warning(
+                "mooncake: %s is a restarted peer (another incarnation wrote to there before); "
+                "its writes leave from spare engine %d, whose session cache has never seen it",
+                peer,
+                len(self.engines) - 1,
+            )
+            return len(self.engines) - 1
+
+    def _spare(self):
+        """An engine for writes only (no offer names it), holding every region registered (lock held)."""
+        te = self._start(self.host, self.protocol, self._device_names)
+        if self._registered:
+            code = te.batch_register_memory(list(self._registered), list(self._registered.values()))
+            if code != 0:
+                raise RegistrationError("batch_register_memory", code, nbytes=sum(self._registered.values()))
+        return te
 
     # ---- memory (the engine refuses registering one address twice; exposures may overlap) ----
     def _register(self, regions: Sequence[tuple[int, int]]) -> list[int]:
@@ -450,7 +527,22 @@ class MooncakeTransport(Transport):
         return len(self.reaper)
 
     def close(self) -> None:
+        """Stop the reaper, and hurry every engine's handshake listener so that destroying the
+        engine (whenever its last reference goes) takes milliseconds, not a second with the GIL held
+        (transfer/transports/listeners.py says why)."""
         self.reaper.stop()
+        self._hurry_listeners()
+
+    def __del__(self) -> None:  # (a transport dropped unclosed: its engines go next)
+        with contextlib.suppress(Exception):  # (at interpreter exit, modules may be gone)
+            self._hurry_listeners()
+
+    def _hurry_listeners(self) -> None:
+        with self._lock:
+            listeners, self._listeners = self._listeners, {}
+        for port, listener in listeners.items():
+            if listener is not None:
+                hurry(*listener, port)
 
     def _budget(self, peer: str) -> PeerBudget:
         with self._lock:
