@@ -2,8 +2,10 @@
 namespace that keeps no TIME_WAIT: tests/transfer/test_restarted_peers.py). Each peer gets
 exactly two adjacent ports (MC_MIN_RPC_PORT..MC_MAX_RPC_PORT), taking one for its session and
 the other for data either way round; they are chosen to reuse the last peer's in a way not
-met yet, until every kind was. Every peer gets one request written and checked byte for
-byte. Prints {"met": {kind: count}, "engines": the sender's engines at the end} as JSON.
+met yet, until every kind was. Every peer gets two requests written and checked byte for
+byte: first one of two ranges (which meets whatever connections the last peer left pooled:
+one stale connection each may fail it), then one of many ranges at once (which leaves every
+pooled connection to this peer, for the next one to meet). Prints {"met": {kind: count}, "engines": the sender's engines at the end} as JSON.
 
     python -m harness.restarts
 """
@@ -57,10 +59,12 @@ def incarnations(sender, limit: int = 40) -> collections.Counter:
         low, high = ports_for(todo[0], last)
         env = dict(os.environ, MC_MIN_RPC_PORT=str(low), MC_MAX_RPC_PORT=str(high))
         with PeerProcess("tiny-hybrid", 4, 4096, env=env, flags=("--mooncake-engines", "1")) as peer:
-            pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+            small = source_pool(peer, "tiny-full", 4, Layout.PAGE_MAJOR, fragment=False)
             session = int(msgspec.msgpack.decode(peer.target().offers[0].blob)[0].rpartition(":")[2])
             now = (session, high if session == low else low)
-            send_checked(sender, peer, pool, 301, Mode.DIRECT)
+            send_checked(sender, peer, small, 8, Mode.DIRECT)  # two ranges, on the connections kept
+            pool = source_pool(peer, "tiny-hybrid", 4, Layout.PAGE_MAJOR)
+            send_checked(sender, peer, pool, 301, Mode.DIRECT)  # many at once: every pooled connection
         met[kind_of(now, last)] += 1
         last = now
     return met

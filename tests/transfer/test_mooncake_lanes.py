@@ -76,9 +76,10 @@ def test_a_session_met_under_another_incarnation_is_written_from_a_spare_engine(
     ours.close(), theirs.close()  # (unregistered from the spare too)
 
 
-def test_an_offer_of_one_session_takes_every_lane(pair):
-    """An older peer (one engine) offers no lanes: every lane lands in its one engine."""
-    receiver, sender = pair
+def test_an_offer_of_one_session_takes_every_lane():
+    """An older peer (one engine) offers no lanes: every lane lands in its one engine (and,
+    offering no incarnation, it is met as one peer: no spare engine starts)."""
+    receiver, sender = MooncakeTransport(engines=1), MooncakeTransport(engines=2)
     dst, theirs = _exposed(receiver, 4096, 0)
     src, ours = _exposed(sender, 4096, 7)
     blob = msgspec.msgpack.decode(theirs.offer().blob, type=_Blob)
@@ -87,7 +88,7 @@ def test_an_offer_of_one_session_takes_every_lane(pair):
         link = sender.connect(Offer("mooncake", receiver.host, old), ours, lane)
         assert link.peer == receiver.sessions[0]
         link.write_async(Ranges.one(0, 0, 0, 0, 4096)).wait(timeout=10)
-    assert (dst == 7).all()
+    assert (dst == 7).all() and len(sender.engines) == 2
     ours.close(), theirs.close()
 
 

@@ -59,7 +59,7 @@ def test_hurry_ends_the_accept_under_way_and_every_later_one_returns():
 
 def test_closing_a_mooncake_transport_hurries_every_engine_listener():
     """Destroying an engine joins its handshake listener with the GIL held: close() sets each
-    one's accept() to return within a clock tick first (spare engines too)."""
+    one's accept() to return within a clock tick first."""
     t = MooncakeTransport(engines=2)
     fds = [listening_fd(te.get_rpc_port())[0] for te in t.engines]
     assert all(_receive_timeout_us(fd) == 1_000_000 for fd in fds)  # Mooncake's own: 1 s

@@ -21,10 +21,11 @@
   - every offer carries its transport's incarnation (random at start); an engine that wrote
     to another incarnation at a session never writes there again: the link leaves from one
     of ours that did not, or from a spare engine started for it (offered to no one);
-  - a range that fails is submitted once more: Mooncake drops a connection that failed, so
-    the second try opens a fresh one (as HTTP clients retry an idempotent request on a
-    reused keep-alive connection that the server had closed). A dead peer fails twice
-    at once (its connects are refused); a frozen one leaves ranges pending, never failed.
+  - a range that fails is submitted again, up to once per pooled connection Mooncake keeps
+    per peer (MC_TCP_LANES_PER_PEER, 4): each stale one fails once and is dropped, then a
+    fresh one opens (as HTTP clients retry an idempotent request on a reused keep-alive
+    connection that the server had closed). A dead peer fails each try at once (its
+    connects are refused); a frozen one leaves ranges pending, never failed.
 - Queue limits: a per-peer budget keeps <= max_inflight_per_peer ranges in flight across all
   threads (Mooncake rejects writes with -1 once about 2048 are queued for one peer).
 - Every non-zero return code becomes a typed exception (transfer.errors) naming the peer,
@@ -103,6 +104,7 @@ _ENV_DEFAULTS = {
 # Engines of a TCP transport unless told (module docstring: receive lanes). Four: eight
 # senders into one decode rank then share its four threads (41.5 ms -> 28.9 ms for 64 MiB).
 ENGINES_TCP = 4
+LANES_PER_PEER = 4  # Mooncake TCP's pooled connections per peer unless MC_TCP_LANES_PER_PEER says
 MAX_LANES = 64  # sessions an offer may name (an offer is untrusted); engines of a transport, spares too
 
 
@@ -144,20 +146,31 @@ class PeerBudget:
 
 class MooncakeWrite(PendingWrite):
     """Ranges submitted one engine batch each as the peer's budget allows, retired in order.
-    A range that fails is submitted once more (a pooled connection its far end had closed:
-    the module docstring, "Restarted peers"); a second failure, or any other, stops
-    submitting, drains what is in flight, then raises."""
+    A range that fails is submitted again, up to `retries` times (each of the peer's pooled
+    connections may be one its far end had closed: the module docstring, "Restarted peers");
+    a failure beyond that, or any other, stops submitting, drains what is in flight, then
+    raises."""
 
     POLL_INTERVAL_S = 100e-6  # the first sleep, and the sleep after a poll that retired a range
     POLL_MAX_S = 1e-3  # the longest: doubled up to it while polls retire nothing
 
-    def __init__(self, te, session: str, budget: PeerBudget, src: np.ndarray, dst: np.ndarray, length: np.ndarray):
-        self._te, self.peer, self._budget = te, session, budget
+    def __init__(
+        self,
+        te,
+        session: str,
+        budget: PeerBudget,
+        src: np.ndarray,
+        dst: np.ndarray,
+        length: np.ndarray,
+        *,
+        retries: int,
+    ):
+        self._te, self.peer, self._budget, self._retries = te, session, budget, retries
         self._src, self._dst, self._len = src.tolist(), dst.tolist(), length.tolist()
         self.nbytes = int(length.sum()) if len(length) else 0
         self._next = 0  # next range to submit
-        self._again: list[int] = []  # ranges that failed once, to submit again (before _next)
-        self._retried: set[int] = set()  # ranges submitted again (a second failure ends the write)
+        self._again: list[int] = []  # ranges that failed, to submit again (before _next)
+        self._failed: dict[int, int] = {}  # range -> its failures so far (beyond `retries`: the write fails)
         self._retired = 0  # ranges retired so far (wait's backoff starts over when it grows)
         self._inflight: deque[tuple[int, int]] = deque()  # (batch id, range), in submission order
         self._failure: tuple[int, str] | None = None
@@ -196,15 +209,12 @@ class MooncakeWrite(PendingWrite):
             self._budget.release(1)
             if code == 1 or self._failure is not None:
                 continue
-            if code == -1 and i not in self._retried:  # once more, on a fresh connection
-                self._retried.add(i)
+            tries = self._failed[i] = self._failed.get(i, 0) + 1
+            if code == -1 and tries <= self._retries:  # again, on another connection
                 self._again.append(i)
-                log.debug("mooncake: a range to %s failed; submitted once more", self.peer)
+                log.debug("mooncake: a range to %s failed (%d time(s)); submitted again", self.peer, tries)
             else:
-                self._failure = (
-                    code,
-                    "timed out" if code == -2 else "failed" if i not in self._retried else "failed twice",
-                )
+                self._failure = (code, "timed out" if code == -2 else f"failed {tries} time(s)")
         if self._abandoned or self._failure is not None or not self._unsubmitted:
             return
         granted = self._budget.try_acquire(self._unsubmitted)
@@ -325,7 +335,7 @@ class MooncakeLink(Link):
         if self._closed:
             raise PeerUnreachable("write", -1, self.peer, int(length.sum()), detail="the link is closed")
         write = MooncakeWrite(
-            self._te, self.peer, self._transport._budget(self.peer), src, dst, length
+            self._te, self.peer, self._transport._budget(self.peer), src, dst, length, retries=self._transport.retries
         )  # (submits its first ranges: outside the lock, writers in parallel)
         with self._lock:
             closed = self._closed
@@ -399,14 +409,19 @@ class MooncakeTransport(Transport):
         if progress_timeout_s is not None:  # a frozen peer fails a write in seconds, not 30 s
             os.environ.setdefault("MC_TCP_PROGRESS_TIMEOUT_SEC", str(progress_timeout_s))
         self.host, self.protocol, self._device_names = host, protocol, device_names
+        # a failed range is submitted again up to once per pooled connection Mooncake keeps per
+        # peer: after a restart on a dead peer's data port each of them fails once, then is dropped
+        self.retries = _lanes_per_peer()
         self.incarnation = secrets.randbits(63) | 1  # in every offer: a restart at our sessions is another
-        self.engines = [self._start(host, protocol, device_names) for _ in range(engines)]  # then spares
-        self.offered = engines  # engines[:offered] are offered (one session each), the rest spares
+        self._lock = threading.Lock()
+        self._pid = os.getpid()  # (a forked child must not hurry its parent's listeners)
+        self.engines: list = []  # the offered ones, then spares
+        self._listeners: dict[int, tuple[int, int] | None] = {}  # handshake port -> its socket (close hurries)
+        self._met: list[dict[str, int]] = []  # per engine: session -> the incarnation it wrote to there
+        for _ in range(engines):
+            self._add(self._start(host, protocol, device_names))
+        self.offered = engines  # engines[:offered] are offered (one session each)
         self.sessions = [f"{host}:{te.get_rpc_port()}" for te in self.engines]
-        self._listeners = {
-            te.get_rpc_port(): listening_fd(te.get_rpc_port()) for te in self.engines
-        }  # (hurried at close)
-        self._met: list[dict[str, int]] = [{} for _ in self.engines]  # per engine: session -> incarnation
         self.session_id = self.sessions[0]
         log.info(
             "mooncake: %d engine(s), handshake ports %s, and as many TCP data ports, listen on every address "
@@ -420,7 +435,6 @@ class MooncakeTransport(Transport):
         self.cost = TCP_COST
         self.max_inflight_per_peer = max_inflight_per_peer
         self._budgets: dict[str, PeerBudget] = {}
-        self._lock = threading.Lock()
         self._registered: dict[int, int] = {}
         self.reaper = Reaper(name="kv-mooncake-reaper")
 
@@ -459,19 +473,17 @@ class MooncakeTransport(Transport):
         peers), then any engine that did not, else a spare started for it."""
         with self._lock:
             for e in (preferred, *range(len(self.engines))):
-                met = self._met[e].setdefault(peer, incarnation)
-                if met == incarnation or not (met and incarnation):  # (0: an older peer, unknown)
-                    self._met[e][peer] = incarnation
+                # (a process has one incarnation: A then 0 at a session, or 0 then A, is a
+                # restart too; only 0 then 0, two older peers, cannot be told apart)
+                if self._met[e].setdefault(peer, incarnation) == incarnation:
                     return e
             if len(self.engines) >= MAX_LANES:
                 raise TransportError(
                     f"mooncake: {peer} restarted more often than this process has engines for "
                     f"({MAX_LANES}); restart this process"
                 )
-            self.engines.append(self._spare())
-            port = self.engines[-1].get_rpc_port()
-            self._listeners[port] = listening_fd(port)
-            self._met.append({peer: incarnation})
+            self._add(self._spare())
+            self._met[-1][peer] = incarnation
             log.warning(
                 "mooncake: %s is a restarted peer (another incarnation wrote to there before); "
                 "its writes leave from spare engine %d, whose session cache has never seen it",
@@ -486,8 +498,17 @@ class MooncakeTransport(Transport):
         if self._registered:
             code = te.batch_register_memory(list(self._registered), list(self._registered.values()))
             if code != 0:
+                port = te.get_rpc_port()
+                if (listener := listening_fd(port)) is not None:
+                    hurry(*listener, port)
                 raise RegistrationError("batch_register_memory", code, nbytes=sum(self._registered.values()))
         return te
+
+    def _add(self, te) -> None:
+        port = te.get_rpc_port()
+        self.engines.append(te)
+        self._listeners[port] = listening_fd(port)
+        self._met.append({})
 
     # ---- memory (the engine refuses registering one address twice; exposures may overlap) ----
     def _register(self, regions: Sequence[tuple[int, int]]) -> list[int]:
@@ -538,6 +559,8 @@ class MooncakeTransport(Transport):
             self._hurry_listeners()
 
     def _hurry_listeners(self) -> None:
+        if os.getpid() != self._pid:
+            return
         with self._lock:
             listeners, self._listeners = self._listeners, {}
         for port, listener in listeners.items():
@@ -550,6 +573,13 @@ class MooncakeTransport(Transport):
             if budget is None:
                 budget = self._budgets[peer] = PeerBudget(self.max_inflight_per_peer)
             return budget
+
+
+def _lanes_per_peer() -> int:
+    try:
+        return min(max(int(os.environ.get("MC_TCP_LANES_PER_PEER", LANES_PER_PEER)), 1), MAX_LANES)
+    except ValueError:
+        return LANES_PER_PEER
 
 
 def _is_session(s: str) -> bool:
