@@ -41,6 +41,13 @@ def listening_fd(port: int) -> tuple[int, int] | None:
     return None
 
 
+def hurry_listener(port: int) -> None:
+    """`hurry` this process's socket listening on `port`, if there is one."""
+    found = listening_fd(port)
+    if found is not None:
+        hurry(*found, port)
+
+
 def hurry(fd: int, family: int, port: int) -> None:
     """Make the accept() waiting on listening socket `fd` (port `port`) and every later one
     return within a clock tick; best effort (a socket gone or refusing is left as it is)."""

@@ -84,7 +84,7 @@ from transfer.errors import (
 from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
-from transfer.transports.listeners import hurry, listening_fd
+from transfer.transports.listeners import hurry_listener
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
 
@@ -415,8 +415,8 @@ class MooncakeTransport(Transport):
         self.incarnation = secrets.randbits(63) | 1  # in every offer: a restart at our sessions is another
         self._lock = threading.Lock()
         self._pid = os.getpid()  # (a forked child must not hurry its parent's listeners)
+        self._hurried = False  # (close hurried the engines' handshake listeners)
         self.engines: list = []  # the offered ones, then spares
-        self._listeners: dict[int, tuple[int, int] | None] = {}  # handshake port -> its socket (close hurries)
         self._met: list[dict[str, int]] = []  # per engine: session -> the incarnation it wrote to there
         for _ in range(engines):
             self._add(self._start(host, protocol, device_names))
@@ -498,16 +498,12 @@ class MooncakeTransport(Transport):
         if self._registered:
             code = te.batch_register_memory(list(self._registered), list(self._registered.values()))
             if code != 0:
-                port = te.get_rpc_port()
-                if (listener := listening_fd(port)) is not None:
-                    hurry(*listener, port)
+                hurry_listener(te.get_rpc_port())  # (it goes now)
                 raise RegistrationError("batch_register_memory", code, nbytes=sum(self._registered.values()))
         return te
 
     def _add(self, te) -> None:
-        port = te.get_rpc_port()
         self.engines.append(te)
-        self._listeners[port] = listening_fd(port)
         self._met.append({})
 
     # ---- memory (the engine refuses registering one address twice; exposures may overlap) ----
@@ -562,10 +558,9 @@ class MooncakeTransport(Transport):
         if os.getpid() != self._pid:
             return
         with self._lock:
-            listeners, self._listeners = self._listeners, {}
-        for port, listener in listeners.items():
-            if listener is not None:
-                hurry(*listener, port)
+            engines, self._hurried = ([] if self._hurried else list(self.engines)), True
+        for te in engines:
+            hurry_listener(te.get_rpc_port())
 
     def _budget(self, peer: str) -> PeerBudget:
         with self._lock:
