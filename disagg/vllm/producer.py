@@ -406,9 +406,11 @@ class Producer:
     # ---- a transfer worker ---------------------------------------------------------------------
     def _send(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> None:
         done, ended = self._write(h, d, peer, s)
+        # the end first: the loop's wake-up that sends `done` takes it too (as for its own
+        # small sends), so vLLM hears of the send by its next step, not a poll later
+        self.handoff.post(SendEnded(h.send.room, d.rank, ended))
         self.io.send(d.identity, done)
         hops.mark(h.send.room, "p.told")
-        self.handoff.post(SendEnded(h.send.room, d.rank, ended))
 
     def _write(self, h: Held, d: Dest, peer: DecodePeer, s: Source) -> tuple[TransferDone, Ended | None]:
         """One consumer rank's send, start to end (a transfer worker's, or the loop's for a

@@ -231,9 +231,22 @@ def _openai(pair, prompt: str) -> str:
 def test_the_servers_metrics_show_the_bytes_the_request_moved(pair, eventually):
     """Decode's /metrics (DisaggConnector's figures through vLLM's stats) count one load of the
     bytes prefill's /metrics count as sent, and (Llama, full attention) exactly the prompt's
-    blocks: layers x K and V x KV heads x head size x 4 bytes x 32 tokens each."""
+    blocks: layers x K and V x KV heads x head size x 4 bytes x 32 tokens each.
+
+    Each server reports a transfer with its own engine's next step, and those run apart (on
+    a loaded machine, a prefill engine's report trailed decode's by a test's length once). So
+    both readings are taken where the servers agree (so far every transfer of this pair went
+    prefill -> decode and landed: as many sends as loads, the same bytes): an earlier test's
+    send that prefill reports late is never counted as this one's."""
     names = {"decode": ("loads", "loaded_bytes"), "prefill": ("sends", "sent_bytes")}
-    before = {side: _metrics(pair, side, names[side]) for side in names}
+    readings: list[dict] = []
+
+    def settled() -> bool:
+        readings.append({side: _metrics(pair, side, names[side]) for side in names})
+        return readings[-1]["decode"] == readings[-1]["prefill"]
+
+    eventually(settled, 30, "both servers' /metrics agree on the earlier transfers", 0.2)
+    before = readings[-1]
     first = _prefill(pair, PROMPTS[1])
     status, answer = _post(
         pair.url("decode") + "/v1/completions",
@@ -241,14 +254,9 @@ def test_the_servers_metrics_show_the_bytes_the_request_moved(pair, eventually):
         | {"kv_transfer_params": first["kv_transfer_params"]},
     )
     assert status == 200, answer
-
-    def since() -> dict:
-        now = {side: _metrics(pair, side, names[side]) for side in names}
-        return {side: tuple(a - b for a, b in zip(now[side], before[side])) for side in names}
-
     # vLLM hands the figures to its loggers with a step's outputs
-    eventually(lambda: all(m[0] for m in since().values()), 30, "both servers' /metrics count the transfer", 0.2)
-    moved = since()
+    eventually(lambda: settled() and readings[-1] != before, 30, "both servers' /metrics count the transfer", 0.2)
+    moved = {side: tuple(a - b for a, b in zip(readings[-1][side], before[side])) for side in names}
     assert moved["decode"] == moved["prefill"] and moved["decode"][0] == 1 and moved["decode"][1] > 0, moved
     if pair.model.name.startswith("tiny-llama"):
         c = json.loads((pair.model / "config.json").read_text())
