@@ -555,10 +555,13 @@ class MooncakeTransport(Transport):
             self._hurry_listeners()
 
     def _hurry_listeners(self) -> None:
+        """Once, in the process that started them: every engine's handshake listener hurried
+        (transfer.transports.listeners), so the engines' destructors do not wait on accept()."""
         if os.getpid() != self._pid:
             return
         with self._lock:
-            engines, self._hurried = ([] if self._hurried else list(self.engines)), True
+            engines = [] if self._hurried else list(self.engines)
+            self._hurried = True
         for te in engines:
             hurry_listener(te.get_rpc_port())
 
