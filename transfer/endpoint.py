@@ -108,7 +108,8 @@ class PoolEndpoint:
         return [self.exposures[t.kind].offer() for t in self.transports]
 
     def unsettled(self) -> int:
-        """Abandoned writes of this process that may still land (Transport.unsettled)."""
+        """Bytes given up on that may still land, ours or our peers' into our regions
+        (Transport.unsettled)."""
         return sum(t.unsettled() for t in self.transports)
 
     def staging_info(self) -> StagingInfo:

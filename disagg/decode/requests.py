@@ -13,8 +13,10 @@
         ABORTING         -> QUARANTINED: pages held, Abort sent (and again every sweep) until
                             prefill's TransferDone says it stopped writing, or the cap passes
     A TransferDone that is not `settled` (prefill gave up on writes that may still land: it
-    lost us with writes in flight) ends nothing: TRANSFERRING -> ABORTING, and the pages stay
-    held until a settled answer or the cap.
+    lost us with writes in flight, or a failed write's bytes are still in its kernel) ends
+    nothing: TRANSFERRING -> ABORTING, and the pages stay held until a settled answer or the
+    cap. A settled one counts only while no byte a sender gave up on is still arriving here
+    (our own sockets: Transport.unsettled).
 
 So a late write can never land in pages another request owns, and a room stays taken while
 its pages are held. Every message about a room is checked against the prefill endpoints (and
@@ -117,12 +119,19 @@ class RequestTable:
     effects (free pages, send Abort) happen inside it."""
 
     def __init__(
-        self, deadlines: Deadlines, quarantine_s: float, release: Holdings, send: Callable[[str, object], None]
+        self,
+        deadlines: Deadlines,
+        quarantine_s: float,
+        release: Holdings,
+        send: Callable[[str, object], None],
+        landing: Callable[[], int] = lambda: 0,
     ):
         """`release`: gives back what a request holds outside the table when it is forgotten
-        (decode/release.py); `send`: a message to a prefill peer (the control socket's)."""
+        (decode/release.py); `send`: a message to a prefill peer (the control socket's);
+        `landing`: bytes a sender gave up on that are still arriving here (Transport.unsettled:
+        a settled answer is believed only once there are none)."""
         self.deadlines, self.quarantine_s = deadlines, quarantine_s
-        self._release, self._send = release, send
+        self._release, self._send, self._landing = release, send, landing
         self._lock = threading.Condition()
         self._rooms: dict[int, DecodeRequest] = {}
         self.ended = Tombstones(ttl_s=deadlines.bootstrap_s + deadlines.waiting_s)
@@ -238,13 +247,13 @@ class RequestTable:
             if r is None:
                 return
             if r.phase is Phase.QUARANTINED:  # the pages are ours again, once nothing can land
-                s.stopped = s.stopped or msg.settled
+                s.stopped = s.stopped or self._settled(msg)
                 if not r.writing():
                     self._forget(r)
                 return
             if msg.prefill_epoch != s.epoch:
                 return
-            s.stopped = msg.ok or msg.settled
+            s.stopped = self._settled(msg)
             if r.phase.sent and msg.ok:
                 s.done = msg
                 if all(x.done is not None for x in r.senders.values()):
@@ -258,6 +267,11 @@ class RequestTable:
             elif r.phase is Phase.ABORTING and not r.writing():
                 self._move(r, Phase.FAILED)
             self._lock.notify_all()
+
+    def _settled(self, msg: TransferDone) -> bool:
+        """Nothing of the sender's can land any more: it succeeded, or it says so and no byte
+        it gave up on is still arriving here (else the sweep asks again)."""
+        return msg.ok or (msg.settled and not self._landing())
 
     def report(self, r: DecodeRequest) -> TransferReport | None:
         """What the senders' TransferDone(ok) reported, merged (TransferReport.merge: they send

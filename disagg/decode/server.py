@@ -87,6 +87,7 @@ class DecodeServer(Worker):
             config.quarantine_s,
             Release(self.pool, self.receiver, self.admission, self.cache),
             self.io.send,
+            self.endpoint.unsettled,
         )
         self.chunks = StagedChunks(self.requests, self.receiver, self.io.reply, self.io.wake, config.scatter_workers)
         self.peers = PrefillPeers(self.gate, self.layout, config.dead_after_s)

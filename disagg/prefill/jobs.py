@@ -92,6 +92,10 @@ class TransferJobs:
         if not (isinstance(msg, TransferDone) and self._faults.hit("control.drop_done")):
             self._io.send(peer, msg)
 
+    def unsettled(self) -> bool:
+        """Bytes this process gave up on may still land somewhere (Transport.unsettled)."""
+        return self._sender.endpoint.unsettled() > 0
+
     def may_stream(self, r: PrefillRequest) -> bool:
         """`auto` streams only over a link that leaves the compute alone (not Mooncake TCP from a
         CUDA pool); the table asks before it starts a worker while the engine computes."""

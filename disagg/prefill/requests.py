@@ -235,6 +235,7 @@ class Jobs(Protocol):
     def free(self, kv: RequestKV, r: PrefillRequest) -> None: ...
     def tell(self, peer: bytes, msg: TransferDone | TransferStarted) -> None: ...
     def may_stream(self, r: PrefillRequest) -> bool: ...
+    def unsettled(self) -> bool: ...
     def prepare_all(self, r: PrefillRequest, dests: list[Destination]) -> list[Future | None]: ...
     def submit_all(
         self, r: PrefillRequest, dests: list[Destination], progress: LayerProgress | None, finished: Finished
@@ -487,9 +488,12 @@ class RequestTable:
         self._release(r)
         self._forget(r)
         self.ended.bury(r.room, r.reason)  # a late TransferRequest or prompt is answered at once
-        for d in r.dests.values():
-            if d.delivery is not Delivery.TOLD:
-                self._tell(d, TransferDone(r.room, self.epoch, False, reason=r.reason, settled=r.settled))
+        untold = [d for d in r.dests.values() if d.delivery is not Delivery.TOLD]
+        # settled: no write of r was given up on, and none of the process's bytes nobody waits
+        # for is still on its way (a failed write's may be: transports/mooncake.py, late bytes)
+        settled = r.settled and not (untold and self._jobs.unsettled())
+        for d in untold:
+            self._tell(d, TransferDone(r.room, self.epoch, False, reason=r.reason, settled=settled))
         self._lock.notify_all()
 
     def _done(self, r: PrefillRequest) -> None:

@@ -439,6 +439,8 @@ class Producer:
         except Exception as exc:  # a bug: the consumer still hears the end
             log.exception("room %d: send failed", h.send.room)
             reason = f"internal error: {type(exc).__name__}"
+        if report is None:  # (a failed write's bytes may still be on their way: Transport.unsettled)
+            settled = settled and not self.sender.endpoint.unsettled()
         done = TransferDone(h.send.room, self.epoch, report is not None, reason=reason, report=report, settled=settled)
         return done, ended
 

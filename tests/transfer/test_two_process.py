@@ -237,6 +237,39 @@ def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer
         transport.close()
 
 
+def test_writes_failed_into_a_frozen_peer_stay_unsettled_until_their_bytes_landed(eventually):
+    """Mooncake fails the ranges of a frozen peer at its progress timeout (5 s) and closes their
+    connections, but the kernel still holds what those sockets had not delivered and sends it
+    once the peer thaws, into the ranges' destinations (transports/proc_tcp.py). So the
+    transport is unsettled after the reaper let the ranges go, until those bytes landed."""
+    [transport] = create(["mooncake"], TransportSettings("127.0.0.1"))
+    try:
+        with PeerProcess("tiny-full", 4, 131072) as frozen:
+            t = frozen.target()
+            size = int(t.buffers[0].nbytes) // 64 * 64
+            src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+            exposure = transport.expose([(src.data_ptr(), size)])
+            link = transport.connect(t.offers[0], exposure)
+            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)  # a working session first
+            n = 4  # one range per pooled connection: all of them stall, and fail, at once
+            at = np.arange(n, dtype=np.int64) * (size // n)
+            zero = np.zeros(n, dtype=np.int64)
+            os.kill(frozen.proc.pid, signal.SIGSTOP)
+            try:
+                write = link.write_async(Ranges(zero, at, zero, at, np.full(n, size // n, dtype=np.int64)))
+                link.close()
+                with pytest.raises(PeerUnreachable, match="abandoned"):
+                    write.wait(timeout=5)
+                eventually(lambda: len(transport.reaper) == 0, 30, "Mooncake ended the abandoned ranges")
+                assert transport.unsettled() > 0  # their sockets closed with bytes still in them
+            finally:
+                os.kill(frozen.proc.pid, signal.SIGCONT)
+            eventually(lambda: transport.unsettled() == 0, 30, "the closed sockets delivered their bytes")
+            exposure.close()
+    finally:
+        transport.close()
+
+
 def test_staged_failure_releases_every_slot(transport, peer):
     """The receiver never heard of this transfer: it refuses the chunks, the sender times out
     with StagingError, and both sides' staging slots are back."""

@@ -273,8 +273,9 @@ class Transport(ABC):
         the others have one and ignore it."""
 
     def unsettled(self) -> int:
-        """Writes given up on (their link closed) that may still land: nonzero, and no page
-        they may reach is safe to reuse yet."""
+        """Bytes given up on that may still land: writes of ours whose link closed or that
+        failed, or a peer's into our regions (Mooncake TCP: sockets closed with bytes on their
+        way); nonzero, and no page they may reach is safe to reuse yet."""
         return 0
 
     def close(self) -> None:  # noqa: B027 (optional: a transport holding nothing has nothing to close)

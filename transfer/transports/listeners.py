@@ -11,34 +11,17 @@ once and closes, which ends the wait under way (the listener reads EOF and drops
 connection): destroying four engines then took 35 ms, not 4.0 s.
 """
 
-import os
 import socket
 import struct
 
-_LISTEN = "0A"  # TCP state LISTEN in /proc/net/tcp
+from transfer.transports.proc_tcp import LISTEN, own_inodes, sockets
 
 
 def listening_fd(port: int) -> tuple[int, int] | None:
     """(fd, address family) of this process's socket listening on `port`, or None."""
-    inodes: dict[str, int] = {}
-    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
-        try:
-            with open(f"/proc/self/net/{name}") as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if cols[3] == _LISTEN and int(cols[1].rpartition(":")[2], 16) == port:
-                inodes[cols[9]] = family
-    for fd in os.listdir("/proc/self/fd") if inodes else ():
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:[") and link[8:-1] in inodes:
-            return int(fd), inodes[link[8:-1]]
-    return None
+    listening = {s.inode: s.family for s in sockets() if s.state == LISTEN and s.local[1] == port}
+    fds = own_inodes() if listening else {}
+    return next(((fd, listening[inode]) for inode, fd in fds.items() if inode in listening), None)
 
 
 def hurry_listener(port: int) -> None:

@@ -55,13 +55,23 @@
   What an abandoned range may still do is read its source and land in the lost peer's pages
   of failed requests: decode keeps those quarantined until prefill's answer is settled
   (docs/contract.md, "When things fail").
+- Late bytes (TCP): a write that failed, abandoned or not, may still land. Mooncake closes the
+  connection of a range it gives up on, but the kernel keeps sending what that socket held
+  (an orphan: closed, still retransmitting, for over 100 s) and the peer's engine reads it
+  into the range's destination (transports/proc_tcp.py has the measurement). So `unsettled`
+  counts, beside the reaper's writes, the orphans toward every host we linked to that still
+  hold unacknowledged bytes or FIN, and our own data sockets whose sender closed with bytes
+  we have not read yet: prefill says settled, and decode reuses the pages, only when none is
+  left on either side.
 """
 
 import argparse
 import contextlib
+import ipaddress
 import logging
 import os
 import secrets
+import socket
 import tempfile
 import threading
 import time
@@ -84,6 +94,7 @@ from transfer.errors import (
 from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
+from transfer.transports import proc_tcp
 from transfer.transports.listeners import hurry_listener
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
@@ -418,8 +429,10 @@ class MooncakeTransport(Transport):
         self._hurried = False  # (close hurried the engines' handshake listeners)
         self.engines: list = []  # the offered ones, then spares
         self._met: list[dict[str, int]] = []  # per engine: session -> the incarnation it wrote to there
+        self._data_ports: set[int] = set()  # our engines' listening ports (TCP: where peers' bytes arrive)
+        self._peer_hosts: set[proc_tcp.Address] | None = set()  # hosts we linked to (None: one unresolved)
         for _ in range(engines):
-            self._add(self._start(host, protocol, device_names))
+            self._add(self._start())
         self.offered = engines  # engines[:offered] are offered (one session each)
         self.sessions = [f"{host}:{te.get_rpc_port()}" for te in self.engines]
         self.session_id = self.sessions[0]
@@ -438,15 +451,19 @@ class MooncakeTransport(Transport):
         self._registered: dict[int, int] = {}
         self.reaper = Reaper(name="kv-mooncake-reaper")
 
-    @staticmethod
-    def _start(host: str, protocol: str, device_names: str):
+    def _start(self):
+        """A started engine; the ports it opened join our data ports (a port another thread
+        opened meanwhile too: counted in `unsettled`, that errs on the safe side)."""
         from mooncake.engine import TransferEngine  # imported late: the env must be set first
 
+        host, protocol = self.host, self.protocol
+        before = proc_tcp.listening_ports()
         with _start_up_lines() as said:
             te = TransferEngine()
-            code = te.initialize(host, "P2PHANDSHAKE", protocol, device_names)
+            code = te.initialize(host, "P2PHANDSHAKE", protocol, self._device_names)
         if code != 0:
             raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}: {' | '.join(said())}")
+        self._data_ports |= proc_tcp.listening_ports() - before
         return te
 
     def expose(self, regions: Sequence[tuple[int, int]]) -> MooncakeExposure:
@@ -465,7 +482,17 @@ class MooncakeTransport(Transport):
         if len(blob.sessions) > MAX_LANES:
             raise TransportError(f"malformed mooncake offer ({len(blob.sessions)} sessions, at most {MAX_LANES})")
         peer = blob.sessions[lane % len(blob.sessions)]
+        self._met_host(peer.rpartition(":")[0])
         return MooncakeLink(self, local, blob, self._engine_to(peer, blob.incarnation, lane % self.offered), peer)
+
+    def _met_host(self, host: str) -> None:
+        """Remember `host` (a session's, as offered) among those our bytes may be on their way to."""
+        found = _addresses(host)
+        with self._lock:
+            if found is None or self._peer_hosts is None:
+                self._peer_hosts = None
+            else:
+                self._peer_hosts |= found
 
     def _engine_to(self, peer: str, incarnation: int, preferred: int) -> int:
         """The engine a link to `peer` (a session of that incarnation) leaves from: `preferred`
@@ -494,7 +521,7 @@ class MooncakeTransport(Transport):
 
     def _spare(self):
         """An engine for writes only (no offer names it), holding every region registered (lock held)."""
-        te = self._start(self.host, self.protocol, self._device_names)
+        te = self._start()
         if self._registered:
             code = te.batch_register_memory(list(self._registered), list(self._registered.values()))
             if code != 0:
@@ -541,7 +568,14 @@ class MooncakeTransport(Transport):
                 del self._registered[p]
 
     def unsettled(self) -> int:
-        return len(self.reaper)
+        """Writes given up on that are still in our engines (the reaper's), and on TCP the
+        sockets still carrying bytes nobody waits for (module docstring: late bytes)."""
+        if self.protocol != "tcp":
+            return len(self.reaper)
+        with self._lock:
+            hosts = None if self._peer_hosts is None else set(self._peer_hosts)
+        leaving = proc_tcp.orphans_toward(hosts) if hosts != set() else 0
+        return len(self.reaper) + leaving + proc_tcp.unread_after_close(self._data_ports)
 
     def close(self) -> None:
         """Stop the reaper, and hurry every engine's handshake listener so that destroying the
@@ -578,6 +612,18 @@ def _lanes_per_peer() -> int:
         return min(max(int(os.environ.get("MC_TCP_LANES_PER_PEER", LANES_PER_PEER)), 1), MAX_LANES)
     except ValueError:
         return LANES_PER_PEER
+
+
+def _addresses(host: str) -> set[proc_tcp.Address] | None:
+    """The addresses of `host` (an address, or a name resolved now), or None if it resolves to none."""
+    try:
+        return {ipaddress.ip_address(host.strip("[]"))}
+    except ValueError:
+        pass
+    try:
+        return {ipaddress.ip_address(info[4][0].partition("%")[0]) for info in socket.getaddrinfo(host, None)}
+    except (OSError, ValueError):
+        return None
 
 
 def _is_session(s: str) -> bool:

@@ -25,6 +25,10 @@ class Effects:
     def __init__(self, refuse: str | None = None, may_stream=lambda r: True, prepare=lambda r, d: None):
         self.freed, self.told, self.submitted, self.progress, self.refuse = [], [], [], [], refuse
         self.may_stream, self.prepare = may_stream, prepare
+        self.in_flight = 0  # bytes given up on still on their way (Transport.unsettled)
+
+    def unsettled(self) -> int:
+        return self.in_flight
 
     def free(self, kv, r=None) -> None:  # (decode's Release.free(r); prefill's TransferJobs.free(kv, r))
         self.freed.append(kv)
@@ -135,7 +139,7 @@ def test_prefill_duplicates_deadlines_and_sweeps():
 
 def decode_table(quarantine_s=60.0, deadlines=LONG):
     fx = Effects()
-    return DecodeTable(deadlines, quarantine_s, release=fx, send=fx.tell), fx
+    return DecodeTable(deadlines, quarantine_s, release=fx, send=fx.tell, landing=fx.unsettled), fx
 
 
 def test_decode_success_only_from_the_prefill_it_asked():
@@ -195,6 +199,33 @@ def test_an_unsettled_transfer_done_keeps_the_pages_until_a_settled_one_or_the_c
     assert q.phase is P.FAILED and pfx.told == [
         (PEER, TransferDone(5, 5, False, reason="WritesAbandoned: link closed", settled=False))
     ]
+
+
+def test_a_failed_write_whose_bytes_are_still_on_their_way_is_not_settled_on_either_side():
+    """A write that failed may leave bytes in its closed socket that still land (Mooncake TCP:
+    transports/proc_tcp.py): prefill's TransferDone(fail) says settled only when none of the
+    process's are left, and decode believes a settled answer only while none of a sender's
+    is still arriving at its own sockets."""
+    p, pfx = prefill_table()
+    q = p.prompt(5, TOKENS)
+    p.destination(5, PEER, "dst", [])
+    p.computed(q, "kv")
+    pfx.in_flight = 2
+    p.finished(q, False, "WriteFailed: no progress")  # not abandoned, but bytes are in flight
+    assert pfx.told == [(PEER, TransferDone(5, 5, False, reason="WriteFailed: no progress", settled=False))]
+    t, fx = decode_table()
+    r = t.open(2)
+    t.sending(r, [Sender("tcp://p:1", 9)])
+    t.started(2, "tcp://p:1", 9)
+    fx.in_flight = 1  # a closed connection's bytes not read yet
+    t.done(TransferDone(2, 9, False, reason="WriteFailed: no progress"), "tcp://p:1")
+    assert t.wait(r) is D.ABORTING
+    t.finish(r)
+    t.done(TransferDone(2, 9, False, reason="aborted by decode"), "tcp://p:1")
+    assert r.phase is D.QUARANTINED and not fx.freed
+    fx.in_flight = 0
+    t.done(TransferDone(2, 9, False, reason="aborted by decode"), "tcp://p:1")  # asked again: now it holds
+    assert fx.freed == [r] and t.quarantined() == 0
 
 
 def test_decode_quarantine_cap_peer_loss_and_unsent_failures():
