@@ -15,10 +15,14 @@ ends by load_s (quarantine_s once failed while a producer rank may still write).
     TransferDone failed from one     -> the others still writing are told to stop (Abort);
                                         Handoff.received(req_id, its blocks) once none may
                                         write into them (a producer that gave up on writes
-                                        still in flight, settled=False, says when they ended),
-                                        or after quarantine_s (vLLM keeps the blocks)
-    load_s passed -> failed at once (an Abort goes to each rank that may still write);
-    a producer rank silent (dead_after_s) or that dropped us -> its share failed as above
+                                        still in flight, settled=False, says when they ended:
+                                        asked again every heartbeat), or after quarantine_s
+                                        (vLLM reuses the blocks once told, so it is not told
+                                        while a late byte may still land in them)
+    load_s passed -> failed as above (an Abort goes to each rank that may still write);
+    a producer rank silent (dead_after_s) or that dropped us -> its share failed, unsettled
+               (frozen or cut off, what it wrote may land when it is back; dead, what its
+               kernel still held is delivered all the same: transports/proc_tcp.py)
     Release -> Abort(room) to its producer ranks; a Release with a req_id ends that load as
                above (vLLM keeps its blocks until then); one without (never loaded) looks the
                producer ranks up first
@@ -268,7 +272,9 @@ class Consumer:
         share = r.shares.get(endpoint) if r is not None else None
         if share is None or not share.writing:
             return
-        r.shares[endpoint] = Share.LOADED if msg.ok else Share.STOPPED if msg.settled else Share.UNSETTLED
+        # (settled: believed while none of a sender's closed connections still holds bytes here)
+        settled = msg.settled and not self.receiver.endpoint.unsettled()
+        r.shares[endpoint] = Share.LOADED if msg.ok else Share.STOPPED if settled else Share.UNSETTLED
         if msg.ok and msg.report is not None:
             r.loaded_bytes += msg.report.nbytes
         if not msg.ok:
@@ -321,9 +327,8 @@ class Consumer:
                     r, f"{r.failure}; the producer's writes did not settle within {self.settings.quarantine_s:g} s"
                 )
                 continue
-            for endpoint in r.writers():
-                self.io.send(endpoint, Abort(r.load.remote.room, "the consumer's load deadline passed"))
-            self._end(r, f"load deadline of {self.settings.load_s:g} s passed ({r.phase.value})")
+            self._fail(r, f"load deadline of {self.settings.load_s:g} s passed ({r.phase.value})")
+            self._settle(r)
 
     def _beat(self) -> None:
         for endpoint in self.peers.silent():
@@ -332,14 +337,19 @@ class Consumer:
             self.io.drop(endpoint)
         for endpoint in self.peers.registered_endpoints():
             self.io.reply(endpoint, Heartbeat(self.epoch))
+        for r in self.loads.values():  # ask again (an Abort or its answer may be lost; one that
+            if r.phase is Phase.QUARANTINED:  # gave up on writes answers settled once they ended)
+                for endpoint in r.writers():
+                    self.io.send(endpoint, Abort(r.load.remote.room, r.failure))
 
     def _peer_lost(self, endpoint: str, reason: str) -> None:
-        """Fail the loads this producer rank still had a share of (it is gone: nothing of its
-        lands any more)."""
+        """Fail the loads this producer rank still had a share of: unsettled, since what it
+        wrote may still land (module docstring), until it answers settled (registered again)
+        or quarantine_s passes."""
         self.peers.lost(endpoint)
         self.io.drop(endpoint)
         for r in [r for r in self.loads.values() if endpoint in r.writers()]:
-            r.shares[endpoint] = Share.STOPPED
+            r.shares[endpoint] = Share.UNSETTLED
             self._fail(r, reason)
             self._settle(r)
 

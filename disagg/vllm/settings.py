@@ -15,10 +15,11 @@ command line: every value checked, one line per mistake):
     hold_s         60                producer: a room waits this long for its consumer's request
     start_s        60                producer: a rank asks the bootstrap this long at start (its
                                      TP ranks start at once; rank 0 runs it), then fails naming it
-    load_s         30                consumer: a load ends (failed) this long after it was asked
+    load_s         30                consumer: a load fails this long after it was asked
     dead_after_s   5                 a peer silent this long fails its transfers
-    quarantine_s   60                consumer: a load whose producer gave up on writes in flight
-                                     is reported failed once it says they ended, or after this
+    quarantine_s   60                consumer: a failed load whose producer may still write (it
+                                     gave up on writes in flight, went silent, or was asked to
+                                     stop) is reported once it says nothing can land, or after this
     inject_faults  ""                tests only: transfer.faults points, "send.stall=1" (as the
                                      servers' --inject-faults)
 """

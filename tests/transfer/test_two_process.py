@@ -195,6 +195,18 @@ def test_dead_peer_fails_writes_and_probe():
                 target.link.probe()
 
 
+def _linked(transport, peer: PeerProcess):
+    """(source bytes as large as the peer's first buffer, their exposure, a link to that buffer),
+    the link's session made by one write first."""
+    t = peer.target()
+    size = int(t.buffers[0].nbytes) // 64 * 64
+    src = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    exposure = transport.expose([(src.data_ptr(), size)])
+    link = transport.connect(t.offers[0], exposure)
+    link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)
+    return src, exposure, link
+
+
 def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer_is_served(eventually):
     """Mooncake leaves writes to a frozen (SIGSTOPped) peer pending for as long as it is frozen.
     Closing the link (prefill dropped the peer) ends their waits at once; the reaper keeps the
@@ -203,12 +215,8 @@ def test_closing_the_link_of_a_frozen_peer_abandons_its_writes_and_a_thawed_peer
     [transport] = create(["mooncake"], TransportSettings("127.0.0.1"))
     try:
         with PeerProcess("tiny-full", 4, 131072) as frozen:
-            t = frozen.target()
-            size = int(t.buffers[0].nbytes) // 64 * 64
-            src = torch.randint(0, 256, (size,), dtype=torch.uint8)
-            exposure = transport.expose([(src.data_ptr(), size)])
-            link = transport.connect(t.offers[0], exposure)
-            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)  # a working session first
+            src, exposure, link = _linked(transport, frozen)
+            size = src.numel()
             n = 64
             at = np.arange(n, dtype=np.int64) * (size // n)
             zero = np.zeros(n, dtype=np.int64)
@@ -245,12 +253,8 @@ def test_writes_failed_into_a_frozen_peer_stay_unsettled_until_their_bytes_lande
     [transport] = create(["mooncake"], TransportSettings("127.0.0.1"))
     try:
         with PeerProcess("tiny-full", 4, 131072) as frozen:
-            t = frozen.target()
-            size = int(t.buffers[0].nbytes) // 64 * 64
-            src = torch.randint(0, 256, (size,), dtype=torch.uint8)
-            exposure = transport.expose([(src.data_ptr(), size)])
-            link = transport.connect(t.offers[0], exposure)
-            link.write(Ranges.one(0, 0, 0, 0, 4096), timeout=30)  # a working session first
+            src, exposure, link = _linked(transport, frozen)
+            size = src.numel()
             n = 4  # one range per pooled connection: all of them stall, and fail, at once
             at = np.arange(n, dtype=np.int64) * (size // n)
             zero = np.zeros(n, dtype=np.int64)

@@ -59,6 +59,7 @@ MODELS = {
     "tiny_llama": ("float32", 32, 12, ("kv_both", "kv_both")),
 }
 LOAD_S = 20
+QUARANTINE_S = 5  # a failed load whose producer may still write is held this long at most
 
 
 class Deployment:
@@ -93,7 +94,7 @@ class Deployment:
             if self.roles[name] != "kv_consumer":
                 extra["bootstrap"] = f"tcp://127.0.0.1:{self.ports[name + '-bootstrap']}"
             if self.roles[name] != "kv_producer":
-                extra["load_s"] = LOAD_S
+                extra.update(load_s=LOAD_S, quarantine_s=QUARANTINE_S)
             cmd = vllm_server.server_command(
                 self.model,
                 self.ports[name],

@@ -25,6 +25,9 @@ import torch
 HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 LOAD_S, DEAD_S = 6.0, 1.0
+# a failed load whose producer may still write is held this long at most (a dead producer's
+# loads are: it never answers that it stopped)
+QUARANTINE_S = 3.0
 START_S = 120.0
 VLLM_TESTS = Path(os.environ.get("DISAGG_VLLM_TESTS", Path(sys.prefix) / "vllm-sdist-tests"))
 
@@ -118,7 +121,7 @@ def _spec(role: str, layout: str, seed: int, **extra) -> dict:
     if role != "kv_consumer":
         extra["bootstrap"] = f"tcp://127.0.0.1:{_free_port()}"
     if role != "kv_producer":
-        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S)
+        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S, quarantine_s=QUARANTINE_S)
     return {"role": role, "layout": layout, "seed": seed, "extra": extra}
 
 
@@ -519,7 +522,7 @@ def tp_instances(tiny_llama, tmp_path_factory):
     mid-transfer (send.stall)."""
     logs = tmp_path_factory.mktemp("tp")
     boots = {name: f"tcp://127.0.0.1:{_free_port()}" for name in ("p1", "p2", "stall", "stall2")}
-    consumer = {"load_s": LOAD_S, "dead_after_s": DEAD_S}
+    consumer = {"load_s": LOAD_S, "dead_after_s": DEAD_S, "quarantine_s": QUARANTINE_S}
     started = {}
     try:
         for name, args, extra in (  # TP-2 producers first: their rank 1 starts once rank 0 is ready
@@ -745,7 +748,7 @@ VLLM_ELEMENT = torch.int32
 def _vllm_spec(role: str, seed: int, tp: tuple[int, int], bs: int, **extra) -> dict:
     extra.update(test_tp=list(tp), test_block_size=bs)
     if role != "kv_producer":
-        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S)
+        extra.update(load_s=LOAD_S, dead_after_s=DEAD_S, quarantine_s=QUARANTINE_S)
     return {"role": role, "layout": "vllm", "seed": seed, "extra": extra}
 
 

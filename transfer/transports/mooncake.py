@@ -94,7 +94,7 @@ from transfer.errors import (
 from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
-from transfer.transports import proc_tcp
+from transfer.transports.proc_tcp import Address, listening_ports, orphans_toward, unread_after_close
 from transfer.transports.listeners import hurry_listener
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
@@ -430,7 +430,7 @@ class MooncakeTransport(Transport):
         self.engines: list = []  # the offered ones, then spares
         self._met: list[dict[str, int]] = []  # per engine: session -> the incarnation it wrote to there
         self._data_ports: set[int] = set()  # our engines' listening ports (TCP: where peers' bytes arrive)
-        self._peer_hosts: set[proc_tcp.Address] | None = set()  # hosts we linked to (None: one unresolved)
+        self._peer_hosts: set[Address] | None = set()  # hosts we linked to (None: one unresolved)
         for _ in range(engines):
             self._add(self._start())
         self.offered = engines  # engines[:offered] are offered (one session each)
@@ -457,13 +457,13 @@ class MooncakeTransport(Transport):
         from mooncake.engine import TransferEngine  # imported late: the env must be set first
 
         host, protocol = self.host, self.protocol
-        before = proc_tcp.listening_ports()
+        before = listening_ports()
         with _start_up_lines() as said:
             te = TransferEngine()
             code = te.initialize(host, "P2PHANDSHAKE", protocol, self._device_names)
         if code != 0:
             raise EngineInitError("initialize", code, detail=f"host={host} protocol={protocol}: {' | '.join(said())}")
-        self._data_ports |= proc_tcp.listening_ports() - before
+        self._data_ports |= listening_ports() - before
         return te
 
     def expose(self, regions: Sequence[tuple[int, int]]) -> MooncakeExposure:
@@ -574,8 +574,8 @@ class MooncakeTransport(Transport):
             return len(self.reaper)
         with self._lock:
             hosts = None if self._peer_hosts is None else set(self._peer_hosts)
-        leaving = proc_tcp.orphans_toward(hosts) if hosts != set() else 0
-        return len(self.reaper) + leaving + proc_tcp.unread_after_close(self._data_ports)
+        leaving = orphans_toward(hosts) if hosts != set() else 0
+        return len(self.reaper) + leaving + unread_after_close(self._data_ports)
 
     def close(self) -> None:
         """Stop the reaper, and hurry every engine's handshake listener so that destroying the
@@ -614,7 +614,7 @@ def _lanes_per_peer() -> int:
         return LANES_PER_PEER
 
 
-def _addresses(host: str) -> set[proc_tcp.Address] | None:
+def _addresses(host: str) -> set[Address] | None:
     """The addresses of `host` (an address, or a name resolved now), or None if it resolves to none."""
     try:
         return {ipaddress.ip_address(host.strip("[]"))}
