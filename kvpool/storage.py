@@ -6,6 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kvpool.host_memory import zeros as host_zeros
 from kvpool.dtypes import torch_dtype
 from kvpool.errors import LayoutMismatch
 from kvpool.geometry import Component, Segment
@@ -33,7 +34,8 @@ class Storage:
         self.num_items = num_items
         self.packed: PackedLayout = pack(segments, layout)
         # buffers[b]: uint8 [num_items, item_bytes[b]] on `device`; item 0 is the sentinel.
-        self.buffers = [torch.zeros((num_items, b), dtype=torch.uint8, device=device) for b in self.packed.item_bytes]
+        # (host memory on huge pages: kvpool/host_memory.py)
+        self.buffers = [host_zeros(num_items * b, device).view(num_items, b) for b in self.packed.item_bytes]
         self._placements = {(p.segment.layer, p.segment.part): p for p in self.packed.placements}
 
     @property

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from kvpool.geometry import Component
+from kvpool.host_memory import zeros as host_zeros
 from kvpool.indices import IndexSet
 from transfer.errors import IndexMismatch, StagingError
 from transfer.leases import SlotLease
@@ -131,7 +132,7 @@ class StagingArea:
     def __init__(self, num_slots: int, slot_bytes: int, device: str | torch.device):
         self.num_slots = num_slots
         self.slot_bytes = slot_bytes
-        self.buffer = torch.zeros(num_slots * slot_bytes, dtype=torch.uint8, device=device)
+        self.buffer = host_zeros(num_slots * slot_bytes, device)  # (host: huge pages)
         self.lease = SlotLease(num_slots)
 
     @property

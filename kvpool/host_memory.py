@@ -1,0 +1,36 @@
+"""Zeroed uint8 buffers for pools and staging areas, on host memory backed by huge pages.
+
+Why: a host buffer the transport writes into (a Mooncake TCP receive copies every byte into
+it, a cma write, the scatter out of a staging slot) crosses one TLB entry per 4 KiB page.
+torch's CPU allocator asks for no transparent huge pages unless THP_MEM_ALLOC_ENABLE is set,
+and on a kernel where THP is "madvise" (the default of most distributions) a buffer gets
+them only when advised. Measured (issue 40, 2 cores, `scripts/bench_tp.py --tp 1:1,8:1,8:2
+--tokens 1500`, each twice, alternated): with every torch host allocation on huge pages, 1:1
+took 22.2 ms in both runs (decode's CPU 9-13 ms) against 36-48 ms (22-31 ms), and 8:1 47 ms
+against 53-56 (decode's CPU 37 ms against 51).
+
+So a host buffer of at least HUGE bytes is an anonymous mapping advised MADV_HUGEPAGE before
+anything touches it, then written once, as torch.zeros writes its memory: the kernel maps a
+huge page at its first write (compacting memory for it where it must), and left to the first
+transfer that writes a staging slot, that took each of eight senders 17 ms more CPU per send.
+Smaller buffers, devices other than the CPU, and systems without madvise get torch.zeros.
+"""
+
+import mmap
+
+import torch
+
+HUGE = 2 << 20  # x86-64's transparent huge page; smaller buffers gain nothing
+
+
+def zeros(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
+    """A zeroed uint8 [nbytes] tensor on `device` (host: huge pages where it pays)."""
+    if torch.device(device).type != "cpu" or nbytes < HUGE or not hasattr(mmap, "MADV_HUGEPAGE"):
+        return torch.zeros(nbytes, dtype=torch.uint8, device=device)
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # (THP "never", or not built in: ordinary pages, still zeroed)
+        pass
+    t = torch.frombuffer(region, dtype=torch.uint8)  # (the tensor keeps `region` mapped)
+    return t.zero_()  # every page faulted in now, not by the first transfer that writes it
