@@ -272,9 +272,11 @@ class Consumer:
         share = r.shares.get(endpoint) if r is not None else None
         if share is None or not share.writing:
             return
-        # (settled: believed while none of a sender's closed connections still holds bytes here)
-        settled = msg.settled and not self.receiver.endpoint.unsettled()
-        r.shares[endpoint] = Share.LOADED if msg.ok else Share.STOPPED if settled else Share.UNSETTLED
+        if msg.ok:
+            r.shares[endpoint] = Share.LOADED
+        else:  # settled: believed while none of a sender's closed connections still holds bytes here
+            settled = msg.settled and not self.receiver.endpoint.unsettled()
+            r.shares[endpoint] = Share.STOPPED if settled else Share.UNSETTLED
         if msg.ok and msg.report is not None:
             r.loaded_bytes += msg.report.nbytes
         if not msg.ok:
