@@ -5,9 +5,9 @@ it, a cma write, the scatter out of a staging slot) crosses one TLB entry per 4 
 torch's CPU allocator asks for no transparent huge pages unless THP_MEM_ALLOC_ENABLE is set,
 and on a kernel where THP is "madvise" (the default of most distributions) a buffer gets
 them only when advised. Measured (issue 40, 2 cores, `scripts/bench_tp.py --tp 1:1,8:1,8:2
---tokens 1500`, each twice, alternated): with every torch host allocation on huge pages, 1:1
-took 22.2 ms in both runs (decode's CPU 9-13 ms) against 36-48 ms (22-31 ms), and 8:1 47 ms
-against 53-56 (decode's CPU 37 ms against 51).
+--tokens 1500`, docs/bench_tp_demo_cpu.json: session_15_2_cores_huge_pages): decode's host CPU
+per transfer went from ~46-51 ms to ~35-45 at 8:1 and from 15-31 to 10-15 at 1:1; the wall
+times stay within the run-to-run noise of this 2-core machine.
 
 So a host buffer of at least HUGE bytes is an anonymous mapping advised MADV_HUGEPAGE before
 anything touches it, then written once, as torch.zeros writes its memory: the kernel maps a
