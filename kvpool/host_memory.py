@@ -10,8 +10,8 @@ per transfer went from ~46-51 ms to ~35-45 at 8:1 and from 15-31 to 10-15 at 1:1
 times stay within the run-to-run noise of this 2-core machine.
 
 So a host buffer of at least HUGE bytes is an anonymous mapping advised MADV_HUGEPAGE before
-anything touches it, then written once, as torch.zeros writes its memory: the kernel maps a
-huge page at its first write (compacting memory for it where it must), and left to the first
+anything touches it, then written one byte a page (the kernel zeroes what it maps, as
+torch.zeros would): the kernel maps a huge page at its first write (compacting memory for it where it must), and left to the first
 transfer that writes a staging slot, that took each of eight senders 17 ms more CPU per send.
 Smaller buffers, devices other than the CPU, and systems without madvise get torch.zeros.
 """
@@ -33,4 +33,5 @@ def zeros(nbytes: int, device: str | torch.device = "cpu") -> torch.Tensor:
     except OSError:  # (THP "never", or not built in: ordinary pages, still zeroed)
         pass
     t = torch.frombuffer(region, dtype=torch.uint8)  # (the tensor keeps `region` mapped)
-    return t.zero_()  # every page faulted in now, not by the first transfer that writes it
+    t[:: mmap.PAGESIZE] = 0  # one byte a page: every page faulted in (zeroed) now, not by the
+    return t  # first transfer that writes it

@@ -94,7 +94,7 @@ from transfer.errors import (
 from transfer.flag_values import number
 from transfer.transports.base import Exposure, Link, LinkCost, Offer, PendingWrite, PreparedWrite, Transport
 from transfer.transports.kind import TransportKind, TransportSettings
-from transfer.transports.proc_tcp import Address, listening_ports, orphans_toward, unread_after_close
+from transfer.transports.proc_tcp import Address, listening_ports, orphans_toward, sockets, unread_after_close
 from transfer.transports.listeners import hurry_listener
 from transfer.transports.ranges import LaneRuns, Ranges, RunSet, check_ranges
 from transfer.transports.reaper import Reaper
@@ -574,8 +574,9 @@ class MooncakeTransport(Transport):
             return len(self.reaper)
         with self._lock:
             hosts = None if self._peer_hosts is None else set(self._peer_hosts)
-        leaving = orphans_toward(hosts) if hosts != set() else 0
-        return len(self.reaper) + leaving + unread_after_close(self._data_ports)
+        table = list(sockets())  # (the kernel's tables read once for both questions)
+        leaving = orphans_toward(hosts, table) if hosts != set() else 0
+        return len(self.reaper) + leaving + unread_after_close(self._data_ports, table)
 
     def close(self) -> None:
         """Stop the reaper, and hurry every engine's handshake listener so that destroying the

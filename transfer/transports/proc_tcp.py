@@ -20,7 +20,7 @@ only, never per write.
 import ipaddress
 import os
 import socket
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterable, Iterator
 from dataclasses import dataclass
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -87,17 +87,20 @@ def listening_ports() -> set[int]:
     return {s.local[1] for s in sockets() if s.state == LISTEN and s.inode in mine}
 
 
-def orphans_toward(hosts: Collection[Address] | None) -> int:
+def orphans_toward(hosts: Collection[Address] | None, table: Iterable[Socket] | None = None) -> int:
     """Orphaned sockets toward any of `hosts` (None: any host) that still hold bytes or a FIN
-    the peer has not acknowledged: what they carry may still land there."""
+    the peer has not acknowledged: what they carry may still land there. `table`: sockets()
+    read once for several questions (None: read now)."""
     return sum(
         1
-        for s in sockets()
+        for s in (sockets() if table is None else table)
         if s.inode == 0 and (s.tx_queue > 0 or s.state in _FIN_UNACKED) and (hosts is None or s.remote[0] in hosts)
     )
 
 
-def unread_after_close(ports: Collection[int]) -> int:
+def unread_after_close(ports: Collection[int], table: Iterable[Socket] | None = None) -> int:
     """Sockets on any of these local `ports` whose peer closed its side (CLOSE_WAIT) while
-    bytes it sent are still unread here: their reader has yet to put them where they go."""
-    return sum(1 for s in sockets() if s.state == CLOSE_WAIT and s.rx_queue > 0 and s.local[1] in ports)
+    bytes it sent are still unread here: their reader has yet to put them where they go.
+    `table` as for orphans_toward."""
+    table = sockets() if table is None else table
+    return sum(1 for s in table if s.state == CLOSE_WAIT and s.rx_queue > 0 and s.local[1] in ports)
