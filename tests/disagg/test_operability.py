@@ -6,6 +6,7 @@ started on SIGTERM, with no traceback."""
 
 import json
 import os
+import re
 import select
 import signal
 import socket
@@ -110,6 +111,8 @@ def test_debug_log_level_shows_the_transfer_engine_start_up():
     finally:
         _, err = _stop(prefill)
     assert "Local segment descriptor" in err
+    froze = re.search(r"froze (\d+) objects out of the collector's passes", err)  # (disagg.process.freeze_heap)
+    assert froze and int(froze[1]) > 10_000, err[-2000:]
 
 
 def _children(pid: int) -> list[int]:

@@ -23,6 +23,7 @@ import torch
 import zmq
 
 from disagg.control.outbox import Outbox
+from disagg.process import freeze_heap
 from harness.pair_channel import PairChannel
 from harness.wire import (
     Alloc,
@@ -390,7 +391,9 @@ def main(argv: list[str] | None = None) -> int:
     TRANSPORTS.add_flags(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
-    PeerServer(args).run()
+    server = PeerServer(args)
+    freeze_heap()  # (as the workers do: disagg.process.freeze_heap)
+    server.run()
     return 0
 
 

@@ -14,7 +14,7 @@ channels no other sender uses).
 import argparse
 import json
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -22,6 +22,7 @@ import torch
 import zmq
 
 from disagg.engine.standin import StandInEngine
+from disagg.process import freeze_heap
 from harness.pair_channel import PairChannel
 from harness.wire import Error, Link, Ok, Send, SenderCommand, SendTo, Sent, Stop
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
@@ -66,6 +67,9 @@ class SenderCore:
         self.sender = KVSender(self.endpoint)
         self.links: dict[int, tuple[RemotePool, PairChannel]] = {}
         self.ctx = zmq.Context.instance()
+        # the sends of one command run at once on threads kept for the process's life, as a
+        # prefill worker's per-peer shards are (a thread started per send cost its CPU each time)
+        self.workers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="send")
 
     def link(self, cmd: Link) -> None:
         t = cmd.target
@@ -95,36 +99,28 @@ class SenderCore:
         return IndexSet({Component(k): np.frombuffer(v, dtype=np.int32) for k, v in s.arrays.items()})
 
     def _threads(self, cmd: Send) -> Sent:
-        reports: list = [None] * len(cmd.sends)
-        errors: list[BaseException] = []
+        def one(s: SendTo):
+            peer, channel = self.links[s.key]
+            return self.sender.send(
+                peer,
+                self.pool.index_set(self.req),
+                self._dst(s),
+                RemoteSlots(s.transfer_id, s.slots, channel),
+                num_tokens=self.num_tokens,
+            )
 
-        def one(i: int, s: SendTo) -> None:
-            try:
-                peer, channel = self.links[s.key]
-                dst = self._dst(s)
-                reports[i] = self.sender.send(
-                    peer,
-                    self.pool.index_set(self.req),
-                    dst,
-                    RemoteSlots(s.transfer_id, s.slots, channel),
-                    num_tokens=self.num_tokens,
-                )
-            except BaseException as exc:  # raised below, on the command thread
-                errors.append(exc)
-
-        threads = [threading.Thread(target=one, args=(i, s)) for i, s in enumerate(cmd.sends)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-        return Sent(reports)
+        jobs = [self.workers.submit(one, s) for s in cmd.sends]
+        errors = [j.exception() for j in jobs]  # (every send ended before any is raised)
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return Sent([j.result() for j in jobs])
 
     def close(self) -> None:
         for peer, channel in self.links.values():
             peer.link.close()
             channel.socket.close(linger=0)
+        self.workers.shutdown()
         self.endpoint.close()
 
 
@@ -168,6 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.torch_threads)
     core = SenderCore(args)
+    freeze_heap()  # (as the workers do: disagg.process.freeze_heap)
     sock = zmq.Context.instance().socket(zmq.REP)
     sock.bind(args.command)
     print(json.dumps({"command": sock.getsockopt_string(zmq.LAST_ENDPOINT)}), flush=True)
