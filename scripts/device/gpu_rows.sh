@@ -18,13 +18,4 @@ timeout "${LIMIT_S:-540}" python3 scripts/bench_tp.py --device cuda --transport 
   > "$OUT/bench_tp_gpu_mps${MPS:-1}.json" 2> "$OUT/bench_tp_gpu_mps${MPS:-1}.err"
 echo "bench_tp rc=$? at $(( $(date +%s) - T0 )) s"
 [ "${MPS:-1}" = 1 ] && echo quit | nvidia-cuda-mps-control
-python3 - "$OUT/bench_tp_gpu_mps${MPS:-1}.json" <<'PY'
-import json, sys
-try:
-    j = json.load(open(sys.argv[1]))
-except ValueError:
-    sys.exit(print("no JSON"))
-for r in j["rows"]:
-    print(f"  {r['tp']:>4} {r['page_size']}:{r['decode_page_size']} {r['ms']:7.2f} ms x1:1 {r.get('x_1to1')} "
-          f"eq {r.get('ratio_to_equal_tp')} verified {r['verified']} mode {r['mode']}")
-PY
+python3 scripts/device/print_rows.py "$OUT/bench_tp_gpu_mps${MPS:-1}.json"

@@ -14,14 +14,5 @@ for value in "$@"; do
     --page-sizes "${PAGES:-16}" --repeats 5 --senders process "$flag" "$value" --json \
     > "$OUT/${name}_$value.json" 2> "$OUT/${name}_$value.err"
   echo "$flag $value rc=$? at $(( $(date +%s) - T0 )) s"
-  python3 - "$OUT/${name}_$value.json" <<'PY'
-import json, sys
-try:
-    j = json.load(open(sys.argv[1]))
-except ValueError:
-    sys.exit(print("no JSON"))
-for r in j["rows"]:
-    print(f"  {r['tp']:>4} {r['page_size']}:{r['decode_page_size']} {r['ms']:7.2f} ms x1:1 {r['x_1to1']} "
-          f"verified {r['verified']} cpu {r['host_cpu_ms_by_role']}")
-PY
+  python3 scripts/device/print_rows.py "$OUT/${name}_$value.json"
 done
