@@ -10,9 +10,9 @@ per transfer went from ~46-51 ms to ~35-45 at 8:1 and from 15-31 to 10-15 at 1:1
 times stay within the run-to-run noise of this 2-core machine.
 
 So a host buffer of at least HUGE bytes is an anonymous mapping advised MADV_HUGEPAGE before
-anything touches it, then written one byte a page (the kernel zeroes what it maps, as
-torch.zeros would): the kernel maps a huge page at its first write (compacting memory for it where it must), and left to the first
-transfer that writes a staging slot, that took each of eight senders 17 ms more CPU per send.
+anything touches it, then written one byte a page at once (the kernel maps, zeroed, a huge
+page at its first write, compacting memory for it where it must). Left to the first transfer
+that writes a staging slot, that faulting took each of eight senders 17 ms more CPU per send.
 Smaller buffers, devices other than the CPU, and systems without madvise get torch.zeros.
 """
 

@@ -68,7 +68,7 @@ class SenderCore:
         self.links: dict[int, tuple[RemotePool, PairChannel]] = {}
         self.ctx = zmq.Context.instance()
         # the sends of one command run at once on threads kept for the process's life, as a
-        # prefill worker's per-peer shards are (a thread started per send cost its CPU each time)
+        # prefill worker's per-peer shards are
         self.workers = ThreadPoolExecutor(max_workers=16, thread_name_prefix="send")
 
     def link(self, cmd: Link) -> None:

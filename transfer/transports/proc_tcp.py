@@ -102,5 +102,8 @@ def unread_after_close(ports: Collection[int], table: Iterable[Socket] | None = 
     """Sockets on any of these local `ports` whose peer closed its side (CLOSE_WAIT) while
     bytes it sent are still unread here: their reader has yet to put them where they go.
     `table` as for orphans_toward."""
-    table = sockets() if table is None else table
-    return sum(1 for s in table if s.state == CLOSE_WAIT and s.rx_queue > 0 and s.local[1] in ports)
+    return sum(
+        1
+        for s in (sockets() if table is None else table)
+        if s.state == CLOSE_WAIT and s.rx_queue > 0 and s.local[1] in ports
+    )
