@@ -21,7 +21,7 @@ class _Node:
 def test_freeze_heap_takes_what_exists_out_of_the_collector_and_still_collects_later_cycles(unfrozen):
     kept = [_Node() for _ in range(100)]
     frozen = freeze_heap()
-    assert frozen >= len(kept) and gc.get_freeze_count() == frozen
+    assert frozen >= len(kept)  # (not == get_freeze_count() later: other tests' threads may free frozen objects)
     collected = {id(o) for o in gc.get_objects()}  # (the three generations; frozen ones are in none)
     assert not any(id(k) in collected for k in kept)
 
