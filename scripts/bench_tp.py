@@ -18,6 +18,11 @@ clock the reports end at). Every decode rank then checks its KV with the stand-i
     aggregate        all bytes / the wall time of the whole exchange
     x_1to1           wall time / the 1 -> 1 row's of the same layout and page sizes (the issue
                      40 bar: <= 1.5); x_equal_pages: / the 1 -> 1 row of equal page sizes
+    ahead_ms         the same sends, each laid out before its timed start (--prepare-ahead, the
+                     default) as a prefill worker lays it out while the KV computes (plan, writes, a
+                     fan-out's table): what decode waits once the KV is final; x_1to1_ahead: / the
+                     1 -> 1 row's ahead_ms. The decode pages are overwritten with garbage before
+                     these sends and verified after them
     ratio            aggregate / the equal-TP row's (first N:N in --tp) of the same group
     sender_ms_median where the senders' time went (plan, prepare, submit, wait; the report's fields)
     host_cpu_ms      CPU time of one repeat over every process of the row (senders, decode ranks,
@@ -93,19 +98,25 @@ class ThreadRanks:
         self.peers = peers
         self.links = {(r, s): peers[s].connect(self.senders[r]) for r, s in pairs}
 
-    def send_all(self, pairs, targets, slots) -> tuple[float, dict]:
-        """Every pair's send at once; (wall clock at the start, report per pair)."""
+    def send_all(self, pairs, targets, slots, ahead: bool = False) -> tuple[float, dict]:
+        """Every pair's send at once; (wall clock at the start, report per pair). `ahead`: each
+        send laid out first (KVSender.prepare, as a worker does while the KV computes), untimed."""
         reports, errors = {}, []
+        remote = {(r, s): RemoteSlots(1 + r, slots[r, s], self.peers[s].channel) for r, s in pairs}
+        prepared = {
+            (r, s): self.senders[r].prepare(self.links[r, s], self._src(r), targets[s][1], self.tokens, False, True)
+            for r, s in (pairs if ahead else ())
+        }
 
         def one(r, s):
             try:
-                pool, req = self.prefill[r]
                 reports[r, s] = self.senders[r].send(
                     self.links[r, s],
-                    pool.index_set(req),
+                    self._src(r),
                     targets[s][1],
-                    RemoteSlots(1 + r, slots[r, s], self.peers[s].channel),
+                    remote[r, s],
                     num_tokens=self.tokens,
+                    prepared=prepared.get((r, s)),
                 )
             except Exception as exc:  # reported below
                 errors.append(exc)
@@ -119,6 +130,10 @@ class ThreadRanks:
         if errors:
             raise errors[0]
         return t0, reports
+
+    def _src(self, r: int):
+        pool, req = self.prefill[r]
+        return pool.index_set(req)
 
     def pids(self) -> list[int]:
         return []  # (the senders are threads of this process)
@@ -169,11 +184,13 @@ class ProcessRanks:
         for r, s in pairs:
             self.procs[r].link(s, peers[s].target(), peers[s].channels[1 + r])
 
-    def send_all(self, pairs, targets, slots) -> tuple[float, dict]:
+    def send_all(self, pairs, targets, slots, ahead: bool = False) -> tuple[float, dict]:
         by_rank: dict[int, list] = {}
         for r, s in pairs:
             arrays = {c.value: targets[s][1][c].astype(np.int32).tobytes() for c in targets[s][1].components()}
             by_rank.setdefault(r, []).append((s, SendTo(s, 1 + r, arrays, list(slots[r, s]))))
+        for r, sends in by_rank.items() if ahead else ():  # (untimed: a worker does it while the KV computes)
+            self.procs[r].prepare([x for _, x in sends])
         t0 = time.time()
         for r, sends in by_rank.items():
             self.procs[r].start_send([x for _, x in sends])
@@ -235,9 +252,11 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
         cpu = {k: (_cpu_s(v) - cpu0[k]) / args.repeats if cpu0[k] is not None else None for k, v in roles.items()}
         for s in range(m):
             peers[s].verify(targets[s][0], ids, ROOM)
+        row = _row(args, n, m, layout, tokens, pairs, samples)
+        if args.prepare_ahead:
+            row.update(_ahead(args, ranks, peers[:m], pairs, targets, slots, ids, tokens))
         for r, s in pairs:
             peers[s].release(1 + r)
-        row = _row(args, n, m, layout, tokens, pairs, samples)
         known = None not in cpu.values()
         row["host_cpu_ms"] = round(sum(cpu.values()) * 1e3, 1) if known else None
         row["host_cpu_ms_by_role"] = {k: round(v * 1e3, 1) for k, v in cpu.items()} if known else None
@@ -246,6 +265,27 @@ def run_pair(args, transport, peers, n: int, m: int, layout: Layout, tokens: int
         for s, (rid, _) in enumerate(targets):
             peers[s].free(rid)
         ranks.close()
+
+
+def _ahead(args, ranks, peers, pairs, targets, slots, ids, tokens: int) -> dict:
+    """The same sends, each laid out before its timed start as a prefill worker lays it out
+    while the KV computes (plan, writes, a fan-out's table): what decode waits for once the KV
+    is final. The decode ranks' pages are overwritten with garbage first, so the verify after
+    proves these sends moved every byte."""
+    for s, peer in enumerate(peers):
+        peer.fill(targets[s][0], ids, ROOM, tokens, garbage=True)
+    samples = [ranks.send_all(pairs, targets, slots, ahead=True) for _ in range(args.repeats)]
+    for s, peer in enumerate(peers):
+        peer.verify(targets[s][0], ids, ROOM)
+    if not all(rep.prepared_ahead for _, reports in samples for rep in reports.values()):
+        raise RuntimeError("a send prepared ahead did not start from what was prepared")
+    wall = statistics.median_low([max(rep.end_at for rep in reports.values()) - t0 for t0, reports in samples])
+    t0, reports = next((t0, r) for t0, r in samples if max(x.end_at for x in r.values()) - t0 == wall)
+    return {
+        "ahead_ms": round(wall * 1e3, 2),
+        "ahead_sender_ms_median": _phases([reports[p] for p in pairs]),
+        "ahead_timeline_ms": _timeline(t0, pairs, reports),
+    }
 
 
 def _cpu_s(pids: list[int]) -> float | None:
@@ -353,6 +393,14 @@ def main() -> int:
         default=0,
         help="the senders' staged chunk size, KiB (prefill's --staging-chunk-kib; 0: a whole slot)",
     )
+    ap.add_argument(
+        "--prepare-ahead",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="after the sends planned inline, the same sends each laid out before its timed start, as a "
+        "prefill worker lays them out while the KV computes (ahead_ms, x_1to1_ahead: what decode waits "
+        "once the KV is final)",
+    )
     ap.add_argument("--json", action="store_true")
     TRANSPORTS.add_flags(ap)  # each transport's own (--cuda-ipc-blocks: the senders' copy kernel)
     args = ap.parse_args()
@@ -386,7 +434,7 @@ def main() -> int:
         for layout in (Layout(x) for x in args.layouts.split(",")):
             equal_pages_ms = None
             for args.page_size, args.peer_page in groups:
-                base = one_ms = None
+                base = one_ms = one_ahead = None
                 for n, m in pairs:
                     row = run_pair(args, transport, peers, n, m, layout, args.tokens)
                     one_ms = one_ms or (row["ms"] if (n, m) == (1, 1) else None)
@@ -396,6 +444,9 @@ def main() -> int:
                     row["ratio_to_equal_tp"] = round(row["aggregate_gbps"] / base, 2) if base else None
                     row["x_1to1"] = round(row["ms"] / one_ms, 2) if one_ms else None
                     row["x_equal_pages"] = round(row["ms"] / equal_pages_ms, 2) if equal_pages_ms else None
+                    one_ahead = one_ahead or (row.get("ahead_ms") if (n, m) == (1, 1) else None)
+                    if "ahead_ms" in row:
+                        row["x_1to1_ahead"] = round(row["ahead_ms"] / one_ahead, 2) if one_ahead else None
                     rows.append(row)
                     if not args.json:
                         print(
@@ -404,7 +455,12 @@ def main() -> int:
                             f"ranges {row['ranges_per_request']:>7} {row['bytes'] / 1e6:7.1f} MB "
                             f"{row['ms']:>8.1f} ms x1:1 {row['x_1to1']} (equal pages {row['x_equal_pages']}) "
                             f"aggregate {row['aggregate_gbps']:>5.2f} GB/s per decode rank "
-                            f"{row['per_decode_rank_gbps']} host cpu {row['host_cpu_ms']} ms",
+                            f"{row['per_decode_rank_gbps']} host cpu {row['host_cpu_ms']} ms"
+                            + (
+                                f" | prepared ahead {row['ahead_ms']:.1f} ms x1:1 {row['x_1to1_ahead']}"
+                                if "ahead_ms" in row
+                                else ""
+                            ),
                             flush=True,
                         )
     finally:

@@ -122,6 +122,10 @@ def test_bench_tp_runs_each_prefill_rank_where_asked_and_verifies_every_row(send
     assert [r["tp"] for r in rows] == ["1:1", "2:1", "1:2"]
     assert all(r["verified"] and r["sender_processes"] == (senders == "process") for r in rows)
     assert rows[1]["senders"] == 2 and rows[2]["senders"] == 2 and rows[2]["x_1to1"] is not None
+    # the same sends prepared ahead (a worker's path; the bench checks each report says so and
+    # verifies pages it overwrote with garbage first)
+    assert all(r["ahead_ms"] > 0 and r["x_1to1_ahead"] is not None for r in rows)
+    assert all(r["ahead_sender_ms_median"]["transfer_ms"] > 0 for r in rows)
     # what a repeat cost the host, every process of the row together (/proc's clock ticks: a row
     # this small may read 0)
     assert all(r["host_cpu_ms"] is not None and r["host_cpu_ms"] >= 0 for r in rows)

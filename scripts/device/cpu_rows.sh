@@ -14,7 +14,7 @@ export PYTHONUNBUFFERED=1 CUDA_VISIBLE_DEVICES=""
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"; T0=$(date +%s)
 nproc; uptime
 if [ "${BENCH:-1}" = 1 ]; then
-  timeout 420 python3 scripts/bench_tp.py --tp 1:1,2:1,4:1,8:1,1:8,8:2 --tokens 1500 --page-sizes 16,64:16,16:64 \
+  timeout 560 python3 scripts/bench_tp.py --tp 1:1,2:1,4:1,8:1,1:8,8:2 --tokens 1500 --page-sizes 16,64:16,16:64 \
     --repeats 3 --senders process --scatter-workers 4 --json > "$OUT/bench_tp_cpu.json" 2> "$OUT/bench_tp_cpu.err"
   echo "bench_tp cpu rc=$? at $(( $(date +%s) - T0 )) s"
 fi

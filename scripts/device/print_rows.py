@@ -19,7 +19,9 @@ def main(path: str) -> int:
         cpu = r.get("host_cpu_ms_by_role")
         print(
             f"  {r['tp']:>4} {r['page_size']}:{r['decode_page_size']} {r['ms']:7.2f} ms x1:1 {ratio} "
-            f"verified {r['verified']} mode {r['mode']}" + (f" cpu {cpu}" if cpu else "")
+            f"verified {r['verified']} mode {r['mode']}"
+            + (f" | ahead {r['ahead_ms']:7.2f} ms x1:1 {r.get('x_1to1_ahead')}" if "ahead_ms" in r else "")
+            + (f" cpu {cpu}" if cpu else "")
         )
     return 0
 

@@ -14,7 +14,7 @@ import zmq
 
 from harness.peer_client import HARNESS_PATH
 from harness.processes import reap, spawn
-from harness.wire import Error, Link, Send, SenderReply, SendTo, Sent, Stop, Target
+from harness.wire import Error, Link, Prepare, Send, SenderReply, SendTo, Sent, Stop, Target
 from transfer.errors import TransferError
 
 
@@ -98,6 +98,11 @@ class SenderProcess:
         """Connect to a receiver, over its chunk channel `chunks` (one no other sender uses)."""
         self.sock.send(self._enc.encode(Link(key, target, chunks)))
         self._reply(60.0)
+
+    def prepare(self, sends: list[SendTo]) -> None:
+        """Lay the sends out ahead (Prepare): the next start_send of the same sends uses it."""
+        self.sock.send(self._enc.encode(Prepare(sends)))
+        self._reply(120.0)
 
     def start_send(self, sends: list[SendTo]) -> None:
         """Start the sends (all at once there); finish_send() waits for their reports."""

@@ -24,15 +24,15 @@ import zmq
 from disagg.engine.standin import StandInEngine
 from disagg.process import freeze_heap
 from harness.pair_channel import PairChannel
-from harness.wire import Error, Link, Ok, Send, SenderCommand, SendTo, Sent, Stop
+from harness.wire import Error, Link, Ok, Prepare, Send, SenderCommand, SendTo, Sent, Stop
 from kvpool import HybridPool, Layout, PoolConfig, get_preset
 from kvpool.geometry import Component
 from kvpool.indices import IndexSet
 from transfer.config import Mode, TransferConfig
 from transfer.endpoint import PoolEndpoint
 from transfer.errors import DisaggError
-from transfer.fanout import FanOut, FanOutSend
-from transfer.sender import KVSender, RemotePool
+from transfer.fanout import FanOut, FanOutSend, PreparedFan
+from transfer.sender import KVSender, PreparedSend, RemotePool
 from transfer.staging import RemoteSlots
 from transfer.transports import TRANSPORTS, TransportSettings, create
 
@@ -66,6 +66,8 @@ class SenderCore:
         self.endpoint = PoolEndpoint(self.transport, self.pool, config)
         self.sender = KVSender(self.endpoint)
         self.links: dict[int, tuple[RemotePool, PairChannel]] = {}
+        self.prepared: dict[int, PreparedSend] = {}  # by link key: laid out by Prepare, for the next Send
+        self.prepared_fan: PreparedFan | None = None
         self.ctx = zmq.Context.instance()
         # the sends of one command run at once on threads kept for the process's life, as a
         # prefill worker's per-peer shards are
@@ -78,16 +80,33 @@ class SenderCore:
         channel.socket.connect(cmd.chunks)
         self.links[cmd.key] = (peer, channel)
 
-    def send(self, cmd: Send) -> Sent:
-        """Every SendTo at once: as one fan-out where the links allow (transfer.fanout: one
-        plan, one write), else a thread each; the first failure is raised once all ended."""
-        fan = [
+    def _fan(self, cmd: Send | Prepare) -> list[FanOutSend]:
+        return [
             FanOutSend(self.links[s.key][0], self._dst(s), RemoteSlots(s.transfer_id, s.slots, self.links[s.key][1]))
             for s in cmd.sends
             if s.key in self.links
         ]
+
+    def prepare(self, cmd: Prepare) -> None:
+        """The sends of the next Send laid out now, as a prefill worker does while the KV computes
+        (disagg/prefill/jobs.py): as one fan-out where the links allow, else each on its own."""
+        fan, src = self._fan(cmd), self.pool.index_set(self.req)
         if len(fan) == len(cmd.sends) and FanOut.fits(fan):
-            results = FanOut(self.sender).send(self.pool.index_set(self.req), fan, num_tokens=self.num_tokens)
+            self.prepared_fan = FanOut(self.sender).prepare(src, fan, self.num_tokens)
+            return
+        for f, s in zip(fan, cmd.sends):
+            stage = KVSender.can_stage(f.peer, f.remote)
+            self.prepared[s.key] = self.sender.prepare(f.peer, src, f.dst, self.num_tokens, False, stage)
+
+    def send(self, cmd: Send) -> Sent:
+        """Every SendTo at once: as one fan-out where the links allow (transfer.fanout: one
+        plan, one write), else a thread each; the first failure is raised once all ended. A
+        send laid out by Prepare starts from it where it fits (else it is planned here)."""
+        fan = self._fan(cmd)
+        if len(fan) == len(cmd.sends) and FanOut.fits(fan):
+            prepared, self.prepared_fan = self.prepared_fan, None
+            src = self.pool.index_set(self.req)
+            results = FanOut(self.sender).send(src, fan, num_tokens=self.num_tokens, prepared=prepared)
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
@@ -107,6 +126,7 @@ class SenderCore:
                 self._dst(s),
                 RemoteSlots(s.transfer_id, s.slots, channel),
                 num_tokens=self.num_tokens,
+                prepared=self.prepared.pop(s.key, None),
             )
 
         jobs = [self.workers.submit(one, s) for s in cmd.sends]
@@ -137,7 +157,13 @@ def serve(core: SenderCore, sock: zmq.Socket) -> None:
             sock.send(encoder.encode(Ok()))
             return
         try:
-            reply = core.send(cmd) if isinstance(cmd, Send) else (core.link(cmd), Ok())[1]
+            match cmd:
+                case Send():
+                    reply = core.send(cmd)
+                case Prepare():
+                    reply = (core.prepare(cmd), Ok())[1]
+                case _:
+                    reply = (core.link(cmd), Ok())[1]
         except (DisaggError, KeyError, ValueError) as exc:
             reply = Error(f"{type(exc).__name__}: {exc}")
         sock.send(encoder.encode(reply))

@@ -153,6 +153,14 @@ class SendTo(msgspec.Struct, frozen=True):
     slots: list[int]  # its staging slots leased to this transfer
 
 
+class Prepare(msgspec.Struct, tag=True, frozen=True):
+    """Lay out the sends to these receivers as a prefill worker does while the KV computes
+    (KVSender.prepare, FanOut.prepare): nothing moves; the next Send of the same receivers
+    and indices starts from it (its reports say prepared_ahead)."""
+
+    sends: list[SendTo]
+
+
 class Send(msgspec.Struct, tag=True, frozen=True):
     """Send the prefilled request to every receiver named, all at once (a thread each)."""
 
@@ -163,5 +171,5 @@ class Sent(msgspec.Struct, tag=True, frozen=True):
     reports: list[TransferReport]  # one per SendTo, in order
 
 
-SenderCommand = Link | Send | Stop
+SenderCommand = Link | Prepare | Send | Stop
 SenderReply = Sent | Ok | Error

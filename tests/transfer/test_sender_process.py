@@ -25,7 +25,10 @@ PRESET, ROOM, TOKENS = "tiny-swa", 11, 300
     ["mooncake", pytest.param("cuda-ipc", marks=pytest.mark.gpu)],
 )
 @pytest.mark.parametrize("mode,pages", [("staged", (8, 4)), ("direct", (4, 4))])
-def test_each_prefill_rank_sends_from_a_process_of_its_own(kind, mode, pages):
+@pytest.mark.parametrize("ahead", [False, True], ids=["planned-inline", "prepared-ahead"])
+def test_each_prefill_rank_sends_from_a_process_of_its_own(kind, mode, pages, ahead):
+    """ahead: each send laid out first (Prepare, as a worker does while the KV computes); the
+    Send then starts from it, and its report says so."""
     device = "cuda" if kind == "cuda-ipc" else "cpu"
     ids = np.random.default_rng(TOKENS).integers(0, 50000, TOKENS)  # what each sender process prefilled
     ranks = senders_of(get_preset(PRESET), 2, Shard(pages[1], 1, 0), components(get_preset(PRESET)))
@@ -46,12 +49,15 @@ def test_each_prefill_rank_sends_from_a_process_of_its_own(kind, mode, pages):
             for r, p in zip(ranks, procs):
                 p.link(0, peer.target(), peer.channels[1 + r])
                 slots = peer.expect(1 + r, rid, want_slots=2, sender=(pages[0], 2, r))
+                if ahead:
+                    p.prepare([SendTo(0, 1 + r, arrays, slots)])
                 p.start_send([SendTo(0, 1 + r, arrays, slots)])
             reports = [p.finish_send().reports[0] for p in procs]
         finally:
             for p in procs:
                 p.close()
         assert {Mode(r.mode).value for r in reports} == {mode} and all(r.nbytes > 0 for r in reports), reports
+        assert all(r.prepared_ahead == ahead for r in reports), reports
         peer.verify(rid, ids, ROOM)
         for r in ranks:
             peer.release(1 + r)
@@ -82,9 +88,11 @@ def test_one_prefill_rank_fans_out_into_every_decode_rank_at_once(kind):
         for s, (peer, (rid, arrays)) in enumerate(zip(peers, targets)):
             proc.link(s, peer.target(), peer.channels[1])
             sends.append(SendTo(s, 1, arrays, peer.expect(1, rid, want_slots=2, sender=(pages, 1, 0))))
+        proc.prepare(sends)  # (laid out ahead, as a worker does while the KV computes)
         proc.start_send(sends)
         reports = proc.finish_send().reports
         assert len(reports) == m and all(Mode(r.mode) is Mode.DIRECT and r.nbytes > 0 for r in reports), reports
+        assert all(r.prepared_ahead for r in reports), reports
         if kind == "cuda-ipc":
             assert len({r.first_write_at for r in reports}) == 1, "one launch for every receiver"
         for peer, (rid, _) in zip(peers, targets):
