@@ -104,7 +104,14 @@ class ThreadRanks:
         reports, errors = {}, []
         remote = {(r, s): RemoteSlots(1 + r, slots[r, s], self.peers[s].channel) for r, s in pairs}
         prepared = {
-            (r, s): self.senders[r].prepare(self.links[r, s], self._src(r), targets[s][1], self.tokens, False, True)
+            (r, s): self.senders[r].prepare(
+                self.links[r, s],
+                self._src(r),
+                targets[s][1],
+                self.tokens,
+                False,
+                KVSender.can_stage(self.links[r, s], remote[r, s]),
+            )
             for r, s in (pairs if ahead else ())
         }
 
@@ -279,8 +286,7 @@ def _ahead(args, ranks, peers, pairs, targets, slots, ids, tokens: int) -> dict:
         peer.verify(targets[s][0], ids, ROOM)
     if not all(rep.prepared_ahead for _, reports in samples for rep in reports.values()):
         raise RuntimeError("a send prepared ahead did not start from what was prepared")
-    wall = statistics.median_low([max(rep.end_at for rep in reports.values()) - t0 for t0, reports in samples])
-    t0, reports = next((t0, r) for t0, r in samples if max(x.end_at for x in r.values()) - t0 == wall)
+    wall, t0, reports = _median(samples)
     return {
         "ahead_ms": round(wall * 1e3, 2),
         "ahead_sender_ms_median": _phases([reports[p] for p in pairs]),
@@ -307,9 +313,7 @@ def _cpu_s(pids: list[int]) -> float | None:
 def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> dict:
     """The row of the median-wall repeat: per decode rank bytes / time until its last sender
     ended, aggregate bytes / wall, where the senders' time went."""
-    walls = [max(rep.end_at for rep in reports.values()) - t0 for t0, reports in samples]
-    wall = statistics.median_low(walls)
-    t0, reports = samples[walls.index(wall)]
+    wall, t0, reports = _median(samples)
     by_rank = [sum(reports[p].nbytes for p in pairs if p[1] == s) for s in range(m)]
     rank_gbps = [by_rank[s] / (max(reports[p].end_at for p in pairs if p[1] == s) - t0) / 1e9 for s in range(m)]
     return {
@@ -330,6 +334,13 @@ def _row(args, n: int, m: int, layout: Layout, tokens: int, pairs, samples) -> d
         "sender_ms_median": _phases([reports[p] for p in pairs]),
         "timeline_ms": _timeline(t0, pairs, reports),
     }
+
+
+def _median(samples) -> tuple[float, float, dict]:
+    """The median-wall repeat of `samples` ((t0, report per pair) each): (wall, t0, reports)."""
+    walls = [max(rep.end_at for rep in reports.values()) - t0 for t0, reports in samples]
+    wall = statistics.median_low(walls)
+    return (wall, *samples[walls.index(wall)])
 
 
 def _timeline(t0: float, pairs, reports) -> list[list]:
