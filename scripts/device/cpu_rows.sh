@@ -7,6 +7,8 @@
 # bench_tp's host_cpu_ms beside each row's ms says whether the host's cores were the bound.
 #   [BENCH=0] bash scripts/device/cpu_rows.sh [ROUNDS]   (after scripts/device/carry.sh here; writes $OUT)
 #   ROUNDS 0: bench_tp alone; BENCH=0: the demo rounds alone (each fits one call of the device tool)
+#   ROWS="1:1:16:16 8:1:16:16 ...": the demo rows to run (N:M:prefill pages:decode pages; default all
+#   ten, ~450 s a round there); keep each page group's 1:1 first in a call of its own rows
 # bench_tp (a process per prefill rank, every row beside its 1:1), then the demo rows, each round
 # running 1:1 first so every N:M has a 1:1 of its own round to be divided by.
 source scripts/device/setup.sh >/dev/null 2>&1 || { echo SETUP FAILED; exit 3; }
@@ -19,7 +21,7 @@ if [ "${BENCH:-1}" = 1 ]; then
   echo "bench_tp cpu rc=$? at $(( $(date +%s) - T0 )) s"
 fi
 # each page group's own 1:1 first (mixed pages go gathered at 1:1): the base its rows are divided by
-rows="1:1:16:16 2:1:16:16 4:1:16:16 8:1:16:16 1:8:16:16 8:2:16:16 1:1:64:16 8:1:64:16 1:1:16:64 1:8:16:64"
+rows=${ROWS:-"1:1:16:16 2:1:16:16 4:1:16:16 8:1:16:16 1:8:16:16 8:2:16:16 1:1:64:16 8:1:64:16 1:1:16:64 1:8:16:64"}
 for round in $(seq 1 "${1:-2}"); do
   for row in $rows; do
     IFS=: read -r n m p q <<< "$row"
